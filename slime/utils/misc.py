@@ -1,0 +1,42 @@
+"""Small shared helpers: loading user hooks by dotted path, free ports, seeding."""
+
+from __future__ import annotations
+
+import importlib
+import random
+import socket
+
+
+def load_function(path: str, flag: str = "a hook path"):
+    """Import `module.attr` (or `module:attr`) and return the attribute.
+
+    `flag` names the CLI flag the path came from, so a typo gives an error the user can act on.
+    """
+    if not isinstance(path, str) or not path:
+        raise ValueError(f"{flag}: expected a dotted path like 'my_pkg.my_module.my_fn', got {path!r}")
+    module_name, sep, attr = path.replace(":", ".").rpartition(".")
+    if not sep:
+        raise ValueError(f"{flag}: {path!r} is not a dotted path like 'my_pkg.my_module.my_fn'")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ValueError(f"{flag}: cannot import module {module_name!r} from {path!r}: {exc}") from exc
+    try:
+        return getattr(module, attr)
+    except AttributeError:
+        raise ValueError(f"{flag}: module {module_name!r} has no attribute {attr!r}") from None
+
+
+def find_free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+def seed_everything(seed: int) -> None:
+    import numpy as np
+    import torch
+
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)

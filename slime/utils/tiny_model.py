@@ -1,0 +1,115 @@
+"""Build tiny Hugging Face checkpoints offline: a byte-level BPE tokenizer with a chat template and a small
+random-init Qwen2 / Qwen3 / Llama model saved as safetensors.
+
+Used by the quickstart and by tests; nothing here downloads anything. Not a model zoo: sizes are for CPU runs.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+
+DEFAULT_CORPUS = [
+    "What is 12 + 7? Answer: \\boxed{19}",
+    "Compute 3 * 4 - 5. The answer is \\boxed{7}",
+    "The quick brown fox jumps over the lazy dog.",
+    "0 1 2 3 4 5 6 7 8 9 + - * / = ( ) { } \\boxed",
+    "user assistant system: Please reason step by step, and put your final answer within \\boxed{}.",
+]
+
+
+def build_tokenizer(out_dir: str | Path, corpus: list[str] | None = None, vocab_size: int = 512):
+    """Train a byte-level BPE tokenizer on `corpus` and save it as a PreTrainedTokenizerFast with a chat template."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    corpus = list(corpus or DEFAULT_CORPUS)
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tokenizer.train_from_iterator(corpus, trainer=trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        bos_token=None,
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    fast.save_pretrained(out_dir)
+    return fast
+
+
+def tiny_config(arch: str = "qwen3", vocab_size: int = 512, **overrides):
+    """A small transformers config of the given architecture (qwen2, qwen3, llama)."""
+    from transformers import LlamaConfig, Qwen2Config, Qwen3Config
+
+    common = dict(
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=True,
+        bos_token_id=None,
+        eos_token_id=2,
+        pad_token_id=0,
+    )
+    common.update(overrides)
+    if arch == "qwen3":
+        common.setdefault("head_dim", common["hidden_size"] // common["num_attention_heads"])
+        return Qwen3Config(**common)
+    if arch == "qwen2":
+        return Qwen2Config(**common)
+    if arch == "llama":
+        common.setdefault("head_dim", common["hidden_size"] // common["num_attention_heads"])
+        return LlamaConfig(**common)
+    raise ValueError(f"unknown tiny architecture {arch!r}; choose qwen2, qwen3 or llama")
+
+
+def build_tiny_model(
+    out_dir: str | Path,
+    arch: str = "qwen3",
+    corpus: list[str] | None = None,
+    vocab_size: int = 512,
+    seed: int = 0,
+    max_shard_size: str | None = None,
+    **config_overrides,
+) -> Path:
+    """Write a tokenizer plus a random-init model of `arch` to `out_dir` (safetensors) and return the path."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    out_dir = Path(out_dir)
+    tokenizer = build_tokenizer(out_dir, corpus, vocab_size=vocab_size)
+    config = tiny_config(
+        arch,
+        vocab_size=len(tokenizer),
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        **config_overrides,
+    )
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
+    model.save_pretrained(out_dir, safe_serialization=True, **kwargs)
+    generation_config = {"eos_token_id": tokenizer.eos_token_id, "pad_token_id": tokenizer.pad_token_id}
+    (out_dir / "generation_config.json").write_text(json.dumps(generation_config))
+    return out_dir
