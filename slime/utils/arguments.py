@@ -1,0 +1,316 @@
+"""slime's command line: every flag, one small function per group, with slime's names and defaults.
+
+Parsing only; the rules that tie flags together and the derived fields live in `validate_args.py`, so there is
+one place to read them. `parse_args(argv)` returns the validated namespace that every piece of slime reads.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from slime.utils.validate_args import ArgumentError, validate_args
+
+# --sglang-* flags that mean something to the built-in engine, mapped to its Config fields.
+SGLANG_FLAG_TO_ENGINE_CONFIG = {
+    "sglang_mem_fraction_static": ("gpu_memory_utilization", float),
+    "sglang_context_length": ("max_model_len", int),
+    "sglang_max_running_requests": ("max_num_seqs", int),
+    "sglang_chunked_prefill_size": ("max_num_batched_tokens", int),
+    "sglang_max_prefill_tokens": ("max_num_batched_tokens", int),
+    "sglang_page_size": ("kvcache_block_size", int),
+    "sglang_disable_cuda_graph": ("enforce_eager", bool),
+    "sglang_dtype": ("dtype", str),
+    "sglang_num_kvcache_blocks": ("num_kvcache_blocks", int),
+}
+# Model-shape flags of slime's scripts/models/*.sh, checked against the HF config.
+MODEL_FLAGS = {
+    "num_layers": int,
+    "hidden_size": int,
+    "ffn_hidden_size": int,
+    "num_attention_heads": int,
+    "num_query_groups": int,
+    "kv_channels": int,
+    "vocab_size": int,
+    "rotary_base": float,
+    "norm_epsilon": float,
+    "seq_length": int,
+    "max_position_embeddings": int,
+}
+MODEL_SWITCHES = [
+    "group_query_attention",
+    "untie_embeddings_and_output_weights",
+    "disable_bias_linear",
+    "add_qkv_bias",
+    "qk_layernorm",
+    "swiglu",
+    "use_rotary_position_embeddings",
+]
+
+
+def _str2bool(value: str) -> bool:
+    lowered = str(value).lower()
+    if lowered in ("1", "true", "yes", "on"):
+        return True
+    if lowered in ("0", "false", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true/false, got {value!r}")
+
+
+def add_cluster_arguments(parser):
+    g = parser.add_argument_group("cluster")
+    g.add_argument("--actor-num-nodes", type=int, default=1)
+    g.add_argument("--actor-num-gpus-per-node", type=int, default=1,
+                   help="trainer processes per node (GPUs; CPU processes when there is no GPU)")
+    g.add_argument("--rollout-num-gpus", type=int, default=None)
+    g.add_argument("--rollout-num-gpus-per-engine", type=int, default=1)
+    g.add_argument("--num-gpus-per-node", type=int, default=8)
+    g.add_argument("--colocate", action="store_true")
+    g.add_argument("--offload", action="store_true")
+    g.add_argument("--offload-train", action=argparse.BooleanOptionalAction, default=None)
+    g.add_argument("--offload-rollout", action=argparse.BooleanOptionalAction, default=None)
+    g.add_argument("--ray-address", default=None, help="join this Ray cluster instead of starting a local one")
+    g.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    g.add_argument("--train-backend", choices=["fsdp"], default="fsdp")
+    g.add_argument("--rollout-backend", choices=["slime", "sglang"], default="slime",
+                   help="slime = the built-in engine; sglang = real SGLang servers (must be installed)")
+
+
+def add_model_arguments(parser):
+    g = parser.add_argument_group("model")
+    g.add_argument("--hf-checkpoint", required=False, default=None)
+    g.add_argument("--ref-load", default=None)
+    g.add_argument("--load", default=None)
+    g.add_argument("--save", default=None)
+    g.add_argument("--save-interval", type=int, default=None)
+    g.add_argument("--no-save-optim", action="store_true")
+    g.add_argument("--recompute-activations", action="store_true")
+    g.add_argument("--log-probs-chunk-size", type=int, default=1024)
+    for name, kind in MODEL_FLAGS.items():
+        g.add_argument("--" + name.replace("_", "-"), type=kind, default=None)
+    for name in MODEL_SWITCHES:
+        g.add_argument("--" + name.replace("_", "-"), action="store_true", default=None)
+    g.add_argument("--normalization", default=None)
+    g.add_argument("--position-embedding-type", default=None)
+    g.add_argument("--rotary-percent", type=float, default=None)
+
+
+def add_data_arguments(parser):
+    g = parser.add_argument_group("data")
+    g.add_argument("--prompt-data", default=None)
+    g.add_argument("--input-key", default="input")
+    g.add_argument("--label-key", default=None)
+    g.add_argument("--metadata-key", default="metadata")
+    g.add_argument("--tool-key", default="tools")
+    g.add_argument("--apply-chat-template", action="store_true")
+    g.add_argument("--rollout-shuffle", action="store_true")
+    g.add_argument("--rollout-seed", type=int, default=42)
+    g.add_argument("--num-rollout", type=int, default=None)
+    g.add_argument("--num-epoch", type=int, default=None)
+    g.add_argument("--start-rollout-id", type=int, default=None)
+    g.add_argument("--data-source-path", default="slime.rollout.data_source.RolloutDataSourceWithBuffer")
+
+
+def add_rollout_arguments(parser):
+    g = parser.add_argument_group("rollout")
+    g.add_argument("--rollout-function-path", default="slime.rollout.sglang_rollout.generate_rollout")
+    g.add_argument("--rollout-batch-size", type=int, default=None)
+    g.add_argument("--n-samples-per-prompt", type=int, default=1)
+    g.add_argument("--rollout-temperature", type=float, default=1.0)
+    g.add_argument("--rollout-top-p", type=float, default=1.0)
+    g.add_argument("--rollout-top-k", type=int, default=-1)
+    g.add_argument("--rollout-max-response-len", type=int, default=1024)
+    g.add_argument("--rollout-max-prompt-len", type=int, default=None)
+    g.add_argument("--rollout-max-context-len", type=int, default=None)
+    g.add_argument("--rollout-stop", nargs="*", default=None)
+    g.add_argument("--rollout-stop-token-ids", nargs="*", type=int, default=None)
+    g.add_argument("--rollout-skip-special-tokens", action="store_true")
+    g.add_argument("--custom-generate-function-path", default=None)
+    g.add_argument("--over-sampling-batch-size", type=int, default=None)
+    g.add_argument("--dynamic-sampling-filter-path", default=None)
+    g.add_argument("--buffer-filter-path", default=None)
+    g.add_argument("--partial-rollout", action="store_true")
+    g.add_argument("--mask-offpolicy-in-partial-rollout", action="store_true")
+    g.add_argument("--rollout-data-postprocess-path", default=None)
+    g.add_argument("--sglang-router-ip", default=None)
+    g.add_argument("--sglang-router-port", type=int, default=None)
+    g.add_argument("--sglang-server-concurrency", type=int, default=512)
+    g.add_argument("--router-policy", default="cache_aware")
+    g.add_argument("--update-weight-buffer-size", type=int, default=512 * 1024**2)
+    g.add_argument("--update-weights-interval", type=int, default=1)
+    g.add_argument("--keep-old-actor", action="store_true")
+
+
+def add_reward_arguments(parser):
+    g = parser.add_argument_group("reward")
+    g.add_argument("--rm-type", default=None)
+    g.add_argument("--rm-url", default=None)
+    g.add_argument("--custom-rm-path", default=None)
+    g.add_argument("--reward-key", default=None)
+    g.add_argument("--eval-reward-key", default=None)
+    g.add_argument("--group-rm", action="store_true")
+    g.add_argument("--reward-timeout", type=float, default=30.0,
+                   help="seconds a reward function may take before the sample gets the failure reward")
+
+
+def add_training_arguments(parser):
+    g = parser.add_argument_group("training")
+    g.add_argument("--global-batch-size", type=int, default=None)
+    g.add_argument("--num-steps-per-rollout", type=int, default=None)
+    g.add_argument("--micro-batch-size", type=int, default=1)
+    g.add_argument("--use-dynamic-batch-size", action="store_true")
+    g.add_argument("--max-tokens-per-gpu", type=int, default=None)
+    g.add_argument("--lr", type=float, default=1e-6)
+    g.add_argument("--min-lr", type=float, default=0.0)
+    g.add_argument("--lr-warmup-iters", type=int, default=0)
+    g.add_argument("--lr-decay-style", choices=["constant", "linear", "cosine"], default="constant")
+    g.add_argument("--weight-decay", type=float, default=0.0)
+    g.add_argument("--adam-beta1", type=float, default=0.9)
+    g.add_argument("--adam-beta2", type=float, default=0.98)
+    g.add_argument("--adam-eps", type=float, default=1e-8)
+    g.add_argument("--clip-grad", type=float, default=1.0)
+    g.add_argument("--seed", type=int, default=1234)
+    g.add_argument("--custom-init-path", "--custom-megatron-init-path", dest="custom_init_path", default=None)
+    g.add_argument("--custom-before-log-prob-hook-path", "--custom-megatron-before-log-prob-hook-path",
+                   dest="custom_before_log_prob_hook_path", default=None)
+    g.add_argument("--custom-before-train-step-hook-path", "--custom-megatron-before-train-step-hook-path",
+                   dest="custom_before_train_step_hook_path", default=None)
+
+
+def add_algorithm_arguments(parser):
+    g = parser.add_argument_group("algorithm")
+    g.add_argument("--advantage-estimator", default="grpo",
+                   choices=["grpo", "gspo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "ppo", "rloo"])
+    g.add_argument("--loss-type", choices=["policy_loss", "sft_loss", "custom_loss"], default="policy_loss")
+    g.add_argument("--custom-loss-function-path", default=None)
+    g.add_argument("--custom-advantage-function-path", default=None)
+    g.add_argument("--eps-clip", type=float, default=0.2)
+    g.add_argument("--eps-clip-high", type=float, default=None)
+    g.add_argument("--eps-clip-c", type=float, default=None)
+    g.add_argument("--value-clip", type=float, default=0.2)
+    g.add_argument("--kl-coef", type=float, default=0.0)
+    g.add_argument("--use-kl-loss", action="store_true")
+    g.add_argument("--kl-loss-coef", type=float, default=0.0)
+    g.add_argument("--kl-loss-type", choices=["k1", "k2", "k3", "low_var_kl"], default="k1")
+    g.add_argument("--use-unbiased-kl", action="store_true")
+    g.add_argument("--ref-update-interval", type=int, default=None)
+    g.add_argument("--entropy-coef", type=float, default=0.0)
+    g.add_argument("--gamma", type=float, default=1.0)
+    g.add_argument("--lambd", type=float, default=1.0)
+    g.add_argument("--normalize-advantages", action="store_true")
+    g.add_argument("--disable-grpo-std-normalization", action="store_false", dest="grpo_std_normalization")
+    g.add_argument("--disable-rewards-normalization", action="store_false", dest="rewards_normalization")
+    g.add_argument("--calculate-per-token-loss", action="store_true")
+    g.add_argument("--use-rollout-logprobs", action="store_true")
+    g.add_argument("--use-tis", action="store_true")
+    g.add_argument("--tis-clip", type=float, default=2.0)
+    g.add_argument("--tis-clip-low", type=float, default=0.0)
+    g.add_argument("--get-mismatch-metrics", action="store_true")
+    g.add_argument("--num-critic-only-steps", type=int, default=0)
+    g.add_argument("--use-opd", action="store_true")
+    g.add_argument("--opd-kl-coef", type=float, default=1.0)
+    g.add_argument("--opd-teacher-load", default=None)
+
+
+def add_eval_arguments(parser):
+    g = parser.add_argument_group("eval")
+    g.add_argument("--eval-prompt-data", nargs="+", default=None, metavar="NAME PATH")
+    g.add_argument("--eval-interval", type=int, default=None)
+    g.add_argument("--eval-function-path", default=None)
+    g.add_argument("--n-samples-per-eval-prompt", type=int, default=1)
+    g.add_argument("--eval-temperature", type=float, default=None)
+    g.add_argument("--eval-top-p", type=float, default=None)
+    g.add_argument("--eval-top-k", type=int, default=None)
+    g.add_argument("--eval-max-response-len", type=int, default=None)
+    g.add_argument("--eval-input-key", default=None)
+    g.add_argument("--eval-label-key", default=None)
+    g.add_argument("--skip-eval-before-train", action="store_true")
+
+
+def add_logging_arguments(parser):
+    g = parser.add_argument_group("logging")
+    g.add_argument("--output-dir", default=None, help="run folder (default: a fresh folder under ./runs/)")
+    g.add_argument("--use-tensorboard", action="store_true")
+    g.add_argument("--use-wandb", action="store_true")
+    g.add_argument("--wandb-project", default=None)
+    g.add_argument("--wandb-group", default=None)
+    g.add_argument("--no-progress", action="store_true", help="hide progress bars")
+
+
+def add_debug_arguments(parser):
+    g = parser.add_argument_group("debug")
+    g.add_argument("--debug-rollout-only", action="store_true")
+    g.add_argument("--debug-train-only", action="store_true")
+    g.add_argument("--save-debug-rollout-data", default=None)
+    g.add_argument("--load-debug-rollout-data", default=None)
+    g.add_argument("--check-weight-update-equal", action="store_true")
+
+
+ARGUMENT_GROUPS = [
+    add_cluster_arguments,
+    add_model_arguments,
+    add_data_arguments,
+    add_rollout_arguments,
+    add_reward_arguments,
+    add_training_arguments,
+    add_algorithm_arguments,
+    add_eval_arguments,
+    add_logging_arguments,
+    add_debug_arguments,
+]
+
+
+def build_parser(add_custom_arguments=None) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="train.py", description="slime: RL post-training for LLMs", allow_abbrev=False
+    )
+    for add_group in ARGUMENT_GROUPS:
+        add_group(parser)
+    if add_custom_arguments is not None:
+        add_custom_arguments(parser)
+    return parser
+
+
+def _parse_sglang_flags(unknown: list[str]) -> tuple[dict, list[str]]:
+    """Split `--sglang-*` flags off the unparsed ones and map them onto engine Config fields."""
+    engine_config, leftover = {}, []
+    i = 0
+    while i < len(unknown):
+        token = unknown[i]
+        if not token.startswith("--sglang-"):
+            leftover.append(token)
+            i += 1
+            continue
+        flag, _, inline_value = token.partition("=")
+        dest = flag[2:].replace("-", "_")
+        if dest not in SGLANG_FLAG_TO_ENGINE_CONFIG:
+            known = ", ".join("--" + k.replace("_", "-") for k in SGLANG_FLAG_TO_ENGINE_CONFIG)
+            raise ArgumentError(f"{flag} has no meaning for the built-in engine; supported --sglang-* flags: {known}")
+        field, kind = SGLANG_FLAG_TO_ENGINE_CONFIG[dest]
+        if kind is bool and not inline_value:
+            engine_config[field] = True
+            i += 1
+            continue
+        value = inline_value
+        if not value:
+            if i + 1 >= len(unknown):
+                raise ArgumentError(f"{flag} needs a value")
+            value = unknown[i + 1]
+            i += 1
+        try:
+            engine_config[field] = _str2bool(value) if kind is bool else kind(value)
+        except (ValueError, argparse.ArgumentTypeError):
+            raise ArgumentError(f"{flag}: expected {kind.__name__}, got {value!r}") from None
+        i += 1
+    return engine_config, leftover
+
+
+def parse_args(argv: list[str] | None = None, add_custom_arguments=None) -> argparse.Namespace:
+    """Parse and validate; raises ArgumentError (a ValueError) naming the flag on any mistake."""
+    parser = build_parser(add_custom_arguments)
+    args, unknown = parser.parse_known_args(argv)
+    engine_config, leftover = _parse_sglang_flags(unknown)
+    if leftover:
+        raise ArgumentError(f"unknown argument(s): {' '.join(leftover)} (see `python train.py --help`)")
+    args.engine_config = engine_config
+    validate_args(args)
+    return args

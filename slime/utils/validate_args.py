@@ -1,0 +1,202 @@
+"""Every rule that ties slime's flags together, and the fields derived from them, in one place.
+
+Each rule raises `ArgumentError` (a ValueError) that names the flag and says how to fix it. Derived fields:
+device, world_size, rollout_num_engines, use_critic, eps_clip_high, global_batch_size / num_steps_per_rollout,
+over_sampling_batch_size, offload_train / offload_rollout, output_dir, eval_datasets.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+
+class ArgumentError(ValueError):
+    """A bad flag or flag combination."""
+
+
+# slime model flag -> (HF config attribute, how to compare)
+MODEL_FLAG_TO_HF = {
+    "num_layers": "num_hidden_layers",
+    "hidden_size": "hidden_size",
+    "ffn_hidden_size": "intermediate_size",
+    "num_attention_heads": "num_attention_heads",
+    "num_query_groups": "num_key_value_heads",
+    "kv_channels": "head_dim",
+    "norm_epsilon": "rms_norm_eps",
+    "rotary_base": "rope_theta",
+    "max_position_embeddings": "max_position_embeddings",
+}
+
+
+def _require(condition: bool, message: str) -> None:
+    if not condition:
+        raise ArgumentError(message)
+
+
+def _check_paths(args) -> None:
+    if args.load_debug_rollout_data is None or not args.debug_train_only:
+        _require(args.hf_checkpoint is not None, "--hf-checkpoint is required: a Hugging Face model folder")
+    if args.hf_checkpoint is not None:
+        config = Path(args.hf_checkpoint) / "config.json"
+        _require(config.is_file(), f"--hf-checkpoint {args.hf_checkpoint}: no config.json there; "
+                                   "point it at a Hugging Face model folder")
+    for flag in ("ref_load", "opd_teacher_load"):
+        path = getattr(args, flag)
+        if path is not None:
+            _require((Path(path) / "config.json").is_file(),
+                     f"--{flag.replace('_', '-')} {path}: not a Hugging Face model folder (no config.json)")
+    if args.prompt_data is not None:
+        data_path = args.prompt_data.split("@[")[0]
+        _require(Path(data_path).is_file(), f"--prompt-data {data_path}: file not found")
+
+
+def _check_model_flags(args) -> None:
+    """The model flags of scripts/models/*.sh must agree with the HF config they are run against."""
+    if args.hf_checkpoint is None:
+        return
+    config = json.loads((Path(args.hf_checkpoint) / "config.json").read_text())
+    rope_parameters = config.get("rope_parameters") or {}
+    for flag, hf_key in MODEL_FLAG_TO_HF.items():
+        value = getattr(args, flag, None)
+        if value is None:
+            continue
+        actual = config.get(hf_key, rope_parameters.get(hf_key))
+        if hf_key == "head_dim" and actual is None:
+            actual = config["hidden_size"] // config["num_attention_heads"]
+        _require(actual is not None and float(actual) == float(value),
+                 f"--{flag.replace('_', '-')} {value} does not match {hf_key}={actual} in "
+                 f"{args.hf_checkpoint}/config.json; fix the model preset or the checkpoint")
+    if args.vocab_size is not None:
+        _require(args.vocab_size >= config["vocab_size"],
+                 f"--vocab-size {args.vocab_size} is smaller than the checkpoint's vocab_size {config['vocab_size']}")
+    if args.untie_embeddings_and_output_weights is not None:
+        tied = config.get("tie_word_embeddings", True)
+        _require(tied != args.untie_embeddings_and_output_weights,
+                 f"--untie-embeddings-and-output-weights disagrees with tie_word_embeddings={tied} in the HF config")
+
+
+def _resolve_cluster(args) -> None:
+    if args.device == "auto":
+        import torch
+
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    _require(args.actor_num_nodes >= 1 and args.actor_num_gpus_per_node >= 1,
+             "--actor-num-nodes and --actor-num-gpus-per-node must be >= 1")
+    args.world_size = args.actor_num_nodes * args.actor_num_gpus_per_node
+    if args.colocate:
+        args.offload_train = True if args.offload_train is None else args.offload_train
+        args.offload_rollout = True if args.offload_rollout is None else args.offload_rollout
+        args.rollout_num_gpus = args.world_size
+    else:
+        args.offload_train = bool(args.offload_train or args.offload)
+        args.offload_rollout = bool(args.offload_rollout or args.offload)
+    if args.rollout_num_gpus is None:
+        args.rollout_num_gpus = 1
+    _require(args.rollout_num_gpus_per_engine >= 1, "--rollout-num-gpus-per-engine must be >= 1")
+    _require(args.rollout_num_gpus % args.rollout_num_gpus_per_engine == 0,
+             f"--rollout-num-gpus {args.rollout_num_gpus} is not a multiple of "
+             f"--rollout-num-gpus-per-engine {args.rollout_num_gpus_per_engine}")
+    _require(args.rollout_num_gpus_per_engine == 1 or args.rollout_backend == "sglang",
+             "the built-in engine runs one device per engine; use --rollout-num-gpus-per-engine 1 "
+             "(or --rollout-backend sglang for tensor parallel engines)")
+    args.rollout_num_engines = args.rollout_num_gpus // args.rollout_num_gpus_per_engine
+    external_router = args.sglang_router_ip is not None or args.sglang_router_port is not None
+    _require(not external_router or (args.sglang_router_ip and args.sglang_router_port),
+             "--sglang-router-ip and --sglang-router-port go together")
+    args.use_external_router = bool(external_router)
+
+
+def _resolve_batches(args) -> None:
+    _require(args.rollout_batch_size is not None and args.rollout_batch_size > 0,
+             "--rollout-batch-size (prompts per rollout) is required and must be > 0")
+    _require(args.n_samples_per_prompt >= 1, "--n-samples-per-prompt must be >= 1")
+    samples_per_rollout = args.rollout_batch_size * args.n_samples_per_prompt
+    if args.num_steps_per_rollout is not None:
+        _require(args.num_steps_per_rollout >= 1, "--num-steps-per-rollout must be >= 1")
+        derived = samples_per_rollout // args.num_steps_per_rollout
+        _require(args.global_batch_size in (None, derived) and derived * args.num_steps_per_rollout == samples_per_rollout,
+                 f"--rollout-batch-size x --n-samples-per-prompt ({samples_per_rollout}) must equal "
+                 f"--global-batch-size ({args.global_batch_size}) x --num-steps-per-rollout ({args.num_steps_per_rollout})")
+        args.global_batch_size = derived
+    elif args.global_batch_size is None:
+        args.global_batch_size = samples_per_rollout
+    _require(samples_per_rollout % args.global_batch_size == 0,
+             f"--rollout-batch-size x --n-samples-per-prompt ({samples_per_rollout}) must be a multiple of "
+             f"--global-batch-size ({args.global_batch_size})")
+    args.num_steps_per_rollout = samples_per_rollout // args.global_batch_size
+    _require(args.global_batch_size % args.world_size == 0,
+             f"--global-batch-size {args.global_batch_size} must divide evenly over {args.world_size} trainer "
+             "processes (--actor-num-nodes x --actor-num-gpus-per-node)")
+    _require(args.micro_batch_size >= 1, "--micro-batch-size must be >= 1")
+    if args.use_dynamic_batch_size:
+        _require(args.max_tokens_per_gpu is not None, "--use-dynamic-batch-size needs --max-tokens-per-gpu")
+    if args.over_sampling_batch_size is None:
+        args.over_sampling_batch_size = args.rollout_batch_size
+    _require(args.over_sampling_batch_size >= args.rollout_batch_size,
+             f"--over-sampling-batch-size {args.over_sampling_batch_size} must be >= "
+             f"--rollout-batch-size {args.rollout_batch_size}")
+    _require(args.num_rollout is not None or args.num_epoch is not None or args.debug_train_only
+             or args.load_debug_rollout_data is not None,
+             "give --num-rollout or --num-epoch (how long to train)")
+    _require(args.num_rollout is None or args.num_rollout >= 0, "--num-rollout must be >= 0")
+
+
+def _resolve_algorithm(args) -> None:
+    _require(args.rollout_temperature > 0, "--rollout-temperature must be > 0 (log-probs are taken at it)")
+    if args.eps_clip_high is None:
+        args.eps_clip_high = args.eps_clip
+    _require(args.eps_clip_c is None or args.eps_clip_c > 1.0, "--eps-clip-c (dual clip) must be > 1")
+    uses_kl = args.kl_coef != 0 or args.use_kl_loss
+    _require(not uses_kl or args.ref_load is not None,
+             "KL (--kl-coef or --use-kl-loss) needs a reference model: pass --ref-load (usually the "
+             "--hf-checkpoint folder)")
+    _require(not (args.kl_coef != 0 and args.use_kl_loss and args.kl_loss_coef != 0),
+             "--kl-coef (KL in the reward) and --use-kl-loss --kl-loss-coef (KL in the loss) exclude each other")
+    if args.advantage_estimator in ("reinforce_plus_plus", "reinforce_plus_plus_baseline"):
+        _require(args.normalize_advantages, f"--advantage-estimator {args.advantage_estimator} needs "
+                                            "--normalize-advantages")
+    _require(not (args.use_rollout_logprobs and args.use_tis),
+             "--use-rollout-logprobs and --use-tis exclude each other (TIS corrects recomputed old log-probs "
+             "towards the rollout's)")
+    _require(args.loss_type != "custom_loss" or args.custom_loss_function_path,
+             "--loss-type custom_loss needs --custom-loss-function-path")
+    _require(not args.use_opd or args.opd_teacher_load or args.rm_url,
+             "--use-opd needs a teacher: --opd-teacher-load DIR (trainer-side) or --rm-url of a teacher engine")
+    _require(args.opd_teacher_load is None or args.use_opd, "--opd-teacher-load is only used with --use-opd")
+    if args.n_samples_per_prompt == 1:
+        args.grpo_std_normalization = False
+    args.use_critic = args.advantage_estimator == "ppo"
+    if args.loss_type == "policy_loss" and not args.debug_rollout_only:
+        _require(args.rm_type is not None or args.custom_rm_path is not None
+                 or args.rollout_function_path != "slime.rollout.sglang_rollout.generate_rollout",
+                 "no reward: pass --rm-type (e.g. math, deepscaler, dapo, f1, gpqa, remote_rm) or --custom-rm-path")
+    _require(args.rm_type != "remote_rm" or args.rm_url, "--rm-type remote_rm needs --rm-url")
+
+
+def _resolve_eval_and_output(args) -> None:
+    args.eval_datasets = []
+    if args.eval_prompt_data:
+        items = args.eval_prompt_data
+        if len(items) == 1:
+            items = ["eval", items[0]]
+        _require(len(items) % 2 == 0, "--eval-prompt-data takes NAME PATH pairs: --eval-prompt-data gsm8k a.jsonl")
+        for name, path in zip(items[::2], items[1::2]):
+            _require(Path(path.split("@[")[0]).is_file(), f"--eval-prompt-data {name}: file {path} not found")
+            args.eval_datasets.append((name, path))
+    _require(args.eval_interval is None or args.eval_datasets, "--eval-interval needs --eval-prompt-data")
+    _require(args.save_interval is None or args.save, "--save-interval needs --save")
+    _require(args.save_interval is None or args.save_interval >= 1, "--save-interval must be >= 1")
+    if args.output_dir is None:
+        args.output_dir = os.path.join("runs", time.strftime("%Y%m%d-%H%M%S") + f"-{os.getpid()}")
+
+
+def validate_args(args) -> None:
+    _check_paths(args)
+    _check_model_flags(args)
+    _resolve_cluster(args)
+    _resolve_batches(args)
+    _resolve_algorithm(args)
+    _resolve_eval_and_output(args)
