@@ -1,0 +1,191 @@
+"""RolloutManager: the Ray actor that owns the data source, the engines, the sglang-router, the rollout and eval
+functions, and turns each rollout's Samples into per-rank train data in the Ray object store.
+
+What it is not: it never trains and never holds model weights; the trainer pushes weights to the engine URLs it
+hands out.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import httpx
+import ray
+
+from slime.ray.engine_actor import EngineActor
+from slime.ray.placement_group import ENGINE_ACTOR_FRACTION
+from slime.ray.router import RouterProcess, list_workers, register_worker
+from slime.ray.train_data import rollout_metrics, samples_to_train_data, split_train_data
+from slime.utils.misc import load_function
+from slime.utils.types import Sample
+
+
+def _flatten(samples) -> list[Sample]:
+    out = []
+    for item in samples:
+        out.extend(_flatten(item) if isinstance(item, (list, tuple)) else [item])
+    return out
+
+
+def _pass_at_k(num_samples: int, num_correct: int, k: int) -> float:
+    """Unbiased pass@k of one prompt (Chen et al. 2021)."""
+    if num_samples - num_correct < k:
+        return 1.0
+    prob_all_wrong = 1.0
+    for i in range(num_samples - num_correct + 1, num_samples + 1):
+        prob_all_wrong *= 1.0 - k / i
+    return 1.0 - prob_all_wrong
+
+
+def eval_metrics(name: str, samples: list[Sample], rewards: list[float], n_per_prompt: int) -> dict:
+    metrics = {f"eval/{name}": sum(rewards) / max(len(rewards), 1)}
+    if samples:
+        metrics[f"eval/{name}-truncated_ratio"] = sum(s.status.value == "truncated" for s in samples) / len(samples)
+    by_prompt: dict = {}
+    for s, r in zip(samples, rewards):
+        by_prompt.setdefault(s.group_index, []).append(r)
+    k = 1
+    while k <= n_per_prompt:
+        scores = [_pass_at_k(len(rs), sum(1 for r in rs if r > 0), k) for rs in by_prompt.values() if len(rs) >= k]
+        if scores:
+            metrics[f"eval/{name}-pass@{k}"] = sum(scores) / len(scores)
+        k *= 2
+    return metrics
+
+
+class RolloutManager:
+    def __init__(self, args, placement):
+        self.args = args
+        data_source_cls = load_function(args.data_source_path, "--data-source-path")
+        self.data_source = data_source_cls(args)
+        self.generate_rollout = load_function(args.rollout_function_path, "--rollout-function-path")
+        self.eval_rollout = load_function(args.eval_function_path or args.rollout_function_path,
+                                          "--eval-function-path")
+        self.router = None
+        self.engines = []
+        self.engine_urls = []
+        if not args.debug_train_only:
+            self._start_engines(placement)
+
+    def _start_engines(self, placement) -> None:
+        args = self.args
+        if args.use_external_router:
+            router_url = f"http://{args.sglang_router_ip}:{args.sglang_router_port}"
+            try:
+                list_workers(router_url)
+            except httpx.HTTPError as exc:
+                raise RuntimeError(f"--sglang-router-ip/--sglang-router-port: no router answers at {router_url} "
+                                   f"({exc}); start it or drop the flags to let slime start one") from None
+        else:
+            self.router = RouterProcess(policy=args.router_policy)
+            args.sglang_router_ip, args.sglang_router_port = self.router.host, self.router.port
+            router_url = self.router.url
+        engine_cls = ray.remote(EngineActor)
+        self.engines = [
+            engine_cls.options(scheduling_strategy=placement.strategy(i),
+                               **placement.resources(ENGINE_ACTOR_FRACTION)).remote(args, i)
+            for i in range(args.rollout_num_engines)
+        ]
+        self.engine_urls = ray.get([engine.start.remote() for engine in self.engines])
+        for url in self.engine_urls:
+            register_worker(router_url, url)
+        self.router_url = router_url
+
+    # ---- queries -------------------------------------------------------------------------------------------
+    def get_engine_urls(self) -> list[str]:
+        return list(self.engine_urls)
+
+    def get_router_address(self) -> tuple[str, int]:
+        return self.args.sglang_router_ip, self.args.sglang_router_port
+
+    def num_rollout(self) -> int:
+        args = self.args
+        if args.num_rollout is not None:
+            return args.num_rollout
+        return args.num_epoch * len(self.data_source) // args.rollout_batch_size
+
+    # ---- rollout -------------------------------------------------------------------------------------------
+    def _check_engines_alive(self) -> None:
+        if not self.engines:
+            return
+        alive = ray.get([engine.is_alive.remote() for engine in self.engines])
+        dead = [url for url, ok in zip(self.engine_urls, alive) if not ok]
+        if dead:
+            raise RuntimeError(f"rollout engine(s) died: {dead}; see engine_*.log in {self.args.output_dir}")
+
+    def _rollout_samples(self, rollout_id: int) -> list[Sample]:
+        args = self.args
+        if args.load_debug_rollout_data:
+            path = args.load_debug_rollout_data.format(rollout_id=rollout_id)
+            dump = json.loads(Path(path).read_text())
+            return [Sample.from_dict(d) for d in dump["samples"]]
+        self._check_engines_alive()
+        result = self.generate_rollout(args, rollout_id, self.data_source, evaluation=False)
+        samples = _flatten(result)
+        samples.sort(key=lambda s: (s.index if s.index is not None else 0))
+        if args.save_debug_rollout_data:
+            path = Path(args.save_debug_rollout_data.format(rollout_id=rollout_id))
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps({"rollout_id": rollout_id, "samples": [s.to_dict() for s in samples]}))
+        return samples
+
+    def generate(self, rollout_id: int) -> tuple[list, dict]:
+        """Run one rollout; returns (one ObjectRef of train data per trainer rank, rollout metrics)."""
+        start = time.perf_counter()
+        samples = self._rollout_samples(rollout_id)
+        rollout_time = time.perf_counter() - start
+        for s in samples:
+            s.rollout_id = rollout_id if s.rollout_id is None else s.rollout_id
+        if self.args.rollout_data_postprocess_path:
+            load_function(self.args.rollout_data_postprocess_path, "--rollout-data-postprocess-path")(self.args, samples)
+        data = samples_to_train_data(self.args, samples)
+        metrics = rollout_metrics(self.args, samples, data["raw_reward"])
+        metrics.update(getattr(self.generate_rollout, "last_metrics", None) or {})
+        metrics["perf/rollout_time"] = rollout_time
+        num_tokens = sum(data["response_lengths"])
+        metrics["perf/rollout_tokens_per_sec"] = num_tokens / max(rollout_time, 1e-9)
+        if self.args.debug_rollout_only:
+            return [], metrics
+        per_rank, num_dropped = split_train_data(self.args, data, rollout_id)
+        metrics["rollout/dropped_for_even_split"] = num_dropped
+        return [ray.put(d) for d in per_rank], metrics
+
+    def eval(self, rollout_id: int) -> dict:
+        if not self.args.eval_datasets:
+            return {}
+        self._check_engines_alive()
+        start = time.perf_counter()
+        results = self.eval_rollout(self.args, rollout_id, self.data_source, evaluation=True)
+        metrics = {}
+        for name, result in results.items():
+            metrics.update(eval_metrics(name, result.get("samples", []), result["rewards"],
+                                        self.args.n_samples_per_eval_prompt))
+        metrics["perf/eval_time"] = time.perf_counter() - start
+        return metrics
+
+    # ---- memory and state ----------------------------------------------------------------------------------
+    def _post_all(self, path: str, payload: dict) -> None:
+        for url in self.engine_urls:
+            response = httpx.post(f"{url}{path}", json=payload, timeout=300.0, trust_env=False)
+            if response.status_code != 200:
+                raise RuntimeError(f"{url}{path} failed: {response.status_code} {response.text}")
+
+    def offload(self) -> None:
+        self._post_all("/release_memory_occupation", {"tags": ["weights", "kv_cache", "cuda_graph"]})
+
+    def onload(self, tags: list[str]) -> None:
+        self._post_all("/resume_memory_occupation", {"tags": tags})
+
+    def data_source_state(self) -> dict:
+        return self.data_source.state_dict()
+
+    def load_data_source_state(self, state: dict) -> None:
+        self.data_source.load_state_dict(state)
+
+    def dispose(self) -> None:
+        if self.engines:
+            ray.get([engine.shutdown.remote() for engine in self.engines])
+        if self.router is not None:
+            self.router.shutdown()

@@ -1,0 +1,79 @@
+"""The real sglang-router as a child process, and worker registration with it.
+
+The router spreads `/generate` requests over the engines; the rollout only ever talks to the router. Registration
+uses the router's `POST /workers` API and waits until the worker is listed (the router probes its health first).
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+
+import httpx
+
+from slime.utils.misc import find_free_port
+
+
+class RouterError(RuntimeError):
+    pass
+
+
+class RouterProcess:
+    def __init__(self, host: str = "127.0.0.1", port: int | None = None, policy: str = "cache_aware",
+                 request_timeout_secs: int = 14400):
+        self.host = host
+        self.port = port or find_free_port(host)
+        self.url = f"http://{host}:{self.port}"
+        cmd = [
+            sys.executable, "-m", "sglang_router.launch_router",
+            "--host", host, "--port", str(self.port), "--policy", policy,
+            "--log-level", "warn", "--request-timeout-secs", str(request_timeout_secs),
+            "--prometheus-host", host, "--prometheus-port", str(find_free_port(host)),
+        ]
+        self.process = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        self._wait_ready()
+
+    def _wait_ready(self, timeout: float = 60.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                err = self.process.stderr.read().decode(errors="replace")[-2000:]
+                raise RouterError(f"sglang-router exited with code {self.process.returncode}: {err}")
+            try:
+                if httpx.get(f"{self.url}/workers", timeout=1.0, trust_env=False).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        self.shutdown()
+        raise RouterError(f"sglang-router at {self.url} did not become ready within {timeout:.0f} s")
+
+    def shutdown(self) -> None:
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+
+
+def list_workers(router_url: str) -> list[str]:
+    response = httpx.get(f"{router_url}/workers", timeout=10.0, trust_env=False)
+    response.raise_for_status()
+    body = response.json()
+    workers = body.get("workers", body) if isinstance(body, dict) else body
+    return [w["url"] if isinstance(w, dict) else str(w) for w in workers]
+
+
+def register_worker(router_url: str, worker_url: str, timeout: float = 120.0) -> None:
+    """Add `worker_url` to the router and wait until the router lists it."""
+    response = httpx.post(f"{router_url}/workers", json={"url": worker_url}, timeout=30.0, trust_env=False)
+    if response.status_code not in (200, 201, 202):
+        raise RouterError(f"router {router_url} refused worker {worker_url}: {response.status_code} {response.text}")
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if worker_url in list_workers(router_url):
+            return
+        time.sleep(0.2)
+    raise RouterError(f"router {router_url} did not list worker {worker_url} within {timeout:.0f} s")

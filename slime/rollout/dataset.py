@@ -1,0 +1,227 @@
+"""Prompt datasets: `.jsonl` / `.parquet` rows -> one prompt `Sample` per row.
+
+Handles `path@[start:end]` row slicing, the `--input-key` / `--label-key` / `--metadata-key` / `--tool-key` columns,
+`--apply-chat-template`, and the `--rollout-max-prompt-len` filter. Errors in user data name the file and line.
+Not here: epochs, shuffling and the buffer (data_source.py), or any tokenization of responses.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator
+
+from slime.utils.types import Sample
+
+logger = logging.getLogger(__name__)
+
+_SLICE_RE = re.compile(r"^(?P<path>.+)@\[(?P<start>-?\d*):(?P<end>-?\d*)\]$")
+
+
+@functools.lru_cache(maxsize=8)
+def load_tokenizer(path: str):
+    """The Hugging Face tokenizer of `--hf-checkpoint` (cached: loading it is the slow part of building a source)."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path, trust_remote_code=True)
+
+
+def parse_path_spec(spec: str) -> tuple[str, int | None, int | None]:
+    """`data.jsonl@[10:20]` -> ("data.jsonl", 10, 20); a plain path -> (path, None, None). Python slice semantics."""
+    match = _SLICE_RE.match(spec)
+    if not match:
+        return spec, None, None
+    start, end = match["start"], match["end"]
+    return match["path"], int(start) if start else None, int(end) if end else None
+
+
+def read_rows(path: str) -> Iterator[tuple[str, dict]]:
+    """Yield (location, row) for every row of a .jsonl or .parquet file; location is "file:line" for error messages."""
+    file = Path(path)
+    if not file.exists():
+        raise ValueError(f"prompt data file {path!r} does not exist")
+    if file.suffix == ".parquet":
+        import pyarrow.parquet as pq
+
+        for row_number, row in enumerate(pq.read_table(file).to_pylist()):
+            yield f"{path}:row {row_number}", row
+        return
+    if file.suffix not in (".jsonl", ".json"):
+        raise ValueError(f"prompt data file {path!r}: unsupported format; use .jsonl or .parquet")
+    with file.open(encoding="utf-8") as handle:
+        for line_number, line in enumerate(handle, start=1):
+            if not line.strip():
+                continue
+            location = f"{path}:{line_number}"
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"{location}: malformed JSON row ({exc.msg} at column {exc.colno})") from None
+            if not isinstance(row, dict):
+                raise ValueError(f"{location}: each row must be a JSON object, got {type(row).__name__}")
+            yield location, row
+
+
+def _maybe_json(value: Any, location: str, key: str) -> Any:
+    if isinstance(value, str) and value[:1] in ("{", "["):
+        try:
+            return json.loads(value)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{location}: column {key!r} holds malformed JSON ({exc.msg})") from None
+    return value
+
+
+def _validate_messages(messages: list, location: str, key: str) -> None:
+    for message in messages:
+        if not isinstance(message, dict) or "role" not in message or "content" not in message:
+            raise ValueError(
+                f"{location}: {key!r} must be a string or a list of {{'role', 'content'}} messages, got {message!r}"
+            )
+
+
+@dataclass
+class PromptFormat:
+    """How rows become prompts: the column names and chat-template options (from args or an eval dataset)."""
+
+    input_key: str = "input"
+    label_key: str | None = None
+    metadata_key: str | None = "metadata"
+    tool_key: str | None = "tools"
+    apply_chat_template: bool = False
+    apply_chat_template_kwargs: dict | None = None
+    max_prompt_len: int | None = None
+
+    @classmethod
+    def from_args(cls, args, prefix: str = "") -> "PromptFormat":
+        """Read `{prefix}input_key` etc. from args, falling back to the un-prefixed flag (eval_ -> rollout)."""
+
+        def pick(name: str, default=None):
+            value = getattr(args, f"{prefix}{name}", None) if prefix else None
+            return value if value is not None else getattr(args, name, default)
+
+        max_prompt_len = getattr(args, f"{prefix}max_prompt_len", None) if prefix else None
+        if max_prompt_len is None:
+            max_prompt_len = getattr(args, "rollout_max_prompt_len", None)
+        kwargs = getattr(args, "apply_chat_template_kwargs", None)
+        if isinstance(kwargs, str):
+            kwargs = json.loads(kwargs)
+        return cls(
+            input_key=pick("input_key", "input"),
+            label_key=pick("label_key"),
+            metadata_key=pick("metadata_key", "metadata"),
+            tool_key=pick("tool_key", "tools"),
+            apply_chat_template=bool(getattr(args, "apply_chat_template", False)),
+            apply_chat_template_kwargs=kwargs or {},
+            max_prompt_len=max_prompt_len,
+        )
+
+
+def render_chat_prompt(tokenizer, messages: list[dict], tools=None, **template_kwargs) -> str:
+    """The chat-templated prompt text, ending with the assistant generation prompt."""
+    return tokenizer.apply_chat_template(
+        messages, tools=tools, tokenize=False, add_generation_prompt=True, **template_kwargs
+    )
+
+
+def row_to_sample(row: dict, location: str, fmt: PromptFormat, tokenizer) -> Sample:
+    if fmt.input_key not in row:
+        raise ValueError(
+            f"{location}: input key {fmt.input_key!r} (--input-key) not found; the row has keys {sorted(row)}"
+        )
+    prompt = _maybe_json(row[fmt.input_key], location, fmt.input_key)
+    if isinstance(prompt, list):
+        _validate_messages(prompt, location, fmt.input_key)
+    elif not isinstance(prompt, str):
+        raise ValueError(f"{location}: {fmt.input_key!r} must be a string or chat messages, got {type(prompt).__name__}")
+
+    metadata = _maybe_json(row.get(fmt.metadata_key), location, fmt.metadata_key) if fmt.metadata_key else None
+    if metadata is None:
+        metadata = {}
+    if not isinstance(metadata, dict):
+        raise ValueError(f"{location}: metadata column {fmt.metadata_key!r} must be an object, got {metadata!r}")
+    tools = _maybe_json(row.get(fmt.tool_key), location, fmt.tool_key) if fmt.tool_key else None
+    if tools:
+        metadata["tools"] = tools
+
+    if fmt.apply_chat_template:
+        if tokenizer is None:
+            raise ValueError("--apply-chat-template needs --hf-checkpoint (the tokenizer that holds the template)")
+        messages = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
+        prompt = render_chat_prompt(tokenizer, messages, tools=tools or None, **(fmt.apply_chat_template_kwargs or {}))
+
+    label = row.get(fmt.label_key) if fmt.label_key else None
+    return Sample(prompt=prompt, label=label, metadata=metadata)
+
+
+def prompt_token_ids(tokenizer, sample: Sample) -> list[int]:
+    """Token ids of a sample's prompt: chat messages go through the chat template, text is tokenized as is."""
+    if isinstance(sample.prompt, list):
+        tools = sample.metadata.get("tools") if isinstance(sample.metadata, dict) else None
+        text = render_chat_prompt(tokenizer, sample.prompt, tools=tools or None)
+    else:
+        text = sample.prompt
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def load_prompt_samples(spec: str, fmt: PromptFormat, tokenizer=None) -> tuple[list[Sample], int]:
+    """Load `path[@[start:end]]` as prompt Samples; returns (samples, number of prompts filtered as too long)."""
+    path, start, end = parse_path_spec(spec)
+    rows = list(read_rows(path))[start:end]
+    samples = [row_to_sample(row, location, fmt, tokenizer) for location, row in rows]
+    num_filtered = 0
+    if fmt.max_prompt_len is not None:
+        if tokenizer is None:
+            raise ValueError("--rollout-max-prompt-len needs --hf-checkpoint (its tokenizer counts prompt tokens)")
+        kept = [s for s in samples if len(prompt_token_ids(tokenizer, s)) <= fmt.max_prompt_len]
+        num_filtered = len(samples) - len(kept)
+        if num_filtered:
+            logger.info(
+                "%s: filtered %d of %d prompts longer than %d tokens (--rollout-max-prompt-len)",
+                spec, num_filtered, len(samples), fmt.max_prompt_len,
+            )
+        samples = kept
+    if not samples:
+        reason = f" (all {num_filtered} longer than --rollout-max-prompt-len {fmt.max_prompt_len})" if num_filtered else ""
+        raise ValueError(f"prompt data {spec!r} has no prompts{reason}")
+    return samples, num_filtered
+
+
+def tokenizer_for(args):
+    """The tokenizer of args.hf_checkpoint, or None when no checkpoint is given."""
+    path = getattr(args, "hf_checkpoint", None)
+    return load_tokenizer(str(path)) if path else None
+
+
+@dataclass
+class EvalDataset:
+    name: str
+    path: str
+    samples: list[Sample]
+
+
+def parse_eval_prompt_data(value) -> list[tuple[str, str]]:
+    """`--eval-prompt-data name path [name path ...]` -> [(name, path)]; a single path is named by its file stem."""
+    if not value:
+        return []
+    items = [value] if isinstance(value, str) else list(value)
+    if len(items) == 1:
+        path = items[0]
+        return [(Path(parse_path_spec(path)[0]).stem, path)]
+    if len(items) % 2:
+        raise ValueError(f"--eval-prompt-data takes pairs 'name path [name path ...]', got {items}")
+    return [(items[i], items[i + 1]) for i in range(0, len(items), 2)]
+
+
+def load_eval_datasets(args) -> list[EvalDataset]:
+    """The eval datasets of `--eval-prompt-data`, rows read with the `--eval-*-key` flags (falling back to rollout's)."""
+    fmt = PromptFormat.from_args(args, prefix="eval_")
+    tokenizer = tokenizer_for(args)
+    datasets = []
+    for name, path in parse_eval_prompt_data(getattr(args, "eval_prompt_data", None)):
+        samples, _ = load_prompt_samples(path, fmt, tokenizer)
+        datasets.append(EvalDataset(name=name, path=path, samples=samples))
+    return datasets

@@ -1,0 +1,145 @@
+"""Async HTTP plumbing for rollouts: one background event loop, one shared httpx client, router helpers.
+
+Rollout code is asyncio; its callers (Ray actor methods, train.py) are synchronous. `run(coro)` executes a
+coroutine on a single daemon event-loop thread and blocks for the result, so every request of every rollout
+shares one loop and one connection pool. Not a general HTTP library: only what talking to an sglang-router and
+SGLang-compatible engines needs (POST/GET JSON with retries on connection errors, abort every worker).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import weakref
+from typing import Any
+
+import httpx
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_NUM_RETRIES = 5
+RETRY_BACKOFF_BASE_S = 0.2
+RETRY_BACKOFF_MAX_S = 4.0
+# Gateway statuses mean "no healthy worker right now" (e.g. an engine restarting), so the request is retried.
+RETRYABLE_STATUS_CODES = (502, 503, 504)
+
+
+class EndpointUnreachableError(ConnectionError):
+    """Raised when an HTTP endpoint (router or engine) cannot be reached after all retries."""
+
+
+_loop: asyncio.AbstractEventLoop | None = None
+_loop_lock = threading.Lock()
+_clients: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # event loop -> httpx.AsyncClient
+
+
+def get_event_loop() -> asyncio.AbstractEventLoop:
+    """The background event loop, started on first use (a daemon thread, lives as long as the process)."""
+    global _loop
+    with _loop_lock:
+        if _loop is None:
+            loop = asyncio.new_event_loop()
+            thread = threading.Thread(target=loop.run_forever, name="slime-rollout-loop", daemon=True)
+            thread.start()
+            _loop = loop
+    return _loop
+
+
+def run(coro):
+    """Run `coro` on the background event loop and block until it returns (or raises)."""
+    loop = get_event_loop()
+    try:
+        running = asyncio.get_running_loop()
+    except RuntimeError:
+        running = None
+    if running is loop:
+        coro.close()
+        raise RuntimeError("run() was called from the rollout event loop itself; await the coroutine instead")
+    return asyncio.run_coroutine_threadsafe(coro, loop).result()
+
+
+def get_client() -> httpx.AsyncClient:
+    """The AsyncClient shared by all requests on the running loop (one per loop: connections are loop-bound).
+
+    Concurrency is bounded by the rollout's semaphore, not by the pool. trust_env=False: an http_proxy set for
+    downloads must not capture traffic to local engines.
+    """
+    loop = asyncio.get_running_loop()
+    if loop not in _clients:
+        _clients[loop] = httpx.AsyncClient(
+            limits=httpx.Limits(max_connections=None, max_keepalive_connections=256),
+            timeout=None,
+            trust_env=False,
+        )
+    return _clients[loop]
+
+
+async def request_json(
+    method: str,
+    url: str,
+    payload: dict | None = None,
+    *,
+    timeout: float | None = None,
+    num_retries: int = DEFAULT_NUM_RETRIES,
+) -> Any:
+    """Send one JSON request, retrying with exponential backoff on connection errors and 502/503/504.
+
+    Raises EndpointUnreachableError (naming the URL) once the retries are spent, and httpx.HTTPStatusError for
+    other error statuses (a 4xx/500 is a bug in the request or the engine; retrying would not help).
+    """
+    client = get_client()
+    last_error: Exception | None = None
+    for attempt in range(num_retries + 1):
+        if attempt:
+            await asyncio.sleep(min(RETRY_BACKOFF_BASE_S * 2 ** (attempt - 1), RETRY_BACKOFF_MAX_S))
+        try:
+            response = await client.request(method, url, json=payload, timeout=timeout)
+        except httpx.TransportError as exc:
+            last_error = exc
+            continue
+        if response.status_code in RETRYABLE_STATUS_CODES:
+            last_error = httpx.HTTPStatusError(
+                f"{response.status_code}: {response.text[:200]}", request=response.request, response=response
+            )
+            continue
+        response.raise_for_status()
+        return response.json() if response.content else None
+    raise EndpointUnreachableError(
+        f"could not reach {url} after {num_retries + 1} attempts "
+        f"(last error: {type(last_error).__name__}: {last_error}). Is the sglang router/engine running at that "
+        f"address? Check --sglang-router-ip / --sglang-router-port."
+    ) from last_error
+
+
+def router_url(args) -> str:
+    return f"http://{args.sglang_router_ip}:{args.sglang_router_port}"
+
+
+def _worker_urls_from_listing(listing: Any) -> list[str]:
+    """The worker URLs in a router's `GET /workers` answer (sglang-router >= 0.2: {"workers": [{"url": ...}]};
+    older routers: {"urls": [...]})."""
+    if isinstance(listing, dict):
+        if "workers" in listing:
+            return [w["url"] if isinstance(w, dict) else str(w) for w in listing["workers"]]
+        if "urls" in listing:
+            return list(listing["urls"])
+    if isinstance(listing, list):
+        return [w["url"] if isinstance(w, dict) else str(w) for w in listing]
+    raise ValueError(f"unexpected GET /workers answer from the router: {listing!r}")
+
+
+async def list_worker_urls(base_url: str) -> list[str]:
+    return _worker_urls_from_listing(await request_json("GET", f"{base_url}/workers"))
+
+
+async def abort_all_requests(base_url: str) -> list[str]:
+    """Ask every worker behind the router at `base_url` to abort all its requests; returns the worker URLs.
+
+    Aborted requests answer their pending /generate with finish_reason "abort" and the tokens produced so far.
+    """
+    worker_urls = await list_worker_urls(base_url)
+    await asyncio.gather(
+        *(request_json("POST", f"{url.rstrip('/')}/abort_request", {"abort_all": True}) for url in worker_urls)
+    )
+    return worker_urls

@@ -1,0 +1,157 @@
+"""Moving weights from a trainer process into an inference engine process.
+
+Two transports, both used by the engine's HTTP server and by the trainer:
+
+- By handle (same host): `serialize_named_tensors` pickles tensors with torch's multiprocessing reductions, so only
+  handles travel: a shared-memory file name for CPU tensors (the `file_system` strategy, which an unrelated process
+  can open, unlike the default file-descriptor strategy) and a CUDA IPC handle for GPU tensors. The pickle is
+  base64 text: one item of `serialized_named_tensors` in `POST /update_weights_from_tensor`.
+  `deserialize_named_tensors` maps them back in the receiver.
+- By collective (any host): `init_custom_process_group` builds a torch.distributed group that is independent of the
+  default one (the engine and the trainer's rank 0 are not in any common default group), and
+  `broadcast_named_tensors` / `receive_named_tensors` move tensors over it from rank 0.
+
+Not a checkpoint format and not a general RPC layer: tensors are only valid while the sender keeps them alive.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import threading
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as torch_mp
+from multiprocessing.reduction import ForkingPickler
+
+import torch.multiprocessing.reductions  # noqa: F401  (registers the tensor reducers with ForkingPickler)
+
+DEFAULT_GROUP_TIMEOUT = timedelta(minutes=10)
+
+_sharing_strategy_lock = threading.Lock()
+
+
+class SerializedNamedTensors(str):
+    """The base64 text of serialized tensors; also holds the sender-side tensors so their shared memory (or CUDA
+    IPC block) stays alive for as long as this string is referenced, e.g. while the HTTP request carrying it is
+    in flight. Pickles (e.g. through Ray) as a plain str, never as the tensors themselves."""
+
+    named_tensors: list
+
+    def __reduce__(self):
+        return (str, (str(self),))
+
+
+def serialize_named_tensors(named_tensors) -> SerializedNamedTensors:
+    """Pickle `[(name, tensor), ...]` by handle and return base64 text (a str).
+
+    CPU tensors are moved into shared memory in place (file_system strategy); CUDA tensors travel as IPC handles.
+    Keep the returned string (or the tensors) referenced until the receiver has answered: the receiver maps the
+    sender's memory and copies out of it.
+    """
+    detached = []
+    for name, tensor in named_tensors:
+        if not isinstance(name, str) or not isinstance(tensor, torch.Tensor):
+            raise ValueError(f"named_tensors must be (str, torch.Tensor) pairs, got ({type(name)}, {type(tensor)})")
+        detached.append((name, tensor.detach()))
+    buffer = io.BytesIO()
+    with _sharing_strategy_lock:
+        previous_strategy = torch_mp.get_sharing_strategy()
+        torch_mp.set_sharing_strategy("file_system")
+        try:
+            ForkingPickler(buffer).dump(detached)
+        finally:
+            torch_mp.set_sharing_strategy(previous_strategy)
+    serialized = SerializedNamedTensors(base64.b64encode(buffer.getvalue()).decode("ascii"))
+    serialized.named_tensors = detached
+    return serialized
+
+
+def deserialize_named_tensors(serialized: str) -> list[tuple[str, torch.Tensor]]:
+    """Inverse of `serialize_named_tensors`: map the sender's tensors into this process (no copy yet).
+
+    The returned tensors alias the sender's memory; copy them (e.g. into model parameters) before the sender frees
+    them. Raises ValueError when the text is not a serialized tensor list.
+    """
+    try:
+        payload = base64.b64decode(serialized.encode("ascii"), validate=True)
+        named_tensors = ForkingPickler.loads(payload)
+    except Exception as error:  # any decode / unpickle / shared-memory failure is a bad input
+        raise ValueError(f"serialized_named_tensors item could not be deserialized: {error}") from error
+    if not isinstance(named_tensors, list) or not all(
+        isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str) and isinstance(item[1], torch.Tensor)
+        for item in named_tensors
+    ):
+        raise ValueError("serialized_named_tensors item does not hold a list of (name, tensor) pairs")
+    return named_tensors
+
+
+def init_custom_process_group(
+    backend: str,
+    init_method: str,
+    world_size: int,
+    rank: int,
+    group_name: str,
+    timeout: timedelta = DEFAULT_GROUP_TIMEOUT,
+):
+    """Create a process group of `world_size` ranks that does not involve the default group.
+
+    Works whether or not this process already called `init_process_group` (a trainer has a default group, an
+    engine does not). `init_method` is a rendezvous URL such as "tcp://127.0.0.1:29500"; `backend` "gloo" (CPU)
+    or "nccl" (GPU). Use it with `dist.broadcast(..., group=group, group_src=0)` or the helpers below.
+    """
+    from torch.distributed.distributed_c10d import _new_process_group_helper, _world, rendezvous
+
+    if backend not in ("gloo", "nccl"):
+        raise ValueError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} is outside [0, world_size={world_size})")
+    if group_name in _world.pg_names.values():
+        raise ValueError(f"a process group named {group_name!r} already exists in this process")
+    store, rank, world_size = next(rendezvous(init_method, rank, world_size, timeout=timeout))
+    store.set_timeout(timeout)
+    # A prefix keeps this group's keys apart from any other group that shares the same store address.
+    prefix_store = dist.PrefixStore(group_name, store)
+    group, _ = _new_process_group_helper(
+        world_size, rank, [], dist.Backend(backend), prefix_store, group_name=group_name, timeout=timeout
+    )
+    # Identity rank mapping: group rank i is "global" rank i for collectives called with this group.
+    _world.pg_group_ranks[group] = {i: i for i in range(world_size)}
+    return group
+
+
+def destroy_custom_process_group(group) -> None:
+    """Tear down a group made by `init_custom_process_group`."""
+    dist.destroy_process_group(group)
+
+
+def broadcast_named_tensors(group, named_tensors, src: int = 0) -> None:
+    """Trainer side: broadcast each tensor, in order, from group rank `src` (the receivers allocate matching
+    buffers from the names / dtypes / shapes sent alongside, e.g. in `/update_weights_from_distributed`)."""
+    for _, tensor in named_tensors:
+        dist.broadcast(tensor.detach().contiguous(), group=group, group_src=src)
+
+
+def receive_named_tensors(group, names, dtypes, shapes, device="cpu", src: int = 0) -> list[tuple[str, torch.Tensor]]:
+    """Engine side of `broadcast_named_tensors`: allocate each tensor and receive it from group rank `src`."""
+    if not len(names) == len(dtypes) == len(shapes):
+        raise ValueError(f"names, dtypes and shapes differ in length: {len(names)}, {len(dtypes)}, {len(shapes)}")
+    received = []
+    for name, dtype, shape in zip(names, dtypes, shapes):
+        tensor = torch.empty(tuple(shape), dtype=parse_dtype(dtype), device=device)
+        dist.broadcast(tensor, group=group, group_src=src)
+        received.append((name, tensor))
+    return received
+
+
+def parse_dtype(dtype) -> torch.dtype:
+    """'bfloat16', 'torch.bfloat16' or a torch.dtype -> torch.dtype; ValueError for anything else."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    name = str(dtype).removeprefix("torch.")
+    resolved = getattr(torch, name, None)
+    if not isinstance(resolved, torch.dtype):
+        raise ValueError(f"unknown dtype {dtype!r}; use a torch dtype name such as 'bfloat16' or 'float32'")
+    return resolved

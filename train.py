@@ -1,0 +1,129 @@
+"""slime's synchronous RL loop: generate, reward, train, push weights, repeat.
+
+    python train.py --hf-checkpoint MODEL --prompt-data train.jsonl --rm-type math \
+        --rollout-batch-size 8 --n-samples-per-prompt 4 --num-rollout 10
+
+Each rollout: the RolloutManager generates and scores samples through the engines, the trainer group takes
+`num_steps_per_rollout` optimizer steps on them, then pushes the new weights into every engine.
+`train_async.py` is the same loop with generation of rollout N+1 overlapping training on rollout N.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+
+import ray
+from tqdm import tqdm
+
+from slime.ray.actor_group import RayTrainGroup
+from slime.ray.placement_group import create_placement_groups, init_ray
+from slime.ray.rollout import RolloutManager
+from slime.utils.arguments import parse_args
+from slime.utils.checkpoint_state import load_run_state, should_save
+from slime.utils.metrics import MetricsLogger, write_args
+
+
+def create_rollout_manager(args, placements):
+    manager = ray.remote(RolloutManager).options(num_cpus=1).remote(args, placements["rollout"])
+    # The manager knows the router address once it has started the router; the trainer and rollout need it.
+    args.sglang_router_ip, args.sglang_router_port = ray.get(manager.get_router_address.remote())
+    return manager
+
+
+def create_training_models(args, placements, rollout_manager):
+    actor = RayTrainGroup(args, placements["actor"], role="actor")
+    critic = RayTrainGroup(args, placements["actor"], role="critic") if args.use_critic else None
+    start_rollout_id = actor.init(with_ref=args.use_kl_loss or args.kl_coef != 0)
+    if critic is not None:
+        critic.init(with_ref=False)
+    run_state = load_run_state(args)
+    if run_state is not None:
+        ray.get(rollout_manager.load_data_source_state.remote(run_state["data_source"]))
+    return actor, critic, start_rollout_id
+
+
+def update_weights(args, actor, rollout_manager, engine_urls, rollout_id) -> dict:
+    if not engine_urls:
+        return {}
+    start = time.perf_counter()
+    if args.offload_rollout:
+        ray.get(rollout_manager.onload.remote(["weights"]))
+    sync = actor.update_weights(engine_urls, weight_version=str(rollout_id + 1))
+    if args.offload_train:
+        actor.offload()
+    if args.offload_rollout:
+        ray.get(rollout_manager.onload.remote(["kv_cache", "cuda_graph"]))
+    return {"perf/update_weights_time": time.perf_counter() - start, **sync}
+
+
+def train(args) -> str:
+    init_ray(args)
+    placements = create_placement_groups(args)
+    write_args(args)
+    logger = MetricsLogger(args)
+    rollout_manager = create_rollout_manager(args, placements)
+    num_rollout = ray.get(rollout_manager.num_rollout.remote())
+    actor, critic, start_rollout_id = create_training_models(args, placements, rollout_manager)
+    engine_urls = ray.get(rollout_manager.get_engine_urls.remote())
+    update_weights(args, actor, rollout_manager, engine_urls, start_rollout_id - 1)
+
+    if num_rollout == 0 and args.eval_datasets:
+        logger.log(start_rollout_id, ray.get(rollout_manager.eval.remote(start_rollout_id)))
+    progress = tqdm(range(start_rollout_id, num_rollout), desc="rollouts", disable=args.no_progress,
+                    initial=start_rollout_id, total=num_rollout)
+    for rollout_id in progress:
+        step_start = time.perf_counter()
+        metrics = {}
+        if args.eval_datasets and rollout_id == 0 and not args.skip_eval_before_train:
+            metrics.update(ray.get(rollout_manager.eval.remote(rollout_id)))
+
+        data_refs, rollout_metrics = ray.get(rollout_manager.generate.remote(rollout_id))
+        metrics.update(rollout_metrics)
+        if args.debug_rollout_only:
+            logger.log(rollout_id, metrics, print_fn=progress.write)
+            continue
+        if args.offload_rollout:
+            ray.get(rollout_manager.offload.remote())
+        if args.offload_train:
+            actor.onload()
+
+        train_start = time.perf_counter()
+        if critic is not None:
+            critic_refs = critic.async_train(rollout_id, data_refs)
+            if rollout_id >= args.num_critic_only_steps:
+                metrics.update(actor.train(rollout_id, data_refs))
+            metrics.update(ray.get(critic_refs)[0])
+        else:
+            metrics.update(actor.train(rollout_id, data_refs))
+        metrics["perf/train_time"] = time.perf_counter() - train_start
+
+        if should_save(args, rollout_id, num_rollout):
+            extra_state = {"data_source": ray.get(rollout_manager.data_source_state.remote())}
+            actor.save_model(rollout_id, extra_state)
+            if critic is not None:
+                critic.save_model(rollout_id, extra_state)
+        metrics.update(update_weights(args, actor, rollout_manager, engine_urls, rollout_id))
+
+        if args.eval_interval and (rollout_id + 1) % args.eval_interval == 0:
+            metrics.update(ray.get(rollout_manager.eval.remote(rollout_id + 1)))
+        metrics["perf/step_time"] = time.perf_counter() - step_start
+        logger.log(rollout_id, metrics, print_fn=progress.write)
+
+    logger.close()
+    ray.get(rollout_manager.dispose.remote())
+    return args.output_dir
+
+
+def main(argv=None) -> None:
+    try:
+        args = parse_args(argv)
+    except ValueError as exc:
+        print(f"train.py: error: {exc}", file=sys.stderr)
+        sys.exit(2)
+    output_dir = train(args)
+    print(f"run folder: {output_dir}")
+
+
+if __name__ == "__main__":
+    main()
