@@ -33,7 +33,10 @@ def build_tokenizer(out_dir: str | Path, corpus: list[str] | None = None, vocab_
 
     corpus = list(corpus or DEFAULT_CORPUS)
     tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    # Digits stay single tokens, so arithmetic answers are spelled digit by digit.
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)]
+    )
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,

@@ -33,23 +33,14 @@ DEFAULT_GROUP_TIMEOUT = timedelta(minutes=10)
 _sharing_strategy_lock = threading.Lock()
 
 
-class SerializedNamedTensors(str):
-    """The base64 text of serialized tensors; also holds the sender-side tensors so their shared memory (or CUDA
-    IPC block) stays alive for as long as this string is referenced, e.g. while the HTTP request carrying it is
-    in flight. Pickles (e.g. through Ray) as a plain str, never as the tensors themselves."""
+def serialize_named_tensors(named_tensors) -> str:
+    """Pickle `[(name, tensor), ...]` by handle and return base64 text.
 
-    named_tensors: list
-
-    def __reduce__(self):
-        return (str, (str(self),))
-
-
-def serialize_named_tensors(named_tensors) -> SerializedNamedTensors:
-    """Pickle `[(name, tensor), ...]` by handle and return base64 text (a str).
-
-    CPU tensors are moved into shared memory in place (file_system strategy); CUDA tensors travel as IPC handles.
-    Keep the returned string (or the tensors) referenced until the receiver has answered: the receiver maps the
-    sender's memory and copies out of it.
+    CPU tensors are moved into shared memory in place (file_system strategy). Lifetime follows torch's protocol:
+    pickling takes one extra reference on the segment, which the receiver's unpickling takes over, so the segment
+    outlives the sender's tensor and is unlinked once the receiver frees its copy (deserialize each string exactly
+    once; a string never deserialized holds its segment until the sender process exits). CUDA tensors travel as
+    IPC handles and the sender keeps the block until the receiver releases it (the sender must stay alive).
     """
     detached = []
     for name, tensor in named_tensors:
@@ -64,9 +55,7 @@ def serialize_named_tensors(named_tensors) -> SerializedNamedTensors:
             ForkingPickler(buffer).dump(detached)
         finally:
             torch_mp.set_sharing_strategy(previous_strategy)
-    serialized = SerializedNamedTensors(base64.b64encode(buffer.getvalue()).decode("ascii"))
-    serialized.named_tensors = detached
-    return serialized
+    return base64.b64encode(buffer.getvalue()).decode("ascii")
 
 
 def deserialize_named_tensors(serialized: str) -> list[tuple[str, torch.Tensor]]:

@@ -1,0 +1,19 @@
+# qwen3-0.6B model shape, slime's Megatron-style flags; train.py checks them against --hf-checkpoint's config.json.
+# Usage: source scripts/models/qwen3-0.6B.sh; python train.py "${MODEL_ARGS[@]}" ...
+MODEL_ARGS=(
+   --num-layers 28
+   --hidden-size 1024
+   --ffn-hidden-size 3072
+   --num-attention-heads 16
+   --group-query-attention
+   --num-query-groups 8
+   --kv-channels 128
+   --vocab-size 151936
+   --rotary-base 1000000
+   --norm-epsilon 1e-6
+   --normalization RMSNorm
+   --swiglu
+   --disable-bias-linear
+   --use-rotary-position-embeddings
+   --qk-layernorm
+)

@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# One-command setup: a virtual environment in .venv with slime's dependencies (CPU torch unless torch is there).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON=${PYTHON:-python3}
+if [ ! -x .venv/bin/python ]; then
+  "$PYTHON" -m venv .venv
+fi
+PIP=".venv/bin/python -m pip"
+$PIP install -q --upgrade pip >/dev/null 2>&1 || true
+# torch first and pinned: an unpinned `torch` requirement would pull a multi-GB CUDA build.
+if ! .venv/bin/python -c "import torch" >/dev/null 2>&1; then
+  $PIP install -q "torch==2.13.0" 2>&1 | grep -v "^WARNING: Location" || true
+fi
+$PIP install -q -r requirements.txt -r requirements-test.txt 2>&1 | grep -v "^WARNING: Location" || true
+.venv/bin/python -c "import torch, transformers, ray, sglang_router, math_verify" 
+echo "setup ok: $(.venv/bin/python -c 'import torch; print("torch", torch.__version__)')"

@@ -1,0 +1,120 @@
+"""Train-data bookkeeping for the FSDP trainer: which samples form each optimizer step, how a step's samples are
+split into micro-batches, and how a micro-batch is packed into one padding-free row.
+
+Packing: the samples of a micro-batch are concatenated into a single row; `position_ids` restart at 0 for every
+sample, and transformers turns restarting positions (with no attention mask and no KV cache) into a block-diagonal
+causal mask, so no token attends across samples. Only the positions whose hidden state predicts a response token
+are gathered for the log-prob head (`logit_index`). Pure torch, no distributed code.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+PER_TOKEN_KEYS = ("loss_masks", "rollout_log_probs", "teacher_log_probs")
+
+
+@dataclass
+class PackedMicroBatch:
+    input_ids: torch.Tensor  # [1, num_tokens]
+    position_ids: torch.Tensor  # [1, num_tokens]
+    logit_index: torch.Tensor  # [num_response_tokens] positions whose hidden state predicts a response token
+    target_ids: torch.Tensor  # [num_response_tokens] the response tokens themselves
+    sample_indices: list[int]  # indices into the rank's train-data lists
+    response_lengths: list[int]
+
+    @property
+    def num_tokens(self) -> int:
+        return self.input_ids.shape[1]
+
+    def to(self, device) -> "PackedMicroBatch":
+        return PackedMicroBatch(
+            self.input_ids.to(device), self.position_ids.to(device), self.logit_index.to(device),
+            self.target_ids.to(device), self.sample_indices, self.response_lengths,
+        )
+
+
+def pack_samples(tokens: list[list[int]], response_lengths: list[int], sample_indices: list[int]) -> PackedMicroBatch:
+    """Concatenate the given samples (full token lists, prompt + response) into one packed row."""
+    input_ids, position_ids, logit_index, target_ids, lengths = [], [], [], [], []
+    offset = 0
+    for index in sample_indices:
+        sample_tokens = tokens[index]
+        num_tokens, response_length = len(sample_tokens), response_lengths[index]
+        if not 0 < response_length < num_tokens:
+            raise ValueError(f"sample {index}: response_length {response_length} must be in [1, {num_tokens - 1}] "
+                             "(a sample needs at least one prompt token and one response token)")
+        input_ids.extend(sample_tokens)
+        position_ids.extend(range(num_tokens))
+        first_predictor = offset + num_tokens - response_length - 1
+        logit_index.extend(range(first_predictor, first_predictor + response_length))
+        target_ids.extend(sample_tokens[num_tokens - response_length:])
+        lengths.append(response_length)
+        offset += num_tokens
+    return PackedMicroBatch(
+        input_ids=torch.tensor([input_ids], dtype=torch.long),
+        position_ids=torch.tensor([position_ids], dtype=torch.long),
+        logit_index=torch.tensor(logit_index, dtype=torch.long),
+        target_ids=torch.tensor(target_ids, dtype=torch.long),
+        sample_indices=list(sample_indices),
+        response_lengths=lengths,
+    )
+
+
+def step_sample_indices(num_samples: int, num_steps: int) -> list[list[int]]:
+    """Sample i of a rank's lists belongs to step i // (num_samples // num_steps) (docs/internals.md)."""
+    if num_steps < 1 or num_samples % num_steps != 0 or num_samples == 0:
+        raise ValueError(f"{num_samples} train samples on this rank cannot be split into {num_steps} equal "
+                         "optimizer steps (global_batch_size x num_steps_per_rollout must match the rollout)")
+    per_step = num_samples // num_steps
+    return [list(range(step * per_step, (step + 1) * per_step)) for step in range(num_steps)]
+
+
+def split_micro_batches(indices: list[int], lengths: list[int], micro_batch_size: int,
+                        max_tokens: int | None = None) -> list[list[int]]:
+    """Static chunks of `micro_batch_size` samples, or, with `max_tokens`, first-fit bins of at most `max_tokens`
+    tokens (a sample longer than the budget gets a bin of its own)."""
+    if max_tokens is None:
+        return [indices[i:i + micro_batch_size] for i in range(0, len(indices), micro_batch_size)]
+    bins: list[list[int]] = []
+    bin_tokens: list[int] = []
+    for index in indices:
+        length = lengths[index]
+        for b, used in enumerate(bin_tokens):
+            if used + length <= max_tokens:
+                bins[b].append(index)
+                bin_tokens[b] += length
+                break
+        else:
+            bins.append([index])
+            bin_tokens.append(length)
+    return bins
+
+
+def pad_num_micro_batches(bins: list[list[int]], lengths: list[int], target: int) -> list[list[int]]:
+    """Split the largest multi-sample bins until there are `target` bins, so that every FSDP rank runs the same
+    number of forward/backward passes (their collectives must pair up)."""
+    bins = [list(b) for b in bins]
+    while len(bins) < target:
+        splittable = [b for b in bins if len(b) > 1]
+        assert splittable, f"cannot split {len(bins)} micro-batches into {target}"
+        largest = max(splittable, key=lambda b: sum(lengths[i] for i in b))
+        position = bins.index(largest)
+        half = len(largest) // 2
+        bins[position:position + 1] = [largest[:half], largest[half:]]
+    return bins
+
+
+def flat_per_token(values: list[list[float]], sample_indices: list[int], dtype=torch.float32) -> torch.Tensor:
+    """Concatenate per-response-token lists of the given samples into one flat tensor (packed order)."""
+    flat = [v for index in sample_indices for v in values[index]]
+    return torch.tensor(flat, dtype=dtype)
+
+
+def broadcast_per_sample(values: list[float], sample_indices: list[int], response_lengths: list[int],
+                         dtype=torch.float32) -> torch.Tensor:
+    """One value per sample repeated over its response tokens (packed order)."""
+    flat = [values[index] for index, length in zip(sample_indices, response_lengths) for _ in range(length)]
+    return torch.tensor(flat, dtype=dtype)

@@ -1,0 +1,135 @@
+"""The trained model: a Hugging Face causal LM wrapped so that one forward returns the log-probs and entropy of
+the response tokens of a packed micro-batch (never the full logits), sharded with FSDP2.
+
+`build_policy_model` is the one place that applies activation checkpointing and `fully_shard` (per decoder layer,
+then the root). `WeightSnapshot` keeps host copies of this rank's parameter shards under a tag, so a reference
+model lives in host memory and is swapped into the same sharded modules only while its log-probs are computed.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+from slime.backends.fsdp_utils.data import PackedMicroBatch
+from slime.backends.fsdp_utils.log_probs import chunked_log_probs_and_entropy
+
+HF_PREFIX = "hf_model."
+
+
+class PolicyModel(nn.Module):
+    """A causal LM whose forward takes a packed micro-batch and returns (log_probs, entropy) of its response
+    tokens, computed by the chunked output head."""
+
+    def __init__(self, hf_model: nn.Module, temperature: float = 1.0, chunk_size: int | None = None):
+        super().__init__()
+        self.hf_model = hf_model
+        self.temperature = temperature
+        self.chunk_size = chunk_size
+        if getattr(hf_model.get_output_embeddings(), "bias", None) is not None:
+            raise ValueError("models whose output layer has a bias are not supported by the chunked log-prob head")
+
+    def forward(self, input_ids, position_ids, logit_index, target_ids):
+        # No attention mask and no cache: transformers derives a block-diagonal causal mask from the restarting
+        # position_ids, so packed samples do not attend to each other.
+        outputs = self.hf_model.get_decoder()(input_ids=input_ids, position_ids=position_ids, use_cache=False)
+        hidden = outputs.last_hidden_state[0].index_select(0, logit_index)
+        weight = self.hf_model.get_output_embeddings().weight
+        return chunked_log_probs_and_entropy(hidden, weight, target_ids, self.temperature, self.chunk_size)
+
+    def forward_micro_batch(self, micro_batch: PackedMicroBatch):
+        return self(micro_batch.input_ids, micro_batch.position_ids, micro_batch.logit_index, micro_batch.target_ids)
+
+
+def load_hf_model(path: str, attn_implementation: str = "sdpa") -> nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation=attn_implementation)
+
+
+def build_policy_model(hf_model: nn.Module, mesh, *, temperature: float, chunk_size: int | None,
+                       mixed_precision: bool, recompute_activations: bool) -> PolicyModel:
+    """Wrap, checkpoint activations per decoder layer if asked, and shard every decoder layer then the root."""
+    if recompute_activations:
+        hf_model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    hf_model.config.use_cache = False
+    model = PolicyModel(hf_model, temperature, chunk_size)
+    kwargs = {"mesh": mesh}
+    if mixed_precision:
+        kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for layer in hf_model.get_decoder().layers:
+        fully_shard(layer, **kwargs)
+    fully_shard(model, **kwargs)
+    return model
+
+
+def hf_name(name: str) -> str:
+    """Parameter name in the Hugging Face checkpoint (drops the wrapper prefix)."""
+    return name[len(HF_PREFIX):] if name.startswith(HF_PREFIX) else name
+
+
+@torch.no_grad()
+def load_full_weights(model: nn.Module, full_state: dict[str, torch.Tensor]) -> None:
+    """Copy full (unsharded) HF-named tensors into this rank's shards. Every rank passes the same tensors."""
+    for name, param in model.named_parameters():
+        key = hf_name(name)
+        if key not in full_state:
+            if key == "lm_head.weight" and "model.embed_tokens.weight" in full_state:
+                key = "model.embed_tokens.weight"
+            else:
+                raise ValueError(f"checkpoint has no tensor for parameter {key!r}")
+        full = full_state[key].to(device=param.device, dtype=param.dtype)
+        if isinstance(param, DTensor):
+            local = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None).to_local()
+            param.to_local().copy_(local)
+        else:
+            param.copy_(full)
+
+
+def read_hf_weights(path: str) -> dict[str, torch.Tensor]:
+    """All tensors of a safetensors HF checkpoint folder, on the CPU."""
+    from pathlib import Path
+
+    from safetensors.torch import load_file
+
+    files = sorted(Path(path).glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"{path}: no *.safetensors files (expected a Hugging Face checkpoint folder)")
+    state: dict[str, torch.Tensor] = {}
+    for file in files:
+        state.update(load_file(str(file)))
+    return state
+
+
+class WeightSnapshot:
+    """Host copies of this rank's parameter shards, by tag ("actor", "ref", ...)."""
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+        self.tags: dict[str, dict[str, torch.Tensor]] = {}
+
+    @staticmethod
+    def _local(param: torch.Tensor) -> torch.Tensor:
+        return param.to_local() if isinstance(param, DTensor) else param
+
+    @torch.no_grad()
+    def save(self, tag: str) -> None:
+        pin = torch.cuda.is_available()
+        store = self.tags.setdefault(tag, {})
+        for name, param in self.model.named_parameters():
+            local = self._local(param)
+            if name not in store:
+                store[name] = torch.empty(local.shape, dtype=local.dtype, device="cpu", pin_memory=pin)
+            store[name].copy_(local, non_blocking=True)
+        if pin:
+            torch.cuda.synchronize()
+
+    @torch.no_grad()
+    def restore(self, tag: str) -> None:
+        store = self.tags[tag]
+        for name, param in self.model.named_parameters():
+            self._local(param).copy_(store[name], non_blocking=True)
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()

@@ -1,0 +1,81 @@
+"""Engine configuration: one small dataclass with vLLM's knob names, validated on construction.
+
+This is what `Engine(model_path, **config)` accepts. It is not the slime CLI (that lives in
+`slime.utils.arguments` and turns `--sglang-*` flags into these fields) and it holds no model architecture
+facts: those are read from the checkpoint's config.json by `slime.engine.models`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+DEVICES = ("auto", "cpu", "cuda")
+
+
+@dataclass
+class Config:
+    """Engine knobs.
+
+    model: path of a Hugging Face checkpoint directory (config.json, tokenizer, *.safetensors).
+    max_num_seqs: most sequences in one batch (running and prefilling together).
+    max_num_batched_tokens: most tokens computed in one forward pass; longer prompts are prefilled in chunks.
+    max_model_len: longest sequence (prompt + output) in tokens; None = the checkpoint's max_position_embeddings.
+    kvcache_block_size: tokens per paged KV-cache block (prefix caching shares whole blocks).
+    gpu_memory_utilization: on CUDA, fraction of device memory the engine may use (weights + KV cache);
+        on CPU, fraction of physical RAM the KV cache may use at most (capped at 25%).
+    num_kvcache_blocks: explicit number of KV-cache blocks; None = size from memory as above.
+    enforce_eager: always run the model eagerly. The engine has no CUDA-graph capture yet, so every run is
+        eager; the field is accepted so configs written for graph capture keep working.
+    dtype: weight and activation dtype; "auto" = float32 on CPU, the checkpoint's dtype (bf16 if fp32) on CUDA.
+    device: "cpu", "cuda" or "auto" (cuda when available).
+    seed: seed of the engine's sampling RNG (requests without sampling_seed draw their seed from it).
+    """
+
+    model: str
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    max_model_len: int | None = None
+    kvcache_block_size: int = 16
+    gpu_memory_utilization: float = 0.9
+    num_kvcache_blocks: int | None = None
+    enforce_eager: bool = False
+    dtype: str = "auto"
+    device: str = "auto"
+    seed: int = 0
+
+    def __post_init__(self):
+        if not isinstance(self.model, str) or not self.model:
+            raise ValueError(f"model must be a non-empty checkpoint path, got {self.model!r}")
+        for name in ("max_num_seqs", "max_num_batched_tokens", "kvcache_block_size"):
+            _require_positive_int(name, getattr(self, name))
+        for name in ("max_model_len", "num_kvcache_blocks"):
+            if getattr(self, name) is not None:
+                _require_positive_int(name, getattr(self, name))
+        if not isinstance(self.gpu_memory_utilization, (int, float)) or not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
+        if not isinstance(self.enforce_eager, bool):
+            raise ValueError(f"enforce_eager must be a bool, got {self.enforce_eager!r}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.device not in DEVICES:
+            raise ValueError(f"device must be one of {DEVICES}, got {self.device!r}")
+        if not isinstance(self.seed, int) or isinstance(self.seed, bool):
+            raise ValueError(f"seed must be an int, got {self.seed!r}")
+
+    @classmethod
+    def field_names(cls) -> list[str]:
+        return [f.name for f in fields(cls)]
+
+    @classmethod
+    def from_kwargs(cls, model: str, **kwargs) -> Config:
+        """Build from keyword overrides, naming any key that is not a Config field."""
+        unknown = sorted(set(kwargs) - set(cls.field_names()))
+        if unknown:
+            raise ValueError(f"unknown engine config field(s) {unknown}; valid fields: {cls.field_names()}")
+        return cls(model=model, **kwargs)
+
+
+def _require_positive_int(name: str, value) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")

@@ -1,0 +1,140 @@
+"""Continuous-batching scheduler: decides which sequences run in the next forward pass and how many tokens each.
+
+Every step, running sequences go first (one token for a decode, the rest of a chunked prefill), then waiting
+sequences are admitted in arrival order while the token budget (max_num_batched_tokens) and max_num_seqs allow;
+a prompt longer than the remaining budget is prefilled in chunks over several steps. When the KV cache has no
+free block, the most recently admitted running sequence is preempted by recompute: its blocks are freed and it
+goes back to the front of the waiting queue, keeping the tokens it generated. Plain Python, no torch; it does not
+sample or check stop strings (the engine does), it only applies token-level stop rules in `postprocess`.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from slime.engine.block_manager import BlockManager
+from slime.engine.sequence import Sequence, SequenceStatus
+
+
+@dataclass
+class ScheduledSequence:
+    seq: Sequence
+    num_new_tokens: int  # tokens computed this step, starting at seq.num_computed_tokens
+
+    @property
+    def needs_sample(self) -> bool:
+        """True when this chunk reaches the end of the sequence, so its last logits give the next token."""
+        return self.seq.num_computed_tokens + self.num_new_tokens == len(self.seq)
+
+
+class Scheduler:
+    def __init__(
+        self,
+        block_manager: BlockManager,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        max_model_len: int,
+        eos_token_ids: set[int],
+    ):
+        self.block_manager = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.eos_token_ids = set(eos_token_ids)
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> list[ScheduledSequence]:
+        budget = self.max_num_batched_tokens
+        scheduled: list[ScheduledSequence] = []
+        index = 0
+        num_preempted = 0
+        while index < len(self.running) and budget > 0:
+            seq = self.running[index]
+            num_new_tokens = min(len(seq) - seq.num_computed_tokens, budget)
+            end = seq.num_computed_tokens + num_new_tokens
+            while not self.block_manager.can_grow(seq, end):
+                victim = self.running[-1]
+                self.preempt(victim)
+                num_preempted += 1
+                if victim is seq:
+                    break
+            if seq.status != SequenceStatus.RUNNING:
+                break
+            self.block_manager.grow(seq, end)
+            self.block_manager.register_full_blocks(seq, end)
+            scheduled.append(ScheduledSequence(seq, num_new_tokens))
+            budget -= num_new_tokens
+            index += 1
+        # After a preemption the cache is full: admitting more would only evict again.
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not num_preempted:
+            seq = self.waiting[0]
+            num_uncached = len(seq) - len(self.block_manager.match_prefix(seq)) * self.block_manager.block_size
+            num_new_tokens = min(num_uncached, budget)
+            if not self.block_manager.can_admit(seq, len(seq) - num_uncached + num_new_tokens):
+                break
+            self.waiting.popleft()
+            self.block_manager.admit(seq)
+            end = seq.num_computed_tokens + num_new_tokens
+            self.block_manager.grow(seq, end)
+            self.block_manager.register_full_blocks(seq, end)
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            scheduled.append(ScheduledSequence(seq, num_new_tokens))
+            budget -= num_new_tokens
+        return scheduled
+
+    def preempt(self, seq: Sequence) -> None:
+        """Free `seq`'s blocks and requeue it first; its KV is recomputed (prefix hits permitting) on readmission."""
+        self.running.remove(seq)
+        self.block_manager.free(seq)
+        seq.status = SequenceStatus.WAITING
+        seq.num_preemptions += 1
+        self.waiting.appendleft(seq)
+
+    def postprocess(self, scheduled: list[ScheduledSequence], token_ids: list[int], log_probs: list[float]) -> None:
+        """Advance computed counts; append one sampled token (and log-prob) per sequence that needed a sample, in
+        order; finish sequences on EOS / stop_token_ids / max_new_tokens / max_model_len."""
+        sampled = iter(zip(token_ids, log_probs))
+        for item in scheduled:
+            seq = item.seq
+            needs_sample = item.needs_sample
+            seq.num_computed_tokens += item.num_new_tokens
+            if not needs_sample:
+                continue
+            token_id, log_prob = next(sampled)
+            seq.append_token(token_id, log_prob)
+            reason = self.token_finish_reason(seq, token_id)
+            if reason is not None:
+                self.finish(seq, reason)
+
+    def token_finish_reason(self, seq: Sequence, token_id: int) -> dict | None:
+        params = seq.sampling_params
+        is_stop_token = token_id in params.stop_token_ids or (not params.ignore_eos and token_id in self.eos_token_ids)
+        # The sampler masks stop tokens while fewer than min_new_tokens tokens exist; this guards other samplers.
+        if is_stop_token and seq.num_completion_tokens > params.min_new_tokens:
+            return {"type": "stop", "matched": token_id}
+        if params.max_new_tokens is not None and seq.num_completion_tokens >= params.max_new_tokens:
+            return {"type": "length", "length": params.max_new_tokens}
+        if len(seq) >= self.max_model_len:
+            return {"type": "length", "length": seq.num_completion_tokens}
+        return None
+
+    def finish(self, seq: Sequence, finish_reason: dict) -> None:
+        if seq.status == SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq.status == SequenceStatus.WAITING:
+            self.waiting.remove(seq)
+        self.block_manager.free(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = finish_reason
+
+    def abort(self, seq: Sequence) -> None:
+        self.finish(seq, {"type": "abort", "message": "aborted by request"})

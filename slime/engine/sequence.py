@@ -1,0 +1,59 @@
+"""One request's bookkeeping: its token ids, how many have KV in the cache, its block table, status and outputs.
+
+Plain Python (no torch) so the scheduler and block manager test fast with a fake model runner. It does not
+decide anything: the scheduler moves a Sequence between states and the engine checks stop conditions.
+"""
+
+from __future__ import annotations
+
+from enum import Enum, auto
+
+from slime.engine.sampling_params import SamplingParams
+
+
+class SequenceStatus(Enum):
+    WAITING = auto()
+    RUNNING = auto()
+    FINISHED = auto()
+
+
+class Sequence:
+    def __init__(self, rid: str, prompt_token_ids: list[int], sampling_params: SamplingParams, seed: int):
+        self.rid = rid
+        self.token_ids: list[int] = list(prompt_token_ids)
+        self.num_prompt_tokens = len(self.token_ids)
+        self.sampling_params = sampling_params
+        # Seed of this request's sampling noise: its sampling_seed, or one drawn from the engine's RNG.
+        self.seed = seed
+        self.status = SequenceStatus.WAITING
+        self.block_table: list[int] = []
+        # Tokens whose KV is in the cache (prefix-cache hits included); the next forward computes from here.
+        self.num_computed_tokens = 0
+        # Prompt tokens served by the prefix cache at the latest admission (SGLang's cached_tokens).
+        self.num_cached_tokens = 0
+        self.output_log_probs: list[float] = []
+        self.finish_reason: dict | None = None
+        self.num_preemptions = 0
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_completion_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.token_ids[: self.num_prompt_tokens]
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == SequenceStatus.FINISHED
+
+    def append_token(self, token_id: int, log_prob: float) -> None:
+        self.token_ids.append(token_id)
+        self.output_log_probs.append(log_prob)

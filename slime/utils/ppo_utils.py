@@ -1,0 +1,473 @@
+"""Pure RL math: KL estimators, policy/value losses, advantage estimators, reward normalisation, loss reducers.
+
+Every function here is a stateless torch function with no I/O and no distributed calls, so it tests on a CPU.
+Conventions: a 1-D tensor holds the per-token values of one response; `loss_mask` is 1 for tokens the policy is
+trained on and 0 otherwise. Functions that need sequence boundaries (GSPO, sequence-level TIS, loss aggregation)
+take either one 1-D tensor, a padded `[batch, tokens]` tensor, or a list of 1-D tensors (one per response).
+
+What this module is not: it does not decide which estimator runs, gather tensors across ranks or log metrics. Where
+a quantity needs global statistics (advantage whitening, loss denominators) the caller passes the already reduced
+numbers in, see `masked_whiten_from_sums` and `aggregate_loss`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+
+KL_TYPES = ("k1", "k2", "k3", "low_var_kl")
+LOSS_AGGREGATION_MODES = ("sample_mean", "token_mean", "constant")
+TIS_MODES = ("truncate", "mask_token", "mask_sequence")
+
+# Reverse scans (GAE, discounted returns) run over chunks of this many tokens: one small matrix product per chunk
+# instead of one Python step per token.
+_SCAN_CHUNK_SIZE = 128
+
+
+# --------------------------------------------------------------------------------------------- KL and policy loss
+
+
+def compute_approx_kl(
+    log_probs: torch.Tensor,
+    ref_log_probs: torch.Tensor,
+    kl_type: str,
+    importance_ratio: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Per-token KL estimate with d = log_probs - ref_log_probs.
+
+    k1 = d; k2 = d^2 / 2; k3 = low_var_kl = exp(-d) - 1 + d, and low_var_kl is additionally clamped to [-10, 10].
+    With `importance_ratio` (= exp(log_probs - old_log_probs), `--use-unbiased-kl`) the estimate is multiplied by it.
+    """
+    if kl_type not in KL_TYPES:
+        raise ValueError(f"unknown kl_type {kl_type!r} (--kl-loss-type); valid: {', '.join(KL_TYPES)}")
+    log_ratio = log_probs - ref_log_probs
+    if kl_type == "k1":
+        kl = log_ratio
+    elif kl_type == "k2":
+        kl = log_ratio.square() / 2.0
+    else:
+        kl = torch.exp(-log_ratio) - 1.0 + log_ratio
+        if kl_type == "low_var_kl":
+            kl = kl.clamp(min=-10.0, max=10.0)
+    if importance_ratio is not None:
+        kl = kl * importance_ratio
+    return kl
+
+
+def compute_policy_loss(
+    ppo_kl: torch.Tensor,
+    advantages: torch.Tensor,
+    eps_clip: float,
+    eps_clip_high: float,
+    eps_clip_c: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """PPO clipped surrogate, elementwise. Returns `(pg_losses, clipfrac)`.
+
+    ppo_kl = old_log_probs - log_probs, ratio = exp(-ppo_kl); L1 = -A * ratio; L2 = -A * clip(ratio, 1 - eps_clip,
+    1 + eps_clip_high); L = max(L1, L2); clipfrac = float(L2 > L1). Dual clip (`eps_clip_c` = c > 1): where A < 0,
+    L = min(L, -c * A).
+    """
+    if eps_clip_c is not None and not eps_clip_c > 1.0:
+        raise ValueError(f"--eps-clip-c must be > 1 for dual-clip PPO, got {eps_clip_c}")
+    ratio = torch.exp(-ppo_kl)
+    loss_unclipped = -advantages * ratio
+    loss_clipped = -advantages * ratio.clamp(1.0 - eps_clip, 1.0 + eps_clip_high)
+    pg_losses = torch.maximum(loss_unclipped, loss_clipped)
+    clipfrac = (loss_clipped > loss_unclipped).float()
+    if eps_clip_c is not None:
+        dual_clipped = torch.minimum(pg_losses, -eps_clip_c * advantages)
+        pg_losses = torch.where(advantages < 0, dual_clipped, pg_losses)
+    return pg_losses, clipfrac
+
+
+def compute_gspo_kl(ppo_kl, loss_mask):
+    """GSPO sequence-level ppo_kl: each sequence's masked token mean of `ppo_kl`, broadcast to all its tokens.
+
+    mean_i = sum_t ppo_kl_it * m_it / max(sum_t m_it, 1). Accepts a 1-D tensor (one sequence), a `[batch, tokens]`
+    tensor (one sequence per row), or a list of 1-D tensors (returns a list). exp(-result) is the geometric-mean
+    sequence ratio; gradients flow to every token through the mean.
+    """
+    if isinstance(ppo_kl, (list, tuple)):
+        return [compute_gspo_kl(kl, mask) for kl, mask in zip(ppo_kl, loss_mask, strict=True)]
+    mask = loss_mask.to(ppo_kl.dtype)
+    seq_mean = (ppo_kl * mask).sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1.0)
+    return seq_mean.expand_as(ppo_kl)
+
+
+def compute_value_loss(
+    values: torch.Tensor,
+    old_values: torch.Tensor,
+    returns: torch.Tensor,
+    value_clip: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Clipped critic loss, elementwise (slime: no 0.5 factor). Returns `(loss, clipfrac)`.
+
+    V_clip = V_old + clamp(V - V_old, -value_clip, value_clip); loss = max((V_clip - R)^2, (V - R)^2);
+    clipfrac = float((V_clip - R)^2 > (V - R)^2), i.e. where the clipped term is the one taken.
+    """
+    values_clipped = old_values + (values - old_values).clamp(-value_clip, value_clip)
+    loss_clipped = (values_clipped - returns).square()
+    loss_unclipped = (values - returns).square()
+    return torch.maximum(loss_clipped, loss_unclipped), (loss_clipped > loss_unclipped).float()
+
+
+# ------------------------------------------------------------------------------------------- advantages / returns
+
+
+def _reverse_discounted_cumsum(x: torch.Tensor, discount: float) -> torch.Tensor:
+    """y_t = sum_{k >= t} discount^(k - t) x_k along the last dim (chunked: one matmul per chunk)."""
+    length = x.shape[-1]
+    if length == 0:
+        return x.clone()
+    chunk = min(_SCAN_CHUNK_SIZE, length)
+    offsets = torch.arange(chunk, device=x.device)
+    lag = offsets.view(1, -1) - offsets.view(-1, 1)  # lag[t, k] = k - t
+    # Built in float64 so that discount^lag for lags up to the chunk size keeps full precision.
+    powers = torch.where(lag >= 0, torch.tensor(discount, dtype=torch.float64) ** lag.clamp(min=0), 0.0).to(x.dtype)
+    tail_powers = (torch.tensor(discount, dtype=torch.float64) ** (chunk - offsets)).to(x.dtype)  # discount^(e+1-t)
+    chunks_reversed = []
+    carry = torch.zeros_like(x[..., :1])  # y at the first token after the current chunk
+    for end in range(length, 0, -chunk):
+        start = max(0, end - chunk)
+        size = end - start
+        block = x[..., start:end]
+        local = block @ powers[:size, :size].transpose(0, 1) if block.dim() > 1 else powers[:size, :size] @ block
+        chunk_out = local + carry * tail_powers[chunk - size :]
+        chunks_reversed.append(chunk_out)
+        carry = chunk_out[..., :1]
+    return torch.cat(chunks_reversed[::-1], dim=-1)
+
+
+def compute_discounted_returns(rewards: torch.Tensor, gamma: float) -> torch.Tensor:
+    """G_t = sum_{k >= t} gamma^(k - t) r_k along the last dim (REINFORCE / REINFORCE++ returns)."""
+    return _reverse_discounted_cumsum(rewards, gamma)
+
+
+def compute_gae(
+    rewards: torch.Tensor, values: torch.Tensor, gamma: float, lambd: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Generalised advantage estimation for one sequence (or a batch along the leading dims).
+
+    delta_t = r_t + gamma * V_{t+1} - V_t with V beyond the end = 0; A_t = sum_k (gamma * lambd)^k delta_{t+k};
+    returns = A + V. Loss masks are not looked at (as in slime). Returns `(advantages, returns)`.
+    """
+    if rewards.shape != values.shape:
+        raise ValueError(f"rewards {tuple(rewards.shape)} and values {tuple(values.shape)} must have the same shape")
+    next_values = torch.cat([values[..., 1:], torch.zeros_like(values[..., :1])], dim=-1)
+    deltas = rewards + gamma * next_values - values
+    advantages = _reverse_discounted_cumsum(deltas, gamma * lambd)
+    return advantages, advantages + values
+
+
+def reinforce_plus_plus_token_rewards(
+    reward: float | torch.Tensor, kl: torch.Tensor, loss_mask: torch.Tensor, kl_coef: float
+) -> torch.Tensor:
+    """REINFORCE++ per-token rewards of one response: r_t = -kl_coef * kl_t * m_t, plus the scalar `reward` at the
+    last token with m_t = 1 (the last token if none is masked in). Feed the result to `compute_discounted_returns`.
+    """
+    token_rewards = -kl_coef * kl * loss_mask.to(kl.dtype)
+    if token_rewards.numel() == 0:
+        return token_rewards
+    masked_in = loss_mask.nonzero()
+    last = int(masked_in[-1]) if masked_in.numel() else token_rewards.shape[-1] - 1
+    bonus = torch.zeros_like(token_rewards)
+    bonus[last] = reward
+    return token_rewards + bonus
+
+
+def apply_opd_advantage(
+    advantages: torch.Tensor, old_log_probs: torch.Tensor, teacher_log_probs: torch.Tensor, coef: float
+) -> torch.Tensor:
+    """On-policy distillation: A - coef * (old_log_probs - teacher_log_probs) (a one-sample reverse-KL penalty)."""
+    return advantages - coef * (old_log_probs - teacher_log_probs)
+
+
+# ------------------------------------------------------------------------------------------------ group rewards
+
+
+def _group_index(rewards: torch.Tensor, group_ids) -> tuple[torch.Tensor, int]:
+    ids = torch.as_tensor(group_ids, device=rewards.device)
+    if ids.shape != rewards.shape or rewards.dim() != 1:
+        raise ValueError(
+            f"rewards and group_ids must be 1-D of the same length, got {tuple(rewards.shape)} and {tuple(ids.shape)}"
+        )
+    _, inverse = torch.unique(ids, return_inverse=True)
+    return inverse, int(inverse.max()) + 1 if inverse.numel() else 0
+
+
+def _group_sums(x: torch.Tensor, inverse: torch.Tensor, num_groups: int) -> torch.Tensor:
+    return torch.zeros(num_groups, dtype=x.dtype, device=x.device).index_add_(0, inverse, x)
+
+
+def normalize_group_rewards(
+    rewards: torch.Tensor, group_ids, std_normalize: bool = True, eps: float = 1e-6
+) -> torch.Tensor:
+    """GRPO reward normalisation by explicit group id (never by position; groups may be interleaved and unequal).
+
+    r_i <- r_i - mean_g; with `std_normalize`, r_i <- (r_i - mean_g) / (std_g + eps) where std_g is the unbiased
+    (n - 1) standard deviation of group g, taken as 0 for a group of one sample (whose centred value is 0).
+    """
+    rewards = torch.as_tensor(rewards)
+    if not rewards.is_floating_point():
+        rewards = rewards.float()
+    inverse, num_groups = _group_index(rewards, group_ids)
+    counts = _group_sums(torch.ones_like(rewards), inverse, num_groups)
+    means = _group_sums(rewards, inverse, num_groups) / counts
+    centred = rewards - means[inverse]
+    if not std_normalize:
+        return centred
+    sum_sq = _group_sums(centred.square(), inverse, num_groups)
+    stds = torch.where(counts > 1, sum_sq / (counts - 1).clamp(min=1), 0.0).sqrt()
+    return centred / (stds[inverse] + eps)
+
+
+def compute_rloo_advantages(rewards: torch.Tensor, group_ids) -> torch.Tensor:
+    """RLOO: A_i = r_i - mean_{j != i, j in group(i)} r_j. A group of one sample has no baseline and gets 0."""
+    rewards = torch.as_tensor(rewards)
+    if not rewards.is_floating_point():
+        rewards = rewards.float()
+    inverse, num_groups = _group_index(rewards, group_ids)
+    counts = _group_sums(torch.ones_like(rewards), inverse, num_groups)[inverse]
+    sums = _group_sums(rewards, inverse, num_groups)[inverse]
+    others_mean = (sums - rewards) / (counts - 1).clamp(min=1)
+    return torch.where(counts > 1, rewards - others_mean, torch.zeros_like(rewards))
+
+
+# ---------------------------------------------------------------------------------------------------- whitening
+
+
+def masked_moments(values: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Local `(sum, sum_of_squares, count)` of the masked-in values; all-reduce (SUM) them across ranks and pass the
+    results to `masked_whiten_from_sums` for whitening with global statistics."""
+    mask = mask.to(values.dtype)
+    return (values * mask).sum(), (values.square() * mask).sum(), mask.sum()
+
+
+def masked_whiten_from_sums(
+    values: torch.Tensor,
+    global_sum,
+    global_sum_sq,
+    global_count,
+    eps: float = 1e-8,
+    shift_mean: bool = True,
+) -> torch.Tensor:
+    """Whiten with pre-reduced global statistics (slime's `--normalize-advantages` over the DP x CP group).
+
+    mean = S / n; var = (Q / n - mean^2) * n / (n - 1) (Bessel correction, skipped when n <= 1);
+    out = (values - mean) / sqrt(var + eps), plus mean again when not `shift_mean`. Every position is transformed,
+    masked-out ones included (the loss ignores them). With n = 0 there is nothing to normalise: values are returned
+    unchanged.
+    """
+    count = float(global_count)
+    if count <= 0:
+        return values.clone()
+    mean = torch.as_tensor(global_sum, dtype=values.dtype, device=values.device) / count
+    mean_sq = torch.as_tensor(global_sum_sq, dtype=values.dtype, device=values.device) / count
+    var = (mean_sq - mean.square()).clamp(min=0.0)  # E[x^2] - mean^2 can round below zero
+    if count > 1:
+        var = var * (count / (count - 1))
+    whitened = (values - mean) * torch.rsqrt(var + eps)
+    return whitened if shift_mean else whitened + mean
+
+
+def masked_whiten(values: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8, shift_mean: bool = True):
+    """Single-process `masked_whiten_from_sums(values, *masked_moments(values, mask), ...)`."""
+    return masked_whiten_from_sums(values, *masked_moments(values, mask), eps=eps, shift_mean=shift_mean)
+
+
+# ------------------------------------------------------------------------------------ train / rollout mismatch
+
+
+def _masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    mask = mask.to(x.dtype)
+    return (x * mask).sum() / mask.sum().clamp(min=1.0)
+
+
+def _flatten(x) -> torch.Tensor:
+    if isinstance(x, (list, tuple)):
+        return torch.cat([t.reshape(-1) for t in x]) if x else torch.zeros(0)
+    return x.reshape(-1)
+
+
+def compute_tis_weights(
+    old_log_probs,
+    rollout_log_probs,
+    loss_mask,
+    clip_low: float,
+    clip_high: float,
+    mode: str = "truncate",
+):
+    """Importance weights w = exp(old_log_probs - rollout_log_probs) correcting train/rollout mismatch.
+
+    Modes: "truncate" (vanilla TIS, `--use-tis`): w clamped to [clip_low, clip_high]; "mask_token" (icepop): w kept
+    where clip_low <= w <= clip_high, else 0; "mask_sequence": a sequence whose masked-in tokens are not all inside
+    [clip_low, clip_high] gets weight 0 on every token, the others keep w. Inputs are 1-D, `[batch, tokens]` (one
+    sequence per row) or lists of 1-D tensors (then the weights are a list). Weights carry no gradient.
+    Returns `(weights, metrics)`, metrics being 0-dim tensors over masked-in tokens: tis (mean raw w), tis_abs
+    (mean |w - 1|), tis_clipfrac (fraction of tokens whose weight was changed), and for mask_sequence
+    tis_seq_rejected_frac (fraction of sequences zeroed).
+    """
+    if mode not in TIS_MODES:
+        raise ValueError(f"unknown TIS mode {mode!r}; valid: {', '.join(TIS_MODES)}")
+    if clip_low > clip_high:
+        raise ValueError(f"TIS clip_low {clip_low} (--tis-clip-low) must be <= clip_high {clip_high} (--tis-clip)")
+    if isinstance(old_log_probs, (list, tuple)):
+        pieces = [
+            _tis_weights_tensor(o.detach(), r, m, clip_low, clip_high, mode)
+            for o, r, m in zip(old_log_probs, rollout_log_probs, loss_mask, strict=True)
+        ]
+        weights = [p[0] for p in pieces]
+        raw = _flatten([p[1] for p in pieces])
+        rejected_seqs = torch.stack([p[2] for p in pieces]).reshape(-1) if pieces else torch.zeros(0)
+        flat_weights = _flatten(weights)
+    else:
+        weights, raw, rejected_seqs = _tis_weights_tensor(
+            old_log_probs.detach(), rollout_log_probs, loss_mask, clip_low, clip_high, mode
+        )
+        flat_weights = weights.reshape(-1)
+        raw = raw.reshape(-1)
+        rejected_seqs = rejected_seqs.reshape(-1)
+    flat_mask = _flatten(loss_mask).to(raw.dtype)
+    metrics = {
+        "tis": _masked_mean(raw, flat_mask),
+        "tis_abs": _masked_mean((raw - 1.0).abs(), flat_mask),
+        "tis_clipfrac": _masked_mean((flat_weights != raw).to(raw.dtype), flat_mask),
+    }
+    if mode == "mask_sequence":
+        metrics["tis_seq_rejected_frac"] = rejected_seqs.to(raw.dtype).mean() if rejected_seqs.numel() else raw.new_zeros(())
+    return weights, metrics
+
+
+def _tis_weights_tensor(old_log_probs, rollout_log_probs, loss_mask, clip_low, clip_high, mode):
+    """Weights, raw ratios and per-sequence rejection flags for one tensor (sequence along the last dim)."""
+    raw = torch.exp(old_log_probs - rollout_log_probs)
+    inside = (raw >= clip_low) & (raw <= clip_high)
+    if mode == "truncate":
+        return raw.clamp(clip_low, clip_high), raw, torch.zeros(raw.shape[:-1], dtype=torch.bool)
+    if mode == "mask_token":
+        return torch.where(inside, raw, 0.0), raw, torch.zeros(raw.shape[:-1], dtype=torch.bool)
+    outside_masked_in = (~inside) & loss_mask.bool()
+    rejected = outside_masked_in.any(dim=-1)
+    return torch.where(rejected.unsqueeze(-1), 0.0, raw), raw, rejected
+
+
+def _quantile(sorted_values: torch.Tensor, q: float) -> torch.Tensor:
+    """Linear-interpolated quantile of an ascending 1-D tensor (torch.quantile refuses > 16M elements)."""
+    position = q * (sorted_values.numel() - 1)
+    lower = math.floor(position)
+    upper = min(lower + 1, sorted_values.numel() - 1)
+    frac = position - lower
+    return sorted_values[lower] + (sorted_values[upper] - sorted_values[lower]) * frac
+
+
+def compute_mismatch_metrics(train_log_probs, rollout_log_probs, loss_mask, eps_clip: float, eps_clip_high: float):
+    """Train/rollout log-prob mismatch as a distribution, over masked-in tokens (tensors or lists of 1-D tensors).
+
+    Keys: train_rollout_logprob_abs_diff (mean |train - rollout|), mismatch_ratio_p1 / _p50 / _p99 (quantiles of
+    ratio = exp(train - rollout)), mismatch_ratio_outside_clip_frac (fraction with ratio outside
+    [1 - eps_clip, 1 + eps_clip_high]) and mismatch_num_tokens. With no masked-in tokens the quantiles are NaN and
+    the means 0. Quantiles are of the tokens passed in (per rank; they do not all-reduce).
+    """
+    train = _flatten(train_log_probs).detach()
+    rollout = _flatten(rollout_log_probs).to(train.dtype)
+    keep = _flatten(loss_mask).bool()
+    log_ratio = (train - rollout)[keep]
+    ratio = torch.exp(log_ratio)
+    num_tokens = log_ratio.numel()
+    metrics = {"mismatch_num_tokens": torch.tensor(float(num_tokens))}
+    if num_tokens == 0:
+        nan = torch.tensor(float("nan"))
+        metrics.update(
+            train_rollout_logprob_abs_diff=torch.tensor(0.0),
+            mismatch_ratio_p1=nan, mismatch_ratio_p50=nan, mismatch_ratio_p99=nan,
+            mismatch_ratio_outside_clip_frac=torch.tensor(0.0),
+        )
+        return metrics
+    sorted_ratio = ratio.sort().values
+    outside = (ratio < 1.0 - eps_clip) | (ratio > 1.0 + eps_clip_high)
+    metrics.update(
+        train_rollout_logprob_abs_diff=log_ratio.abs().mean(),
+        mismatch_ratio_p1=_quantile(sorted_ratio, 0.01),
+        mismatch_ratio_p50=_quantile(sorted_ratio, 0.50),
+        mismatch_ratio_p99=_quantile(sorted_ratio, 0.99),
+        mismatch_ratio_outside_clip_frac=outside.to(train.dtype).mean(),
+    )
+    return metrics
+
+
+# -------------------------------------------------------------------------------------------- loss aggregation
+
+
+def _split_per_sample(values, loss_masks: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    if isinstance(values, (list, tuple)):
+        if len(values) != len(loss_masks):
+            raise ValueError(f"got {len(values)} per-sample value tensors but {len(loss_masks)} loss masks")
+        return list(values)
+    lengths = [int(m.numel()) for m in loss_masks]
+    if values.dim() != 1 or values.numel() != sum(lengths):
+        raise ValueError(
+            f"packed values must be 1-D with sum(len(mask)) = {sum(lengths)} elements, got shape {tuple(values.shape)}"
+        )
+    return list(torch.split(values, lengths))
+
+
+def loss_denominator(mode: str, loss_masks: Sequence[torch.Tensor], constant: float | None = None) -> float:
+    """This rank's share of `aggregate_loss`'s `global_denominator` for the samples in `loss_masks`.
+
+    sample_mean: number of samples; token_mean: number of masked-in tokens; constant: number of samples x
+    `constant` (Dr.GRPO, e.g. the max response length). All three add up over disjoint sets of samples, so the
+    global denominator is the SUM over every micro-batch of the global batch on every rank (one all-reduce).
+    """
+    if mode not in LOSS_AGGREGATION_MODES:
+        raise ValueError(f"unknown loss aggregation mode {mode!r}; valid: {', '.join(LOSS_AGGREGATION_MODES)}")
+    if mode == "sample_mean":
+        return float(len(loss_masks))
+    if mode == "token_mean":
+        return float(sum(float(m.sum()) for m in loss_masks))
+    if constant is None or not constant > 0:
+        raise ValueError(f"loss aggregation mode 'constant' needs a positive constant, got {constant!r}")
+    return float(len(loss_masks)) * float(constant)
+
+
+def aggregate_loss(
+    values,
+    loss_masks: Sequence[torch.Tensor],
+    mode: str,
+    global_denominator: float,
+    sample_token_counts: Sequence[float] | None = None,
+) -> torch.Tensor:
+    """Reduce per-token values (loss terms) of some samples to this micro-batch's share of the global-batch loss.
+
+    `values` is a list of 1-D per-sample tensors or one packed 1-D tensor (samples concatenated in the order of
+    `loss_masks`, each as long as its mask).
+      sample_mean (slime default): sum_i (sum_t x_it m_it / max(D_i, 1)) / global_denominator, with D_i = sum_t m_it
+          (or `sample_token_counts[i]`, e.g. the token total of the rollout sample i belongs to) and
+          global_denominator = number of samples in the global batch.
+      token_mean (--calculate-per-token-loss): sum x m / global_denominator = all masked-in tokens of the global batch.
+      constant (Dr.GRPO): sum x m / global_denominator = samples in the global batch x constant.
+
+    Invariance: the result is a sum of per-sample terms over a denominator fixed for the whole global batch (get it
+    with `loss_denominator` summed over all micro-batches and ranks). Summing this function's outputs over ANY
+    partition of the global batch into micro-batches and ranks therefore gives exactly the full-batch loss, and the
+    same gradient. Backward each micro-batch's value as is (no division by the number of micro-batches); if the
+    data-parallel gradient reduction averages over ranks (DDP / FSDP default), multiply by the number of ranks.
+    """
+    if mode not in LOSS_AGGREGATION_MODES:
+        raise ValueError(f"unknown loss aggregation mode {mode!r}; valid: {', '.join(LOSS_AGGREGATION_MODES)}")
+    if not global_denominator > 0:
+        raise ValueError(f"global_denominator must be > 0 (computed once over the global batch), got {global_denominator}")
+    per_sample = _split_per_sample(values, loss_masks)
+    if not per_sample:
+        return torch.zeros(())
+    if sample_token_counts is not None and len(sample_token_counts) != len(per_sample):
+        raise ValueError(f"got {len(sample_token_counts)} sample_token_counts for {len(per_sample)} samples")
+    terms = []
+    for i, (x, mask) in enumerate(zip(per_sample, loss_masks)):
+        masked_sum = (x * mask.to(x.dtype)).sum()
+        if mode == "sample_mean":
+            count = float(mask.sum()) if sample_token_counts is None else float(sample_token_counts[i])
+            masked_sum = masked_sum / max(count, 1.0)
+        terms.append(masked_sum)
+    return torch.stack(terms).sum() / global_denominator
