@@ -7,6 +7,7 @@ hands out.
 
 from __future__ import annotations
 
+import copy
 import json
 import time
 from pathlib import Path
@@ -63,6 +64,7 @@ class RolloutManager:
         self.generate_rollout = load_function(args.rollout_function_path, "--rollout-function-path")
         self.eval_rollout = load_function(args.eval_function_path or args.rollout_function_path,
                                           "--eval-function-path")
+        self.state_before_rollout: dict[int, dict] = {}
         self.router = None
         self.engines = []
         self.engine_urls = []
@@ -134,6 +136,7 @@ class RolloutManager:
     def generate(self, rollout_id: int) -> tuple[list, dict]:
         """Run one rollout; returns (one ObjectRef of train data per trainer rank, rollout metrics)."""
         start = time.perf_counter()
+        self.state_before_rollout = {rollout_id: copy.deepcopy(self.data_source.state_dict())}
         samples = self._rollout_samples(rollout_id)
         rollout_time = time.perf_counter() - start
         for s in samples:
@@ -178,8 +181,10 @@ class RolloutManager:
     def onload(self, tags: list[str]) -> None:
         self._post_all("/resume_memory_occupation", {"tags": tags})
 
-    def data_source_state(self) -> dict:
-        return self.data_source.state_dict()
+    def data_source_state(self, next_rollout_id: int) -> dict:
+        """The state from which a resumed run regenerates exactly the data of `next_rollout_id` onwards (the
+        async driver may already have drawn that rollout's prompts)."""
+        return self.state_before_rollout.get(next_rollout_id) or self.data_source.state_dict()
 
     def load_data_source_state(self, state: dict) -> None:
         self.data_source.load_state_dict(state)

@@ -1,0 +1,105 @@
+"""Per-micro-batch losses of the FSDP trainer: policy (PPO/GRPO family), SFT and user-defined.
+
+Each function returns this micro-batch's share of the GLOBAL-batch loss plus its metric shares, all reduced with
+`ppo_utils.aggregate_loss` against a denominator fixed for the whole optimizer step, so the sum over any split into
+micro-batches and ranks is the same number (and the same gradient). The math itself lives in `ppo_utils`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from slime.utils.ppo_utils import (
+    aggregate_loss,
+    compute_approx_kl,
+    compute_gspo_kl,
+    compute_policy_loss,
+    compute_tis_weights,
+)
+
+
+@dataclass
+class MicroBatchTensors:
+    """Flat per-response-token tensors of one packed micro-batch (samples concatenated in packed order)."""
+
+    loss_masks: list[torch.Tensor]  # one per sample
+    advantages: torch.Tensor | None = None
+    old_log_probs: torch.Tensor | None = None
+    ref_log_probs: torch.Tensor | None = None
+    rollout_log_probs: torch.Tensor | None = None
+
+
+def aggregation_mode(args) -> str:
+    return "token_mean" if args.calculate_per_token_loss else "sample_mean"
+
+
+class LossReducer:
+    """aggregate_loss with the step's global denominator and this micro-batch's masks bound."""
+
+    def __init__(self, args, loss_masks: list[torch.Tensor], global_denominator: float):
+        self.mode = aggregation_mode(args)
+        self.loss_masks = loss_masks
+        self.global_denominator = global_denominator
+
+    def __call__(self, values: torch.Tensor) -> torch.Tensor:
+        return aggregate_loss(values, self.loss_masks, self.mode, self.global_denominator)
+
+
+def policy_loss(args, log_probs, entropy, batch: MicroBatchTensors, reduce: LossReducer):
+    """PPO-clip (or GSPO) surrogate + optional KL loss to the reference - entropy bonus, with optional TIS."""
+    old_log_probs = batch.old_log_probs if batch.old_log_probs is not None else log_probs.detach()
+    ppo_kl = old_log_probs - log_probs
+    if args.advantage_estimator == "gspo":
+        ppo_kl = torch.cat(compute_gspo_kl(list(torch.split(ppo_kl, _lengths(batch))), batch.loss_masks))
+    pg_losses, clipfrac = compute_policy_loss(ppo_kl, batch.advantages, args.eps_clip, args.eps_clip_high,
+                                              args.eps_clip_c)
+    metrics = {}
+    if args.use_tis:
+        weights, tis_metrics = compute_tis_weights(
+            old_log_probs, batch.rollout_log_probs, torch.cat(batch.loss_masks), args.tis_clip_low, args.tis_clip)
+        pg_losses = pg_losses * weights
+        metrics["tis_abs"] = reduce((weights.detach() - 1).abs())
+    pg_loss = reduce(pg_losses)
+    loss = pg_loss
+    if args.entropy_coef != 0:
+        entropy_loss = reduce(entropy)
+        loss = loss - args.entropy_coef * entropy_loss
+    else:
+        entropy_loss = reduce(entropy.detach())
+    kl_loss = torch.zeros(())
+    if args.use_kl_loss:
+        importance_ratio = torch.exp(log_probs - old_log_probs) if args.use_unbiased_kl else None
+        kl = compute_approx_kl(log_probs, batch.ref_log_probs, args.kl_loss_type, importance_ratio)
+        kl_loss = reduce(kl)
+        loss = loss + args.kl_loss_coef * kl_loss
+    metrics.update(
+        loss=loss.detach(), pg_loss=pg_loss.detach(), entropy_loss=entropy_loss.detach(),
+        pg_clipfrac=reduce(clipfrac), ppo_kl=reduce(ppo_kl.detach()), kl_loss=kl_loss.detach(),
+    )
+    if batch.rollout_log_probs is not None:
+        metrics["train_rollout_logprob_abs_diff"] = reduce((old_log_probs.detach() - batch.rollout_log_probs).abs())
+    return loss, metrics
+
+
+def sft_loss(args, log_probs, entropy, batch: MicroBatchTensors, reduce: LossReducer):
+    loss = reduce(-log_probs)
+    return loss, {"loss": loss.detach(), "entropy_loss": reduce(entropy.detach())}
+
+
+def _lengths(batch: MicroBatchTensors) -> list[int]:
+    return [int(m.numel()) for m in batch.loss_masks]
+
+
+def get_loss_function(args):
+    """The loss for args.loss_type: fn(args, log_probs, entropy, batch, reduce) -> (loss, metrics)."""
+    if args.loss_type == "policy_loss":
+        return policy_loss
+    if args.loss_type == "sft_loss":
+        return sft_loss
+    if args.loss_type == "custom_loss":
+        from slime.utils.misc import load_function
+
+        return load_function(args.custom_loss_function_path, "--custom-loss-function-path")
+    raise ValueError(f"unknown --loss-type {args.loss_type!r}; choose policy_loss, sft_loss or custom_loss")

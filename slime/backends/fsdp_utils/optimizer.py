@@ -1,0 +1,46 @@
+"""AdamW over the sharded parameters and slime's learning-rate schedule (linear warmup, then constant, linear or
+cosine decay to --min-lr over the run's optimizer steps)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+LR_DECAY_STYLES = ("constant", "linear", "cosine")
+
+
+def learning_rate(step: int, *, lr: float, min_lr: float, warmup_steps: int, total_steps: int | None,
+                  decay_style: str) -> float:
+    """LR of optimizer step `step` (0-based)."""
+    if decay_style not in LR_DECAY_STYLES:
+        raise ValueError(f"unknown --lr-decay-style {decay_style!r}; choose {', '.join(LR_DECAY_STYLES)}")
+    if warmup_steps > 0 and step < warmup_steps:
+        return lr * (step + 1) / warmup_steps
+    if decay_style == "constant" or not total_steps or total_steps <= warmup_steps:
+        return lr
+    progress = min(1.0, (step - warmup_steps) / (total_steps - warmup_steps))
+    if decay_style == "linear":
+        return min_lr + (lr - min_lr) * (1.0 - progress)
+    return min_lr + (lr - min_lr) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def total_optimizer_steps(args) -> int | None:
+    num_rollout = getattr(args, "num_rollout", None)
+    if num_rollout is None or args.num_steps_per_rollout is None:
+        return None
+    return num_rollout * args.num_steps_per_rollout
+
+
+def build_optimizer(args, params) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
+    optimizer = torch.optim.AdamW(
+        params, lr=args.lr, betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps,
+        weight_decay=args.weight_decay,
+    )
+    schedule = dict(lr=args.lr, min_lr=args.min_lr, warmup_steps=args.lr_warmup_iters,
+                    total_steps=total_optimizer_steps(args), decay_style=args.lr_decay_style)
+    if args.lr > 0:
+        factor = lambda step: learning_rate(step, **schedule) / args.lr  # noqa: E731
+    else:
+        factor = lambda step: 1.0  # noqa: E731
+    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, factor)

@@ -1,0 +1,86 @@
+"""Evaluation rollouts of the default rollout function, and the pass@k estimator.
+
+`eval_rollout(args, rollout_id)` generates `--n-samples-per-eval-prompt` responses for every prompt of every
+`--eval-prompt-data` dataset with the eval sampling params (`--eval-temperature`, `--eval-top-p`, `--eval-top-k`,
+`--eval-max-response-len`, each falling back to its `--rollout-*` flag), scores them, and returns
+`{name: {"rewards": [...], "truncated": [...], "samples": [...]}}`, samples ordered by prompt then sample, so
+`rewards[i * n : (i + 1) * n]` are the n rewards of prompt i (what `compute_pass_at_k` takes).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import math
+
+from slime.rollout.dataset import EvalDataset, load_eval_datasets
+from slime.rollout.http_client import run
+from slime.rollout.sglang_rollout import GenerateState, build_sampling_params, generate_group
+from slime.utils.types import Sample
+
+_dataset_cache: dict[tuple, list[EvalDataset]] = {}
+
+
+def compute_pass_at_k(rewards_per_prompt: list[list[float]], k: int) -> float:
+    """Mean over prompts of the unbiased pass@k estimate 1 - C(n - c, k) / C(n, k) (Chen et al., 2021),
+    where n is the number of samples of the prompt and c how many have reward > 0."""
+    if not rewards_per_prompt:
+        raise ValueError("compute_pass_at_k needs at least one prompt")
+    total = 0.0
+    for rewards in rewards_per_prompt:
+        n, c = len(rewards), sum(1 for r in rewards if r > 0)
+        if not 1 <= k <= n:
+            raise ValueError(f"pass@{k} needs 1 <= k <= samples per prompt ({n})")
+        total += 1.0 - math.comb(n - c, k) / math.comb(n, k)
+    return total / len(rewards_per_prompt)
+
+
+def _eval_reward_value(args, sample: Sample) -> float:
+    reward = sample.reward
+    if isinstance(reward, dict):
+        key = getattr(args, "eval_reward_key", None) or getattr(args, "reward_key", None)
+        if key is None or key not in reward:
+            raise ValueError(f"eval reward is a dict with keys {sorted(reward)}; pick one with --eval-reward-key")
+        reward = reward[key]
+    return float(reward) if reward is not None else 0.0
+
+
+def _cached_eval_datasets(args) -> list[EvalDataset]:
+    data = getattr(args, "eval_prompt_data", None)
+    key = (tuple(data) if isinstance(data, list) else data, getattr(args, "hf_checkpoint", None))
+    if key not in _dataset_cache:
+        _dataset_cache[key] = load_eval_datasets(args)
+    return _dataset_cache[key]
+
+
+async def _eval_dataset(args, dataset: EvalDataset, sampling_params: dict, state: GenerateState) -> dict:
+    n = int(getattr(args, "n_samples_per_eval_prompt", 1) or 1)
+    groups = []
+    for prompt_index, prompt in enumerate(dataset.samples):
+        group = []
+        for j in range(n):
+            sample = copy.deepcopy(prompt)
+            sample.group_index, sample.index = prompt_index, prompt_index * n + j
+            group.append(sample)
+        groups.append(group)
+    results = await asyncio.gather(*(generate_group(args, g, sampling_params, state) for g in groups))
+    samples = [s for group in results for s in group]
+    return {
+        "rewards": [_eval_reward_value(args, s) for s in samples],
+        "truncated": [s.status == Sample.Status.TRUNCATED for s in samples],
+        "samples": samples,
+    }
+
+
+async def _eval_rollout_async(args) -> dict:
+    datasets = _cached_eval_datasets(args)
+    if not datasets:
+        raise ValueError("evaluation needs --eval-prompt-data (name path [name path ...])")
+    state = GenerateState(args)
+    sampling_params = build_sampling_params(args, evaluation=True)
+    results = await asyncio.gather(*(_eval_dataset(args, d, sampling_params, state) for d in datasets))
+    return {dataset.name: result for dataset, result in zip(datasets, results)}
+
+
+def eval_rollout(args, rollout_id: int) -> dict:
+    return run(_eval_rollout_async(args))

@@ -1,0 +1,266 @@
+"""The default rollout: prompt groups -> /generate requests through the sglang-router -> scored Samples.
+
+`generate_rollout(args, rollout_id, data_source, evaluation=False)` is the `--rollout-function-path` default.
+Training: keep `--rollout-batch-size` groups in flight (fetched `--over-sampling-batch-size` at a time), score each
+finished group, pass it through `--dynamic-sampling-filter-path`, and once enough groups are accepted abort the rest
+on every engine; with `--partial-rollout` the half-generated groups go back to the data source's buffer and are
+continued next time. Evaluation (`evaluation=True`) is in eval.py.
+
+Metrics of the last training rollout (drop counts, reward failures, prefix-cache hit rate) are read with
+`get_last_rollout_metrics()` right after `generate_rollout` returns, in the same process.
+
+All asyncio runs on one background event loop (`http_client.run`), so synchronous callers can call in.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import functools
+import logging
+import uuid
+
+from slime.rollout.dataset import prompt_token_ids, tokenizer_for
+from slime.rollout.http_client import abort_all_requests, request_json, router_url, run
+from slime.utils.misc import load_function
+from slime.utils.types import Sample
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_REQUEST_TIMEOUT_S = 14400.0
+_last_rollout_metrics: dict[str, float] = {}
+
+
+def get_last_rollout_metrics() -> dict[str, float]:
+    """Metrics of the most recent training `generate_rollout` call in this process (`rollout/...` keys)."""
+    return dict(_last_rollout_metrics)
+
+
+@functools.lru_cache(maxsize=32)
+def _load_hook(path: str, flag: str):
+    return load_function(path, flag)
+
+
+def build_sampling_params(args, evaluation: bool = False) -> dict:
+    """SGLang sampling params from the `--rollout-*` flags (`--eval-*` first when evaluating)."""
+
+    def pick(name: str):
+        value = getattr(args, f"eval_{name}", None) if evaluation else None
+        return value if value is not None else getattr(args, f"rollout_{name}", None)
+
+    params = {
+        "temperature": pick("temperature"),
+        "top_p": pick("top_p"),
+        "top_k": pick("top_k"),
+        "max_new_tokens": pick("max_response_len"),
+        "stop": pick("stop"),
+        "stop_token_ids": pick("stop_token_ids"),
+        "skip_special_tokens": bool(getattr(args, "rollout_skip_special_tokens", False)),
+        "no_stop_trim": True,
+    }
+    if params["max_new_tokens"] is None:
+        raise ValueError("--rollout-max-response-len is required by the default rollout (max new tokens per sample)")
+    return {key: value for key, value in params.items() if value is not None}
+
+
+class GenerateState:
+    """Per-call state shared by all requests of one rollout: the concurrency limit and the abort flag."""
+
+    def __init__(self, args):
+        num_engines = max(1, int(getattr(args, "rollout_num_engines", 1) or 1))
+        self.concurrency = int(getattr(args, "sglang_server_concurrency", 512)) * num_engines
+        self.semaphore = asyncio.Semaphore(self.concurrency)
+        self.aborted = False
+        self.url = router_url(args)
+        self.num_reward_failures = 0
+
+
+async def generate(args, sample: Sample, sampling_params: dict) -> Sample:
+    """One POST /generate for `sample`, continuing its response if it already has one (partial rollout).
+
+    Same signature as a `--custom-generate-function-path` hook, which may wrap it.
+    """
+    if not sample.tokens:
+        tokenizer = tokenizer_for(args)
+        if tokenizer is None:
+            raise ValueError("the default rollout needs --hf-checkpoint: its tokenizer turns prompts into token ids")
+        sample.tokens = prompt_token_ids(tokenizer, sample)
+    if sample.response_length and getattr(args, "partial_rollout", False):
+        if getattr(args, "mask_offpolicy_in_partial_rollout", False):
+            sample.loss_mask = [0] * sample.response_length  # the prefix came from older weights
+    max_new_tokens = sampling_params["max_new_tokens"] - sample.response_length
+    if max_new_tokens <= 0:
+        sample.status = Sample.Status.TRUNCATED
+        return sample
+
+    payload = {
+        "input_ids": sample.tokens,
+        "sampling_params": {**sampling_params, "max_new_tokens": max_new_tokens},
+        "return_logprob": True,
+    }
+    timeout = getattr(args, "sglang_router_request_timeout_secs", None) or DEFAULT_REQUEST_TIMEOUT_S
+    output = await request_json("POST", f"{router_url(args)}/generate", payload, timeout=timeout)
+    meta = output.get("meta_info", {})
+    logprob_items = meta.get("output_token_logprobs")
+    if logprob_items is not None:
+        token_ids = [int(item[1]) for item in logprob_items]
+        log_probs = [float(item[0]) for item in logprob_items]
+    else:
+        token_ids, log_probs = list(output.get("output_ids", [])), None
+    finish_reason = meta.get("finish_reason")
+    if isinstance(finish_reason, dict):
+        finish_reason = finish_reason.get("type")
+    sample.append_response_tokens(
+        token_ids,
+        log_probs,
+        text=output.get("text", ""),
+        finish_reason=finish_reason,
+        weight_version=meta.get("weight_version"),
+    )
+    cache = sample.prefix_cache_info
+    cache["cached_tokens"] = cache.get("cached_tokens", 0) + int(meta.get("cached_tokens", 0) or 0)
+    cache["prompt_tokens"] = cache.get("prompt_tokens", 0) + int(meta.get("prompt_tokens", 0) or 0)
+    return sample
+
+
+def _flatten(items) -> list[Sample]:
+    return [s for item in items for s in (item if isinstance(item, list) else [item])]
+
+
+def _is_scorable(samples: list[Sample]) -> bool:
+    return all(s.status != Sample.Status.ABORTED for s in samples)
+
+
+async def _score(args, samples: list[Sample], state: GenerateState, batched: bool) -> None:
+    """Fill missing rewards via rm_hub; a sample whose reward function failed counts in state.num_reward_failures."""
+    from slime.rollout.rm_hub import async_rm, batched_async_rm
+
+    todo = [s for s in samples if s.reward is None]
+    if not todo:
+        return
+    if batched:
+        rewards = await batched_async_rm(args, todo)
+    else:
+        rewards = await asyncio.gather(*(async_rm(args, s) for s in todo))
+    for sample, reward in zip(todo, rewards):
+        sample.reward = reward
+        if sample.metadata.get("reward_error"):
+            state.num_reward_failures += 1
+
+
+async def generate_and_rm(args, sample: Sample, sampling_params: dict, state: GenerateState, group_rm: bool = False):
+    """Generate (unless finished in an earlier rollout), then score unless rewards are computed per group."""
+    if sample.status not in (Sample.Status.COMPLETED, Sample.Status.TRUNCATED):
+        async with state.semaphore:
+            if state.aborted:
+                sample.status = Sample.Status.ABORTED
+                return sample
+            hook_path = sample.generate_function_path or getattr(args, "custom_generate_function_path", None)
+            if hook_path:
+                sample = await _load_hook(hook_path, "--custom-generate-function-path")(args, sample, sampling_params)
+            else:
+                sample = await generate(args, sample, sampling_params)
+    samples = sample if isinstance(sample, list) else [sample]
+    if not group_rm and _is_scorable(samples):
+        await _score(args, samples, state, batched=isinstance(sample, list))
+    return sample
+
+
+async def generate_group(args, group: list[Sample], sampling_params: dict, state: GenerateState) -> list[Sample]:
+    """Generate and score one prompt group; the members share a session id (router affinity key)."""
+    session_id = uuid.uuid4().hex
+    for sample in group:
+        sample.session_id = sample.session_id or session_id
+    group_rm = bool(getattr(args, "group_rm", False))
+    results = await asyncio.gather(*(generate_and_rm(args, s, sampling_params, state, group_rm) for s in group))
+    group = _flatten(results)
+    if group_rm and _is_scorable(group):
+        await _score(args, group, state, batched=True)
+    return group
+
+
+def _filter_verdict(output) -> tuple[bool, str]:
+    """(keep, reason) from a dynamic filter's answer: a bool or an object with .keep / .reason."""
+    if isinstance(output, bool):
+        return output, "filtered"
+    return bool(output.keep), getattr(output, "reason", None) or "filtered"
+
+
+async def _generate_rollout_async(args, rollout_id: int, data_source) -> tuple[list[list[Sample]], dict]:
+    state = GenerateState(args)
+    sampling_params = build_sampling_params(args)
+    target = int(args.rollout_batch_size)
+    over_sampling = int(getattr(args, "over_sampling_batch_size", None) or target)
+    filter_path = getattr(args, "dynamic_sampling_filter_path", None)
+    dynamic_filter = _load_hook(filter_path, "--dynamic-sampling-filter-path") if filter_path else None
+
+    accepted: list[list[Sample]] = []
+    leftovers: list[list[Sample]] = []
+    drop_counts: collections.Counter = collections.Counter()
+    num_groups_fetched = 0
+    pending: set[asyncio.Task] = set()
+    try:
+        while len(accepted) < target:
+            while len(accepted) + len(pending) < target:
+                groups = data_source.get_samples(over_sampling)
+                num_groups_fetched += len(groups)
+                pending |= {asyncio.create_task(generate_group(args, g, sampling_params, state)) for g in groups}
+            done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for task in done:
+                group = task.result()
+                if not _is_scorable(group):  # aborted on the engine side (e.g. a weight update): try again later
+                    leftovers.append(group)
+                    continue
+                keep, reason = _filter_verdict(dynamic_filter(args, group)) if dynamic_filter else (True, "")
+                if keep:
+                    accepted.append(group)
+                else:
+                    drop_counts[reason] += 1
+        num_in_flight = len(pending)
+        if pending:
+            state.aborted = True  # requests still waiting for the semaphore will not be sent
+            await abort_all_requests(state.url)
+            leftovers += await asyncio.gather(*pending)
+            pending = set()
+    finally:
+        for task in pending:
+            task.cancel()
+
+    leftovers += accepted[target:]
+    accepted = sorted(accepted[:target], key=lambda g: g[0].index)
+    num_returned = 0
+    if getattr(args, "partial_rollout", False):
+        group_size = int(getattr(args, "n_samples_per_prompt", 1) or 1)
+        returnable = [g for g in leftovers if len(g) == group_size]  # hooks that return several samples can't resume
+        for group in returnable:
+            for sample in group:
+                sample.metadata.setdefault("start_rollout_id", rollout_id)
+        data_source.add_samples(returnable)
+        num_returned = len(returnable)
+
+    samples = [s for g in accepted for s in g]
+    prompt_tokens = sum(s.prefix_cache_info.get("prompt_tokens", 0) for s in samples)
+    cached_tokens = sum(s.prefix_cache_info.get("cached_tokens", 0) for s in samples)
+    metrics = {
+        "rollout/num_groups_fetched": num_groups_fetched,
+        "rollout/num_groups_aborted": num_in_flight,
+        "rollout/num_groups_returned_to_buffer": num_returned,
+        "rollout/dynamic_filter/num_dropped": sum(drop_counts.values()),
+        "rollout/reward_failures": state.num_reward_failures,
+        "rollout/prefix_cache_hit_rate": cached_tokens / prompt_tokens if prompt_tokens else 0.0,
+    }
+    metrics.update({f"rollout/dynamic_filter/drop_{reason}": count for reason, count in drop_counts.items()})
+    return accepted, metrics
+
+
+def generate_rollout(args, rollout_id: int, data_source, evaluation: bool = False):
+    """Training: `--rollout-batch-size` accepted groups (list[list[Sample]], sorted by index).
+    Evaluation: {dataset name: {"rewards", "truncated", "samples"}} (see eval.py)."""
+    if evaluation:
+        from slime.rollout.eval import eval_rollout
+
+        return eval_rollout(args, rollout_id)
+    groups, metrics = run(_generate_rollout_async(args, rollout_id, data_source))
+    _last_rollout_metrics.clear()
+    _last_rollout_metrics.update(metrics)
+    return groups

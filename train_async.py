@@ -1,0 +1,86 @@
+"""slime's asynchronous RL loop: generation of rollout N+1 overlaps training on rollout N.
+
+Same flags as train.py (not with --colocate: the engines need their own devices). The data trained on is at most
+`--update-weights-interval` policy versions old; before each weight push the loop waits for the in-flight
+generation to finish, so no request is served by a mix of weights.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+
+import ray
+from tqdm import tqdm
+
+from slime.ray.placement_group import create_placement_groups, init_ray
+from slime.utils.arguments import parse_args
+from slime.utils.checkpoint_state import should_save
+from slime.utils.metrics import MetricsLogger, write_args
+from train import create_rollout_manager, create_training_models, update_weights
+
+
+def train_async(args) -> str:
+    if args.colocate:
+        raise ValueError("train_async.py cannot run with --colocate: engines and trainer must not share devices")
+    init_ray(args)
+    placements = create_placement_groups(args)
+    write_args(args)
+    logger = MetricsLogger(args)
+    rollout_manager = create_rollout_manager(args, placements)
+    num_rollout = ray.get(rollout_manager.num_rollout.remote())
+    actor, critic, start_rollout_id = create_training_models(args, placements, rollout_manager)
+    engine_urls = ray.get(rollout_manager.get_engine_urls.remote())
+    update_weights(args, actor, rollout_manager, engine_urls, start_rollout_id - 1)
+
+    if args.eval_datasets and start_rollout_id == 0 and not args.skip_eval_before_train:
+        logger.log(0, ray.get(rollout_manager.eval.remote(0)), print_fn=print)
+    in_flight = rollout_manager.generate.remote(start_rollout_id) if start_rollout_id < num_rollout else None
+    progress = tqdm(range(start_rollout_id, num_rollout), desc="rollouts", disable=args.no_progress,
+                    initial=start_rollout_id, total=num_rollout)
+    for rollout_id in progress:
+        step_start = time.perf_counter()
+        wait_start = time.perf_counter()
+        data_refs, metrics = ray.get(in_flight)
+        metrics["perf/wait_rollout_time"] = time.perf_counter() - wait_start
+        in_flight = rollout_manager.generate.remote(rollout_id + 1) if rollout_id + 1 < num_rollout else None
+
+        train_start = time.perf_counter()
+        if critic is not None:
+            critic_refs = critic.async_train(rollout_id, data_refs)
+            if rollout_id >= args.num_critic_only_steps:
+                metrics.update(actor.train(rollout_id, data_refs))
+            metrics.update(ray.get(critic_refs)[0])
+        else:
+            metrics.update(actor.train(rollout_id, data_refs))
+        metrics["perf/train_time"] = time.perf_counter() - train_start
+
+        if should_save(args, rollout_id, num_rollout):
+            actor.save_model(rollout_id, {"data_source": ray.get(rollout_manager.data_source_state.remote(rollout_id + 1))})
+        if (rollout_id + 1) % args.update_weights_interval == 0:
+            if in_flight is not None:
+                ray.wait([in_flight])  # never swap weights under a running generation
+            metrics.update(update_weights(args, actor, rollout_manager, engine_urls, rollout_id))
+        if args.eval_interval and (rollout_id + 1) % args.eval_interval == 0:
+            metrics.update(ray.get(rollout_manager.eval.remote(rollout_id + 1)))
+        metrics["perf/step_time"] = time.perf_counter() - step_start
+        logger.log(rollout_id, metrics, print_fn=progress.write)
+
+    logger.close()
+    ray.get(rollout_manager.dispose.remote())
+    return args.output_dir
+
+
+def main(argv=None) -> None:
+    try:
+        args = parse_args(argv)
+        if args.colocate:
+            raise ValueError("--colocate is not supported by train_async.py; use train.py")
+    except ValueError as exc:
+        print(f"train_async.py: error: {exc}", file=sys.stderr)
+        sys.exit(2)
+    print(f"run folder: {train_async(args)}")
+
+
+if __name__ == "__main__":
+    main()
