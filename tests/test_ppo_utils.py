@@ -1,7 +1,6 @@
 """ppo_utils against float64 references written from the definitions with plain Python loops, plus invariances."""
 
 import math
-import random
 
 import numpy as np
 import pytest
@@ -303,7 +302,6 @@ def test_tis_weight_modes():
     masks = [torch.tensor([1, 1, 1]), torch.tensor([1, 1]), torch.tensor([0])]
     raw = [[1.0, 3.0, math.exp(0.5)], [math.exp(0.1), math.exp(-0.1)], [5.0]]
     w, m = pu.compute_tis_weights(old, roll, masks, 0.0, 2.0, "truncate")
-    assert [x.tolist() for x in w] == pytest.approx_list if False else True
     for got, r in zip(w, raw):
         torch.testing.assert_close(got, torch.tensor([min(max(v, 0.0), 2.0) for v in r]))
     n = 5  # masked-in tokens
@@ -427,6 +425,3 @@ def test_aggregate_loss_rollout_denominators_and_errors():
         pu.loss_denominator("constant", masks)
     assert pu.loss_denominator("token_mean", masks) == 3.0
 
-
-def test_random_is_seeded():  # hypothesis' rng strategies must not depend on global state
-    assert random.Random(0).random() == random.Random(0).random()

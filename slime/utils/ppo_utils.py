@@ -75,7 +75,7 @@ def compute_policy_loss(
     loss_unclipped = -advantages * ratio
     loss_clipped = -advantages * ratio.clamp(1.0 - eps_clip, 1.0 + eps_clip_high)
     pg_losses = torch.maximum(loss_unclipped, loss_clipped)
-    clipfrac = (loss_clipped > loss_unclipped).float()
+    clipfrac = (loss_clipped > loss_unclipped).to(pg_losses.dtype)
     if eps_clip_c is not None:
         dual_clipped = torch.minimum(pg_losses, -eps_clip_c * advantages)
         pg_losses = torch.where(advantages < 0, dual_clipped, pg_losses)
@@ -110,7 +110,7 @@ def compute_value_loss(
     values_clipped = old_values + (values - old_values).clamp(-value_clip, value_clip)
     loss_clipped = (values_clipped - returns).square()
     loss_unclipped = (values - returns).square()
-    return torch.maximum(loss_clipped, loss_unclipped), (loss_clipped > loss_unclipped).float()
+    return torch.maximum(loss_clipped, loss_unclipped), (loss_clipped > loss_unclipped).to(values.dtype)
 
 
 # ------------------------------------------------------------------------------------------- advantages / returns

@@ -1,0 +1,121 @@
+"""Trainer checkpoints: `{save}/rollout_{id}/` holds a Hugging Face model (fp32 safetensors + config + tokenizer
+files copied from --hf-checkpoint, loadable by transformers and by the engine), `optimizer.pt` (full optimizer and
+LR-scheduler state, re-shardable to any number of ranks), `rng/rank_{r}.pt` and `meta.json`. The folder is written
+under a temporary name and renamed when complete; `{save}/latest` (the folder's name) is written last.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_optimizer_state_dict,
+)
+
+from slime.backends.fsdp_utils.model import hf_name
+from slime.utils.checkpoint_state import checkpoint_dir, latest_checkpoint
+
+__all__ = ["checkpoint_dir", "latest_checkpoint", "resolve_load_dir", "save_checkpoint", "load_training_state"]
+
+META_FILE = "meta.json"
+OPTIMIZER_FILE = "optimizer.pt"
+HF_EXTRA_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+                  "special_tokens_map.json", "vocab.json", "merges.txt", "chat_template.jinja", "tokenizer.model")
+
+
+def _barrier():
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def resolve_load_dir(load: str | None) -> Path | None:
+    """The checkpoint folder --load refers to: a save root (via its `latest`), a `rollout_{id}` folder, or None
+    when it holds no trainer checkpoint (e.g. a plain HF folder, used as initial weights only)."""
+    if not load:
+        return None
+    if (Path(load) / "latest").is_file():
+        return latest_checkpoint(load)
+    if (Path(load) / META_FILE).is_file():
+        return Path(load)
+    return None
+
+
+def _rng_state() -> dict:
+    import numpy as np
+
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def _set_rng_state(state: dict) -> None:
+    import numpy as np
+
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+def save_checkpoint(save_root: str, rollout_id: int, model, optimizer, scheduler, *, hf_checkpoint: str,
+                    tie_word_embeddings: bool, rank: int, save_optim: bool = True) -> Path:
+    """Collective: every rank calls it. Returns the final folder."""
+    from safetensors.torch import save_file
+
+    final = checkpoint_dir(save_root, rollout_id)
+    tmp = final.with_name(final.name + ".tmp")
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    model_state = get_model_state_dict(model, options=options)
+    optim_state = get_optimizer_state_dict(model, optimizer, options=options) if save_optim else None
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        (tmp / "rng").mkdir(parents=True)
+    _barrier()
+    torch.save(_rng_state(), tmp / "rng" / f"rank_{rank}.pt")
+    if rank == 0:
+        tensors = {hf_name(k): v.contiguous() for k, v in model_state.items()}
+        if tie_word_embeddings:
+            tensors.pop("lm_head.weight", None)
+        save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        for name in HF_EXTRA_FILES:
+            if (Path(hf_checkpoint) / name).is_file():
+                shutil.copy2(Path(hf_checkpoint) / name, tmp / name)
+        if optim_state is not None:
+            torch.save({"optimizer": optim_state, "scheduler": scheduler.state_dict()}, tmp / OPTIMIZER_FILE)
+        (tmp / META_FILE).write_text(json.dumps({"rollout_id": rollout_id, "hf_checkpoint": str(hf_checkpoint)}))
+    _barrier()
+    if rank == 0:
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(tmp, final)
+        pointer = Path(save_root) / "latest"
+        pointer_tmp = pointer.with_name("latest.tmp")
+        pointer_tmp.write_text(final.name)
+        os.replace(pointer_tmp, pointer)
+    _barrier()
+    return final
+
+
+def load_training_state(ckpt: Path, model, optimizer, scheduler, rank: int) -> int:
+    """Restore optimizer, scheduler and this rank's RNG from `ckpt` (model weights are loaded with the model).
+    Returns the saved rollout id."""
+    meta = json.loads((ckpt / META_FILE).read_text())
+    if (ckpt / OPTIMIZER_FILE).is_file():
+        state = torch.load(ckpt / OPTIMIZER_FILE, map_location="cpu", weights_only=False)
+        set_optimizer_state_dict(model, optimizer, state["optimizer"],
+                                 options=StateDictOptions(full_state_dict=True))
+        scheduler.load_state_dict(state["scheduler"])
+    rng_file = ckpt / "rng" / f"rank_{rank}.pt"
+    if rng_file.is_file():
+        _set_rng_state(torch.load(rng_file, map_location="cpu", weights_only=False))
+    return int(meta["rollout_id"])

@@ -1,0 +1,138 @@
+"""Push the trainer's weights into running engines (SGLang-compatible HTTP API).
+
+Every rank takes part in gathering each full parameter (`DTensor.full_tensor()`); rank 0 groups them into buckets
+of about --update-weight-buffer-size bytes under their Hugging Face names and sends each bucket to every engine:
+- "tensor" mode (same host): POST /update_weights_from_tensor with the bucket serialized by handle (shared memory
+  on CPU, CUDA IPC on GPU);
+- "distributed" mode: a one-time process group with the engines (POST /init_weights_update_group), then per bucket
+  POST /update_weights_from_distributed {names, dtypes, shapes} while rank 0 broadcasts the tensors.
+Every bucket but the last sends flush_cache false; the last sends flush_cache true and the weight version.
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Iterator
+
+import httpx
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from slime.backends.fsdp_utils.model import hf_name
+from slime.utils.weight_transport import broadcast_named_tensors, init_custom_process_group, serialize_named_tensors
+
+UPDATE_MODES = ("tensor", "distributed")
+HTTP_TIMEOUT_S = 600.0
+WEIGHT_GROUP_NAME = "slime_weight_update"
+
+
+def iter_full_parameters(model: torch.nn.Module, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF name, full tensor) per parameter. Collective: every rank must iterate in step."""
+    for name, param in model.named_parameters():
+        full = param.full_tensor() if isinstance(param, DTensor) else param
+        yield hf_name(name), full.detach().to(dtype or full.dtype)
+
+
+def iter_buckets(named_tensors, bucket_bytes: int) -> Iterator[tuple[list[tuple[str, torch.Tensor]], bool]]:
+    """Group (name, tensor) pairs into lists of at most `bucket_bytes` (a larger tensor goes alone); yields
+    (bucket, is_last)."""
+    bucket, size, pending = [], 0, None
+    for name, tensor in named_tensors:
+        nbytes = tensor.numel() * tensor.element_size()
+        if bucket and size + nbytes > bucket_bytes:
+            if pending is not None:
+                yield pending, False
+            pending, bucket, size = bucket, [], 0
+        bucket.append((name, tensor))
+        size += nbytes
+    if pending is not None:
+        yield pending, not bucket
+    if bucket:
+        yield bucket, True
+
+
+def _post(url: str, path: str, payload: dict) -> dict:
+    response = httpx.post(url.rstrip("/") + path, json=payload, timeout=HTTP_TIMEOUT_S)
+    if response.status_code != 200:
+        raise RuntimeError(f"POST {url}{path} failed with {response.status_code}: {response.text[:500]}")
+    return response.json() if response.content else {}
+
+
+def _post_all(urls: list[str], path: str, payload_for_url) -> list:
+    with ThreadPoolExecutor(max_workers=max(1, len(urls))) as pool:
+        return list(pool.map(lambda url: _post(url, path, payload_for_url(url)), urls))
+
+
+class WeightUpdater:
+    """Sends the weights of `model` to the connected engines; every rank calls `update`, rank 0 talks HTTP."""
+
+    def __init__(self, model: torch.nn.Module, rank: int, bucket_bytes: int, dtype: torch.dtype | None,
+                 master_address: str = "127.0.0.1"):
+        self.model, self.rank, self.bucket_bytes, self.dtype = model, rank, bucket_bytes, dtype
+        self.master_address = master_address
+        self.engine_urls: list[str] = []
+        self.mode = "tensor"
+        self.group = None
+
+    def connect(self, engine_urls: list[str], mode: str = "tensor", backend: str | None = None) -> None:
+        if mode not in UPDATE_MODES:
+            raise ValueError(f"unknown weight update mode {mode!r}; choose {' or '.join(UPDATE_MODES)}")
+        if self.group is not None and self.rank == 0:
+            _post_all(self.engine_urls, "/destroy_weights_update_group", lambda url: {"group_name": WEIGHT_GROUP_NAME})
+            dist.destroy_process_group(self.group)
+            self.group = None
+        self.engine_urls, self.mode = list(engine_urls), mode
+        if mode == "distributed" and self.rank == 0:
+            self._init_group(backend or ("nccl" if torch.cuda.is_available() else "gloo"))
+
+    def _init_group(self, backend: str) -> None:
+        from slime.utils.misc import find_free_port
+
+        port = find_free_port(self.master_address)
+        world_size = 1 + len(self.engine_urls)
+        with ThreadPoolExecutor(max_workers=1) as pool:
+            requests = pool.submit(_post_all, self.engine_urls, "/init_weights_update_group", lambda url: {
+                "master_address": self.master_address, "master_port": port,
+                "rank_offset": 1 + self.engine_urls.index(url), "world_size": world_size,
+                "group_name": WEIGHT_GROUP_NAME, "backend": backend,
+            })
+            self.group = init_custom_process_group(backend, f"tcp://{self.master_address}:{port}", world_size, 0,
+                                                   WEIGHT_GROUP_NAME)
+            requests.result()
+
+    def update(self, weight_version) -> dict:
+        """Send every parameter; returns {"seconds", "bytes", "num_buckets"}."""
+        start = time.perf_counter()
+        num_bytes, num_buckets = 0, 0
+        params = iter_full_parameters(self.model, self.dtype)
+        for bucket, is_last in iter_buckets(params, self.bucket_bytes):
+            num_buckets += 1
+            num_bytes += sum(t.numel() * t.element_size() for _, t in bucket)
+            if self.rank == 0 and self.engine_urls:
+                self._send(bucket, is_last, weight_version)
+        if dist.is_initialized():
+            dist.barrier()
+        return {"seconds": time.perf_counter() - start, "bytes": num_bytes, "num_buckets": num_buckets}
+
+    def _send(self, bucket, is_last: bool, weight_version) -> None:
+        flush = {"flush_cache": is_last}
+        if is_last and weight_version is not None:
+            flush["weight_version"] = str(weight_version)
+        if self.mode == "tensor":
+            # Serialize per engine: each serialized handle must be opened exactly once.
+            _post_all(self.engine_urls, "/update_weights_from_tensor",
+                      lambda url: {"serialized_named_tensors": [serialize_named_tensors(bucket)], **flush})
+            return
+        payload = {
+            "names": [name for name, _ in bucket],
+            "dtypes": [str(t.dtype).removeprefix("torch.") for _, t in bucket],
+            "shapes": [list(t.shape) for _, t in bucket],
+            "group_name": WEIGHT_GROUP_NAME, **flush,
+        }
+        with ThreadPoolExecutor(max_workers=1) as pool:
+            requests = pool.submit(_post_all, self.engine_urls, "/update_weights_from_distributed", lambda url: payload)
+            broadcast_named_tensors(self.group, bucket, src=0)
+            requests.result()
+

@@ -1,0 +1,213 @@
+"""SGLang's native HTTP payloads: parse and validate request bodies, shape responses.
+
+Pure functions over dicts (no HTTP framework, no torch), so every rule is testable without a server. A bad request
+raises `RequestError` (a ValueError) whose message names the offending field; the server turns it into HTTP 400
+`{"error": {"message": ...}}`. Not the engine and not the OpenAI dialect (`openai_api.py`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+from slime.engine.sampling_params import SamplingParams
+
+# Top-level /generate fields the built-in engine understands; anything else is rejected rather than ignored.
+GENERATE_FIELDS = frozenset(
+    {
+        "text",
+        "input_ids",
+        "sampling_params",
+        "rid",
+        "return_logprob",
+        "stream",
+        "return_text_in_logprobs",
+        "logprob_start_len",
+        "top_logprobs_num",
+    }
+)
+
+
+class RequestError(ValueError):
+    """A client mistake: answered with HTTP 400 and this message."""
+
+
+@dataclass
+class GenerateItem:
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    rid: str | None
+
+
+@dataclass
+class GenerateRequest:
+    items: list[GenerateItem]
+    is_batch: bool
+    return_logprob: bool
+    return_text_in_logprobs: bool
+    stream: bool
+
+
+def parse_generate_request(
+    body, tokenize: Callable[[str], list[int]], vocab_size: int, max_model_len: int
+) -> GenerateRequest:
+    """Validate a /generate body and turn it into one GenerateItem per prompt."""
+    if not isinstance(body, dict):
+        raise RequestError("request body must be a JSON object")
+    unknown = sorted(set(body) - GENERATE_FIELDS)
+    if unknown:
+        raise RequestError(f"unknown /generate field(s) {unknown}; supported: {sorted(GENERATE_FIELDS)}")
+    text, input_ids = body.get("text"), body.get("input_ids")
+    if (text is None) == (input_ids is None):
+        raise RequestError("exactly one of 'text' and 'input_ids' must be given")
+    return_logprob = _bool_field(body, "return_logprob", False)
+    return_text_in_logprobs = _bool_field(body, "return_text_in_logprobs", False)
+    stream = _bool_field(body, "stream", False)
+    if body.get("logprob_start_len", -1) != -1:
+        raise RequestError("logprob_start_len must be -1: the built-in engine returns output-token log-probs only")
+    if body.get("top_logprobs_num", 0) not in (0, None):
+        raise RequestError("top_logprobs_num must be 0: the built-in engine returns the sampled token's log-prob only")
+
+    if text is not None:
+        is_batch = isinstance(text, list)
+        texts = text if is_batch else [text]
+        if not texts or not all(isinstance(t, str) for t in texts):
+            raise RequestError("'text' must be a string or a non-empty list of strings")
+        prompts = [tokenize(t) for t in texts]
+        field = "text"
+    else:
+        is_batch = isinstance(input_ids, list) and bool(input_ids) and isinstance(input_ids[0], list)
+        prompts = input_ids if is_batch else [input_ids]
+        field = "input_ids"
+        for prompt in prompts:
+            _check_token_ids(prompt, vocab_size)
+    for index, prompt in enumerate(prompts):
+        where = f"{field}[{index}]" if is_batch else field
+        if not prompt:
+            raise RequestError(f"'{where}' is empty: a prompt needs at least one token")
+        if len(prompt) >= max_model_len:
+            raise RequestError(
+                f"'{where}' has {len(prompt)} tokens, which does not fit max_model_len={max_model_len} "
+                "(the prompt must leave room for at least one generated token)"
+            )
+    num_prompts = len(prompts)
+    sampling_params = _parse_sampling_params(body.get("sampling_params"), num_prompts, is_batch)
+    rids = _parse_rids(body.get("rid"), num_prompts, is_batch)
+    if stream and is_batch:
+        raise RequestError("'stream' is supported for a single prompt only; send one request per prompt")
+    items = [GenerateItem(list(p), s, r) for p, s, r in zip(prompts, sampling_params, rids)]
+    return GenerateRequest(items, is_batch, return_logprob, return_text_in_logprobs, stream)
+
+
+def _bool_field(body: dict, name: str, default: bool) -> bool:
+    value = body.get(name, default)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise RequestError(f"'{name}' must be a boolean, got {value!r}")
+    return value
+
+
+def _check_token_ids(prompt, vocab_size: int) -> None:
+    if not isinstance(prompt, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        raise RequestError("'input_ids' must be a list of ints or a list of lists of ints")
+    bad = [t for t in prompt if not 0 <= t < vocab_size]
+    if bad:
+        raise RequestError(f"'input_ids' holds token id(s) {bad[:5]} outside the vocabulary [0, {vocab_size})")
+
+
+def _parse_sampling_params(raw, num_prompts: int, is_batch: bool) -> list[SamplingParams]:
+    if is_batch and isinstance(raw, list):
+        if len(raw) != num_prompts:
+            raise RequestError(f"'sampling_params' is a list of {len(raw)} but there are {num_prompts} prompts")
+        raws = raw
+    else:
+        raws = [raw] * num_prompts
+    params = []
+    for item in raws:
+        if item is not None and not isinstance(item, dict):
+            raise RequestError(f"'sampling_params' must be an object, got {item!r}")
+        try:
+            params.append(SamplingParams.from_dict(item))
+        except (TypeError, ValueError) as error:
+            raise RequestError(str(error)) from error
+    return params
+
+
+def _parse_rids(raw, num_prompts: int, is_batch: bool) -> list[str | None]:
+    if raw is None:
+        return [None] * num_prompts
+    rids = raw if is_batch else [raw]
+    if not isinstance(rids, list) or len(rids) != num_prompts or not all(isinstance(r, str) and r for r in rids):
+        expected = f"a list of {num_prompts} strings" if is_batch else "a non-empty string"
+        raise RequestError(f"'rid' must be {expected}, got {raw!r}")
+    if len(set(rids)) != len(rids):
+        raise RequestError(f"'rid' values must be unique, got {rids!r}")
+    return rids
+
+
+def generate_response(output, return_logprob: bool, token_texts: list[str] | None = None) -> dict:
+    """SGLang's /generate response for one request from an engine RequestOutput (cumulative so far).
+
+    `token_texts` (one string per output token) fills the third slot of each log-prob entry when the client asked
+    for return_text_in_logprobs; SGLang puts null there otherwise.
+    """
+    output_ids = list(output.output_token_ids)
+    meta_info = {
+        "id": output.rid,
+        "prompt_tokens": len(output.prompt_token_ids),
+        "completion_tokens": len(output_ids),
+        "cached_tokens": output.num_cached_tokens,
+        "finish_reason": output.finish_reason if output.finished else None,
+        "weight_version": output.weight_version,
+    }
+    if return_logprob:
+        texts = token_texts if token_texts is not None else [None] * len(output_ids)
+        meta_info["output_token_logprobs"] = [
+            [float(log_prob), int(token_id), text]
+            for log_prob, token_id, text in zip(output.output_log_probs, output_ids, texts)
+        ]
+    return {"text": output.text, "output_ids": output_ids, "meta_info": meta_info}
+
+
+def error_body(message: str, status_code: int = 400) -> dict:
+    """The error JSON of every endpoint (OpenAI's shape, which SGLang also uses)."""
+    kind = "BadRequestError" if status_code == 400 else "InternalServerError"
+    return {"error": {"message": message, "type": kind, "code": status_code}, "object": "error", "message": message}
+
+
+def require_fields(body, endpoint: str, required: dict, optional: dict | None = None) -> dict:
+    """Check a JSON body against {field: allowed type(s)}; return it with optional defaults filled in.
+
+    Unknown fields, missing required ones and wrong types raise RequestError naming the field.
+    """
+    optional = optional or {}
+    if body is None:
+        body = {}
+    if not isinstance(body, dict):
+        raise RequestError(f"{endpoint} body must be a JSON object")
+    unknown = sorted(set(body) - set(required) - set(optional))
+    if unknown:
+        raise RequestError(f"unknown {endpoint} field(s) {unknown}; supported: {sorted({**required, **optional})}")
+    result = {}
+    for name, types in required.items():
+        if name not in body:
+            raise RequestError(f"{endpoint} requires field '{name}'")
+        result[name] = _typed(endpoint, name, body[name], types)
+    for name, (types, default) in optional.items():
+        value = body.get(name)
+        result[name] = default if value is None else _typed(endpoint, name, value, types)
+    return result
+
+
+def _typed(endpoint: str, name: str, value, types):
+    types = types if isinstance(types, tuple) else (types,)
+    if isinstance(value, bool) and bool not in types:
+        raise RequestError(f"{endpoint} field '{name}' must be {_type_names(types)}, got {value!r}")
+    if not isinstance(value, types):
+        raise RequestError(f"{endpoint} field '{name}' must be {_type_names(types)}, got {value!r}")
+    return value
+
+
+def _type_names(types: tuple) -> str:
+    return " or ".join(t.__name__ for t in types)

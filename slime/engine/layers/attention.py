@@ -1,0 +1,85 @@
+"""Paged attention in pure PyTorch: write the step's K/V into the block cache, then attend over each sequence's
+cached prefix plus its new tokens with one masked SDPA call for the whole batch.
+
+Works for any mix of prefill chunks and decode tokens on CPU and CUDA (the same torch ops). Queries are scattered
+into a padded [num_seqs, max_query_len] layout and keys are gathered through padded block tables into
+[num_seqs, max_context_len]; the causal/context mask is built once per step by the model runner
+(`AttentionMetadata`). Not a fused kernel: faster CUDA paths (Triton / FlashAttention, CUDA graphs) are a separate
+piece of work and must keep this interface.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass
+class AttentionMetadata:
+    """Per-step batch layout shared by all layers.
+
+    slot_mapping [num_tokens]: flat cache slot (block_id * block_size + offset) where each new token's K/V goes.
+    block_tables [num_seqs, max_num_blocks]: each sequence's blocks, padded with block 0 (masked out).
+    token_seq_index / token_query_index [num_tokens]: each new token's sequence and its index within that
+        sequence's chunk, to scatter queries into the padded layout and gather outputs back.
+    attn_mask [num_seqs, 1, max_query_len, max_num_blocks * block_size]: True where a query may attend a key
+        (key position <= query position); padded query rows attend key 0 only so no row is empty.
+    """
+
+    slot_mapping: torch.Tensor
+    block_tables: torch.Tensor
+    token_seq_index: torch.Tensor
+    token_query_index: torch.Tensor
+    attn_mask: torch.Tensor
+
+    @property
+    def num_seqs(self) -> int:
+        return self.attn_mask.shape[0]
+
+    @property
+    def max_query_len(self) -> int:
+        return self.attn_mask.shape[2]
+
+
+class PagedAttention(nn.Module):
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int):
+        super().__init__()
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.scale = head_dim**-0.5
+        # [num_blocks, block_size, num_kv_heads, head_dim]; assigned (and freed) by the model runner.
+        self.k_cache = torch.empty(0)
+        self.v_cache = torch.empty(0)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """q: [num_tokens, num_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim] -> [num_tokens, num_heads * head_dim]."""
+        flat_k_cache = self.k_cache.view(-1, self.num_kv_heads, self.head_dim)
+        flat_v_cache = self.v_cache.view(-1, self.num_kv_heads, self.head_dim)
+        flat_k_cache.index_copy_(0, meta.slot_mapping, k.to(flat_k_cache.dtype))
+        flat_v_cache.index_copy_(0, meta.slot_mapping, v.to(flat_v_cache.dtype))
+
+        num_seqs, max_query_len = meta.num_seqs, meta.max_query_len
+        keys = self._gather(self.k_cache, meta.block_tables)
+        values = self._gather(self.v_cache, meta.block_tables)
+        padded_q = q.new_zeros(num_seqs, max_query_len, self.num_heads, self.head_dim)
+        padded_q[meta.token_seq_index, meta.token_query_index] = q
+        out = F.scaled_dot_product_attention(
+            padded_q.transpose(1, 2),
+            keys,
+            values,
+            attn_mask=meta.attn_mask,
+            scale=self.scale,
+            enable_gqa=self.num_heads != self.num_kv_heads,
+        )
+        out = out.transpose(1, 2)[meta.token_seq_index, meta.token_query_index]
+        return out.reshape(-1, self.num_heads * self.head_dim)
+
+    def _gather(self, cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
+        """[num_seqs, num_kv_heads, max_num_blocks * block_size, head_dim] view of each sequence's cached K or V."""
+        num_seqs, max_num_blocks = block_tables.shape
+        gathered = cache[block_tables]  # [num_seqs, max_num_blocks, block_size, num_kv_heads, head_dim]
+        return gathered.reshape(num_seqs, -1, self.num_kv_heads, self.head_dim).transpose(1, 2)

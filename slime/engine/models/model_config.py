@@ -1,0 +1,95 @@
+"""Architecture facts read from a checkpoint's config.json, and the list of supported architectures.
+
+Reads the JSON directly (no transformers import) so an unsupported checkpoint fails fast with a ValueError
+listing what is supported. Knows nothing about modules or weights (see `decoder.py`, `weight_loader.py`).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+# model_type -> (HF architecture class name, has qkv bias by default, has per-head q/k RMSNorm)
+SUPPORTED_MODEL_TYPES = {
+    "qwen2": ("Qwen2ForCausalLM", True, False),
+    "qwen3": ("Qwen3ForCausalLM", False, True),
+    "llama": ("LlamaForCausalLM", False, False),
+}
+
+
+@dataclass
+class ModelConfig:
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    max_position_embeddings: int
+    rope_theta: float
+    rope_scaling: dict | None  # llama3 parameters, or None for plain RoPE
+    qkv_bias: bool
+    o_proj_bias: bool
+    qk_norm: bool
+    tie_word_embeddings: bool
+    torch_dtype: str | None
+    eos_token_ids: list[int]
+
+
+def supported_description() -> str:
+    return ", ".join(f"{t} ({arch})" for t, (arch, _, _) in SUPPORTED_MODEL_TYPES.items())
+
+
+def load_model_config(model_path: str | Path) -> ModelConfig:
+    config_file = Path(model_path) / "config.json"
+    if not config_file.is_file():
+        raise ValueError(f"model: no config.json in {str(model_path)!r}; expected a Hugging Face checkpoint directory")
+    return parse_model_config(json.loads(config_file.read_text()))
+
+
+def parse_model_config(raw: dict) -> ModelConfig:
+    model_type = raw.get("model_type")
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(f"unsupported model_type {model_type!r}; supported: {supported_description()}")
+    architecture, default_bias, qk_norm = SUPPORTED_MODEL_TYPES[model_type]
+    architectures = raw.get("architectures") or [architecture]
+    if architectures != [architecture]:
+        raise ValueError(f"unsupported architectures {architectures}; supported: {supported_description()}")
+    if raw.get("use_sliding_window"):
+        raise ValueError("unsupported config: use_sliding_window=true (the engine implements full attention only)")
+    if raw.get("mlp_bias"):
+        raise ValueError("unsupported config: mlp_bias=true")
+    if raw.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"unsupported hidden_act {raw['hidden_act']!r}; only silu is implemented")
+    rope = dict(raw.get("rope_parameters") or {})
+    if raw.get("rope_scaling"):
+        rope.update(raw["rope_scaling"])
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type not in ("default", "llama3"):
+        raise ValueError(f"unsupported rope type {rope_type!r}; supported: default, llama3")
+    num_heads = raw["num_attention_heads"]
+    eos = raw.get("eos_token_id")
+    return ModelConfig(
+        model_type=model_type,
+        vocab_size=raw["vocab_size"],
+        hidden_size=raw["hidden_size"],
+        intermediate_size=raw["intermediate_size"],
+        num_hidden_layers=raw["num_hidden_layers"],
+        num_attention_heads=num_heads,
+        num_key_value_heads=raw.get("num_key_value_heads") or num_heads,
+        head_dim=raw.get("head_dim") or raw["hidden_size"] // num_heads,
+        rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
+        max_position_embeddings=raw.get("max_position_embeddings", 4096),
+        rope_theta=rope.get("rope_theta", raw.get("rope_theta", 10000.0)),
+        rope_scaling=rope if rope_type == "llama3" else None,
+        qkv_bias=default_bias or raw.get("attention_bias", False),
+        o_proj_bias=not default_bias and raw.get("attention_bias", False),
+        qk_norm=qk_norm,
+        tie_word_embeddings=raw.get("tie_word_embeddings", False),
+        torch_dtype=raw.get("torch_dtype") or raw.get("dtype"),
+        eos_token_ids=[] if eos is None else ([eos] if isinstance(eos, int) else list(eos)),
+    )
