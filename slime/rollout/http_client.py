@@ -29,6 +29,10 @@ class EndpointUnreachableError(ConnectionError):
     """Raised when an HTTP endpoint (router or engine) cannot be reached after all retries."""
 
 
+class HTTPRequestError(RuntimeError):
+    """The endpoint answered with an error status that retrying cannot fix (a bad request or an engine bug)."""
+
+
 _loop: asyncio.AbstractEventLoop | None = None
 _loop_lock = threading.Lock()
 _clients: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # event loop -> httpx.AsyncClient
@@ -85,8 +89,8 @@ async def request_json(
 ) -> Any:
     """Send one JSON request, retrying with exponential backoff on connection errors and 502/503/504.
 
-    Raises EndpointUnreachableError (naming the URL) once the retries are spent, and httpx.HTTPStatusError for
-    other error statuses (a 4xx/500 is a bug in the request or the engine; retrying would not help).
+    Raises EndpointUnreachableError (naming the URL) once the retries are spent, and HTTPRequestError with the
+    answer's body for other error statuses (a 4xx/500 is a bug in the request or the engine; retrying would not help).
     """
     client = get_client()
     last_error: Exception | None = None
@@ -103,7 +107,8 @@ async def request_json(
                 f"{response.status_code}: {response.text[:200]}", request=response.request, response=response
             )
             continue
-        response.raise_for_status()
+        if response.is_error:
+            raise HTTPRequestError(f"{method} {url} answered {response.status_code}: {response.text[:1000]}")
         return response.json() if response.content else None
     raise EndpointUnreachableError(
         f"could not reach {url} after {num_retries + 1} attempts "

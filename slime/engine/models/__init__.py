@@ -1,0 +1,8 @@
+"""Model implementations the engine runs: `load_model_config(model_path)` reads config.json and
+`DecoderForCausalLM(config)` builds the module (weights not loaded). Supported: Qwen2 / Qwen2.5, Qwen3 and Llama 3 dense decoders; anything else is a ValueError.
+"""
+
+from slime.engine.models.decoder import DecoderForCausalLM
+from slime.engine.models.model_config import SUPPORTED_MODEL_TYPES, ModelConfig, load_model_config
+
+__all__ = ["DecoderForCausalLM", "ModelConfig", "SUPPORTED_MODEL_TYPES", "load_model_config"]

@@ -1,0 +1,219 @@
+"""The engine's driver thread: one background thread owns the Engine, runs `engine.step()` while requests are
+pending (continuous batching across all HTTP requests) and hands each request's outputs to its asyncio waiter.
+
+Every engine mutation (add, abort, weight update, cache flush, memory release) is a command queued to this thread
+and run between two steps, so the HTTP event loop never touches the engine while it steps. Pausing stops steps
+(in-flight requests wait) but still runs commands. Not the HTTP layer (`server.py`) and not the engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import queue
+import threading
+import traceback
+import uuid
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+from typing import AsyncIterator, Callable
+
+logger = logging.getLogger(__name__)
+
+IDLE_WAIT_S = 0.05
+
+
+@dataclass
+class _Stream:
+    """One in-flight request as the driver sees it: where its outputs go and the latest one sent."""
+
+    loop: asyncio.AbstractEventLoop
+    outputs: asyncio.Queue
+    prompt_token_ids: list[int]
+    latest: object | None = None
+    finished: bool = False
+    extra: dict = field(default_factory=dict)
+
+
+class EngineLoop:
+    def __init__(self, engine):
+        self.engine = engine
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._streams: dict[str, _Stream] = {}  # touched by the driver thread only
+        self._paused = False
+        self._stopped = False
+        self._thread = threading.Thread(target=self._run, name="slime-engine-loop", daemon=True)
+        self.last_step_error: str | None = None
+
+    # ---- lifecycle -------------------------------------------------------------------------------------------
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stopped = True
+        self._wake.set()
+        self._thread.join(timeout=10)
+
+    @property
+    def is_alive(self) -> bool:
+        return self._thread.is_alive()
+
+    @property
+    def is_paused(self) -> bool:
+        return self._paused
+
+    # ---- commands --------------------------------------------------------------------------------------------
+    def submit(self, fn: Callable, *args) -> concurrent.futures.Future:
+        """Run `fn(*args)` on the driver thread between two steps; the future holds its result or exception."""
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self._commands.put((fn, args, future))
+        self._wake.set()
+        return future
+
+    async def call(self, fn: Callable, *args):
+        """`submit` from a coroutine: await the command's result (its exception is raised here)."""
+        return await asyncio.wrap_future(self.submit(fn, *args))
+
+    # ---- requests --------------------------------------------------------------------------------------------
+    async def generate(self, prompt_token_ids: list[int], sampling_params, rid: str | None = None) -> AsyncIterator:
+        """Add a request and yield its RequestOutputs (cumulative) until the finished one.
+
+        If the consumer stops early (client gone, task cancelled), the request is aborted in the engine.
+        """
+        rid = rid or uuid.uuid4().hex
+        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue(), list(prompt_token_ids))
+        await self.call(self._add, rid, stream, sampling_params)
+        try:
+            while True:
+                output = await stream.outputs.get()
+                if isinstance(output, BaseException):
+                    raise output
+                yield output
+                if output.finished:
+                    return
+        finally:
+            if not stream.finished:
+                self.submit(self._abort_one, rid)
+
+    def _add(self, rid: str, stream: _Stream, sampling_params) -> None:
+        if rid in self._streams:
+            raise ValueError(f"rid {rid!r} is already in flight; rids must be unique")
+        self.engine.add_request(stream.prompt_token_ids, sampling_params, rid=rid)
+        self._streams[rid] = stream
+
+    def abort(self, rid: str) -> concurrent.futures.Future:
+        return self.submit(self._abort_one, rid)
+
+    def abort_all(self) -> concurrent.futures.Future:
+        return self.submit(self._abort_all)
+
+    def _abort_one(self, rid: str) -> bool:
+        """Abort `rid` if it is in flight; its waiter gets a finished output with finish_reason abort."""
+        if rid not in self._streams:
+            return False
+        self._dispatch(_as_outputs(self.engine.abort_request(rid)))
+        self._finish_aborted(rid)
+        return True
+
+    def _abort_all(self) -> int:
+        rids = list(self._streams)
+        self._dispatch(_as_outputs(self.engine.abort_all()))
+        for rid in rids:
+            self._finish_aborted(rid)
+        return len(rids)
+
+    def _finish_aborted(self, rid: str) -> None:
+        """If the engine reported no final output for an aborted rid, send one built from the latest output (the
+        tokens and log-probs generated so far)."""
+        stream = self._streams.pop(rid, None)
+        if stream is None:
+            return
+        latest = stream.latest
+        output = SimpleNamespace(
+            rid=rid,
+            prompt_token_ids=stream.prompt_token_ids,
+            output_token_ids=list(latest.output_token_ids) if latest else [],
+            output_log_probs=list(latest.output_log_probs) if latest else [],
+            text=latest.text if latest else "",
+            finished=True,
+            finish_reason={"type": "abort", "message": "aborted by request"},
+            num_cached_tokens=latest.num_cached_tokens if latest else 0,
+            weight_version=latest.weight_version if latest else self.engine.weight_version,
+        )
+        self._send(stream, output)
+
+    # ---- pause -----------------------------------------------------------------------------------------------
+    def set_paused(self, paused: bool) -> concurrent.futures.Future:
+        return self.submit(self._set_paused, paused)
+
+    def _set_paused(self, paused: bool) -> None:
+        self._paused = paused
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._streams)
+
+    # ---- driver thread ---------------------------------------------------------------------------------------
+    def _run(self) -> None:
+        while not self._stopped:
+            self._wake.clear()
+            self._run_commands()
+            if not self._paused and self.engine.has_unfinished_requests():
+                try:
+                    outputs = self.engine.step()
+                except Exception as error:  # a failed step must not kill the server: fail its requests instead
+                    self._fail_all(error)
+                    continue
+                self._dispatch(outputs)
+            else:
+                self._wake.wait(IDLE_WAIT_S)
+
+    def _run_commands(self) -> None:
+        while True:
+            try:
+                fn, args, future = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                future.set_result(fn(*args))
+            except BaseException as error:
+                future.set_exception(error)
+
+    def _dispatch(self, outputs) -> None:
+        for output in outputs:
+            stream = self._streams.get(output.rid)
+            if stream is None:
+                continue
+            if output.finished:
+                del self._streams[output.rid]
+            self._send(stream, output)
+
+    def _send(self, stream: _Stream, output) -> None:
+        stream.latest = output
+        stream.finished = bool(getattr(output, "finished", True))
+        stream.loop.call_soon_threadsafe(stream.outputs.put_nowait, output)
+
+    def _fail_all(self, error: Exception) -> None:
+        self.last_step_error = "".join(traceback.format_exception(error))
+        logger.error("engine step failed; failing %d in-flight request(s):\n%s", len(self._streams), self.last_step_error)
+        try:
+            self.engine.abort_all()
+        except Exception:
+            logger.exception("abort_all after a failed step also failed")
+        streams, self._streams = self._streams, {}
+        for stream in streams.values():
+            stream.finished = True
+            stream.loop.call_soon_threadsafe(stream.outputs.put_nowait, RuntimeError(f"engine step failed: {error}"))
+
+
+def _as_outputs(result) -> list:
+    """Engine abort calls may return nothing, one RequestOutput or a list of them."""
+    if result is None or isinstance(result, bool):
+        return []
+    if isinstance(result, (list, tuple)):
+        return [r for r in result if hasattr(r, "rid")]
+    return [result] if hasattr(result, "rid") else []

@@ -1,0 +1,93 @@
+"""Batched on-device sampling: greedy, temperature, top-k, top-p, min-p, per-request seeds, and the log-prob of
+the sampled token under log_softmax(logits / temperature) before any filtering (temperature 0 counts as 1), the
+same quantity the trainer computes, so rollout and train log-probs are comparable.
+
+Randomness is a counter-based hash of (request seed, output position, vocabulary index) turned into exponential
+noise (the Gumbel-max trick): a request's samples depend only on its seed, never on the batch it shares, and the
+same on CPU and CUDA. Not responsible for stop conditions.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+_MASK32 = 0xFFFFFFFF
+
+
+@dataclass
+class SamplingBatch:
+    """Per-row sampling parameters as tensors on the logits' device (built by the model runner).
+
+    temperatures: 0 for greedy rows. top_ks: vocab size when off. top_ps: 1 when off. min_ps: 0 when off.
+    seeds, steps: noise counter per row (request seed, number of tokens generated so far).
+    banned_rows / banned_token_ids: (row, token) pairs masked out of sampling (stop tokens under min_new_tokens).
+    """
+
+    temperatures: torch.Tensor
+    top_ks: torch.Tensor
+    top_ps: torch.Tensor
+    min_ps: torch.Tensor
+    seeds: torch.Tensor
+    steps: torch.Tensor
+    banned_rows: torch.Tensor
+    banned_token_ids: torch.Tensor
+    needs_filtering: bool  # any row with top_k / top_p / min_p active
+
+
+def _hash32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer mixer on int64 tensors (values stay below 2**63, so no overflow)."""
+    x = x & _MASK32
+    x = ((x >> 16) ^ x) * 0x45D9F3B & _MASK32
+    x = ((x >> 16) ^ x) * 0x45D9F3B & _MASK32
+    return (x >> 16) ^ x
+
+
+def exponential_noise(seeds: torch.Tensor, steps: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """[num_rows, vocab_size] Exp(1) samples, a pure function of (seed, step, column)."""
+    columns = torch.arange(vocab_size, device=seeds.device, dtype=torch.int64)
+    row_key = _hash32(_hash32(seeds) ^ _hash32(steps * 0x9E3779B1 + 0x7F4A7C15))
+    bits = _hash32(_hash32(row_key[:, None] ^ columns[None, :]) + row_key[:, None])
+    uniform = (bits.double() + 0.5) / 2.0**32
+    return -torch.log(uniform)
+
+
+def sample(logits: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [num_rows, vocab] (float32) -> (token ids [num_rows], log-probs [num_rows])."""
+    is_greedy = batch.temperatures == 0
+    temperatures = torch.where(is_greedy, torch.ones_like(batch.temperatures), batch.temperatures)
+    scaled = logits / temperatures[:, None]
+    log_probs_all = torch.log_softmax(scaled, dim=-1)
+
+    sampling_logits = scaled
+    if batch.banned_rows.numel():
+        sampling_logits = sampling_logits.clone()
+        sampling_logits[batch.banned_rows, batch.banned_token_ids] = float("-inf")
+    greedy_tokens = sampling_logits.argmax(dim=-1)
+    if bool(is_greedy.all()):
+        tokens = greedy_tokens
+    else:
+        if batch.needs_filtering:
+            sampling_logits = _filter(sampling_logits, batch)
+        probs = torch.softmax(sampling_logits, dim=-1).double()
+        noise = exponential_noise(batch.seeds, batch.steps, logits.shape[-1])
+        sampled_tokens = (probs / noise).argmax(dim=-1)
+        tokens = torch.where(is_greedy, greedy_tokens, sampled_tokens)
+    log_probs = log_probs_all.gather(1, tokens[:, None]).squeeze(1)
+    return tokens, log_probs
+
+
+def _filter(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """Set to -inf what top-k, top-p and min-p remove (per row), on temperature-scaled logits."""
+    sorted_logits, sorted_index = logits.sort(dim=-1, descending=True)
+    ranks = torch.arange(logits.shape[-1], device=logits.device)[None, :]
+    remove = ranks >= batch.top_ks[:, None]
+    sorted_probs = sorted_logits.softmax(dim=-1)
+    # Remove a token when the tokens ranked above it already reach top_p (the top token always stays).
+    mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+    remove |= mass_before > batch.top_ps[:, None]
+    remove |= sorted_probs < batch.min_ps[:, None] * sorted_probs[:, :1]
+    remove[:, 0] = False
+    sorted_logits = sorted_logits.masked_fill(remove, float("-inf"))
+    return torch.empty_like(logits).scatter_(1, sorted_index, sorted_logits)
