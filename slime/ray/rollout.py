@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import json
+import sys
 import time
 from pathlib import Path
 
@@ -19,6 +20,8 @@ from slime.ray.engine_actor import EngineActor
 from slime.ray.placement_group import ENGINE_ACTOR_FRACTION
 from slime.ray.router import RouterProcess, list_workers, register_worker
 from slime.ray.train_data import rollout_metrics, samples_to_train_data, split_train_data
+from slime.rollout.data_source import create_data_source
+from slime.rollout.eval import compute_pass_at_k
 from slime.utils.misc import load_function
 from slime.utils.types import Sample
 
@@ -30,16 +33,6 @@ def _flatten(samples) -> list[Sample]:
     return out
 
 
-def _pass_at_k(num_samples: int, num_correct: int, k: int) -> float:
-    """Unbiased pass@k of one prompt (Chen et al. 2021)."""
-    if num_samples - num_correct < k:
-        return 1.0
-    prob_all_wrong = 1.0
-    for i in range(num_samples - num_correct + 1, num_samples + 1):
-        prob_all_wrong *= 1.0 - k / i
-    return 1.0 - prob_all_wrong
-
-
 def eval_metrics(name: str, samples: list[Sample], rewards: list[float], n_per_prompt: int) -> dict:
     metrics = {f"eval/{name}": sum(rewards) / max(len(rewards), 1)}
     if samples:
@@ -48,19 +41,22 @@ def eval_metrics(name: str, samples: list[Sample], rewards: list[float], n_per_p
     for s, r in zip(samples, rewards):
         by_prompt.setdefault(s.group_index, []).append(r)
     k = 1
-    while k <= n_per_prompt:
-        scores = [_pass_at_k(len(rs), sum(1 for r in rs if r > 0), k) for rs in by_prompt.values() if len(rs) >= k]
-        if scores:
-            metrics[f"eval/{name}-pass@{k}"] = sum(scores) / len(scores)
+    while by_prompt and k <= min(len(rs) for rs in by_prompt.values()):
+        metrics[f"eval/{name}-pass@{k}"] = compute_pass_at_k(list(by_prompt.values()), k)
         k *= 2
     return metrics
+
+
+def _rollout_function_metrics(rollout_fn) -> dict:
+    """Metrics a rollout function's module publishes through `get_last_rollout_metrics()`, if it does."""
+    getter = getattr(sys.modules.get(rollout_fn.__module__), "get_last_rollout_metrics", None)
+    return getter() if getter is not None else {}
 
 
 class RolloutManager:
     def __init__(self, args, placement):
         self.args = args
-        data_source_cls = load_function(args.data_source_path, "--data-source-path")
-        self.data_source = data_source_cls(args)
+        self.data_source = create_data_source(args)
         self.generate_rollout = load_function(args.rollout_function_path, "--rollout-function-path")
         self.eval_rollout = load_function(args.eval_function_path or args.rollout_function_path,
                                           "--eval-function-path")
@@ -145,7 +141,7 @@ class RolloutManager:
             load_function(self.args.rollout_data_postprocess_path, "--rollout-data-postprocess-path")(self.args, samples)
         data = samples_to_train_data(self.args, samples)
         metrics = rollout_metrics(self.args, samples, data["raw_reward"])
-        metrics.update(getattr(self.generate_rollout, "last_metrics", None) or {})
+        metrics.update(_rollout_function_metrics(self.generate_rollout))
         metrics["perf/rollout_time"] = rollout_time
         num_tokens = sum(data["response_lengths"])
         metrics["perf/rollout_tokens_per_sec"] = num_tokens / max(rollout_time, 1e-9)

@@ -85,13 +85,15 @@ async def request_json(
     payload: dict | None = None,
     *,
     timeout: float | None = None,
-    num_retries: int = DEFAULT_NUM_RETRIES,
+    num_retries: int | None = None,
 ) -> Any:
     """Send one JSON request, retrying with exponential backoff on connection errors and 502/503/504.
 
     Raises EndpointUnreachableError (naming the URL) once the retries are spent, and HTTPRequestError with the
     answer's body for other error statuses (a 4xx/500 is a bug in the request or the engine; retrying would not help).
     """
+    if num_retries is None:
+        num_retries = DEFAULT_NUM_RETRIES
     client = get_client()
     last_error: Exception | None = None
     for attempt in range(num_retries + 1):
