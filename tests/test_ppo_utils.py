@@ -221,6 +221,8 @@ def test_group_normalisation_edge_cases():
     # interleaved groups of unequal size, integer rewards
     out = pu.normalize_group_rewards(torch.tensor([1, 0, 0, 5]), torch.tensor([7, 3, 7, 3]), std_normalize=False)
     assert out.tolist() == [0.5, -2.5, -0.5, 2.5]
+    strings = pu.normalize_group_rewards(torch.tensor([1.0, 3.0, 2.0]), ["u1", "u2", "u1"], std_normalize=False)
+    assert strings.tolist() == [-0.5, 0.0, 0.5]  # any hashable ids (e.g. a rollout uuid)
     with pytest.raises(ValueError, match="same length"):
         pu.normalize_group_rewards(torch.zeros(3), [0, 1])
 

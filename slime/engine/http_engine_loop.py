@@ -15,9 +15,11 @@ import queue
 import threading
 import traceback
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import AsyncIterator, Callable
+
+from slime.engine.http_protocol import RequestError
 
 logger = logging.getLogger(__name__)
 
@@ -33,7 +35,6 @@ class _Stream:
     prompt_token_ids: list[int]
     latest: object | None = None
     finished: bool = False
-    extra: dict = field(default_factory=dict)
 
 
 class EngineLoop:
@@ -42,7 +43,7 @@ class EngineLoop:
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
         self._streams: dict[str, _Stream] = {}  # touched by the driver thread only
-        self._paused = False
+        self._holds: set[str] = set()  # reasons not to step (e.g. "paused", "memory_released"); commands still run
         self._stopped = False
         self._thread = threading.Thread(target=self._run, name="slime-engine-loop", daemon=True)
         self.last_step_error: str | None = None
@@ -62,7 +63,8 @@ class EngineLoop:
 
     @property
     def is_paused(self) -> bool:
-        return self._paused
+        """True while any hold is set: in-flight requests wait, nothing is stepped."""
+        return bool(self._holds)
 
     # ---- commands --------------------------------------------------------------------------------------------
     def submit(self, fn: Callable, *args) -> concurrent.futures.Future:
@@ -84,7 +86,10 @@ class EngineLoop:
         """
         rid = rid or uuid.uuid4().hex
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue(), list(prompt_token_ids))
-        await self.call(self._add, rid, stream, sampling_params)
+        try:
+            await self.call(self._add, rid, stream, sampling_params)
+        except ValueError as error:  # the engine rejected the request (e.g. a rid already in flight)
+            raise RequestError(str(error)) from error
         try:
             while True:
                 output = await stream.outputs.get()
@@ -145,11 +150,15 @@ class EngineLoop:
         self._send(stream, output)
 
     # ---- pause -----------------------------------------------------------------------------------------------
-    def set_paused(self, paused: bool) -> concurrent.futures.Future:
-        return self.submit(self._set_paused, paused)
+    def set_hold(self, reason: str, held: bool) -> concurrent.futures.Future:
+        """Stop (held=True) or allow stepping for `reason`; the engine steps only when no reason holds it."""
+        return self.submit(self._set_hold, reason, held)
 
-    def _set_paused(self, paused: bool) -> None:
-        self._paused = paused
+    def _set_hold(self, reason: str, held: bool) -> None:
+        if held:
+            self._holds.add(reason)
+        else:
+            self._holds.discard(reason)
 
     @property
     def num_in_flight(self) -> int:
@@ -160,7 +169,7 @@ class EngineLoop:
         while not self._stopped:
             self._wake.clear()
             self._run_commands()
-            if not self._paused and self.engine.has_unfinished_requests():
+            if not self._holds and self.engine.has_unfinished_requests():
                 try:
                     outputs = self.engine.step()
                 except Exception as error:  # a failed step must not kill the server: fail its requests instead

@@ -39,8 +39,9 @@ def resolve_dtype(dtype: str, device: torch.device, checkpoint_dtype: str | None
 
 
 class ModelRunner:
-    def __init__(self, config: Config, model_config: ModelConfig):
+    def __init__(self, config: Config, model_config: ModelConfig, eos_token_ids: set[int]):
         self.config = config
+        self.eos_token_ids = set(eos_token_ids)
         self.model_config = model_config
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device, model_config.torch_dtype)
@@ -192,17 +193,17 @@ class ModelRunner:
         needs_filtering = False
         for row, item in enumerate(sampled):
             seq, params = item.seq, item.seq.sampling_params
-            temperatures.append(0.0 if params.top_k == 1 else params.temperature)
+            temperatures.append(params.temperature)
             top_ks.append(vocab_size if params.top_k == -1 else params.top_k)
             top_ps.append(params.top_p if params.top_p < 1.0 else 2.0)  # 2.0: never cut by float round-off
             min_ps.append(params.min_p)
-            needs_filtering |= params.top_k > 1 or params.top_p < 1.0 or params.min_p > 0.0
+            needs_filtering |= params.top_k != -1 or params.top_p < 1.0 or params.min_p > 0.0
             seeds.append(seq.seed)
             steps.append(seq.num_completion_tokens)
             if seq.num_completion_tokens < params.min_new_tokens:
                 stop_ids = set(params.stop_token_ids)
                 if not params.ignore_eos:
-                    stop_ids |= set(self.model_config.eos_token_ids)
+                    stop_ids |= self.eos_token_ids
                 for token_id in sorted(t for t in stop_ids if t < vocab_size):
                     banned_rows.append(row)
                     banned_token_ids.append(token_id)

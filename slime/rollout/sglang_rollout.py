@@ -179,11 +179,12 @@ async def generate_group(args, group: list[Sample], sampling_params: dict, state
     return group
 
 
-def _filter_verdict(output) -> tuple[bool, str]:
-    """(keep, reason) from a dynamic filter's answer: a bool or an object with .keep / .reason."""
+def _filter_verdict(output) -> tuple[bool, str, bool]:
+    """(keep, reason, keep_when_insufficient) from a dynamic filter's answer: a bool or a DynamicFilterOutput."""
     if isinstance(output, bool):
-        return output, "filtered"
-    return bool(output.keep), getattr(output, "reason", None) or "filtered"
+        return output, "filtered", False
+    reason = getattr(output, "reason", None) or "filtered"
+    return bool(output.keep), reason, bool(getattr(output, "keep_when_insufficient", False))
 
 
 async def _generate_rollout_async(args, rollout_id: int, data_source) -> tuple[list[list[Sample]], dict]:
@@ -197,7 +198,7 @@ async def _generate_rollout_async(args, rollout_id: int, data_source) -> tuple[l
     accepted: list[list[Sample]] = []
     leftovers: list[list[Sample]] = []
     drop_counts: collections.Counter = collections.Counter()
-    num_groups_fetched = 0
+    num_groups_fetched = num_kept_when_insufficient = 0
     pending: set[asyncio.Task] = set()
     try:
         while len(accepted) < target:
@@ -211,7 +212,10 @@ async def _generate_rollout_async(args, rollout_id: int, data_source) -> tuple[l
                 if not _is_scorable(group):  # aborted on the engine side (e.g. a weight update): try again later
                     leftovers.append(group)
                     continue
-                keep, reason = _filter_verdict(dynamic_filter(args, group)) if dynamic_filter else (True, "")
+                keep, reason, fallback = _filter_verdict(dynamic_filter(args, group)) if dynamic_filter else (True, "", False)
+                # keep_when_insufficient: no over-sampled spare is in flight to replace this group, so keep it
+                if not keep and fallback and len(accepted) + len(pending) + 1 <= target:
+                    keep, num_kept_when_insufficient = True, num_kept_when_insufficient + 1
                 if keep:
                     accepted.append(group)
                 else:
@@ -226,7 +230,7 @@ async def _generate_rollout_async(args, rollout_id: int, data_source) -> tuple[l
         for task in pending:
             task.cancel()
 
-    leftovers += accepted[target:]
+    leftovers = sorted(leftovers + accepted[target:], key=lambda g: g[0].index)
     accepted = sorted(accepted[:target], key=lambda g: g[0].index)
     num_returned = 0
     if getattr(args, "partial_rollout", False):
@@ -246,6 +250,7 @@ async def _generate_rollout_async(args, rollout_id: int, data_source) -> tuple[l
         "rollout/num_groups_aborted": num_in_flight,
         "rollout/num_groups_returned_to_buffer": num_returned,
         "rollout/dynamic_filter/num_dropped": sum(drop_counts.values()),
+        "rollout/dynamic_filter/num_kept_when_insufficient": num_kept_when_insufficient,
         "rollout/reward_failures": state.num_reward_failures,
         "rollout/prefix_cache_hit_rate": cached_tokens / prompt_tokens if prompt_tokens else 0.0,
     }

@@ -150,6 +150,8 @@ def add_reward_arguments(parser):
     g.add_argument("--group-rm", action="store_true")
     g.add_argument("--reward-timeout", type=float, default=30.0,
                    help="seconds a reward function may take before the sample gets the failure reward")
+    g.add_argument("--reward-failure-value", type=float, default=0.0,
+                   help="reward given to a sample whose reward function raised or timed out")
 
 
 def add_training_arguments(parser):

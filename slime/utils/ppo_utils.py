@@ -60,17 +60,19 @@ def compute_policy_loss(
     ppo_kl: torch.Tensor,
     advantages: torch.Tensor,
     eps_clip: float,
-    eps_clip_high: float,
+    eps_clip_high: float | None,
     eps_clip_c: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """PPO clipped surrogate, elementwise. Returns `(pg_losses, clipfrac)`.
 
     ppo_kl = old_log_probs - log_probs, ratio = exp(-ppo_kl); L1 = -A * ratio; L2 = -A * clip(ratio, 1 - eps_clip,
-    1 + eps_clip_high); L = max(L1, L2); clipfrac = float(L2 > L1). Dual clip (`eps_clip_c` = c > 1): where A < 0,
-    L = min(L, -c * A).
+    1 + eps_clip_high) (eps_clip_high None means eps_clip); L = max(L1, L2); clipfrac = float(L2 > L1).
+    Dual clip (`eps_clip_c` = c > 1): where A < 0, L = min(L, -c * A).
     """
     if eps_clip_c is not None and not eps_clip_c > 1.0:
         raise ValueError(f"--eps-clip-c must be > 1 for dual-clip PPO, got {eps_clip_c}")
+    if eps_clip_high is None:
+        eps_clip_high = eps_clip
     ratio = torch.exp(-ppo_kl)
     loss_unclipped = -advantages * ratio
     loss_clipped = -advantages * ratio.clamp(1.0 - eps_clip, 1.0 + eps_clip_high)
@@ -188,7 +190,13 @@ def apply_opd_advantage(
 
 
 def _group_index(rewards: torch.Tensor, group_ids) -> tuple[torch.Tensor, int]:
-    ids = torch.as_tensor(group_ids, device=rewards.device)
+    """Dense group index per sample from arbitrary group ids (a tensor, or a sequence of any hashable ids)."""
+    if isinstance(group_ids, torch.Tensor):
+        ids = group_ids.to(rewards.device)
+    else:
+        dense: dict = {}
+        dense_ids = [dense.setdefault(g, len(dense)) for g in group_ids]
+        ids = torch.tensor(dense_ids, dtype=torch.long, device=rewards.device)
     if ids.shape != rewards.shape or rewards.dim() != 1:
         raise ValueError(
             f"rewards and group_ids must be 1-D of the same length, got {tuple(rewards.shape)} and {tuple(ids.shape)}"
@@ -336,7 +344,8 @@ def compute_tis_weights(
         "tis_clipfrac": _masked_mean((flat_weights != raw).to(raw.dtype), flat_mask),
     }
     if mode == "mask_sequence":
-        metrics["tis_seq_rejected_frac"] = rejected_seqs.to(raw.dtype).mean() if rejected_seqs.numel() else raw.new_zeros(())
+        rejected = rejected_seqs.to(raw.dtype)
+        metrics["tis_seq_rejected_frac"] = rejected.mean() if rejected.numel() else raw.new_zeros(())
     return weights, metrics
 
 
@@ -345,9 +354,9 @@ def _tis_weights_tensor(old_log_probs, rollout_log_probs, loss_mask, clip_low, c
     raw = torch.exp(old_log_probs - rollout_log_probs)
     inside = (raw >= clip_low) & (raw <= clip_high)
     if mode == "truncate":
-        return raw.clamp(clip_low, clip_high), raw, torch.zeros(raw.shape[:-1], dtype=torch.bool)
+        return raw.clamp(clip_low, clip_high), raw, torch.zeros_like(inside[..., 0])
     if mode == "mask_token":
-        return torch.where(inside, raw, 0.0), raw, torch.zeros(raw.shape[:-1], dtype=torch.bool)
+        return torch.where(inside, raw, 0.0), raw, torch.zeros_like(inside[..., 0])
     outside_masked_in = (~inside) & loss_mask.bool()
     rejected = outside_masked_in.any(dim=-1)
     return torch.where(rejected.unsqueeze(-1), 0.0, raw), raw, rejected
@@ -376,13 +385,13 @@ def compute_mismatch_metrics(train_log_probs, rollout_log_probs, loss_mask, eps_
     log_ratio = (train - rollout)[keep]
     ratio = torch.exp(log_ratio)
     num_tokens = log_ratio.numel()
-    metrics = {"mismatch_num_tokens": torch.tensor(float(num_tokens))}
+    metrics = {"mismatch_num_tokens": train.new_tensor(float(num_tokens))}
     if num_tokens == 0:
-        nan = torch.tensor(float("nan"))
+        nan = train.new_tensor(float("nan"))
         metrics.update(
-            train_rollout_logprob_abs_diff=torch.tensor(0.0),
+            train_rollout_logprob_abs_diff=train.new_tensor(0.0),
             mismatch_ratio_p1=nan, mismatch_ratio_p50=nan, mismatch_ratio_p99=nan,
-            mismatch_ratio_outside_clip_frac=torch.tensor(0.0),
+            mismatch_ratio_outside_clip_frac=train.new_tensor(0.0),
         )
         return metrics
     sorted_ratio = ratio.sort().values
@@ -425,7 +434,7 @@ def loss_denominator(mode: str, loss_masks: Sequence[torch.Tensor], constant: fl
     if mode == "sample_mean":
         return float(len(loss_masks))
     if mode == "token_mean":
-        return float(sum(float(m.sum()) for m in loss_masks))
+        return float(sum(m.sum() for m in loss_masks)) if loss_masks else 0.0
     if constant is None or not constant > 0:
         raise ValueError(f"loss aggregation mode 'constant' needs a positive constant, got {constant!r}")
     return float(len(loss_masks)) * float(constant)
@@ -457,17 +466,20 @@ def aggregate_loss(
     if mode not in LOSS_AGGREGATION_MODES:
         raise ValueError(f"unknown loss aggregation mode {mode!r}; valid: {', '.join(LOSS_AGGREGATION_MODES)}")
     if not global_denominator > 0:
-        raise ValueError(f"global_denominator must be > 0 (computed once over the global batch), got {global_denominator}")
+        raise ValueError(
+            f"global_denominator must be > 0 (computed once over the global batch), got {global_denominator}"
+        )
     per_sample = _split_per_sample(values, loss_masks)
     if not per_sample:
         return torch.zeros(())
     if sample_token_counts is not None and len(sample_token_counts) != len(per_sample):
         raise ValueError(f"got {len(sample_token_counts)} sample_token_counts for {len(per_sample)} samples")
-    terms = []
-    for i, (x, mask) in enumerate(zip(per_sample, loss_masks)):
-        masked_sum = (x * mask.to(x.dtype)).sum()
-        if mode == "sample_mean":
-            count = float(mask.sum()) if sample_token_counts is None else float(sample_token_counts[i])
-            masked_sum = masked_sum / max(count, 1.0)
-        terms.append(masked_sum)
-    return torch.stack(terms).sum() / global_denominator
+    # Stays on the device: no per-sample .item() synchronisation.
+    masked_sums = torch.stack([(x * mask.to(x)).sum() for x, mask in zip(per_sample, loss_masks)])
+    if mode == "sample_mean":
+        if sample_token_counts is None:
+            counts = torch.stack([mask.to(masked_sums).sum() for mask in loss_masks])
+        else:
+            counts = torch.as_tensor(sample_token_counts).to(masked_sums)
+        masked_sums = masked_sums / counts.clamp(min=1.0)
+    return masked_sums.sum() / global_denominator

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from slime.backends.fsdp_utils.data import PackedMicroBatch
@@ -65,6 +65,14 @@ def build_policy_model(hf_model: nn.Module, mesh, *, temperature: float, chunk_s
     return model
 
 
+def reshard(model: nn.Module) -> None:
+    """Return every FSDP module to its sharded state (the root stays unsharded after a forward), so that
+    `named_parameters()` yields the sharded DTensors."""
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
+
+
 def hf_name(name: str) -> str:
     """Parameter name in the Hugging Face checkpoint (drops the wrapper prefix)."""
     return name[len(HF_PREFIX):] if name.startswith(HF_PREFIX) else name
@@ -73,6 +81,7 @@ def hf_name(name: str) -> str:
 @torch.no_grad()
 def load_full_weights(model: nn.Module, full_state: dict[str, torch.Tensor]) -> None:
     """Copy full (unsharded) HF-named tensors into this rank's shards. Every rank passes the same tensors."""
+    reshard(model)
     for name, param in model.named_parameters():
         key = hf_name(name)
         if key not in full_state:
@@ -116,6 +125,7 @@ class WeightSnapshot:
 
     @torch.no_grad()
     def save(self, tag: str) -> None:
+        reshard(self.model)
         pin = torch.cuda.is_available()
         store = self.tags.setdefault(tag, {})
         for name, param in self.model.named_parameters():
@@ -128,6 +138,7 @@ class WeightSnapshot:
 
     @torch.no_grad()
     def restore(self, tag: str) -> None:
+        reshard(self.model)
         store = self.tags[tag]
         for name, param in self.model.named_parameters():
             self._local(param).copy_(store[name], non_blocking=True)

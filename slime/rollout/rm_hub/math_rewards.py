@@ -19,7 +19,8 @@ _ANSWER_LINE = re.compile(r"(?i)Answer\s*:\s*([^\n]+)")
 async def answers_equal(pred: str, label) -> bool:
     """Exact match after normalisation, else math-verify equivalence (in the worker pool)."""
     gold = label_answer(label)
-    if normalize_final_answer(pred) == normalize_final_answer(gold):
+    normalized_pred = normalize_final_answer(pred)
+    if normalized_pred and normalized_pred == normalize_final_answer(gold):
         return True
     return await math_equal_in_pool(pred, gold)
 

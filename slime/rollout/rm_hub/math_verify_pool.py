@@ -4,12 +4,14 @@ Why a process pool: math-verify's own timeouts use SIGALRM, which only works in 
 it raises unless both timeouts are None), and sympy can spin for a long time on adversarial answers. In a worker
 process the grading runs in that worker's main thread, so math-verify keeps its internal timeouts, and the caller
 adds its own wall-clock bound on top. The pool starts lazily with the "spawn" method (no fork of a process that
-runs threads) and is rebuilt if a worker dies.
+runs threads) and is rebuilt if a worker dies. As with any spawned worker, a launcher script that grades in its own
+process must keep its top-level code under `if __name__ == "__main__":` (Ray actors need nothing).
 """
 
 from __future__ import annotations
 
 import asyncio
+import atexit
 import concurrent.futures
 import multiprocessing
 import os
@@ -43,6 +45,16 @@ def _get_pool() -> concurrent.futures.ProcessPoolExecutor:
         return _pool
 
 
+@atexit.register
+def shutdown_pool() -> None:
+    """Stop the workers (registered at exit, so interpreter teardown does not find a live pool)."""
+    global _pool
+    with _pool_lock:
+        pool, _pool = _pool, None
+    if pool is not None:
+        pool.shutdown(wait=True, cancel_futures=True)
+
+
 def _discard_pool(broken: concurrent.futures.ProcessPoolExecutor) -> None:
     global _pool
     with _pool_lock:
@@ -51,18 +63,25 @@ def _discard_pool(broken: concurrent.futures.ProcessPoolExecutor) -> None:
     broken.shutdown(wait=False, cancel_futures=True)
 
 
-async def math_equal_in_pool(pred: str, gold: str, timeout: float = MATH_VERIFY_TIMEOUT_S) -> bool:
-    """`math_verify_equal` in the worker pool; raises TimeoutError after `timeout` seconds."""
+async def run_in_pool(fn, *args, timeout: float, description: str):
+    """`fn(*args)` in the worker pool (fn must be picklable); raises TimeoutError after `timeout` seconds."""
     pool = _get_pool()
     try:
-        future = pool.submit(math_verify_equal, pred, gold)
+        future = pool.submit(fn, *args)
     except concurrent.futures.process.BrokenProcessPool:
         _discard_pool(pool)
-        future = _get_pool().submit(math_verify_equal, pred, gold)
+        pool = _get_pool()
+        future = pool.submit(fn, *args)
     try:
         return await asyncio.wait_for(asyncio.wrap_future(future), timeout)
     except asyncio.TimeoutError:
-        raise TimeoutError(f"math-verify took longer than {timeout}s on {pred[:80]!r}") from None
+        raise TimeoutError(f"{description} took longer than {timeout}s") from None
     except concurrent.futures.process.BrokenProcessPool:
         _discard_pool(pool)
         raise
+
+
+async def math_equal_in_pool(pred: str, gold: str, timeout: float = MATH_VERIFY_TIMEOUT_S) -> bool:
+    """`math_verify_equal` in the worker pool; raises TimeoutError after `timeout` seconds."""
+    description = f"math-verify on {pred[:80]!r}"
+    return await run_in_pool(math_verify_equal, pred, gold, timeout=timeout, description=description)

@@ -1,0 +1,282 @@
+"""FSDPTrainer: one training process (one device) of slime's FSDP2 backend. A plain class; the Ray layer wraps
+it as an actor per device. It owns the sharded policy, the optimizer, reference weights (host memory), and turns a
+rank's train-data dict (docs/internals.md) into `num_steps_per_rollout` optimizer steps.
+
+Not here: reward post-processing and the data split over ranks (RolloutManager), the Ray plumbing (slime/ray).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+from collections import defaultdict
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
+
+from slime.backends.fsdp_utils import checkpoint
+from slime.backends.fsdp_utils.advantages import check_estimator, compute_advantages
+from slime.backends.fsdp_utils.data import (
+    pack_samples,
+    pad_num_micro_batches,
+    split_micro_batches,
+    step_sample_indices,
+)
+from slime.backends.fsdp_utils.loss import LossReducer, MicroBatchTensors, aggregation_mode, get_loss_function
+from slime.backends.fsdp_utils.model import (
+    WeightSnapshot,
+    build_policy_model,
+    load_full_weights,
+    load_hf_model,
+    read_hf_weights,
+)
+from slime.backends.fsdp_utils.optimizer import build_optimizer
+from slime.backends.fsdp_utils.update_weight import WeightUpdater
+from slime.utils.misc import seed_everything
+from slime.utils.ppo_utils import compute_mismatch_metrics, loss_denominator
+
+logger = logging.getLogger(__name__)
+
+
+def can_reuse_log_probs_in_loss(args) -> bool:
+    """slime's shortcut (spec 4.8): with one on-policy step per rollout the old log-probs equal the current ones,
+    so the separate forward is skipped and the loss uses the detached current log-probs."""
+    return (args.num_steps_per_rollout == 1 and args.loss_type == "policy_loss" and args.kl_coef == 0
+            and not args.use_rollout_logprobs and not args.get_mismatch_metrics and not args.keep_old_actor
+            and not args.use_opd and args.advantage_estimator != "gspo"
+            and not getattr(args, "use_critic", False))
+
+
+class FSDPTrainer:
+    def __init__(self, args, rank: int, world_size: int, master_addr: str, master_port: int, role: str = "actor"):
+        if role != "actor":
+            raise ValueError(f"the FSDP trainer has no {role!r} role (no critic); use an estimator without a critic")
+        self.args, self.rank, self.world_size, self.role = args, rank, world_size, role
+        use_cuda = args.device == "cuda" or (args.device in (None, "auto") and torch.cuda.is_available())
+        if use_cuda:
+            local_rank = int(os.environ.get("LOCAL_RANK", rank % max(torch.cuda.device_count(), 1)))
+            torch.cuda.set_device(local_rank)
+            self.device = torch.device("cuda", local_rank)
+        else:
+            self.device = torch.device("cpu")
+        if not dist.is_initialized():
+            dist.init_process_group("nccl" if use_cuda else "gloo", init_method=f"tcp://{master_addr}:{master_port}",
+                                    rank=rank, world_size=world_size, timeout=timedelta(minutes=30))
+        self.mesh = init_device_mesh(self.device.type, (world_size,))
+        self.master_addr = master_addr
+        self.model = self.optimizer = self.scheduler = None
+        self.with_ref = False
+        self.last_step_metrics: list[dict] = []  # per optimizer step of the last train() call
+
+    # ------------------------------------------------------------------------------------------------ setup
+    def init(self, with_ref: bool = False) -> int:
+        """Build model, optimizer and reference weights; resume from --load. Returns the first rollout id."""
+        args = self.args
+        check_estimator(args)
+        seed_everything(args.seed)
+        resume_dir = checkpoint.resolve_load_dir(args.load)
+        if resume_dir is not None:
+            weights_path = str(resume_dir)
+        elif args.load and list(Path(args.load).glob("*.safetensors")):
+            weights_path = args.load
+        else:
+            weights_path = args.hf_checkpoint
+        if not weights_path:
+            raise ValueError("no model to train: pass --hf-checkpoint (a Hugging Face folder)")
+        hf_model = load_hf_model(weights_path)
+        self.hf_config = hf_model.config
+        self.model = build_policy_model(
+            hf_model, self.mesh, temperature=args.rollout_temperature, chunk_size=args.log_probs_chunk_size,
+            mixed_precision=self.device.type == "cuda", recompute_activations=args.recompute_activations,
+        )
+        self.optimizer, self.scheduler = build_optimizer(args, self.model.parameters())
+        self.snapshot = WeightSnapshot(self.model)
+        self.with_ref = bool(with_ref) and bool(args.ref_load)
+        if self.with_ref:
+            self.snapshot.save("actor")
+            load_full_weights(self.model, read_hf_weights(args.ref_load))
+            self.snapshot.save("ref")
+            self.snapshot.restore("actor")
+        self.weight_updater = WeightUpdater(self.model, self.rank, args.update_weight_buffer_size,
+                                            dtype=None, master_address=self.master_addr)
+        self.loss_fn = get_loss_function(args)
+        if resume_dir is not None:
+            return checkpoint.load_training_state(resume_dir, self.model, self.optimizer, self.scheduler,
+                                                  self.rank) + 1
+        return getattr(args, "start_rollout_id", None) or 0
+
+    # -------------------------------------------------------------------------------------------- schedule
+    def _schedule(self, data: dict) -> list[list]:
+        """Per optimizer step, this rank's packed micro-batches (the same count on every rank)."""
+        args, tokens = self.args, data["tokens"]
+        num_steps = data.get("num_steps_per_rollout") or args.num_steps_per_rollout or 1
+        lengths = [len(t) for t in tokens]
+        max_tokens = args.max_tokens_per_gpu if args.use_dynamic_batch_size else None
+        bins_per_step = [split_micro_batches(step, lengths, args.micro_batch_size, max_tokens)
+                         for step in step_sample_indices(len(tokens), num_steps)]
+        counts = torch.tensor([len(b) for b in bins_per_step], device=self.device)
+        self._all_reduce(counts, dist.ReduceOp.MAX)
+        return [[pack_samples(tokens, data["response_lengths"], b)
+                 for b in pad_num_micro_batches(bins, lengths, int(count))]
+                for bins, count in zip(bins_per_step, counts.tolist())]
+
+    def _all_reduce(self, tensor: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
+        if self.world_size > 1:
+            dist.all_reduce(tensor, op=op)
+        return tensor
+
+    @torch.no_grad()
+    def compute_log_probs(self, schedule) -> dict[int, torch.Tensor]:
+        """Log-probs (CPU, fp32) of every sample's response tokens under the current weights."""
+        self.model.eval()
+        result = {}
+        for micro_batches in schedule:
+            for micro_batch in micro_batches:
+                log_probs, _ = self.model.forward_micro_batch(micro_batch.to(self.device))
+                for index, piece in zip(micro_batch.sample_indices,
+                                        torch.split(log_probs.cpu(), micro_batch.response_lengths)):
+                    result[index] = piece
+        self.model.train()
+        return result
+
+    # ---------------------------------------------------------------------------------------------- train
+    def train(self, rollout_id: int, data: dict) -> dict:
+        args = self.args
+        num_samples = len(data["tokens"])
+        schedule = self._schedule(data)
+        loss_masks = [torch.tensor(m, dtype=torch.float32) for m in data["loss_masks"]]
+        rollout_log_probs = ([torch.tensor(lp, dtype=torch.float32) for lp in data["rollout_log_probs"]]
+                             if data.get("rollout_log_probs") else None)
+        ref_log_probs = None
+        if self.with_ref and (args.use_kl_loss or args.kl_coef != 0):
+            self.snapshot.save("actor")
+            self.snapshot.restore("ref")
+            ref = self.compute_log_probs(schedule)
+            self.snapshot.restore("actor")
+            ref_log_probs = [ref[i] for i in range(num_samples)]
+        if args.use_rollout_logprobs:
+            if rollout_log_probs is None:
+                raise ValueError("--use-rollout-logprobs but the rollout returned no log-probs")
+            old_log_probs = rollout_log_probs
+        elif args.loss_type == "policy_loss" and not can_reuse_log_probs_in_loss(args):
+            old = self.compute_log_probs(schedule)
+            old_log_probs = [old[i] for i in range(num_samples)]
+        else:
+            old_log_probs = None
+        metrics = {}
+        if rollout_log_probs is not None and old_log_probs is not None and not args.use_rollout_logprobs:
+            metrics.update(self._mismatch_metrics(old_log_probs, rollout_log_probs, loss_masks))
+        advantages = None
+        if args.loss_type != "sft_loss":
+            advantages = compute_advantages(args, data["rewards"], loss_masks, old_log_probs, ref_log_probs,
+                                            dict(data))
+        per_sample = dict(loss_masks=loss_masks, advantages=advantages, old_log_probs=old_log_probs,
+                          ref_log_probs=ref_log_probs, rollout_log_probs=rollout_log_probs)
+        step_metrics = [self._train_step(micro_batches, per_sample) for micro_batches in schedule]
+        self.last_step_metrics = [{f"train/{k}": v for k, v in m.items()} for m in step_metrics]
+        for key in step_metrics[0]:
+            values = [m[key] for m in step_metrics]
+            metrics[f"train/{key}"] = values[-1] if key == "lr" else sum(values) / len(values)
+        return metrics
+
+    def _mismatch_metrics(self, old_log_probs, rollout_log_probs, loss_masks) -> dict:
+        """Rank-local distribution of exp(train - rollout); quantiles averaged over ranks (approximate)."""
+        local = compute_mismatch_metrics(old_log_probs, rollout_log_probs, loss_masks,
+                                         self.args.eps_clip, self.args.eps_clip_high)
+        local.pop("train_rollout_logprob_abs_diff")
+        keys = sorted(local)
+        values = torch.stack([local[k].float().nan_to_num(0.0) for k in keys]).to(self.device)
+        values = self._all_reduce(values) / self.world_size
+        return {f"train/{k}": float(v) for k, v in zip(keys, values.tolist())}
+
+    def _train_step(self, micro_batches, per_sample: dict) -> dict:
+        args = self.args
+        mode = aggregation_mode(args)
+        step_masks = [per_sample["loss_masks"][i] for mb in micro_batches for i in mb.sample_indices]
+        denominator = torch.tensor([loss_denominator(mode, step_masks)], dtype=torch.float64, device=self.device)
+        global_denominator = max(float(self._all_reduce(denominator)), 1.0)
+        self.optimizer.zero_grad(set_to_none=True)
+        sums: dict[str, torch.Tensor] = defaultdict(lambda: torch.zeros((), dtype=torch.float64))
+        for micro_batch in micro_batches:
+            batch = self._micro_batch_tensors(micro_batch, per_sample)
+            log_probs, entropy = self.model.forward_micro_batch(micro_batch.to(self.device))
+            reduce = LossReducer(args, batch.loss_masks, global_denominator)
+            loss, loss_metrics = self.loss_fn(args, log_probs, entropy, batch, reduce)
+            # FSDP averages gradients over ranks; the loss is already a share of the global sum.
+            (loss * self.world_size).backward()
+            for key, value in loss_metrics.items():
+                sums[key] = sums[key] + torch.as_tensor(value).detach().double().cpu()
+        keys = sorted(sums)
+        reduced = self._all_reduce(torch.stack([sums[k] for k in keys]).to(self.device)).tolist()
+        metrics = dict(zip(keys, reduced))
+        max_norm = args.clip_grad if args.clip_grad and args.clip_grad > 0 else math.inf
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
+        if isinstance(grad_norm, DTensor):
+            grad_norm = grad_norm.full_tensor()
+        metrics["grad_norm"] = float(grad_norm)
+        metrics["lr"] = self.optimizer.param_groups[0]["lr"]
+        if math.isfinite(metrics["grad_norm"]):
+            self.optimizer.step()
+        else:
+            logger.warning("non-finite grad norm %s: optimizer step skipped", metrics["grad_norm"])
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return metrics
+
+    def _micro_batch_tensors(self, micro_batch, per_sample: dict) -> MicroBatchTensors:
+        def flat(key):
+            values = per_sample[key]
+            if values is None:
+                return None
+            return torch.cat([values[i] for i in micro_batch.sample_indices]).to(self.device)
+
+        return MicroBatchTensors(
+            loss_masks=[per_sample["loss_masks"][i].to(self.device) for i in micro_batch.sample_indices],
+            advantages=flat("advantages"), old_log_probs=flat("old_log_probs"),
+            ref_log_probs=flat("ref_log_probs"), rollout_log_probs=flat("rollout_log_probs"),
+        )
+
+    # ------------------------------------------------------------------------------- checkpoint / weights
+    def save_model(self, rollout_id: int) -> str:
+        if not self.args.save:
+            raise ValueError("save_model needs --save (the checkpoint root folder)")
+        path = checkpoint.save_checkpoint(
+            self.args.save, rollout_id, self.model, self.optimizer, self.scheduler,
+            hf_checkpoint=self.args.hf_checkpoint, rank=self.rank, save_optim=not self.args.no_save_optim,
+            tie_word_embeddings=bool(getattr(self.hf_config, "tie_word_embeddings", False)),
+        )
+        return str(path)
+
+    def connect_rollout_engines(self, engine_urls: list[str], mode: str = "tensor") -> None:
+        self.weight_updater.connect(engine_urls, mode)
+
+    def update_weights(self, engine_urls: list[str] | None = None, weight_version=None, mode: str | None = None) -> dict:
+        """Push the current weights to the engines (connecting first when `engine_urls` or `mode` changed)."""
+        if engine_urls is not None and (list(engine_urls) != self.weight_updater.engine_urls
+                                        or (mode and mode != self.weight_updater.mode)):
+            self.weight_updater.connect(engine_urls, mode or self.weight_updater.mode)
+        return self.weight_updater.update(weight_version)
+
+    # ---------------------------------------------------------------------------------------- offload
+    def offload(self) -> None:
+        """GPU: move parameters and optimizer state to host memory and release the cache. CPU: nothing to do."""
+        self._move_states("cpu")
+
+    def onload(self) -> None:
+        self._move_states(self.device)
+
+    def _move_states(self, device) -> None:
+        if self.device.type != "cuda":
+            return
+        self.model.to(device)
+        for state in self.optimizer.state.values():
+            for key, value in state.items():
+                if isinstance(value, torch.Tensor) and key != "step":
+                    state[key] = value.to(device, non_blocking=True)
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()

@@ -1,0 +1,278 @@
+"""The built-in inference engine's Python API: add requests, step the continuous-batching loop, abort, update
+weights (versioned), release / resume memory, and a blocking `generate`.
+
+Single-threaded and synchronous: the HTTP server (`server.py`) drives `step()` from its own loop. Composes the
+scheduler, block manager, model runner and sampler; finish rules for text (stop strings) and detokenization
+happen here. Not an HTTP layer and not a multi-process launcher.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import uuid
+from pathlib import Path
+
+import torch
+
+from slime.engine.block_manager import BlockManager
+from slime.engine.config import Config
+from slime.engine.model_runner import ModelRunner
+from slime.engine.models import load_model_config
+from slime.engine.models.weight_loader import load_checkpoint, load_weights, named_weight_shapes
+from slime.engine.request_output import RequestOutput
+from slime.engine.sampling_params import SamplingParams
+from slime.engine.scheduler import Scheduler
+from slime.engine.sequence import Sequence
+from slime.engine.stop_strings import final_text, find_new_stop
+
+MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")
+
+
+class EngineMemoryReleasedError(RuntimeError):
+    """Raised when generating or updating weights while that memory is released."""
+
+
+class Engine:
+    def __init__(self, model_path: str, **config):
+        from transformers import AutoTokenizer
+
+        self.config = Config.from_kwargs(str(model_path), **config)
+        self.model_config = load_model_config(self.config.model)
+        self.tokenizer = AutoTokenizer.from_pretrained(self.config.model)
+        self.eos_token_ids = self._eos_token_ids()
+        self.model_runner = ModelRunner(self.config, self.model_config, self.eos_token_ids)
+        max_model_len = self.config.max_model_len or self.model_config.max_position_embeddings
+        if max_model_len > self.model_config.max_position_embeddings:
+            raise ValueError(
+                f"max_model_len={max_model_len} exceeds the model's max_position_embeddings "
+                f"({self.model_config.max_position_embeddings})"
+            )
+        # One sequence must always fit in the KV cache, or preemption could never make progress.
+        self.max_model_len = min(max_model_len, self.model_runner.num_kvcache_blocks * self.config.kvcache_block_size)
+        self.block_manager = BlockManager(self.model_runner.num_kvcache_blocks, self.config.kvcache_block_size)
+        self.scheduler = Scheduler(
+            self.block_manager,
+            self.config.max_num_seqs,
+            self.config.max_num_batched_tokens,
+            self.max_model_len,
+            self.eos_token_ids,
+        )
+        self.rng = random.Random(self.config.seed)
+        self.requests: dict[str, Sequence] = {}
+        self.pending_outputs: list[RequestOutput] = []
+        self.released_tags: set[str] = set()
+        self.weight_version = "0"
+        self.num_weight_updates = 0
+
+    def _eos_token_ids(self) -> set[int]:
+        eos = set(self.model_config.eos_token_ids)
+        if self.tokenizer.eos_token_id is not None:
+            eos.add(self.tokenizer.eos_token_id)
+        generation_config = Path(self.config.model) / "generation_config.json"
+        if generation_config.is_file():
+            value = json.loads(generation_config.read_text()).get("eos_token_id")
+            eos.update([value] if isinstance(value, int) else (value or []))
+        return eos
+
+    # ---- requests -----------------------------------------------------------------------------------------------
+
+    def add_request(self, prompt_token_ids: list[int], sampling_params=None, rid: str | None = None) -> str:
+        params = _as_sampling_params(sampling_params)
+        if not isinstance(prompt_token_ids, (list, tuple)) or not prompt_token_ids:
+            raise ValueError("prompt_token_ids must be a non-empty list of token ids")
+        vocab_size = self.model_config.vocab_size
+        if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab_size for t in prompt_token_ids):
+            raise ValueError(f"prompt_token_ids must be ints in [0, {vocab_size})")
+        if len(prompt_token_ids) >= self.max_model_len:
+            raise ValueError(
+                f"prompt_token_ids has {len(prompt_token_ids)} tokens; max_model_len is {self.max_model_len}, "
+                "which must leave room for at least one output token"
+            )
+        rid = rid if rid is not None else uuid.uuid4().hex
+        if rid in self.requests:
+            raise ValueError(f"rid {rid!r} is already in use by an unfinished request")
+        seed = params.sampling_seed if params.sampling_seed is not None else self.rng.getrandbits(32)
+        seq = Sequence(rid, list(prompt_token_ids), params, seed % 2**32)
+        if params.max_new_tokens == 0:
+            seq.finish_reason = {"type": "length", "length": 0}
+            self.scheduler.finish(seq, seq.finish_reason)
+            self.pending_outputs.append(self._output(seq))
+            return rid
+        self.requests[rid] = seq
+        self.scheduler.add(seq)
+        return rid
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests or self.pending_outputs)
+
+    def abort_request(self, rid: str) -> RequestOutput | None:
+        """Finish `rid` with reason abort and free its blocks. Returns its final output (partial tokens and
+        log-probs), which `step()` will not report again; None if `rid` is unknown or already finished."""
+        seq = self.requests.pop(rid, None)
+        if seq is None:
+            return None
+        self.scheduler.abort(seq)
+        return self._output(seq)
+
+    def abort_all(self) -> list[RequestOutput]:
+        return [self.abort_request(rid) for rid in list(self.requests)]
+
+    def step(self) -> list[RequestOutput]:
+        """One scheduler step: forward the scheduled batch, sample, apply stop rules. Returns the outputs of the
+        requests that made progress (a new token or finished)."""
+        outputs, self.pending_outputs = self.pending_outputs, []
+        if not self.scheduler.has_unfinished():
+            return outputs
+        self._check_resident("generate")
+        scheduled = self.scheduler.schedule()
+        assert scheduled, "scheduler made no progress with unfinished requests"
+        token_ids, log_probs = self.model_runner.run(scheduled)
+        self.scheduler.postprocess(scheduled, token_ids, log_probs)
+        for item in scheduled:
+            seq = item.seq
+            if not item.needs_sample:
+                continue
+            if not seq.is_finished:
+                stop = find_new_stop(self.tokenizer, seq.output_token_ids, seq.sampling_params)
+                if stop is not None:
+                    self.scheduler.finish(seq, {"type": "stop", "matched": stop})
+            if seq.is_finished:
+                self.requests.pop(seq.rid, None)
+            outputs.append(self._output(seq))
+        return outputs
+
+    def _output(self, seq: Sequence) -> RequestOutput:
+        params = seq.sampling_params
+        if seq.is_finished:
+            text = final_text(self.tokenizer, seq.output_token_ids, params, seq.finish_reason)
+        else:
+            text = self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=params.skip_special_tokens)
+        return RequestOutput(
+            rid=seq.rid,
+            prompt_token_ids=seq.prompt_token_ids,
+            output_token_ids=seq.output_token_ids,
+            output_log_probs=list(seq.output_log_probs),
+            text=text,
+            finished=seq.is_finished,
+            finish_reason=seq.finish_reason,
+            num_cached_tokens=seq.num_cached_tokens,
+            weight_version=self.weight_version,
+        )
+
+    def generate(self, prompts_or_token_ids, sampling_params=None) -> list[dict]:
+        """Blocking: run the given prompts (strings or token-id lists) to completion; results in input order."""
+        if isinstance(prompts_or_token_ids, str) or (
+            isinstance(prompts_or_token_ids, list) and prompts_or_token_ids and isinstance(prompts_or_token_ids[0], int)
+        ):
+            prompts_or_token_ids = [prompts_or_token_ids]
+        if not isinstance(prompts_or_token_ids, (list, tuple)) or not prompts_or_token_ids:
+            raise ValueError("prompts_or_token_ids must be a non-empty list of strings or of token-id lists")
+        if isinstance(sampling_params, (list, tuple)):
+            if len(sampling_params) != len(prompts_or_token_ids):
+                raise ValueError(
+                    f"sampling_params has {len(sampling_params)} entries for {len(prompts_or_token_ids)} prompts"
+                )
+            params_list = [_as_sampling_params(p) for p in sampling_params]
+        else:
+            params_list = [_as_sampling_params(sampling_params)] * len(prompts_or_token_ids)
+        rids = []
+        for prompt, params in zip(prompts_or_token_ids, params_list):
+            token_ids = self.tokenizer(prompt)["input_ids"] if isinstance(prompt, str) else prompt
+            rids.append(self.add_request(token_ids, params))
+        results: dict[str, RequestOutput] = {}
+        wanted = set(rids)
+        while not wanted <= results.keys():
+            for output in self.step():
+                if output.finished and output.rid in wanted:
+                    results[output.rid] = output
+        return [results[rid].to_dict() for rid in rids]
+
+    # ---- weights ------------------------------------------------------------------------------------------------
+
+    def named_weight_shapes(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        return named_weight_shapes(self.model_runner.model)
+
+    def load_weights(self, named_tensors) -> None:
+        """Copy HF-named tensors into the model (any subset), after checking every name and shape; flushes the
+        prefix cache. Does not change weight_version (see `update_weights_from_tensors`)."""
+        self._check_resident("load weights", tags=("weights",))
+        named_tensors = list(named_tensors)
+        shapes = self.named_weight_shapes()
+        for name, tensor in named_tensors:
+            lookup = "model.embed_tokens.weight" if name == "lm_head.weight" and name not in shapes else name
+            if lookup not in shapes:
+                raise ValueError(f"unknown weight {name!r} for this {self.model_config.model_type} model")
+            if tuple(tensor.shape) != tuple(shapes[lookup][0]):
+                raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)}, expected {tuple(shapes[lookup][0])}")
+        load_weights(self.model_runner.model, named_tensors)
+        self.flush_cache()
+
+    def update_weights_from_tensors(self, named_tensors, weight_version: str | None = None) -> None:
+        self.load_weights(named_tensors)
+        self._bump_weight_version(weight_version)
+
+    def update_weights_from_disk(self, model_path: str, weight_version: str | None = None) -> None:
+        self._check_resident("load weights", tags=("weights",))
+        if load_model_config(model_path) != self.model_config:
+            raise ValueError(f"model_path {str(model_path)!r} has a different architecture config than the engine's model")
+        load_checkpoint(self.model_runner.model, model_path)
+        self.flush_cache()
+        self._bump_weight_version(weight_version)
+
+    def _bump_weight_version(self, weight_version: str | None) -> None:
+        self.num_weight_updates += 1
+        self.weight_version = str(weight_version) if weight_version is not None else str(self.num_weight_updates)
+
+    def flush_cache(self) -> bool:
+        """Forget all cached prefixes; KV written before this call is never reused. Always succeeds."""
+        self.block_manager.flush()
+        return True
+
+    # ---- memory -------------------------------------------------------------------------------------------------
+
+    def release_memory(self, tags=None) -> None:
+        """Free device memory for `tags` (default all). Running requests are preempted and recompute on resume."""
+        tags = _memory_tags(tags)
+        if "kv_cache" in tags and "kv_cache" not in self.released_tags:
+            for seq in list(self.scheduler.running):
+                self.scheduler.preempt(seq)
+            self.flush_cache()
+            self.model_runner.free_kv_cache()
+        if "weights" in tags:
+            self.model_runner.release_weights()
+        self.released_tags |= set(tags)
+
+    def resume_memory(self, tags=None) -> None:
+        tags = _memory_tags(tags)
+        if "weights" in tags:
+            self.model_runner.resume_weights()
+        if "kv_cache" in tags and "kv_cache" in self.released_tags:
+            self.model_runner.allocate_kv_cache()
+        self.released_tags -= set(tags)
+
+    def _check_resident(self, action: str, tags=("weights", "kv_cache")) -> None:
+        released = sorted(self.released_tags & set(tags))
+        if released:
+            raise EngineMemoryReleasedError(f"cannot {action}: memory {released} is released; call resume_memory first")
+
+
+def _as_sampling_params(params) -> SamplingParams:
+    if params is None:
+        return SamplingParams()
+    if isinstance(params, SamplingParams):
+        return params
+    if isinstance(params, dict):
+        return SamplingParams.from_dict(params)
+    raise ValueError(f"sampling_params must be a dict or SamplingParams, got {type(params).__name__}")
+
+
+def _memory_tags(tags) -> list[str]:
+    if tags is None:
+        return list(MEMORY_TAGS)
+    if isinstance(tags, str):
+        tags = [tags]
+    unknown = sorted(set(tags) - set(MEMORY_TAGS))
+    if unknown:
+        raise ValueError(f"unknown memory tags {unknown}; valid tags: {list(MEMORY_TAGS)}")
+    return list(tags)

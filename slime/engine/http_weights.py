@@ -1,0 +1,197 @@
+"""Weight-update endpoints of the engine server: from tensors (shared memory / CUDA IPC handles), from a
+torch.distributed broadcast, and from disk. All validation happens before any parameter is touched, so a rejected
+update (unknown name, wrong shape) leaves the model exactly as it was.
+
+Receiving a broadcast and deserializing handles happen off the driver thread (they do not touch the engine); only
+the final copy into the model runs on it, between two steps. Not the transport itself
+(`slime.utils.weight_transport`) and not the engine's loader (`slime.engine.models.weight_loader`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from datetime import timedelta
+
+import torch
+
+from slime.engine.engine import EngineMemoryReleasedError
+from slime.engine.http_protocol import RequestError, require_fields
+from slime.utils import weight_transport
+
+DEFAULT_GROUP_NAME = "weight_update_group"
+# Buffers some checkpoints carry; the engine recomputes them (mirrors the loader's list).
+IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+class WeightUpdater:
+    def __init__(self, engine_loop, device: torch.device):
+        self.loop = engine_loop
+        self.device = device
+        self.weight_shapes = engine_loop.engine.named_weight_shapes()
+        self.groups: dict[str, object] = {}
+        self._group_locks: dict[str, threading.Lock] = {}
+
+    # ---- validation ------------------------------------------------------------------------------------------
+    def check_names_and_shapes(self, names_and_shapes, field: str) -> None:
+        """RequestError naming the first unknown weight or wrong shape."""
+        for name, shape in names_and_shapes:
+            if name.endswith(IGNORED_SUFFIXES):
+                continue
+            expected = self.weight_shapes.get(name)
+            if expected is None and name == "lm_head.weight":
+                expected = self.weight_shapes.get("model.embed_tokens.weight")  # tied embeddings
+            if expected is None:
+                raise RequestError(f"{field}: unknown weight name {name!r} for this model")
+            if tuple(shape) != tuple(expected[0]):
+                raise RequestError(f"{field}: weight {name!r} has shape {tuple(shape)}, expected {tuple(expected[0])}")
+
+    async def _load(self, named_tensors, weight_version: str | None) -> None:
+        engine = self.loop.engine
+        try:
+            await self.loop.call(engine.update_weights_from_tensors, named_tensors, weight_version)
+        except (ValueError, EngineMemoryReleasedError) as error:
+            raise RequestError(str(error)) from error
+
+    # ---- endpoints -------------------------------------------------------------------------------------------
+    async def update_from_tensor(self, body) -> dict:
+        body = require_fields(
+            body,
+            "/update_weights_from_tensor",
+            {"serialized_named_tensors": list},
+            {"load_format": (str, None), "flush_cache": (bool, True), "weight_version": (str, None)},
+        )
+        if body["load_format"] not in (None, "direct"):
+            raise RequestError(
+                f"/update_weights_from_tensor field 'load_format' must be null or 'direct' (tensors made by "
+                f"slime.utils.weight_transport.serialize_named_tensors), got {body['load_format']!r}"
+            )
+        items = body["serialized_named_tensors"]
+        if len(items) != 1 or not isinstance(items[0], str):
+            raise RequestError(
+                "/update_weights_from_tensor field 'serialized_named_tensors' must be a list of one string (one per "
+                f"tensor-parallel rank; this engine has one), got {len(items)} item(s)"
+            )
+        try:
+            named_tensors = await asyncio.to_thread(weight_transport.deserialize_named_tensors, items[0])
+        except ValueError as error:
+            raise RequestError(f"/update_weights_from_tensor field 'serialized_named_tensors': {error}") from error
+        self.check_names_and_shapes(
+            [(name, tensor.shape) for name, tensor in named_tensors], "serialized_named_tensors"
+        )
+        await self._load(named_tensors, body["weight_version"])
+        del named_tensors  # drop our mapping of the sender's memory so its segments can be freed
+        return {"success": True, "message": "Succeeded to update model weights."}
+
+    async def update_from_disk(self, body) -> dict:
+        body = require_fields(
+            body,
+            "/update_weights_from_disk",
+            {"model_path": str},
+            {"load_format": (str, None), "weight_version": (str, None), "flush_cache": (bool, True)},
+        )
+        if body["load_format"] not in (None, "auto", "safetensors"):
+            raise RequestError(f"/update_weights_from_disk field 'load_format' must be null, 'auto' or 'safetensors'")
+        engine = self.loop.engine
+        try:
+            await self.loop.call(engine.update_weights_from_disk, body["model_path"], body["weight_version"])
+        except (ValueError, FileNotFoundError) as error:
+            raise RequestError(f"/update_weights_from_disk field 'model_path': {error}") from error
+        except EngineMemoryReleasedError as error:
+            raise RequestError(str(error)) from error
+        return {"success": True, "message": "Succeeded to update model weights.", "num_paused_requests": 0}
+
+    async def init_group(self, body) -> dict:
+        body = require_fields(
+            body,
+            "/init_weights_update_group",
+            {"master_address": str, "master_port": int, "rank_offset": int, "world_size": int},
+            {"group_name": (str, DEFAULT_GROUP_NAME), "backend": (str, "nccl")},
+        )
+        backend, name = body["backend"], body["group_name"]
+        if backend not in ("gloo", "nccl"):
+            raise RequestError(f"/init_weights_update_group field 'backend' must be 'gloo' or 'nccl', got {backend!r}")
+        if backend == "nccl" and self.device.type != "cuda":
+            raise RequestError("/init_weights_update_group field 'backend': nccl needs a CUDA engine; use gloo on CPU")
+        if name in self.groups:
+            raise RequestError(f"/init_weights_update_group field 'group_name': group {name!r} already exists")
+        rank = body["rank_offset"]  # this engine has one rank (tp 0)
+        if not 0 < rank < body["world_size"]:
+            raise RequestError(
+                f"/init_weights_update_group: rank_offset {rank} must be in [1, world_size={body['world_size']})"
+                " (rank 0 is the trainer)"
+            )
+        init_method = f"tcp://{body['master_address']}:{body['master_port']}"
+        try:
+            group = await asyncio.to_thread(
+                weight_transport.init_custom_process_group,
+                backend,
+                init_method,
+                body["world_size"],
+                rank,
+                name,
+                timedelta(minutes=10),
+            )
+        except ValueError as error:
+            raise RequestError(f"/init_weights_update_group: {error}") from error
+        except Exception as error:
+            return {"success": False, "message": f"Failed to initialize custom process group: {error}"}
+        self.groups[name] = group
+        self._group_locks[name] = threading.Lock()
+        return {"success": True, "message": "Succeeded to initialize custom process group."}
+
+    async def update_from_distributed(self, body) -> dict:
+        body = require_fields(
+            body,
+            "/update_weights_from_distributed",
+            {"names": list, "dtypes": list, "shapes": list},
+            {
+                "group_name": (str, DEFAULT_GROUP_NAME),
+                "flush_cache": (bool, True),
+                "weight_version": (str, None),
+                "load_format": (str, None),
+            },
+        )
+        names, dtypes, shapes = body["names"], body["dtypes"], body["shapes"]
+        group_name = body["group_name"]
+        if group_name not in self.groups:
+            raise RequestError(
+                f"/update_weights_from_distributed field 'group_name': no group {group_name!r}; "
+                "POST /init_weights_update_group first"
+            )
+        if body["load_format"] not in (None, "direct"):
+            raise RequestError("/update_weights_from_distributed field 'load_format' must be null or 'direct'")
+        if not len(names) == len(dtypes) == len(shapes):
+            raise RequestError(
+                "/update_weights_from_distributed: 'names', 'dtypes' and 'shapes' must have the same length, got "
+                f"{len(names)}, {len(dtypes)}, {len(shapes)}"
+            )
+        if not all(isinstance(n, str) for n in names):
+            raise RequestError("/update_weights_from_distributed field 'names' must be a list of strings")
+        if not all(isinstance(s, list) and all(isinstance(d, int) and d >= 0 for d in s) for s in shapes):
+            raise RequestError("/update_weights_from_distributed field 'shapes' must be a list of lists of ints")
+        try:
+            torch_dtypes = [weight_transport.parse_dtype(d) for d in dtypes]
+        except ValueError as error:
+            raise RequestError(f"/update_weights_from_distributed field 'dtypes': {error}") from error
+        group, lock = self.groups[group_name], self._group_locks[group_name]
+
+        def receive():
+            with lock:  # collectives on one group must run in the order the trainer issues them
+                return weight_transport.receive_named_tensors(group, names, torch_dtypes, shapes, self.device)
+
+        # Receive every tensor even if a name is wrong: skipping would leave the trainer's broadcast hanging.
+        named_tensors = await asyncio.to_thread(receive)
+        self.check_names_and_shapes([(n, s) for n, s in zip(names, shapes)], "names/shapes")
+        await self._load(named_tensors, body["weight_version"])
+        return {"success": True, "message": "Succeeded to update parameter online."}
+
+    async def destroy_group(self, body) -> dict:
+        body = require_fields(body, "/destroy_weights_update_group", {}, {"group_name": (str, DEFAULT_GROUP_NAME)})
+        name = body["group_name"]
+        group = self.groups.pop(name, None)
+        if group is None:
+            raise RequestError(f"/destroy_weights_update_group field 'group_name': no group {name!r}")
+        self._group_locks.pop(name, None)
+        await asyncio.to_thread(weight_transport.destroy_custom_process_group, group)
+        return {"success": True, "message": "Succeeded to destroy custom process group."}

@@ -1,0 +1,379 @@
+"""SGLang-compatible HTTP server for the built-in engine: the native API slime's rollout and trainer use
+(/generate, weight updates, pause, abort, memory release, ...) and the OpenAI-compatible API (`openai_api.py`),
+so the engine and a real SGLang server are interchangeable behind sglang-router.
+
+    python -m slime.engine.server --model-path DIR [--host 127.0.0.1] [--port 30000] [--max-num-seqs 64 ...]
+
+One process, one Engine, one driver thread stepping it (`http_engine_loop.py`). Not a multi-engine launcher
+(Ray actors start one server per engine) and not a router.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import logging
+import time
+from dataclasses import fields
+from pathlib import Path
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+
+from slime.engine.config import Config
+from slime.engine.http_engine_loop import EngineLoop
+from slime.engine.http_protocol import RequestError, error_body, generate_response, parse_generate_request, require_fields
+from slime.engine.http_weights import WeightUpdater
+from slime.engine.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")
+HEALTH_GENERATE_TIMEOUT_S = 20.0
+SERVER_VERSION = "slime-engine"
+
+
+class ServerState:
+    """What the routes share: the driver loop, the engine's static facts, the weight updater, held memory tags."""
+
+    def __init__(self, engine, model_path: str, served_model_name: str, server_args: dict):
+        self.engine_loop = EngineLoop(engine)
+        self.engine = engine
+        self.tokenizer = engine.tokenizer
+        self.model_path = model_path
+        self.served_model_name = served_model_name
+        self.server_args = server_args
+        self.hf_config = _read_hf_config(model_path)
+        self.vocab_size = engine.model_config.vocab_size
+        self.max_model_len = engine.max_model_len
+        self.weights = WeightUpdater(self.engine_loop, engine.model_runner.device)
+        self.released_tags: set[str] = set()
+
+    def tokenize(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def token_texts(self, token_ids: list[int]) -> list[str]:
+        return [self.tokenizer.decode([token_id]) for token_id in token_ids]
+
+
+def create_app(engine, model_path: str, served_model_name: str | None = None, server_args: dict | None = None):
+    """The FastAPI app serving `engine`; its driver thread starts and stops with the app."""
+    from slime.engine.openai_api import register_openai_routes
+
+    state = ServerState(engine, model_path, served_model_name or model_path, server_args or {})
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_app: FastAPI):
+        state.engine_loop.start()
+        yield
+        state.engine_loop.abort_all()
+        state.engine_loop.stop()
+
+    app = FastAPI(title="slime engine", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
+    app.state.server = state
+
+    @app.exception_handler(RequestError)
+    async def _bad_request(_request: Request, error: RequestError):
+        return JSONResponse(error_body(str(error)), status_code=400)
+
+    @app.exception_handler(json.JSONDecodeError)
+    async def _bad_json(_request: Request, error: json.JSONDecodeError):
+        return JSONResponse(error_body(f"request body is not valid JSON: {error}"), status_code=400)
+
+    _register_generate_routes(app, state)
+    _register_control_routes(app, state)
+    _register_weight_routes(app, state)
+    _register_info_routes(app, state)
+    register_openai_routes(app, state)
+    return app
+
+
+async def read_json(request: Request, allow_empty: bool = False):
+    """The request's JSON body; `{}` for an empty body when allowed. Malformed JSON -> RequestError."""
+    raw = await request.body()
+    if not raw.strip():
+        if allow_empty:
+            return {}
+        raise RequestError("request body is empty; expected a JSON object")
+    try:
+        return json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise RequestError(f"request body is not valid JSON: {error}") from error
+
+
+def sse_line(payload) -> bytes:
+    data = payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False)
+    return f"data: {data}\n\n".encode()
+
+
+# ---- /generate -------------------------------------------------------------------------------------------------
+def _register_generate_routes(app: FastAPI, state: ServerState) -> None:
+    @app.post("/generate")
+    async def generate(request: Request):
+        body = await read_json(request)
+        parsed = parse_generate_request(body, state.tokenize, state.vocab_size, state.max_model_len)
+
+        def render(output):
+            texts = state.token_texts(output.output_token_ids) if parsed.return_text_in_logprobs else None
+            return generate_response(output, parsed.return_logprob, texts)
+
+        if parsed.stream:
+            item = parsed.items[0]
+
+            async def events():
+                async for output in state.engine_loop.generate(item.prompt_token_ids, item.sampling_params, item.rid):
+                    yield sse_line(render(output))
+                yield sse_line("[DONE]")
+
+            return StreamingResponse(events(), media_type="text/event-stream")
+
+        async def run_one(item):
+            final = None
+            async for output in state.engine_loop.generate(item.prompt_token_ids, item.sampling_params, item.rid):
+                final = output
+            return render(final)
+
+        results = await asyncio.gather(*(run_one(item) for item in parsed.items))
+        return results if parsed.is_batch else results[0]
+
+
+# ---- pause / abort / cache / memory / health -------------------------------------------------------------------
+def _register_control_routes(app: FastAPI, state: ServerState) -> None:
+    loop = state.engine_loop
+
+    @app.get("/health")
+    async def health():
+        if not loop.is_alive:
+            return JSONResponse(error_body("engine driver thread is not running", 503), status_code=503)
+        return PlainTextResponse("")
+
+    @app.get("/health_generate")
+    async def health_generate():
+        if not loop.is_alive:
+            return JSONResponse(error_body("engine driver thread is not running", 503), status_code=503)
+        if loop.is_paused:
+            # Paused for a weight update or with memory released: alive, but no token can be generated now.
+            return PlainTextResponse("")
+        params = SamplingParams(temperature=0.0, max_new_tokens=1, ignore_eos=True)
+
+        async def one_token():
+            async for output in loop.generate([0], params):
+                if output.finished:
+                    return output
+
+        try:
+            await asyncio.wait_for(one_token(), HEALTH_GENERATE_TIMEOUT_S)
+        except (asyncio.TimeoutError, RuntimeError) as error:
+            return JSONResponse(error_body(f"health generation failed: {error!r}", 503), status_code=503)
+        return PlainTextResponse("")
+
+    @app.api_route("/flush_cache", methods=["GET", "POST"])
+    async def flush_cache():
+        if await loop.call(state.engine.flush_cache):
+            return PlainTextResponse("Cache flushed.\n")
+        return PlainTextResponse(
+            "Cache not flushed: requests are in flight; abort or finish them first.\n", status_code=400
+        )
+
+    @app.post("/abort_request")
+    async def abort_request(request: Request):
+        body = require_fields(
+            await read_json(request, allow_empty=True),
+            "/abort_request",
+            {},
+            {"rid": (str, ""), "abort_all": (bool, False), "abort_message": (str, None)},
+        )
+        if body["abort_all"]:
+            num_aborted = await asyncio.wrap_future(loop.abort_all())
+        elif body["rid"]:
+            num_aborted = int(await asyncio.wrap_future(loop.abort(body["rid"])))
+        else:
+            raise RequestError("/abort_request needs 'rid' or 'abort_all': true")
+        return {"success": True, "num_aborted": num_aborted}
+
+    @app.post("/pause_generation")
+    async def pause_generation(request: Request):
+        body = require_fields(
+            await read_json(request, allow_empty=True), "/pause_generation", {}, {"mode": (str, "in_place")}
+        )
+        if body["mode"] not in ("in_place", "abort"):
+            raise RequestError(f"/pause_generation field 'mode' must be 'in_place' or 'abort', got {body['mode']!r}")
+        await asyncio.wrap_future(loop.set_hold("paused", True))
+        if body["mode"] == "abort":
+            await asyncio.wrap_future(loop.abort_all())
+        return {"success": True, "message": f"Generation paused ({body['mode']})."}
+
+    @app.post("/continue_generation")
+    async def continue_generation(request: Request):
+        await read_json(request, allow_empty=True)
+        await asyncio.wrap_future(loop.set_hold("paused", False))
+        return {"success": True, "message": "Generation continued."}
+
+    def parse_tags(body, endpoint: str) -> list[str]:
+        body = require_fields(body, endpoint, {}, {"tags": (list, list(MEMORY_TAGS))})
+        unknown = sorted(set(body["tags"]) - set(MEMORY_TAGS))
+        if unknown or not body["tags"]:
+            raise RequestError(f"{endpoint} field 'tags' must be a non-empty subset of {list(MEMORY_TAGS)}")
+        return list(body["tags"])
+
+    # In-flight requests survive a release: the engine preempts them and they recompute after the resume.
+    @app.post("/release_memory_occupation")
+    async def release_memory(request: Request):
+        tags = parse_tags(await read_json(request, allow_empty=True), "/release_memory_occupation")
+        await asyncio.wrap_future(loop.set_hold("memory_released", True))
+        await loop.call(state.engine.release_memory, tags)
+        state.released_tags.update(tags)
+        return {"success": True, "message": f"Released memory {tags}."}
+
+    @app.post("/resume_memory_occupation")
+    async def resume_memory(request: Request):
+        tags = parse_tags(await read_json(request, allow_empty=True), "/resume_memory_occupation")
+        await loop.call(state.engine.resume_memory, tags)
+        state.released_tags.difference_update(tags)
+        if not state.released_tags:
+            await asyncio.wrap_future(loop.set_hold("memory_released", False))
+        return {"success": True, "message": f"Resumed memory {tags}."}
+
+
+# ---- weights ---------------------------------------------------------------------------------------------------
+def _register_weight_routes(app: FastAPI, state: ServerState) -> None:
+    weights = state.weights
+
+    def result(payload: dict):
+        return JSONResponse(payload, status_code=200 if payload["success"] else 400)
+
+    @app.post("/update_weights_from_tensor")
+    async def update_weights_from_tensor(request: Request):
+        return result(await weights.update_from_tensor(await read_json(request)))
+
+    @app.post("/update_weights_from_disk")
+    async def update_weights_from_disk(request: Request):
+        return result(await weights.update_from_disk(await read_json(request)))
+
+    @app.post("/init_weights_update_group")
+    async def init_weights_update_group(request: Request):
+        return result(await weights.init_group(await read_json(request)))
+
+    @app.post("/update_weights_from_distributed")
+    async def update_weights_from_distributed(request: Request):
+        return result(await weights.update_from_distributed(await read_json(request)))
+
+    @app.post("/destroy_weights_update_group")
+    async def destroy_weights_update_group(request: Request):
+        return result(await weights.destroy_group(await read_json(request, allow_empty=True)))
+
+    @app.get("/get_weight_version")
+    async def get_weight_version():
+        return {"weight_version": state.engine.weight_version}
+
+
+# ---- info ------------------------------------------------------------------------------------------------------
+def _register_info_routes(app: FastAPI, state: ServerState) -> None:
+    def model_info() -> dict:
+        # GetModelInfoResponse fields that sglang-router reads, plus SGLang's own.
+        return {
+            "model_path": state.model_path,
+            "tokenizer_path": state.model_path,
+            "served_model_name": state.served_model_name,
+            "is_generation": True,
+            "preferred_sampling_params": None,
+            "weight_version": state.engine.weight_version,
+            "has_image_understanding": False,
+            "has_audio_understanding": False,
+            "model_type": state.hf_config.get("model_type"),
+            "architectures": state.hf_config.get("architectures"),
+            "max_context_length": state.max_model_len,
+            "max_req_input_len": state.max_model_len - 1,
+            "vocab_size": state.vocab_size,
+            "eos_token_ids": _eos_token_ids(state),
+            "pad_token_id": state.tokenizer.pad_token_id,
+            "bos_token_id": state.tokenizer.bos_token_id,
+        }
+
+    def server_info() -> dict:
+        return {
+            **state.server_args,
+            "model_path": state.model_path,
+            "tokenizer_path": state.model_path,
+            "served_model_name": state.served_model_name,
+            "context_length": state.max_model_len,
+            "tp_size": 1,
+            "dp_size": 1,
+            "version": SERVER_VERSION,
+            "weight_version": state.engine.weight_version,
+            "internal_states": [
+                {"paused": state.engine_loop.is_paused, "num_in_flight_requests": state.engine_loop.num_in_flight}
+            ],
+        }
+
+    for path in ("/get_model_info", "/model_info"):
+        app.add_api_route(path, model_info, methods=["GET"])
+    for path in ("/get_server_info", "/server_info"):
+        app.add_api_route(path, server_info, methods=["GET"])
+
+
+# ---- engine facts ----------------------------------------------------------------------------------------------
+def _read_hf_config(model_path: str) -> dict:
+    config_file = Path(model_path) / "config.json"
+    return json.loads(config_file.read_text()) if config_file.is_file() else {}
+
+
+def _eos_token_ids(state: ServerState) -> list[int]:
+    return sorted(state.engine.eos_token_ids)
+
+
+# ---- CLI -------------------------------------------------------------------------------------------------------
+# SGLang launch-flag spellings accepted as aliases of Config fields, so scripts written for SGLang keep working.
+SGLANG_ALIASES = {
+    "max_num_seqs": ["--max-running-requests"],
+    "max_num_batched_tokens": ["--chunked-prefill-size"],
+    "max_model_len": ["--context-length"],
+    "kvcache_block_size": ["--page-size"],
+    "gpu_memory_utilization": ["--mem-fraction-static"],
+    "seed": ["--random-seed"],
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description="SGLang-compatible HTTP server for slime's built-in engine")
+    parser.add_argument("--model-path", required=True, help="Hugging Face checkpoint directory")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=30000)
+    parser.add_argument("--served-model-name", default=None, help="model name in /v1/models (default: model path)")
+    parser.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
+    engine_group = parser.add_argument_group("engine (slime.engine.config.Config fields)")
+    for config_field in fields(Config):
+        if config_field.name == "model":
+            continue
+        flags = ["--" + config_field.name.replace("_", "-")] + SGLANG_ALIASES.get(config_field.name, [])
+        kind = str(config_field.type)
+        if "bool" in kind:
+            engine_group.add_argument(*flags, dest=config_field.name, action="store_true", default=None)
+        else:
+            parse = int if "int" in kind else float if "float" in kind else str
+            engine_group.add_argument(*flags, dest=config_field.name, type=parse, default=None)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    import uvicorn
+
+    from slime.engine.engine import Engine
+
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    engine_config = {
+        f.name: getattr(args, f.name) for f in fields(Config) if f.name != "model" and getattr(args, f.name) is not None
+    }
+    started = time.perf_counter()
+    engine = Engine(args.model_path, **engine_config)
+    logger.info("engine ready in %.1f s", time.perf_counter() - started)
+    server_args = {"host": args.host, "port": args.port, **engine_config}
+    app = create_app(engine, args.model_path, args.served_model_name, server_args)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,82 @@
+"""Weight push from the FSDP trainer into a running engine server (tensor handles and gloo broadcast): after
+training changes the weights, the engine's log-probs of its own sampled tokens equal the trainer's."""
+
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+import torch
+import torch.distributed as dist
+from fsdp_helpers import make_args, make_train_data, make_trainer
+
+from slime.backends.fsdp_utils.data import pack_samples
+from slime.utils.misc import find_free_port
+from slime.utils.tiny_model import build_tiny_model
+
+pytest.importorskip("slime.engine.server")
+
+
+@pytest.fixture()
+def engine(tmp_path):
+    checkpoint = build_tiny_model(tmp_path / "tiny", arch="qwen3", seed=6)
+    port = find_free_port()
+    process = subprocess.Popen([sys.executable, "-m", "slime.engine.server", "--model-path", str(checkpoint),
+                                "--port", str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 120
+    while time.time() < deadline:
+        if process.poll() is not None:
+            pytest.fail(f"engine server exited: {process.stderr.read().decode()[-2000:]}")
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                break
+        except httpx.HTTPError:
+            time.sleep(0.5)
+    else:
+        process.kill()
+        pytest.fail("engine server did not become healthy in 120 s")
+    yield checkpoint, url
+    process.kill()
+    process.wait()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def _engine_sample(url, prompt):
+    response = httpx.post(url + "/generate", timeout=60, json={
+        "input_ids": prompt, "return_logprob": True,
+        "sampling_params": {"temperature": 1.0, "max_new_tokens": 8, "ignore_eos": True, "sampling_seed": 3},
+    }).json()
+    meta = response["meta_info"]
+    return response["output_ids"], [lp for lp, _, _ in meta["output_token_logprobs"]], meta.get("weight_version")
+
+
+def _trainer_log_probs(trainer, prompt, output_ids):
+    packed = pack_samples([prompt + output_ids], [len(output_ids)], [0])
+    with torch.no_grad():
+        log_probs, _ = trainer.model.forward_micro_batch(packed)
+    return log_probs
+
+
+def test_pushed_weights_reproduce_trainer_log_probs(engine):
+    checkpoint, url = engine
+    trainer = make_trainer(make_args(checkpoint, "--lr", "3e-2", "--micro-batch-size", "4",
+                                     "--update-weight-buffer-size", "20000"))
+    prompt = [5, 17, 33, 42]
+    output_ids, before, _ = _engine_sample(url, prompt)
+    torch.testing.assert_close(torch.tensor(before), _trainer_log_probs(trainer, prompt, output_ids),
+                               rtol=0, atol=1e-4)
+
+    for mode, version in (("tensor", "1"), ("distributed", "2")):
+        trainer.train(int(version), make_train_data(8, vocab_size=300, seed=int(version)))
+        timings = trainer.update_weights([url], weight_version=version, mode=mode)
+        assert timings["num_buckets"] > 1 and timings["bytes"] > 0
+        output_ids, after, engine_version = _engine_sample(url, prompt)
+        expected = _trainer_log_probs(trainer, prompt, output_ids)
+        assert engine_version == version
+        torch.testing.assert_close(torch.tensor(after), expected, rtol=0, atol=1e-4)
+    # Training moved the weights far enough that the stale engine would have disagreed.
+    stale_output, stale, _ = _engine_sample(url, prompt)
+    assert (torch.tensor(stale) - torch.tensor(before)).abs().max() > 1e-3 or stale_output != output_ids
