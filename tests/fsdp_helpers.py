@@ -111,14 +111,12 @@ def capture_grads(trainer) -> list[dict]:
     from torch.distributed.tensor import DTensor
 
     captured = []
-    step = trainer.optimizer.step
 
-    def recording_step(*a, **k):
+    def record(optimizer, args, kwargs):
         captured.append({name: (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad).clone()
                          for name, p in trainer.model.named_parameters()})
-        return step(*a, **k)
 
-    trainer.optimizer.step = recording_step
+    trainer.optimizer.register_step_pre_hook(record)
     return captured
 
 

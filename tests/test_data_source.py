@@ -42,7 +42,8 @@ def write_jsonl(path, rows):
 
 @pytest.fixture
 def ten_prompts(tmp_path):
-    return write_jsonl(tmp_path / "d.jsonl", [{"input": f"q{i}", "label": str(i), "metadata": {"i": i}} for i in range(10)])
+    rows = [{"input": f"q{i}", "label": str(i), "metadata": {"i": i}} for i in range(10)]
+    return write_jsonl(tmp_path / "d.jsonl", rows)
 
 
 @pytest.fixture(scope="module")
@@ -80,6 +81,11 @@ def test_parquet_and_slicing(tmp_path):
     source = RolloutDataSource(make_args(prompt_data=f"{path}@[2:5]", n_samples_per_prompt=1))
     assert len(source) == 3
     assert prompts_of(source.get_samples(3)) == ["p2", "p3", "p4"]
+    messages_path = tmp_path / "m.parquet"
+    messages = [[{"role": "user", "content": f"m{i}"}] for i in range(2)]
+    pq.write_table(pa.table({"input": messages}), messages_path)
+    chat = RolloutDataSource(make_args(prompt_data=str(messages_path), n_samples_per_prompt=1)).get_samples(2)
+    assert [g[0].prompt for g in chat] == messages
     assert parse_path_spec("a.jsonl@[:-2]") == ("a.jsonl", None, -2)
     assert parse_path_spec("a.jsonl") == ("a.jsonl", None, None)
 
@@ -93,6 +99,12 @@ def test_chat_messages_tools_and_template(tmp_path, tiny_tokenizer_dir):
         make_args(prompt_data=path, n_samples_per_prompt=1, apply_chat_template=True, hf_checkpoint=tiny_tokenizer_dir)
     ).get_samples(1)[0][0]
     assert templated.prompt == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+
+
+def test_text_prompt_that_looks_like_json_stays_text_and_metadata_string_is_decoded(tmp_path):
+    rows = [{"input": "[1, 2] + [3]?", "metadata": '{"rm_type": "math"}'}]
+    sample = RolloutDataSource(make_args(prompt_data=write_jsonl(tmp_path / "j.jsonl", rows))).get_samples(1)[0][0]
+    assert sample.prompt == "[1, 2] + [3]?" and sample.metadata == {"rm_type": "math"}
 
 
 def test_long_prompts_filtered(tmp_path, tiny_tokenizer_dir):
@@ -187,7 +199,8 @@ def test_buffer_first_then_dataset_and_group_size_checked(ten_prompts):
 
 
 def test_data_source_path_override(ten_prompts):
-    source = create_data_source(make_args(prompt_data=ten_prompts, data_source_path="slime.rollout.data_source.RolloutDataSource"))
+    path = "slime.rollout.data_source.RolloutDataSource"
+    source = create_data_source(make_args(prompt_data=ten_prompts, data_source_path=path))
     assert type(source) is RolloutDataSource
     with pytest.raises(ValueError, match="--data-source-path"):
         create_data_source(make_args(data_source_path="slime.rollout.data_source.Nope"))
@@ -207,6 +220,6 @@ def test_eval_datasets(tmp_path):
     datasets = load_eval_datasets(args)
     assert [(d.name, len(d.samples)) for d in datasets] == [("first", 1), ("second", 2)]
     assert datasets[1].samples[1].prompt == "z" and datasets[1].samples[1].label == "3"
-    assert parse_eval_prompt_data([a]) == [("a", a)]
+    assert parse_eval_prompt_data([a]) == [("eval", a)]
     with pytest.raises(ValueError, match="pairs"):
         parse_eval_prompt_data(["x", a, "y"])

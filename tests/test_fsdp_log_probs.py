@@ -14,24 +14,28 @@ def tiny_checkpoint(tmp_path_factory):
     return build_tiny_model(tmp_path_factory.mktemp("tiny"), arch="qwen3", seed=1)
 
 
-@pytest.mark.parametrize("attn_implementation", ["sdpa", "eager"])
+CUDA_ONLY = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+@pytest.mark.parametrize("attn_implementation", ["sdpa", "eager", pytest.param("flex_attention", marks=CUDA_ONLY)])
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_packed_log_probs_equal_per_sample_forward(tiny_checkpoint, attn_implementation, temperature):
-    hf_model = load_hf_model(str(tiny_checkpoint), attn_implementation=attn_implementation).eval()
+    device = "cuda" if attn_implementation == "flex_attention" else "cpu"
+    hf_model = load_hf_model(str(tiny_checkpoint), attn_implementation=attn_implementation).eval().to(device)
     generator = torch.Generator().manual_seed(0)
     vocab = hf_model.config.vocab_size
     lengths = [(3, 4), (1, 1), (6, 9), (2, 5)]  # (prompt, response)
     tokens = [torch.randint(3, vocab, (p + r,), generator=generator).tolist() for p, r in lengths]
     response_lengths = [r for _, r in lengths]
     model = PolicyModel(hf_model, temperature=temperature, chunk_size=5)
-    packed = pack_samples(tokens, response_lengths, [0, 1, 2, 3])
+    packed = pack_samples(tokens, response_lengths, [0, 1, 2, 3]).to(device)
     with torch.no_grad():
         log_probs, entropy = model.forward_micro_batch(packed)
         expected_lp, expected_ent = [], []
         for sample, r in zip(tokens, response_lengths):
-            logits = hf_model(torch.tensor([sample])).logits[0].float() / temperature
+            logits = hf_model(torch.tensor([sample], device=device)).logits[0].float() / temperature
             log_softmax = torch.log_softmax(logits[len(sample) - r - 1:-1], dim=-1)
-            expected_lp.append(log_softmax.gather(1, torch.tensor(sample[-r:])[:, None]).squeeze(1))
+            expected_lp.append(log_softmax.gather(1, torch.tensor(sample[-r:], device=device)[:, None]).squeeze(1))
             expected_ent.append(-(log_softmax.exp() * log_softmax).sum(-1))
     torch.testing.assert_close(log_probs, torch.cat(expected_lp), rtol=0, atol=1e-5)
     torch.testing.assert_close(entropy, torch.cat(expected_ent), rtol=0, atol=1e-5)

@@ -42,7 +42,7 @@ SPLITS = [
 ]
 
 
-@pytest.mark.parametrize("mode", [(), ("--calculate-per-token-loss",)])
+@pytest.mark.parametrize("mode", [(), ("--calculate-per-token-loss",), ("--advantage-estimator", "gspo")])
 def test_loss_and_grad_independent_of_micro_batch_split(tiny_checkpoint, mode):
     data = make_train_data(8, vocab_size=300, seed=3, num_steps=2, with_rollout_log_probs=True)
     algorithm = ("--use-kl-loss", "--kl-loss-coef", "0.1", "--kl-loss-type", "k3", "--ref-load", tiny_checkpoint,
@@ -55,7 +55,7 @@ def test_loss_and_grad_independent_of_micro_batch_split(tiny_checkpoint, mode):
     for metrics, grads in results[1:]:
         for key in ("train/loss", "train/pg_loss", "train/kl_loss", "train/entropy_loss", "train/grad_norm",
                     "train/ppo_kl", "train/train_rollout_logprob_abs_diff"):
-            assert metrics[key] == pytest.approx(reference_metrics[key], rel=1e-5, abs=1e-7), key
+            assert metrics[key] == pytest.approx(reference_metrics[key], rel=1e-5, abs=1e-6), key
         for step_grads, step_reference in zip(grads, reference_grads):
             for name, grad in step_grads.items():
                 torch.testing.assert_close(grad, step_reference[name], rtol=1e-4, atol=1e-6)

@@ -31,7 +31,7 @@ MAX_RESPONSE_LEN = 6
 def launch_router(port: int) -> subprocess.Popen:
     proc = subprocess.Popen(
         [sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1", "--port", str(port),
-         "--policy", "round_robin", "--log-level", "warn"],
+         "--policy", "round_robin", "--log-level", "warn", "--prometheus-port", str(find_free_port())],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )
     deadline = time.time() + 30
@@ -169,6 +169,16 @@ async def reward_by_index(args, sample):
     return 1.0 if sample.group_index % 2 == 0 else float(sample.index % 2)
 
 
+async def reward_per_group(args, samples):
+    return [10.0 * samples[0].group_index + i for i in range(len(samples))]
+
+
+async def failing_reward(args, sample):
+    if sample.index % 2:
+        raise RuntimeError("grader crashed")
+    return 1.0
+
+
 def keep_odd_groups(args, group):
     return group[0].group_index % 2 == 1
 
@@ -264,11 +274,11 @@ def test_samples_are_filled_from_the_engine_answer(make_args, tokenizer_dir, wor
     )
 
 
-@pytest.mark.parametrize("filter_path", [f"{__name__}.keep_odd_groups", "reward_std"])
+@pytest.mark.parametrize(
+    "filter_path",
+    [f"{__name__}.keep_odd_groups", "slime.rollout.filter_hub.dynamic_sampling_filters.check_reward_nonzero_std"],
+)
 def test_dynamic_filter_drops_and_over_samples(make_args, filter_path):
-    if filter_path == "reward_std":
-        filter_hub = pytest.importorskip("slime.rollout.filter_hub.dynamic_sampling_filters")
-        filter_path = f"{filter_hub.__name__}.check_reward_nonzero_std"
     args = make_args([f"{i} + 1" for i in range(8)], dynamic_sampling_filter_path=filter_path)
     groups = generate_rollout(args, 0, RolloutDataSourceWithBuffer(args))
     assert [g[0].group_index for g in groups] == [1, 3]
@@ -278,6 +288,21 @@ def test_dynamic_filter_drops_and_over_samples(make_args, filter_path):
     assert metrics["rollout/dynamic_filter/num_dropped"] >= 1
     drop_keys = [k for k in metrics if k.startswith("rollout/dynamic_filter/drop_")]
     assert drop_keys and sum(metrics[k] for k in drop_keys) == metrics["rollout/dynamic_filter/num_dropped"]
+
+
+def test_keep_when_insufficient_keeps_a_dropped_group_without_spares(make_args):
+    filter_path = "slime.rollout.filter_hub.dynamic_sampling_filters.check_reward_nonzero_std_with_fallback"
+    args = make_args([f"{i} + 1" for i in range(8)], dynamic_sampling_filter_path=filter_path)
+    groups = generate_rollout(args, 0, RolloutDataSourceWithBuffer(args))
+    assert [g[0].group_index for g in groups] == [0, 1]  # group 0 has zero std but nothing could replace it
+    metrics = get_last_rollout_metrics()
+    assert metrics["rollout/dynamic_filter/num_kept_when_insufficient"] == 1
+    assert metrics["rollout/dynamic_filter/num_dropped"] == 0 and metrics["rollout/num_groups_fetched"] == 2
+
+    args.over_sampling_batch_size = 4  # spares in flight: the zero-std groups are dropped after all
+    groups = generate_rollout(args, 0, RolloutDataSourceWithBuffer(args))
+    assert [g[0].group_index for g in groups] == [1, 3]
+    assert get_last_rollout_metrics()["rollout/dynamic_filter/num_kept_when_insufficient"] == 0
 
 
 @pytest.mark.parametrize("partial", [True, False])
@@ -330,6 +355,29 @@ def test_custom_generate_hook(make_args):
         assert sample.response_length == MAX_RESPONSE_LEN + 2
         assert sample.loss_mask == [1] * MAX_RESPONSE_LEN + [0, 0]
         assert sample.rollout_log_probs[-2:] == [0.0, 0.0] and sample.tokens[-2:] == [11, 12]
+
+
+def test_group_rm_and_reward_failures(make_args):
+    args = make_args(["1 + 2", "3 + 4"], group_rm=True, custom_rm_path=f"{__name__}.reward_per_group")
+    groups = generate_rollout(args, 0, RolloutDataSourceWithBuffer(args))
+    assert [[s.reward for s in g] for g in groups] == [[0.0, 1.0], [10.0, 11.0]]
+    assert get_last_rollout_metrics()["rollout/reward_failures"] == 0
+
+    args = make_args(["1 + 2", "3 + 4"], custom_rm_path=f"{__name__}.failing_reward")
+    groups = generate_rollout(args, 0, RolloutDataSourceWithBuffer(args))
+    assert [[s.reward for s in g] for g in groups] == [[1.0, 0.0], [1.0, 0.0]]
+    assert "grader crashed" in groups[0][1].metadata["reward_error"]
+    assert get_last_rollout_metrics()["rollout/reward_failures"] == 2
+
+
+def test_exhausted_data_source_is_an_error_not_a_hang(make_args):
+    class TwoGroupsOnly(RolloutDataSourceWithBuffer):
+        def get_samples(self, num_groups):
+            return super().get_samples(num_groups) if self.sample_group_index < 2 else []
+
+    args = make_args(["1 + 2", "3 + 4"], dynamic_sampling_filter_path=f"{__name__}.keep_odd_groups")
+    with pytest.raises(RuntimeError, match="ran out of prompt groups with 1 of 2 accepted"):
+        generate_rollout(args, 0, TwoGroupsOnly(args))
 
 
 def test_unreachable_router_gives_a_clear_error(make_args, monkeypatch):

@@ -21,6 +21,7 @@ class Config:
     max_num_seqs: most sequences in one batch (running and prefilling together).
     max_num_batched_tokens: most tokens computed in one forward pass; longer prompts are prefilled in chunks.
     max_model_len: longest sequence (prompt + output) in tokens; None = the checkpoint's max_position_embeddings.
+        Capped at the KV cache's capacity (num_kvcache_blocks * kvcache_block_size) so one sequence always fits.
     kvcache_block_size: tokens per paged KV-cache block (prefix caching shares whole blocks).
     gpu_memory_utilization: on CUDA, fraction of device memory the engine may use (weights + KV cache);
         on CPU, fraction of physical RAM the KV cache may use at most (capped at 25%).

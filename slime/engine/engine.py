@@ -8,6 +8,7 @@ happen here. Not an HTTP layer and not a multi-process launcher.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 import uuid
@@ -18,12 +19,12 @@ import torch
 from slime.engine.block_manager import BlockManager
 from slime.engine.config import Config
 from slime.engine.model_runner import ModelRunner
-from slime.engine.models import load_model_config
+from slime.engine.models import ModelConfig, load_model_config
 from slime.engine.models.weight_loader import load_checkpoint, load_weights, named_weight_shapes
 from slime.engine.request_output import RequestOutput
 from slime.engine.sampling_params import SamplingParams
 from slime.engine.scheduler import Scheduler
-from slime.engine.sequence import Sequence
+from slime.engine.sequence import Sequence, SequenceStatus
 from slime.engine.stop_strings import final_text, find_new_stop
 
 MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")
@@ -78,6 +79,7 @@ class Engine:
     # ---- requests -----------------------------------------------------------------------------------------------
 
     def add_request(self, prompt_token_ids: list[int], sampling_params=None, rid: str | None = None) -> str:
+        self._check_resident("add a request")
         params = _as_sampling_params(sampling_params)
         if not isinstance(prompt_token_ids, (list, tuple)) or not prompt_token_ids:
             raise ValueError("prompt_token_ids must be a non-empty list of token ids")
@@ -95,8 +97,7 @@ class Engine:
         seed = params.sampling_seed if params.sampling_seed is not None else self.rng.getrandbits(32)
         seq = Sequence(rid, list(prompt_token_ids), params, seed % 2**32)
         if params.max_new_tokens == 0:
-            seq.finish_reason = {"type": "length", "length": 0}
-            self.scheduler.finish(seq, seq.finish_reason)
+            seq.status, seq.finish_reason = SequenceStatus.FINISHED, {"type": "length", "length": 0}
             self.pending_outputs.append(self._output(seq))
             return rid
         self.requests[rid] = seq
@@ -177,15 +178,19 @@ class Engine:
         else:
             params_list = [_as_sampling_params(sampling_params)] * len(prompts_or_token_ids)
         rids = []
-        for prompt, params in zip(prompts_or_token_ids, params_list):
-            token_ids = self.tokenizer(prompt)["input_ids"] if isinstance(prompt, str) else prompt
-            rids.append(self.add_request(token_ids, params))
         results: dict[str, RequestOutput] = {}
-        wanted = set(rids)
-        while not wanted <= results.keys():
-            for output in self.step():
-                if output.finished and output.rid in wanted:
-                    results[output.rid] = output
+        try:
+            for prompt, params in zip(prompts_or_token_ids, params_list):
+                token_ids = self.tokenizer(prompt)["input_ids"] if isinstance(prompt, str) else prompt
+                rids.append(self.add_request(token_ids, params))
+            while not results.keys() >= set(rids):
+                for output in self.step():
+                    if output.finished:
+                        results[output.rid] = output
+        except BaseException:
+            for rid in rids:  # leave no orphaned requests behind
+                self.abort_request(rid)
+            raise
         return [results[rid].to_dict() for rid in rids]
 
     # ---- weights ------------------------------------------------------------------------------------------------
@@ -203,8 +208,9 @@ class Engine:
             lookup = "model.embed_tokens.weight" if name == "lm_head.weight" and name not in shapes else name
             if lookup not in shapes:
                 raise ValueError(f"unknown weight {name!r} for this {self.model_config.model_type} model")
-            if tuple(tensor.shape) != tuple(shapes[lookup][0]):
-                raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)}, expected {tuple(shapes[lookup][0])}")
+            expected = tuple(shapes[lookup][0])
+            if tuple(tensor.shape) != expected:
+                raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)}, expected {expected}")
         load_weights(self.model_runner.model, named_tensors)
         self.flush_cache()
 
@@ -214,8 +220,8 @@ class Engine:
 
     def update_weights_from_disk(self, model_path: str, weight_version: str | None = None) -> None:
         self._check_resident("load weights", tags=("weights",))
-        if load_model_config(model_path) != self.model_config:
-            raise ValueError(f"model_path {str(model_path)!r} has a different architecture config than the engine's model")
+        if not _same_architecture(load_model_config(model_path), self.model_config):
+            raise ValueError(f"model_path {str(model_path)!r} has a different architecture than the engine's model")
         load_checkpoint(self.model_runner.model, model_path)
         self.flush_cache()
         self._bump_weight_version(weight_version)
@@ -265,6 +271,13 @@ def _as_sampling_params(params) -> SamplingParams:
     if isinstance(params, dict):
         return SamplingParams.from_dict(params)
     raise ValueError(f"sampling_params must be a dict or SamplingParams, got {type(params).__name__}")
+
+
+def _same_architecture(a: ModelConfig, b: ModelConfig) -> bool:
+    """Equal up to fields that do not change parameter shapes or the forward pass's structure."""
+    return dataclasses.replace(a, torch_dtype=None, eos_token_ids=[]) == dataclasses.replace(
+        b, torch_dtype=None, eos_token_ids=[]
+    )
 
 
 def _memory_tags(tags) -> list[str]:

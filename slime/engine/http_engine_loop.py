@@ -24,6 +24,7 @@ from slime.engine.http_protocol import RequestError
 logger = logging.getLogger(__name__)
 
 IDLE_WAIT_S = 0.05
+MAX_EMPTY_STEPS_BEFORE_BACKOFF = 64
 
 
 @dataclass
@@ -166,6 +167,7 @@ class EngineLoop:
 
     # ---- driver thread ---------------------------------------------------------------------------------------
     def _run(self) -> None:
+        num_empty_steps = 0
         while not self._stopped:
             self._wake.clear()
             self._run_commands()
@@ -176,6 +178,11 @@ class EngineLoop:
                     self._fail_all(error)
                     continue
                 self._dispatch(outputs)
+                # Chunked prefills legitimately report nothing for a few steps; a long run of empty steps means the
+                # engine cannot progress right now, so back off instead of spinning a core.
+                num_empty_steps = 0 if outputs else num_empty_steps + 1
+                if num_empty_steps >= MAX_EMPTY_STEPS_BEFORE_BACKOFF:
+                    self._wake.wait(IDLE_WAIT_S)
             else:
                 self._wake.wait(IDLE_WAIT_S)
 

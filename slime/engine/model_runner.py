@@ -46,8 +46,14 @@ class ModelRunner:
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device, model_config.torch_dtype)
         self.block_size = config.kvcache_block_size
-        with torch.device(self.device):
-            self.model = DecoderForCausalLM(model_config).to(self.dtype)
+        # Build in the target dtype (not .to(dtype) afterwards, which would also round the fp32 RoPE tables).
+        default_dtype = torch.get_default_dtype()
+        torch.set_default_dtype(self.dtype)
+        try:
+            with torch.device(self.device):
+                self.model = DecoderForCausalLM(model_config)
+        finally:
+            torch.set_default_dtype(default_dtype)
         self.model.eval()
         load_checkpoint(self.model, config.model)
         self.cpu_weights: dict[str, torch.Tensor] | None = None
@@ -147,7 +153,7 @@ class ModelRunner:
     def prepare_inputs(self, scheduled: list[ScheduledSequence]):
         starts, query_lens, input_ids, block_tables = [], [], [], []
         for item in scheduled:
-            start = item.seq.num_computed_tokens
+            start = item.start
             starts.append(start)
             query_lens.append(item.num_new_tokens)
             input_ids.extend(item.seq.token_ids[start : start + item.num_new_tokens])

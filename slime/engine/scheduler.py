@@ -19,13 +19,18 @@ from slime.engine.sequence import Sequence, SequenceStatus
 
 @dataclass
 class ScheduledSequence:
-    seq: Sequence
-    num_new_tokens: int  # tokens computed this step, starting at seq.num_computed_tokens
+    """One sequence's share of a step: `num_new_tokens` tokens from `start` (its num_computed_tokens when
+    scheduled). needs_sample: the chunk reaches the end of the sequence, so its last logits give the next token."""
 
-    @property
-    def needs_sample(self) -> bool:
-        """True when this chunk reaches the end of the sequence, so its last logits give the next token."""
-        return self.seq.num_computed_tokens + self.num_new_tokens == len(self.seq)
+    seq: Sequence
+    start: int
+    num_new_tokens: int
+    needs_sample: bool
+
+    @classmethod
+    def of(cls, seq: Sequence, num_new_tokens: int) -> ScheduledSequence:
+        start = seq.num_computed_tokens
+        return cls(seq, start, num_new_tokens, start + num_new_tokens == len(seq))
 
 
 class Scheduler:
@@ -70,7 +75,7 @@ class Scheduler:
                 break
             self.block_manager.grow(seq, end)
             self.block_manager.register_full_blocks(seq, end)
-            scheduled.append(ScheduledSequence(seq, num_new_tokens))
+            scheduled.append(ScheduledSequence.of(seq, num_new_tokens))
             budget -= num_new_tokens
             index += 1
         # After a preemption the cache is full: admitting more would only evict again.
@@ -87,7 +92,7 @@ class Scheduler:
             self.block_manager.register_full_blocks(seq, end)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
-            scheduled.append(ScheduledSequence(seq, num_new_tokens))
+            scheduled.append(ScheduledSequence.of(seq, num_new_tokens))
             budget -= num_new_tokens
         return scheduled
 
@@ -105,9 +110,8 @@ class Scheduler:
         sampled = iter(zip(token_ids, log_probs))
         for item in scheduled:
             seq = item.seq
-            needs_sample = item.needs_sample
-            seq.num_computed_tokens += item.num_new_tokens
-            if not needs_sample:
+            seq.num_computed_tokens = item.start + item.num_new_tokens
+            if not item.needs_sample:
                 continue
             token_id, log_prob = next(sampled)
             seq.append_token(token_id, log_prob)

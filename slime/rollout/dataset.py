@@ -132,11 +132,13 @@ def row_to_sample(row: dict, location: str, fmt: PromptFormat, tokenizer) -> Sam
         raise ValueError(
             f"{location}: input key {fmt.input_key!r} (--input-key) not found; the row has keys {sorted(row)}"
         )
-    prompt = _maybe_json(row[fmt.input_key], location, fmt.input_key)
+    prompt = row[fmt.input_key]  # never JSON-decoded: a text prompt may well start with "[" or "{"
     if isinstance(prompt, list):
         _validate_messages(prompt, location, fmt.input_key)
     elif not isinstance(prompt, str):
-        raise ValueError(f"{location}: {fmt.input_key!r} must be a string or chat messages, got {type(prompt).__name__}")
+        raise ValueError(
+            f"{location}: {fmt.input_key!r} must be a string or chat messages, got {type(prompt).__name__}"
+        )
 
     metadata = _maybe_json(row.get(fmt.metadata_key), location, fmt.metadata_key) if fmt.metadata_key else None
     if metadata is None:
@@ -185,7 +187,9 @@ def load_prompt_samples(spec: str, fmt: PromptFormat, tokenizer=None) -> tuple[l
             )
         samples = kept
     if not samples:
-        reason = f" (all {num_filtered} longer than --rollout-max-prompt-len {fmt.max_prompt_len})" if num_filtered else ""
+        reason = ""
+        if num_filtered:
+            reason = f" (all {num_filtered} are longer than --rollout-max-prompt-len {fmt.max_prompt_len})"
         raise ValueError(f"prompt data {spec!r} has no prompts{reason}")
     return samples, num_filtered
 
@@ -204,20 +208,19 @@ class EvalDataset:
 
 
 def parse_eval_prompt_data(value) -> list[tuple[str, str]]:
-    """`--eval-prompt-data name path [name path ...]` -> [(name, path)]; a single path is named by its file stem."""
+    """`--eval-prompt-data name path [name path ...]` -> [(name, path)]; a single path is named "eval"."""
     if not value:
         return []
     items = [value] if isinstance(value, str) else list(value)
     if len(items) == 1:
-        path = items[0]
-        return [(Path(parse_path_spec(path)[0]).stem, path)]
+        return [("eval", items[0])]
     if len(items) % 2:
         raise ValueError(f"--eval-prompt-data takes pairs 'name path [name path ...]', got {items}")
     return [(items[i], items[i + 1]) for i in range(0, len(items), 2)]
 
 
 def load_eval_datasets(args) -> list[EvalDataset]:
-    """The eval datasets of `--eval-prompt-data`, rows read with the `--eval-*-key` flags (falling back to rollout's)."""
+    """The datasets of `--eval-prompt-data`, rows read with the `--eval-*-key` flags (falling back to rollout's)."""
     fmt = PromptFormat.from_args(args, prefix="eval_")
     tokenizer = tokenizer_for(args)
     datasets = []

@@ -156,10 +156,8 @@ async def generate_and_rm(args, sample: Sample, sampling_params: dict, state: Ge
                 sample.status = Sample.Status.ABORTED
                 return sample
             hook_path = sample.generate_function_path or getattr(args, "custom_generate_function_path", None)
-            if hook_path:
-                sample = await _load_hook(hook_path, "--custom-generate-function-path")(args, sample, sampling_params)
-            else:
-                sample = await generate(args, sample, sampling_params)
+            generate_fn = _load_hook(hook_path, "--custom-generate-function-path") if hook_path else generate
+            sample = await generate_fn(args, sample, dict(sampling_params))  # a copy: hooks may edit theirs
     samples = sample if isinstance(sample, list) else [sample]
     if not group_rm and _is_scorable(samples):
         await _score(args, samples, state, batched=isinstance(sample, list))
@@ -204,17 +202,27 @@ async def _generate_rollout_async(args, rollout_id: int, data_source) -> tuple[l
         while len(accepted) < target:
             while len(accepted) + len(pending) < target:
                 groups = data_source.get_samples(over_sampling)
+                if not groups:
+                    if not pending:
+                        raise RuntimeError(
+                            f"the data source ran out of prompt groups with {len(accepted)} of {target} accepted"
+                        )
+                    break
                 num_groups_fetched += len(groups)
                 pending |= {asyncio.create_task(generate_group(args, g, sampling_params, state)) for g in groups}
             done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
-            for task in done:
+            done = sorted(done, key=lambda t: t.result()[0].index)  # deterministic among simultaneous finishes
+            for position, task in enumerate(done):
                 group = task.result()
                 if not _is_scorable(group):  # aborted on the engine side (e.g. a weight update): try again later
                     leftovers.append(group)
                     continue
-                keep, reason, fallback = _filter_verdict(dynamic_filter(args, group)) if dynamic_filter else (True, "", False)
-                # keep_when_insufficient: no over-sampled spare is in flight to replace this group, so keep it
-                if not keep and fallback and len(accepted) + len(pending) + 1 <= target:
+                keep, reason, fallback = True, "", False
+                if dynamic_filter is not None:
+                    keep, reason, fallback = _filter_verdict(dynamic_filter(args, group))
+                # keep_when_insufficient: keep it if the accepted and still-unjudged groups cannot fill the batch
+                num_unjudged = len(pending) + len(done) - position - 1
+                if not keep and fallback and len(accepted) + num_unjudged < target:
                     keep, num_kept_when_insufficient = True, num_kept_when_insufficient + 1
                 if keep:
                     accepted.append(group)

@@ -30,6 +30,7 @@ from slime.backends.fsdp_utils.data import (
 from slime.backends.fsdp_utils.loss import LossReducer, MicroBatchTensors, aggregation_mode, get_loss_function
 from slime.backends.fsdp_utils.model import (
     WeightSnapshot,
+    attention_implementation,
     build_policy_model,
     load_full_weights,
     load_hf_model,
@@ -88,7 +89,7 @@ class FSDPTrainer:
             weights_path = args.hf_checkpoint
         if not weights_path:
             raise ValueError("no model to train: pass --hf-checkpoint (a Hugging Face folder)")
-        hf_model = load_hf_model(weights_path)
+        hf_model = load_hf_model(weights_path, attn_implementation=attention_implementation(self.device))
         self.hf_config = hf_model.config
         self.model = build_policy_model(
             hf_model, self.mesh, temperature=args.rollout_temperature, chunk_size=args.log_probs_chunk_size,
@@ -201,18 +202,19 @@ class FSDPTrainer:
         denominator = torch.tensor([loss_denominator(mode, step_masks)], dtype=torch.float64, device=self.device)
         global_denominator = max(float(self._all_reduce(denominator)), 1.0)
         self.optimizer.zero_grad(set_to_none=True)
-        sums: dict[str, torch.Tensor] = defaultdict(lambda: torch.zeros((), dtype=torch.float64))
+        sums: dict[str, torch.Tensor] = defaultdict(lambda: torch.zeros((), dtype=torch.float64, device=self.device))
         for micro_batch in micro_batches:
             batch = self._micro_batch_tensors(micro_batch, per_sample)
             log_probs, entropy = self.model.forward_micro_batch(micro_batch.to(self.device))
-            reduce = LossReducer(args, batch.loss_masks, global_denominator)
+            token_counts = [float(per_sample["loss_masks"][i].sum()) for i in micro_batch.sample_indices]
+            reduce = LossReducer(args, batch.loss_masks, global_denominator, token_counts)
             loss, loss_metrics = self.loss_fn(args, log_probs, entropy, batch, reduce)
             # FSDP averages gradients over ranks; the loss is already a share of the global sum.
             (loss * self.world_size).backward()
             for key, value in loss_metrics.items():
-                sums[key] = sums[key] + torch.as_tensor(value).detach().double().cpu()
+                sums[key] = sums[key] + torch.as_tensor(value, device=self.device).detach().double()
         keys = sorted(sums)
-        reduced = self._all_reduce(torch.stack([sums[k] for k in keys]).to(self.device)).tolist()
+        reduced = self._all_reduce(torch.stack([sums[k] for k in keys])).tolist()
         metrics = dict(zip(keys, reduced))
         max_norm = args.clip_grad if args.clip_grad and args.clip_grad > 0 else math.inf
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
@@ -273,7 +275,13 @@ class FSDPTrainer:
     def _move_states(self, device) -> None:
         if self.device.type != "cuda":
             return
-        self.model.to(device)
+        # Swap tensors in place so the optimizer's references to the parameters stay valid.
+        swap = torch.__future__.get_swap_module_params_on_conversion()
+        torch.__future__.set_swap_module_params_on_conversion(True)
+        try:
+            self.model.to(device)
+        finally:
+            torch.__future__.set_swap_module_params_on_conversion(swap)
         for state in self.optimizer.state.values():
             for key, value in state.items():
                 if isinstance(value, torch.Tensor) and key != "step":

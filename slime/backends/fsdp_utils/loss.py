@@ -38,13 +38,16 @@ def aggregation_mode(args) -> str:
 class LossReducer:
     """aggregate_loss with the step's global denominator and this micro-batch's masks bound."""
 
-    def __init__(self, args, loss_masks: list[torch.Tensor], global_denominator: float):
+    def __init__(self, args, loss_masks: list[torch.Tensor], global_denominator: float,
+                 sample_token_counts: list[float] | None = None):
         self.mode = aggregation_mode(args)
         self.loss_masks = loss_masks
         self.global_denominator = global_denominator
+        # Host-side per-sample mask sums spare one device sync per sample.
+        self.sample_token_counts = sample_token_counts
 
     def __call__(self, values: torch.Tensor) -> torch.Tensor:
-        return aggregate_loss(values, self.loss_masks, self.mode, self.global_denominator)
+        return aggregate_loss(values, self.loss_masks, self.mode, self.global_denominator, self.sample_token_counts)
 
 
 def policy_loss(args, log_probs, entropy, batch: MicroBatchTensors, reduce: LossReducer):

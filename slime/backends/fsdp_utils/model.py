@@ -43,6 +43,13 @@ class PolicyModel(nn.Module):
         return self(micro_batch.input_ids, micro_batch.position_ids, micro_batch.logit_index, micro_batch.target_ids)
 
 
+def attention_implementation(device: torch.device) -> str:
+    """flex_attention on GPUs: the packed-sequence mask becomes a block-sparse document mask, so attention costs
+    the sum of squared sample lengths, not the square of the packed length. sdpa (dense block-diagonal mask) on
+    CPU, where it is exact and fast enough for small models."""
+    return "flex_attention" if device.type == "cuda" else "sdpa"
+
+
 def load_hf_model(path: str, attn_implementation: str = "sdpa") -> nn.Module:
     from transformers import AutoModelForCausalLM
 

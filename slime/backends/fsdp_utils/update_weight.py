@@ -15,7 +15,6 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Iterator
 
-import httpx
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
@@ -54,6 +53,8 @@ def iter_buckets(named_tensors, bucket_bytes: int) -> Iterator[tuple[list[tuple[
 
 
 def _post(url: str, path: str, payload: dict) -> dict:
+    import httpx
+
     response = httpx.post(url.rstrip("/") + path, json=payload, timeout=HTTP_TIMEOUT_S)
     if response.status_code != 200:
         raise RuntimeError(f"POST {url}{path} failed with {response.status_code}: {response.text[:500]}")

@@ -56,7 +56,8 @@ class PagedAttention(nn.Module):
         self.v_cache = torch.empty(0)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """q: [num_tokens, num_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim] -> [num_tokens, num_heads * head_dim]."""
+        """q: [num_tokens, num_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim].
+        Returns [num_tokens, num_heads * head_dim]."""
         flat_k_cache = self.k_cache.view(-1, self.num_kv_heads, self.head_dim)
         flat_v_cache = self.v_cache.view(-1, self.num_kv_heads, self.head_dim)
         flat_k_cache.index_copy_(0, meta.slot_mapping, k.to(flat_k_cache.dtype))

@@ -1,5 +1,6 @@
 """Model implementations the engine runs: `load_model_config(model_path)` reads config.json and
-`DecoderForCausalLM(config)` builds the module (weights not loaded). Supported: Qwen2 / Qwen2.5, Qwen3 and Llama 3 dense decoders; anything else is a ValueError.
+`DecoderForCausalLM(config)` builds the module (weights not loaded). Supported: Qwen2 / Qwen2.5, Qwen3 and
+Llama 3 dense decoders, which differ only in config flags, so they share one decoder; anything else is a ValueError.
 """
 
 from slime.engine.models.decoder import DecoderForCausalLM

@@ -113,4 +113,5 @@ def load_checkpoint(model: nn.Module, model_path: str | Path) -> None:
         loaded.discard("lm_head.weight")
     missing = sorted(set(named_weight_shapes(model)) - loaded)
     if missing:
-        raise ValueError(f"checkpoint {str(model_path)!r} lacks weight(s) {missing[:8]}{' ...' if len(missing) > 8 else ''}")
+        more = " ..." if len(missing) > 8 else ""
+        raise ValueError(f"checkpoint {str(model_path)!r} lacks weight(s) {missing[:8]}{more}")

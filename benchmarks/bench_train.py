@@ -1,0 +1,190 @@
+"""One RL (GRPO) training step on variable-length samples: slime's FSDP trainer (packed micro-batches, chunked
+log-prob head) against a plain transformers baseline (padded micro-batches, full-vocabulary fp32 logits), same
+model, same samples, same optimizer. Prints a summary card and a JSON last line.
+
+    python benchmarks/bench_train.py --model-shape qwen3-0.6b --num-samples 32 --micro-batch-size 8
+
+Effective tokens/s counts real tokens only (padding is waste). MFU = (6 * params * tokens + causal attention
+FLOPs) / time / peak, peak = 795 TFLOP/s (measured bf16 matmul on one H200). GPU only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+PEAK_FLOPS = 795e12
+SHAPES = {
+    "qwen3-0.6b": dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
+                       num_key_value_heads=8, head_dim=128, vocab_size=151936),
+    "qwen3-1.7b": dict(hidden_size=2048, intermediate_size=6144, num_hidden_layers=28, num_attention_heads=16,
+                       num_key_value_heads=8, head_dim=128, vocab_size=151936),
+    "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=16, vocab_size=512),
+}
+
+
+def build_checkpoint(shape: str, out_dir: Path) -> Path:
+    from transformers import AutoModelForCausalLM
+
+    from slime.utils.tiny_model import tiny_config
+
+    overrides = dict(SHAPES[shape])
+    vocab_size = overrides.pop("vocab_size")
+    config = tiny_config("qwen3", vocab_size=vocab_size, max_position_embeddings=8192, **overrides)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.save_pretrained(out_dir)
+    return out_dir
+
+
+def make_samples(num_samples, prompt_length, min_response, max_response, vocab_size, seed=0):
+    rng = random.Random(seed)
+    tokens, response_lengths = [], []
+    for _ in range(num_samples):
+        response_length = rng.randint(min_response, max_response)
+        tokens.append([rng.randrange(3, vocab_size) for _ in range(prompt_length + response_length)])
+        response_lengths.append(response_length)
+    rewards = [rng.choice([-1.0, 1.0]) for _ in range(num_samples)]
+    return tokens, response_lengths, rewards
+
+
+def model_flops(num_params, lengths, num_layers, attention_width):
+    dense = 6 * num_params * sum(lengths)
+    attention = sum(6 * num_layers * length * length * attention_width for length in lengths)  # causal: half of 12
+    return dense + attention
+
+
+def run_slime(checkpoint, tokens, response_lengths, rewards, opts):
+    from slime.backends.fsdp_utils.actor import FSDPTrainer
+    from slime.utils.arguments import parse_args
+    from slime.utils.misc import find_free_port
+
+    argv = ["--hf-checkpoint", str(checkpoint), "--rollout-batch-size", str(len(tokens)), "--num-rollout", "10",
+            "--rm-type", "math", "--device", "cuda", "--lr", "1e-6", "--use-dynamic-batch-size",
+            "--max-tokens-per-gpu", str(opts.max_tokens_per_gpu)]
+    if opts.recompute_activations:
+        argv.append("--recompute-activations")
+    args = parse_args(argv)
+    trainer = FSDPTrainer(args, 0, 1, "127.0.0.1", find_free_port())
+    trainer.init(with_ref=False)
+    data = dict(tokens=tokens, response_lengths=response_lengths, rewards=rewards, raw_reward=rewards,
+                loss_masks=[[1] * r for r in response_lengths], num_steps_per_rollout=1,
+                global_batch_size=len(tokens))
+    trainer.train(0, data)  # warm-up
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    start = time.perf_counter()
+    for rollout_id in range(opts.num_iters):
+        trainer.train(rollout_id + 1, data)
+    torch.cuda.synchronize()
+    seconds = (time.perf_counter() - start) / opts.num_iters
+    return seconds, torch.cuda.max_memory_allocated(), sum(p.numel() for p in trainer.model.parameters())
+
+
+def run_baseline(checkpoint, tokens, response_lengths, rewards, opts):
+    """transformers forward on right-padded micro-batches, fp32 log_softmax over the full logits, the same
+    sample-mean GRPO loss; bf16 parameters and fused AdamW (the FACTS.md peer baseline setup)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.bfloat16, attn_implementation="sdpa").cuda()
+    if opts.recompute_activations:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6, betas=(0.9, 0.98), fused=True)
+
+    def step():
+        optimizer.zero_grad(set_to_none=True)
+        for start in range(0, len(tokens), opts.micro_batch_size):
+            batch = list(range(start, min(start + opts.micro_batch_size, len(tokens))))
+            width = max(len(tokens[i]) for i in batch)
+            input_ids = torch.zeros(len(batch), width, dtype=torch.long)
+            attention = torch.zeros(len(batch), width, dtype=torch.long)
+            loss_mask = torch.zeros(len(batch), width - 1)
+            advantages = torch.zeros(len(batch), 1)
+            for row, i in enumerate(batch):
+                input_ids[row, :len(tokens[i])] = torch.tensor(tokens[i])
+                attention[row, :len(tokens[i])] = 1
+                loss_mask[row, len(tokens[i]) - response_lengths[i] - 1:len(tokens[i]) - 1] = 1
+                advantages[row] = rewards[i]
+            input_ids, attention = input_ids.cuda(), attention.cuda()
+            loss_mask, advantages = loss_mask.cuda(), advantages.cuda()
+            logits = model(input_ids=input_ids, attention_mask=attention, use_cache=False).logits[:, :-1].float()
+            log_probs = torch.log_softmax(logits, -1).gather(-1, input_ids[:, 1:, None]).squeeze(-1)
+            ratio = torch.exp(log_probs - log_probs.detach())
+            per_token = -advantages * ratio
+            loss = ((per_token * loss_mask).sum(1) / loss_mask.sum(1).clamp(min=1)).sum() / len(tokens)
+            loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+
+    step()  # warm-up
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    start = time.perf_counter()
+    for _ in range(opts.num_iters):
+        step()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) / opts.num_iters, torch.cuda.max_memory_allocated()
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model-shape", choices=sorted(SHAPES), default="qwen3-0.6b")
+    parser.add_argument("--num-samples", type=int, default=32)
+    parser.add_argument("--prompt-length", type=int, default=256)
+    parser.add_argument("--min-response", type=int, default=128)
+    parser.add_argument("--max-response", type=int, default=1792)
+    parser.add_argument("--micro-batch-size", type=int, default=8, help="baseline padded micro-batch (samples)")
+    parser.add_argument("--max-tokens-per-gpu", type=int, default=16384, help="slime packed micro-batch budget")
+    parser.add_argument("--recompute-activations", action="store_true")
+    parser.add_argument("--num-iters", type=int, default=3)
+    parser.add_argument("--skip-baseline", action="store_true")
+    opts = parser.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("bench_train.py needs a CUDA GPU")
+
+    shape = SHAPES[opts.model_shape]
+    tokens, response_lengths, rewards = make_samples(opts.num_samples, opts.prompt_length, opts.min_response,
+                                                     opts.max_response, shape["vocab_size"])
+    lengths = [len(t) for t in tokens]
+    with tempfile.TemporaryDirectory() as tmp:
+        checkpoint = build_checkpoint(opts.model_shape, Path(tmp))
+        slime_s, slime_mem, num_params = run_slime(checkpoint, tokens, response_lengths, rewards, opts)
+        torch.cuda.empty_cache()
+        base_s, base_mem = (None, None) if opts.skip_baseline else run_baseline(
+            checkpoint, tokens, response_lengths, rewards, opts)
+
+    flops = model_flops(num_params, lengths, shape["num_hidden_layers"], shape["num_attention_heads"] * shape["head_dim"])
+    result = {
+        "bench": "train_step", "model_shape": opts.model_shape, "num_params": num_params,
+        "num_samples": opts.num_samples, "num_tokens": sum(lengths), "gpu": torch.cuda.get_device_name(),
+        "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"),
+        "slime_seconds": slime_s, "slime_tokens_per_s": sum(lengths) / slime_s,
+        "slime_mfu": flops / slime_s / PEAK_FLOPS, "slime_peak_memory_gb": slime_mem / 2**30,
+    }
+    if base_s is not None:
+        result.update(baseline_seconds=base_s, baseline_tokens_per_s=sum(lengths) / base_s,
+                      baseline_mfu=flops / base_s / PEAK_FLOPS, baseline_peak_memory_gb=base_mem / 2**30,
+                      speedup=base_s / slime_s)
+    print(f"=== train step: {opts.model_shape} ({num_params / 1e6:.0f}M params), {opts.num_samples} samples, "
+          f"{sum(lengths)} tokens ===")
+    print(f"slime packed   : {result['slime_tokens_per_s']:>10.0f} tok/s  MFU {result['slime_mfu']:.1%}  "
+          f"peak {result['slime_peak_memory_gb']:.1f} GiB")
+    if base_s is not None:
+        print(f"HF padded      : {result['baseline_tokens_per_s']:>10.0f} tok/s  MFU {result['baseline_mfu']:.1%}  "
+              f"peak {result['baseline_peak_memory_gb']:.1f} GiB")
+        print(f"speedup        : {result['speedup']:.2f}x")
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()

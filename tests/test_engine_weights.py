@@ -1,0 +1,126 @@
+"""Weight updates (from tensors and from disk), versioning, prefix-cache flushing and hit accounting, bad-weight
+errors, and release / resume of memory, on a tiny Qwen2 engine checked against transformers."""
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from slime.engine.engine import Engine, EngineMemoryReleasedError
+from slime.engine.sampling_params import SamplingParams
+from slime.utils.tiny_model import build_tiny_model
+
+PROMPT = list(range(30, 52))  # 22 tokens: 5 full blocks of 4 can be shared
+GREEDY = {"temperature": 0.0, "max_new_tokens": 16, "ignore_eos": True}
+
+
+@pytest.fixture(scope="module")
+def paths(tmp_path_factory):
+    first = build_tiny_model(tmp_path_factory.mktemp("first"), arch="qwen2", initializer_range=0.2, seed=0)
+    second = build_tiny_model(tmp_path_factory.mktemp("second"), arch="qwen2", initializer_range=0.2, seed=1)
+    return first, second
+
+
+@pytest.fixture
+def engine(paths):
+    return Engine(str(paths[0]), device="cpu", kvcache_block_size=4, num_kvcache_blocks=64)
+
+
+def hf_greedy(path_or_model, prompt=PROMPT, n=16):
+    hf = path_or_model
+    if not isinstance(hf, torch.nn.Module):
+        hf = AutoModelForCausalLM.from_pretrained(str(path_or_model), dtype=torch.float32).eval()
+    hf.generation_config.eos_token_id = None
+    output = hf.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=n, pad_token_id=0)
+    return output[0, len(prompt) :].tolist()
+
+
+def test_n_samples_report_shared_prefix_as_cached(engine):
+    outputs = engine.generate([PROMPT] * 4, {"temperature": 1.0, "max_new_tokens": 8, "ignore_eos": True})
+    assert [o["cached_tokens"] for o in outputs] == [0, 20, 20, 20]
+    again = engine.generate([PROMPT], GREEDY)[0]
+    assert again["cached_tokens"] == 20
+
+
+def test_update_from_tensors_changes_outputs_version_and_flushes_cache(engine, paths):
+    before = engine.generate([PROMPT], GREEDY)[0]
+    assert before["weight_version"] == "0"
+    assert before["output_ids"] == hf_greedy(paths[0])
+    assert engine.generate([PROMPT], GREEDY)[0]["cached_tokens"] == 20
+
+    hf = AutoModelForCausalLM.from_pretrained(str(paths[0]), dtype=torch.float32).eval()
+    with torch.no_grad():
+        for name, param in hf.named_parameters():
+            if "mlp" in name or "embed" in name:
+                param.mul_(-1.5)
+    engine.update_weights_from_tensors(list(hf.state_dict().items()))
+    after = engine.generate([PROMPT], GREEDY)[0]
+    assert after["weight_version"] == engine.weight_version == "1"
+    assert after["cached_tokens"] == 0
+    assert after["output_ids"] != before["output_ids"]
+    assert after["output_ids"] == hf_greedy(hf)
+
+    engine.update_weights_from_tensors([("model.norm.weight", hf.model.norm.weight * 2)], weight_version="v7")
+    assert engine.weight_version == "v7"
+    assert engine.generate([PROMPT], GREEDY)[0]["cached_tokens"] == 0
+
+
+def test_update_from_disk(engine, paths):
+    engine.generate([PROMPT], GREEDY)
+    engine.update_weights_from_disk(str(paths[1]))
+    output = engine.generate([PROMPT], GREEDY)[0]
+    assert output["output_ids"] == hf_greedy(paths[1])
+    assert output["cached_tokens"] == 0 and output["weight_version"] == "1"
+    engine.update_weights_from_disk(str(paths[0]), weight_version="restored")
+    assert engine.generate([PROMPT], GREEDY)[0]["output_ids"] == hf_greedy(paths[0])
+
+
+@pytest.mark.parametrize(
+    "name, shape, match",
+    [
+        ("model.layers.0.self_attn.q_proj.weight", (3, 3), "model.layers.0.self_attn.q_proj.weight"),
+        ("model.layers.9.mlp.up_proj.weight", (128, 64), "unknown weight 'model.layers.9.mlp.up_proj.weight'"),
+        ("model.decoder.foo", (4,), "unknown weight 'model.decoder.foo'"),
+    ],
+)
+def test_bad_weights_are_rejected_by_name_and_leave_model_intact(engine, name, shape, match):
+    before = engine.generate([PROMPT], GREEDY)[0]
+    good = ("model.norm.weight", torch.zeros(64))
+    with pytest.raises(ValueError, match=match):
+        engine.update_weights_from_tensors([good, (name, torch.zeros(shape))])
+    assert engine.weight_version == "0"
+    assert engine.generate([PROMPT], GREEDY)[0]["output_ids"] == before["output_ids"]
+
+
+def test_release_and_resume_memory(engine):
+    before = engine.generate([PROMPT], GREEDY)[0]
+    engine.release_memory(["weights", "kv_cache", "cuda_graph"])
+    assert not engine.model_runner.has_kv_cache
+    assert all(p.numel() == 0 for p in engine.model_runner.model.parameters())
+    with pytest.raises(EngineMemoryReleasedError, match="resume_memory"):
+        engine.generate([PROMPT], GREEDY)
+    with pytest.raises(EngineMemoryReleasedError):
+        engine.update_weights_from_tensors([])
+    with pytest.raises(EngineMemoryReleasedError):
+        engine.add_request(PROMPT, SamplingParams())
+    engine.resume_memory(["weights", "kv_cache", "cuda_graph"])
+    after = engine.generate([PROMPT], GREEDY)[0]
+    assert after["output_ids"] == before["output_ids"]
+    assert after["output_log_probs"] == before["output_log_probs"]
+    assert after["cached_tokens"] == 0  # the prefix cache was flushed with the KV cache
+    assert not engine.has_unfinished_requests()
+    with pytest.raises(ValueError, match="unknown memory tags"):
+        engine.release_memory(["gpu"])
+
+
+def test_release_mid_generation_recomputes_on_resume(engine):
+    expected = engine.generate([PROMPT], GREEDY)[0]
+    rid = engine.add_request(PROMPT, SamplingParams(**GREEDY))
+    for _ in range(5):
+        engine.step()
+    engine.release_memory(["kv_cache"])
+    engine.resume_memory(["kv_cache"])
+    outputs = []
+    while engine.has_unfinished_requests():
+        outputs += [o for o in engine.step() if o.rid == rid and o.finished]
+    assert outputs[0].output_token_ids == expected["output_ids"]
+    assert outputs[0].output_log_probs == pytest.approx(expected["output_log_probs"], abs=1e-5)

