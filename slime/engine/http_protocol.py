@@ -24,8 +24,14 @@ GENERATE_FIELDS = frozenset(
         "return_text_in_logprobs",
         "logprob_start_len",
         "top_logprobs_num",
+        # Added by sglang-router when it re-serializes a request; no effect on generation.
+        "model",
+        "log_metrics",
+        "no_logs",
     }
 )
+# SGLang features the built-in engine lacks: accepted only when off (sglang-router always sends them, as false).
+FEATURES_OFF = ("return_hidden_states", "background", "return_bytes", "return_entropy")
 
 
 class RequestError(ValueError):
@@ -54,9 +60,12 @@ def parse_generate_request(
     """Validate a /generate body and turn it into one GenerateItem per prompt."""
     if not isinstance(body, dict):
         raise RequestError("request body must be a JSON object")
-    unknown = sorted(set(body) - GENERATE_FIELDS)
+    unknown = sorted(set(body) - GENERATE_FIELDS - set(FEATURES_OFF))
     if unknown:
         raise RequestError(f"unknown /generate field(s) {unknown}; supported: {sorted(GENERATE_FIELDS)}")
+    for name in FEATURES_OFF:
+        if body.get(name) not in (None, False):
+            raise RequestError(f"'{name}' is not supported by the built-in engine; leave it false")
     text, input_ids = body.get("text"), body.get("input_ids")
     if (text is None) == (input_ids is None):
         raise RequestError("exactly one of 'text' and 'input_ids' must be given")

@@ -1,0 +1,138 @@
+"""slime.utils.weight_transport: tensors by shared-memory handle between unrelated processes (values, dtypes,
+views; the segment outlives the sender's tensor and is unlinked once the receiver drops it), bad input, and a
+custom gloo process group that works with and without a default group in the process."""
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from slime.engine.http_launch import find_free_port
+from slime.utils.weight_transport import deserialize_named_tensors, parse_dtype, serialize_named_tensors
+
+REPO_ROOT = str(Path(__file__).resolve().parents[1])
+
+RECEIVER = r"""
+import sys, gc
+from slime.utils.weight_transport import deserialize_named_tensors
+named = deserialize_named_tensors(open(sys.argv[1]).read())
+print(";".join(f"{n}|{t.dtype}|{list(t.shape)}|{t.double().sum().item():.6f}" for n, t in named))
+del named
+gc.collect()
+"""
+
+
+def run_python(code: str, *args, tmp_path: Path) -> str:
+    # Files, not pipes: a torch_shm_manager child may inherit stdio and outlive the process.
+    out = tmp_path / f"out-{time.monotonic_ns()}.txt"
+    with open(out, "w") as stdout:
+        returncode = subprocess.call(
+            [sys.executable, "-c", code, *map(str, args)], stdout=stdout, stderr=subprocess.STDOUT, timeout=120,
+            env={**os.environ, "PYTHONPATH": REPO_ROOT},
+        )
+    text = out.read_text()
+    assert returncode == 0, text[-3000:]
+    return text.strip().splitlines()[-1]
+
+
+def own_segments() -> set[str]:
+    return {name for name in os.listdir("/dev/shm") if name.startswith(f"torch_{os.getpid()}_")}
+
+
+def test_unrelated_process_reads_tensors_and_segments_are_freed(tmp_path):
+    base = torch.arange(24, dtype=torch.float32).reshape(4, 6)
+    named = [
+        ("a.weight", base),
+        ("b.bias", torch.tensor([1.5, -2.0], dtype=torch.bfloat16)),
+        ("c.view", base[1:3, ::2]),  # a strided view of a larger storage
+        ("d.ids", torch.tensor([7, 8, 9], dtype=torch.int64)),
+    ]
+    expected = ";".join(f"{n}|{t.dtype}|{list(t.shape)}|{t.double().sum().item():.6f}" for n, t in named)
+    before = own_segments()
+    payload = tmp_path / "payload.txt"
+    payload.write_text(serialize_named_tensors(named))
+    assert own_segments() - before  # tensors moved to shared memory
+    del named, base  # the sender drops its tensors before the receiver even starts
+    assert run_python(RECEIVER, payload, tmp_path=tmp_path) == expected
+    deadline = time.monotonic() + 10
+    while own_segments() - before:
+        assert time.monotonic() < deadline, f"leaked shared-memory segments {own_segments() - before}"
+        time.sleep(0.1)
+
+
+def test_round_trip_in_process_and_bad_input():
+    tensor = torch.randn(3, 5)
+    [(name, received)] = deserialize_named_tensors(serialize_named_tensors([("w", tensor)]))
+    assert name == "w" and torch.equal(received, tensor)
+    with pytest.raises(ValueError, match="could not be deserialized"):
+        deserialize_named_tensors("definitely not base64 !!!")
+    with pytest.raises(ValueError, match="pairs"):
+        serialize_named_tensors([("w", [1, 2, 3])])
+
+
+def test_parse_dtype():
+    assert parse_dtype("bfloat16") is torch.bfloat16
+    assert parse_dtype("torch.float32") is torch.float32
+    assert parse_dtype(torch.int64) is torch.int64
+    with pytest.raises(ValueError, match="unknown dtype"):
+        parse_dtype("float33")
+
+
+GROUP_MEMBER = r"""
+import sys
+from datetime import timedelta
+import torch
+import torch.distributed as dist
+from slime.utils.weight_transport import (broadcast_named_tensors, destroy_custom_process_group,
+                                          init_custom_process_group, receive_named_tensors)
+rank, port, default_port = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+if rank == 0:
+    # The trainer side already has a default group (of its own, size 1); the custom group must not care.
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{default_port}", world_size=1, rank=0)
+group = init_custom_process_group("gloo", f"tcp://127.0.0.1:{port}", 2, rank, "weights", timeout=timedelta(seconds=60))
+shapes = [[2, 3], [4]]
+if rank == 0:
+    tensors = [("x", torch.arange(6.0).reshape(2, 3)), ("y", torch.tensor([1, 2, 3, 4], dtype=torch.int32))]
+    broadcast_named_tensors(group, tensors, src=0)
+    print("sent")
+else:
+    received = receive_named_tensors(group, ["x", "y"], ["float32", "int32"], shapes)
+    print(";".join(f"{n}:{t.dtype}:{t.tolist()}" for n, t in received))
+destroy_custom_process_group(group)
+if dist.is_initialized():
+    dist.destroy_process_group()
+"""
+
+
+def test_custom_group_broadcast_between_processes_with_and_without_default_group(tmp_path):
+    port, default_port = find_free_port(), find_free_port()
+    outputs = {}
+
+    def start(rank):
+        out = open(tmp_path / f"rank{rank}.txt", "w")
+        process = subprocess.Popen(
+            [sys.executable, "-c", GROUP_MEMBER, str(rank), str(port), str(default_port)],
+            stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONPATH": REPO_ROOT},
+        )
+        return process, out
+
+    processes = [start(0), start(1)]
+    for rank, (process, out) in enumerate(processes):
+        assert process.wait(90) == 0, (tmp_path / f"rank{rank}.txt").read_text()[-3000:]
+        out.close()
+        outputs[rank] = (tmp_path / f"rank{rank}.txt").read_text().strip().splitlines()[-1]
+    assert outputs[0] == "sent"
+    assert outputs[1] == "x:torch.float32:[[0.0, 1.0, 2.0], [3.0, 4.0, 5.0]];y:torch.int32:[1, 2, 3, 4]"
+
+
+def test_init_custom_process_group_rejects_bad_arguments():
+    from slime.utils.weight_transport import init_custom_process_group
+
+    with pytest.raises(ValueError, match="backend"):
+        init_custom_process_group("mpi", "tcp://127.0.0.1:1", 2, 0, "g")
+    with pytest.raises(ValueError, match="rank"):
+        init_custom_process_group("gloo", "tcp://127.0.0.1:1", 2, 2, "g")
