@@ -145,7 +145,10 @@ def test_abort_returns_partial_output_and_frees_blocks(setup):
     rid = engine.add_request(PROMPT, SamplingParams(temperature=0.0, max_new_tokens=50, ignore_eos=True))
     other = engine.add_request(PROMPT[:4], SamplingParams(max_new_tokens=50, ignore_eos=True))
     for _ in range(4):
-        engine.step()
+        outputs = engine.step()
+    running = next(o for o in outputs if o.rid == rid)
+    assert not running.finished and running.finish_reason is None
+    assert running.text == engine.tokenizer.decode(running.output_token_ids)
     output = engine.abort_request(rid)
     assert output.finished and output.finish_reason["type"] == "abort"
     expected = greedy(engine, n=4)

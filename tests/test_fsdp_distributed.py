@@ -34,6 +34,6 @@ def test_two_processes_match_one(tmp_path, batching):
         for step, reference in zip(metrics, single_metrics):
             for key in ("train/loss", "train/pg_loss", "train/kl_loss", "train/entropy_loss", "train/grad_norm",
                         "train/pg_clipfrac", "train/train_rollout_logprob_abs_diff", "train/lr"):
-                assert step[key] == pytest.approx(reference[key], rel=1e-5, abs=1e-8), key
+                assert step[key] == pytest.approx(reference[key], rel=1e-5, abs=1e-6), key
         for name, value in params.items():
             torch.testing.assert_close(value, single_params[name], rtol=1e-5, atol=1e-7)

@@ -98,11 +98,13 @@ shapes = [[2, 3], [4]]
 if rank == 0:
     tensors = [("x", torch.arange(6.0).reshape(2, 3)), ("y", torch.tensor([1, 2, 3, 4], dtype=torch.int32))]
     broadcast_named_tensors(group, tensors, src=0)
-    print("sent")
+    print("sent", flush=True)
+    sys.stdin.readline()  # rank 0 hosts the rendezvous store: it must outlive rank 1's teardown
 else:
     received = receive_named_tensors(group, ["x", "y"], ["float32", "int32"], shapes)
     print(";".join(f"{n}:{t.dtype}:{t.tolist()}" for n, t in received))
 destroy_custom_process_group(group)
+del group  # a process-group object still alive at interpreter teardown can abort the process
 if dist.is_initialized():
     dist.destroy_process_group()
 """
@@ -116,11 +118,14 @@ def test_custom_group_broadcast_between_processes_with_and_without_default_group
         out = open(tmp_path / f"rank{rank}.txt", "w")
         process = subprocess.Popen(
             [sys.executable, "-c", GROUP_MEMBER, str(rank), str(port), str(default_port)],
-            stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONPATH": REPO_ROOT},
+            stdin=subprocess.PIPE, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONPATH": REPO_ROOT},
         )
         return process, out
 
     processes = [start(0), start(1)]
+    processes[1][0].wait(90)
+    processes[0][0].stdin.write(b"done\n")
+    processes[0][0].stdin.close()
     for rank, (process, out) in enumerate(processes):
         assert process.wait(90) == 0, (tmp_path / f"rank{rank}.txt").read_text()[-3000:]
         out.close()

@@ -122,10 +122,11 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         """One scheduler step: forward the scheduled batch, sample, apply stop rules. Returns the outputs of the
         requests that made progress (a new token or finished)."""
+        if self.scheduler.has_unfinished():
+            self._check_resident("generate")
         outputs, self.pending_outputs = self.pending_outputs, []
         if not self.scheduler.has_unfinished():
             return outputs
-        self._check_resident("generate")
         scheduled = self.scheduler.schedule()
         assert scheduled, "scheduler made no progress with unfinished requests"
         token_ids, log_probs = self.model_runner.run(scheduled)
@@ -144,21 +145,28 @@ class Engine:
         return outputs
 
     def _output(self, seq: Sequence) -> RequestOutput:
-        params = seq.sampling_params
+        params, output_token_ids = seq.sampling_params, seq.output_token_ids
+        finish_reason = seq.finish_reason
         if seq.is_finished:
-            text = final_text(self.tokenizer, seq.output_token_ids, params, seq.finish_reason)
+            text = final_text(self.tokenizer, output_token_ids, params, finish_reason)
+            detokenize = None
         else:
-            text = self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=params.skip_special_tokens)
+            text = None
+
+            def detokenize() -> str:
+                return self.tokenizer.decode(output_token_ids, skip_special_tokens=params.skip_special_tokens)
+
         return RequestOutput(
             rid=seq.rid,
             prompt_token_ids=seq.prompt_token_ids,
-            output_token_ids=seq.output_token_ids,
+            output_token_ids=output_token_ids,
             output_log_probs=list(seq.output_log_probs),
             text=text,
             finished=seq.is_finished,
-            finish_reason=seq.finish_reason,
+            finish_reason=finish_reason,
             num_cached_tokens=seq.num_cached_tokens,
             weight_version=self.weight_version,
+            detokenize=detokenize,
         )
 
     def generate(self, prompts_or_token_ids, sampling_params=None) -> list[dict]:

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import AsyncIterator, Callable
 
+from slime.engine.engine import EngineMemoryReleasedError
 from slime.engine.http_protocol import RequestError
 
 logger = logging.getLogger(__name__)
@@ -44,6 +45,7 @@ class EngineLoop:
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
         self._streams: dict[str, _Stream] = {}  # touched by the driver thread only
+        self._deferred: dict[str, object] = {}  # rid -> sampling params of requests not yet in the engine
         self._holds: set[str] = set()  # reasons not to step (e.g. "paused", "memory_released"); commands still run
         self._stopped = False
         self._thread = threading.Thread(target=self._run, name="slime-engine-loop", daemon=True)
@@ -106,8 +108,20 @@ class EngineLoop:
     def _add(self, rid: str, stream: _Stream, sampling_params) -> None:
         if rid in self._streams:
             raise ValueError(f"rid {rid!r} is already in flight; rids must be unique")
-        self.engine.add_request(stream.prompt_token_ids, sampling_params, rid=rid)
+        try:
+            self.engine.add_request(stream.prompt_token_ids, sampling_params, rid=rid)
+        except EngineMemoryReleasedError:
+            # Released memory refuses new requests; they wait here and enter the engine after the resume.
+            self._deferred[rid] = sampling_params
         self._streams[rid] = stream
+
+    def _add_deferred(self) -> None:
+        for rid, sampling_params in list(self._deferred.items()):
+            try:
+                self.engine.add_request(self._streams[rid].prompt_token_ids, sampling_params, rid=rid)
+            except EngineMemoryReleasedError:
+                return
+            del self._deferred[rid]
 
     def abort(self, rid: str) -> concurrent.futures.Future:
         return self.submit(self._abort_one, rid)
@@ -119,12 +133,14 @@ class EngineLoop:
         """Abort `rid` if it is in flight; its waiter gets a finished output with finish_reason abort."""
         if rid not in self._streams:
             return False
+        self._deferred.pop(rid, None)
         self._dispatch(_as_outputs(self.engine.abort_request(rid)))
         self._finish_aborted(rid)
         return True
 
     def _abort_all(self) -> int:
         rids = list(self._streams)
+        self._deferred.clear()
         self._dispatch(_as_outputs(self.engine.abort_all()))
         for rid in rids:
             self._finish_aborted(rid)
@@ -171,6 +187,8 @@ class EngineLoop:
         while not self._stopped:
             self._wake.clear()
             self._run_commands()
+            if self._deferred and not self._holds:
+                self._add_deferred()
             if not self._holds and self.engine.has_unfinished_requests():
                 try:
                     outputs = self.engine.step()
@@ -221,6 +239,7 @@ class EngineLoop:
         except Exception:
             logger.exception("abort_all after a failed step also failed")
         streams, self._streams = self._streams, {}
+        self._deferred.clear()
         for stream in streams.values():
             stream.finished = True
             stream.loop.call_soon_threadsafe(stream.outputs.put_nowait, RuntimeError(f"engine step failed: {error}"))

@@ -57,10 +57,6 @@ class SamplingParams:
     def to_dict(self) -> dict:
         return {f.name: getattr(self, f.name) for f in fields(self)}
 
-    @property
-    def is_greedy(self) -> bool:
-        return self.temperature == 0 or self.top_k == 1
-
     def validate(self) -> None:
         _check_number("temperature", self.temperature, low=0.0)
         _check_number("top_p", self.top_p, low=0.0, low_open=True, high=1.0)

@@ -112,7 +112,8 @@ def init_custom_process_group(
 
 
 def destroy_custom_process_group(group) -> None:
-    """Tear down a group made by `init_custom_process_group`."""
+    """Tear down a group made by `init_custom_process_group`. Drop your references to `group` afterwards: a
+    process-group object that is still alive at interpreter teardown can abort the process (seen with gloo)."""
     dist.destroy_process_group(group)
 
 

@@ -30,7 +30,6 @@ from slime.backends.fsdp_utils.data import (
 from slime.backends.fsdp_utils.loss import LossReducer, MicroBatchTensors, aggregation_mode, get_loss_function
 from slime.backends.fsdp_utils.model import (
     WeightSnapshot,
-    attention_implementation,
     build_policy_model,
     load_full_weights,
     load_hf_model,
@@ -89,7 +88,7 @@ class FSDPTrainer:
             weights_path = args.hf_checkpoint
         if not weights_path:
             raise ValueError("no model to train: pass --hf-checkpoint (a Hugging Face folder)")
-        hf_model = load_hf_model(weights_path, attn_implementation=attention_implementation(self.device))
+        hf_model = load_hf_model(weights_path)
         self.hf_config = hf_model.config
         self.model = build_policy_model(
             hf_model, self.mesh, temperature=args.rollout_temperature, chunk_size=args.log_probs_chunk_size,

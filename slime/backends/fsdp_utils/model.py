@@ -43,14 +43,10 @@ class PolicyModel(nn.Module):
         return self(micro_batch.input_ids, micro_batch.position_ids, micro_batch.logit_index, micro_batch.target_ids)
 
 
-def attention_implementation(device: torch.device) -> str:
-    """flex_attention on GPUs: the packed-sequence mask becomes a block-sparse document mask, so attention costs
-    the sum of squared sample lengths, not the square of the packed length. sdpa (dense block-diagonal mask) on
-    CPU, where it is exact and fast enough for small models."""
-    return "flex_attention" if device.type == "cuda" else "sdpa"
-
-
 def load_hf_model(path: str, attn_implementation: str = "sdpa") -> nn.Module:
+    """fp32 weights on the host. sdpa: with packed position_ids and no mask, transformers builds a dense
+    block-diagonal causal mask, exact on every device. (flex_attention would make it block-sparse on GPUs but
+    recompiles for every new packed length.)"""
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation=attn_implementation)
