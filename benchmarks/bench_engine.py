@@ -205,7 +205,8 @@ def main(argv=None) -> dict:
         "transformers": transformers.__version__,
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
     }
-    print(f"engine: {engine_rate:,.1f} output tok/s ({engine['num_output_tokens']} tokens in {engine['seconds']:.2f} s)")
+    print(f"engine: {engine_rate:,.1f} output tok/s "
+          f"({engine['num_output_tokens']} tokens in {engine['seconds']:.2f} s)")
     if hf:
         print(f"hf generate: {hf_rate:,.1f} output tok/s ({hf['num_output_tokens']} tokens in {hf['seconds']:.2f} s)")
         print(f"ratio engine / hf: {ratio:.2f}x")

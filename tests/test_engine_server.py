@@ -8,6 +8,7 @@ import time
 
 import httpx
 import pytest
+import torch
 
 from slime.engine.http_launch import launch_server
 
@@ -84,7 +85,8 @@ def test_generate_text_and_batches(client, reference_engine):
     assert isinstance(batch, list) and [b["meta_info"]["id"] for b in batch] == ["a1", "a2", "a3"]
     assert [b["output_ids"] for b in batch] == [generate(client, input_ids=p, sampling_params=GREEDY)["output_ids"]
                                                 for p in prompts]
-    texts = generate(client, text=[text, "The quick brown fox"], sampling_params=[GREEDY, {**GREEDY, "max_new_tokens": 3}])
+    short = {**GREEDY, "max_new_tokens": 3}
+    texts = generate(client, text=[text, "The quick brown fox"], sampling_params=[GREEDY, short])
     assert texts[0]["output_ids"] == by_text["output_ids"] and texts[1]["meta_info"]["completion_tokens"] == 3
 
 
@@ -120,7 +122,8 @@ def test_concurrent_requests_batch_and_match_sequential(client, server):
 
     def worker(index):
         with httpx.Client(base_url=server.url, timeout=60, trust_env=False) as http:
-            results[index] = http.post("/generate", json={"input_ids": prompts[index], "sampling_params": GREEDY}).json()
+            body = {"input_ids": prompts[index], "sampling_params": GREEDY}
+            results[index] = http.post("/generate", json=body).json()
 
     threads = [threading.Thread(target=worker, args=(i,)) for i in range(len(prompts))]
     for thread in threads:
@@ -196,6 +199,18 @@ def test_abort_one_rid_returns_partial_tokens(client, server):
     assert 0 < meta["completion_tokens"] < 600 == LONG["max_new_tokens"]
     assert len(meta["output_token_logprobs"]) == len(final["output_ids"]) == meta["completion_tokens"]
     assert client.post("/abort_request", json={"rid": "to-abort"}).json()["num_aborted"] == 0
+
+
+def test_duplicate_in_flight_rid_is_rejected(client, server):
+    started, results = threading.Event(), []
+    thread = stream_in_background(server, {"input_ids": [1, 2], "sampling_params": LONG, "rid": "dup"}, started, results)
+    assert started.wait(30)
+    for stream in (False, True):
+        response = client.post("/generate", json={"input_ids": [3], "rid": "dup", "stream": stream})
+        assert response.status_code == 400 and "dup" in response.json()["error"]["message"]
+    client.post("/abort_request", json={"rid": "dup"})
+    thread.join(30)
+    assert results[0]["meta_info"]["finish_reason"]["type"] == "abort"
 
 
 def test_abort_all_returns_every_request(client, server):
@@ -280,8 +295,10 @@ def test_release_and_resume_memory(client, server):
         ("/update_weights_from_disk", {"model_path": "/does/not/exist"}, "model_path"),
         ("/update_weights_from_tensor", {"serialized_named_tensors": ["bm90IGEgcGlja2xl"]}, "serialized_named_tensors"),
         ("/update_weights_from_distributed", {"names": ["x"], "dtypes": ["float32"], "shapes": [[1]]}, "group_name"),
+        ("/init_weights_update_group", {"master_address": "127.0.0.1", "master_port": 1, "rank_offset": 0,
+                                        "world_size": 2, "backend": "gloo"}, "rank_offset"),
         ("/init_weights_update_group", {"master_address": "127.0.0.1", "master_port": 1, "rank_offset": 1,
-                                        "world_size": 2, "backend": "nccl"}, "backend"),
+                                        "world_size": 2, "backend": "mpi"}, "backend"),
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 3}, "top_logprobs"),
         ("/v1/chat/completions", {"messages": "hi"}, "messages"),
         ("/v1/completions", {"prompt": "hi", "frequency_penalty": 0.5}, "frequency_penalty"),
@@ -297,8 +314,53 @@ def test_bad_requests_get_400_naming_the_field(client, path, body, field):
     assert field in response.json()["error"]["message"]
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the server runs on CUDA there, where nccl is valid")
+def test_nccl_group_on_a_cpu_engine_is_rejected(client):
+    body = {"master_address": "127.0.0.1", "master_port": 1, "rank_offset": 1, "world_size": 2, "backend": "nccl"}
+    response = client.post("/init_weights_update_group", json=body)
+    assert response.status_code == 400 and "nccl" in response.json()["error"]["message"]
+
+
 def test_server_keeps_serving_after_bad_requests(client):
     for _ in range(3):
-        assert client.post("/generate", content=b"\xff\xfe", headers={"content-type": "application/json"}).status_code == 400
+        headers = {"content-type": "application/json"}
+        assert client.post("/generate", content=b"\xff\xfe", headers=headers).status_code == 400
         assert client.post("/generate", json={"input_ids": [1], "sampling_params": {"top_p": 0}}).status_code == 400
     assert generate(client, input_ids=[1, 2, 3], sampling_params=GREEDY)["meta_info"]["completion_tokens"] == 8
+
+
+def wait_until_idle(client, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while client.get("/server_info").json()["internal_states"][0]["num_in_flight_requests"]:
+        assert time.monotonic() < deadline, "request still in flight after its client went away"
+        time.sleep(0.1)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_client_disconnect_aborts_the_request(client, server, stream):
+    body = {"input_ids": [1, 2], "sampling_params": {**LONG, "max_new_tokens": 1000}, "stream": stream}
+    # Paused, the request cannot finish by itself: leaving the in-flight set proves the disconnect aborted it.
+    try:
+        with httpx.Client(base_url=server.url, timeout=1.0, trust_env=False) as impatient:
+            if stream:
+                with impatient.stream("POST", "/generate", json=body) as response:
+                    next(response.iter_lines())
+                    client.post("/pause_generation")
+            else:
+                client.post("/pause_generation")
+                with pytest.raises(httpx.ReadTimeout):
+                    impatient.post("/generate", json=body)
+        wait_until_idle(client, timeout_s=5)
+    finally:
+        client.post("/continue_generation")
+
+
+def test_cli_maps_engine_flags_and_sglang_aliases():
+    from slime.engine.server import build_parser
+
+    args = build_parser().parse_args(
+        ["--model-path", "m", "--max-running-requests", "8", "--context-length", "512", "--enforce-eager",
+         "--dtype", "float32", "--mem-fraction-static", "0.5", "--port", "1234"]
+    )
+    assert (args.max_num_seqs, args.max_model_len, args.enforce_eager, args.dtype) == (8, 512, True, "float32")
+    assert (args.gpu_memory_utilization, args.port, args.host, args.seed) == (0.5, 1234, "127.0.0.1", None)

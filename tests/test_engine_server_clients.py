@@ -108,7 +108,8 @@ def test_openai_chat_completion(openai_client, client, tiny_qwen3):
     assert choice.message.role == "assistant" and choice.message.content == native["text"]
     assert choice.finish_reason == native["meta_info"]["finish_reason"]["type"]
     assert completion.usage.prompt_tokens == native["meta_info"]["prompt_tokens"]
-    assert completion.usage.completion_tokens == 6 and completion.usage.total_tokens == completion.usage.prompt_tokens + 6
+    assert completion.usage.completion_tokens == 6
+    assert completion.usage.total_tokens == completion.usage.prompt_tokens + 6
     assert [c.logprob for c in choice.logprobs.content] == pytest.approx(
         [e[0] for e in native["meta_info"]["output_token_logprobs"]], abs=1e-5
     )
@@ -132,7 +133,9 @@ def test_openai_chat_completion_streaming(openai_client):
 def test_openai_completions(openai_client, client):
     prompt = "The quick brown fox"
     native = client.post("/generate", json={"text": prompt, "sampling_params": GREEDY, "return_logprob": True}).json()
-    completion = openai_client.completions.create(model="tiny", prompt=prompt, max_tokens=6, temperature=0.0, logprobs=0)
+    completion = openai_client.completions.create(
+        model="tiny", prompt=prompt, max_tokens=6, temperature=0.0, logprobs=0
+    )
     choice = completion.choices[0]
     assert choice.text == native["text"] and completion.usage.completion_tokens == 6
     assert choice.logprobs.token_logprobs == pytest.approx([e[0] for e in native["meta_info"]["output_token_logprobs"]],

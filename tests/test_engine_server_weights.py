@@ -18,7 +18,11 @@ from safetensors.torch import load_file
 
 from slime.engine.http_launch import find_free_port, launch_server
 from slime.utils.tiny_model import build_tiny_model
-from slime.utils.weight_transport import broadcast_named_tensors, destroy_custom_process_group, init_custom_process_group
+from slime.utils.weight_transport import (
+    broadcast_named_tensors,
+    destroy_custom_process_group,
+    init_custom_process_group,
+)
 
 GREEDY = {"temperature": 0.0, "max_new_tokens": 12}
 PROMPT = list(range(10, 50))  # 40 tokens: the prefix cache holds two full blocks of it

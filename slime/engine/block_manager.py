@@ -96,8 +96,14 @@ class BlockManager:
     def register_full_blocks(self, seq: Sequence, num_tokens: int) -> None:
         """Publish the blocks fully covered by `seq`'s first `num_tokens` tokens for prefix reuse. Called when the
         forward pass that writes them is scheduled: later sequences in the same pass read them after the write."""
-        prefix_hash = None
-        for i in range(num_tokens // self.block_size):
+        # Resume the hash chain after the last block that already has a hash (its hash covers the whole prefix), so
+        # a decode step costs O(1) here instead of re-hashing the sequence.
+        num_full_blocks = num_tokens // self.block_size
+        first = num_full_blocks
+        while first > 0 and self.blocks[seq.block_table[first - 1]].hash is None:
+            first -= 1
+        prefix_hash = self.blocks[seq.block_table[first - 1]].hash if first > 0 else None
+        for i in range(first, num_full_blocks):
             block = self.blocks[seq.block_table[i]]
             tokens = tuple(seq.token_ids[i * self.block_size : (i + 1) * self.block_size])
             prefix_hash = block_hash(prefix_hash, tokens)

@@ -26,8 +26,8 @@ class Config:
     gpu_memory_utilization: on CUDA, fraction of device memory the engine may use (weights + KV cache);
         on CPU, fraction of physical RAM the KV cache may use at most (capped at 25%).
     num_kvcache_blocks: explicit number of KV-cache blocks; None = size from memory as above.
-    enforce_eager: always run the model eagerly. The engine has no CUDA-graph capture yet, so every run is
-        eager; the field is accepted so configs written for graph capture keep working.
+    enforce_eager: always run the model eagerly; False = on CUDA with the Triton attention path, decode steps
+        replay CUDA graphs captured at bucketed batch sizes (1, 2, 4, 8, 16, 32, ... up to max_num_seqs).
     dtype: weight and activation dtype; "auto" = float32 on CPU, the checkpoint's dtype (bf16 if fp32) on CUDA.
     device: "cpu", "cuda" or "auto" (cuda when available).
     seed: seed of the engine's sampling RNG (requests without sampling_seed draw their seed from it).

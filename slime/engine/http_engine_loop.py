@@ -233,7 +233,9 @@ class EngineLoop:
 
     def _fail_all(self, error: Exception) -> None:
         self.last_step_error = "".join(traceback.format_exception(error))
-        logger.error("engine step failed; failing %d in-flight request(s):\n%s", len(self._streams), self.last_step_error)
+        logger.error(
+            "engine step failed; failing %d in-flight request(s):\n%s", len(self._streams), self.last_step_error
+        )
         try:
             self.engine.abort_all()
         except Exception:

@@ -9,10 +9,13 @@ to / restore from a CPU copy). It does not schedule, check stop conditions or de
 from __future__ import annotations
 
 import os
+import warnings
 
+import numpy as np
 import torch
 
 from slime.engine.config import Config
+from slime.engine.cuda_graph import DecodeGraphs
 from slime.engine.layers.attention import AttentionMetadata
 from slime.engine.models import DecoderForCausalLM, ModelConfig
 from slime.engine.models.weight_loader import load_checkpoint
@@ -58,6 +61,13 @@ class ModelRunner:
         load_checkpoint(self.model, config.model)
         self.cpu_weights: dict[str, torch.Tensor] | None = None
         self.num_kvcache_blocks = config.num_kvcache_blocks or self._num_blocks_from_memory()
+        # One extra cache block past those the block manager hands out: CUDA-graph padding rows write there.
+        self.scratch_slot = self.num_kvcache_blocks * self.block_size
+        max_model_len = config.max_model_len or model_config.max_position_embeddings
+        self.max_num_blocks_per_seq = min(-(-max_model_len // self.block_size), self.num_kvcache_blocks)
+        self.use_triton = self.device.type == "cuda" and _triton_attention_works(self.device)
+        self.use_cuda_graphs = self.use_triton and not config.enforce_eager
+        self.decode_graphs: DecodeGraphs | None = None
         self.allocate_kv_cache()
 
     # ---- memory -------------------------------------------------------------------------------------------------
@@ -96,13 +106,14 @@ class ModelRunner:
 
     def allocate_kv_cache(self) -> None:
         c = self.model_config
-        shape = (self.num_kvcache_blocks, self.block_size, c.num_key_value_heads, c.head_dim)
+        shape = (self.num_kvcache_blocks + 1, self.block_size, c.num_key_value_heads, c.head_dim)
         for attn in self.model.attention_layers():
             # Zeros, not empty: masked-out slots enter SDPA multiplied by 0, and NaN garbage would survive that.
             attn.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
             attn.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
 
     def free_kv_cache(self) -> None:
+        self.decode_graphs = None  # they hold the cache's addresses
         for attn in self.model.attention_layers():
             attn.k_cache = torch.empty(0, device=self.device)
             attn.v_cache = torch.empty(0, device=self.device)
@@ -112,6 +123,7 @@ class ModelRunner:
         """Move parameter storage to a CPU copy and free the device storage (on CPU the copy is the storage)."""
         if self.cpu_weights is not None:
             return
+        self.decode_graphs = None  # they hold the weights' addresses
         self.cpu_weights = {}
         for name, param in self.model.named_parameters():
             self.cpu_weights[name] = param.data.to("cpu", copy=self.device.type != "cpu")
@@ -134,15 +146,22 @@ class ModelRunner:
     @torch.inference_mode()
     def run(self, scheduled: list[ScheduledSequence]) -> tuple[list[int], list[float]]:
         """Forward the batch; returns sampled token ids and log-probs for the sequences whose needs_sample is True,
-        in schedule order."""
-        input_ids, positions, meta, logits_indices = self.prepare_inputs(scheduled)
-        hidden = self.model(input_ids, positions, meta)
-        sampled = [item for item in scheduled if item.needs_sample]
-        if not sampled:
+        in schedule order (one host sync)."""
+        sample_rows = [row for row, item in enumerate(scheduled) if item.needs_sample]
+        vocab_size = self.model_config.vocab_size
+        # Built first: its host-to-device copies would otherwise wait behind the forward pass.
+        sampling = self.prepare_sampling([scheduled[row] for row in sample_rows], vocab_size) if sample_rows else None
+        hidden = self._forward_decode_graph(scheduled)
+        if hidden is not None:
+            hidden = hidden[sample_rows] if len(sample_rows) < len(scheduled) else hidden
+        else:
+            input_ids, positions, meta, logits_indices = self.prepare_inputs(scheduled)
+            hidden = self.model(input_ids, positions, meta)[logits_indices]
+        if not sample_rows:
             return [], []
-        logits = self.model.compute_logits(hidden[logits_indices])
-        tokens, log_probs = sample(logits, self.prepare_sampling(sampled, logits.shape[-1]))
-        return tokens.tolist(), log_probs.tolist()
+        tokens, log_probs = sample(self.model.compute_logits(hidden), sampling)
+        token_ids, token_log_probs = torch.stack([tokens.double(), log_probs.double()]).tolist()
+        return [int(token_id) for token_id in token_ids], token_log_probs
 
     @torch.inference_mode()
     def forward_logits(self, scheduled: list[ScheduledSequence]) -> torch.Tensor:
@@ -150,48 +169,86 @@ class ModelRunner:
         input_ids, positions, meta, _ = self.prepare_inputs(scheduled)
         return self.model.compute_logits(self.model(input_ids, positions, meta))
 
+    def _forward_decode_graph(self, scheduled: list[ScheduledSequence]) -> torch.Tensor | None:
+        """Hidden states of a decode batch through a CUDA graph; None when the batch must run eagerly."""
+        if not self.use_cuda_graphs or len(scheduled) > self.config.max_num_seqs:
+            return None
+        if any(item.num_new_tokens != 1 for item in scheduled):
+            return None
+        if self.decode_graphs is None:
+            self.decode_graphs = DecodeGraphs(
+                self.model, self.config.max_num_seqs, self.max_num_blocks_per_seq, self.scratch_slot
+            )
+        if len(scheduled) > self.decode_graphs.max_batch_size:
+            return None
+        block_size = self.block_size
+        tables = [item.seq.block_table for item in scheduled]
+        positions = [item.start for item in scheduled]
+        token_inputs = np.array(
+            [
+                [item.seq.token_ids[item.start] for item in scheduled],
+                positions,
+                [table[pos // block_size] * block_size + pos % block_size for table, pos in zip(tables, positions)],
+                [pos + 1 for pos in positions],
+            ],
+            dtype=np.int64,
+        )
+        return self.decode_graphs.run(token_inputs, _padded_block_tables(tables))
+
     def prepare_inputs(self, scheduled: list[ScheduledSequence]):
-        starts, query_lens, input_ids, block_tables = [], [], [], []
-        for item in scheduled:
-            start = item.start
-            starts.append(start)
-            query_lens.append(item.num_new_tokens)
-            input_ids.extend(item.seq.token_ids[start : start + item.num_new_tokens])
-            block_tables.append(item.seq.block_table)
-        device = self.device
+        """(input_ids, positions, AttentionMetadata, logits_indices) on the device; the metadata is filled for the
+        Triton path or the torch path."""
         num_seqs = len(scheduled)
-        max_query_len = max(query_lens)
-        max_num_blocks = max(len(table) for table in block_tables)
-        padded_tables = torch.tensor(
-            [table + [0] * (max_num_blocks - len(table)) for table in block_tables], dtype=torch.int64
-        )
-        starts_t = torch.tensor(starts, dtype=torch.int64)
-        query_lens_t = torch.tensor(query_lens, dtype=torch.int64)
-        token_seq_index = torch.repeat_interleave(torch.arange(num_seqs), query_lens_t)
-        cu_seqlens = torch.cumsum(query_lens_t, 0)
-        token_query_index = torch.arange(len(input_ids)) - (cu_seqlens - query_lens_t)[token_seq_index]
-        positions = starts_t[token_seq_index] + token_query_index
+        starts = np.fromiter((item.start for item in scheduled), dtype=np.int64, count=num_seqs)
+        query_lens = np.fromiter((item.num_new_tokens for item in scheduled), dtype=np.int64, count=num_seqs)
+        input_ids = []
+        for item in scheduled:
+            input_ids.extend(item.seq.token_ids[item.start : item.start + item.num_new_tokens])
+        block_tables = _padded_block_tables([item.seq.block_table for item in scheduled])
+        num_tokens = len(input_ids)
+        cu_seqlens = np.cumsum(query_lens)
+        token_seq_index = np.repeat(np.arange(num_seqs), query_lens)
+        token_query_index = np.arange(num_tokens) - (cu_seqlens - query_lens)[token_seq_index]
+        positions = starts[token_seq_index] + token_query_index
         slot_mapping = (
-            padded_tables[token_seq_index, positions // self.block_size] * self.block_size + positions % self.block_size
-        )
-        query_positions = starts_t[:, None] + torch.arange(max_query_len)[None, :]
-        query_positions = torch.where(torch.arange(max_query_len)[None, :] < query_lens_t[:, None], query_positions, 0)
-        key_positions = torch.arange(max_num_blocks * self.block_size)
-        attn_mask = (key_positions[None, None, :] <= query_positions[:, :, None]).unsqueeze(1)
-        meta = AttentionMetadata(
-            slot_mapping=slot_mapping.to(device, non_blocking=True),
-            block_tables=padded_tables.to(device, non_blocking=True),
-            token_seq_index=token_seq_index.to(device, non_blocking=True),
-            token_query_index=token_query_index.to(device, non_blocking=True),
-            attn_mask=attn_mask.to(device, non_blocking=True),
+            block_tables[token_seq_index, positions // self.block_size].astype(np.int64) * self.block_size
+            + positions % self.block_size
         )
         logits_indices = (cu_seqlens - 1)[[i for i, item in enumerate(scheduled) if item.needs_sample]]
-        return (
-            torch.tensor(input_ids, dtype=torch.int64).to(device, non_blocking=True),
-            positions.to(device, non_blocking=True),
-            meta,
-            logits_indices.to(device, non_blocking=True),
+        max_query_len = int(query_lens.max())
+        device = self.device
+        token_inputs = torch.from_numpy(
+            np.concatenate([np.asarray(input_ids, dtype=np.int64), positions, slot_mapping, logits_indices])
+        ).to(device, non_blocking=True)
+        input_ids_t, positions_t, slot_mapping_t, logits_indices_t = token_inputs.split(
+            [num_tokens, num_tokens, num_tokens, len(logits_indices)]
         )
+        if self.use_triton:
+            seq_ints = torch.from_numpy(
+                np.concatenate([[0], cu_seqlens, starts + query_lens, block_tables.ravel()]).astype(np.int32)
+            ).to(device, non_blocking=True)
+            query_start_loc, seq_lens, flat_tables = seq_ints.split([num_seqs + 1, num_seqs, block_tables.size])
+            meta = AttentionMetadata(
+                slot_mapping=slot_mapping_t,
+                block_tables=flat_tables.view(block_tables.shape),
+                max_query_len=max_query_len,
+                query_start_loc=query_start_loc,
+                seq_lens=seq_lens,
+            )
+            return input_ids_t, positions_t, meta, logits_indices_t
+        query_positions = starts[:, None] + np.arange(max_query_len)[None, :]
+        query_positions = np.where(np.arange(max_query_len)[None, :] < query_lens[:, None], query_positions, 0)
+        key_positions = np.arange(block_tables.shape[1] * self.block_size)
+        attn_mask = (key_positions[None, None, :] <= query_positions[:, :, None])[:, None]
+        meta = AttentionMetadata(
+            slot_mapping=slot_mapping_t,
+            block_tables=torch.from_numpy(block_tables.astype(np.int64)).to(device, non_blocking=True),
+            max_query_len=max_query_len,
+            token_seq_index=torch.from_numpy(token_seq_index).to(device, non_blocking=True),
+            token_query_index=torch.from_numpy(token_query_index).to(device, non_blocking=True),
+            attn_mask=torch.from_numpy(attn_mask).to(device, non_blocking=True),
+        )
+        return input_ids_t, positions_t, meta, logits_indices_t
 
     def prepare_sampling(self, sampled: list[ScheduledSequence], vocab_size: int) -> SamplingBatch:
         temperatures, top_ks, top_ps, min_ps, seeds, steps = [], [], [], [], [], []
@@ -224,4 +281,42 @@ class ModelRunner:
             banned_rows=torch.tensor(banned_rows, dtype=torch.int64, device=device),
             banned_token_ids=torch.tensor(banned_token_ids, dtype=torch.int64, device=device),
             needs_filtering=needs_filtering,
+            all_greedy=not any(temperatures),
         )
+
+
+def _padded_block_tables(tables: list[list[int]]) -> np.ndarray:
+    """[num_seqs, longest table] int32, padded with block 0 (never read: masked by context lengths)."""
+    padded = np.zeros((len(tables), max(len(table) for table in tables)), dtype=np.int32)
+    for row, table in enumerate(tables):
+        padded[row, : len(table)] = table
+    return padded
+
+
+def _triton_attention_works(device: torch.device) -> bool:
+    """Whether the Triton paged-attention kernel imports, compiles and matches SDPA on a small case here; if not,
+    warn and let the engine run the pure-torch path."""
+    try:
+        import torch.nn.functional as F
+
+        from slime.engine.layers.triton_paged_attention import paged_attention
+
+        generator = torch.Generator(device=device).manual_seed(0)
+        q = torch.randn(5, 4, 64, device=device, generator=generator)
+        k_cache = torch.randn(2, 4, 2, 64, device=device, generator=generator)
+        v_cache = torch.randn(2, 4, 2, 64, device=device, generator=generator)
+        block_tables = torch.tensor([[1, 0]], dtype=torch.int32, device=device)
+        query_start_loc = torch.tensor([0, 5], dtype=torch.int32, device=device)
+        seq_lens = torch.tensor([8], dtype=torch.int32, device=device)
+        out = paged_attention(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, 5, 0.125)
+        keys = k_cache[[1, 0]].reshape(8, 2, 64).transpose(0, 1)
+        values = v_cache[[1, 0]].reshape(8, 2, 64).transpose(0, 1)
+        mask = torch.arange(8, device=device)[None, :] <= torch.arange(3, 8, device=device)[:, None]
+        expected = F.scaled_dot_product_attention(
+            q.transpose(0, 1), keys, values, attn_mask=mask, scale=0.125, enable_gqa=True
+        ).transpose(0, 1)
+        torch.testing.assert_close(out, expected, atol=1e-3, rtol=1e-3)
+        return True
+    except Exception as error:  # any failure (no triton, compile error, wrong result) means: use the torch path
+        warnings.warn(f"Triton paged attention unavailable ({type(error).__name__}: {error}); using the torch path")
+        return False

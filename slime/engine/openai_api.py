@@ -14,8 +14,9 @@ import time
 import uuid
 
 from fastapi import FastAPI, Request
-from fastapi.responses import StreamingResponse
+from fastapi.responses import PlainTextResponse, StreamingResponse
 
+from slime.engine.http_io import read_json, sse_line, unless_disconnected
 from slime.engine.http_protocol import RequestError
 from slime.engine.sampling_params import SamplingParams
 
@@ -52,7 +53,6 @@ CHAT_FIELDS = {"messages", "max_tokens", "max_completion_tokens", "logprobs", "t
 
 
 def register_openai_routes(app: FastAPI, state) -> None:
-    from slime.engine.server import read_json, sse_line
 
     @app.get("/v1/models")
     async def list_models():
@@ -81,7 +81,8 @@ def register_openai_routes(app: FastAPI, state) -> None:
         if best_of not in (None, body.get("n", 1)):
             raise RequestError("'best_of' must equal 'n' (no server-side ranking)")
         want_logprobs = body.get("logprobs") == 0
-        return await _respond(state, body, prompts, body.get("max_tokens", 16), want_logprobs, "text_completion", sse_line)
+        max_tokens = body.get("max_tokens", 16)
+        return await _respond(request, state, body, prompts, max_tokens, want_logprobs, "text_completion")
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
@@ -94,7 +95,7 @@ def register_openai_routes(app: FastAPI, state) -> None:
         if not isinstance(logprobs, bool) and logprobs is not None:
             raise RequestError(f"'logprobs' must be a boolean, got {logprobs!r}")
         max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
-        return await _respond(state, body, [prompt], max_tokens, bool(logprobs), "chat.completion", sse_line)
+        return await _respond(request, state, body, [prompt], max_tokens, bool(logprobs), "chat.completion")
 
 
 # ---- request parsing -------------------------------------------------------------------------------------------
@@ -184,7 +185,7 @@ def _sampling_params(body: dict, max_tokens, index: int) -> SamplingParams:
 
 
 # ---- responses -------------------------------------------------------------------------------------------------
-async def _respond(state, body, prompts, max_tokens, want_logprobs, kind, sse_line):
+async def _respond(request, state, body, prompts, max_tokens, want_logprobs, kind):
     n = body.get("n", 1)
     jobs = [(prompt, _sampling_params(body, max_tokens, i)) for prompt in prompts for i in range(n)]
     stop_strings = jobs[0][1].stop
@@ -200,7 +201,9 @@ async def _respond(state, body, prompts, max_tokens, want_logprobs, kind, sse_li
                 final = output
             return final
 
-        outputs = await asyncio.gather(*(run(p, s) for p, s in jobs))
+        outputs = await unless_disconnected(request, asyncio.gather(*(run(p, s) for p, s in jobs)))
+        if outputs is None:
+            return PlainTextResponse("client disconnected", status_code=499)
         choices = [
             _choice(kind, index, output.text, _logprobs(kind, state, output, 0) if want_logprobs else None, output)
             for index, output in enumerate(outputs)
@@ -239,9 +242,10 @@ async def _respond(state, body, prompts, max_tokens, want_logprobs, kind, sse_li
         finals = [None] * len(jobs)
         try:
             if kind == "chat.completion":
+                role_delta = {"role": "assistant", "content": ""}
                 yield chunk(
                     [
-                        {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+                        {"index": i, "delta": role_delta, "logprobs": None, "finish_reason": None}
                         for i in range(len(jobs))
                     ]
                 )

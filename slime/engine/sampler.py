@@ -4,11 +4,13 @@ same quantity the trainer computes, so rollout and train log-probs are comparabl
 
 Randomness is a counter-based hash of (request seed, output position, vocabulary index) turned into exponential
 noise (the Gumbel-max trick): a request's samples depend only on its seed, never on the batch it shares, and the
-same on CPU and CUDA. Not responsible for stop conditions.
+same on CPU and CUDA (on CUDA the draw is one fused Triton kernel, `triton_sampler.py`, when it works). Not
+responsible for stop conditions.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -34,6 +36,7 @@ class SamplingBatch:
     banned_rows: torch.Tensor
     banned_token_ids: torch.Tensor
     needs_filtering: bool  # any row with top_k / top_p / min_p active
+    all_greedy: bool | None = None  # every temperature is 0; None = read it from the tensor (a host sync)
 
 
 def _hash32(x: torch.Tensor) -> torch.Tensor:
@@ -44,10 +47,15 @@ def _hash32(x: torch.Tensor) -> torch.Tensor:
     return (x >> 16) ^ x
 
 
+def noise_row_keys(seeds: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
+    """[num_rows] 32-bit keys of each row's noise (int64 tensor)."""
+    return _hash32(_hash32(seeds) ^ _hash32(steps * 0x9E3779B1 + 0x7F4A7C15))
+
+
 def exponential_noise(seeds: torch.Tensor, steps: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """[num_rows, vocab_size] Exp(1) samples, a pure function of (seed, step, column)."""
     columns = torch.arange(vocab_size, device=seeds.device, dtype=torch.int64)
-    row_key = _hash32(_hash32(seeds) ^ _hash32(steps * 0x9E3779B1 + 0x7F4A7C15))
+    row_key = noise_row_keys(seeds, steps)
     bits = _hash32(_hash32(row_key[:, None] ^ columns[None, :]) + row_key[:, None])
     uniform = (bits.double() + 0.5) / 2.0**32
     return -torch.log(uniform)
@@ -58,24 +66,44 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Tensor, to
     is_greedy = batch.temperatures == 0
     temperatures = torch.where(is_greedy, torch.ones_like(batch.temperatures), batch.temperatures)
     scaled = logits / temperatures[:, None]
-    log_probs_all = torch.log_softmax(scaled, dim=-1)
 
     sampling_logits = scaled
     if batch.banned_rows.numel():
         sampling_logits = sampling_logits.clone()
         sampling_logits[batch.banned_rows, batch.banned_token_ids] = float("-inf")
     greedy_tokens = sampling_logits.argmax(dim=-1)
-    if bool(is_greedy.all()):
+    all_greedy = batch.all_greedy if batch.all_greedy is not None else bool(is_greedy.all())
+    if all_greedy:
         tokens = greedy_tokens
     else:
         if batch.needs_filtering:
             sampling_logits = _filter(sampling_logits, batch)
-        probs = torch.softmax(sampling_logits, dim=-1).double()
-        noise = exponential_noise(batch.seeds, batch.steps, logits.shape[-1])
-        sampled_tokens = (probs / noise).argmax(dim=-1)
+        probs = torch.softmax(sampling_logits, dim=-1)
+        if probs.is_cuda and _triton_sampler_available():
+            from slime.engine.triton_sampler import gumbel_argmax
+
+            sampled_tokens = gumbel_argmax(probs, batch.seeds, batch.steps)
+        else:
+            noise = exponential_noise(batch.seeds, batch.steps, logits.shape[-1])
+            sampled_tokens = (probs.double() / noise).argmax(dim=-1)
         tokens = torch.where(is_greedy, greedy_tokens, sampled_tokens)
-    log_probs = log_probs_all.gather(1, tokens[:, None]).squeeze(1)
+    # log_softmax at the sampled token only, without materialising [num_rows, vocab] log-probs
+    log_probs = scaled.gather(1, tokens[:, None]).squeeze(1) - torch.logsumexp(scaled, dim=-1)
     return tokens, log_probs
+
+
+@functools.cache
+def _triton_sampler_available() -> bool:
+    """Whether the fused Triton draw imports, compiles and agrees with the torch draw on this machine."""
+    try:
+        from slime.engine.triton_sampler import gumbel_argmax
+
+        probs = torch.softmax(torch.arange(2000, device="cuda", dtype=torch.float32).remainder(7)[None, :], -1)
+        seeds, steps = torch.tensor([3], device="cuda"), torch.tensor([1], device="cuda")
+        expected = (probs.double() / exponential_noise(seeds, steps, 2000)).argmax(-1)
+        return bool(torch.equal(gumbel_argmax(probs, seeds, steps), expected))
+    except Exception:
+        return False
 
 
 def _filter(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:

@@ -24,7 +24,14 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
 from slime.engine.config import Config
 from slime.engine.http_engine_loop import EngineLoop
-from slime.engine.http_protocol import RequestError, error_body, generate_response, parse_generate_request, require_fields
+from slime.engine.http_io import read_json, sse_line, unless_disconnected
+from slime.engine.http_protocol import (
+    RequestError,
+    error_body,
+    generate_response,
+    parse_generate_request,
+    require_fields,
+)
 from slime.engine.http_weights import WeightUpdater
 from slime.engine.sampling_params import SamplingParams
 
@@ -78,34 +85,12 @@ def create_app(engine, model_path: str, served_model_name: str | None = None, se
     async def _bad_request(_request: Request, error: RequestError):
         return JSONResponse(error_body(str(error)), status_code=400)
 
-    @app.exception_handler(json.JSONDecodeError)
-    async def _bad_json(_request: Request, error: json.JSONDecodeError):
-        return JSONResponse(error_body(f"request body is not valid JSON: {error}"), status_code=400)
-
     _register_generate_routes(app, state)
     _register_control_routes(app, state)
     _register_weight_routes(app, state)
     _register_info_routes(app, state)
     register_openai_routes(app, state)
     return app
-
-
-async def read_json(request: Request, allow_empty: bool = False):
-    """The request's JSON body; `{}` for an empty body when allowed. Malformed JSON -> RequestError."""
-    raw = await request.body()
-    if not raw.strip():
-        if allow_empty:
-            return {}
-        raise RequestError("request body is empty; expected a JSON object")
-    try:
-        return json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as error:
-        raise RequestError(f"request body is not valid JSON: {error}") from error
-
-
-def sse_line(payload) -> bytes:
-    data = payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False)
-    return f"data: {data}\n\n".encode()
 
 
 # ---- /generate -------------------------------------------------------------------------------------------------
@@ -121,9 +106,12 @@ def _register_generate_routes(app: FastAPI, state: ServerState) -> None:
 
         if parsed.stream:
             item = parsed.items[0]
+            outputs = state.engine_loop.generate(item.prompt_token_ids, item.sampling_params, item.rid)
+            first = await outputs.__anext__()  # a rejected request (e.g. duplicate rid) is a 400, not a broken stream
 
             async def events():
-                async for output in state.engine_loop.generate(item.prompt_token_ids, item.sampling_params, item.rid):
+                yield sse_line(render(first))
+                async for output in outputs:
                     yield sse_line(render(output))
                 yield sse_line("[DONE]")
 
@@ -135,7 +123,9 @@ def _register_generate_routes(app: FastAPI, state: ServerState) -> None:
                 final = output
             return render(final)
 
-        results = await asyncio.gather(*(run_one(item) for item in parsed.items))
+        results = await unless_disconnected(request, asyncio.gather(*(run_one(item) for item in parsed.items)))
+        if results is None:
+            return PlainTextResponse("client disconnected", status_code=499)
         return results if parsed.is_batch else results[0]
 
 

@@ -43,10 +43,10 @@ from slime.utils.ppo_utils import compute_mismatch_metrics, loss_denominator
 logger = logging.getLogger(__name__)
 
 
-def can_reuse_log_probs_in_loss(args) -> bool:
+def can_reuse_log_probs_in_loss(args, num_steps_per_rollout: int) -> bool:
     """slime's shortcut (spec 4.8): with one on-policy step per rollout the old log-probs equal the current ones,
     so the separate forward is skipped and the loss uses the detached current log-probs."""
-    return (args.num_steps_per_rollout == 1 and args.loss_type == "policy_loss" and args.kl_coef == 0
+    return (num_steps_per_rollout == 1 and args.loss_type == "policy_loss" and args.kl_coef == 0
             and not args.use_rollout_logprobs and not args.get_mismatch_metrics and not args.keep_old_actor
             and not args.use_opd and args.advantage_estimator != "gspo"
             and not getattr(args, "use_critic", False))
@@ -163,7 +163,7 @@ class FSDPTrainer:
             if rollout_log_probs is None:
                 raise ValueError("--use-rollout-logprobs but the rollout returned no log-probs")
             old_log_probs = rollout_log_probs
-        elif args.loss_type == "policy_loss" and not can_reuse_log_probs_in_loss(args):
+        elif args.loss_type == "policy_loss" and not can_reuse_log_probs_in_loss(args, len(schedule)):
             old = self.compute_log_probs(schedule)
             old_log_probs = [old[i] for i in range(num_samples)]
         else:

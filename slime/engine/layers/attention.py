@@ -1,11 +1,11 @@
-"""Paged attention in pure PyTorch: write the step's K/V into the block cache, then attend over each sequence's
-cached prefix plus its new tokens with one masked SDPA call for the whole batch.
+"""Paged attention: write the step's K/V into the block cache, then attend every new token over its sequence's
+cached prefix plus its chunk.
 
-Works for any mix of prefill chunks and decode tokens on CPU and CUDA (the same torch ops). Queries are scattered
-into a padded [num_seqs, max_query_len] layout and keys are gathered through padded block tables into
-[num_seqs, max_context_len]; the causal/context mask is built once per step by the model runner
-(`AttentionMetadata`). Not a fused kernel: faster CUDA paths (Triton / FlashAttention, CUDA graphs) are a separate
-piece of work and must keep this interface.
+Two implementations behind one interface, chosen by which fields the model runner fills in `AttentionMetadata`:
+- Triton (CUDA): `triton_paged_attention.paged_attention` reads K/V straight from the cache through the block table
+  for any mix of prefill chunks and decode tokens; fixed-shape metadata, so decode steps can be CUDA-graphed.
+- Pure PyTorch (CPU, and the CUDA fallback): queries are scattered into a padded [num_seqs, max_query_len] layout,
+  keys gathered through padded block tables into [num_seqs, max_context_len], and one masked SDPA runs the batch.
 """
 
 from __future__ import annotations
@@ -22,26 +22,34 @@ class AttentionMetadata:
     """Per-step batch layout shared by all layers.
 
     slot_mapping [num_tokens]: flat cache slot (block_id * block_size + offset) where each new token's K/V goes.
-    block_tables [num_seqs, max_num_blocks]: each sequence's blocks, padded with block 0 (masked out).
-    token_seq_index / token_query_index [num_tokens]: each new token's sequence and its index within that
-        sequence's chunk, to scatter queries into the padded layout and gather outputs back.
-    attn_mask [num_seqs, 1, max_query_len, max_num_blocks * block_size]: True where a query may attend a key
-        (key position <= query position); padded query rows attend key 0 only so no row is empty.
+    block_tables [num_seqs, max_num_blocks]: each sequence's blocks, padded with block 0 (never read).
+    max_query_len: most new tokens of one sequence in this step.
+    Triton path (None on the torch path):
+        query_start_loc [num_seqs + 1] int32: cumulative new-token counts (sequence i owns tokens [s_i, s_i+1)).
+        seq_lens [num_seqs] int32: tokens in the cache per sequence after this step (0 for a padded row).
+    Torch path (None on the Triton path):
+        token_seq_index / token_query_index [num_tokens]: each new token's sequence and its index within that
+            sequence's chunk, to scatter queries into the padded layout and gather outputs back.
+        attn_mask [num_seqs, 1, max_query_len, max_num_blocks * block_size]: True where a query may attend a key
+            (key position <= query position); padded query rows attend key 0 only so no row is empty.
     """
 
     slot_mapping: torch.Tensor
     block_tables: torch.Tensor
-    token_seq_index: torch.Tensor
-    token_query_index: torch.Tensor
-    attn_mask: torch.Tensor
+    max_query_len: int
+    query_start_loc: torch.Tensor | None = None
+    seq_lens: torch.Tensor | None = None
+    token_seq_index: torch.Tensor | None = None
+    token_query_index: torch.Tensor | None = None
+    attn_mask: torch.Tensor | None = None
 
     @property
     def num_seqs(self) -> int:
-        return self.attn_mask.shape[0]
+        return self.block_tables.shape[0]
 
     @property
-    def max_query_len(self) -> int:
-        return self.attn_mask.shape[2]
+    def uses_triton(self) -> bool:
+        return self.query_start_loc is not None
 
 
 class PagedAttention(nn.Module):
@@ -62,7 +70,23 @@ class PagedAttention(nn.Module):
         flat_v_cache = self.v_cache.view(-1, self.num_kv_heads, self.head_dim)
         flat_k_cache.index_copy_(0, meta.slot_mapping, k.to(flat_k_cache.dtype))
         flat_v_cache.index_copy_(0, meta.slot_mapping, v.to(flat_v_cache.dtype))
+        if meta.uses_triton:
+            from slime.engine.layers.triton_paged_attention import paged_attention
 
+            out = paged_attention(
+                q.contiguous(),
+                self.k_cache,
+                self.v_cache,
+                meta.block_tables,
+                meta.query_start_loc,
+                meta.seq_lens,
+                meta.max_query_len,
+                self.scale,
+            )
+            return out.reshape(-1, self.num_heads * self.head_dim)
+        return self._torch_attention(q, meta)
+
+    def _torch_attention(self, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         num_seqs, max_query_len = meta.num_seqs, meta.max_query_len
         keys = self._gather(self.k_cache, meta.block_tables)
         values = self._gather(self.v_cache, meta.block_tables)

@@ -1,0 +1,84 @@
+"""CUDA graphs of the model's decode forward (one new token per sequence, Triton attention) at bucketed batch
+sizes, replayed with static input buffers so a decode step costs a few copies and one graph launch instead of
+hundreds of kernel launches from Python.
+
+A batch of n sequences runs in the smallest captured bucket >= n; the padded rows write their K/V to a scratch
+cache slot that no sequence owns and attend nothing (seq_len 0). Graphs bake in the addresses of the weights and the
+KV cache: the model runner drops them whenever either is freed and captures again on the next decode step. Not
+used for prefill, on CPU, with enforce_eager, or beyond the largest bucket (the eager path runs those).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from torch import nn
+
+from slime.engine.layers.attention import AttentionMetadata
+
+
+def bucket_batch_sizes(max_num_seqs: int) -> list[int]:
+    """1, 2, 4, 8, then multiples of 16, up to max_num_seqs (rounded up to a multiple of 16 past 8)."""
+    largest = max_num_seqs if max_num_seqs <= 8 else -(-max_num_seqs // 16) * 16
+    return sorted({size for size in (1, 2, 4, 8) if size < largest} | set(range(16, largest, 16)) | {largest})
+
+
+class DecodeGraphs:
+    def __init__(self, model: nn.Module, max_num_seqs: int, max_num_blocks_per_seq: int, scratch_slot: int):
+        self.model = model
+        self.batch_sizes = bucket_batch_sizes(max_num_seqs)
+        self.scratch_slot = scratch_slot
+        max_batch_size = self.batch_sizes[-1]
+        device = next(model.parameters()).device
+        hidden_size = model.config.hidden_size
+        dtype = next(model.parameters()).dtype
+        # One int64 buffer for the per-token inputs, so a step's host data arrives in one copy.
+        self.token_inputs = torch.zeros(4, max_batch_size, dtype=torch.int64, device=device)
+        self.input_ids, self.positions, self.slot_mapping, self.seq_lens = self.token_inputs
+        self.block_tables = torch.zeros(max_batch_size, max_num_blocks_per_seq, dtype=torch.int32, device=device)
+        self.query_start_loc = torch.arange(max_batch_size + 1, dtype=torch.int32, device=device)
+        self.hidden = torch.zeros(max_batch_size, hidden_size, dtype=dtype, device=device)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self._capture()
+
+    @property
+    def max_batch_size(self) -> int:
+        return self.batch_sizes[-1]
+
+    def _metadata(self, batch_size: int) -> AttentionMetadata:
+        return AttentionMetadata(
+            slot_mapping=self.slot_mapping[:batch_size],
+            block_tables=self.block_tables[:batch_size],
+            max_query_len=1,
+            query_start_loc=self.query_start_loc[: batch_size + 1],
+            seq_lens=self.seq_lens[:batch_size],
+        )
+
+    def _forward(self, batch_size: int) -> None:
+        meta = self._metadata(batch_size)
+        self.hidden[:batch_size] = self.model(self.input_ids[:batch_size], self.positions[:batch_size], meta)
+
+    def _capture(self) -> None:
+        self.slot_mapping.fill_(self.scratch_slot)
+        pool = None
+        for batch_size in reversed(self.batch_sizes):
+            self._forward(batch_size)  # warm-up: Triton compilation, cuBLAS workspaces
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                self._forward(batch_size)
+            pool = graph.pool() if pool is None else pool
+            self.graphs[batch_size] = graph
+        torch.cuda.synchronize()
+
+    def run(self, token_inputs: np.ndarray, block_tables: np.ndarray) -> torch.Tensor:
+        """token_inputs [4, n] int64 (input ids, positions, slots, seq_lens); block_tables [n, w] int32.
+        Returns hidden states [n, hidden_size] (a view into a static buffer, valid until the next run)."""
+        num_seqs, width = block_tables.shape
+        batch_size = next(size for size in self.batch_sizes if size >= num_seqs)
+        padded = np.empty((4, batch_size), dtype=np.int64)
+        padded[:, :num_seqs] = token_inputs
+        padded[:, num_seqs:] = np.array([0, 0, self.scratch_slot, 0])[:, None]
+        self.token_inputs[:, :batch_size].copy_(torch.from_numpy(padded), non_blocking=True)
+        self.block_tables[:num_seqs, :width].copy_(torch.from_numpy(block_tables), non_blocking=True)
+        self.graphs[batch_size].replay()
+        return self.hidden[:num_seqs]
