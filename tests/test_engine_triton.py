@@ -13,6 +13,10 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 pytest.importorskip("triton")
 
+from slime.engine.layers.activation import SiluAndMul  # noqa: E402
+from slime.engine.layers.rmsnorm import RMSNorm  # noqa: E402
+from slime.engine.layers.rotary import RotaryEmbedding  # noqa: E402
+from slime.engine.layers.triton_fused import norm_rope, rms_norm, silu_and_mul  # noqa: E402
 from slime.engine.layers.triton_paged_attention import paged_attention  # noqa: E402
 from slime.engine.sampler import exponential_noise  # noqa: E402
 from slime.engine.triton_sampler import gumbel_argmax  # noqa: E402
@@ -65,7 +69,9 @@ def test_paged_attention_matches_reference(num_heads, num_kv_heads, dtype):
         max(query_lens),
         scale,
     )
-    expected = reference_attention(q.float(), k_cache.float(), v_cache.float(), block_tables, query_lens, seq_lens, scale)
+    expected = reference_attention(
+        q.float(), k_cache.float(), v_cache.float(), block_tables, query_lens, seq_lens, scale
+    )
     tolerance = 1e-4 if dtype == torch.float32 else 3e-2
     torch.testing.assert_close(out.cpu().double(), expected, atol=tolerance, rtol=tolerance)
 
@@ -92,10 +98,39 @@ def test_paged_attention_padded_rows_are_zero_and_leave_real_rows_alone():
     torch.testing.assert_close(out[:1].cpu().double(), expected, atol=1e-4, rtol=1e-4)
 
 
-def test_gumbel_argmax_matches_torch_noise():
+@pytest.mark.parametrize("dtype", [torch.float32] + ([torch.bfloat16] if DEVICE == "cuda" else []))
+def test_fused_elementwise_kernels_match_torch_modules(dtype):
+    generator = torch.Generator().manual_seed(0)
+    tolerance = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
+    hidden = torch.randn(5, 96, generator=generator).to(DEVICE, dtype)
+    norm = RMSNorm(96, 1e-6).to(DEVICE, dtype)
+    norm.weight.data = torch.rand(96, generator=generator).to(DEVICE, dtype) + 0.5
+    torch.testing.assert_close(rms_norm(hidden, norm.weight, norm.eps), norm(hidden), **tolerance)
+
+    gate_up = torch.randn(5, 2 * 1500, generator=generator).to(DEVICE, dtype)  # two column blocks
+    torch.testing.assert_close(silu_and_mul(gate_up), SiluAndMul()(gate_up), **tolerance)
+
+    rotary = RotaryEmbedding(32, 64, 10000.0).to(DEVICE)
+    positions = torch.tensor([0, 3, 63, 7, 7], device=DEVICE)
+    qkv = torch.randn(5, 6 * 32, generator=generator).to(DEVICE, dtype)
+    q, k = qkv[:, : 4 * 32].view(5, 4, 32), qkv[:, 4 * 32 :].view(5, 2, 32)  # strided views, as in the decoder
+    head_norm = RMSNorm(32, 1e-6).to(DEVICE, dtype)
+    head_norm.weight.data = torch.rand(32, generator=generator).to(DEVICE, dtype) + 0.5
+    expected_q, expected_k = rotary(positions, head_norm(q), head_norm(k))
+    torch.testing.assert_close(
+        norm_rope(q, head_norm.weight, head_norm.eps, rotary.cos, rotary.sin, positions), expected_q, **tolerance
+    )
+    torch.testing.assert_close(
+        norm_rope(k, head_norm.weight, head_norm.eps, rotary.cos, rotary.sin, positions), expected_k, **tolerance
+    )
+    expected_q, _ = rotary(positions, q, k)
+    torch.testing.assert_close(norm_rope(q, None, 0.0, rotary.cos, rotary.sin, positions), expected_q, **tolerance)
+
+
+@pytest.mark.parametrize("vocab_size", [3000, 40000])  # 3 chunks, not a multiple of the block; 16 chunks
+def test_gumbel_argmax_matches_torch_noise(vocab_size):
     """Same tokens as argmax(probs / exponential_noise) in float64, the sampler's torch path."""
     generator = torch.Generator().manual_seed(0)
-    vocab_size = 3000  # not a multiple of the kernel's block
     logits = torch.randn(6, vocab_size, generator=generator) * 3
     probs = logits.softmax(-1).to(DEVICE)
     seeds = torch.tensor([0, 1, 2**32 - 1, 12345, 7, 7], device=DEVICE)
@@ -117,7 +152,7 @@ def test_engine_triton_path_matches_torch_path(tmp_path):
     for use_triton in (False, True):
         engine = Engine(str(path), device=DEVICE, dtype="float32", kvcache_block_size=4, num_kvcache_blocks=64,
                         max_num_batched_tokens=16, enforce_eager=True)
-        engine.model_runner.use_triton = use_triton
+        engine.model_runner.set_use_triton(use_triton)
         outputs.append(engine.generate(prompts, params) + engine.generate(prompts[:1], params))
     for torch_output, triton_output in zip(*outputs):
         assert triton_output["output_ids"] == torch_output["output_ids"]

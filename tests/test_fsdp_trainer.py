@@ -147,3 +147,13 @@ def test_grpo_steps_raise_log_prob_of_rewarded_response(tiny_checkpoint):
     after = sequence_log_probs()
     assert after[0] > before[0] + 0.1
     assert (after[1:] < before[1:]).all()
+
+
+def test_activation_recompute_gives_the_same_step(tiny_checkpoint):
+    data = make_train_data(6, vocab_size=300, seed=17)
+    plain, plain_grads = _one_step(tiny_checkpoint, data, "--micro-batch-size", "3")
+    recomputed, recomputed_grads = _one_step(tiny_checkpoint, data, "--micro-batch-size", "3",
+                                             "--recompute-activations")
+    assert recomputed["train/loss"] == plain["train/loss"]
+    for name, grad in recomputed_grads[0].items():
+        torch.testing.assert_close(grad, plain_grads[0][name], rtol=1e-6, atol=1e-8)

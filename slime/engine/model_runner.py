@@ -65,10 +65,19 @@ class ModelRunner:
         self.scratch_slot = self.num_kvcache_blocks * self.block_size
         max_model_len = config.max_model_len or model_config.max_position_embeddings
         self.max_num_blocks_per_seq = min(-(-max_model_len // self.block_size), self.num_kvcache_blocks)
-        self.use_triton = self.device.type == "cuda" and _triton_attention_works(self.device)
-        self.use_cuda_graphs = self.use_triton and not config.enforce_eager
         self.decode_graphs: DecodeGraphs | None = None
+        attention_works = self.device.type == "cuda" and _triton_attention_works(self.device)
+        self.set_use_triton(attention_works, fused=attention_works and _triton_fused_kernels_work(self.device))
         self.allocate_kv_cache()
+
+    def set_use_triton(self, enabled: bool, fused: bool | None = None) -> None:
+        """Triton attention (and, unless enforce_eager, decode CUDA graphs) on or off, and the fused elementwise
+        kernels (default: same as `enabled`); off = the pure-torch path. The runner turns each on only after its
+        self-check passed on this machine."""
+        self.use_triton = enabled
+        self.use_cuda_graphs = enabled and not self.config.enforce_eager
+        self.decode_graphs = None
+        self.model.set_use_triton(enabled if fused is None else fused)
 
     # ---- memory -------------------------------------------------------------------------------------------------
 
@@ -183,6 +192,9 @@ class ModelRunner:
             return None
         block_size = self.block_size
         tables = [item.seq.block_table for item in scheduled]
+        block_tables = _padded_block_tables(tables)
+        if block_tables.shape[1] > self.max_num_blocks_per_seq:
+            return None
         positions = [item.start for item in scheduled]
         token_inputs = np.array(
             [
@@ -193,7 +205,7 @@ class ModelRunner:
             ],
             dtype=np.int64,
         )
-        return self.decode_graphs.run(token_inputs, _padded_block_tables(tables))
+        return self.decode_graphs.run(token_inputs, block_tables)
 
     def prepare_inputs(self, scheduled: list[ScheduledSequence]):
         """(input_ids, positions, AttentionMetadata, logits_indices) on the device; the metadata is filled for the
@@ -217,17 +229,13 @@ class ModelRunner:
         logits_indices = (cu_seqlens - 1)[[i for i, item in enumerate(scheduled) if item.needs_sample]]
         max_query_len = int(query_lens.max())
         device = self.device
-        token_inputs = torch.from_numpy(
-            np.concatenate([np.asarray(input_ids, dtype=np.int64), positions, slot_mapping, logits_indices])
-        ).to(device, non_blocking=True)
-        input_ids_t, positions_t, slot_mapping_t, logits_indices_t = token_inputs.split(
-            [num_tokens, num_tokens, num_tokens, len(logits_indices)]
+        input_ids_t, positions_t, slot_mapping_t, logits_indices_t = _to_device_packed(
+            [np.asarray(input_ids, dtype=np.int64), positions, slot_mapping, logits_indices], np.int64, device
         )
         if self.use_triton:
-            seq_ints = torch.from_numpy(
-                np.concatenate([[0], cu_seqlens, starts + query_lens, block_tables.ravel()]).astype(np.int32)
-            ).to(device, non_blocking=True)
-            query_start_loc, seq_lens, flat_tables = seq_ints.split([num_seqs + 1, num_seqs, block_tables.size])
+            query_start_loc, seq_lens, flat_tables = _to_device_packed(
+                [np.concatenate([[0], cu_seqlens]), starts + query_lens, block_tables.ravel()], np.int32, device
+            )
             meta = AttentionMetadata(
                 slot_mapping=slot_mapping_t,
                 block_tables=flat_tables.view(block_tables.shape),
@@ -320,3 +328,43 @@ def _triton_attention_works(device: torch.device) -> bool:
     except Exception as error:  # any failure (no triton, compile error, wrong result) means: use the torch path
         warnings.warn(f"Triton paged attention unavailable ({type(error).__name__}: {error}); using the torch path")
         return False
+
+
+def _triton_fused_kernels_work(device: torch.device) -> bool:
+    """Whether the fused RMSNorm / q-k norm + rotary / SiLU-and-mul kernels match the torch modules here; if not,
+    warn and keep the torch modules for those stages."""
+    try:
+        from slime.engine.layers.activation import SiluAndMul
+        from slime.engine.layers.rmsnorm import RMSNorm
+        from slime.engine.layers.rotary import RotaryEmbedding
+        from slime.engine.layers.triton_fused import norm_rope, rms_norm, silu_and_mul
+
+        generator = torch.Generator(device=device).manual_seed(0)
+        x = torch.randn(3, 64, 128, device=device, generator=generator)
+        norm = RMSNorm(128, 1e-6).to(device)
+        torch.testing.assert_close(rms_norm(x, norm.weight, norm.eps), norm(x), atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(silu_and_mul(x[0]), SiluAndMul()(x[0]), atol=1e-4, rtol=1e-4)
+        rotary = RotaryEmbedding(128, 16, 10000.0).to(device)
+        positions = torch.arange(3, device=device) * 5
+        expected_q, _ = rotary(positions, norm(x[:, :8]), x[:, :1])
+        got_q = norm_rope(x[:, :8], norm.weight, norm.eps, rotary.cos, rotary.sin, positions)
+        torch.testing.assert_close(got_q, expected_q, atol=1e-4, rtol=1e-4)
+        return True
+    except Exception as error:
+        warnings.warn(f"fused Triton kernels unavailable ({type(error).__name__}: {error}); using torch modules")
+        return False
+
+
+def _to_device_packed(arrays: list[np.ndarray], dtype, device: torch.device) -> list[torch.Tensor]:
+    """Copy 1-D arrays to the device in one transfer; each piece starts 16-byte aligned, as Triton kernels are
+    compiled per pointer alignment and a misaligned piece would trigger a recompilation mid-run."""
+    align = 16 // np.dtype(dtype).itemsize
+    sizes = [len(array) for array in arrays]
+    padded_sizes = [-(-size // align) * align for size in sizes]
+    packed = np.zeros(sum(padded_sizes), dtype=dtype)
+    offset = 0
+    for array, padded_size in zip(arrays, padded_sizes):
+        packed[offset : offset + len(array)] = array
+        offset += padded_size
+    pieces = torch.from_numpy(packed).to(device, non_blocking=True).split(padded_sizes)
+    return [piece[:size] for piece, size in zip(pieces, sizes)]

@@ -2,6 +2,10 @@
 it as an actor per device. It owns the sharded policy, the optimizer, reference weights (host memory), and turns a
 rank's train-data dict (docs/internals.md) into `num_steps_per_rollout` optimizer steps.
 
+User hooks (dotted paths): --custom-init-path fn(args) at init; --custom-before-log-prob-hook-path
+fn(args, model, store_prefix) before each forward-only pass ("ref_" for the reference, "" for old log-probs);
+--custom-before-train-step-hook-path fn(args, rollout_id, step_id, model, optimizer, scheduler).
+
 Not here: reward post-processing and the data split over ranks (RolloutManager), the Ray plumbing (slime/ray).
 """
 
@@ -37,8 +41,8 @@ from slime.backends.fsdp_utils.model import (
 )
 from slime.backends.fsdp_utils.optimizer import build_optimizer
 from slime.backends.fsdp_utils.update_weight import WeightUpdater
-from slime.utils.misc import seed_everything
-from slime.utils.ppo_utils import compute_mismatch_metrics, loss_denominator
+from slime.utils.misc import load_function, seed_everything
+from slime.utils.ppo_utils import apply_opd_advantage, compute_mismatch_metrics, loss_denominator
 
 logger = logging.getLogger(__name__)
 
@@ -78,7 +82,19 @@ class FSDPTrainer:
         """Build model, optimizer and reference weights; resume from --load. Returns the first rollout id."""
         args = self.args
         check_estimator(args)
+        if args.keep_old_actor:
+            raise ValueError("--keep-old-actor is not supported by the FSDP trainer")
+        if args.opd_teacher_load:
+            raise ValueError("--opd-teacher-load (a trainer-side teacher) is not supported by the FSDP trainer; "
+                             "serve the teacher with an engine and pass --rm-url")
         seed_everything(args.seed)
+        self.hooks = {name: load_function(path, "--" + name.replace("_", "-")) if path else None
+                      for name, path in (("custom_init_path", args.custom_init_path),
+                                         ("custom_before_log_prob_hook_path", args.custom_before_log_prob_hook_path),
+                                         ("custom_before_train_step_hook_path",
+                                          args.custom_before_train_step_hook_path))}
+        if self.hooks["custom_init_path"]:
+            self.hooks["custom_init_path"](args)
         resume_dir = checkpoint.resolve_load_dir(args.load)
         if resume_dir is not None:
             weights_path = str(resume_dir)
@@ -94,6 +110,7 @@ class FSDPTrainer:
             hf_model, self.mesh, temperature=args.rollout_temperature, chunk_size=args.log_probs_chunk_size,
             mixed_precision=self.device.type == "cuda", recompute_activations=args.recompute_activations,
         )
+        self.model.train()  # from_pretrained returns eval mode; HF activation checkpointing only runs in train mode
         self.optimizer, self.scheduler = build_optimizer(args, self.model.parameters())
         self.snapshot = WeightSnapshot(self.model)
         self.with_ref = bool(with_ref) and bool(args.ref_load)
@@ -131,8 +148,10 @@ class FSDPTrainer:
         return tensor
 
     @torch.no_grad()
-    def compute_log_probs(self, schedule) -> dict[int, torch.Tensor]:
+    def compute_log_probs(self, schedule, store_prefix: str = "") -> dict[int, torch.Tensor]:
         """Log-probs (CPU, fp32) of every sample's response tokens under the current weights."""
+        if self.hooks["custom_before_log_prob_hook_path"]:
+            self.hooks["custom_before_log_prob_hook_path"](self.args, self.model, store_prefix)
         self.model.eval()
         result = {}
         for micro_batches in schedule:
@@ -156,7 +175,7 @@ class FSDPTrainer:
         if self.with_ref and (args.use_kl_loss or args.kl_coef != 0):
             self.snapshot.save("actor")
             self.snapshot.restore("ref")
-            ref = self.compute_log_probs(schedule)
+            ref = self.compute_log_probs(schedule, store_prefix="ref_")
             self.snapshot.restore("actor")
             ref_log_probs = [ref[i] for i in range(num_samples)]
         if args.use_rollout_logprobs:
@@ -175,9 +194,22 @@ class FSDPTrainer:
         if args.loss_type != "sft_loss":
             advantages = compute_advantages(args, data["rewards"], loss_masks, old_log_probs, ref_log_probs,
                                             dict(data))
+            if args.use_opd:
+                if not data.get("teacher_log_probs"):
+                    raise ValueError("--use-opd: the train data has no teacher_log_probs (is --rm-url a teacher?)")
+                teacher = [torch.tensor(lp, dtype=torch.float32) for lp in data["teacher_log_probs"]]
+                advantages = [apply_opd_advantage(a, o, t, args.opd_kl_coef)
+                              for a, o, t in zip(advantages, old_log_probs, teacher)]
         per_sample = dict(loss_masks=loss_masks, advantages=advantages, old_log_probs=old_log_probs,
                           ref_log_probs=ref_log_probs, rollout_log_probs=rollout_log_probs)
-        step_metrics = [self._train_step(micro_batches, per_sample) for micro_batches in schedule]
+        step_metrics = []
+        for step_id, micro_batches in enumerate(schedule):
+            if self.hooks["custom_before_train_step_hook_path"]:
+                self.hooks["custom_before_train_step_hook_path"](args, rollout_id, step_id, self.model,
+                                                                 self.optimizer, self.scheduler)
+            step_metrics.append(self._train_step(micro_batches, per_sample))
+        if self.with_ref and args.ref_update_interval and (rollout_id + 1) % args.ref_update_interval == 0:
+            self.snapshot.save("ref")  # the reference follows the actor every --ref-update-interval rollouts
         self.last_step_metrics = [{f"train/{k}": v for k, v in m.items()} for m in step_metrics]
         for key in step_metrics[0]:
             values = [m[key] for m in step_metrics]

@@ -35,12 +35,22 @@ class DecoderAttention(nn.Module):
         self.qk_norm = config.qk_norm
         self.rotary = [rotary]  # shared table, kept out of this module's parameters and buffers
         self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim)
+        self.use_triton = False  # fused q/k norm + rotary kernel (set by the model runner on CUDA)
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
+        if self.use_triton:
+            from slime.engine.layers.triton_fused import norm_rope
+
+            rotary = self.rotary[0]
+            q_weight, k_weight = (self.q_norm.weight, self.k_norm.weight) if self.qk_norm else (None, None)
+            eps = self.q_norm.eps if self.qk_norm else 0.0
+            q = norm_rope(q, q_weight, eps, rotary.cos, rotary.sin, positions)
+            k = norm_rope(k, k_weight, eps, rotary.cos, rotary.sin, positions)
+            return self.o_proj(self.attn(q, k, v, meta))
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary[0](positions, q, k)
@@ -103,6 +113,12 @@ class DecoderForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()
+
+    def set_use_triton(self, enabled: bool) -> None:
+        """Route norms, q/k norm + rotary and SiLU-and-mul through the fused Triton kernels (CUDA only)."""
+        for module in self.modules():
+            if hasattr(module, "use_triton"):
+                module.use_triton = enabled
 
     def attention_layers(self) -> list[PagedAttention]:
         return [layer.self_attn.attn for layer in self.model.layers]
