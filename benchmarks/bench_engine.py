@@ -17,11 +17,14 @@ import datetime
 import gc
 import json
 import platform
+import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 PRESETS = {
     "tiny": dict(num_prompts=16, input_len=32, output_len=64, device="cpu", dtype="float32"),

@@ -8,11 +8,10 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from slime.engine.engine import Engine
-from slime.utils.tiny_model import build_tiny_model
-
-from slime.engine.scheduler import ScheduledSequence
 from slime.engine.sampling_params import SamplingParams
+from slime.engine.scheduler import ScheduledSequence
 from slime.engine.sequence import Sequence
+from slime.utils.tiny_model import build_tiny_model
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 PROMPTS = [[10, 20, 30, 40, 50], list(range(5, 40))]

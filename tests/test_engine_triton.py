@@ -13,13 +13,13 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 pytest.importorskip("triton")
 
-from slime.engine.layers.activation import SiluAndMul  # noqa: E402
-from slime.engine.layers.rmsnorm import RMSNorm  # noqa: E402
-from slime.engine.layers.rotary import RotaryEmbedding  # noqa: E402
-from slime.engine.layers.triton_fused import norm_rope, rms_norm, silu_and_mul  # noqa: E402
-from slime.engine.layers.triton_paged_attention import paged_attention  # noqa: E402
-from slime.engine.sampler import exponential_noise  # noqa: E402
-from slime.engine.triton_sampler import gumbel_argmax  # noqa: E402
+from slime.engine.layers.activation import SiluAndMul
+from slime.engine.layers.rmsnorm import RMSNorm
+from slime.engine.layers.rotary import RotaryEmbedding
+from slime.engine.layers.triton_fused import norm_rope, rms_norm, silu_and_mul
+from slime.engine.layers.triton_paged_attention import paged_attention
+from slime.engine.sampler import exponential_noise
+from slime.engine.triton_sampler import gumbel_argmax
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -101,7 +101,7 @@ def test_paged_attention_padded_rows_are_zero_and_leave_real_rows_alone():
 @pytest.mark.parametrize("dtype", [torch.float32] + ([torch.bfloat16] if DEVICE == "cuda" else []))
 def test_fused_elementwise_kernels_match_torch_modules(dtype):
     generator = torch.Generator().manual_seed(0)
-    tolerance = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
+    tolerance = {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 2e-2, "rtol": 2e-2}
     hidden = torch.randn(5, 96, generator=generator).to(DEVICE, dtype)
     norm = RMSNorm(96, 1e-6).to(DEVICE, dtype)
     norm.weight.data = torch.rand(96, generator=generator).to(DEVICE, dtype) + 0.5
@@ -150,8 +150,15 @@ def test_engine_triton_path_matches_torch_path(tmp_path):
     params = {"temperature": 0.0, "max_new_tokens": 6, "ignore_eos": True}
     outputs = []
     for use_triton in (False, True):
-        engine = Engine(str(path), device=DEVICE, dtype="float32", kvcache_block_size=4, num_kvcache_blocks=64,
-                        max_num_batched_tokens=16, enforce_eager=True)
+        engine = Engine(
+            str(path),
+            device=DEVICE,
+            dtype="float32",
+            kvcache_block_size=4,
+            num_kvcache_blocks=64,
+            max_num_batched_tokens=16,
+            enforce_eager=True,
+        )
         engine.model_runner.set_use_triton(use_triton)
         outputs.append(engine.generate(prompts, params) + engine.generate(prompts[:1], params))
     for torch_output, triton_output in zip(*outputs):

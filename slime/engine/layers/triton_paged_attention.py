@@ -116,8 +116,8 @@ def paged_attention(
     """q [num_tokens, num_heads, head_dim]; caches [num_blocks, block_size, num_kv_heads, head_dim];
     block_tables [num_seqs, max_num_blocks] int32; query_start_loc [num_seqs + 1] int32 (cumulative query lengths);
     seq_lens [num_seqs] int32 (tokens in the cache after this step). Returns [num_tokens, num_heads, head_dim]."""
-    num_tokens, num_heads, head_dim = q.shape
-    num_blocks, kv_block_size, num_kv_heads, _ = k_cache.shape
+    _, num_heads, head_dim = q.shape
+    _, kv_block_size, num_kv_heads, _ = k_cache.shape
     assert k_cache.stride() == v_cache.stride() and k_cache.stride(-1) == 1 and q.stride(-1) == 1
     assert head_dim & (head_dim - 1) == 0 and head_dim >= 16, "head_dim must be a power of two >= 16"
     num_queries_per_kv = num_heads // num_kv_heads
