@@ -99,10 +99,8 @@ def train(args) -> str:
         metrics["perf/train_time"] = time.perf_counter() - train_start
 
         if should_save(args, rollout_id, num_rollout):
-            extra_state = {"data_source": ray.get(rollout_manager.data_source_state.remote(rollout_id + 1))}
-            actor.save_model(rollout_id, extra_state)
-            if critic is not None:
-                critic.save_model(rollout_id, extra_state)
+            run_state = {"data_source": ray.get(rollout_manager.data_source_state.remote(rollout_id + 1))}
+            actor.save_model(rollout_id, run_state)
         metrics.update(update_weights(args, actor, rollout_manager, engine_urls, rollout_id))
 
         if args.eval_interval and (rollout_id + 1) % args.eval_interval == 0:

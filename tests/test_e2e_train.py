@@ -57,7 +57,7 @@ def test_grpo_run(task, tmp_path):
 
     from slime.utils.checkpoint_state import latest_checkpoint
 
-    model = AutoModelForCausalLM.from_pretrained(latest_checkpoint(tmp_path / "ckpt") / "model")
+    model = AutoModelForCausalLM.from_pretrained(latest_checkpoint(tmp_path / "ckpt"))
     assert model.config.num_hidden_layers == 4
 
 

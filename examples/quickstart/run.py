@@ -55,7 +55,7 @@ def main() -> None:
         "--num-rollout", str(opts.sft_rollouts), "--lr", "3e-3", "--lr-warmup-iters", "2",
         "--save", str(run_dir / "sft"), "--output-dir", str(run_dir / "sft_run"), "--no-progress",
     ], "SFT", run_dir)
-    sft_model = latest_checkpoint(run_dir / "sft") / "model"
+    sft_model = latest_checkpoint(run_dir / "sft")
 
     grpo_dir = run_dir / "grpo_run"
     run_train(common + [

@@ -61,8 +61,8 @@ class RayTrainGroup:
     def train(self, rollout_id: int, data_refs: list) -> dict:
         return ray.get(self.async_train(rollout_id, data_refs))[0]
 
-    def save_model(self, rollout_id: int, extra_state: dict | None = None) -> None:
-        self._all("save_model", rollout_id, extra_state)
+    def save_model(self, rollout_id: int, run_state: dict | None = None) -> None:
+        self._all("save_model", rollout_id, run_state)
 
     def update_weights(self, engine_urls: list[str], weight_version: str) -> dict:
         return self._all("update_weights", engine_urls, weight_version)[0]

@@ -275,13 +275,13 @@ class FSDPTrainer:
         )
 
     # ------------------------------------------------------------------------------- checkpoint / weights
-    def save_model(self, rollout_id: int) -> str:
+    def save_model(self, rollout_id: int, run_state: dict | None = None) -> str:
         if not self.args.save:
             raise ValueError("save_model needs --save (the checkpoint root folder)")
         path = checkpoint.save_checkpoint(
             self.args.save, rollout_id, self.model, self.optimizer, self.scheduler,
             hf_checkpoint=self.args.hf_checkpoint, rank=self.rank, save_optim=not self.args.no_save_optim,
-            tie_word_embeddings=bool(getattr(self.hf_config, "tie_word_embeddings", False)),
+            tie_word_embeddings=bool(getattr(self.hf_config, "tie_word_embeddings", False)), run_state=run_state,
         )
         return str(path)
 

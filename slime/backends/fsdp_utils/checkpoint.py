@@ -22,7 +22,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from slime.backends.fsdp_utils.model import hf_name
-from slime.utils.checkpoint_state import checkpoint_dir, latest_checkpoint
+from slime.utils.checkpoint_state import RUN_STATE_FILE, checkpoint_dir, latest_checkpoint
 
 __all__ = ["checkpoint_dir", "latest_checkpoint", "resolve_load_dir", "save_checkpoint", "load_training_state"]
 
@@ -69,8 +69,10 @@ def _set_rng_state(state: dict) -> None:
 
 
 def save_checkpoint(save_root: str, rollout_id: int, model, optimizer, scheduler, *, hf_checkpoint: str,
-                    tie_word_embeddings: bool, rank: int, save_optim: bool = True) -> Path:
-    """Collective: every rank calls it. Returns the final folder."""
+                    tie_word_embeddings: bool, rank: int, save_optim: bool = True,
+                    run_state: dict | None = None) -> Path:
+    """Collective: every rank calls it. Returns the final folder. `run_state` (the driver's data-source state)
+    is written inside the same atomic folder, so weights, optimizer and data order always match."""
     from safetensors.torch import save_file
 
     final = checkpoint_dir(save_root, rollout_id)
@@ -94,6 +96,8 @@ def save_checkpoint(save_root: str, rollout_id: int, model, optimizer, scheduler
         if optim_state is not None:
             torch.save({"optimizer": optim_state, "scheduler": scheduler.state_dict()}, tmp / OPTIMIZER_FILE)
         (tmp / META_FILE).write_text(json.dumps({"rollout_id": rollout_id, "hf_checkpoint": str(hf_checkpoint)}))
+        if run_state is not None:
+            (tmp / RUN_STATE_FILE).write_text(json.dumps(run_state))
     _barrier()
     if rank == 0:
         shutil.rmtree(final, ignore_errors=True)
