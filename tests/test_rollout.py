@@ -1,62 +1,45 @@
-"""The default rollout against the REAL sglang-router, with a scripted SGLang-compatible worker behind it.
+"""The default rollout against the REAL built-in engine server (tiny Qwen3 checkpoint) behind the REAL sglang-router.
 
-The scripted worker makes timing deterministic (which groups are still generating when the rollout aborts), so
-partial rollout, over-sampling and the dynamic filter can be checked exactly. test_rollout_engine.py runs the
-same path against the built-in engine server.
+One engine and one router serve the whole module. Exact expectations come from the engine itself: greedy decoding
+(temperature 0) is deterministic, so every rollout answer is compared with a direct POST /generate to the engine for
+the same tokens, and an interrupted-then-continued response with an uninterrupted one. Timing-dependent cases (which
+groups are still generating at the abort) are made deterministic with `ignore_eos` and very different lengths.
+test_rollout_engine.py covers the temperature-1 path against an independent Hugging Face reference.
 """
 
 import asyncio
+import functools
 import json
 import subprocess
-import sys
-import threading
-import time
 from types import SimpleNamespace
 
 import httpx
 import pytest
 
-from slime.rollout import http_client
+import slime.rollout.rm_hub  # noqa: F401  imported up front: its first import (~1 s) would block the rollout loop
+from slime.engine.http_launch import launch_server
+from slime.ray.router import RouterProcess
+from slime.ray.router import register_worker as router_register_worker
+from slime.rollout import http_client, sglang_rollout
 from slime.rollout.data_source import RolloutDataSourceWithBuffer
 from slime.rollout.dataset import load_tokenizer
 from slime.rollout.eval import compute_pass_at_k
-from slime.rollout.sglang_rollout import generate, generate_rollout, get_last_rollout_metrics
+from slime.rollout.sglang_rollout import build_sampling_params, generate, generate_rollout, get_last_rollout_metrics
 from slime.utils.misc import find_free_port
 from slime.utils.types import Sample
 
 MAX_RESPONSE_LEN = 6
+LONG_RESPONSE_LEN = 256  # groups that are still generating when group 0 (2 tokens) has finished
+LONG_PROMPT = "The quick brown fox jumps over the lazy dog. " * 4  # > 2 KV blocks: the prefix cache can hit
 
 
 # ---------------------------------------------------------------- router helpers (also used by test_rollout_engine)
 def launch_router(port: int) -> subprocess.Popen:
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1", "--port", str(port),
-         "--policy", "round_robin", "--log-level", "warn", "--prometheus-port", str(find_free_port())],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )
-    deadline = time.time() + 30
-    while time.time() < deadline:
-        try:
-            httpx.get(f"http://127.0.0.1:{port}/workers", timeout=1, trust_env=False)
-            return proc
-        except httpx.TransportError:
-            assert proc.poll() is None, "sglang-router exited during startup"
-            time.sleep(0.2)
-    proc.kill()
-    raise RuntimeError("sglang-router did not start in 30 s")
+    return RouterProcess(port=port, policy="round_robin").process
 
 
 def register_worker(router_port: int, worker_url: str, timeout_s: float = 60) -> None:
-    base = f"http://127.0.0.1:{router_port}"
-    response = httpx.post(f"{base}/workers", json={"url": worker_url}, timeout=5, trust_env=False)
-    assert response.status_code in (200, 202), response.text
-    deadline = time.time() + timeout_s
-    while time.time() < deadline:
-        workers = httpx.get(f"{base}/workers", timeout=5, trust_env=False).json()["workers"]
-        if any(w["url"] == worker_url and w.get("is_healthy", True) for w in workers):
-            return
-        time.sleep(0.2)
-    raise RuntimeError(f"router did not list worker {worker_url} within {timeout_s} s")
+    router_register_worker(f"http://127.0.0.1:{router_port}", worker_url, timeout=timeout_s)
 
 
 def stop(proc: subprocess.Popen) -> None:
@@ -65,102 +48,7 @@ def stop(proc: subprocess.Popen) -> None:
         proc.wait(timeout=10)
     except subprocess.TimeoutExpired:
         proc.kill()
-
-
-# ---------------------------------------------------------------- the scripted worker
-def scripted_token(position: int) -> int:
-    """Token at absolute sequence position: a continued request yields the same tokens as an uninterrupted one."""
-    return 3 + position % 50
-
-
-def scripted_log_prob(position: int) -> float:
-    return -0.01 * (position % 10) - 0.01
-
-
-class ScriptedWorker:
-    """SGLang's /generate: max_new_tokens tokens (finish "length"); prompts in `slow_prompts` emit one token and
-    then wait `slow_delay_s` per token; /abort_request {"abort_all": true} ends every in-flight request with "abort"."""
-
-    def __init__(self):
-        self.slow_prompts: set[tuple] = set()
-        self.slow_delay_s = 30.0
-        self.requests: list[dict] = []
-        self.num_abort_calls = 0
-        self._abort_event: asyncio.Event | None = None
-        self.port = find_free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self._loop = asyncio.new_event_loop()
-        started = threading.Event()
-        threading.Thread(target=self._serve, args=(started,), daemon=True).start()
-        assert started.wait(10)
-
-    def _serve(self, started):
-        from aiohttp import web
-
-        asyncio.set_event_loop(self._loop)
-        app = web.Application()
-        app.router.add_post("/generate", self._generate)
-        app.router.add_post("/abort_request", self._abort)
-        app.router.add_route("GET", "/{tail:.*}", self._info)
-        runner = web.AppRunner(app)
-        self._loop.run_until_complete(runner.setup())
-        self._loop.run_until_complete(web.TCPSite(runner, "127.0.0.1", self.port).start())
-        self._abort_event = asyncio.Event()
-        started.set()
-        self._loop.run_forever()
-
-    async def _info(self, request):
-        from aiohttp import web
-
-        return web.json_response({"model_path": "scripted", "is_generation": True, "status": "ok"})
-
-    async def _abort(self, request):
-        from aiohttp import web
-
-        assert (await request.json()) == {"abort_all": True}
-        self.num_abort_calls += 1
-        self._abort_event.set()
-        self._abort_event = asyncio.Event()
-        return web.json_response({})
-
-    async def _generate(self, request):
-        from aiohttp import web
-
-        body = await request.json()
-        self.requests.append(body)
-        input_ids = body["input_ids"]
-        abort_event = self._abort_event
-        slow = tuple(input_ids[: self._prompt_len(input_ids)]) in self.slow_prompts
-        output, finish = [], "length"
-        for k in range(body["sampling_params"]["max_new_tokens"]):
-            if abort_event.is_set():
-                finish = "abort"
-                break
-            output.append(len(input_ids) + k)
-            if slow:
-                try:
-                    await asyncio.wait_for(abort_event.wait(), self.slow_delay_s)
-                except asyncio.TimeoutError:
-                    pass
-        tokens = [scripted_token(p) for p in output]
-        return web.json_response({
-            "text": "".join(f"<{t}>" for t in tokens),
-            "output_ids": tokens,
-            "meta_info": {
-                "finish_reason": {"type": finish},
-                "output_token_logprobs": [[scripted_log_prob(p), scripted_token(p), None] for p in output],
-                "weight_version": "7",
-                "prompt_tokens": len(input_ids),
-                "cached_tokens": 1,
-                "completion_tokens": len(tokens),
-            },
-        })
-
-    def _prompt_len(self, input_ids):
-        for prompt in self.slow_prompts:
-            if tuple(input_ids[: len(prompt)]) == prompt:
-                return len(prompt)
-        return len(input_ids)
+        proc.wait()
 
 
 # ---------------------------------------------------------------- test hooks (loaded by dotted path)
@@ -184,53 +72,67 @@ def keep_odd_groups(args, group):
 
 
 async def generate_with_tool_output(args, sample, sampling_params):
-    sample = await generate(args, sample, sampling_params)
+    sample = await generate(args, sample, {**sampling_params, "ignore_eos": True})
     sample.append_response_tokens([11, 12], trainable=False, text="<tool>")
     return sample
 
 
+async def short_first_group(args, sample, sampling_params):
+    """Every response runs to max_new_tokens (ignore_eos); group 0 asks for 2 tokens, and only once the engine is
+    running the other groups' 4 requests, so it finishes while those are still generating."""
+    sampling_params = {**sampling_params, "ignore_eos": True}
+    if sample.group_index == 0:
+        sampling_params["max_new_tokens"] = 2
+        await wait_for_engine_requests(args.engine_url, 4)
+    return await generate(args, sample, sampling_params)
+
+
+async def wait_for_engine_requests(engine_url, num_requests, timeout_s=60.0):
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    async with httpx.AsyncClient(trust_env=False) as client:
+        while True:
+            info = (await client.get(engine_url + "/get_server_info", timeout=10)).json()
+            if info["internal_states"][0]["num_in_flight_requests"] >= num_requests:
+                return
+            assert loop.time() < deadline, f"the engine never had {num_requests} requests in flight"
+            await asyncio.sleep(0.01)
+
+
 # ---------------------------------------------------------------- fixtures
 @pytest.fixture(scope="module")
-def tokenizer_dir(tmp_path_factory):
-    from slime.utils.tiny_model import build_tokenizer
+def stack(tmp_path_factory):
+    """The built-in engine server (CPU, tiny Qwen3) registered with a round-robin sglang-router."""
+    from slime.utils.tiny_model import build_tiny_model
 
-    out = tmp_path_factory.mktemp("rollout_tok")
-    build_tokenizer(out)
-    return str(out)
-
-
-@pytest.fixture(scope="module")
-def worker():
-    return ScriptedWorker()
-
-
-@pytest.fixture(scope="module")
-def router_port(worker):
-    port = find_free_port()
-    proc = launch_router(port)
+    root = tmp_path_factory.mktemp("rollout_stack")
+    model_dir = str(build_tiny_model(root / "tiny", arch="qwen3"))
+    server = launch_server(model_dir, extra_args=["--device", "cpu"], log_path=root / "engine.log",
+                           env={"OMP_NUM_THREADS": "1"})
+    router = None
     try:
-        register_worker(port, worker.url)
-        yield port
+        router = RouterProcess(policy="round_robin")
+        router_register_worker(router.url, server.url)
+        yield SimpleNamespace(model_dir=model_dir, server=server, router=router)
     finally:
-        stop(proc)
+        if router is not None:
+            router.shutdown()
+        server.stop()
 
 
 @pytest.fixture
-def make_args(tmp_path, tokenizer_dir, router_port, worker):
-    worker.requests.clear()
-    worker.slow_prompts.clear()
-
+def make_args(tmp_path, stack):
     def make(prompts, **overrides):
         path = tmp_path / "prompts.jsonl"
         path.write_text("".join(json.dumps({"input": p, "label": "1"}) + "\n" for p in prompts))
         args = SimpleNamespace(
             prompt_data=str(path), input_key="input", label_key="label", metadata_key="metadata", tool_key="tools",
-            apply_chat_template=False, rollout_max_prompt_len=None, hf_checkpoint=tokenizer_dir,
+            apply_chat_template=False, rollout_max_prompt_len=None, hf_checkpoint=stack.model_dir,
             n_samples_per_prompt=2, rollout_shuffle=False, rollout_seed=42, buffer_filter_path=None,
-            rollout_batch_size=2, over_sampling_batch_size=None, rollout_temperature=1.0, rollout_top_p=1.0,
+            rollout_batch_size=2, over_sampling_batch_size=None, rollout_temperature=0.0, rollout_top_p=1.0,
             rollout_top_k=-1, rollout_max_response_len=MAX_RESPONSE_LEN, rollout_stop=None,
-            rollout_stop_token_ids=None, rollout_skip_special_tokens=False, sglang_router_ip="127.0.0.1",
-            sglang_router_port=router_port, sglang_server_concurrency=8, rollout_num_engines=1,
+            rollout_stop_token_ids=None, rollout_skip_special_tokens=False, sglang_router_ip=stack.router.host,
+            sglang_router_port=stack.router.port, sglang_server_concurrency=8, rollout_num_engines=1,
             custom_rm_path=f"{__name__}.reward_by_index", rm_type=None, group_rm=False, reward_key=None,
             dynamic_sampling_filter_path=None, partial_rollout=False, mask_offpolicy_in_partial_rollout=False,
             custom_generate_function_path=None,
@@ -241,45 +143,101 @@ def make_args(tmp_path, tokenizer_dir, router_port, worker):
     return make
 
 
-def prompt_ids(tokenizer_dir, text):
-    return load_tokenizer(tokenizer_dir)(text, add_special_tokens=False)["input_ids"]
+@pytest.fixture
+def abort_calls(monkeypatch):
+    """Counts the rollout's abort-everything calls; each call still goes to the router and the engine."""
+    calls = []
+    real = sglang_rollout.abort_all_requests
+
+    async def counting(base_url):
+        calls.append(base_url)
+        return await real(base_url)
+
+    monkeypatch.setattr(sglang_rollout, "abort_all_requests", counting)
+    return calls
+
+
+def prompt_ids(model_dir, text):
+    return load_tokenizer(model_dir)(text, add_special_tokens=False)["input_ids"]
+
+
+def engine_generate(stack, input_ids, sampling_params) -> dict:
+    """The engine's own answer, bypassing the rollout and the router."""
+    response = httpx.post(stack.server.url + "/generate", timeout=120, trust_env=False, json={
+        "input_ids": input_ids, "sampling_params": sampling_params, "return_logprob": True,
+    })
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def engine_weight_version(stack) -> str:
+    return httpx.get(stack.server.url + "/get_model_info", timeout=10, trust_env=False).json()["weight_version"]
+
+
+def expected_status(finish_reason: dict) -> Sample.Status:
+    return {"length": Sample.Status.TRUNCATED, "stop": Sample.Status.COMPLETED}[finish_reason["type"]]
+
+
+@functools.lru_cache(maxsize=1)
+def reference_model(model_dir):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+
+def reference_log_probs(model_dir, tokens, response_length, temperature):
+    """Hugging Face log-softmax(logits / temperature) at each response token."""
+    import torch
+
+    with torch.no_grad():
+        logits = reference_model(model_dir)(torch.tensor([tokens])).logits[0].float()
+    log_probs = torch.log_softmax(logits / temperature, dim=-1)
+    return [log_probs[p - 1, tokens[p]].item() for p in range(len(tokens) - response_length, len(tokens))]
 
 
 # ---------------------------------------------------------------- tests
-def test_samples_are_filled_from_the_engine_answer(make_args, tokenizer_dir, worker):
-    args = make_args(["1 + 1", "2 + 2", "3 + 3"])
-    groups = generate_rollout(args, 0, RolloutDataSourceWithBuffer(args))
-    assert [[s.index for s in g] for g in groups] == [[0, 1], [2, 3]]
-    for group in groups:
-        for sample in group:
-            ids = prompt_ids(tokenizer_dir, sample.prompt)
-            positions = range(len(ids), len(ids) + MAX_RESPONSE_LEN)
-            assert sample.tokens == ids + [scripted_token(p) for p in positions]
-            assert sample.response_length == MAX_RESPONSE_LEN == len(sample.loss_mask) == len(sample.rollout_log_probs)
-            assert sample.rollout_log_probs == pytest.approx([scripted_log_prob(p) for p in positions])
-            assert sample.loss_mask == [1] * MAX_RESPONSE_LEN
-            assert sample.status == Sample.Status.TRUNCATED and sample.weight_versions == ["7"]
-            assert sample.reward == float(sample.index % 2) if sample.group_index % 2 else 1.0
-            assert sample.response.startswith("<")
-    sent = worker.requests[0]
-    assert sent["return_logprob"] is True
-    assert sent["sampling_params"] == {
-        "temperature": 1.0, "top_p": 1.0, "top_k": -1, "max_new_tokens": MAX_RESPONSE_LEN,
+def test_samples_are_filled_from_the_engine_answer(make_args, stack):
+    args = make_args(["1 + 1", LONG_PROMPT, "3 + 3"])
+    sampling_params = build_sampling_params(args)
+    assert sampling_params == {  # what every /generate of this rollout carries (max_new_tokens reduced when resuming)
+        "temperature": 0.0, "top_p": 1.0, "top_k": -1, "max_new_tokens": MAX_RESPONSE_LEN,
         "skip_special_tokens": False, "no_stop_trim": True,
     }
-    metrics = get_last_rollout_metrics()
-    assert metrics["rollout/num_groups_fetched"] == 2 and metrics["rollout/num_groups_aborted"] == 0
-    assert metrics["rollout/prefix_cache_hit_rate"] == pytest.approx(
-        4 / sum(len(prompt_ids(tokenizer_dir, p)) for p in ["1 + 1", "1 + 1", "2 + 2", "2 + 2"])
-    )
+    version = engine_weight_version(stack)
+    for attempt in range(2):  # the second rollout re-sends the same prompts: the engine's prefix cache hits
+        groups = generate_rollout(args, 0, RolloutDataSourceWithBuffer(args))
+        assert [[s.index for s in g] for g in groups] == [[0, 1], [2, 3]]
+        for sample in (s for g in groups for s in g):
+            ids = prompt_ids(stack.model_dir, sample.prompt)
+            answer = engine_generate(stack, ids, sampling_params)
+            meta = answer["meta_info"]
+            assert sample.tokens == ids + answer["output_ids"]
+            assert sample.response_length == len(answer["output_ids"]) == len(sample.loss_mask)
+            assert len(sample.rollout_log_probs) == sample.response_length
+            assert 1 <= sample.response_length <= MAX_RESPONSE_LEN
+            assert sample.rollout_log_probs == pytest.approx([lp for lp, _, _ in meta["output_token_logprobs"]],
+                                                             abs=1e-5)
+            assert sample.loss_mask == [1] * sample.response_length
+            assert sample.status == expected_status(meta["finish_reason"])
+            assert sample.weight_versions == [version] == [meta["weight_version"]]
+            assert sample.response == answer["text"]
+            assert sample.reward == (float(sample.index % 2) if sample.group_index % 2 else 1.0)
+            assert sample.prefix_cache_info["prompt_tokens"] == len(ids)
+            assert 0 <= sample.prefix_cache_info["cached_tokens"] < len(ids)
+        metrics = get_last_rollout_metrics()
+        assert metrics["rollout/num_groups_fetched"] == 2 and metrics["rollout/num_groups_aborted"] == 0
+        samples = [s for g in groups for s in g]
+        assert metrics["rollout/prefix_cache_hit_rate"] == pytest.approx(
+            sum(s.prefix_cache_info["cached_tokens"] for s in samples)
+            / sum(len(prompt_ids(stack.model_dir, s.prompt)) for s in samples)
+        )
+    assert metrics["rollout/prefix_cache_hit_rate"] > 0  # LONG_PROMPT's full blocks were cached by the first rollout
 
 
-@pytest.mark.parametrize(
-    "filter_path",
-    [f"{__name__}.keep_odd_groups", "slime.rollout.filter_hub.dynamic_sampling_filters.check_reward_nonzero_std"],
-)
-def test_dynamic_filter_drops_and_over_samples(make_args, filter_path):
-    args = make_args([f"{i} + 1" for i in range(8)], dynamic_sampling_filter_path=filter_path)
+def test_dynamic_filter_drops_and_over_samples(make_args):
+    # check_reward_nonzero_std (a DynamicFilterOutput) is covered in test_rollout_engine; this is a bool filter.
+    args = make_args([f"{i} + 1" for i in range(8)], dynamic_sampling_filter_path=f"{__name__}.keep_odd_groups")
     groups = generate_rollout(args, 0, RolloutDataSourceWithBuffer(args))
     assert [g[0].group_index for g in groups] == [1, 3]
     assert all(sorted(s.reward for s in g) == [0.0, 1.0] for g in groups)
@@ -287,7 +245,8 @@ def test_dynamic_filter_drops_and_over_samples(make_args, filter_path):
     assert metrics["rollout/num_groups_fetched"] == 4  # two waves of over-sampling
     assert metrics["rollout/dynamic_filter/num_dropped"] >= 1
     drop_keys = [k for k in metrics if k.startswith("rollout/dynamic_filter/drop_")]
-    assert drop_keys and sum(metrics[k] for k in drop_keys) == metrics["rollout/dynamic_filter/num_dropped"]
+    assert drop_keys == ["rollout/dynamic_filter/drop_filtered"]
+    assert metrics["rollout/dynamic_filter/drop_filtered"] == metrics["rollout/dynamic_filter/num_dropped"]
 
 
 def test_keep_when_insufficient_keeps_a_dropped_group_without_spares(make_args):
@@ -302,22 +261,33 @@ def test_keep_when_insufficient_keeps_a_dropped_group_without_spares(make_args):
     args.over_sampling_batch_size = 4  # spares in flight: the zero-std groups are dropped after all
     groups = generate_rollout(args, 0, RolloutDataSourceWithBuffer(args))
     assert [g[0].group_index for g in groups] == [1, 3]
-    assert get_last_rollout_metrics()["rollout/dynamic_filter/num_kept_when_insufficient"] == 0
+    metrics = get_last_rollout_metrics()
+    assert metrics["rollout/dynamic_filter/num_kept_when_insufficient"] == 0
+    assert metrics["rollout/dynamic_filter/num_dropped"] >= 1
 
 
 @pytest.mark.parametrize("partial", [True, False])
-def test_abort_returns_partial_groups_and_continues_them(make_args, tokenizer_dir, worker, partial):
+def test_abort_returns_partial_groups_and_continues_them(make_args, stack, abort_calls, partial):
     prompts = ["9 + 9", "slow 1", "slow 2"]
     args = make_args(
         prompts, rollout_batch_size=1, over_sampling_batch_size=3, partial_rollout=partial,
-        mask_offpolicy_in_partial_rollout=True,
+        mask_offpolicy_in_partial_rollout=True, rollout_max_response_len=LONG_RESPONSE_LEN,
+        custom_generate_function_path=f"{__name__}.short_first_group", engine_url=stack.server.url,
     )
-    worker.slow_prompts = {tuple(prompt_ids(tokenizer_dir, p)) for p in prompts[1:]}
+    # What each "slow" prompt yields uninterrupted: greedy, so an interrupted-then-continued response must equal it.
+    uninterrupted = {}
+    for prompt in prompts[1:]:
+        ids = prompt_ids(stack.model_dir, prompt)
+        answer = engine_generate(stack, ids, {**build_sampling_params(args), "ignore_eos": True})
+        assert len(answer["output_ids"]) == LONG_RESPONSE_LEN
+        log_probs = [lp for lp, _, _ in answer["meta_info"]["output_token_logprobs"]]
+        uninterrupted[prompt] = (ids + answer["output_ids"], log_probs)
+
     source = RolloutDataSourceWithBuffer(args)
-    num_aborts_before = worker.num_abort_calls
     groups = generate_rollout(args, 5, source)
     assert [g[0].prompt for g in groups] == ["9 + 9"]
-    assert worker.num_abort_calls == num_aborts_before + 1
+    assert all(s.response_length == 2 and s.status == Sample.Status.TRUNCATED for s in groups[0])
+    assert abort_calls == [stack.router.url]
     metrics = get_last_rollout_metrics()
     assert metrics["rollout/num_groups_aborted"] == 2
     if not partial:
@@ -326,35 +296,49 @@ def test_abort_returns_partial_groups_and_continues_them(make_args, tokenizer_di
     assert metrics["rollout/num_groups_returned_to_buffer"] == 2
     buffered = [s for g in source.buffer for s in g]
     assert [s.prompt for s in buffered] == ["slow 1", "slow 1", "slow 2", "slow 2"]
+    assert all(s.response_length >= 2 for s in buffered)  # generating alongside group 0's 2 tokens, then aborted
+    old = {}
     for sample in buffered:
-        assert sample.status == Sample.Status.ABORTED and sample.reward is None
-        assert sample.response_length == 1 and sample.metadata["start_rollout_id"] == 5
+        full_tokens, full_log_probs = uninterrupted[sample.prompt]
+        assert sample.status == Sample.Status.ABORTED and sample.reward is None  # the engine ended it: "abort"
+        assert 0 <= sample.response_length < LONG_RESPONSE_LEN and sample.metadata["start_rollout_id"] == 5
+        assert len(sample.loss_mask) == len(sample.rollout_log_probs) == sample.response_length
+        assert sample.tokens == full_tokens[: len(sample.tokens)]  # the partial response is the greedy prefix
+        assert sample.rollout_log_probs == pytest.approx(full_log_probs[: sample.response_length], abs=1e-4)
+        old[sample.index] = (list(sample.tokens), sample.response_length, list(sample.rollout_log_probs))
 
     # next rollout: the buffered groups come first and are continued where they stopped
-    worker.slow_prompts = set()
-    worker.requests.clear()
     args.rollout_batch_size, args.over_sampling_batch_size = 2, 2
     groups = generate_rollout(args, 6, source)
     assert [g[0].prompt for g in groups] == ["slow 1", "slow 2"] and source.buffer == []
-    assert sorted(r["sampling_params"]["max_new_tokens"] for r in worker.requests) == [MAX_RESPONSE_LEN - 1] * 4
+    assert get_last_rollout_metrics()["rollout/num_groups_fetched"] == 2
     for sample in (s for g in groups for s in g):
-        ids = prompt_ids(tokenizer_dir, sample.prompt)
-        positions = range(len(ids), len(ids) + MAX_RESPONSE_LEN)
-        assert sample.tokens == ids + [scripted_token(p) for p in positions]
-        assert sample.loss_mask == [0] + [1] * (MAX_RESPONSE_LEN - 1)  # the off-policy prefix is masked
-        assert sample.rollout_log_probs == pytest.approx([scripted_log_prob(p) for p in positions])
-        assert sample.status == Sample.Status.TRUNCATED and sample.reward is not None
-        assert sample.metadata["start_rollout_id"] == 5
+        old_tokens, old_length, old_log_probs = old[sample.index]
+        full_tokens, full_log_probs = uninterrupted[sample.prompt]
+        assert sample.tokens[: len(old_tokens)] == old_tokens  # continued, not regenerated
+        # ignore_eos: the response ends at max_new_tokens, so the resumed request asked for LONG - old_length
+        assert sample.response_length == LONG_RESPONSE_LEN and sample.status == Sample.Status.TRUNCATED
+        assert sample.tokens == full_tokens  # the same tokens as an uninterrupted generation
+        assert sample.loss_mask == [0] * old_length + [1] * (LONG_RESPONSE_LEN - old_length)  # off-policy prefix
+        assert sample.rollout_log_probs[:old_length] == old_log_probs
+        assert sample.rollout_log_probs == pytest.approx(full_log_probs, abs=1e-4)
+        assert sample.reward is not None and sample.metadata["start_rollout_id"] == 5
 
 
-def test_custom_generate_hook(make_args):
+def test_custom_generate_hook(make_args, stack):
     args = make_args(["1 + 2"], rollout_batch_size=1,
                      custom_generate_function_path=f"{__name__}.generate_with_tool_output")
     (group,) = generate_rollout(args, 0, RolloutDataSourceWithBuffer(args))
+    ids = prompt_ids(stack.model_dir, "1 + 2")
+    answer = engine_generate(stack, ids, {**build_sampling_params(args), "ignore_eos": True})
     for sample in group:
         assert sample.response_length == MAX_RESPONSE_LEN + 2
         assert sample.loss_mask == [1] * MAX_RESPONSE_LEN + [0, 0]
+        assert sample.tokens == ids + answer["output_ids"] + [11, 12]
         assert sample.rollout_log_probs[-2:] == [0.0, 0.0] and sample.tokens[-2:] == [11, 12]
+        assert sample.rollout_log_probs[:-2] == pytest.approx(
+            [lp for lp, _, _ in answer["meta_info"]["output_token_logprobs"]], abs=1e-5)
+        assert sample.response.endswith("<tool>")
 
 
 def test_group_rm_and_reward_failures(make_args):
@@ -388,21 +372,34 @@ def test_unreachable_router_gives_a_clear_error(make_args, monkeypatch):
         generate_rollout(args, 0, RolloutDataSourceWithBuffer(args))
 
 
-def test_eval_uses_eval_params_and_returns_per_dataset_results(make_args, tmp_path, worker):
+def test_eval_uses_eval_params_and_returns_per_dataset_results(make_args, tmp_path, stack):
     first, second = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
     first.write_text(json.dumps({"input": "1 + 1"}) + "\n")
     second.write_text("".join(json.dumps({"input": f"{i} + 2"}) + "\n" for i in range(2)))
     args = make_args(
-        ["unused"], eval_prompt_data=["a", str(first), "b", str(second)], n_samples_per_eval_prompt=3,
-        eval_temperature=0.5, eval_max_response_len=2, eval_top_p=None, eval_top_k=None,
+        ["unused"], rollout_temperature=1.0, eval_prompt_data=["a", str(first), "b", str(second)],
+        n_samples_per_eval_prompt=3, eval_temperature=0.5, eval_max_response_len=2, eval_top_p=None, eval_top_k=None,
     )
+    assert build_sampling_params(args, evaluation=True)["temperature"] == 0.5
     results = generate_rollout(args, 0, None, evaluation=True)
     assert sorted(results) == ["a", "b"]
     assert len(results["a"]["rewards"]) == 3 and len(results["b"]["samples"]) == 6
     assert [s.group_index for s in results["b"]["samples"]] == [0, 0, 0, 1, 1, 1]
-    assert results["b"]["truncated"] == [True] * 6
-    assert all(s.response_length == 2 for s in results["b"]["samples"])
-    assert {r["sampling_params"]["temperature"] for r in worker.requests} == {0.5}
+    eos = load_tokenizer(stack.model_dir).convert_tokens_to_ids("<|im_end|>")
+    for name in ("a", "b"):
+        samples = results[name]["samples"]
+        assert results[name]["truncated"] == [s.status == Sample.Status.TRUNCATED for s in samples]
+        for sample in samples:
+            assert 1 <= sample.response_length <= 2  # eval_max_response_len, not the rollout's
+            if sample.status == Sample.Status.TRUNCATED:
+                assert sample.response_length == 2
+            else:
+                assert sample.status == Sample.Status.COMPLETED and sample.tokens[-1] == eos
+            # the engine's log-probs are log_softmax(logits / 0.5): eval_temperature reached the engine
+            at_eval = reference_log_probs(stack.model_dir, sample.tokens, sample.response_length, 0.5)
+            at_rollout = reference_log_probs(stack.model_dir, sample.tokens, sample.response_length, 1.0)
+            assert sample.rollout_log_probs == pytest.approx(at_eval, abs=2e-3)
+            assert max(abs(a - b) for a, b in zip(at_eval, at_rollout)) > 1e-2
     assert results["b"]["rewards"] == [1.0, 1.0, 1.0, 1.0, 0.0, 1.0]  # reward_by_index on eval indices
 
 

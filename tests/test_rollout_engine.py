@@ -2,7 +2,7 @@
 
 Args come from the real `parse_args`, so the flag names the rollout reads are checked too. The rollout log-probs
 are recomputed independently with the Hugging Face model (log-softmax of logits / temperature at each sampled
-token). Deterministic group-level timing cases (exact abort points) live in test_rollout.py's scripted worker.
+token). Group-level abort and continuation cases live in test_rollout.py.
 """
 
 import functools

@@ -22,6 +22,7 @@ from slime.ray.router import RouterProcess, list_workers, register_worker
 from slime.ray.train_data import rollout_metrics, samples_to_train_data, split_train_data
 from slime.rollout.data_source import create_data_source
 from slime.rollout.eval import compute_pass_at_k
+from slime.rollout.rm_hub.math_verify_pool import shutdown_pool as shutdown_reward_workers
 from slime.utils.misc import load_function
 from slime.utils.types import Sample
 
@@ -186,6 +187,7 @@ class RolloutManager:
         self.data_source.load_state_dict(state)
 
     def dispose(self) -> None:
+        shutdown_reward_workers()
         if self.engines:
             ray.get([engine.shutdown.remote() for engine in self.engines])
         if self.router is not None:

@@ -22,6 +22,7 @@ import uuid
 
 from slime.rollout.dataset import prompt_token_ids, tokenizer_for
 from slime.rollout.http_client import abort_all_requests, request_json, router_url, run
+from slime.rollout.rm_hub import async_rm, batched_async_rm
 from slime.utils.misc import load_function
 from slime.utils.types import Sample
 
@@ -133,8 +134,6 @@ def _is_scorable(samples: list[Sample]) -> bool:
 
 async def _score(args, samples: list[Sample], state: GenerateState, batched: bool) -> None:
     """Fill missing rewards via rm_hub; a sample whose reward function failed counts in state.num_reward_failures."""
-    from slime.rollout.rm_hub import async_rm, batched_async_rm
-
     todo = [s for s in samples if s.reward is None]
     if not todo:
         return
