@@ -39,8 +39,9 @@ def eval_series(metrics_path: Path, key: str) -> list[tuple[int, float]]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out-dir", default=None)
-    parser.add_argument("--sft-rollouts", type=int, default=12)
-    parser.add_argument("--num-rollout", type=int, default=12, help="GRPO rollouts")
+    parser.add_argument("--sft-rollouts", type=int, default=35, help="SFT rollouts (3 optimizer steps each)")
+    parser.add_argument("--num-rollout", type=int, default=40, help="GRPO rollouts")
+    parser.add_argument("--grpo-lr", type=float, default=5e-4)
     parser.add_argument("--seed", type=int, default=1)
     opts = parser.parse_args()
 
@@ -51,8 +52,8 @@ def main() -> None:
     run_train(common + [
         "--hf-checkpoint", str(paths["model"]), "--prompt-data", str(paths["sft"]), "--input-key", "messages",
         "--rollout-function-path", "slime.rollout.sft_rollout.generate_rollout", "--loss-type", "sft_loss",
-        "--debug-train-only", "--rollout-batch-size", "32", "--rollout-shuffle",
-        "--num-rollout", str(opts.sft_rollouts), "--lr", "3e-3", "--lr-warmup-iters", "2",
+        "--debug-train-only", "--rollout-batch-size", "96", "--global-batch-size", "32", "--rollout-shuffle",
+        "--num-rollout", str(opts.sft_rollouts), "--lr", "3e-3", "--lr-warmup-iters", "20",
         "--save", str(run_dir / "sft"), "--output-dir", str(run_dir / "sft_run"), "--no-progress",
     ], "SFT", run_dir)
     sft_model = latest_checkpoint(run_dir / "sft")
@@ -61,10 +62,10 @@ def main() -> None:
     run_train(common + [
         "--hf-checkpoint", str(sft_model), "--prompt-data", str(paths["train"]), "--input-key", "prompt",
         "--label-key", "label", "--apply-chat-template", "--rollout-shuffle", "--rm-type", "math",
-        "--rollout-batch-size", "16", "--n-samples-per-prompt", "8", "--num-rollout", str(opts.num_rollout),
+        "--rollout-batch-size", "32", "--n-samples-per-prompt", "8", "--num-rollout", str(opts.num_rollout),
         "--rollout-max-response-len", "12", "--rollout-temperature", "1.0", "--global-batch-size", "64",
-        "--lr", "1e-3", "--eval-prompt-data", "arith", str(paths["eval"]), "--eval-interval", str(opts.num_rollout),
-        "--n-samples-per-eval-prompt", "4", "--eval-max-response-len", "12",
+        "--lr", str(opts.grpo_lr), "--eval-prompt-data", "arith", str(paths["eval"]),
+        "--eval-interval", "10", "--n-samples-per-eval-prompt", "8", "--eval-max-response-len", "12",
         "--use-tensorboard", "--output-dir", str(grpo_dir), "--save", str(run_dir / "grpo"),
     ], "GRPO", run_dir)
 

@@ -1,4 +1,4 @@
-"""The quickstart's task, built locally: single-digit arithmetic with `\\boxed{}` answers, a BPE tokenizer trained
+"""The quickstart's task, built locally: single-digit addition with `\\boxed{}` answers, a BPE tokenizer trained
 on it, and a tiny random-init Qwen3 model. Nothing is downloaded.
 
 Files written under `out_dir`: model/ (HF checkpoint), sft.jsonl (chat messages with the answer), train.jsonl and
@@ -18,20 +18,21 @@ MODEL_SHAPE = dict(hidden_size=128, intermediate_size=384, num_hidden_layers=4, 
                    num_key_value_heads=2, head_dim=32, max_position_embeddings=256)
 
 
-def problem(a: int, b: int, op: str) -> tuple[str, str]:
-    value = {"+": a + b, "-": a - b, "*": a * b}[op]
-    return f"What is {a} {op} {b}? {INSTRUCTION}", str(value)
+def problem(a: int, b: int) -> tuple[str, str]:
+    return f"What is {a} + {b}? {INSTRUCTION}", str(a + b)
 
 
 def all_problems() -> list[tuple[str, str]]:
-    return [problem(a, b, op) for op in "+-*" for a in range(10) for b in range(10)]
+    """All 100 single-digit sums. A tiny model generalises addition to unseen pairs within a few hundred steps,
+    so held-out accuracy measures learning, not memorisation."""
+    return [problem(a, b) for a in range(10) for b in range(10)]
 
 
 def write_jsonl(path: Path, rows: list[dict]) -> None:
     path.write_text("".join(json.dumps(row) + "\n" for row in rows))
 
 
-def build_task(out_dir: str | Path, seed: int = 0, num_eval: int = 60) -> dict[str, Path]:
+def build_task(out_dir: str | Path, seed: int = 0, num_eval: int = 20) -> dict[str, Path]:
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     problems = all_problems()
