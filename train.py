@@ -16,7 +16,7 @@ import time
 import ray
 from tqdm import tqdm
 
-from slime.ray.actor_group import RayTrainGroup
+from slime.ray.actor_group import RayTrainGroup, train_with_critic
 from slime.ray.placement_group import create_placement_groups, init_ray
 from slime.ray.rollout import RolloutManager
 from slime.utils.arguments import parse_args
@@ -90,10 +90,7 @@ def train(args) -> str:
 
         train_start = time.perf_counter()
         if critic is not None:
-            critic_refs = critic.async_train(rollout_id, data_refs)
-            if rollout_id >= args.num_critic_only_steps:
-                metrics.update(actor.train(rollout_id, data_refs))
-            metrics.update(ray.get(critic_refs)[0])
+            metrics.update(train_with_critic(args, actor, critic, rollout_id, data_refs))
         else:
             metrics.update(actor.train(rollout_id, data_refs))
         metrics["perf/train_time"] = time.perf_counter() - train_start
@@ -101,6 +98,8 @@ def train(args) -> str:
         if should_save(args, rollout_id, num_rollout):
             run_state = {"data_source": ray.get(rollout_manager.data_source_state.remote(rollout_id + 1))}
             actor.save_model(rollout_id, run_state)
+            if critic is not None:
+                critic.save_model(rollout_id)
         metrics.update(update_weights(args, actor, rollout_manager, engine_urls, rollout_id))
 
         if args.eval_interval and (rollout_id + 1) % args.eval_interval == 0:

@@ -13,6 +13,7 @@ import time
 import ray
 from tqdm import tqdm
 
+from slime.ray.actor_group import train_with_critic
 from slime.ray.placement_group import create_placement_groups, init_ray
 from slime.utils.arguments import parse_args
 from slime.utils.checkpoint_state import should_save
@@ -47,16 +48,15 @@ def train_async(args) -> str:
 
         train_start = time.perf_counter()
         if critic is not None:
-            critic_refs = critic.async_train(rollout_id, data_refs)
-            if rollout_id >= args.num_critic_only_steps:
-                metrics.update(actor.train(rollout_id, data_refs))
-            metrics.update(ray.get(critic_refs)[0])
+            metrics.update(train_with_critic(args, actor, critic, rollout_id, data_refs))
         else:
             metrics.update(actor.train(rollout_id, data_refs))
         metrics["perf/train_time"] = time.perf_counter() - train_start
 
         if should_save(args, rollout_id, num_rollout):
             actor.save_model(rollout_id, {"data_source": ray.get(rollout_manager.data_source_state.remote(rollout_id + 1))})
+            if critic is not None:
+                critic.save_model(rollout_id)
         if (rollout_id + 1) % args.update_weights_interval == 0:
             if in_flight is not None:
                 ray.wait([in_flight])  # never swap weights under a running generation

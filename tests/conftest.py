@@ -26,3 +26,23 @@ def tiny_qwen3(tmp_path_factory):
     from slime.utils.tiny_model import build_tiny_model
 
     return build_tiny_model(tmp_path_factory.mktemp("tiny_qwen3"), arch="qwen3")
+
+
+@pytest.fixture(scope="module")
+def server(tiny_qwen3, tmp_path_factory, request):
+    """A real engine server subprocess on the tiny checkpoint, one per test module (extra flags: the module's
+    SERVER_ARGS)."""
+    from slime.engine.http_launch import launch_server
+
+    extra_args = getattr(request.module, "SERVER_ARGS", [])
+    process = launch_server(tiny_qwen3, extra_args=extra_args, log_path=tmp_path_factory.mktemp("log") / "server.log")
+    yield process
+    process.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    import httpx
+
+    with httpx.Client(base_url=server.url, timeout=120, trust_env=False) as http:
+        yield http

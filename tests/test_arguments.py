@@ -44,6 +44,17 @@ def test_derived_fields(setup):
     assert args.eps_clip_high == args.eps_clip == 0.2
     assert args.engine_config == {"max_model_len": 2048, "gpu_memory_utilization": 0.5}
     assert args.over_sampling_batch_size == 4 and not args.use_critic
+    assert args.loss_agg_mode == "sample_mean" and args.loss_agg_constant is None
+
+
+def test_algorithm_derived_fields(setup):
+    args = parse_args(base(setup, "--advantage-estimator", "ppo", "--lr", "1e-6", "--loss-agg-mode", "constant",
+                           "--rollout-max-response-len", "64"))
+    assert args.use_critic and args.critic_lr == 1e-6
+    assert args.loss_agg_mode == "constant" and args.loss_agg_constant == 64.0  # Dr.GRPO: the max response length
+    per_token = parse_args(base(setup, "--calculate-per-token-loss"))
+    assert per_token.loss_agg_mode == "token_mean"
+    assert parse_args(base(setup, "--loss-agg-mode", "token_mean")).calculate_per_token_loss
 
 
 def test_megatron_hook_aliases(setup):
@@ -78,6 +89,11 @@ def test_model_preset_matches_config(setup):
     (["--loss-type", "custom_loss"], "--custom-loss-function-path"),
     (["--actor-num-gpus-per-node", "3"], "--global-batch-size"),
     (["--use-tis", "--use-rollout-logprobs"], "--use-tis"),
+    (["--tis-mode", "mask_token"], "--use-tis"),
+    (["--calculate-per-token-loss", "--loss-agg-mode", "constant"], "--calculate-per-token-loss"),
+    (["--loss-agg-constant", "8"], "--loss-agg-mode constant"),
+    (["--loss-agg-mode", "constant", "--loss-agg-constant", "0"], "--loss-agg-constant"),
+    (["--num-critic-only-steps", "-1"], "--num-critic-only-steps"),
 ])
 def test_bad_flags_name_the_flag(setup, extra, message):
     with pytest.raises(ArgumentError, match=message.replace("+", r"\+")):

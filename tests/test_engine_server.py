@@ -10,24 +10,13 @@ import httpx
 import pytest
 import torch
 
-from slime.engine.http_launch import launch_server
+
 
 GREEDY = {"temperature": 0.0, "max_new_tokens": 8}
 LONG = {"temperature": 1.0, "max_new_tokens": 600, "ignore_eos": True}
 
 
-@pytest.fixture(scope="module")
-def server(tiny_qwen3, tmp_path_factory):
-    log = tmp_path_factory.mktemp("server_log") / "server.log"
-    process = launch_server(tiny_qwen3, extra_args=["--max-model-len", "1024"], log_path=log)
-    yield process
-    process.stop()
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    with httpx.Client(base_url=server.url, timeout=60, trust_env=False) as http:
-        yield http
+SERVER_ARGS = ["--max-model-len", "1024"]  # read by the shared `server` fixture (conftest.py)
 
 
 @pytest.fixture(scope="module")

@@ -8,22 +8,9 @@ import time
 import httpx
 import pytest
 
-from slime.engine.http_launch import find_free_port, launch_server
+from slime.engine.http_launch import find_free_port
 
 GREEDY = {"temperature": 0.0, "max_new_tokens": 6}
-
-
-@pytest.fixture(scope="module")
-def server(tiny_qwen3, tmp_path_factory):
-    process = launch_server(tiny_qwen3, log_path=tmp_path_factory.mktemp("log") / "server.log")
-    yield process
-    process.stop()
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    with httpx.Client(base_url=server.url, timeout=60, trust_env=False) as http:
-        yield http
 
 
 @pytest.fixture(scope="module")

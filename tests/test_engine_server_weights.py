@@ -16,7 +16,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from slime.engine.http_launch import find_free_port, launch_server
+from slime.engine.http_launch import find_free_port
 from slime.utils.tiny_model import build_tiny_model
 from slime.utils.weight_transport import (
     broadcast_named_tensors,
@@ -47,19 +47,6 @@ payload = {"serialized_named_tensors": [serialize_named_tensors(list(weights.ite
 response = httpx.post(url + "/update_weights_from_tensor", json=payload, timeout=120, trust_env=False)
 print(json.dumps({"status": response.status_code, "body": response.json()}))
 """
-
-
-@pytest.fixture(scope="module")
-def server(tiny_qwen3, tmp_path_factory):
-    process = launch_server(tiny_qwen3, log_path=tmp_path_factory.mktemp("log") / "server.log")
-    yield process
-    process.stop()
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    with httpx.Client(base_url=server.url, timeout=120, trust_env=False) as http:
-        yield http
 
 
 @pytest.fixture(scope="module")

@@ -50,3 +50,27 @@ def test_gpu_train_offload_onload(tmp_path):
     second = trainer.train(1, data)
     assert second["train/kl_loss"] != 0.0
     assert any(not torch.equal(p.full_tensor(), before[n]) for n, p in trainer.model.named_parameters())
+
+
+def test_gpu_ppo_critic_fits_returns_and_feeds_the_actor(tmp_path):
+    from fsdp_helpers import make_args, make_train_data, make_trainer
+    from test_fsdp_critic import make_critic
+
+    from slime.utils.tiny_model import build_tiny_model
+
+    checkpoint = build_tiny_model(tmp_path / "tiny", arch="qwen3", seed=4)
+    args = make_args(checkpoint, "--advantage-estimator", "ppo", "--lr", "1e-3", "--critic-lr", "2e-3",
+                     "--micro-batch-size", "2", device="cuda")
+    data = make_train_data(8, vocab_size=300, seed=5)
+    critic = make_critic(args)
+    assert critic.device.type == "cuda"
+    values = critic.compute_values(0, data)
+    assert all(v.device.type == "cpu" and v.dtype == torch.float32 for v in values)
+    returns = [torch.full((n,), 0.5) for n in data["response_lengths"]]
+    losses = [critic.train(i, data, critic.compute_values(i, data), returns)["critic/value_loss"] for i in range(8)]
+    assert losses[-1] < 0.5 * losses[0]  # bf16 forward, fp32 master weights: the values move to the targets
+    dist.destroy_process_group()
+    actor = make_trainer(args)
+    metrics = actor.train(0, data, values)
+    assert torch.isfinite(torch.tensor(metrics["train/pg_loss"])) and metrics["train/grad_norm"] > 0
+    assert len(actor.last_returns) == 8

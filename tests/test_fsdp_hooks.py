@@ -78,10 +78,25 @@ def test_on_policy_distillation_pulls_towards_a_confident_teacher(tiny_checkpoin
     assert total_log_prob() > before
 
 
-@pytest.mark.parametrize("flags,message", [
-    (("--keep-old-actor",), "keep-old-actor"),
-    (("--advantage-estimator", "ppo"), "critic"),
-])
-def test_unsupported_options_raise(tiny_checkpoint, flags, message):
-    with pytest.raises(ValueError, match=message):
-        make_trainer(make_args(tiny_checkpoint, *flags))
+def test_keep_old_actor_uses_the_weights_that_generated_each_sample(tiny_checkpoint):
+    data = make_train_data(4, vocab_size=300, seed=9)
+    trainer = make_trainer(make_args(tiny_checkpoint, "--lr", "1e-2", "--keep-old-actor"))
+    schedule = trainer._schedule(data)
+    trainer.update_weights(weight_version="0")  # no engines connected: only the host copy is kept
+    before = trainer.compute_log_probs(schedule)
+    with pytest.raises(ValueError, match="no weight versions"):
+        trainer.train(0, data)
+    trainer.train(0, {**data, "weight_versions": ["0"] * 4})
+    trainer.update_weights(weight_version="1")
+    after = trainer.compute_log_probs(schedule)
+    mixed = trainer._log_probs_of_generating_weights({**data, "weight_versions": ["0", "1", "0", "1"]}, schedule, 4)
+    for i in range(4):
+        torch.testing.assert_close(mixed[i], (before if i % 2 == 0 else after)[i], rtol=0, atol=0)
+        assert not torch.equal(before[i], after[i])
+    current = trainer.compute_log_probs(schedule)  # the actor's own weights are back
+    assert all(torch.equal(current[i], after[i]) for i in range(4))
+    trainer.train(1, {**data, "weight_versions": ["1"] * 4})
+    trainer.update_weights(weight_version="2")  # async: rollout 2's data still comes from version 1
+    with pytest.raises(ValueError, match=r"weight versions \['0'\]"):
+        trainer.train(2, {**data, "weight_versions": ["0"] * 4})
+    assert trainer.train(2, {**data, "weight_versions": ["1"] * 4})["train/ppo_kl"] != 0.0

@@ -16,7 +16,6 @@ from types import SimpleNamespace
 import httpx
 import pytest
 
-import slime.rollout.rm_hub  # noqa: F401  imported up front: its first import (~1 s) would block the rollout loop
 from slime.engine.http_launch import launch_server
 from slime.ray.router import RouterProcess
 from slime.ray.router import register_worker as router_register_worker

@@ -92,7 +92,7 @@ class WeightUpdater:
             {"load_format": (str, None), "weight_version": (str, None), "flush_cache": (bool, True)},
         )
         if body["load_format"] not in (None, "auto", "safetensors"):
-            raise RequestError(f"/update_weights_from_disk field 'load_format' must be null, 'auto' or 'safetensors'")
+            raise RequestError("/update_weights_from_disk field 'load_format' must be null, 'auto' or 'safetensors'")
         engine = self.loop.engine
         try:
             await self.loop.call(engine.update_weights_from_disk, body["model_path"], body["weight_version"])

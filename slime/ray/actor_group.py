@@ -2,7 +2,7 @@
 
 Every call fans out to all ranks (they run collectives together) and returns rank 0's answer; the trainer
 all-reduces its metrics, so rank 0 speaks for the group. The trainer class is imported inside the actor, so the
-driver never imports the training backend.
+driver never imports the training backend. `train_with_critic` is PPO's actor/critic hand-over (spec 3.2e).
 """
 
 from __future__ import annotations
@@ -21,15 +21,27 @@ class TrainRayActor:
             import torch
 
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
-        from slime.backends.fsdp_utils.actor import FSDPTrainer
-
-        self.trainer = FSDPTrainer(args, rank, world_size, master_addr, master_port, role=role)
+        if role == "actor":
+            from slime.backends.fsdp_utils.actor import FSDPTrainer as trainer_cls
+        elif role == "critic":
+            from slime.backends.fsdp_utils.critic import FSDPCritic as trainer_cls
+        else:
+            raise ValueError(f"unknown train group role {role!r}; expected actor or critic")
+        self.trainer = trainer_cls(args, rank, world_size, master_addr, master_port, role=role)
 
     def call(self, method: str, *args, **kwargs):
         return getattr(self.trainer, method)(*args, **kwargs)
 
-    def train(self, rollout_id: int, data: dict):
-        return self.trainer.train(rollout_id, data)
+    def train(self, rollout_id: int, data: dict, *critic_tensors):
+        return self.trainer.train(rollout_id, data, *critic_tensors)
+
+    @ray.method(num_returns=2)
+    def train_for_critic(self, rollout_id: int, data: dict, values: list, train_policy: bool):
+        """PPO actor: GAE from the critic's `values`; trains only if `train_policy`. Returns (metrics, returns)."""
+        if not train_policy:
+            return {}, self.trainer.returns_for_critic(rollout_id, data, values)
+        metrics = self.trainer.train(rollout_id, data, values)
+        return metrics, self.trainer.last_returns
 
 
 class RayTrainGroup:
@@ -72,3 +84,19 @@ class RayTrainGroup:
 
     def onload(self) -> None:
         self._all("onload")
+
+
+def train_with_critic(args, actor: RayTrainGroup, critic: RayTrainGroup, rollout_id: int, data_refs: list) -> dict:
+    """One PPO rollout: the critic's values go to the actor (object refs, rank to rank), which computes GAE
+    advantages and returns and trains once rollout_id >= --num-critic-only-steps; the critic then fits the returns.
+    Returns rank 0's actor and critic metrics."""
+    value_refs = [a.call.remote("compute_values", rollout_id, ref) for a, ref in zip(critic.actors, data_refs)]
+    train_policy = rollout_id >= args.num_critic_only_steps
+    pairs = [a.train_for_critic.remote(rollout_id, ref, values, train_policy)
+             for a, ref, values in zip(actor.actors, data_refs, value_refs)]
+    critic_refs = [c.train.remote(rollout_id, ref, values, returns)
+                   for c, ref, values, (_, returns) in zip(critic.actors, data_refs, value_refs, pairs)]
+    metrics = ray.get(pairs[0][0])
+    ray.get([metric_ref for metric_ref, _ in pairs[1:]])
+    metrics.update(ray.get(critic_refs)[0])
+    return metrics

@@ -53,6 +53,8 @@ def samples_to_train_data(args, samples: list[Sample]) -> dict:
     }
     if samples and all(s.rollout_log_probs is not None for s in samples):
         data["rollout_log_probs"] = [list(s.rollout_log_probs) for s in samples]
+    if samples and all(s.weight_versions for s in samples):
+        data["weight_versions"] = [s.weight_versions[-1] for s in samples]  # the weights that finished it
     if samples and all(s.teacher_log_probs is not None for s in samples):
         data["teacher_log_probs"] = [list(s.teacher_log_probs) for s in samples]
     return data

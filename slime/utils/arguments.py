@@ -188,7 +188,10 @@ def add_algorithm_arguments(parser):
     g.add_argument("--eps-clip", type=float, default=0.2)
     g.add_argument("--eps-clip-high", type=float, default=None)
     g.add_argument("--eps-clip-c", type=float, default=None)
-    g.add_argument("--value-clip", type=float, default=0.2)
+    g.add_argument("--value-clip", type=float, default=0.2, help="ppo critic: clip of V - V_old in the value loss")
+    g.add_argument("--critic-load", default=None,
+                   help="ppo critic: initial weights (HF folder; default --hf-checkpoint), value head starts at 0")
+    g.add_argument("--critic-lr", type=float, default=None, help="ppo critic learning rate (default --lr)")
     g.add_argument("--kl-coef", type=float, default=0.0)
     g.add_argument("--use-kl-loss", action="store_true")
     g.add_argument("--kl-loss-coef", type=float, default=0.0)
@@ -201,11 +204,24 @@ def add_algorithm_arguments(parser):
     g.add_argument("--normalize-advantages", action="store_true")
     g.add_argument("--disable-grpo-std-normalization", action="store_false", dest="grpo_std_normalization")
     g.add_argument("--disable-rewards-normalization", action="store_false", dest="rewards_normalization")
-    g.add_argument("--calculate-per-token-loss", action="store_true")
+    g.add_argument("--calculate-per-token-loss", action="store_true",
+                   help="divide the loss by the global batch's token count (= --loss-agg-mode token_mean)")
+    g.add_argument("--loss-agg-mode", choices=["sample_mean", "token_mean", "constant"], default=None,
+                   help="loss aggregation over the global batch: sample_mean (slime default: mean over samples of "
+                        "per-sample token means), token_mean (same as --calculate-per-token-loss), constant "
+                        "(Dr.GRPO: token sum / (samples x --loss-agg-constant); use with "
+                        "--disable-grpo-std-normalization)")
+    g.add_argument("--loss-agg-constant", type=float, default=None,
+                   help="the Dr.GRPO normaliser per sample for --loss-agg-mode constant "
+                        "(default --rollout-max-response-len)")
     g.add_argument("--use-rollout-logprobs", action="store_true")
     g.add_argument("--use-tis", action="store_true")
     g.add_argument("--tis-clip", type=float, default=2.0)
     g.add_argument("--tis-clip-low", type=float, default=0.0)
+    g.add_argument("--tis-mode", choices=["truncate", "mask_token", "mask_sequence"], default="truncate",
+                   help="--use-tis weights w = exp(old - rollout): truncate (clamp to [--tis-clip-low, --tis-clip]), "
+                        "mask_token (zero tokens outside it), mask_sequence (zero whole sequences with any token "
+                        "outside it)")
     g.add_argument("--get-mismatch-metrics", action="store_true")
     g.add_argument("--num-critic-only-steps", type=int, default=0)
     g.add_argument("--use-opd", action="store_true")

@@ -1,7 +1,7 @@
 """Every rule that ties slime's flags together, and the fields derived from them, in one place.
 
 Each rule raises `ArgumentError` (a ValueError) that names the flag and says how to fix it. Derived fields:
-device, world_size, rollout_num_engines, use_critic, eps_clip_high, global_batch_size / num_steps_per_rollout,
+device, world_size, rollout_num_engines, use_critic, critic_lr, loss_agg_mode, loss_agg_constant, eps_clip_high, global_batch_size / num_steps_per_rollout,
 over_sampling_batch_size, offload_train / offload_rollout, output_dir, eval_datasets.
 """
 
@@ -43,7 +43,7 @@ def _check_paths(args) -> None:
         config = Path(args.hf_checkpoint) / "config.json"
         _require(config.is_file(), f"--hf-checkpoint {args.hf_checkpoint}: no config.json there; "
                                    "point it at a Hugging Face model folder")
-    for flag in ("ref_load", "opd_teacher_load"):
+    for flag in ("ref_load", "opd_teacher_load", "critic_load"):
         path = getattr(args, flag)
         if path is not None:
             _require((Path(path) / "config.json").is_file(),
@@ -169,6 +169,21 @@ def _resolve_algorithm(args) -> None:
     if args.n_samples_per_prompt == 1:
         args.grpo_std_normalization = False
     args.use_critic = args.advantage_estimator == "ppo"
+    _require(args.use_critic or args.critic_load is None, "--critic-load is only used with --advantage-estimator ppo")
+    _require(args.num_critic_only_steps >= 0, "--num-critic-only-steps must be >= 0")
+    if args.critic_lr is None:
+        args.critic_lr = args.lr
+    if args.loss_agg_mode is None:
+        args.loss_agg_mode = "token_mean" if args.calculate_per_token_loss else "sample_mean"
+    _require(not args.calculate_per_token_loss or args.loss_agg_mode == "token_mean",
+             f"--calculate-per-token-loss contradicts --loss-agg-mode {args.loss_agg_mode}; pass only one")
+    args.calculate_per_token_loss = args.loss_agg_mode == "token_mean"
+    if args.loss_agg_mode == "constant" and args.loss_agg_constant is None:
+        args.loss_agg_constant = float(args.rollout_max_response_len)
+    _require(args.loss_agg_constant is None or args.loss_agg_mode == "constant",
+             "--loss-agg-constant is only used with --loss-agg-mode constant")
+    _require(args.loss_agg_constant is None or args.loss_agg_constant > 0, "--loss-agg-constant must be > 0")
+    _require(args.tis_mode == "truncate" or args.use_tis, f"--tis-mode {args.tis_mode} needs --use-tis")
     if args.loss_type == "policy_loss" and not args.debug_rollout_only:
         _require(args.rm_type is not None or args.custom_rm_path is not None
                  or args.rollout_function_path != "slime.rollout.sglang_rollout.generate_rollout",

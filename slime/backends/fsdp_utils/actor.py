@@ -1,9 +1,12 @@
 """FSDPTrainer: one training process (one device) of slime's FSDP2 backend. A plain class; the Ray layer wraps
-it as an actor per device. It owns the sharded policy, the optimizer, reference weights (host memory), and turns a
-rank's train-data dict (docs/internals.md) into `num_steps_per_rollout` optimizer steps.
+it as an actor per device. It owns the sharded policy, the optimizer, other weight sets as host shards (reference
+"ref", OPD teacher "teacher", and with --keep-old-actor the last two pushed versions), and turns a rank's
+train-data dict (docs/internals.md) into `num_steps_per_rollout` optimizer steps. With ppo, the advantages come
+from GAE over the critic's values (`train(..., values)`, see critic.py for the critic's own trainer).
 
 User hooks (dotted paths): --custom-init-path fn(args) at init; --custom-before-log-prob-hook-path
-fn(args, model, store_prefix) before each forward-only pass ("ref_" for the reference, "" for old log-probs);
+fn(args, model, store_prefix) before each forward-only pass ("ref_" for the reference, "teacher_" for the OPD
+teacher, "pushed:<version>_" for --keep-old-actor, "" for old log-probs);
 --custom-before-train-step-hook-path fn(args, rollout_id, step_id, model, optimizer, scheduler).
 
 Not here: reward post-processing and the data split over ranks (RolloutManager), the Ray plumbing (slime/ray).
@@ -24,7 +27,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
 from slime.backends.fsdp_utils import checkpoint
-from slime.backends.fsdp_utils.advantages import check_estimator, compute_advantages
+from slime.backends.fsdp_utils.advantages import compute_advantages
 from slime.backends.fsdp_utils.data import (
     pack_samples,
     pad_num_micro_batches,
@@ -58,8 +61,6 @@ def can_reuse_log_probs_in_loss(args, num_steps_per_rollout: int) -> bool:
 
 class FSDPTrainer:
     def __init__(self, args, rank: int, world_size: int, master_addr: str, master_port: int, role: str = "actor"):
-        if role != "actor":
-            raise ValueError(f"the FSDP trainer has no {role!r} role (no critic); use an estimator without a critic")
         self.args, self.rank, self.world_size, self.role = args, rank, world_size, role
         use_cuda = args.device == "cuda" or (args.device in (None, "auto") and torch.cuda.is_available())
         if use_cuda:
@@ -76,17 +77,12 @@ class FSDPTrainer:
         self.model = self.optimizer = self.scheduler = None
         self.with_ref = False
         self.last_step_metrics: list[dict] = []  # per optimizer step of the last train() call
+        self.pushed_versions: list[str] = []  # --keep-old-actor: weight versions held in self.snapshot
 
     # ------------------------------------------------------------------------------------------------ setup
     def init(self, with_ref: bool = False) -> int:
         """Build model, optimizer and reference weights; resume from --load. Returns the first rollout id."""
         args = self.args
-        check_estimator(args)
-        if args.keep_old_actor:
-            raise ValueError("--keep-old-actor is not supported by the FSDP trainer")
-        if args.opd_teacher_load:
-            raise ValueError("--opd-teacher-load (a trainer-side teacher) is not supported by the FSDP trainer; "
-                             "serve the teacher with an engine and pass --rm-url")
         seed_everything(args.seed)
         self.hooks = {name: load_function(path, "--" + name.replace("_", "-")) if path else None
                       for name, path in (("custom_init_path", args.custom_init_path),
@@ -114,10 +110,14 @@ class FSDPTrainer:
         self.optimizer, self.scheduler = build_optimizer(args, self.model.parameters())
         self.snapshot = WeightSnapshot(self.model)
         self.with_ref = bool(with_ref) and bool(args.ref_load)
-        if self.with_ref:
+        # Reference and OPD teacher: other weight sets of the same architecture, kept as host shards.
+        extra_weights = {"ref": args.ref_load if self.with_ref else None, "teacher": args.opd_teacher_load}
+        if any(extra_weights.values()):
             self.snapshot.save("actor")
-            load_full_weights(self.model, read_hf_weights(args.ref_load))
-            self.snapshot.save("ref")
+            for tag, path in extra_weights.items():
+                if path:
+                    load_full_weights(self.model, read_hf_weights(path))
+                    self.snapshot.save(tag)
             self.snapshot.restore("actor")
         self.weight_updater = WeightUpdater(self.model, self.rank, args.update_weight_buffer_size,
                                             dtype=None, master_address=self.master_addr)
@@ -164,7 +164,16 @@ class FSDPTrainer:
         return result
 
     # ---------------------------------------------------------------------------------------------- train
-    def train(self, rollout_id: int, data: dict) -> dict:
+    def _log_probs_with(self, tag: str, schedule, num_samples: int) -> list[torch.Tensor]:
+        """Log-probs under the host weight set `tag` ("ref", "teacher"), then back to the actor's weights."""
+        self.snapshot.save("actor")
+        self.snapshot.restore(tag)
+        by_index = self.compute_log_probs(schedule, store_prefix=f"{tag}_")
+        self.snapshot.restore("actor")
+        return [by_index[i] for i in range(num_samples)]
+
+    def _prepare(self, data: dict, values: list[torch.Tensor] | None = None):
+        """Old/ref/teacher log-probs, advantages and returns of a rank's data: (schedule, per-sample, metrics)."""
         args = self.args
         num_samples = len(data["tokens"])
         schedule = self._schedule(data)
@@ -173,15 +182,13 @@ class FSDPTrainer:
                              if data.get("rollout_log_probs") else None)
         ref_log_probs = None
         if self.with_ref and (args.use_kl_loss or args.kl_coef != 0):
-            self.snapshot.save("actor")
-            self.snapshot.restore("ref")
-            ref = self.compute_log_probs(schedule, store_prefix="ref_")
-            self.snapshot.restore("actor")
-            ref_log_probs = [ref[i] for i in range(num_samples)]
+            ref_log_probs = self._log_probs_with("ref", schedule, num_samples)
         if args.use_rollout_logprobs:
             if rollout_log_probs is None:
                 raise ValueError("--use-rollout-logprobs but the rollout returned no log-probs")
             old_log_probs = rollout_log_probs
+        elif args.keep_old_actor:
+            old_log_probs = self._log_probs_of_generating_weights(data, schedule, num_samples)
         elif args.loss_type == "policy_loss" and not can_reuse_log_probs_in_loss(args, len(schedule)):
             old = self.compute_log_probs(schedule)
             old_log_probs = [old[i] for i in range(num_samples)]
@@ -190,31 +197,83 @@ class FSDPTrainer:
         metrics = {}
         if rollout_log_probs is not None and old_log_probs is not None and not args.use_rollout_logprobs:
             metrics.update(self._mismatch_metrics(old_log_probs, rollout_log_probs, loss_masks))
-        advantages = None
+        advantages = returns = None
         if args.loss_type != "sft_loss":
-            advantages = compute_advantages(args, data["rewards"], loss_masks, old_log_probs, ref_log_probs,
-                                            dict(data))
+            advantages, returns = compute_advantages(args, data["rewards"], loss_masks, old_log_probs, ref_log_probs,
+                                                     dict(data), values)
             if args.use_opd:
-                if not data.get("teacher_log_probs"):
-                    raise ValueError("--use-opd: the train data has no teacher_log_probs (is --rm-url a teacher?)")
-                teacher = [torch.tensor(lp, dtype=torch.float32) for lp in data["teacher_log_probs"]]
+                teacher = self._teacher_log_probs(data, schedule, num_samples)
                 advantages = [apply_opd_advantage(a, o, t, args.opd_kl_coef)
                               for a, o, t in zip(advantages, old_log_probs, teacher)]
+                reverse_kl = [o - t for o, t in zip(old_log_probs, teacher)]
+                metrics["train/opd_reverse_kl"] = self._global_masked_mean(reverse_kl, loss_masks)
         per_sample = dict(loss_masks=loss_masks, advantages=advantages, old_log_probs=old_log_probs,
-                          ref_log_probs=ref_log_probs, rollout_log_probs=rollout_log_probs)
+                          ref_log_probs=ref_log_probs, rollout_log_probs=rollout_log_probs, returns=returns)
+        return schedule, per_sample, metrics
+
+    def _log_probs_of_generating_weights(self, data: dict, schedule, num_samples: int) -> list[torch.Tensor]:
+        """--keep-old-actor: old log-probs under the pushed weights each sample was generated with (its last
+        weight version), not the current ones (async training is a rollout behind)."""
+        versions = data.get("weight_versions")
+        if not versions or any(v is None for v in versions):
+            raise ValueError("--keep-old-actor: the rollout data carries no weight versions (the engine must report "
+                             "meta_info.weight_version)")
+        missing = sorted(set(versions) - set(self.pushed_versions))
+        if missing:
+            raise ValueError(f"--keep-old-actor: samples were generated with weight versions {missing}, but this "
+                             f"trainer only holds {self.pushed_versions} (the last two it pushed)")
+        result = [None] * num_samples
+        for version in sorted(set(versions)):
+            by_version = self._log_probs_with(f"pushed:{version}", schedule, num_samples)
+            for i in range(num_samples):
+                if versions[i] == version:
+                    result[i] = by_version[i]
+        return result
+
+    def _teacher_log_probs(self, data: dict, schedule, num_samples: int) -> list[torch.Tensor]:
+        if self.args.opd_teacher_load:
+            return self._log_probs_with("teacher", schedule, num_samples)
+        if not data.get("teacher_log_probs"):
+            raise ValueError("--use-opd: the train data has no teacher_log_probs (is --rm-url a teacher?)")
+        return [torch.tensor(lp, dtype=torch.float32) for lp in data["teacher_log_probs"]]
+
+    def _global_masked_mean(self, values: list[torch.Tensor], masks: list[torch.Tensor]) -> float:
+        sums = torch.tensor([float(sum((v * m).sum() for v, m in zip(values, masks))),
+                             float(sum(m.sum() for m in masks))], dtype=torch.float64, device=self.device)
+        total, count = self._all_reduce(sums).tolist()
+        return total / max(count, 1.0)
+
+    def returns_for_critic(self, rollout_id: int, data: dict, values: list[torch.Tensor]) -> list[torch.Tensor]:
+        """PPO during --num-critic-only-steps: the critic's targets (GAE with the reward KL), no policy update."""
+        return self._prepare(data, values)[1]["returns"]
+
+    def train(self, rollout_id: int, data: dict, values: list[torch.Tensor] | None = None) -> dict:
+        """`num_steps_per_rollout` optimizer steps on a rank's data (`values`: the critic's, for ppo). The returns
+        computed on the way (the critic's targets) are kept in `self.last_returns`."""
+        args = self.args
+        schedule, per_sample, metrics = self._prepare(data, values)
+        self.last_returns = per_sample.pop("returns")
         step_metrics = []
         for step_id, micro_batches in enumerate(schedule):
             if self.hooks["custom_before_train_step_hook_path"]:
                 self.hooks["custom_before_train_step_hook_path"](args, rollout_id, step_id, self.model,
                                                                  self.optimizer, self.scheduler)
-            step_metrics.append(self._train_step(micro_batches, per_sample))
+            step_metrics.append(self._train_step(micro_batches, per_sample, self._policy_loss))
         if self.with_ref and args.ref_update_interval and (rollout_id + 1) % args.ref_update_interval == 0:
             self.snapshot.save("ref")  # the reference follows the actor every --ref-update-interval rollouts
-        self.last_step_metrics = [{f"train/{k}": v for k, v in m.items()} for m in step_metrics]
-        for key in step_metrics[0]:
-            values = [m[key] for m in step_metrics]
-            metrics[f"train/{key}"] = values[-1] if key == "lr" else sum(values) / len(values)
+        metrics.update(self._summarise(step_metrics, "train/"))
         return metrics
+
+    def _summarise(self, step_metrics: list[dict], prefix: str) -> dict:
+        """Mean over the rollout's optimizer steps (the last lr); per-step values stay in last_step_metrics."""
+        self.last_step_metrics = [{prefix + k: v for k, v in m.items()} for m in step_metrics]
+        return {prefix + key: (step_metrics[-1][key] if key == "lr"
+                               else sum(m[key] for m in step_metrics) / len(step_metrics))
+                for key in step_metrics[0]}
+
+    def _policy_loss(self, micro_batch, batch: MicroBatchTensors, reduce: LossReducer):
+        log_probs, entropy = self.model.forward_micro_batch(micro_batch.to(self.device))
+        return self.loss_fn(self.args, log_probs, entropy, batch, reduce)
 
     def _mismatch_metrics(self, old_log_probs, rollout_log_probs, loss_masks) -> dict:
         """Rank-local distribution of exp(train - rollout); quantiles averaged over ranks (approximate)."""
@@ -226,20 +285,21 @@ class FSDPTrainer:
         values = self._all_reduce(values) / self.world_size
         return {f"train/{k}": float(v) for k, v in zip(keys, values.tolist())}
 
-    def _train_step(self, micro_batches, per_sample: dict) -> dict:
+    def _train_step(self, micro_batches, per_sample: dict, compute_loss) -> dict:
+        """One optimizer step; compute_loss(micro_batch, tensors, reduce) -> (loss share, metric shares)."""
         args = self.args
         mode = aggregation_mode(args)
         step_masks = [per_sample["loss_masks"][i] for mb in micro_batches for i in mb.sample_indices]
-        denominator = torch.tensor([loss_denominator(mode, step_masks)], dtype=torch.float64, device=self.device)
+        denominator = torch.tensor([loss_denominator(mode, step_masks, args.loss_agg_constant)],
+                                   dtype=torch.float64, device=self.device)
         global_denominator = max(float(self._all_reduce(denominator)), 1.0)
         self.optimizer.zero_grad(set_to_none=True)
         sums: dict[str, torch.Tensor] = defaultdict(lambda: torch.zeros((), dtype=torch.float64, device=self.device))
         for micro_batch in micro_batches:
             batch = self._micro_batch_tensors(micro_batch, per_sample)
-            log_probs, entropy = self.model.forward_micro_batch(micro_batch.to(self.device))
             token_counts = [float(per_sample["loss_masks"][i].sum()) for i in micro_batch.sample_indices]
             reduce = LossReducer(args, batch.loss_masks, global_denominator, token_counts)
-            loss, loss_metrics = self.loss_fn(args, log_probs, entropy, batch, reduce)
+            loss, loss_metrics = compute_loss(micro_batch, batch, reduce)
             # FSDP averages gradients over ranks; the loss is already a share of the global sum.
             (loss * self.world_size).backward()
             for key, value in loss_metrics.items():
@@ -263,7 +323,7 @@ class FSDPTrainer:
 
     def _micro_batch_tensors(self, micro_batch, per_sample: dict) -> MicroBatchTensors:
         def flat(key):
-            values = per_sample[key]
+            values = per_sample.get(key)
             if values is None:
                 return None
             return torch.cat([values[i] for i in micro_batch.sample_indices]).to(self.device)
@@ -272,6 +332,7 @@ class FSDPTrainer:
             loss_masks=[per_sample["loss_masks"][i].to(self.device) for i in micro_batch.sample_indices],
             advantages=flat("advantages"), old_log_probs=flat("old_log_probs"),
             ref_log_probs=flat("ref_log_probs"), rollout_log_probs=flat("rollout_log_probs"),
+            old_values=flat("old_values"), returns=flat("returns"),
         )
 
     # ------------------------------------------------------------------------------- checkpoint / weights
@@ -293,7 +354,14 @@ class FSDPTrainer:
         if engine_urls is not None and (list(engine_urls) != self.weight_updater.engine_urls
                                         or (mode and mode != self.weight_updater.mode)):
             self.weight_updater.connect(engine_urls, mode or self.weight_updater.mode)
-        return self.weight_updater.update(weight_version)
+        result = self.weight_updater.update(weight_version)
+        if self.args.keep_old_actor:  # host copies of the last two pushed weight sets, by version
+            self.snapshot.save(f"pushed:{weight_version}")
+            self.pushed_versions = [v for v in self.pushed_versions if v != str(weight_version)] + [str(weight_version)]
+            for stale in self.pushed_versions[:-2]:
+                self.snapshot.tags.pop(f"pushed:{stale}")
+            self.pushed_versions = self.pushed_versions[-2:]
+        return result
 
     # ---------------------------------------------------------------------------------------- offload
     def offload(self) -> None:

@@ -1,4 +1,4 @@
-"""Per-micro-batch losses of the FSDP trainer: policy (PPO/GRPO family), SFT and user-defined.
+"""Per-micro-batch losses of the FSDP trainer: policy (PPO/GRPO family), value (critic), SFT and user-defined.
 
 Each function returns this micro-batch's share of the GLOBAL-batch loss plus its metric shares, all reduced with
 `ppo_utils.aggregate_loss` against a denominator fixed for the whole optimizer step, so the sum over any split into
@@ -17,6 +17,7 @@ from slime.utils.ppo_utils import (
     compute_gspo_kl,
     compute_policy_loss,
     compute_tis_weights,
+    compute_value_loss,
 )
 
 
@@ -29,10 +30,13 @@ class MicroBatchTensors:
     old_log_probs: torch.Tensor | None = None
     ref_log_probs: torch.Tensor | None = None
     rollout_log_probs: torch.Tensor | None = None
+    old_values: torch.Tensor | None = None  # critic: values before this rollout's updates
+    returns: torch.Tensor | None = None  # critic: value targets
 
 
 def aggregation_mode(args) -> str:
-    return "token_mean" if args.calculate_per_token_loss else "sample_mean"
+    """sample_mean (slime's default), token_mean (--calculate-per-token-loss) or constant (Dr.GRPO)."""
+    return args.loss_agg_mode
 
 
 class LossReducer:
@@ -60,10 +64,16 @@ def policy_loss(args, log_probs, entropy, batch: MicroBatchTensors, reduce: Loss
                                               args.eps_clip_c)
     metrics = {}
     if args.use_tis:
-        weights, tis_metrics = compute_tis_weights(
-            old_log_probs, batch.rollout_log_probs, torch.cat(batch.loss_masks), args.tis_clip_low, args.tis_clip)
+        # Per-sample pieces: mask_sequence needs each sequence's boundaries.
+        lengths = _lengths(batch)
+        weights, _ = compute_tis_weights(
+            list(torch.split(old_log_probs, lengths)), list(torch.split(batch.rollout_log_probs, lengths)),
+            batch.loss_masks, args.tis_clip_low, args.tis_clip, mode=args.tis_mode)
+        weights = torch.cat(weights)
+        raw = torch.exp(old_log_probs.detach() - batch.rollout_log_probs)
         pg_losses = pg_losses * weights
-        metrics["tis_abs"] = reduce((weights.detach() - 1).abs())
+        metrics["tis_abs"] = reduce((raw - 1).abs())
+        metrics["tis_clipfrac"] = reduce((weights != raw).float())
     pg_loss = reduce(pg_losses)
     loss = pg_loss
     if args.entropy_coef != 0:
@@ -84,6 +94,14 @@ def policy_loss(args, log_probs, entropy, batch: MicroBatchTensors, reduce: Loss
     if batch.rollout_log_probs is not None:
         metrics["train_rollout_logprob_abs_diff"] = reduce((old_log_probs.detach() - batch.rollout_log_probs).abs())
     return loss, metrics
+
+
+def value_loss(args, values, batch: MicroBatchTensors, reduce: LossReducer):
+    """The critic's clipped value loss (spec 4.5), aggregated like the policy loss."""
+    losses, clipfrac = compute_value_loss(values, batch.old_values, batch.returns, args.value_clip)
+    loss = reduce(losses)
+    return loss, {"value_loss": loss.detach(), "value_clipfrac": reduce(clipfrac),
+                  "values": reduce(values.detach())}
 
 
 def sft_loss(args, log_probs, entropy, batch: MicroBatchTensors, reduce: LossReducer):

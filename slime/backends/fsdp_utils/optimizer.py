@@ -32,15 +32,18 @@ def total_optimizer_steps(args) -> int | None:
     return num_rollout * args.num_steps_per_rollout
 
 
-def build_optimizer(args, params) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
+def build_optimizer(args, params, lr: float | None = None) -> tuple[torch.optim.Optimizer,
+                                                                   torch.optim.lr_scheduler.LambdaLR]:
+    """AdamW + schedule at `lr` (default --lr; the critic passes --critic-lr)."""
+    lr = args.lr if lr is None else lr
     optimizer = torch.optim.AdamW(
-        params, lr=args.lr, betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps,
+        params, lr=lr, betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps,
         weight_decay=args.weight_decay,
     )
-    schedule = dict(lr=args.lr, min_lr=args.min_lr, warmup_steps=args.lr_warmup_iters,
+    schedule = dict(lr=lr, min_lr=args.min_lr, warmup_steps=args.lr_warmup_iters,
                     total_steps=total_optimizer_steps(args), decay_style=args.lr_decay_style)
-    if args.lr > 0:
-        factor = lambda step: learning_rate(step, **schedule) / args.lr  # noqa: E731
+    if lr > 0:
+        factor = lambda step: learning_rate(step, **schedule) / lr  # noqa: E731
     else:
         factor = lambda step: 1.0  # noqa: E731
     return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, factor)

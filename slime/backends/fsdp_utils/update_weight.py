@@ -30,7 +30,12 @@ WEIGHT_GROUP_NAME = "slime_weight_update"
 def iter_full_parameters(model: torch.nn.Module, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """(HF name, full tensor) per parameter. Collective: every rank must iterate in step."""
     for name, param in model.named_parameters():
+        local = param.to_local() if isinstance(param, DTensor) else param
         full = param.full_tensor() if isinstance(param, DTensor) else param
+        if full.untyped_storage().data_ptr() == local.untyped_storage().data_ptr():
+            # One rank: the "gather" aliases the parameter. Sending by handle moves a tensor's storage into shared
+            # memory, which must never happen to a parameter's own storage (FSDP resizes it: segfault).
+            full = full.clone()
         yield hf_name(name), full.detach().to(dtype or full.dtype)
 
 
@@ -86,7 +91,9 @@ class WeightUpdater:
             self.group = None
         self.engine_urls, self.mode = list(engine_urls), mode
         if mode == "distributed" and self.rank == 0:
-            self._init_group(backend or ("nccl" if torch.cuda.is_available() else "gloo"))
+            # The group's backend follows where the trainer's weights live, not whether the host has a GPU.
+            on_gpu = next(self.model.parameters()).device.type == "cuda"
+            self._init_group(backend or ("nccl" if on_gpu else "gloo"))
 
     def _init_group(self, backend: str) -> None:
         from slime.utils.misc import find_free_port

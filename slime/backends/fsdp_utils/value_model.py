@@ -1,0 +1,56 @@
+"""The critic's model: the Hugging Face decoder body with a value head (hidden -> 1) instead of the output layer,
+returning one value per response token of a packed micro-batch, sharded with FSDP2 like the policy.
+
+A value sits at the same position as the policy's log-prob of that token: the hidden state that predicts it.
+Checkpoints hold the body under its HF names plus `value_head.weight`; a plain HF folder (no head) starts the head
+at zero, so the first values are 0 everywhere.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+from slime.backends.fsdp_utils.data import PackedMicroBatch
+
+VALUE_HEAD_KEY = "value_head.weight"
+
+
+class ValueModel(nn.Module):
+    def __init__(self, hf_model: nn.Module):
+        super().__init__()
+        # Keep the causal LM under the policy's prefix so the body's checkpoint names are the HF ones; its output
+        # layer is dropped (an untied one would be dead weight; a tied one is the embedding, kept by the body).
+        hf_model.lm_head = nn.Identity()
+        self.hf_model = hf_model
+        self.value_head = nn.Linear(hf_model.config.hidden_size, 1, bias=False)
+        nn.init.zeros_(self.value_head.weight)
+
+    def forward(self, input_ids, position_ids, logit_index):
+        outputs = self.hf_model.get_decoder()(input_ids=input_ids, position_ids=position_ids, use_cache=False)
+        hidden = outputs.last_hidden_state[0].index_select(0, logit_index)
+        # A matmul with the head's row, not Linear + squeeze: FSDP's output must not be a view.
+        return hidden.matmul(self.value_head.weight[0]).float()
+
+    def forward_micro_batch(self, micro_batch: PackedMicroBatch) -> torch.Tensor:
+        return self(micro_batch.input_ids, micro_batch.position_ids, micro_batch.logit_index)
+
+
+def build_value_model(hf_model: nn.Module, mesh, *, value_head_weight: torch.Tensor | None, mixed_precision: bool,
+                      recompute_activations: bool) -> ValueModel:
+    """Wrap (loading `value_head_weight` when resuming a critic), then shard every decoder layer and the root."""
+    if recompute_activations:
+        hf_model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    hf_model.config.use_cache = False
+    model = ValueModel(hf_model)
+    if value_head_weight is not None:
+        with torch.no_grad():
+            model.value_head.weight.copy_(value_head_weight)
+    kwargs = {"mesh": mesh}
+    if mixed_precision:
+        kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for layer in hf_model.get_decoder().layers:
+        fully_shard(layer, **kwargs)
+    fully_shard(model, **kwargs)
+    return model

@@ -1,0 +1,9 @@
+"""Reward functions for the end-to-end tests (`--custom-rm-path tests.e2e_rewards.NAME`)."""
+
+import zlib
+
+
+async def response_hash_parity(args, sample) -> float:
+    """0 or 1 from a hash of the response text: a random tiny model's groups get rewards that vary, which
+    dynamic sampling (check_reward_nonzero_std) needs to accept them."""
+    return float(zlib.crc32(sample.response.encode()) % 2)
