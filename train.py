@@ -57,6 +57,29 @@ def update_weights(args, actor, rollout_manager, engine_urls, rollout_id) -> dic
     return {"perf/update_weights_time": time.perf_counter() - start, **sync}
 
 
+def train_on_rollout(args, actor, critic, rollout_id, data_refs) -> dict:
+    start = time.perf_counter()
+    if critic is not None:
+        metrics = train_with_critic(args, actor, critic, rollout_id, data_refs)
+    else:
+        metrics = actor.train(rollout_id, data_refs)
+    return {**metrics, "perf/train_time": time.perf_counter() - start}
+
+
+def save(actor, critic, rollout_manager, rollout_id) -> None:
+    run_state = {"data_source": ray.get(rollout_manager.data_source_state.remote(rollout_id + 1))}
+    actor.save_model(rollout_id, run_state)
+    if critic is not None:
+        critic.save_model(rollout_id)
+
+
+def periodic_eval(args, rollout_manager, rollout_id) -> dict:
+    """Eval after training on `rollout_id`, every --eval-interval rollouts."""
+    if args.eval_interval and (rollout_id + 1) % args.eval_interval == 0:
+        return ray.get(rollout_manager.eval.remote(rollout_id + 1))
+    return {}
+
+
 def train(args) -> str:
     init_ray(args)
     placements = create_placement_groups(args)
@@ -88,22 +111,11 @@ def train(args) -> str:
         if args.offload_train:
             actor.onload()
 
-        train_start = time.perf_counter()
-        if critic is not None:
-            metrics.update(train_with_critic(args, actor, critic, rollout_id, data_refs))
-        else:
-            metrics.update(actor.train(rollout_id, data_refs))
-        metrics["perf/train_time"] = time.perf_counter() - train_start
-
+        metrics.update(train_on_rollout(args, actor, critic, rollout_id, data_refs))
         if should_save(args, rollout_id, num_rollout):
-            run_state = {"data_source": ray.get(rollout_manager.data_source_state.remote(rollout_id + 1))}
-            actor.save_model(rollout_id, run_state)
-            if critic is not None:
-                critic.save_model(rollout_id)
+            save(actor, critic, rollout_manager, rollout_id)
         metrics.update(update_weights(args, actor, rollout_manager, engine_urls, rollout_id))
-
-        if args.eval_interval and (rollout_id + 1) % args.eval_interval == 0:
-            metrics.update(ray.get(rollout_manager.eval.remote(rollout_id + 1)))
+        metrics.update(periodic_eval(args, rollout_manager, rollout_id))
         metrics["perf/step_time"] = time.perf_counter() - step_start
         logger.log(rollout_id, metrics, print_fn=progress.write)
 

@@ -13,17 +13,15 @@ import time
 import ray
 from tqdm import tqdm
 
-from slime.ray.actor_group import train_with_critic
 from slime.ray.placement_group import create_placement_groups, init_ray
 from slime.utils.arguments import parse_args
 from slime.utils.checkpoint_state import should_save
 from slime.utils.metrics import MetricsLogger, write_args
-from train import create_rollout_manager, create_training_models, update_weights
+from train import (create_rollout_manager, create_training_models, periodic_eval, save, train_on_rollout,
+                   update_weights)
 
 
 def train_async(args) -> str:
-    if args.colocate:
-        raise ValueError("train_async.py cannot run with --colocate: engines and trainer must not share devices")
     init_ray(args)
     placements = create_placement_groups(args)
     write_args(args)
@@ -34,8 +32,9 @@ def train_async(args) -> str:
     engine_urls = ray.get(rollout_manager.get_engine_urls.remote())
     update_weights(args, actor, rollout_manager, engine_urls, start_rollout_id - 1)
 
+    pre_train_eval = {}
     if args.eval_datasets and start_rollout_id == 0 and not args.skip_eval_before_train:
-        logger.log(0, ray.get(rollout_manager.eval.remote(0)), print_fn=print)
+        pre_train_eval = ray.get(rollout_manager.eval.remote(0))
     in_flight = rollout_manager.generate.remote(start_rollout_id) if start_rollout_id < num_rollout else None
     progress = tqdm(range(start_rollout_id, num_rollout), desc="rollouts", disable=args.no_progress,
                     initial=start_rollout_id, total=num_rollout)
@@ -43,26 +42,18 @@ def train_async(args) -> str:
         step_start = time.perf_counter()
         wait_start = time.perf_counter()
         data_refs, metrics = ray.get(in_flight)
+        metrics.update(pre_train_eval if rollout_id == 0 else {})
         metrics["perf/wait_rollout_time"] = time.perf_counter() - wait_start
         in_flight = rollout_manager.generate.remote(rollout_id + 1) if rollout_id + 1 < num_rollout else None
 
-        train_start = time.perf_counter()
-        if critic is not None:
-            metrics.update(train_with_critic(args, actor, critic, rollout_id, data_refs))
-        else:
-            metrics.update(actor.train(rollout_id, data_refs))
-        metrics["perf/train_time"] = time.perf_counter() - train_start
-
+        metrics.update(train_on_rollout(args, actor, critic, rollout_id, data_refs))
         if should_save(args, rollout_id, num_rollout):
-            actor.save_model(rollout_id, {"data_source": ray.get(rollout_manager.data_source_state.remote(rollout_id + 1))})
-            if critic is not None:
-                critic.save_model(rollout_id)
+            save(actor, critic, rollout_manager, rollout_id)
         if (rollout_id + 1) % args.update_weights_interval == 0:
             if in_flight is not None:
                 ray.wait([in_flight])  # never swap weights under a running generation
             metrics.update(update_weights(args, actor, rollout_manager, engine_urls, rollout_id))
-        if args.eval_interval and (rollout_id + 1) % args.eval_interval == 0:
-            metrics.update(ray.get(rollout_manager.eval.remote(rollout_id + 1)))
+        metrics.update(periodic_eval(args, rollout_manager, rollout_id))
         metrics["perf/step_time"] = time.perf_counter() - step_start
         logger.log(rollout_id, metrics, print_fn=progress.write)
 
