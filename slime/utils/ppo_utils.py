@@ -12,14 +12,22 @@ numbers in, see `masked_whiten_from_sums` and `aggregate_loss`.
 
 from __future__ import annotations
 
-import math
-from collections.abc import Sequence
 
 import torch
 
+# Re-exported: custom loss code imports everything from ppo_utils.
+from slime.utils.loss_aggregation import LOSS_AGGREGATION_MODES, aggregate_loss, loss_denominator
+from slime.utils.off_policy import TIS_MODES, compute_mismatch_metrics, compute_tis_weights
+
+__all__ = [
+    "KL_TYPES", "LOSS_AGGREGATION_MODES", "TIS_MODES", "aggregate_loss", "apply_opd_advantage", "compute_approx_kl",
+    "compute_discounted_returns", "compute_gae", "compute_gspo_kl", "compute_mismatch_metrics",
+    "compute_policy_loss", "compute_rloo_advantages", "compute_tis_weights", "compute_value_loss",
+    "loss_denominator", "masked_moments", "masked_whiten", "masked_whiten_from_sums", "normalize_group_rewards",
+    "reinforce_plus_plus_token_rewards",
+]
+
 KL_TYPES = ("k1", "k2", "k3", "low_var_kl")
-LOSS_AGGREGATION_MODES = ("sample_mean", "token_mean", "constant")
-TIS_MODES = ("truncate", "mask_token", "mask_sequence")
 
 # Reverse scans (GAE, discounted returns) run over chunks of this many tokens: one small matrix product per chunk
 # instead of one Python step per token.
@@ -283,203 +291,3 @@ def masked_whiten_from_sums(
 def masked_whiten(values: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8, shift_mean: bool = True):
     """Single-process `masked_whiten_from_sums(values, *masked_moments(values, mask), ...)`."""
     return masked_whiten_from_sums(values, *masked_moments(values, mask), eps=eps, shift_mean=shift_mean)
-
-
-# ------------------------------------------------------------------------------------ train / rollout mismatch
-
-
-def _masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    mask = mask.to(x.dtype)
-    return (x * mask).sum() / mask.sum().clamp(min=1.0)
-
-
-def _flatten(x) -> torch.Tensor:
-    if isinstance(x, (list, tuple)):
-        return torch.cat([t.reshape(-1) for t in x]) if x else torch.zeros(0)
-    return x.reshape(-1)
-
-
-def compute_tis_weights(
-    old_log_probs,
-    rollout_log_probs,
-    loss_mask,
-    clip_low: float,
-    clip_high: float,
-    mode: str = "truncate",
-):
-    """Importance weights w = exp(old_log_probs - rollout_log_probs) correcting train/rollout mismatch.
-
-    Modes: "truncate" (vanilla TIS, `--use-tis`): w clamped to [clip_low, clip_high]; "mask_token" (icepop): w kept
-    where clip_low <= w <= clip_high, else 0; "mask_sequence": a sequence whose masked-in tokens are not all inside
-    [clip_low, clip_high] gets weight 0 on every token, the others keep w. Inputs are 1-D, `[batch, tokens]` (one
-    sequence per row) or lists of 1-D tensors (then the weights are a list). Weights carry no gradient.
-    Returns `(weights, metrics)`, metrics being 0-dim tensors over masked-in tokens: tis (mean raw w), tis_abs
-    (mean |w - 1|), tis_clipfrac (fraction of tokens whose weight was changed), and for mask_sequence
-    tis_seq_rejected_frac (fraction of sequences zeroed).
-    """
-    if mode not in TIS_MODES:
-        raise ValueError(f"unknown TIS mode {mode!r}; valid: {', '.join(TIS_MODES)}")
-    if clip_low > clip_high:
-        raise ValueError(f"TIS clip_low {clip_low} (--tis-clip-low) must be <= clip_high {clip_high} (--tis-clip)")
-    if isinstance(old_log_probs, (list, tuple)):
-        pieces = [
-            _tis_weights_tensor(o.detach(), r, m, clip_low, clip_high, mode)
-            for o, r, m in zip(old_log_probs, rollout_log_probs, loss_mask, strict=True)
-        ]
-        weights = [p[0] for p in pieces]
-        raw = _flatten([p[1] for p in pieces])
-        rejected_seqs = torch.stack([p[2] for p in pieces]).reshape(-1) if pieces else torch.zeros(0)
-        flat_weights = _flatten(weights)
-    else:
-        weights, raw, rejected_seqs = _tis_weights_tensor(
-            old_log_probs.detach(), rollout_log_probs, loss_mask, clip_low, clip_high, mode
-        )
-        flat_weights = weights.reshape(-1)
-        raw = raw.reshape(-1)
-        rejected_seqs = rejected_seqs.reshape(-1)
-    flat_mask = _flatten(loss_mask).to(raw.dtype)
-    metrics = {
-        "tis": _masked_mean(raw, flat_mask),
-        "tis_abs": _masked_mean((raw - 1.0).abs(), flat_mask),
-        "tis_clipfrac": _masked_mean((flat_weights != raw).to(raw.dtype), flat_mask),
-    }
-    if mode == "mask_sequence":
-        rejected = rejected_seqs.to(raw.dtype)
-        metrics["tis_seq_rejected_frac"] = rejected.mean() if rejected.numel() else raw.new_zeros(())
-    return weights, metrics
-
-
-def _tis_weights_tensor(old_log_probs, rollout_log_probs, loss_mask, clip_low, clip_high, mode):
-    """Weights, raw ratios and per-sequence rejection flags for one tensor (sequence along the last dim)."""
-    raw = torch.exp(old_log_probs - rollout_log_probs)
-    inside = (raw >= clip_low) & (raw <= clip_high)
-    if mode == "truncate":
-        return raw.clamp(clip_low, clip_high), raw, torch.zeros_like(inside[..., 0])
-    if mode == "mask_token":
-        return torch.where(inside, raw, 0.0), raw, torch.zeros_like(inside[..., 0])
-    outside_masked_in = (~inside) & loss_mask.bool()
-    rejected = outside_masked_in.any(dim=-1)
-    return torch.where(rejected.unsqueeze(-1), 0.0, raw), raw, rejected
-
-
-def _quantile(sorted_values: torch.Tensor, q: float) -> torch.Tensor:
-    """Linear-interpolated quantile of an ascending 1-D tensor (torch.quantile refuses > 16M elements)."""
-    position = q * (sorted_values.numel() - 1)
-    lower = math.floor(position)
-    upper = min(lower + 1, sorted_values.numel() - 1)
-    frac = position - lower
-    return sorted_values[lower] + (sorted_values[upper] - sorted_values[lower]) * frac
-
-
-def compute_mismatch_metrics(train_log_probs, rollout_log_probs, loss_mask, eps_clip: float, eps_clip_high: float):
-    """Train/rollout log-prob mismatch as a distribution, over masked-in tokens (tensors or lists of 1-D tensors).
-
-    Keys: train_rollout_logprob_abs_diff (mean |train - rollout|), mismatch_ratio_p1 / _p50 / _p99 (quantiles of
-    ratio = exp(train - rollout)), mismatch_ratio_outside_clip_frac (fraction with ratio outside
-    [1 - eps_clip, 1 + eps_clip_high]) and mismatch_num_tokens. With no masked-in tokens the quantiles are NaN and
-    the means 0. Quantiles are of the tokens passed in (per rank; they do not all-reduce).
-    """
-    train = _flatten(train_log_probs).detach()
-    rollout = _flatten(rollout_log_probs).to(train.dtype)
-    keep = _flatten(loss_mask).bool()
-    log_ratio = (train - rollout)[keep]
-    ratio = torch.exp(log_ratio)
-    num_tokens = log_ratio.numel()
-    metrics = {"mismatch_num_tokens": train.new_tensor(float(num_tokens))}
-    if num_tokens == 0:
-        nan = train.new_tensor(float("nan"))
-        metrics.update(
-            train_rollout_logprob_abs_diff=train.new_tensor(0.0),
-            mismatch_ratio_p1=nan, mismatch_ratio_p50=nan, mismatch_ratio_p99=nan,
-            mismatch_ratio_outside_clip_frac=train.new_tensor(0.0),
-        )
-        return metrics
-    sorted_ratio = ratio.sort().values
-    outside = (ratio < 1.0 - eps_clip) | (ratio > 1.0 + eps_clip_high)
-    metrics.update(
-        train_rollout_logprob_abs_diff=log_ratio.abs().mean(),
-        mismatch_ratio_p1=_quantile(sorted_ratio, 0.01),
-        mismatch_ratio_p50=_quantile(sorted_ratio, 0.50),
-        mismatch_ratio_p99=_quantile(sorted_ratio, 0.99),
-        mismatch_ratio_outside_clip_frac=outside.to(train.dtype).mean(),
-    )
-    return metrics
-
-
-# -------------------------------------------------------------------------------------------- loss aggregation
-
-
-def _split_per_sample(values, loss_masks: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    if isinstance(values, (list, tuple)):
-        if len(values) != len(loss_masks):
-            raise ValueError(f"got {len(values)} per-sample value tensors but {len(loss_masks)} loss masks")
-        return list(values)
-    lengths = [int(m.numel()) for m in loss_masks]
-    if values.dim() != 1 or values.numel() != sum(lengths):
-        raise ValueError(
-            f"packed values must be 1-D with sum(len(mask)) = {sum(lengths)} elements, got shape {tuple(values.shape)}"
-        )
-    return list(torch.split(values, lengths))
-
-
-def loss_denominator(mode: str, loss_masks: Sequence[torch.Tensor], constant: float | None = None) -> float:
-    """This rank's share of `aggregate_loss`'s `global_denominator` for the samples in `loss_masks`.
-
-    sample_mean: number of samples; token_mean: number of masked-in tokens; constant: number of samples x
-    `constant` (Dr.GRPO, e.g. the max response length). All three add up over disjoint sets of samples, so the
-    global denominator is the SUM over every micro-batch of the global batch on every rank (one all-reduce).
-    """
-    if mode not in LOSS_AGGREGATION_MODES:
-        raise ValueError(f"unknown loss aggregation mode {mode!r}; valid: {', '.join(LOSS_AGGREGATION_MODES)}")
-    if mode == "sample_mean":
-        return float(len(loss_masks))
-    if mode == "token_mean":
-        return float(sum(m.sum() for m in loss_masks)) if loss_masks else 0.0
-    if constant is None or not constant > 0:
-        raise ValueError(f"loss aggregation mode 'constant' needs a positive constant, got {constant!r}")
-    return float(len(loss_masks)) * float(constant)
-
-
-def aggregate_loss(
-    values,
-    loss_masks: Sequence[torch.Tensor],
-    mode: str,
-    global_denominator: float,
-    sample_token_counts: Sequence[float] | None = None,
-) -> torch.Tensor:
-    """Reduce per-token values (loss terms) of some samples to this micro-batch's share of the global-batch loss.
-
-    `values` is a list of 1-D per-sample tensors or one packed 1-D tensor (samples concatenated in the order of
-    `loss_masks`, each as long as its mask).
-      sample_mean (slime default): sum_i (sum_t x_it m_it / max(D_i, 1)) / global_denominator, with D_i = sum_t m_it
-          (or `sample_token_counts[i]`, e.g. the token total of the rollout sample i belongs to) and
-          global_denominator = number of samples in the global batch.
-      token_mean (--calculate-per-token-loss): sum x m / global_denominator = all masked-in tokens of the global batch.
-      constant (Dr.GRPO): sum x m / global_denominator = samples in the global batch x constant.
-
-    Invariance: the result is a sum of per-sample terms over a denominator fixed for the whole global batch (get it
-    with `loss_denominator` summed over all micro-batches and ranks). Summing this function's outputs over ANY
-    partition of the global batch into micro-batches and ranks therefore gives exactly the full-batch loss, and the
-    same gradient. Backward each micro-batch's value as is (no division by the number of micro-batches); if the
-    data-parallel gradient reduction averages over ranks (DDP / FSDP default), multiply by the number of ranks.
-    """
-    if mode not in LOSS_AGGREGATION_MODES:
-        raise ValueError(f"unknown loss aggregation mode {mode!r}; valid: {', '.join(LOSS_AGGREGATION_MODES)}")
-    if not global_denominator > 0:
-        raise ValueError(
-            f"global_denominator must be > 0 (computed once over the global batch), got {global_denominator}"
-        )
-    per_sample = _split_per_sample(values, loss_masks)
-    if not per_sample:
-        return torch.zeros(())
-    if sample_token_counts is not None and len(sample_token_counts) != len(per_sample):
-        raise ValueError(f"got {len(sample_token_counts)} sample_token_counts for {len(per_sample)} samples")
-    # Stays on the device: no per-sample .item() synchronisation.
-    masked_sums = torch.stack([(x * mask.to(x)).sum() for x, mask in zip(per_sample, loss_masks)])
-    if mode == "sample_mean":
-        if sample_token_counts is None:
-            counts = torch.stack([mask.to(masked_sums).sum() for mask in loss_masks])
-        else:
-            counts = torch.as_tensor(sample_token_counts).to(masked_sums)
-        masked_sums = masked_sums / counts.clamp(min=1.0)
-    return masked_sums.sum() / global_denominator
