@@ -89,6 +89,7 @@ def test_model_preset_matches_config(setup):
     (["--loss-type", "custom_loss"], "--custom-loss-function-path"),
     (["--actor-num-gpus-per-node", "3"], "--global-batch-size"),
     (["--use-tis", "--use-rollout-logprobs"], "--use-tis"),
+    (["--use-opd"], "--opd-teacher-load"),
     (["--tis-mode", "mask_token"], "--use-tis"),
     (["--calculate-per-token-loss", "--loss-agg-mode", "constant"], "--calculate-per-token-loss"),
     (["--loss-agg-constant", "8"], "--loss-agg-mode constant"),

@@ -20,6 +20,8 @@ import functools
 import logging
 import uuid
 
+from tqdm import tqdm
+
 from slime.rollout.dataset import prompt_token_ids, tokenizer_for
 from slime.rollout.http_client import abort_all_requests, request_json, router_url, run
 from slime.rollout.rm_hub import async_rm, batched_async_rm
@@ -197,6 +199,8 @@ async def _generate_rollout_async(args, rollout_id: int, data_source) -> tuple[l
     drop_counts: collections.Counter = collections.Counter()
     num_groups_fetched = num_kept_when_insufficient = 0
     pending: set[asyncio.Task] = set()
+    progress = tqdm(total=target, desc=f"rollout {rollout_id}", unit="group", mininterval=2.0, leave=False,
+                    disable=bool(getattr(args, "no_progress", False)))
     try:
         while len(accepted) < target:
             while len(accepted) + len(pending) < target:
@@ -225,6 +229,7 @@ async def _generate_rollout_async(args, rollout_id: int, data_source) -> tuple[l
                     keep, num_kept_when_insufficient = True, num_kept_when_insufficient + 1
                 if keep:
                     accepted.append(group)
+                    progress.update(1)
                 else:
                     drop_counts[reason] += 1
         num_in_flight = len(pending)
@@ -234,6 +239,7 @@ async def _generate_rollout_async(args, rollout_id: int, data_source) -> tuple[l
             leftovers += await asyncio.gather(*pending)
             pending = set()
     finally:
+        progress.close()
         for task in pending:
             task.cancel()
 

@@ -163,8 +163,9 @@ def _resolve_algorithm(args) -> None:
              "towards the rollout's)")
     _require(args.loss_type != "custom_loss" or args.custom_loss_function_path,
              "--loss-type custom_loss needs --custom-loss-function-path")
-    _require(not args.use_opd or args.opd_teacher_load or args.rm_url,
-             "--use-opd needs a teacher: --opd-teacher-load DIR (trainer-side) or --rm-url of a teacher engine")
+    _require(not args.use_opd or args.opd_teacher_load,
+             "--use-opd needs a teacher checkpoint: --opd-teacher-load DIR (teacher log-probs are computed by the "
+             "trainer; teacher log-probs from a teacher engine are not supported yet)")
     _require(args.opd_teacher_load is None or args.use_opd, "--opd-teacher-load is only used with --use-opd")
     if args.n_samples_per_prompt == 1:
         args.grpo_std_normalization = False

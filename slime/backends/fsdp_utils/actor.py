@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from tqdm import tqdm
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
@@ -254,7 +255,9 @@ class FSDPTrainer:
         schedule, per_sample, metrics = self._prepare(data, values)
         self.last_returns = per_sample.pop("returns")
         step_metrics = []
-        for step_id, micro_batches in enumerate(schedule):
+        steps = tqdm(schedule, desc=f"train {rollout_id}", unit="step", leave=False,
+                     disable=self.rank != 0 or bool(getattr(args, "no_progress", False)) or len(schedule) < 2)
+        for step_id, micro_batches in enumerate(steps):
             if self.hooks["custom_before_train_step_hook_path"]:
                 self.hooks["custom_before_train_step_hook_path"](args, rollout_id, step_id, self.model,
                                                                  self.optimizer, self.scheduler)
