@@ -52,13 +52,13 @@ def load_hf_model(path: str, attn_implementation: str = "sdpa") -> nn.Module:
     return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation=attn_implementation)
 
 
-def build_policy_model(hf_model: nn.Module, mesh, *, temperature: float, chunk_size: int | None,
-                       mixed_precision: bool, recompute_activations: bool) -> PolicyModel:
-    """Wrap, checkpoint activations per decoder layer if asked, and shard every decoder layer then the root."""
+def shard_model(model: nn.Module, hf_model: nn.Module, mesh, *, mixed_precision: bool,
+                recompute_activations: bool) -> nn.Module:
+    """Checkpoint activations per decoder layer if asked, then shard every decoder layer of `hf_model` and finally
+    `model` (the wrapper holding it) as the root."""
     if recompute_activations:
         hf_model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     hf_model.config.use_cache = False
-    model = PolicyModel(hf_model, temperature, chunk_size)
     kwargs = {"mesh": mesh}
     if mixed_precision:
         kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
@@ -66,6 +66,12 @@ def build_policy_model(hf_model: nn.Module, mesh, *, temperature: float, chunk_s
         fully_shard(layer, **kwargs)
     fully_shard(model, **kwargs)
     return model
+
+
+def build_policy_model(hf_model: nn.Module, mesh, *, temperature: float, chunk_size: int | None,
+                       mixed_precision: bool, recompute_activations: bool) -> PolicyModel:
+    return shard_model(PolicyModel(hf_model, temperature, chunk_size), hf_model, mesh,
+                       mixed_precision=mixed_precision, recompute_activations=recompute_activations)
 
 
 def reshard(model: nn.Module) -> None:

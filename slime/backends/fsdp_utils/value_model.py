@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from slime.backends.fsdp_utils.data import PackedMicroBatch
+from slime.backends.fsdp_utils.model import shard_model
 
 VALUE_HEAD_KEY = "value_head.weight"
 
@@ -39,18 +39,10 @@ class ValueModel(nn.Module):
 
 def build_value_model(hf_model: nn.Module, mesh, *, value_head_weight: torch.Tensor | None, mixed_precision: bool,
                       recompute_activations: bool) -> ValueModel:
-    """Wrap (loading `value_head_weight` when resuming a critic), then shard every decoder layer and the root."""
-    if recompute_activations:
-        hf_model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    hf_model.config.use_cache = False
+    """Wrap (loading `value_head_weight` when resuming a critic), then shard like the policy."""
     model = ValueModel(hf_model)
     if value_head_weight is not None:
         with torch.no_grad():
             model.value_head.weight.copy_(value_head_weight)
-    kwargs = {"mesh": mesh}
-    if mixed_precision:
-        kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    for layer in hf_model.get_decoder().layers:
-        fully_shard(layer, **kwargs)
-    fully_shard(model, **kwargs)
-    return model
+    return shard_model(model, hf_model, mesh, mixed_precision=mixed_precision,
+                       recompute_activations=recompute_activations)
