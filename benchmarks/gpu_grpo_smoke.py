@@ -12,8 +12,8 @@ task_mod.MODEL_SHAPE = dict(hidden_size=1024, intermediate_size=3072, num_hidden
 paths = build_task(out / "task")
 cmd = [sys.executable, str(REPO / "train.py"), "--hf-checkpoint", str(paths["model"]), "--ref-load", str(paths["model"]),
        "--prompt-data", str(paths["train"]), "--input-key", "prompt", "--label-key", "label", "--apply-chat-template",
-       "--rm-type", "math", "--rollout-batch-size", "16", "--n-samples-per-prompt", "8", "--num-rollout", "2",
-       "--rollout-max-response-len", "128", "--colocate", "--actor-num-gpus-per-node", "1", "--use-kl-loss",
+       "--rm-type", "math", "--rollout-batch-size", "32", "--n-samples-per-prompt", "8", "--num-rollout", "3",
+       "--rollout-max-response-len", "256", "--colocate", "--actor-num-gpus-per-node", "1", "--use-kl-loss",
        "--kl-loss-coef", "0.001", "--micro-batch-size", "16", "--lr", "1e-6", "--output-dir", str(out / "run"), "--no-progress"]
 print(" ".join(cmd), flush=True)
 rc = subprocess.run(cmd, cwd=REPO).returncode
