@@ -77,7 +77,10 @@ class RayTrainGroup:
         self._all("save_model", rollout_id, run_state)
 
     def update_weights(self, engine_urls: list[str], weight_version: str) -> dict:
-        return self._all("update_weights", engine_urls, weight_version)[0]
+        """Tensor handles (shared memory / CUDA IPC) when trainer and engines share devices or the host's memory;
+        an NCCL broadcast group when the engines sit on GPUs of their own."""
+        mode = "distributed" if self.args.device == "cuda" and not self.args.colocate else "tensor"
+        return self._all("update_weights", engine_urls, weight_version, mode)[0]
 
     def offload(self) -> None:
         self._all("offload")

@@ -349,9 +349,6 @@ class FSDPTrainer:
         )
         return str(path)
 
-    def connect_rollout_engines(self, engine_urls: list[str], mode: str = "tensor") -> None:
-        self.weight_updater.connect(engine_urls, mode)
-
     def update_weights(self, engine_urls: list[str] | None = None, weight_version=None, mode: str | None = None) -> dict:
         """Push the current weights to the engines (connecting first when `engine_urls` or `mode` changed)."""
         if engine_urls is not None and (list(engine_urls) != self.weight_updater.engine_urls

@@ -13,9 +13,6 @@ from dataclasses import dataclass
 
 import torch
 
-PER_TOKEN_KEYS = ("loss_masks", "rollout_log_probs", "teacher_log_probs")
-
-
 @dataclass
 class PackedMicroBatch:
     input_ids: torch.Tensor  # [1, num_tokens]
@@ -105,16 +102,3 @@ def pad_num_micro_batches(bins: list[list[int]], lengths: list[int], target: int
         half = len(largest) // 2
         bins[position:position + 1] = [largest[:half], largest[half:]]
     return bins
-
-
-def flat_per_token(values: list[list[float]], sample_indices: list[int], dtype=torch.float32) -> torch.Tensor:
-    """Concatenate per-response-token lists of the given samples into one flat tensor (packed order)."""
-    flat = [v for index in sample_indices for v in values[index]]
-    return torch.tensor(flat, dtype=dtype)
-
-
-def broadcast_per_sample(values: list[float], sample_indices: list[int], response_lengths: list[int],
-                         dtype=torch.float32) -> torch.Tensor:
-    """One value per sample repeated over its response tokens (packed order)."""
-    flat = [values[index] for index, length in zip(sample_indices, response_lengths) for _ in range(length)]
-    return torch.tensor(flat, dtype=dtype)
