@@ -63,8 +63,9 @@ def test_on_policy_distillation_pulls_towards_a_confident_teacher(tiny_checkpoin
     data = make_train_data(4, vocab_size=300, seed=3)
     data["rewards"] = [0.0] * 4
     data["teacher_log_probs"] = [[0.0] * r for r in data["response_lengths"]]  # the teacher is sure of every token
-    args = make_args(tiny_checkpoint, "--lr", "1e-3", "--use-opd", "--rm-url", "http://127.0.0.1:1",
-                     "--opd-kl-coef", "1.0")
+    # teacher log-probs arrive with the data, as a custom generate function that queries a teacher would set them
+    args = make_args(tiny_checkpoint, "--lr", "1e-3", "--use-opd", "--opd-kl-coef", "1.0",
+                     "--custom-generate-function-path", "my_pkg.generate_with_teacher_log_probs")
     trainer = make_trainer(args)
     packed = pack_samples(data["tokens"], data["response_lengths"], list(range(4)))
 

@@ -163,9 +163,11 @@ def _resolve_algorithm(args) -> None:
              "towards the rollout's)")
     _require(args.loss_type != "custom_loss" or args.custom_loss_function_path,
              "--loss-type custom_loss needs --custom-loss-function-path")
-    _require(not args.use_opd or args.opd_teacher_load,
-             "--use-opd needs a teacher checkpoint: --opd-teacher-load DIR (teacher log-probs are computed by the "
-             "trainer; teacher log-probs from a teacher engine are not supported yet)")
+    custom_rollout = (args.custom_generate_function_path is not None
+                      or args.rollout_function_path != "slime.rollout.sglang_rollout.generate_rollout")
+    _require(not args.use_opd or args.opd_teacher_load or custom_rollout,
+             "--use-opd needs teacher log-probs: --opd-teacher-load DIR (the trainer computes them), or a custom "
+             "--custom-generate-function-path / --rollout-function-path that sets Sample.teacher_log_probs")
     _require(args.opd_teacher_load is None or args.use_opd, "--opd-teacher-load is only used with --use-opd")
     if args.n_samples_per_prompt == 1:
         args.grpo_std_normalization = False

@@ -235,7 +235,8 @@ class FSDPTrainer:
         if self.args.opd_teacher_load:
             return self._log_probs_with("teacher", schedule, num_samples)
         if not data.get("teacher_log_probs"):
-            raise ValueError("--use-opd: the train data has no teacher_log_probs (is --rm-url a teacher?)")
+            raise ValueError("--use-opd: the train data has no teacher_log_probs; pass --opd-teacher-load or have the "
+                             "custom rollout / generate function set Sample.teacher_log_probs")
         return [torch.tensor(lp, dtype=torch.float32) for lp in data["teacher_log_probs"]]
 
     def _global_masked_mean(self, values: list[torch.Tensor], masks: list[torch.Tensor]) -> float:
