@@ -105,6 +105,10 @@ class ModelRunner:
             )
         return num_blocks
 
+    @property
+    def has_kv_cache(self) -> bool:
+        return self.model.attention_layers()[0].k_cache.numel() > 0
+
     def allocate_kv_cache(self) -> None:
         c = self.model_config
         shape = (self.num_kvcache_blocks + 1, self.block_size, c.num_key_value_heads, c.head_dim)
