@@ -8,7 +8,7 @@ import time
 import httpx
 import pytest
 
-from slime.engine.http_launch import find_free_port
+from slime.utils.misc import find_free_port
 
 GREEDY = {"temperature": 0.0, "max_new_tokens": 6}
 

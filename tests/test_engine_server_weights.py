@@ -16,7 +16,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from slime.engine.http_launch import find_free_port
+from slime.utils.misc import find_free_port
 from slime.utils.tiny_model import build_tiny_model
 from slime.utils.weight_transport import (
     broadcast_named_tensors,

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from slime.engine.http_launch import find_free_port
+from slime.utils.misc import find_free_port
 from slime.utils.weight_transport import deserialize_named_tensors, parse_dtype, serialize_named_tensors
 
 REPO_ROOT = str(Path(__file__).resolve().parents[1])

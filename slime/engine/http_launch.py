@@ -7,20 +7,15 @@ restarts, no log rotation; the caller owns the process and calls `stop()`.
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import time
 import urllib.request
 from pathlib import Path
 
+from slime.utils.misc import find_free_port
+
 DEFAULT_STARTUP_TIMEOUT_S = 120.0
-
-
-def find_free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
 
 
 class ServerProcess:
@@ -54,11 +49,17 @@ def launch_server(
     env: dict | None = None,
     startup_timeout_s: float = DEFAULT_STARTUP_TIMEOUT_S,
 ) -> ServerProcess:
-    """Start the server and block until GET /health returns 200; RuntimeError (with the log tail) if it exits
-    or does not become healthy within `startup_timeout_s`."""
+    """Start the built-in engine server and block until GET /health returns 200."""
     port = port or find_free_port(host)
     command = [sys.executable, "-m", "slime.engine.server", "--model-path", str(model_path)]
     command += ["--host", host, "--port", str(port), *(extra_args or [])]
+    return launch_process(command, f"http://{host}:{port}", log_path, env, startup_timeout_s)
+
+
+def launch_process(command: list[str], url: str, log_path: str | Path | None = None, env: dict | None = None,
+                   startup_timeout_s: float = DEFAULT_STARTUP_TIMEOUT_S) -> ServerProcess:
+    """Start any server speaking the engine HTTP API (the built-in one, or SGLang) at `url` and block until
+    GET /health returns 200; RuntimeError (with the log tail) if it exits or does not become healthy in time."""
     log_path = Path(log_path) if log_path else None
     log_file = open(log_path, "w") if log_path else subprocess.DEVNULL
     child_env = {**os.environ, **(env or {})}
@@ -67,7 +68,7 @@ def launch_server(
     process = subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT, env=child_env)
     if log_path:
         log_file.close()
-    server = ServerProcess(process, f"http://{host}:{port}", log_path)
+    server = ServerProcess(process, url, log_path)
     opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # an http_proxy must not capture loopback
     deadline = time.monotonic() + startup_timeout_s
     while time.monotonic() < deadline:

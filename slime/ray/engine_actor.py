@@ -9,13 +9,10 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import subprocess
 import sys
-import time
 from pathlib import Path
 
-import httpx
-
+from slime.engine.http_launch import launch_process
 from slime.utils.misc import find_free_port
 
 
@@ -49,42 +46,24 @@ class EngineActor:
     def __init__(self, args, rank: int):
         self.args = args
         self.rank = rank
-        self.process = None
-        self.url = None
+        self.server = None
 
     def start(self, timeout: float = 600.0) -> str:
         port = find_free_port()
-        self.url = f"http://127.0.0.1:{port}"
         log_path = Path(self.args.output_dir) / f"engine_{self.rank}.log"
         log_path.parent.mkdir(parents=True, exist_ok=True)
-        env = dict(os.environ)
-        if self.args.device == "cpu":
-            # Sync training leaves the cores to the engine while it generates.
-            env["OMP_NUM_THREADS"] = str(os.cpu_count() or 1)
-        self._log = open(log_path, "ab")
-        self.process = subprocess.Popen(engine_server_command(self.args, port), stdout=self._log,
-                                        stderr=subprocess.STDOUT, env=env)
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                tail = log_path.read_text(errors="replace")[-3000:]
-                raise EngineStartError(f"engine {self.rank} exited with code {self.process.returncode}; "
-                                       f"log {log_path}:\n{tail}")
-            try:
-                if httpx.get(f"{self.url}/health", timeout=2.0, trust_env=False).status_code == 200:
-                    return self.url
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.3)
-        raise EngineStartError(f"engine {self.rank} at {self.url} not healthy after {timeout:.0f} s; see {log_path}")
+        # Sync training leaves the cores to the engine while it generates.
+        env = {"OMP_NUM_THREADS": str(os.cpu_count() or 1)} if self.args.device == "cpu" else {}
+        try:
+            self.server = launch_process(engine_server_command(self.args, port), f"http://127.0.0.1:{port}",
+                                         log_path, env, startup_timeout_s=timeout)
+        except RuntimeError as exc:
+            raise EngineStartError(f"engine {self.rank} did not start (log {log_path}): {exc}") from None
+        return self.server.url
 
     def is_alive(self) -> bool:
-        return self.process is not None and self.process.poll() is None
+        return self.server is not None and self.server.process.poll() is None
 
     def shutdown(self) -> None:
-        if self.process is not None and self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
+        if self.server is not None:
+            self.server.stop()
