@@ -195,15 +195,14 @@ def _resolve_algorithm(args) -> None:
 
 
 def _resolve_eval_and_output(args) -> None:
-    args.eval_datasets = []
-    if args.eval_prompt_data:
-        items = args.eval_prompt_data
-        if len(items) == 1:
-            items = ["eval", items[0]]
-        _require(len(items) % 2 == 0, "--eval-prompt-data takes NAME PATH pairs: --eval-prompt-data gsm8k a.jsonl")
-        for name, path in zip(items[::2], items[1::2]):
-            _require(Path(path.split("@[")[0]).is_file(), f"--eval-prompt-data {name}: file {path} not found")
-            args.eval_datasets.append((name, path))
+    from slime.rollout.dataset import parse_eval_prompt_data
+
+    try:
+        args.eval_datasets = parse_eval_prompt_data(args.eval_prompt_data)
+    except ValueError as exc:
+        raise ArgumentError(str(exc)) from None
+    for name, path in args.eval_datasets:
+        _require(Path(path.split("@[")[0]).is_file(), f"--eval-prompt-data {name}: file {path} not found")
     _require(args.eval_interval is None or args.eval_datasets, "--eval-interval needs --eval-prompt-data")
     _require(args.save_interval is None or args.save, "--save-interval needs --save")
     _require(args.save_interval is None or args.save_interval >= 1, "--save-interval must be >= 1")
