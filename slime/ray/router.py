@@ -12,6 +12,7 @@ import time
 
 import httpx
 
+from slime.rollout.http_client import worker_urls_from_listing
 from slime.utils.misc import find_free_port
 
 
@@ -61,9 +62,7 @@ class RouterProcess:
 def list_workers(router_url: str) -> list[str]:
     response = httpx.get(f"{router_url}/workers", timeout=10.0, trust_env=False)
     response.raise_for_status()
-    body = response.json()
-    workers = body.get("workers", body) if isinstance(body, dict) else body
-    return [w["url"] if isinstance(w, dict) else str(w) for w in workers]
+    return worker_urls_from_listing(response.json())
 
 
 def register_worker(router_url: str, worker_url: str, timeout: float = 120.0) -> None:

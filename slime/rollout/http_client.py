@@ -123,7 +123,7 @@ def router_url(args) -> str:
     return f"http://{args.sglang_router_ip}:{args.sglang_router_port}"
 
 
-def _worker_urls_from_listing(listing: Any) -> list[str]:
+def worker_urls_from_listing(listing: Any) -> list[str]:
     """The worker URLs in a router's `GET /workers` answer (sglang-router >= 0.2: {"workers": [{"url": ...}]};
     older routers: {"urls": [...]})."""
     if isinstance(listing, dict):
@@ -137,7 +137,7 @@ def _worker_urls_from_listing(listing: Any) -> list[str]:
 
 
 async def list_worker_urls(base_url: str) -> list[str]:
-    return _worker_urls_from_listing(await request_json("GET", f"{base_url}/workers"))
+    return worker_urls_from_listing(await request_json("GET", f"{base_url}/workers"))
 
 
 async def abort_all_requests(base_url: str) -> list[str]:
