@@ -30,10 +30,8 @@ class TrainRayActor:
         self.trainer = trainer_cls(args, rank, world_size, master_addr, master_port, role=role)
 
     def call(self, method: str, *args, **kwargs):
+        """Any trainer method; ObjectRefs passed as top-level arguments arrive resolved."""
         return getattr(self.trainer, method)(*args, **kwargs)
-
-    def train(self, rollout_id: int, data: dict, *critic_tensors):
-        return self.trainer.train(rollout_id, data, *critic_tensors)
 
     @ray.method(num_returns=2)
     def train_for_critic(self, rollout_id: int, data: dict, values: list, train_policy: bool):
@@ -68,7 +66,7 @@ class RayTrainGroup:
 
     def async_train(self, rollout_id: int, data_refs: list) -> list:
         # Each rank gets its own ObjectRef as a top-level argument, so Ray hands it the dict directly.
-        return [actor.train.remote(rollout_id, ref) for actor, ref in zip(self.actors, data_refs)]
+        return [actor.call.remote("train", rollout_id, ref) for actor, ref in zip(self.actors, data_refs)]
 
     def train(self, rollout_id: int, data_refs: list) -> dict:
         return ray.get(self.async_train(rollout_id, data_refs))[0]
@@ -97,7 +95,7 @@ def train_with_critic(args, actor: RayTrainGroup, critic: RayTrainGroup, rollout
     train_policy = rollout_id >= args.num_critic_only_steps
     pairs = [a.train_for_critic.remote(rollout_id, ref, values, train_policy)
              for a, ref, values in zip(actor.actors, data_refs, value_refs)]
-    critic_refs = [c.train.remote(rollout_id, ref, values, returns)
+    critic_refs = [c.call.remote("train", rollout_id, ref, values, returns)
                    for c, ref, values, (_, returns) in zip(critic.actors, data_refs, value_refs, pairs)]
     metrics = ray.get(pairs[0][0])
     ray.get([metric_ref for metric_ref, _ in pairs[1:]])
