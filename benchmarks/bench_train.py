@@ -82,6 +82,11 @@ def run_slime(checkpoint, tokens, response_lengths, rewards, opts):
                 global_batch_size=len(tokens))
     trainer.train(0, data)  # warm-up
     torch.cuda.synchronize()
+    if opts.profile:
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            trainer.train(0, data)
+            torch.cuda.synchronize()
+        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=30))
     torch.cuda.reset_peak_memory_stats()
     start = time.perf_counter()
     for rollout_id in range(opts.num_iters):
@@ -148,6 +153,7 @@ def main():
     parser.add_argument("--recompute-activations", action="store_true")
     parser.add_argument("--num-iters", type=int, default=3)
     parser.add_argument("--skip-baseline", action="store_true")
+    parser.add_argument("--profile", action="store_true", help="print the GPU kernels of one slime step first")
     opts = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_train.py needs a CUDA GPU")

@@ -1,25 +1,72 @@
-"""One GRPO run on one GPU, colocated, with a Qwen3-0.6B-shaped model (random init, quickstart tokenizer and
-vocabulary): a few rollouts through train.py, then the per-step time breakdown as a table and a JSON last line."""
-import json, subprocess, sys
+"""A colocated GRPO run through train.py with the per-rollout step-time breakdown (rollout, log-prob, train,
+weight sync) as a table and a JSON last line.
+
+    python benchmarks/gpu_grpo_smoke.py OUT_DIR                    # one GPU: Qwen3-0.6B shape, 32 x 8 samples
+    python benchmarks/gpu_grpo_smoke.py OUT_DIR --shape tiny       # CPU: the quickstart model, a quick check
+
+The qwen3-0.6b shape is Qwen3-0.6B's (28 layers, hidden 1024, 151,936 embedding rows) with random weights and the
+quickstart's small tokenizer (ids past it decode to nothing), so nothing is downloaded; rewards are ~0, which
+does not change the time of any phase. Rollout 0 includes warm-up (CUDA-graph capture, first allocations).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
 from pathlib import Path
+
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-from examples.quickstart.task import build_task
-import examples.quickstart.task as task_mod
-out = Path(sys.argv[1]); out.mkdir(parents=True, exist_ok=True)
-task_mod.MODEL_SHAPE = dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
-                            num_key_value_heads=8, head_dim=128, max_position_embeddings=4096)
-paths = build_task(out / "task")
-cmd = [sys.executable, str(REPO / "train.py"), "--hf-checkpoint", str(paths["model"]), "--ref-load", str(paths["model"]),
-       "--prompt-data", str(paths["train"]), "--input-key", "prompt", "--label-key", "label", "--apply-chat-template",
-       "--rm-type", "math", "--rollout-batch-size", "32", "--n-samples-per-prompt", "8", "--num-rollout", "3",
-       "--rollout-max-response-len", "256", "--colocate", "--actor-num-gpus-per-node", "1", "--use-kl-loss",
-       "--kl-loss-coef", "0.001", "--micro-batch-size", "16", "--lr", "1e-6", "--output-dir", str(out / "run"), "--no-progress"]
-print(" ".join(cmd), flush=True)
-rc = subprocess.run(cmd, cwd=REPO).returncode
-rows = [json.loads(l) for l in (out / "run" / "metrics.jsonl").read_text().splitlines()] if (out / "run" / "metrics.jsonl").exists() else []
-keys = ["perf/rollout_time", "perf/log_prob_time", "perf/train_time", "perf/update_weights_time", "perf/step_time",
-        "train/train_rollout_logprob_abs_diff", "rollout/response_len/mean"]
-for r in rows:
-    print(r["rollout_id"], " ".join(f"{k.split('/')[-1]}={r.get(k, float('nan')):.4g}" for k in keys))
-print(json.dumps({"rc": rc, "rows": [{k: r.get(k) for k in ["rollout_id"] + keys} for r in rows]}))
+
+import examples.quickstart.task as task_mod  # noqa: E402
+
+SHAPES = {
+    "qwen3-0.6b": dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
+                       num_key_value_heads=8, head_dim=128, max_position_embeddings=4096, embedding_size=151936),
+    "tiny": dict(task_mod.MODEL_SHAPE),
+}
+PHASES = ["perf/rollout_time", "perf/log_prob_time", "perf/actor_train_time", "perf/update_weights_time",
+          "perf/step_time"]
+EXTRA = ["perf/rollout_tokens_per_sec", "train/train_rollout_logprob_abs_diff", "rollout/response_len/mean"]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("out_dir", type=Path)
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-0.6b")
+    parser.add_argument("--num-rollout", type=int, default=4)
+    parser.add_argument("--rollout-batch-size", type=int, default=32)
+    parser.add_argument("--n-samples-per-prompt", type=int, default=8)
+    parser.add_argument("--max-response-len", type=int, default=256)
+    args = parser.parse_args()
+    out = args.out_dir
+    out.mkdir(parents=True, exist_ok=True)
+    task_mod.MODEL_SHAPE = SHAPES[args.shape]
+    paths = task_mod.build_task(out / "task")
+    on_gpu = args.shape != "tiny"
+    cmd = [sys.executable, str(REPO / "train.py"), "--hf-checkpoint", str(paths["model"]),
+           "--ref-load", str(paths["model"]), "--prompt-data", str(paths["train"]), "--input-key", "prompt",
+           "--label-key", "label", "--apply-chat-template", "--rm-type", "math",
+           "--rollout-batch-size", str(args.rollout_batch_size), "--n-samples-per-prompt",
+           str(args.n_samples_per_prompt), "--num-rollout", str(args.num_rollout),
+           "--rollout-max-response-len", str(args.max_response_len), "--colocate",
+           "--actor-num-gpus-per-node", "1", "--use-kl-loss", "--kl-loss-coef", "0.001",
+           "--use-dynamic-batch-size", "--max-tokens-per-gpu", "16384" if on_gpu else "2048",
+           "--lr", "1e-6", "--output-dir", str(out / "run"), "--no-progress"]
+    print(" ".join(cmd), flush=True)
+    rc = subprocess.run(cmd, cwd=REPO).returncode
+    metrics_file = out / "run" / "metrics.jsonl"
+    rows = [json.loads(line) for line in metrics_file.read_text().splitlines()] if metrics_file.exists() else []
+    keys = PHASES + EXTRA
+    print("rollout | " + " | ".join(k.split("/", 1)[1] for k in keys))
+    for row in rows:
+        print(f"{row['rollout_id']} | " + " | ".join(f"{row.get(k, float('nan')):.4g}" for k in keys))
+    print(json.dumps({"rc": rc, "shape": args.shape, "rows": [{k: r.get(k) for k in ["rollout_id"] + keys}
+                                                               for r in rows]}))
+    return rc if rows else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

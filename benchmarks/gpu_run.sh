@@ -1,16 +1,28 @@
 #!/usr/bin/env bash
-# Everything slime checks on one H200, in one device call, logs under $OUT. Needs the wheel parts of
-# scripts/gpu_wheels.sh: the previous call (same warm machine) copied .whlparts/a/part_aa to /tmp/whl_a/,
-# this call carries .whlparts/b. Steps: install wheels -> GPU tests -> engine benchmark -> trainer benchmark ->
-# colocated GRPO smoke run. Each step's log goes to $OUT/<step>.log; a summary table prints last.
+# slime's checks on one H200, in one device call: `bash benchmarks/gpu_run.sh STEP...` with steps from the case
+# below (default: all). Needs the bundle of scripts/gpu_wheels.sh carried (`.gpubundle`): the Python packages the
+# image lacks (ray, sglang-router, fastapi, ...), pre-installed and xz-compressed. Each step's log goes to
+# $OUT/<step>.log; a summary table prints last.
 set -u
-export PYTHONUNBUFFERED=1 RAY_AUTH_MODE=disabled
-cat /tmp/whl_a/part_aa .whlparts/b/part_ab > /tmp/wheels.tar && mkdir -p /tmp/whl && tar xf /tmp/wheels.tar -C /tmp/whl
-python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site /tmp/whl/*.whl > $OUT/install.log 2>&1
+export PYTHONUNBUFFERED=1 RAY_AUTH_MODE=disabled NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
+OUT=${OUT:-/tmp/gpu_run_out}; mkdir -p $OUT /tmp/site
+tar xJf .gpubundle/site.tar.xz -C /tmp/site
 export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH
-step() { name=$1; shift; start=$(date +%s); "$@" > $OUT/$name.log 2>&1; rc=$?; echo "$name rc=$rc $(( $(date +%s) - start ))s" >> $OUT/summary.txt; }
-step gpu_tests python3 -m pytest -q -m gpu tests
-step bench_engine python3 benchmarks/bench_engine.py --preset qwen3-0.6b
-step bench_train python3 benchmarks/bench_train.py
-step grpo_smoke python3 benchmarks/gpu_grpo_smoke.py $OUT/grpo
-cat $OUT/summary.txt; for f in gpu_tests bench_engine bench_train grpo_smoke; do echo "== $f"; tail -5 $OUT/$f.log; done
+run_step() {
+  case $1 in
+    gpu_tests) python3 -m pytest -q -m gpu tests ;;
+    profile_engine) python3 benchmarks/profile_engine.py ;;
+    bench_engine) python3 benchmarks/bench_engine.py --preset qwen3-0.6b ;;
+    bench_train) python3 benchmarks/bench_train.py ;;
+    bench_train_profile) python3 benchmarks/bench_train.py --profile --skip-baseline --num-iters 2 ;;
+    grpo_smoke) python3 benchmarks/gpu_grpo_smoke.py /tmp/grpo; rc=$?; cp /tmp/grpo/run/metrics.jsonl /tmp/grpo/run/curves.png $OUT/; return $rc ;;
+    *) echo "unknown step $1"; return 2 ;;
+  esac
+}
+steps=${*:-gpu_tests bench_engine bench_train grpo_smoke}
+for name in $steps; do
+  start=$(date +%s); run_step $name > $OUT/$name.log 2>&1; rc=$?
+  echo "$name rc=$rc $(( $(date +%s) - start ))s" >> $OUT/summary.txt
+done
+for name in $steps; do echo "== $name"; tail -n 30 $OUT/$name.log; done
+cat $OUT/summary.txt

@@ -94,9 +94,12 @@ def build_tiny_model(
     vocab_size: int = 512,
     seed: int = 0,
     max_shard_size: str | None = None,
+    embedding_size: int | None = None,
     **config_overrides,
 ) -> Path:
-    """Write a tokenizer plus a random-init model of `arch` to `out_dir` (safetensors) and return the path."""
+    """Write a tokenizer plus a random-init model of `arch` to `out_dir` (safetensors) and return the path.
+    `embedding_size` (default: the tokenizer's size) pads the vocabulary rows, as real checkpoints do (Qwen3's
+    151,936 rows for a smaller tokenizer); ids past the tokenizer decode to nothing."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -104,7 +107,7 @@ def build_tiny_model(
     tokenizer = build_tokenizer(out_dir, corpus, vocab_size=vocab_size)
     config = tiny_config(
         arch,
-        vocab_size=len(tokenizer),
+        vocab_size=max(embedding_size or 0, len(tokenizer)),
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
         **config_overrides,

@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import time
 from collections import defaultdict
 from datetime import timedelta
 from pathlib import Path
@@ -253,7 +254,10 @@ class FSDPTrainer:
         """`num_steps_per_rollout` optimizer steps on a rank's data (`values`: the critic's, for ppo). The returns
         computed on the way (the critic's targets) are kept in `self.last_returns`."""
         args = self.args
+        start = time.perf_counter()
         schedule, per_sample, metrics = self._prepare(data, values)
+        self._synchronize()
+        prepared = time.perf_counter()
         self.last_returns = per_sample.pop("returns")
         step_metrics = []
         steps = tqdm(schedule, desc=f"train {rollout_id}", unit="step", leave=False,
@@ -266,7 +270,15 @@ class FSDPTrainer:
         if self.with_ref and args.ref_update_interval and (rollout_id + 1) % args.ref_update_interval == 0:
             self.snapshot.save("ref")  # the reference follows the actor every --ref-update-interval rollouts
         metrics.update(self._summarise(step_metrics, "train/"))
+        self._synchronize()
+        # log-prob time: the no-grad passes (old / ref / teacher log-probs) and advantages; train: the steps.
+        metrics["perf/log_prob_time"] = prepared - start
+        metrics["perf/actor_train_time"] = time.perf_counter() - prepared
         return metrics
+
+    def _synchronize(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
     def _summarise(self, step_metrics: list[dict], prefix: str) -> dict:
         """Mean over the rollout's optimizer steps (the last lr); per-step values stay in last_step_metrics."""
