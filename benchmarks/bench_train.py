@@ -4,8 +4,14 @@ model, same samples, same optimizer. Prints a summary card and a JSON last line.
 
     python benchmarks/bench_train.py --model-shape qwen3-0.6b --num-samples 32 --micro-batch-size 8
 
-Effective tokens/s counts real tokens only (padding is waste). MFU = (6 * params * tokens + causal attention
-FLOPs) / time / peak, peak = 795 TFLOP/s (measured bf16 matmul on one H200). GPU only.
+The train step is slime's `FSDPTrainer.train` with one optimizer step per rollout (its PPO loss reuses the step's
+own log-probs, so no extra old-log-prob pass); the no-grad log-prob pass (`compute_log_probs`, what the reference
+and old-policy passes cost) is timed separately.
+
+Effective tokens/s counts real tokens only (padding is waste). FLOPs of a train step = 6 * params * tokens
+(forward 2, backward 4, per parameter per token) + causal attention 6 * layers * length^2 * heads * head_dim per
+sample (the half of 12 * L * T^2 * width that the causal mask keeps); the log-prob pass is a third of that (forward
+only). MFU = FLOPs / time / peak, peak = 795 TFLOP/s (measured bf16 matmul on one H200). GPU only.
 """
 
 from __future__ import annotations
@@ -28,6 +34,8 @@ SHAPES = {
                        num_key_value_heads=8, head_dim=128, vocab_size=151936),
     "qwen3-1.7b": dict(hidden_size=2048, intermediate_size=6144, num_hidden_layers=28, num_attention_heads=16,
                        num_key_value_heads=8, head_dim=128, vocab_size=151936),
+    "qwen3-4b": dict(hidden_size=2560, intermediate_size=9728, num_hidden_layers=36, num_attention_heads=32,
+                     num_key_value_heads=8, head_dim=128, vocab_size=151936),
     "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2, head_dim=16, vocab_size=512),
 }
@@ -42,8 +50,11 @@ def build_checkpoint(shape: str, out_dir: Path) -> Path:
     vocab_size = overrides.pop("vocab_size")
     config = tiny_config("qwen3", vocab_size=vocab_size, max_position_embeddings=8192, **overrides)
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.device("cuda"):  # random bf16 weights built on the GPU: seconds, even for 4B
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
     model.save_pretrained(out_dir)
+    del model
+    torch.cuda.empty_cache()
     return out_dir
 
 
@@ -74,6 +85,8 @@ def run_slime(checkpoint, tokens, response_lengths, rewards, opts):
             "--max-tokens-per-gpu", str(opts.max_tokens_per_gpu)]
     if opts.recompute_activations:
         argv.append("--recompute-activations")
+    if opts.compile_model:
+        argv.append("--compile-model")
     args = parse_args(argv)
     trainer = FSDPTrainer(args, 0, 1, "127.0.0.1", find_free_port())
     trainer.init(with_ref=False)
@@ -81,7 +94,14 @@ def run_slime(checkpoint, tokens, response_lengths, rewards, opts):
                 loss_masks=[[1] * r for r in response_lengths], num_steps_per_rollout=1,
                 global_batch_size=len(tokens))
     trainer.train(0, data)  # warm-up
+    schedule = trainer._schedule(data)
+    trainer.compute_log_probs(schedule)  # warm-up
     torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(opts.num_iters):
+        trainer.compute_log_probs(schedule)
+    torch.cuda.synchronize()
+    log_prob_seconds = (time.perf_counter() - start) / opts.num_iters
     if opts.profile:
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
             trainer.train(0, data)
@@ -93,7 +113,8 @@ def run_slime(checkpoint, tokens, response_lengths, rewards, opts):
         trainer.train(rollout_id + 1, data)
     torch.cuda.synchronize()
     seconds = (time.perf_counter() - start) / opts.num_iters
-    return seconds, torch.cuda.max_memory_allocated(), sum(p.numel() for p in trainer.model.parameters())
+    num_params = sum(p.numel() for p in trainer.model.parameters())
+    return seconds, log_prob_seconds, torch.cuda.max_memory_allocated(), num_params
 
 
 def run_baseline(checkpoint, tokens, response_lengths, rewards, opts):
@@ -141,16 +162,33 @@ def run_baseline(checkpoint, tokens, response_lengths, rewards, opts):
     return (time.perf_counter() - start) / opts.num_iters, torch.cuda.max_memory_allocated()
 
 
+def run_baseline_that_fits(checkpoint, tokens, response_lengths, rewards, opts):
+    """The baseline at --micro-batch-size, halved until its full-vocabulary logits fit in memory."""
+    import gc
+
+    while True:
+        try:
+            return run_baseline(checkpoint, tokens, response_lengths, rewards, opts)
+        except torch.cuda.OutOfMemoryError:
+            if opts.micro_batch_size == 1:
+                raise
+        opts.micro_batch_size //= 2  # outside the except block, so the failed attempt's tensors can be freed
+        print(f"baseline out of memory; retrying with --micro-batch-size {opts.micro_batch_size}")
+        gc.collect()
+        torch.cuda.empty_cache()
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model-shape", choices=sorted(SHAPES), default="qwen3-0.6b")
     parser.add_argument("--num-samples", type=int, default=32)
     parser.add_argument("--prompt-length", type=int, default=256)
-    parser.add_argument("--min-response", type=int, default=128)
-    parser.add_argument("--max-response", type=int, default=1792)
+    parser.add_argument("--min-response", type=int, default=256)
+    parser.add_argument("--max-response", type=int, default=4096)
     parser.add_argument("--micro-batch-size", type=int, default=8, help="baseline padded micro-batch (samples)")
     parser.add_argument("--max-tokens-per-gpu", type=int, default=16384, help="slime packed micro-batch budget")
     parser.add_argument("--recompute-activations", action="store_true")
+    parser.add_argument("--compile-model", action="store_true", help="slime's --compile-model")
     parser.add_argument("--num-iters", type=int, default=3)
     parser.add_argument("--skip-baseline", action="store_true")
     parser.add_argument("--profile", action="store_true", help="print the GPU kernels of one slime step first")
@@ -164,27 +202,35 @@ def main():
     lengths = [len(t) for t in tokens]
     with tempfile.TemporaryDirectory() as tmp:
         checkpoint = build_checkpoint(opts.model_shape, Path(tmp))
-        slime_s, slime_mem, num_params = run_slime(checkpoint, tokens, response_lengths, rewards, opts)
+        slime_s, log_prob_s, slime_mem, num_params = run_slime(checkpoint, tokens, response_lengths, rewards, opts)
         torch.cuda.empty_cache()
-        base_s, base_mem = (None, None) if opts.skip_baseline else run_baseline(
+        base_s, base_mem = (None, None) if opts.skip_baseline else run_baseline_that_fits(
             checkpoint, tokens, response_lengths, rewards, opts)
 
-    flops = model_flops(num_params, lengths, shape["num_hidden_layers"], shape["num_attention_heads"] * shape["head_dim"])
+    width = shape["num_attention_heads"] * shape["head_dim"]
+    flops = model_flops(num_params, lengths, shape["num_hidden_layers"], width)
+    log_prob_flops = flops / 3  # forward only: a third of forward + backward
     result = {
         "bench": "train_step", "model_shape": opts.model_shape, "num_params": num_params,
         "num_samples": opts.num_samples, "num_tokens": sum(lengths), "gpu": torch.cuda.get_device_name(),
         "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"),
         "slime_seconds": slime_s, "slime_tokens_per_s": sum(lengths) / slime_s,
         "slime_mfu": flops / slime_s / PEAK_FLOPS, "slime_peak_memory_gb": slime_mem / 2**30,
+        "max_tokens_per_gpu": opts.max_tokens_per_gpu, "recompute_activations": opts.recompute_activations,
+        "compile_model": opts.compile_model,
+        "log_prob_seconds": log_prob_s, "log_prob_tokens_per_s": sum(lengths) / log_prob_s,
+        "log_prob_mfu": log_prob_flops / log_prob_s / PEAK_FLOPS, "log_prob_over_train_speed": slime_s / log_prob_s,
     }
     if base_s is not None:
         result.update(baseline_seconds=base_s, baseline_tokens_per_s=sum(lengths) / base_s,
                       baseline_mfu=flops / base_s / PEAK_FLOPS, baseline_peak_memory_gb=base_mem / 2**30,
-                      speedup=base_s / slime_s)
+                      speedup=base_s / slime_s, baseline_micro_batch_size=opts.micro_batch_size)
     print(f"=== train step: {opts.model_shape} ({num_params / 1e6:.0f}M params), {opts.num_samples} samples, "
           f"{sum(lengths)} tokens ===")
     print(f"slime packed   : {result['slime_tokens_per_s']:>10.0f} tok/s  MFU {result['slime_mfu']:.1%}  "
           f"peak {result['slime_peak_memory_gb']:.1f} GiB")
+    print(f"slime log-prob : {result['log_prob_tokens_per_s']:>10.0f} tok/s  MFU {result['log_prob_mfu']:.1%}  "
+          f"({result['log_prob_over_train_speed']:.2f}x the train step's tok/s)")
     if base_s is not None:
         print(f"HF padded      : {result['baseline_tokens_per_s']:>10.0f} tok/s  MFU {result['baseline_mfu']:.1%}  "
               f"peak {result['baseline_peak_memory_gb']:.1f} GiB")

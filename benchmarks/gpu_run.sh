@@ -15,6 +15,14 @@ run_step() {
     bench_engine) python3 benchmarks/bench_engine.py --preset qwen3-0.6b ;;
     bench_train) python3 benchmarks/bench_train.py ;;
     bench_train_profile) python3 benchmarks/bench_train.py --profile --skip-baseline --num-iters 2 ;;
+    trainer_gpu_tests) python3 -m pytest -q tests/test_fsdp_gpu.py ;;
+    train_06b) python3 benchmarks/bench_train.py --model-shape qwen3-0.6b --micro-batch-size 4 ;;
+    train_06b_compile) python3 benchmarks/bench_train.py --model-shape qwen3-0.6b --compile-model --skip-baseline ;;
+    train_06b_32k) python3 benchmarks/bench_train.py --model-shape qwen3-0.6b --max-tokens-per-gpu 32768 --skip-baseline ;;
+    train_06b_recompute) python3 benchmarks/bench_train.py --model-shape qwen3-0.6b --recompute-activations --skip-baseline ;;
+    train_17b) python3 benchmarks/bench_train.py --model-shape qwen3-1.7b --micro-batch-size 2 ;;
+    train_17b_compile) python3 benchmarks/bench_train.py --model-shape qwen3-1.7b --compile-model --skip-baseline ;;
+    train_4b) python3 benchmarks/bench_train.py --model-shape qwen3-4b --micro-batch-size 2 ;;
     grpo_smoke) python3 benchmarks/gpu_grpo_smoke.py /tmp/grpo; rc=$?; cp /tmp/grpo/run/metrics.jsonl /tmp/grpo/run/curves.png $OUT/; return $rc ;;
     *) echo "unknown step $1"; return 2 ;;
   esac
@@ -24,5 +32,5 @@ for name in $steps; do
   start=$(date +%s); run_step $name > $OUT/$name.log 2>&1; rc=$?
   echo "$name rc=$rc $(( $(date +%s) - start ))s" >> $OUT/summary.txt
 done
-for name in $steps; do echo "== $name"; tail -n 30 $OUT/$name.log; done
+for name in $steps; do echo "== $name"; tail -n ${TAIL:-30} $OUT/$name.log; done
 cat $OUT/summary.txt

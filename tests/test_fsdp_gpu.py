@@ -1,11 +1,12 @@
 """GPU-only checks of the FSDP trainer (skipped without CUDA): bf16 mixed-precision training, offload/onload
-releasing and restoring device memory, and a CUDA-IPC weight push."""
+releasing and restoring device memory, the critic, and FlashAttention varlen over packed micro-batches against
+per-sample transformers forwards."""
 
 import pytest
 import torch
 import torch.distributed as dist
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 
 @pytest.fixture(autouse=True)
@@ -74,3 +75,47 @@ def test_gpu_ppo_critic_fits_returns_and_feeds_the_actor(tmp_path):
     metrics = actor.train(0, data, values)
     assert torch.isfinite(torch.tensor(metrics["train/pg_loss"])) and metrics["train/grad_norm"] > 0
     assert len(actor.last_returns) == 8
+
+
+def test_gpu_varlen_packed_log_probs_match_per_sample_forward(tmp_path):
+    """Packed varlen log-probs (and their gradients) equal per-sample transformers forwards and the sdpa packed
+    path, in bf16, with grouped-query attention and samples of unequal lengths."""
+    from transformers import AutoModelForCausalLM
+
+    from slime.backends.fsdp_utils.attention import VARLEN, varlen_supported
+    from slime.backends.fsdp_utils.data import pack_samples
+    from slime.backends.fsdp_utils.model import PolicyModel, attention_implementation
+    from slime.utils.tiny_model import build_tiny_model
+
+    device = torch.device("cuda")
+    assert varlen_supported(device) and attention_implementation(device) == VARLEN
+    checkpoint = build_tiny_model(tmp_path / "tiny", arch="qwen3", seed=5, hidden_size=256, intermediate_size=512,
+                                  num_attention_heads=4, num_key_value_heads=2, head_dim=64)
+    generator = torch.Generator().manual_seed(0)
+    lengths, response_lengths = [37, 200, 5, 129], [20, 150, 2, 100]
+    tokens = [torch.randint(3, 300, (n,), generator=generator).tolist() for n in lengths]
+    batch = pack_samples(tokens, response_lengths, [0, 1, 2, 3]).to(device)
+
+    def packed(implementation):
+        hf = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.bfloat16,
+                                                  attn_implementation=implementation).to(device)
+        model = PolicyModel(hf)
+        log_probs, _ = model.forward_micro_batch(batch)
+        log_probs.sum().backward()
+        return log_probs.detach().float(), hf.model.layers[0].self_attn.q_proj.weight.grad.float()
+
+    varlen_log_probs, varlen_grad = packed(VARLEN)
+    sdpa_log_probs, sdpa_grad = packed("sdpa")
+    reference = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.bfloat16).to(device)
+    expected = []
+    with torch.no_grad():
+        for sample, response_length in zip(tokens, response_lengths):
+            logits = reference(torch.tensor([sample], device=device)).logits[0].float()
+            log_softmax = torch.log_softmax(logits[-response_length - 1:-1], -1)
+            expected.append(log_softmax.gather(1, torch.tensor(sample[-response_length:], device=device)[:, None])[:, 0])
+    expected = torch.cat(expected)
+    assert varlen_log_probs.shape == expected.shape
+    assert (varlen_log_probs - expected).abs().max() < 0.05  # bf16 forward; values are ~ -5.7
+    assert (varlen_log_probs - sdpa_log_probs).abs().max() < 0.05
+    relative = (varlen_grad - sdpa_grad).norm() / sdpa_grad.norm()
+    assert relative < 0.02, relative

@@ -84,6 +84,9 @@ def add_model_arguments(parser):
     g.add_argument("--save-interval", type=int, default=None)
     g.add_argument("--no-save-optim", action="store_true")
     g.add_argument("--recompute-activations", action="store_true")
+    g.add_argument("--compile-model", action="store_true",
+                   help="torch.compile each decoder layer's forward (dynamic shapes; fuses the elementwise work "
+                        "around the matmuls; the first steps pay the compile time)")
     g.add_argument("--log-probs-chunk-size", type=int, default=1024)
     for name, kind in MODEL_FLAGS.items():
         g.add_argument("--" + name.replace("_", "-"), type=kind, default=None)

@@ -41,6 +41,7 @@ from slime.backends.fsdp_utils.model import (
     WeightSnapshot,
     build_policy_model,
     load_full_weights,
+    attention_implementation,
     load_hf_model,
     read_hf_weights,
 )
@@ -102,11 +103,12 @@ class FSDPTrainer:
             weights_path = args.hf_checkpoint
         if not weights_path:
             raise ValueError("no model to train: pass --hf-checkpoint (a Hugging Face folder)")
-        hf_model = load_hf_model(weights_path)
+        hf_model = load_hf_model(weights_path, attention_implementation(self.device))
         self.hf_config = hf_model.config
         self.model = build_policy_model(
             hf_model, self.mesh, temperature=args.rollout_temperature, chunk_size=args.log_probs_chunk_size,
             mixed_precision=self.device.type == "cuda", recompute_activations=args.recompute_activations,
+            compile_layers=args.compile_model,
         )
         self.model.train()  # from_pretrained returns eval mode; HF activation checkpointing only runs in train mode
         self.optimizer, self.scheduler = build_optimizer(args, self.model.parameters())

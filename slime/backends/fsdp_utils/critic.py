@@ -18,7 +18,7 @@ import torch
 from slime.backends.fsdp_utils import checkpoint
 from slime.backends.fsdp_utils.actor import FSDPTrainer
 from slime.backends.fsdp_utils.loss import LossReducer, MicroBatchTensors, value_loss
-from slime.backends.fsdp_utils.model import load_hf_model, read_hf_weights
+from slime.backends.fsdp_utils.model import attention_implementation, load_hf_model, read_hf_weights
 from slime.backends.fsdp_utils.optimizer import build_optimizer
 from slime.backends.fsdp_utils.value_model import VALUE_HEAD_KEY, build_value_model
 from slime.utils.misc import seed_everything
@@ -51,11 +51,12 @@ class FSDPCritic(FSDPTrainer):
         resume_dir = critic_resume_dir(args.load)
         weights_path = str(resume_dir) if resume_dir is not None else (args.critic_load or args.hf_checkpoint)
         head = read_hf_weights(weights_path).get(VALUE_HEAD_KEY)
-        hf_model = load_hf_model(weights_path)
+        hf_model = load_hf_model(weights_path, attention_implementation(self.device))
         self.hf_config = hf_model.config
         self.model = build_value_model(hf_model, self.mesh, value_head_weight=head,
                                        mixed_precision=self.device.type == "cuda",
-                                       recompute_activations=args.recompute_activations)
+                                       recompute_activations=args.recompute_activations,
+                                       compile_layers=args.compile_model)
         self.model.train()
         self.optimizer, self.scheduler = build_optimizer(args, self.model.parameters(), lr=args.critic_lr)
         if resume_dir is not None:

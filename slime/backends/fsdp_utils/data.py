@@ -3,7 +3,8 @@ split into micro-batches, and how a micro-batch is packed into one padding-free 
 
 Packing: the samples of a micro-batch are concatenated into a single row; `position_ids` restart at 0 for every
 sample, and transformers turns restarting positions (with no attention mask and no KV cache) into a block-diagonal
-causal mask, so no token attends across samples. Only the positions whose hidden state predicts a response token
+causal mask, so no token attends across samples (on the GPU, `cu_seqlens` drives FlashAttention's varlen
+kernel instead, see attention.py). Only the positions whose hidden state predicts a response token
 are gathered for the log-prob head (`logit_index`). Pure torch, no distributed code.
 """
 
@@ -13,6 +14,9 @@ from dataclasses import dataclass
 
 import torch
 
+from slime.backends.fsdp_utils.attention import cu_seqlens_of
+
+
 @dataclass
 class PackedMicroBatch:
     input_ids: torch.Tensor  # [1, num_tokens]
@@ -21,6 +25,8 @@ class PackedMicroBatch:
     target_ids: torch.Tensor  # [num_response_tokens] the response tokens themselves
     sample_indices: list[int]  # indices into the rank's train-data lists
     response_lengths: list[int]
+    cu_seqlens: torch.Tensor  # [num_samples + 1] int32: where each sample starts in the row (varlen attention)
+    max_seqlen: int
 
     @property
     def num_tokens(self) -> int:
@@ -29,13 +35,14 @@ class PackedMicroBatch:
     def to(self, device) -> "PackedMicroBatch":
         return PackedMicroBatch(
             self.input_ids.to(device), self.position_ids.to(device), self.logit_index.to(device),
-            self.target_ids.to(device), self.sample_indices, self.response_lengths,
+            self.target_ids.to(device), self.sample_indices, self.response_lengths, self.cu_seqlens.to(device),
+            self.max_seqlen,
         )
 
 
 def pack_samples(tokens: list[list[int]], response_lengths: list[int], sample_indices: list[int]) -> PackedMicroBatch:
     """Concatenate the given samples (full token lists, prompt + response) into one packed row."""
-    input_ids, position_ids, logit_index, target_ids, lengths = [], [], [], [], []
+    input_ids, position_ids, logit_index, target_ids, lengths, sample_lengths = [], [], [], [], [], []
     offset = 0
     for index in sample_indices:
         sample_tokens = tokens[index]
@@ -49,6 +56,7 @@ def pack_samples(tokens: list[list[int]], response_lengths: list[int], sample_in
         logit_index.extend(range(first_predictor, first_predictor + response_length))
         target_ids.extend(sample_tokens[num_tokens - response_length:])
         lengths.append(response_length)
+        sample_lengths.append(num_tokens)
         offset += num_tokens
     return PackedMicroBatch(
         input_ids=torch.tensor([input_ids], dtype=torch.long),
@@ -57,6 +65,8 @@ def pack_samples(tokens: list[list[int]], response_lengths: list[int], sample_in
         target_ids=torch.tensor(target_ids, dtype=torch.long),
         sample_indices=list(sample_indices),
         response_lengths=lengths,
+        cu_seqlens=cu_seqlens_of(sample_lengths),
+        max_seqlen=max(sample_lengths),
     )
 
 

@@ -13,6 +13,8 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from slime.backends.fsdp_utils.attention import VARLEN, varlen_supported
+from slime.backends.fsdp_utils.attention import register as register_varlen
 from slime.backends.fsdp_utils.data import PackedMicroBatch
 from slime.backends.fsdp_utils.log_probs import chunked_log_probs_and_entropy
 
@@ -31,31 +33,51 @@ class PolicyModel(nn.Module):
         if getattr(hf_model.get_output_embeddings(), "bias", None) is not None:
             raise ValueError("models whose output layer has a bias are not supported by the chunked log-prob head")
 
-    def forward(self, input_ids, position_ids, logit_index, target_ids):
-        # No attention mask and no cache: transformers derives a block-diagonal causal mask from the restarting
-        # position_ids, so packed samples do not attend to each other.
-        outputs = self.hf_model.get_decoder()(input_ids=input_ids, position_ids=position_ids, use_cache=False)
-        hidden = outputs.last_hidden_state[0].index_select(0, logit_index)
+    def forward(self, input_ids, position_ids, logit_index, target_ids, cu_seqlens=None, max_seqlen=None):
+        hidden = packed_hidden_states(self.hf_model, input_ids, position_ids, cu_seqlens, max_seqlen)
         weight = self.hf_model.get_output_embeddings().weight
-        return chunked_log_probs_and_entropy(hidden, weight, target_ids, self.temperature, self.chunk_size)
+        return chunked_log_probs_and_entropy(hidden.index_select(0, logit_index), weight, target_ids,
+                                             self.temperature, self.chunk_size)
 
     def forward_micro_batch(self, micro_batch: PackedMicroBatch):
-        return self(micro_batch.input_ids, micro_batch.position_ids, micro_batch.logit_index, micro_batch.target_ids)
+        return self(micro_batch.input_ids, micro_batch.position_ids, micro_batch.logit_index, micro_batch.target_ids,
+                    micro_batch.cu_seqlens, micro_batch.max_seqlen)
+
+
+def packed_hidden_states(hf_model: nn.Module, input_ids, position_ids, cu_seqlens=None, max_seqlen=None):
+    """Final hidden states [num_tokens, hidden] of one packed row. No attention mask and no cache. sdpa:
+    transformers derives a block-diagonal causal mask from the restarting position_ids. slime_varlen:
+    cu_seqlens marks the samples for FlashAttention's varlen kernel."""
+    varlen = {}
+    if hf_model.config._attn_implementation == VARLEN:
+        varlen = dict(cu_seq_lens_q=cu_seqlens, cu_seq_lens_k=cu_seqlens, max_length_q=max_seqlen,
+                      max_length_k=max_seqlen)
+    outputs = hf_model.get_decoder()(input_ids=input_ids, position_ids=position_ids, use_cache=False, **varlen)
+    return outputs.last_hidden_state[0]
+
+
+def attention_implementation(device: torch.device) -> str:
+    """FlashAttention varlen on the GPU when this torch has it, else sdpa (CPU: exact with packed positions)."""
+    return register_varlen() if varlen_supported(device) else "sdpa"
 
 
 def load_hf_model(path: str, attn_implementation: str = "sdpa") -> nn.Module:
     """fp32 weights on the host. sdpa: with packed position_ids and no mask, transformers builds a dense
-    block-diagonal causal mask, exact on every device. (flex_attention would make it block-sparse on GPUs but
-    recompiles for every new packed length.)"""
+    block-diagonal causal mask, exact on every device but quadratic in the packed length; `slime_varlen` (see
+    attention.py) is the GPU path."""
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation=attn_implementation)
 
 
 def shard_model(model: nn.Module, hf_model: nn.Module, mesh, *, mixed_precision: bool,
-                recompute_activations: bool) -> nn.Module:
-    """Checkpoint activations per decoder layer if asked, then shard every decoder layer of `hf_model` and finally
-    `model` (the wrapper holding it) as the root."""
+                recompute_activations: bool, compile_layers: bool = False) -> nn.Module:
+    """Checkpoint activations per decoder layer if asked, compile each layer's forward if asked (parameter names and
+    FSDP's hooks stay outside the compiled code), then shard every decoder layer of `hf_model` and finally `model`
+    (the wrapper holding it) as the root."""
+    if compile_layers:
+        for layer in hf_model.get_decoder().layers:
+            layer.forward = torch.compile(layer.forward, dynamic=True)
     if recompute_activations:
         hf_model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     hf_model.config.use_cache = False
@@ -69,9 +91,11 @@ def shard_model(model: nn.Module, hf_model: nn.Module, mesh, *, mixed_precision:
 
 
 def build_policy_model(hf_model: nn.Module, mesh, *, temperature: float, chunk_size: int | None,
-                       mixed_precision: bool, recompute_activations: bool) -> PolicyModel:
+                       mixed_precision: bool, recompute_activations: bool,
+                       compile_layers: bool = False) -> PolicyModel:
     return shard_model(PolicyModel(hf_model, temperature, chunk_size), hf_model, mesh,
-                       mixed_precision=mixed_precision, recompute_activations=recompute_activations)
+                       mixed_precision=mixed_precision, recompute_activations=recompute_activations,
+                       compile_layers=compile_layers)
 
 
 def reshard(model: nn.Module) -> None:

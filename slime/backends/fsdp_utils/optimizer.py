@@ -36,9 +36,12 @@ def build_optimizer(args, params, lr: float | None = None) -> tuple[torch.optim.
                                                                    torch.optim.lr_scheduler.LambdaLR]:
     """AdamW + schedule at `lr` (default --lr; the critic passes --critic-lr)."""
     lr = args.lr if lr is None else lr
+    params = list(params)
+    # One fused kernel for all parameters on the GPU (the default per-tensor loop launches thousands).
+    fused = bool(params) and all(p.device.type == "cuda" for p in params)
     optimizer = torch.optim.AdamW(
         params, lr=lr, betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps,
-        weight_decay=args.weight_decay,
+        weight_decay=args.weight_decay, fused=fused or None,
     )
     schedule = dict(lr=lr, min_lr=args.min_lr, warmup_steps=args.lr_warmup_iters,
                     total_steps=total_optimizer_steps(args), decay_style=args.lr_decay_style)

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from slime.backends.fsdp_utils.data import PackedMicroBatch
-from slime.backends.fsdp_utils.model import shard_model
+from slime.backends.fsdp_utils.model import packed_hidden_states, shard_model
 
 VALUE_HEAD_KEY = "value_head.weight"
 
@@ -27,22 +27,23 @@ class ValueModel(nn.Module):
         self.value_head = nn.Linear(hf_model.config.hidden_size, 1, bias=False)
         nn.init.zeros_(self.value_head.weight)
 
-    def forward(self, input_ids, position_ids, logit_index):
-        outputs = self.hf_model.get_decoder()(input_ids=input_ids, position_ids=position_ids, use_cache=False)
-        hidden = outputs.last_hidden_state[0].index_select(0, logit_index)
+    def forward(self, input_ids, position_ids, logit_index, cu_seqlens=None, max_seqlen=None):
+        hidden = packed_hidden_states(self.hf_model, input_ids, position_ids, cu_seqlens, max_seqlen)
+        hidden = hidden.index_select(0, logit_index)
         # A matmul with the head's row, not Linear + squeeze: FSDP's output must not be a view.
         return hidden.matmul(self.value_head.weight[0]).float()
 
     def forward_micro_batch(self, micro_batch: PackedMicroBatch) -> torch.Tensor:
-        return self(micro_batch.input_ids, micro_batch.position_ids, micro_batch.logit_index)
+        return self(micro_batch.input_ids, micro_batch.position_ids, micro_batch.logit_index, micro_batch.cu_seqlens,
+                    micro_batch.max_seqlen)
 
 
 def build_value_model(hf_model: nn.Module, mesh, *, value_head_weight: torch.Tensor | None, mixed_precision: bool,
-                      recompute_activations: bool) -> ValueModel:
+                      recompute_activations: bool, compile_layers: bool = False) -> ValueModel:
     """Wrap (loading `value_head_weight` when resuming a critic), then shard like the policy."""
     model = ValueModel(hf_model)
     if value_head_weight is not None:
         with torch.no_grad():
             model.value_head.weight.copy_(value_head_weight)
     return shard_model(model, hf_model, mesh, mixed_precision=mixed_precision,
-                       recompute_activations=recompute_activations)
+                       recompute_activations=recompute_activations, compile_layers=compile_layers)
