@@ -122,9 +122,8 @@ def _paged_attention_kernel(
         offs_n = start_n + tl.arange(0, BLOCK_N)
         key_valid = offs_n < kv_stop
         block_ids = tl.load(block_table_row + offs_n // KV_BLOCK_SIZE, mask=key_valid, other=0)
-        slot_offsets = (
-            block_ids.to(tl.int64) * stride_cache_block + (offs_n % KV_BLOCK_SIZE) * stride_cache_slot + cache_head_offset
-        )
+        slot_offsets = block_ids.to(tl.int64) * stride_cache_block + (offs_n % KV_BLOCK_SIZE) * stride_cache_slot
+        slot_offsets += cache_head_offset
         kv_offsets = slot_offsets[:, None] + offs_d[None, :]  # [BLOCK_N, HEAD_DIM], head_dim contiguous
         k = tl.load(k_cache_ptr + kv_offsets, mask=key_valid[:, None], other=0.0)
         v = tl.load(v_cache_ptr + kv_offsets, mask=key_valid[:, None], other=0.0)
