@@ -8,7 +8,8 @@ KV head's group), so grouped-query heads share each K/V tile they load. K and V 
 - Prefill (any chunk of more than one query token): BLOCK_M = 64 rows, QK^T and PV on tensor cores (`tl.dot`).
 - Decode (one query token per sequence) with a small group (<= 4 query heads per KV head): BLOCK_M = the group,
   no tensor cores: a broadcast multiply and a sum, so no row is padding and the tiles stay in registers (no shared
-  memory), which lets more programs run per SM and keep more loads in flight. Decode is bound by reading K/V.
+  memory buffers), so more programs fit on an SM to keep loads in flight. Decode is bound by reading K/V: the
+  decode configs below are the ones to tune with `benchmarks/bench_paged_attention.py --sweep`.
 - Split-KV (flash-decoding): when there are too few (sequence, KV head) programs to fill the GPU, each one is
   split into NUM_KV_SPLITS programs over consecutive key ranges that write unnormalized partial results, and a
   second kernel merges them. The split count depends only on shapes (batch size, heads, block-table width, SM
