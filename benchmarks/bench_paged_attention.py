@@ -1,0 +1,215 @@
+"""GPU micro-benchmark of the paged-attention Triton kernel alone (`slime/engine/layers/triton_paged_attention.py`)
+on the Qwen3-0.6B attention shape (16 query heads, 8 KV heads, head dim 128, bf16, KV block size 16), against torch
+SDPA on the same K/V pre-gathered into dense tensors (the peer baseline: FlashAttention without paging; the gather
+itself is not timed). Prints per case: us per call, achieved GB/s over the bytes the kernel must read (K/V of the
+context once, plus q and out) against a 4.25 TB/s H200 ceiling, SDPA's time and the ratio, and the max abs error
+against an fp32 SDPA reference (with bf16 SDPA's own error for scale). Summary card and a JSON last line.
+
+    python benchmarks/bench_paged_attention.py           # the automatic config and split count, < 60 s
+    python benchmarks/bench_paged_attention.py --sweep   # also decode tile/warp/stage configs and split counts
+
+Cases: decode 256 seqs x 300 context (the engine's decode step), decode 16 seqs x 4096 context (split-KV), prefill
+8 x 512 fresh prompts. Timing: CUDA events around 100 back-to-back calls after warm-up. Needs CUDA.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from slime.engine.layers import triton_paged_attention as kernel  # noqa: E402
+
+NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 16, 8, 128, 16
+PEAK_BYTES_PER_S = 4.25e12
+CASES = {
+    "decode_256x300": dict(num_seqs=256, context=300, query_len=1),
+    "decode_16x4096": dict(num_seqs=16, context=4096, query_len=1),
+    "prefill_8x512": dict(num_seqs=8, context=512, query_len=512),
+}
+SWEEP_DECODE_CONFIGS = [
+    kernel.KernelConfig(block_m=0, block_n=16, use_dot=False, num_warps=4, num_stages=2),
+    kernel.KernelConfig(block_m=0, block_n=32, use_dot=False, num_warps=2, num_stages=2),
+    kernel.KernelConfig(block_m=0, block_n=32, use_dot=False, num_warps=4, num_stages=1),
+    kernel.KernelConfig(block_m=0, block_n=32, use_dot=False, num_warps=4, num_stages=2),
+    kernel.KernelConfig(block_m=0, block_n=32, use_dot=False, num_warps=8, num_stages=2),
+    kernel.KernelConfig(block_m=0, block_n=64, use_dot=False, num_warps=4, num_stages=2),
+    kernel.KernelConfig(block_m=0, block_n=64, use_dot=False, num_warps=8, num_stages=2),
+    kernel.KernelConfig(block_m=16, block_n=16, use_dot=True, num_warps=4, num_stages=3),
+    kernel.KernelConfig(block_m=16, block_n=32, use_dot=True, num_warps=4, num_stages=3),
+    kernel.KernelConfig(block_m=16, block_n=32, use_dot=True, num_warps=2, num_stages=4),
+    kernel.KernelConfig(block_m=16, block_n=64, use_dot=True, num_warps=4, num_stages=2),
+    kernel.KernelConfig(block_m=16, block_n=64, use_dot=True, num_warps=4, num_stages=3),  # the previous kernel's
+]
+SWEEP_SPLITS = [1, 2, 4, 8, 16]
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--iters", type=int, default=100)
+    parser.add_argument("--sweep", action="store_true", help="time decode configs and split counts too (~2 min)")
+    args = parser.parse_args(argv)
+    if args.iters < 1:
+        raise ValueError(f"--iters must be >= 1, got {args.iters}")
+    if not torch.cuda.is_available():
+        raise ValueError("bench_paged_attention.py needs CUDA (the kernel has no CPU build)")
+    return args
+
+
+def make_case(num_seqs: int, context: int, query_len: int, seed: int = 0) -> dict:
+    """Random bf16 cache with each sequence's blocks scattered (random permutation), as after some serving."""
+    generator = torch.Generator(device="cuda").manual_seed(seed)
+    num_blocks_per_seq = -(-context // BLOCK_SIZE)
+    num_blocks = num_seqs * num_blocks_per_seq + 8
+    cache_shape = (num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
+    k_cache = torch.randn(cache_shape, generator=generator, device="cuda", dtype=torch.bfloat16)
+    v_cache = torch.randn(cache_shape, generator=generator, device="cuda", dtype=torch.bfloat16)
+    block_tables = torch.randperm(num_blocks, generator=generator, device="cuda")[: num_seqs * num_blocks_per_seq]
+    block_tables = block_tables.view(num_seqs, num_blocks_per_seq).to(torch.int32)
+    q = torch.randn(num_seqs * query_len, NUM_HEADS, HEAD_DIM, generator=generator, device="cuda", dtype=torch.bfloat16)
+    return dict(
+        q=q,
+        k_cache=k_cache,
+        v_cache=v_cache,
+        block_tables=block_tables,
+        query_start_loc=torch.arange(num_seqs + 1, device="cuda", dtype=torch.int32) * query_len,
+        seq_lens=torch.full((num_seqs,), context, device="cuda", dtype=torch.int32),
+        max_query_len=query_len,
+        scale=HEAD_DIM**-0.5,
+    )
+
+
+def dense_inputs(case: dict, num_seqs: int, context: int, query_len: int):
+    """q [seqs, heads, query_len, dim] and K/V [seqs, kv_heads, context, dim] gathered through the block table."""
+    positions = torch.arange(context, device="cuda")
+    slots = case["block_tables"][:, positions // BLOCK_SIZE].long() * BLOCK_SIZE + positions % BLOCK_SIZE
+    keys = case["k_cache"].view(-1, NUM_KV_HEADS, HEAD_DIM)[slots].transpose(1, 2).contiguous()
+    values = case["v_cache"].view(-1, NUM_KV_HEADS, HEAD_DIM)[slots].transpose(1, 2).contiguous()
+    queries = case["q"].view(num_seqs, query_len, NUM_HEADS, HEAD_DIM).transpose(1, 2).contiguous()
+    return queries, keys, values
+
+
+def sdpa(queries, keys, values, query_len: int, scale: float) -> torch.Tensor:
+    out = F.scaled_dot_product_attention(queries, keys, values, is_causal=query_len > 1, scale=scale, enable_gqa=True)
+    return out.transpose(1, 2).reshape(-1, NUM_HEADS, HEAD_DIM)
+
+
+def time_us(fn, iters: int) -> float:
+    for _ in range(5):
+        fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) * 1000 / iters
+
+
+def min_bytes(num_seqs: int, context: int, query_len: int) -> int:
+    kv = 2 * num_seqs * context * NUM_KV_HEADS * HEAD_DIM * 2
+    return kv + 2 * num_seqs * query_len * NUM_HEADS * HEAD_DIM * 2
+
+
+def run_kernel(case: dict, config=None, num_kv_splits=None) -> torch.Tensor:
+    return kernel.paged_attention(**case, config=config, num_kv_splits=num_kv_splits)
+
+
+def bench_case(name: str, shape: dict, iters: int, sweep: bool) -> dict:
+    case = make_case(**shape)
+    queries, keys, values = dense_inputs(case, **shape)
+    scale, query_len = case["scale"], shape["query_len"]
+    expected = sdpa(queries.float(), keys.float(), values.float(), query_len, scale)
+    out = run_kernel(case)
+    sdpa_bf16 = sdpa(queries, keys, values, query_len, scale)
+    config = kernel.choose_config(NUM_HEADS // NUM_KV_HEADS, query_len)
+    num_kv_splits = kernel.choose_num_kv_splits(
+        shape["num_seqs"], NUM_KV_HEADS, case["block_tables"].shape[1] * BLOCK_SIZE, query_len, config.block_n,
+        case["q"].device,
+    )
+    kernel_us = time_us(lambda: run_kernel(case), iters)
+    sdpa_us = time_us(lambda: sdpa(queries, keys, values, query_len, scale), iters)
+    num_bytes = min_bytes(**shape)
+    result = dict(
+        case=name,
+        **shape,
+        config=config.__dict__,
+        num_kv_splits=num_kv_splits,
+        kernel_us=round(kernel_us, 2),
+        kernel_gb_s=round(num_bytes / kernel_us / 1e3, 1),
+        kernel_fraction_of_peak=round(num_bytes / kernel_us / 1e6 / PEAK_BYTES_PER_S, 3),
+        sdpa_us=round(sdpa_us, 2),
+        sdpa_over_kernel=round(sdpa_us / kernel_us, 3),
+        max_abs_err=(out.float() - expected).abs().max().item(),
+        sdpa_bf16_max_abs_err=(sdpa_bf16.float() - expected).abs().max().item(),
+        min_bytes=num_bytes,
+    )
+    print(
+        f"{name}: kernel {kernel_us:.1f} us ({result['kernel_gb_s']:.0f} GB/s, "
+        f"{100 * result['kernel_fraction_of_peak']:.0f}% of 4.25 TB/s) | SDPA {sdpa_us:.1f} us "
+        f"(SDPA / kernel {result['sdpa_over_kernel']:.2f}x) | max abs err {result['max_abs_err']:.2e} "
+        f"(bf16 SDPA {result['sdpa_bf16_max_abs_err']:.2e}) | splits {num_kv_splits}, {config}",
+        flush=True,
+    )
+    if sweep and query_len == 1:
+        result["sweep"] = sweep_decode(case, expected, num_bytes, iters, num_kv_splits)
+    return result
+
+
+def sweep_decode(case: dict, expected: torch.Tensor, num_bytes: int, iters: int, num_kv_splits: int) -> list:
+    """Every config at the automatic split count, then every split count with the automatic config."""
+    runs = [(config, num_kv_splits) for config in SWEEP_DECODE_CONFIGS]
+    runs += [(None, splits) for splits in SWEEP_SPLITS if splits != num_kv_splits]
+    rows = []
+    for config, splits in runs:
+        err = (run_kernel(case, config, splits).float() - expected).abs().max().item()
+        us = time_us(lambda: run_kernel(case, config, splits), iters)
+        label = "auto" if config is None else config.__dict__
+        gb_s = num_bytes / us / 1e3
+        rows.append(dict(config=label, num_kv_splits=splits, us=round(us, 2), gb_s=round(gb_s, 1), max_abs_err=err))
+        print(f"    {us:8.1f} us {gb_s:6.0f} GB/s  err {err:.1e}  splits {splits:2d}  {label}", flush=True)
+    best = min(rows, key=lambda row: row["us"])
+    print(f"    best: {best['us']:.1f} us, splits {best['num_kv_splits']}, {best['config']}", flush=True)
+    return rows
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    import triton
+
+    results = [bench_case(name, shape, args.iters, args.sweep) for name, shape in CASES.items()]
+    device_name = torch.cuda.get_device_name()
+    summary = dict(
+        benchmark="paged_attention",
+        date=datetime.date.today().isoformat(),
+        device=device_name,
+        torch=torch.__version__,
+        triton=triton.__version__,
+        num_heads=NUM_HEADS,
+        num_kv_heads=NUM_KV_HEADS,
+        head_dim=HEAD_DIM,
+        kv_block_size=BLOCK_SIZE,
+        dtype="bfloat16",
+        cases=results,
+    )
+    print("=" * 72)
+    print(f"| paged attention, {device_name}, torch {torch.__version__}, triton {triton.__version__}")
+    for row in results:
+        print(f"| {row['case']:<16} {row['kernel_us']:8.1f} us {row['kernel_gb_s']:7.0f} GB/s "
+              f"({100 * row['kernel_fraction_of_peak']:3.0f}% peak)  SDPA {row['sdpa_us']:8.1f} us  "
+              f"err {row['max_abs_err']:.1e}")
+    print("=" * 72)
+    print(json.dumps(summary))
+    return summary
+
+
+if __name__ == "__main__":
+    main()

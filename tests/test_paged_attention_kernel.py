@@ -1,0 +1,199 @@
+"""The paged-attention kernel's paths against a float64 torch reference: register decode and tensor-core decode
+(GQA 2 and 4), split-KV (flash-decoding) with empty splits, prefill chunks with and without a cached prefix, padded
+seq_len 0 rows, random non-contiguous block tables, contexts that are not multiples of the block size.
+
+Without a GPU the kernels run in Triton's interpreter (TRITON_INTERPRET=1, set before triton is imported) on tiny
+shapes; bf16 there only on the register path (the interpreter's bf16 `tl.dot` is wrong, compiled it is fine).
+The `gpu` tests run the real shapes compiled, the automatic split choice, and a CUDA-graph replay."""
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+pytest.importorskip("triton")
+
+from slime.engine.layers.triton_paged_attention import (
+    DOT_DECODE_CONFIG,
+    PREFILL_CONFIG,
+    REGISTER_DECODE_CONFIG,
+    KernelConfig,
+    choose_config,
+    choose_num_kv_splits,
+    paged_attention,
+)
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+REGISTER_DECODE = KernelConfig(block_m=0, block_n=8, use_dot=False, num_warps=4, num_stages=2)
+DOT_DECODE = KernelConfig(block_m=16, block_n=16, use_dot=True, num_warps=4, num_stages=2)
+SMALL_PREFILL = KernelConfig(block_m=16, block_n=16, use_dot=True, num_warps=4, num_stages=2)
+
+
+def reference(q, k_cache, v_cache, block_tables, query_lens, seq_lens, scale):
+    """float64, one sequence at a time: its keys gathered slot by slot, a causal mask from absolute positions."""
+    num_heads, num_kv_heads, block_size = q.shape[1], k_cache.shape[2], k_cache.shape[1]
+    group = num_heads // num_kv_heads
+    out, start = torch.zeros(q.shape, dtype=torch.float64), 0
+    for seq, (query_len, seq_len) in enumerate(zip(query_lens, seq_lens)):
+        for position_in_chunk in range(query_len):
+            position = seq_len - query_len + position_in_chunk
+            if position < 0:  # a padded row (seq_len 0) sees no keys: zeros
+                continue
+            slots = [(block_tables[seq, s // block_size], s % block_size) for s in range(position + 1)]
+            for head in range(num_heads):
+                keys = torch.stack([k_cache[block, slot, head // group] for block, slot in slots]).double()
+                values = torch.stack([v_cache[block, slot, head // group] for block, slot in slots]).double()
+                weights = (keys @ q[start + position_in_chunk, head].double() * scale).softmax(0)
+                out[start + position_in_chunk, head] = weights @ values
+        start += query_len
+    return out
+
+
+def make_batch(query_lens, seq_lens, num_heads, num_kv_heads, dtype, seed, head_dim=16, block_size=4):
+    generator = torch.Generator().manual_seed(seed)
+    max_num_blocks = max(-(-s // block_size) for s in seq_lens) + 1  # one spare column, as in the runner
+    num_blocks = len(seq_lens) * max_num_blocks + 3
+    k_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=generator).to(dtype)
+    v_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=generator).to(dtype)
+    block_tables = torch.randperm(num_blocks, generator=generator)[: len(seq_lens) * max_num_blocks]
+    block_tables = block_tables.view(len(seq_lens), max_num_blocks).to(torch.int32)
+    q = torch.randn(sum(query_lens), num_heads, head_dim, generator=generator).to(dtype)
+    return q, k_cache, v_cache, block_tables
+
+
+def run_and_compare(query_lens, seq_lens, num_heads, num_kv_heads, dtype, config, num_kv_splits, seed=0):
+    q, k_cache, v_cache, block_tables = make_batch(query_lens, seq_lens, num_heads, num_kv_heads, dtype, seed)
+    scale = q.shape[-1] ** -0.5
+    out = paged_attention(
+        q.to(DEVICE),
+        k_cache.to(DEVICE),
+        v_cache.to(DEVICE),
+        block_tables.to(DEVICE),
+        torch.tensor([0] + query_lens, device=DEVICE).cumsum(0).to(torch.int32),
+        torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE),
+        max(query_lens),
+        scale,
+        num_kv_splits=num_kv_splits,
+        config=config,
+    )
+    assert out.dtype == dtype and out.shape == q.shape
+    expected = reference(q, k_cache, v_cache, block_tables, query_lens, seq_lens, scale)
+    tolerance = 1e-4 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out.cpu().double(), expected, atol=tolerance, rtol=tolerance)
+    return out
+
+
+def dtypes_for(config):
+    if DEVICE == "cuda" or not config.use_dot:
+        return [torch.float32, torch.bfloat16]
+    return [torch.float32]
+
+
+@pytest.mark.parametrize("config", [REGISTER_DECODE, DOT_DECODE], ids=["register", "dot"])
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 2), (8, 2)], ids=["gqa2", "gqa4"])
+@pytest.mark.parametrize("num_kv_splits", [1, 4])
+def test_decode_matches_reference(config, num_heads, num_kv_heads, num_kv_splits):
+    """Contexts 37 (5 tiles of 8 keys: with 4 splits of 2 tiles the last split is empty), 0 (padded row), 5, 16
+    (whole blocks) and 1."""
+    seq_lens = [37, 0, 5, 16, 1]
+    for dtype in dtypes_for(config):
+        out = run_and_compare([1] * 5, seq_lens, num_heads, num_kv_heads, dtype, config, num_kv_splits)
+        assert torch.all(out[1] == 0)
+
+
+@pytest.mark.parametrize("config", [PREFILL_CONFIG, SMALL_PREFILL], ids=["block_m64", "block_m16"])
+@pytest.mark.parametrize("num_kv_splits", [1, 2])
+def test_prefill_matches_reference(config, num_kv_splits):
+    """Chunk of 7 over a 6-token cached prefix, a fresh 20-token prompt (several 16-row blocks, causal skipping),
+    a decode token riding along, a fresh 5-token prompt."""
+    for dtype in dtypes_for(config):
+        run_and_compare([7, 20, 1, 5], [13, 20, 37, 5], 4, 2, dtype, config, num_kv_splits, seed=1)
+
+
+def test_automatic_config_follows_the_group_and_the_step():
+    assert choose_config(2, 1) == REGISTER_DECODE_CONFIG
+    assert choose_config(4, 1) == REGISTER_DECODE_CONFIG
+    assert choose_config(8, 1) == DOT_DECODE_CONFIG
+    assert choose_config(2, 2) == PREFILL_CONFIG
+    assert choose_num_kv_splits(1, 1, 4096, 1, 32, torch.device("cpu")) == 1  # no split off CUDA
+
+
+def test_num_kv_splits_must_be_a_power_of_two():
+    q, k_cache, v_cache, block_tables = make_batch([1], [5], 2, 1, torch.float32, 0)
+    with pytest.raises(ValueError, match="num_kv_splits"):
+        paged_attention(
+            q, k_cache, v_cache, block_tables, torch.tensor([0, 1], dtype=torch.int32),
+            torch.tensor([5], dtype=torch.int32), 1, 0.25, num_kv_splits=3,
+        )
+
+
+def decode_reference(q, k_cache, v_cache, block_tables, seq_lens, seq, scale):
+    """float64 attention of decode token `seq` over its gathered context (faster than `reference` at real sizes)."""
+    block_size, group = k_cache.shape[1], q.shape[1] // k_cache.shape[2]
+    positions = torch.arange(seq_lens[seq])
+    blocks = block_tables[seq].cpu()[positions // block_size].long()
+    keys = k_cache.cpu()[blocks, positions % block_size].double().repeat_interleave(group, dim=1)  # [len, heads, dim]
+    values = v_cache.cpu()[blocks, positions % block_size].double().repeat_interleave(group, dim=1)
+    weights = (torch.einsum("hd,khd->hk", q[seq].cpu().double(), keys) * scale).softmax(-1)
+    return torch.einsum("hk,khd->hd", weights, values)
+
+
+@pytest.mark.gpu
+def test_split_choice_depends_on_batch_not_on_lengths():
+    device = torch.device("cuda")
+    num_sms = torch.cuda.get_device_properties(device).multi_processor_count
+    assert choose_num_kv_splits(256, 8, 4096, 1, 32, device) == (1 if 256 * 8 >= 4 * num_sms else 2)
+    assert choose_num_kv_splits(16, 8, 4096, 1, 32, device) > 1
+    assert choose_num_kv_splits(16, 8, 4096, 7, 32, device) == 1  # prefill never splits
+    assert choose_num_kv_splits(1, 1, 32, 1, 32, device) == 1  # no more splits than tiles
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_seqs,context", [(64, 300), (4, 2000)])
+def test_qwen3_shape_bf16_automatic_choices(num_seqs, context):
+    """Head dim 128, 16 query / 8 KV heads, block size 16, bf16, the automatic config and split count."""
+    generator = torch.Generator().manual_seed(0)
+    seq_lens = (torch.randint(context // 2, context, (num_seqs,), generator=generator)).tolist()
+    q, k_cache, v_cache, block_tables = make_batch([1] * num_seqs, seq_lens, 16, 8, torch.bfloat16, 0, 128, 16)
+    scale = 128**-0.5
+    out = paged_attention(
+        q.cuda(), k_cache.cuda(), v_cache.cuda(), block_tables.cuda(),
+        torch.arange(num_seqs + 1, dtype=torch.int32, device="cuda"),
+        torch.tensor(seq_lens, dtype=torch.int32, device="cuda"), 1, scale,
+    )
+    for seq in range(0, num_seqs, max(1, num_seqs // 8)):
+        expected = decode_reference(q, k_cache, v_cache, block_tables, seq_lens, seq, scale)
+        torch.testing.assert_close(out[seq].cpu().double(), expected, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.gpu
+def test_split_decode_in_a_cuda_graph_replays_with_other_lengths():
+    """Captured once (split count fixed by shapes), replayed with new seq_lens and block tables: each replay matches
+    the reference for its own lengths (the key ranges per split are computed on the device)."""
+    num_seqs, num_heads, num_kv_heads = 4, 16, 8
+    q, k_cache, v_cache, block_tables = make_batch(
+        [1] * num_seqs, [1000] * num_seqs, num_heads, num_kv_heads, torch.bfloat16, 0, 128, 16
+    )
+    q, k_cache, v_cache = q.cuda(), k_cache.cuda(), v_cache.cuda()
+    static_tables = block_tables.cuda()
+    static_lens = torch.full((num_seqs,), 1000, dtype=torch.int32, device="cuda")
+    query_start_loc = torch.arange(num_seqs + 1, dtype=torch.int32, device="cuda")
+    assert choose_num_kv_splits(num_seqs, num_kv_heads, block_tables.shape[1] * 16, 1, 32, q.device) > 1
+    args = (q, k_cache, v_cache, static_tables, query_start_loc, static_lens, 1, 128**-0.5)
+    paged_attention(*args)  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out = paged_attention(*args)
+    for seq_lens in ([1000, 1, 0, 517], [3, 999, 64, 200]):
+        new_tables = block_tables[torch.randperm(num_seqs)]
+        static_tables.copy_(new_tables)
+        static_lens.copy_(torch.tensor(seq_lens, dtype=torch.int32))
+        graph.replay()
+        for seq, seq_len in enumerate(seq_lens):
+            if seq_len == 0:
+                assert torch.all(static_out[seq] == 0)
+                continue
+            expected = decode_reference(q, k_cache, v_cache, static_tables, seq_lens, seq, 128**-0.5)
+            torch.testing.assert_close(static_out[seq].cpu().double(), expected, atol=2e-2, rtol=2e-2)
