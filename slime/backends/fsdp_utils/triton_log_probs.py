@@ -3,7 +3,7 @@ and each chunk's logits [C, V] (in the matmul's dtype, bf16 under mixed precisio
 read and overwritten once in backward, instead of the ~8 fp32 passes of the torch path in `log_probs.py`.
 
 - forward, `logits_stats`: per row, one online pass for the log-sum-exp, log p(target) and the entropy of
-  softmax(logits / temperature). Only the per-row log-sum-exp is kept for backward, never the logits.
+  softmax(logits / temperature). Only the per-row max and log-sum-exp are kept for backward, never the logits.
 - backward, `logits_grad_`: recomputed logits -> d loss / d logits, in place, so no second [C, V] buffer exists.
 
 Not the reference and not the CPU path: those stay in `log_probs.py`, which dispatches here for CUDA tensors.
@@ -23,7 +23,8 @@ GRAD_NUM_WARPS = 8
 
 @triton.jit
 def _logits_stats_kernel(
-    logits_ptr, target_ids_ptr, log_probs_ptr, entropy_ptr, lse_ptr, vocab_size, stride_row, inv_temperature,
+    logits_ptr, target_ids_ptr, log_probs_ptr, entropy_ptr, row_max_ptr, log_sum_exp_ptr, vocab_size, stride_row,
+    inv_temperature,
     BLOCK_V: tl.constexpr,
 ):
     """Program `row`. Each lane keeps its own online state over the columns it visits: running max m, s = sum
@@ -57,27 +58,29 @@ def _logits_stats_kernel(
     sum_exp = tl.sum(weight * s, 0)
     sum_exp_times_z = tl.sum(tl.where(s > 0, weight * (t + (m - row_max) * s), 0.0), 0)
     log_sum_exp = tl.log(sum_exp)
-    lse = row_max + log_sum_exp
     target = tl.load(target_ids_ptr + row)
     target_z = tl.load(row_ptr + target).to(tl.float32) * inv_temperature
-    tl.store(log_probs_ptr + row, target_z - lse)
+    # (z - max) - log_sum_exp, as log_softmax: z - (max + log_sum_exp) would round the sum to the ulp of |z|, which
+    # for peaked rows is far larger than log p of the argmax.
+    tl.store(log_probs_ptr + row, (target_z - row_max) - log_sum_exp)
     tl.store(entropy_ptr + row, log_sum_exp - sum_exp_times_z / sum_exp)
-    tl.store(lse_ptr + row, lse)
+    tl.store(row_max_ptr + row, row_max)
+    tl.store(log_sum_exp_ptr + row, log_sum_exp)
 
 
 @triton.jit
 def _logits_grad_kernel(
-    logits_ptr, target_ids_ptr, lse_ptr, entropy_ptr, grad_log_probs_ptr, grad_entropy_ptr, vocab_size, stride_row,
-    inv_temperature, HAS_GRAD_LOG_PROBS: tl.constexpr, HAS_GRAD_ENTROPY: tl.constexpr, BLOCK_V: tl.constexpr,
+    logits_ptr, target_ids_ptr, row_max_ptr, log_sum_exp_ptr, entropy_ptr, grad_log_probs_ptr, grad_entropy_ptr,
+    vocab_size, stride_row, inv_temperature, HAS_GRAD_LOG_PROBS: tl.constexpr, HAS_GRAD_ENTROPY: tl.constexpr, BLOCK_V: tl.constexpr,
 ):
     """Program (row, column block): d loss / d logit = (g_lp * (onehot(target) - p) - g_ent * p * (log p + H)) / T,
-    p = exp(z - lse), written over the logits."""
+    p = exp(z - max - log_sum_exp), written over the logits."""
     row = tl.program_id(0).to(tl.int64)
     columns = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
     valid = columns < vocab_size
     pointers = logits_ptr + row * stride_row + columns
     z = tl.load(pointers, mask=valid, other=0.0).to(tl.float32) * inv_temperature
-    log_p = z - tl.load(lse_ptr + row)
+    log_p = (z - tl.load(row_max_ptr + row)) - tl.load(log_sum_exp_ptr + row)
     p = tl.exp(log_p)
     grad = tl.zeros([BLOCK_V], dtype=tl.float32)
     if HAS_GRAD_LOG_PROBS:
@@ -90,32 +93,35 @@ def _logits_grad_kernel(
 
 def logits_stats(logits: torch.Tensor, target_ids: torch.Tensor, temperature: float):
     """logits [C, V] (any float dtype, unit column stride), target_ids [C] -> fp32 [C] each: log p(target),
-    entropy and log-sum-exp of softmax(logits / temperature)."""
+    entropy, and the row max and log sum exp(z - max) of z = logits / temperature (their sum is the log-sum-exp)."""
     num_rows, vocab_size = logits.shape
     assert logits.stride(1) == 1
-    log_probs, entropy, lse = (torch.empty(num_rows, dtype=torch.float32, device=logits.device) for _ in range(3))
+    log_probs, entropy, row_max, log_sum_exp = (
+        torch.empty(num_rows, dtype=torch.float32, device=logits.device) for _ in range(4)
+    )
     if num_rows:
         _logits_stats_kernel[(num_rows,)](
-            logits, target_ids.contiguous(), log_probs, entropy, lse, vocab_size, logits.stride(0), 1.0 / temperature,
-            BLOCK_V=STATS_BLOCK_V, num_warps=STATS_NUM_WARPS,
+            logits, target_ids.contiguous(), log_probs, entropy, row_max, log_sum_exp, vocab_size, logits.stride(0),
+            1.0 / temperature, BLOCK_V=STATS_BLOCK_V, num_warps=STATS_NUM_WARPS,
         )
-    return log_probs, entropy, lse
+    return log_probs, entropy, row_max, log_sum_exp
 
 
-def logits_grad_(logits: torch.Tensor, target_ids: torch.Tensor, lse: torch.Tensor, entropy: torch.Tensor,
-                 grad_log_probs: torch.Tensor | None, grad_entropy: torch.Tensor | None, temperature: float):
-    """Overwrites logits [C, V] with d loss / d logits (same dtype), given the forward's fp32 lse and entropy [C]
-    and the upstream gradients of log-probs and entropy [C] (None: that output is not in the loss)."""
+def logits_grad_(logits: torch.Tensor, target_ids: torch.Tensor, row_max: torch.Tensor, log_sum_exp: torch.Tensor,
+                 entropy: torch.Tensor, grad_log_probs: torch.Tensor | None, grad_entropy: torch.Tensor | None,
+                 temperature: float):
+    """Overwrites logits [C, V] with d loss / d logits (same dtype), given `logits_stats`' row max, log_sum_exp and
+    entropy [C] (fp32) and the upstream gradients of log-probs and entropy [C] (None: that output is not in the loss)."""
     num_rows, vocab_size = logits.shape
     assert logits.stride(1) == 1
     if num_rows == 0 or (grad_log_probs is None and grad_entropy is None):
         return logits.zero_()
     # An absent gradient's pointer is never read (the constexpr flag compiles its branch out).
-    grad_log_probs_arg = lse if grad_log_probs is None else grad_log_probs.float().contiguous()
-    grad_entropy_arg = lse if grad_entropy is None else grad_entropy.float().contiguous()
+    grad_log_probs_arg = entropy if grad_log_probs is None else grad_log_probs.float().contiguous()
+    grad_entropy_arg = entropy if grad_entropy is None else grad_entropy.float().contiguous()
     _logits_grad_kernel[(num_rows, triton.cdiv(vocab_size, GRAD_BLOCK_V))](
-        logits, target_ids.contiguous(), lse, entropy, grad_log_probs_arg, grad_entropy_arg, vocab_size,
-        logits.stride(0), 1.0 / temperature,
+        logits, target_ids.contiguous(), row_max, log_sum_exp, entropy, grad_log_probs_arg, grad_entropy_arg,
+        vocab_size, logits.stride(0), 1.0 / temperature,
         HAS_GRAD_LOG_PROBS=grad_log_probs is not None, HAS_GRAD_ENTROPY=grad_entropy is not None,
         BLOCK_V=GRAD_BLOCK_V, num_warps=GRAD_NUM_WARPS,
     )
@@ -132,21 +138,21 @@ class FusedChunkedLogProbs(torch.autograd.Function):
         num_tokens = hidden.shape[0]
         log_probs = torch.empty(num_tokens, dtype=torch.float32, device=hidden.device)
         entropy = torch.empty_like(log_probs)
-        lse = torch.empty_like(log_probs)
+        row_max, log_sum_exp = torch.empty_like(log_probs), torch.empty_like(log_probs)
         for start in range(0, num_tokens, chunk_size):
             end = min(start + chunk_size, num_tokens)
             logits = hidden[start:end] @ weight.t()
-            log_probs[start:end], entropy[start:end], lse[start:end] = logits_stats(
+            log_probs[start:end], entropy[start:end], row_max[start:end], log_sum_exp[start:end] = logits_stats(
                 logits, target_ids[start:end], temperature
             )
             del logits  # free before the next chunk's matmul allocates its own
-        ctx.save_for_backward(hidden, weight, target_ids, lse, entropy)
+        ctx.save_for_backward(hidden, weight, target_ids, row_max, log_sum_exp, entropy)
         ctx.temperature, ctx.chunk_size = temperature, chunk_size
         return log_probs, entropy
 
     @staticmethod
     def backward(ctx, grad_log_probs, grad_entropy):
-        hidden, weight, target_ids, lse, entropy = ctx.saved_tensors
+        hidden, weight, target_ids, row_max, log_sum_exp, entropy = ctx.saved_tensors
         num_tokens, chunk_size = hidden.shape[0], ctx.chunk_size
         grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
         grad_weight = None
@@ -157,7 +163,7 @@ class FusedChunkedLogProbs(torch.autograd.Function):
             end = min(start + chunk_size, num_tokens)
             chunk_hidden = hidden[start:end]
             grad_logits = logits_grad_(
-                chunk_hidden @ weight.t(), target_ids[start:end], lse[start:end], entropy[start:end],
+                chunk_hidden @ weight.t(), target_ids[start:end], row_max[start:end], log_sum_exp[start:end], entropy[start:end],
                 None if grad_log_probs is None else grad_log_probs[start:end],
                 None if grad_entropy is None else grad_entropy[start:end],
                 ctx.temperature,
