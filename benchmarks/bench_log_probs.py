@@ -153,7 +153,8 @@ def bench_kernels(args, configs):
                 scratch, targets, row_max, log_sum_exp, entropy, upstream[0], upstream[1], args.temperature),
                 args.warmup, args.iters)
             row = dict(block_v=block_v, num_warps=num_warps, stats_ms=round(stats_ms, 3), grad_ms=round(grad_ms, 3),
-                       stats_gb_per_s=round(chunk_bytes / stats_ms / 1e6), grad_gb_per_s=round(2 * chunk_bytes / grad_ms / 1e6))
+                       stats_gb_per_s=round(chunk_bytes / stats_ms / 1e6),
+                       grad_gb_per_s=round(2 * chunk_bytes / grad_ms / 1e6))
             rows.append(row)
             print(f"kernels [{KERNEL_CHUNK}, {args.vocab_size}] bf16 BLOCK_V={block_v:5d} warps={num_warps:2d}: "
                   f"stats {stats_ms:.3f} ms ({row['stats_gb_per_s']} GB/s), "
@@ -183,13 +184,12 @@ def main(argv=None):
           f"N={args.num_tokens} V={args.vocab_size} bf16 T={args.temperature}")
     for hidden_size in args.hidden_sizes:
         for mode in MODES:
-            by_path = {row["path"]: row for row in head_rows if row["hidden_size"] == hidden_size and row["mode"] == mode}
+            by_path = {row["path"]: row for row in head_rows
+                       if row["hidden_size"] == hidden_size and row["mode"] == mode}
             key = f"H{hidden_size}_{mode}"
             speedups[key] = round(by_path["torch"]["ms"] / by_path["fused"]["ms"], 2)
-            print(f"H={hidden_size:5d} {mode:8s} torch {by_path['torch']['ms']:8.2f} ms / {by_path['torch']['peak_mb']:6d} MB"
-                  f" | fused {by_path['fused']['ms']:8.2f} ms / {by_path['fused']['peak_mb']:6d} MB"
-                  f" | fused@1024 {by_path['fused_chunk1024']['ms']:8.2f} ms / {by_path['fused_chunk1024']['peak_mb']:6d} MB"
-                  f" | speedup x{speedups[key]}")
+            cells = " | ".join(f"{path} {row['ms']:8.2f} ms / {row['peak_mb']:6d} MB" for path, row in by_path.items())
+            print(f"H={hidden_size:5d} {mode:8s} {cells} | speedup x{speedups[key]}")
     print(json.dumps(dict(
         benchmark="log_probs_head", date=datetime.date.today().isoformat(), device=torch.cuda.get_device_name(),
         torch=torch.__version__, triton=triton.__version__, num_tokens=args.num_tokens, vocab_size=args.vocab_size,

@@ -71,7 +71,8 @@ def _logits_stats_kernel(
 @triton.jit
 def _logits_grad_kernel(
     logits_ptr, target_ids_ptr, row_max_ptr, log_sum_exp_ptr, entropy_ptr, grad_log_probs_ptr, grad_entropy_ptr,
-    vocab_size, stride_row, inv_temperature, HAS_GRAD_LOG_PROBS: tl.constexpr, HAS_GRAD_ENTROPY: tl.constexpr, BLOCK_V: tl.constexpr,
+    vocab_size, stride_row, inv_temperature,
+    HAS_GRAD_LOG_PROBS: tl.constexpr, HAS_GRAD_ENTROPY: tl.constexpr, BLOCK_V: tl.constexpr,
 ):
     """Program (row, column block): d loss / d logit = (g_lp * (onehot(target) - p) - g_ent * p * (log p + H)) / T,
     p = exp(z - max - log_sum_exp), written over the logits."""
@@ -111,7 +112,8 @@ def logits_grad_(logits: torch.Tensor, target_ids: torch.Tensor, row_max: torch.
                  entropy: torch.Tensor, grad_log_probs: torch.Tensor | None, grad_entropy: torch.Tensor | None,
                  temperature: float):
     """Overwrites logits [C, V] with d loss / d logits (same dtype), given `logits_stats`' row max, log_sum_exp and
-    entropy [C] (fp32) and the upstream gradients of log-probs and entropy [C] (None: that output is not in the loss)."""
+    entropy [C] (fp32) and the upstream gradients of log-probs and entropy [C] (None: that output is not in the
+    loss)."""
     num_rows, vocab_size = logits.shape
     assert logits.stride(1) == 1
     if num_rows == 0 or (grad_log_probs is None and grad_entropy is None):
@@ -163,7 +165,8 @@ class FusedChunkedLogProbs(torch.autograd.Function):
             end = min(start + chunk_size, num_tokens)
             chunk_hidden = hidden[start:end]
             grad_logits = logits_grad_(
-                chunk_hidden @ weight.t(), target_ids[start:end], row_max[start:end], log_sum_exp[start:end], entropy[start:end],
+                chunk_hidden @ weight.t(), target_ids[start:end],
+                row_max[start:end], log_sum_exp[start:end], entropy[start:end],
                 None if grad_log_probs is None else grad_log_probs[start:end],
                 None if grad_entropy is None else grad_entropy[start:end],
                 ctx.temperature,
