@@ -24,8 +24,7 @@ GRAD_NUM_WARPS = 8
 @triton.jit
 def _logits_stats_kernel(
     logits_ptr, target_ids_ptr, log_probs_ptr, entropy_ptr, row_max_ptr, log_sum_exp_ptr, vocab_size, stride_row,
-    inv_temperature,
-    BLOCK_V: tl.constexpr,
+    inv_temperature, BLOCK_V: tl.constexpr,
 ):
     """Program `row`. Each lane keeps its own online state over the columns it visits: running max m, s = sum
     exp(z - m) and t = sum exp(z - m) * (z - m), z = logit / temperature. Tracking t relative to m keeps the
@@ -56,14 +55,14 @@ def _logits_stats_kernel(
     row_max = tl.max(tl.where(s > 0, m, float("-inf")), 0)
     weight = tl.where(s > 0, tl.exp(m - row_max), 0.0)
     sum_exp = tl.sum(weight * s, 0)
-    sum_exp_times_z = tl.sum(tl.where(s > 0, weight * (t + (m - row_max) * s), 0.0), 0)
+    sum_exp_times_shifted_z = tl.sum(tl.where(s > 0, weight * (t + (m - row_max) * s), 0.0), 0)
     log_sum_exp = tl.log(sum_exp)
     target = tl.load(target_ids_ptr + row)
     target_z = tl.load(row_ptr + target).to(tl.float32) * inv_temperature
     # (z - max) - log_sum_exp, as log_softmax: z - (max + log_sum_exp) would round the sum to the ulp of |z|, which
     # for peaked rows is far larger than log p of the argmax.
     tl.store(log_probs_ptr + row, (target_z - row_max) - log_sum_exp)
-    tl.store(entropy_ptr + row, log_sum_exp - sum_exp_times_z / sum_exp)
+    tl.store(entropy_ptr + row, log_sum_exp - sum_exp_times_shifted_z / sum_exp)
     tl.store(row_max_ptr + row, row_max)
     tl.store(log_sum_exp_ptr + row, log_sum_exp)
 
