@@ -2,14 +2,24 @@
 token chunks so that at most one chunk of full-vocabulary fp32 logits exists at a time, in forward and in
 backward (the backward recomputes each chunk's logits instead of saving them).
 
+On CUDA (with triton installed) the same computation runs through `triton_log_probs`: the matmuls stay in torch
+and the softmax / gather / entropy passes are one Triton kernel each way, on logits kept in the matmul's dtype. The
+torch code here is the reference and the CPU path.
+
 Not a model: it takes hidden states [N, H] and the output-layer weight [V, H] (no bias).
 """
 
 from __future__ import annotations
 
+import functools
+import importlib.util
+
 import torch
 
 DEFAULT_CHUNK_SIZE = 1024
+# The fused path holds one chunk of logits in the matmul's dtype (bf16: 4096 x 151,936 x 2 B = 1.2 GB), not fp32
+# copies, so it affords larger chunks; larger matmuls and fewer kernel launches per token.
+FUSED_DEFAULT_CHUNK_SIZE = 4096
 
 
 class _ChunkedLogProbs(torch.autograd.Function):
@@ -59,12 +69,35 @@ class _ChunkedLogProbs(torch.autograd.Function):
         return grad_hidden, grad_weight, None, None, None
 
 
+@functools.cache
+def triton_available() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+def uses_fused_path(hidden: torch.Tensor, weight: torch.Tensor) -> bool:
+    return hidden.is_cuda and weight.is_cuda and triton_available()
+
+
 def chunked_log_probs_and_entropy(hidden: torch.Tensor, weight: torch.Tensor, target_ids: torch.Tensor,
                                   temperature: float = 1.0, chunk_size: int | None = DEFAULT_CHUNK_SIZE):
-    """Per-token log p(target) and entropy (both fp32, shape [N]) of softmax(hidden @ weight.T / temperature).
+    """Per-token log p(target) and entropy (both fp32, shape [N]) of softmax(hidden @ weight.T / temperature),
+    `chunk_size` tokens at a time (None or <= 0: the path's default, 1024 for torch and 4096 for the fused path).
 
     The entropy carries a gradient only where the caller uses it in the loss; otherwise its backward is skipped.
+    CUDA tensors take the fused Triton path when triton is installed; anything else the torch path.
     """
+    if uses_fused_path(hidden, weight):
+        from slime.backends.fsdp_utils.triton_log_probs import FusedChunkedLogProbs
+
+        function, default_chunk_size = FusedChunkedLogProbs, FUSED_DEFAULT_CHUNK_SIZE
+    else:
+        function, default_chunk_size = _ChunkedLogProbs, DEFAULT_CHUNK_SIZE
     if chunk_size is None or chunk_size <= 0:
-        chunk_size = DEFAULT_CHUNK_SIZE
+        chunk_size = default_chunk_size
+    return function.apply(hidden, weight, target_ids, float(temperature), int(chunk_size))
+
+
+def torch_chunked_log_probs_and_entropy(hidden: torch.Tensor, weight: torch.Tensor, target_ids: torch.Tensor,
+                                        temperature: float = 1.0, chunk_size: int = DEFAULT_CHUNK_SIZE):
+    """The torch path on any device: the reference for the fused one (tests, benchmarks)."""
     return _ChunkedLogProbs.apply(hidden, weight, target_ids, float(temperature), int(chunk_size))
