@@ -23,6 +23,13 @@ run_step() {
     train_17b) python3 benchmarks/bench_train.py --model-shape qwen3-1.7b --micro-batch-size 2 ;;
     train_17b_compile) python3 benchmarks/bench_train.py --model-shape qwen3-1.7b --compile-model --skip-baseline ;;
     train_4b) python3 benchmarks/bench_train.py --model-shape qwen3-4b --micro-batch-size 2 ;;
+    kernel_tests) python3 -m pytest -q tests/test_fsdp_gpu.py tests/test_triton_log_probs.py tests/test_fsdp_log_probs.py tests/test_paged_attention_kernel.py tests/test_engine_triton.py ;;
+    bench_attention) python3 benchmarks/bench_paged_attention.py --sweep ;;
+    bench_log_probs) python3 benchmarks/bench_log_probs.py ;;
+    train_06b_c) python3 benchmarks/bench_train.py --model-shape qwen3-0.6b --compile-model --micro-batch-size 4 ;;
+    train_17b_c) python3 benchmarks/bench_train.py --model-shape qwen3-1.7b --compile-model --micro-batch-size 2 ;;
+    train_4b_c) python3 benchmarks/bench_train.py --model-shape qwen3-4b --compile-model --micro-batch-size 2 ;;
+    train_06b_32k_rc) python3 benchmarks/bench_train.py --model-shape qwen3-0.6b --max-tokens-per-gpu 32768 --recompute-activations --compile-model --skip-baseline ;;
     grpo_smoke) python3 benchmarks/gpu_grpo_smoke.py /tmp/grpo; rc=$?; cp /tmp/grpo/run/metrics.jsonl /tmp/grpo/run/curves.png $OUT/; return $rc ;;
     *) echo "unknown step $1"; return 2 ;;
   esac

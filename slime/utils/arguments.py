@@ -87,7 +87,9 @@ def add_model_arguments(parser):
     g.add_argument("--compile-model", action="store_true",
                    help="torch.compile each decoder layer's forward (dynamic shapes; fuses the elementwise work "
                         "around the matmuls; the first steps pay the compile time)")
-    g.add_argument("--log-probs-chunk-size", type=int, default=1024)
+    g.add_argument("--log-probs-chunk-size", type=int, default=-1,
+                   help="tokens per chunk of the log-prob head; <= 0: its default (4096 with the fused GPU kernels, "
+                        "1024 otherwise)")
     for name, kind in MODEL_FLAGS.items():
         g.add_argument("--" + name.replace("_", "-"), type=kind, default=None)
     for name in MODEL_SWITCHES:

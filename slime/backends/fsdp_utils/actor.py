@@ -396,9 +396,11 @@ class FSDPTrainer:
             self.model.to(device)
         finally:
             torch.__future__.set_swap_module_params_on_conversion(swap)
+        # Fused AdamW keeps its step counts on the parameters' device; the default one keeps them on the host.
+        move_steps = bool(self.optimizer.defaults.get("fused"))
         for state in self.optimizer.state.values():
             for key, value in state.items():
-                if isinstance(value, torch.Tensor) and key != "step":
+                if isinstance(value, torch.Tensor) and (key != "step" or move_steps):
                     state[key] = value.to(device, non_blocking=True)
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
