@@ -85,6 +85,12 @@ def fused_grads(hidden, weight, targets, temperature, terms, chunk_size):
     return (log_probs.detach(), entropy.detach()), grads
 
 
+def torch_grads(hidden, weight, targets, temperature, terms, chunk_size):
+    hidden, weight = hidden.detach().requires_grad_(), weight.detach().requires_grad_()
+    log_probs, entropy = torch_chunked_log_probs_and_entropy(hidden, weight, targets, temperature, chunk_size)
+    return torch.autograd.grad(loss_of(log_probs, entropy, terms), (hidden, weight))
+
+
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 @pytest.mark.parametrize("block_v", [SMALL_BLOCK_V, None])  # None: the default block, wider than the vocabulary
 def test_logits_stats_match_float64_reference(monkeypatch, temperature, block_v):
@@ -110,8 +116,15 @@ def test_fused_gradients_match_float64_reference(small_blocks, terms, temperatur
     (ref_log_probs, ref_entropy), ref_grads = reference_grads(hidden, weight, targets, temperature, terms)
     torch.testing.assert_close(log_probs.cpu().double(), ref_log_probs, rtol=1e-6, atol=2e-5)
     torch.testing.assert_close(entropy.cpu().double(), ref_entropy, rtol=0, atol=2e-5)
-    for got, want in zip(grads, ref_grads):
-        torch.testing.assert_close(got.cpu().double(), want, rtol=1e-4, atol=1e-5 * want.abs().max().item())
+    torch_path_grads = torch_grads(hidden, weight, targets, temperature, terms, chunk_size=16)
+    for got, want, torch_got in zip(grads, ref_grads, torch_path_grads):
+        atol = 1e-5 * want.abs().max().item()
+        if DEVICE == "cuda":
+            # Measured on an H200: cuBLAS's fp32 logits of the peaked rows (|z| ~ 1e2) round differently from the
+            # float64 ones, enough to move these gradients by more than the CPU bound; the fused path must then be
+            # no worse than twice the torch path's own error on the same device.
+            atol = max(atol, 2 * (torch_got.cpu().double() - want).abs().max().item())
+        torch.testing.assert_close(got.cpu().double(), want, rtol=1e-4, atol=atol)
 
 
 def test_fused_single_chunk_with_default_blocks_matches_float64_reference():
