@@ -289,10 +289,9 @@ def bench_engine(model_path: Path, workload: Workload, args, measure_weights_and
     runner = engine.model_runner
     weight_bytes = sum(p.numel() * p.element_size() for p in runner.model.parameters())
     kv_bytes_per_token = runner.bytes_per_block // runner.block_size
-    kv_token_reads = sum(
-        (o.num_completion_tokens - 1) * o.num_prompt_tokens + (o.num_completion_tokens - 1) * o.num_completion_tokens // 2
-        for o in finished
-    )
+    # Decode step k = 1 .. O-1 of a request reads the K/V of P + k tokens.
+    kv_token_reads = sum((o.num_completion_tokens - 1) * (2 * o.num_prompt_tokens + o.num_completion_tokens) // 2
+                         for o in finished)
     bytes_read = num_steps * weight_bytes + kv_token_reads * kv_bytes_per_token
     result = {
         "seconds": seconds,
