@@ -272,7 +272,9 @@ class ModelRunner:
             float_columns = np.array([row[:3] for row in rows], dtype=np.float32).T
             top_ks = np.fromiter((row[3] for row in rows), dtype=np.int64, count=num_rows)
         seeds = np.fromiter((seq.seed for seq in seqs), dtype=np.int64, count=num_rows)
-        steps = np.fromiter((len(seq.token_ids) - seq.num_prompt_tokens for seq in seqs), dtype=np.int64, count=num_rows)
+        steps = np.fromiter(
+            (len(seq.token_ids) - seq.num_prompt_tokens for seq in seqs), dtype=np.int64, count=num_rows
+        )
         banned_rows, banned_token_ids = [], []
         if any(params.min_new_tokens > 0 for params in distinct.values()):
             for row, (params, step) in enumerate(zip(params_of_rows, steps.tolist())):
@@ -350,18 +352,23 @@ def _triton_attention_works(device: torch.device) -> bool:
 
 
 def _triton_fused_kernels_work(device: torch.device) -> bool:
-    """Whether the fused RMSNorm / q-k norm + rotary / SiLU-and-mul kernels match the torch modules here; if not,
+    """Whether the fused RMSNorm / add + RMSNorm / q-k norm + rotary / SiLU-and-mul kernels match the torch modules
+    here; if not,
     warn and keep the torch modules for those stages."""
     try:
         from slime.engine.layers.activation import SiluAndMul
         from slime.engine.layers.rmsnorm import RMSNorm
         from slime.engine.layers.rotary import RotaryEmbedding
-        from slime.engine.layers.triton_fused import norm_rope, rms_norm, silu_and_mul
+        from slime.engine.layers.triton_fused import add_rms_norm, norm_rope, rms_norm, silu_and_mul
 
         generator = torch.Generator(device=device).manual_seed(0)
         x = torch.randn(3, 64, 128, device=device, generator=generator)
         norm = RMSNorm(128, 1e-6).to(device)
         torch.testing.assert_close(rms_norm(x, norm.weight, norm.eps), norm(x), atol=1e-4, rtol=1e-4)
+        residual = torch.randn(64, 128, device=device, generator=generator)
+        expected = norm(x[0] + residual), x[0] + residual
+        got = add_rms_norm(x[0], residual, norm.weight, norm.eps)
+        torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
         torch.testing.assert_close(silu_and_mul(x[0]), SiluAndMul()(x[0]), atol=1e-4, rtol=1e-4)
         rotary = RotaryEmbedding(128, 16, 10000.0).to(device)
         positions = torch.arange(3, device=device) * 5
