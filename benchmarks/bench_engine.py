@@ -147,7 +147,9 @@ def parse_args(argv=None):
 
 # ---- checkpoints ------------------------------------------------------------------------------------------------
 
-def build_checkpoint(out_dir: Path, shape: dict, dtype: torch.dtype, device: str, seed: int) -> Path:
+def build_checkpoint(
+    out_dir: Path, shape: dict, dtype: torch.dtype, device: str, seed: int, max_shard_bytes: int = 4 << 30
+) -> Path:
     """config.json, a word-level tokenizer and random weights as safetensors shards (written straight from
     `device` tensors of `dtype`; norms are ones, everything else N(0, 0.02))."""
     from safetensors.torch import save_file
@@ -162,26 +164,30 @@ def build_checkpoint(out_dir: Path, shape: dict, dtype: torch.dtype, device: str
     config.save_pretrained(out_dir)
     with torch.device("meta"):
         shapes = named_weight_shapes(DecoderForCausalLM(load_model_config(out_dir)))
-    generator = torch.Generator(device).manual_seed(seed)
-    max_shard_bytes = 4 << 30
-    shards: list[dict[str, torch.Tensor]] = [{}]
+    # Plan the shards from the shapes, then write each from fresh device tensors (host RAM holds one shard).
+    element_size = torch.empty((), dtype=dtype).element_size()
+    shard_names: list[list[str]] = [[]]
     shard_bytes = 0
     for name, (tensor_shape, _) in shapes.items():
-        if name.endswith("norm.weight"):
-            tensor = torch.ones(tensor_shape, dtype=dtype, device=device)
-        else:
-            tensor = torch.randn(tensor_shape, dtype=dtype, device=device, generator=generator).mul_(0.02)
-        size = tensor.numel() * tensor.element_size()
+        size = element_size * int(np.prod(tensor_shape))
         if shard_bytes and shard_bytes + size > max_shard_bytes:
-            shards.append({})
+            shard_names.append([])
             shard_bytes = 0
-        shards[-1][name] = tensor.cpu()
+        shard_names[-1].append(name)
         shard_bytes += size
+    generator = torch.Generator(device).manual_seed(seed)
     weight_map = {}
-    for index, shard in enumerate(shards):
-        file_name = f"model-{index + 1:05d}-of-{len(shards):05d}.safetensors"
+    for index, names in enumerate(shard_names):
+        shard = {}
+        for name in names:
+            if name.endswith("norm.weight"):
+                tensor = torch.ones(shapes[name][0], dtype=dtype, device=device)
+            else:
+                tensor = torch.randn(shapes[name][0], dtype=dtype, device=device, generator=generator).mul_(0.02)
+            shard[name] = tensor.cpu()
+        file_name = f"model-{index + 1:05d}-of-{len(shard_names):05d}.safetensors"
         save_file(shard, str(out_dir / file_name), metadata={"format": "pt"})
-        weight_map.update(dict.fromkeys(shard, file_name))
+        weight_map.update(dict.fromkeys(names, file_name))
     index_json = {"metadata": {}, "weight_map": weight_map}
     (out_dir / "model.safetensors.index.json").write_text(json.dumps(index_json))
     return out_dir

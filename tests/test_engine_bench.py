@@ -53,3 +53,23 @@ def test_host_step_benchmark_times_every_decode_step():
     result = bench_engine.bench_host_step(seed=0, num_seqs=8, input_len=16, output_len=32)
     assert result["num_decode_steps"] == 31  # the first output token comes from the prefill step
     assert result["host_ms_per_step_mean"] > 0
+
+
+def test_sharded_random_checkpoint_loads_into_engine_and_transformers(tmp_path):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from slime.engine.engine import Engine
+
+    path = bench_engine.build_checkpoint(tmp_path, bench_engine.TINY_SHAPE, torch.float32, "cpu", 0, 100_000)
+    index = json.loads((path / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) == len(list(path.glob("*.safetensors"))) > 1
+    engine = Engine(str(path), device="cpu", num_kvcache_blocks=16)  # raises on any missing weight
+    hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
+    hf_weights = dict(hf.named_parameters())
+    for name, (shape, _) in engine.named_weight_shapes().items():
+        assert tuple(hf_weights[name].shape) == tuple(shape)
+    tokens = [5, 6, 7, 8]
+    expected = hf(torch.tensor([tokens])).logits[0, -1].argmax().item()
+    greedy = {"temperature": 0.0, "max_new_tokens": 1, "ignore_eos": True}
+    assert engine.generate([tokens], greedy)[0]["output_ids"] == [expected]
