@@ -198,7 +198,7 @@ class ModelRunner:
         )
         token_inputs[1] = positions
         token_inputs[2] = (
-            block_tables[np.arange(num_seqs), positions // self.block_size] * self.block_size
+            block_tables[np.arange(num_seqs), positions // self.block_size].astype(np.int64) * self.block_size
             + positions % self.block_size
         )
         token_inputs[3] = positions + 1
