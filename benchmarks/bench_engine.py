@@ -1,13 +1,37 @@
-"""Output-token throughput of slime's built-in engine (Python API, no HTTP) against Hugging Face transformers
-`generate` on the same workload, in one process: random prompts of equal length, sampled at temperature 1.0, EOS
-ignored so every request produces exactly --output-len tokens. Prints both rates, their ratio, a summary card and
+"""Output-token throughput and memory-bandwidth utilisation of slime's built-in engine (Python API, no HTTP) on the
+engine-speed workloads, with Hugging Face transformers `generate` measured in the same process where it is cheap
+enough. Also: engine start-up time, a full weight update from tensors already on the device, release / resume of
+the engine's memory, and (`--workload host`) the engine's host-side time per decode step. Prints a summary card and
 a JSON last line.
 
-    python benchmarks/bench_engine.py                         # CPU: tiny model, 16 prompts x 32 in, 64 out
-    python benchmarks/bench_engine.py --preset qwen3-0.6b     # CUDA bf16: Qwen3-0.6B shape, 256 x 256 in, 256 out
+    python benchmarks/bench_engine.py                                   # CPU: tiny variant of W1
+    python benchmarks/bench_engine.py --workload all                    # CPU: tiny variants of W1-W4
+    python benchmarks/bench_engine.py --preset qwen3-0.6b               # CUDA bf16: W1 (+ HF, update, release)
+    python benchmarks/bench_engine.py --preset qwen3-0.6b --workload all
+    python benchmarks/bench_engine.py --workload host                   # host ms per step, device work faked
 
-The qwen3-0.6b preset uses random weights (the speed of a model does not depend on its values) and a synthetic
-word-level tokenizer covering the full vocabulary, so nothing is downloaded. Not a quality benchmark.
+Workloads (`--preset qwen3-0.6b` sizes; `--preset tiny` runs small variants of each on the CPU):
+    w1  Qwen3-0.6B shape, 256 prompts x 256 tokens, 256 out, temperature 1, EOS ignored; vs HF generate.
+    w2  nano-vllm's benchmark: 256 sequences, prompt and output lengths uniform in [100, 1024] (Python `random`,
+        seed 0, token ids in [0, 10000]), temperature 0.6, EOS ignored. HF is not run by default (about 227 s);
+        a reference ratio against the 635 tok/s transformers measured on the same H200 in another session is
+        printed, labelled as such. `--hf-workloads w1,w2` measures it in this run instead.
+    w3  GRPO shape: 64 prompts x 8 samples sharing the prompt, prompts of 512 tokens, up to 1024 out (EOS
+        honoured), temperature 1; also the prefix-cache hit rate (cached prompt tokens / prompt tokens; ideal 7/8,
+        at most 7/8 * block-aligned prefix, since a prompt's last partial block and last token are recomputed).
+    w4  W1 on the Qwen3-8B shape, engine only.
+    host  not in `all`: 256 sequences x 256 in x 512 out on a tiny CPU model with the decode forward and the sampler
+        replaced by trivial functions, so each step's time is the engine's host-side (Python) work.
+
+MBU (model bandwidth utilisation) = bytes that must be read / run time / peak bandwidth (4.25 TB/s, H200 HBM3e):
+    bytes = num_forward_steps * weight_bytes + sum over requests of sum_{k=1}^{O-1} (P + k) * kv_bytes_per_token
+i.e. every forward pass reads all weights once, and every decode step of a request with P prompt and O output
+tokens reads the K/V of its current context (P + k tokens at its k-th decode step). Prefill compute, activations
+and logits are not counted, so this is a lower bound of the traffic.
+
+Checkpoints use random weights (speed does not depend on values), written as bf16 safetensors straight from
+device tensors (no transformers model is instantiated), with a word-level tokenizer covering the vocabulary, so
+nothing is downloaded. Not a quality benchmark.
 """
 
 from __future__ import annotations
@@ -17,14 +41,21 @@ import datetime
 import gc
 import json
 import platform
+import random
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+PEAK_BANDWIDTH_TB_S = 4.25  # H200 HBM3e
+HF_W2_REFERENCE_TOK_S = 635.0  # transformers generate on W2, same H200, measured in an earlier session (FACTS)
+WORKLOADS = ("w1", "w2", "w3", "w4")
 
 PRESETS = {
     "tiny": dict(num_prompts=16, input_len=32, output_len=64, device="cpu", dtype="float32"),
@@ -43,19 +74,59 @@ QWEN3_06B_SHAPE = dict(
     rope_theta=1000000.0,
     tie_word_embeddings=True,
 )
+QWEN3_8B_SHAPE = dict(
+    QWEN3_06B_SHAPE,
+    hidden_size=4096,
+    intermediate_size=12288,
+    num_hidden_layers=36,
+    num_attention_heads=32,
+    tie_word_embeddings=False,
+)
+TINY_SHAPE = dict(
+    QWEN3_06B_SHAPE,
+    vocab_size=512,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    max_position_embeddings=4096,
+)
+TINY_LARGE_SHAPE = dict(TINY_SHAPE, hidden_size=128, intermediate_size=256, num_hidden_layers=4, head_dim=32,
+                        tie_word_embeddings=False)
+# (W2 sequences, W2 min length, W2 max length, W3 prompts, W3 prompt length, W3 max output)
+WORKLOAD_SIZES = {"tiny": (16, 8, 64, 4, 64, 32), "qwen3-0.6b": (256, 100, 1024, 64, 512, 1024)}
+W3_SAMPLES_PER_PROMPT = 8
+
+
+@dataclass
+class Workload:
+    name: str
+    title: str
+    shape: dict  # the model's config.json fields
+    prompts: list[list[int]]
+    max_new_tokens: list[int]
+    temperature: float
+    ignore_eos: bool
+    samples_per_prompt: int = 1  # consecutive prompts share their token ids (the n samples of a GRPO group)
 
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--preset", choices=sorted(PRESETS), default="tiny")
-    parser.add_argument("--num-prompts", type=int, default=None)
-    parser.add_argument("--input-len", type=int, default=None)
-    parser.add_argument("--output-len", type=int, default=None)
+    parser.add_argument("--workload", choices=[*WORKLOADS, "all", "host"], default="w1")
+    parser.add_argument("--num-prompts", type=int, default=None, help="W1 / W4 only")
+    parser.add_argument("--input-len", type=int, default=None, help="W1 / W4 only")
+    parser.add_argument("--output-len", type=int, default=None, help="W1 / W4 only")
     parser.add_argument("--device", choices=["cpu", "cuda"], default=None)
     parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None)
-    parser.add_argument("--model-path", default=None, help="benchmark this checkpoint instead of building one")
+    parser.add_argument("--model-path", default=None, help="W1 only: benchmark this checkpoint instead of building one")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--skip-hf", action="store_true", help="measure the engine only (no ratio)")
+    parser.add_argument("--skip-hf", action="store_true", help="measure the engine only (no ratio) on every workload")
+    parser.add_argument("--hf-workloads", default="w1",
+                        help="comma-separated workloads on which HF generate is measured too (default w1)")
+    parser.add_argument("--peak-bandwidth-tb-s", type=float, default=PEAK_BANDWIDTH_TB_S)
     args = parser.parse_args(argv)
     for name, value in PRESETS[args.preset].items():
         if getattr(args, name) is None:
@@ -63,26 +134,62 @@ def parse_args(argv=None):
     for name in ("num_prompts", "input_len", "output_len"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    hf_workloads = {name.strip() for name in args.hf_workloads.split(",") if name.strip()}
+    if hf_workloads - set(WORKLOADS):
+        raise ValueError(f"--hf-workloads: unknown workload(s) {sorted(hf_workloads - set(WORKLOADS))}")
+    args.hf_workloads = set() if args.skip_hf else hf_workloads - {"w4"}  # W4 is engine only
     if args.device == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device cuda but CUDA is not available; use --device cpu")
+    if args.model_path and args.workload != "w1":
+        raise ValueError("--model-path works with --workload w1 only (other workloads need their own shapes)")
     return args
 
 
-def build_checkpoint(preset: str, out_dir: Path, dtype: torch.dtype, seed: int) -> Path:
-    if preset == "tiny":
-        from slime.utils.tiny_model import build_tiny_model
+# ---- checkpoints ------------------------------------------------------------------------------------------------
 
-        return build_tiny_model(out_dir, arch="qwen3", seed=seed)
-    from transformers import AutoModelForCausalLM, Qwen3Config
+def build_checkpoint(
+    out_dir: Path, shape: dict, dtype: torch.dtype, device: str, seed: int, max_shard_bytes: int = 4 << 30
+) -> Path:
+    """config.json, a word-level tokenizer and random weights as safetensors shards (written straight from
+    `device` tensors of `dtype`; norms are ones, everything else N(0, 0.02))."""
+    from safetensors.torch import save_file
+    from transformers import Qwen3Config
 
-    tokenizer = build_word_level_tokenizer(out_dir, QWEN3_06B_SHAPE["vocab_size"])
-    config = Qwen3Config(**QWEN3_06B_SHAPE, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
-                         bos_token_id=None)
-    torch.manual_seed(seed)
-    with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    model.save_pretrained(out_dir, safe_serialization=True)
-    del model
+    from slime.engine.models import DecoderForCausalLM, load_model_config
+    from slime.engine.models.weight_loader import named_weight_shapes
+
+    tokenizer = build_word_level_tokenizer(out_dir, shape["vocab_size"])
+    config = Qwen3Config(**shape, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+                         bos_token_id=None, architectures=["Qwen3ForCausalLM"], dtype=str(dtype).split(".")[-1])
+    config.save_pretrained(out_dir)
+    with torch.device("meta"):
+        shapes = named_weight_shapes(DecoderForCausalLM(load_model_config(out_dir)))
+    # Plan the shards from the shapes, then write each from fresh device tensors (host RAM holds one shard).
+    element_size = torch.empty((), dtype=dtype).element_size()
+    shard_names: list[list[str]] = [[]]
+    shard_bytes = 0
+    for name, (tensor_shape, _) in shapes.items():
+        size = element_size * int(np.prod(tensor_shape))
+        if shard_bytes and shard_bytes + size > max_shard_bytes:
+            shard_names.append([])
+            shard_bytes = 0
+        shard_names[-1].append(name)
+        shard_bytes += size
+    generator = torch.Generator(device).manual_seed(seed)
+    weight_map = {}
+    for index, names in enumerate(shard_names):
+        shard = {}
+        for name in names:
+            if name.endswith("norm.weight"):
+                tensor = torch.ones(shapes[name][0], dtype=dtype, device=device)
+            else:
+                tensor = torch.randn(shapes[name][0], dtype=dtype, device=device, generator=generator).mul_(0.02)
+            shard[name] = tensor.cpu()
+        file_name = f"model-{index + 1:05d}-of-{len(shard_names):05d}.safetensors"
+        save_file(shard, str(out_dir / file_name), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(names, file_name))
+    index_json = {"metadata": {}, "weight_map": weight_map}
+    (out_dir / "model.safetensors.index.json").write_text(json.dumps(index_json))
     return out_dir
 
 
@@ -104,67 +211,361 @@ def build_word_level_tokenizer(out_dir: Path, vocab_size: int):
     return fast
 
 
+# ---- workloads --------------------------------------------------------------------------------------------------
+
 def make_prompts(num_prompts: int, input_len: int, vocab_size: int, seed: int) -> list[list[int]]:
     generator = torch.Generator().manual_seed(seed)
     # Ids from 3 upward: never a special token, so no prompt contains EOS.
     return torch.randint(3, vocab_size, (num_prompts, input_len), generator=generator).tolist()
 
 
+def make_workload(name: str, args) -> Workload:
+    tiny = args.preset == "tiny"
+    small_shape = TINY_SHAPE if tiny else QWEN3_06B_SHAPE
+    if name in ("w1", "w4"):
+        shape = small_shape if name == "w1" else (TINY_LARGE_SHAPE if tiny else QWEN3_8B_SHAPE)
+        prompts = make_prompts(args.num_prompts, args.input_len, shape["vocab_size"], args.seed)
+        title = f"{'W1' if name == 'w1' else 'W4 (8B shape)'}: {args.num_prompts} x {args.input_len} in, " \
+                f"{args.output_len} out, T=1"
+        return Workload(name, title, shape, prompts, [args.output_len] * args.num_prompts, 1.0, True)
+    num_seqs, min_len, max_len, num_groups, prompt_len, max_output = WORKLOAD_SIZES[args.preset]
+    if name == "w2":
+        # nano-vllm's bench.py, draw for draw: all prompts first, then all output lengths.
+        rng = random.Random(args.seed)
+        max_token_id = min(10000, small_shape["vocab_size"] - 1)
+        prompts = [[rng.randint(0, max_token_id) for _ in range(rng.randint(min_len, max_len))]
+                   for _ in range(num_seqs)]
+        max_new_tokens = [rng.randint(min_len, max_len) for _ in range(num_seqs)]
+        title = f"W2 (nano-vllm): {num_seqs} seqs, in/out uniform [{min_len}, {max_len}], T=0.6"
+        return Workload(name, title, small_shape, prompts, max_new_tokens, 0.6, True)
+    groups = make_prompts(num_groups, prompt_len, small_shape["vocab_size"], args.seed)
+    prompts = [prompt for prompt in groups for _ in range(W3_SAMPLES_PER_PROMPT)]
+    title = f"W3 (GRPO): {num_groups} prompts x {W3_SAMPLES_PER_PROMPT} samples, {prompt_len} in, <= {max_output} out"
+    return Workload(name, title, small_shape, prompts, [max_output] * len(prompts), 1.0, False,
+                    samples_per_prompt=W3_SAMPLES_PER_PROMPT)
+
+
+# ---- measurements -----------------------------------------------------------------------------------------------
+
 def synchronize(device: str) -> None:
     if device == "cuda":
         torch.cuda.synchronize()
 
 
-def bench_engine(model_path: Path, prompts, args) -> dict:
+def free_device_memory(device: str) -> None:
+    gc.collect()
+    if device == "cuda":
+        torch.cuda.empty_cache()
+
+
+def bench_engine(model_path: Path, workload: Workload, args, measure_weights_and_memory: bool) -> dict:
     from slime.engine.engine import Engine
     from slime.engine.sampling_params import SamplingParams
 
+    started = time.perf_counter()
     engine = Engine(
         str(model_path),
         device=args.device,
         dtype=args.dtype,
-        max_model_len=args.input_len + args.output_len + 16,
-        max_num_seqs=max(args.num_prompts, 1),
+        max_model_len=max(map(len, workload.prompts)) + max(workload.max_new_tokens) + 16,
+        max_num_seqs=len(workload.prompts),
         seed=args.seed,
     )
-    params = SamplingParams(temperature=1.0, top_p=1.0, top_k=-1, max_new_tokens=args.output_len, ignore_eos=True)
-    engine.generate(prompts[:2], SamplingParams(temperature=1.0, max_new_tokens=4, ignore_eos=True))  # warm-up
+    init_seconds = time.perf_counter() - started
+    # Warm-up: on CUDA the first decode step captures every CUDA graph; then forget the warm-up's prefixes.
+    engine.generate(workload.prompts[:2], SamplingParams(temperature=1.0, max_new_tokens=4, ignore_eos=True))
+    engine.flush_cache()
+    synchronize(args.device)
+    startup_seconds = time.perf_counter() - started
+
+    for prompt, max_new_tokens in zip(workload.prompts, workload.max_new_tokens):
+        params = SamplingParams(temperature=workload.temperature, top_p=1.0, top_k=-1,
+                                max_new_tokens=max_new_tokens, ignore_eos=workload.ignore_eos)
+        engine.add_request(prompt, params)
     synchronize(args.device)
     started = time.perf_counter()
-    results = engine.generate(prompts, params)
+    finished = []
+    num_steps = 0
+    while engine.has_unfinished_requests():
+        finished.extend(output for output in engine.step() if output.finished)
+        num_steps += 1
     synchronize(args.device)
-    elapsed = time.perf_counter() - started
-    num_output_tokens = sum(len(r["output_ids"]) for r in results)
-    del engine
-    return {"seconds": elapsed, "num_output_tokens": num_output_tokens}
+    seconds = time.perf_counter() - started
+
+    runner = engine.model_runner
+    weight_bytes = sum(p.numel() * p.element_size() for p in runner.model.parameters())
+    kv_bytes_per_token = runner.bytes_per_block // runner.block_size
+    # Decode step k = 1 .. O-1 of a request reads the K/V of P + k tokens.
+    kv_token_reads = sum((o.num_completion_tokens - 1) * (2 * o.num_prompt_tokens + o.num_completion_tokens) // 2
+                         for o in finished)
+    bytes_read = num_steps * weight_bytes + kv_token_reads * kv_bytes_per_token
+    result = {
+        "seconds": seconds,
+        "num_output_tokens": sum(o.num_completion_tokens for o in finished),
+        "num_requests_finished": len(finished),
+        "num_steps": num_steps,
+        "weight_bytes": weight_bytes,
+        "bytes_read": bytes_read,
+        "mbu": bytes_read / seconds / (args.peak_bandwidth_tb_s * 1e12),
+        "init_seconds": init_seconds,
+        "startup_seconds": startup_seconds,
+        "num_prompt_tokens": sum(o.num_prompt_tokens for o in finished),
+        "num_cached_prompt_tokens": sum(o.num_cached_tokens for o in finished),
+        "block_size": runner.block_size,
+    }
+    if measure_weights_and_memory:
+        result.update(bench_weight_update(engine, model_path, args.device))
+        result.update(bench_release_resume(engine, workload, args.device))
+    del engine, finished
+    free_device_memory(args.device)
+    return result
 
 
-def bench_hf(model_path: Path, prompts, args) -> dict:
+def bench_weight_update(engine, model_path: Path, device: str) -> dict:
+    """`update_weights_from_tensors` with the full state dict, from tensors already on the engine's device (what
+    a colocated trainer hands over by CUDA IPC)."""
+    from slime.engine.models.weight_loader import iterate_checkpoint
+
+    named_tensors = [(name, tensor.to(device)) for name, tensor in iterate_checkpoint(model_path)]
+    synchronize(device)
+    started = time.perf_counter()
+    engine.update_weights_from_tensors(named_tensors, weight_version="bench")
+    synchronize(device)
+    seconds = time.perf_counter() - started
+    num_bytes = sum(tensor.numel() * tensor.element_size() for _, tensor in named_tensors)
+    del named_tensors
+    free_device_memory(device)
+    return {"weight_update_seconds": seconds, "weight_update_bytes": num_bytes}
+
+
+def bench_release_resume(engine, workload: Workload, device: str) -> dict:
+    """Time of release_memory / resume_memory (all tags) and the device bytes they free, then a short generate to
+    show the engine works again."""
+    from slime.engine.sampling_params import SamplingParams
+
+    def memory() -> tuple[int | None, int | None]:
+        if device != "cuda":
+            return None, None
+        return torch.cuda.memory_allocated(), torch.cuda.mem_get_info()[0]
+
+    synchronize(device)
+    allocated_before, free_before = memory()
+    started = time.perf_counter()
+    engine.release_memory()
+    synchronize(device)
+    release_seconds = time.perf_counter() - started
+    allocated_released, free_released = memory()
+    started = time.perf_counter()
+    engine.resume_memory()
+    synchronize(device)
+    resume_seconds = time.perf_counter() - started
+    allocated_resumed, _ = memory()
+    check = engine.generate(workload.prompts[:1], SamplingParams(temperature=0.0, max_new_tokens=2, ignore_eos=True))
+    assert len(check[0]["output_ids"]) == 2, "the engine did not generate after resume_memory"
+    on_cuda = device == "cuda"
+    return {
+        "release_seconds": release_seconds,
+        "resume_seconds": resume_seconds,
+        "released_allocated_bytes": allocated_before - allocated_released if on_cuda else None,
+        "released_device_free_bytes": free_released - free_before if on_cuda else None,
+        "resumed_allocated_bytes": allocated_resumed - allocated_released if on_cuda else None,
+    }
+
+
+def bench_hf(model_path: Path, workload: Workload, args) -> dict:
+    """HF generate, all prompts in one left-padded batch (equal lengths except W2); each row is cut to its own
+    max_new_tokens when counting, as the engine produces exactly that many (generate runs to the longest)."""
     from transformers import AutoModelForCausalLM
 
     dtype = getattr(torch, args.dtype)
     model = AutoModelForCausalLM.from_pretrained(str(model_path), dtype=dtype, attn_implementation="sdpa")
     model.to(args.device).eval()
-    input_ids = torch.tensor(prompts, device=args.device)
-    attention_mask = torch.ones_like(input_ids)
-    generate_kwargs = dict(
-        do_sample=True, temperature=1.0, top_k=0, top_p=1.0, pad_token_id=0,
-        max_new_tokens=args.output_len, min_new_tokens=args.output_len,
-    )
+    width = max(map(len, workload.prompts))
+    input_ids = torch.zeros(len(workload.prompts), width, dtype=torch.int64)
+    attention_mask = torch.zeros_like(input_ids)
+    for row, prompt in enumerate(workload.prompts):
+        input_ids[row, width - len(prompt):] = torch.tensor(prompt)
+        attention_mask[row, width - len(prompt):] = 1
+    input_ids, attention_mask = input_ids.to(args.device), attention_mask.to(args.device)
+    max_new_tokens = max(workload.max_new_tokens)
+    generate_kwargs = dict(do_sample=True, temperature=workload.temperature, top_k=0, top_p=1.0, pad_token_id=0,
+                           max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens)
     with torch.inference_mode():
-        model.generate(input_ids[:2], attention_mask=attention_mask[:2], **{**generate_kwargs,
-                       "max_new_tokens": 4, "min_new_tokens": 4})  # warm-up
+        model.generate(input_ids[:2], attention_mask=attention_mask[:2],
+                       **{**generate_kwargs, "max_new_tokens": 4, "min_new_tokens": 4})  # warm-up
         synchronize(args.device)
         started = time.perf_counter()
-        output = model.generate(input_ids, attention_mask=attention_mask, **generate_kwargs)
+        model.generate(input_ids, attention_mask=attention_mask, **generate_kwargs)
         synchronize(args.device)
         elapsed = time.perf_counter() - started
-    num_output_tokens = int(output[:, input_ids.shape[1]:].numel())
-    del model, output
-    gc.collect()
-    if args.device == "cuda":
-        torch.cuda.empty_cache()
-    return {"seconds": elapsed, "num_output_tokens": num_output_tokens}
+    del model
+    free_device_memory(args.device)
+    return {"seconds": elapsed, "num_output_tokens": sum(workload.max_new_tokens)}
+
+
+def bench_host_step(seed: int, num_seqs: int = 256, input_len: int = 256, output_len: int = 512) -> dict:
+    """Host-side ms per decode step: the engine steps 256 sequences on a tiny CPU model whose decode forward (the
+    CUDA-graph path, faked) and sampler return at once, so what is timed is scheduling, input preparation, output
+    bookkeeping and stop checks."""
+    import slime.engine.model_runner as model_runner_module
+    from slime.engine.engine import Engine
+    from slime.engine.sampling_params import SamplingParams
+
+    class InstantDecodeGraphs:
+        def __init__(self, model, max_num_seqs, *_):
+            self.max_batch_size = max_num_seqs
+            self.hidden = torch.zeros(max_num_seqs, model.config.hidden_size)
+
+        def run(self, token_inputs, block_tables):
+            return self.hidden[: block_tables.shape[0]]
+
+    generator = torch.Generator().manual_seed(seed)
+
+    def instant_sample(logits, batch):
+        return torch.randint(3, TINY_SHAPE["vocab_size"], (logits.shape[0],), generator=generator), logits[:, 0]
+
+    saved = model_runner_module.DecodeGraphs, model_runner_module.sample
+    model_runner_module.DecodeGraphs, model_runner_module.sample = InstantDecodeGraphs, instant_sample
+    try:
+        with tempfile.TemporaryDirectory(prefix="bench_engine_host_") as tmp:
+            path = build_checkpoint(Path(tmp) / "model", TINY_SHAPE, torch.float32, "cpu", seed)
+            engine = Engine(str(path), device="cpu", max_num_seqs=num_seqs, max_model_len=input_len + output_len + 16,
+                            seed=seed)
+            engine.model_runner.use_cuda_graphs = True
+            engine.model_runner.model.compute_logits = lambda hidden: hidden[:, :8].float()
+            params = SamplingParams(temperature=1.0, max_new_tokens=output_len, ignore_eos=True)
+            for prompt in make_prompts(num_seqs, input_len, TINY_SHAPE["vocab_size"], seed):
+                engine.add_request(prompt, params)
+            step_seconds = []
+            while engine.has_unfinished_requests():
+                is_decode = not engine.scheduler.waiting and all(
+                    seq.num_computed_tokens == len(seq) - 1 for seq in engine.scheduler.running
+                )
+                started = time.perf_counter()
+                engine.step()
+                if is_decode:
+                    step_seconds.append(time.perf_counter() - started)
+    finally:
+        model_runner_module.DecodeGraphs, model_runner_module.sample = saved
+    step_ms = np.array(step_seconds) * 1e3
+    return {
+        "benchmark": "engine_host_step",
+        "num_seqs": num_seqs, "input_len": input_len, "output_len": output_len,
+        "num_decode_steps": len(step_ms),
+        "host_ms_per_step_mean": round(float(step_ms.mean()), 3),
+        "host_ms_per_step_median": round(float(np.median(step_ms)), 3),
+        "host_ms_per_step_first_64": round(float(step_ms[:64].mean()), 3),
+        "host_ms_per_step_last_64": round(float(step_ms[-64:].mean()), 3),
+    }
+
+
+# ---- report -----------------------------------------------------------------------------------------------------
+
+def run_workloads(names: list[str], args) -> dict:
+    results = {}
+    with tempfile.TemporaryDirectory(prefix="bench_engine_") as tmp:
+        checkpoints: dict[str, Path] = {}
+        for name in names:
+            workload = make_workload(name, args)
+            key = json.dumps(workload.shape, sort_keys=True)
+            if name == "w1" and args.model_path:
+                checkpoints[key] = Path(args.model_path)
+                vocab_size = json.loads((checkpoints[key] / "config.json").read_text())["vocab_size"]
+                workload.prompts = make_prompts(args.num_prompts, args.input_len, vocab_size, args.seed)
+            if key not in checkpoints:
+                for old in list(checkpoints.values()):  # W4's 8B checkpoint comes last: drop the others' files
+                    if Path(tmp) in old.parents:
+                        _remove_tree(old)
+                started = time.perf_counter()
+                build_device = args.device if args.device == "cuda" else "cpu"
+                checkpoints[key] = build_checkpoint(Path(tmp) / f"model_{name}", workload.shape,
+                                                    getattr(torch, args.dtype), build_device, args.seed)
+                print(f"[{name}] checkpoint built in {time.perf_counter() - started:.1f} s", flush=True)
+            model_path = checkpoints[key]
+            # HF first: it frees its memory before the engine sizes its KV cache from what is free.
+            hf = bench_hf(model_path, workload, args) if name in args.hf_workloads else None
+            engine = bench_engine(model_path, workload, args, measure_weights_and_memory=name == "w1")
+            results[name] = summarize(workload, engine, hf, args)
+            print_workload(results[name], flush=True)
+    return results
+
+
+def _remove_tree(path: Path) -> None:
+    import shutil
+
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def summarize(workload: Workload, engine: dict, hf: dict | None, args) -> dict:
+    engine_rate = engine["num_output_tokens"] / engine["seconds"]
+    hf_rate = hf["num_output_tokens"] / hf["seconds"] if hf else None
+    expected_tokens = sum(workload.max_new_tokens)
+    summary = {
+        "title": workload.title,
+        "num_requests": len(workload.prompts),
+        "num_prompt_tokens": engine["num_prompt_tokens"],
+        "engine_output_tok_s": round(engine_rate, 1),
+        "engine_seconds": round(engine["seconds"], 3),
+        "engine_output_tokens": engine["num_output_tokens"],
+        "engine_steps": engine["num_steps"],
+        "mbu": round(engine["mbu"], 4),
+        "weight_gb": round(engine["weight_bytes"] / 1e9, 3),
+        "bytes_read": engine["bytes_read"],
+        "engine_init_seconds": round(engine["init_seconds"], 2),
+        "engine_startup_seconds": round(engine["startup_seconds"], 2),
+        "hf_output_tok_s": round(hf_rate, 1) if hf_rate else None,
+        "hf_seconds": round(hf["seconds"], 3) if hf else None,
+        "hf_output_tokens": hf["num_output_tokens"] if hf else None,
+        "ratio_engine_over_hf": round(engine_rate / hf_rate, 3) if hf_rate else None,
+    }
+    if engine["num_requests_finished"] != len(workload.prompts):
+        summary["warning"] = f"{engine['num_requests_finished']} of {len(workload.prompts)} requests finished"
+    elif workload.ignore_eos and engine["num_output_tokens"] != expected_tokens:
+        summary["warning"] = f"engine produced {engine['num_output_tokens']} tokens, expected {expected_tokens}"
+    if workload.name == "w2" and args.preset == "qwen3-0.6b":
+        summary["reference_hf_tok_s_not_measured_here"] = HF_W2_REFERENCE_TOK_S
+        summary["reference_ratio_engine_over_hf"] = round(engine_rate / HF_W2_REFERENCE_TOK_S, 2)
+    if workload.samples_per_prompt > 1:
+        summary["prefix_cache_hit_rate"] = round(engine["num_cached_prompt_tokens"] / engine["num_prompt_tokens"], 4)
+        summary["prefix_cache_hit_rate_ideal"] = (workload.samples_per_prompt - 1) / workload.samples_per_prompt
+        # Whole blocks only, and the last prompt token is always recomputed (its logits give the first token).
+        prompt_len, block_size = len(workload.prompts[0]), engine["block_size"]
+        cachable = (prompt_len - 1) // block_size * block_size / prompt_len
+        summary["prefix_cache_hit_rate_max"] = round(summary["prefix_cache_hit_rate_ideal"] * cachable, 4)
+    for key in ("weight_update_seconds", "weight_update_bytes", "release_seconds", "resume_seconds",
+                "released_allocated_bytes", "released_device_free_bytes", "resumed_allocated_bytes"):
+        if key in engine:
+            value = engine[key]
+            summary[key] = round(value, 4) if isinstance(value, float) else value
+    return summary
+
+
+def print_workload(summary: dict, flush: bool = False) -> None:
+    line = (f"{summary['title']}\n  engine: {summary['engine_output_tok_s']:,.1f} output tok/s, MBU "
+            f"{summary['mbu']:.1%} ({summary['engine_output_tokens']} tokens in {summary['engine_seconds']:.2f} s, "
+            f"{summary['engine_steps']} steps); start-up {summary['engine_startup_seconds']:.1f} s "
+            f"(init {summary['engine_init_seconds']:.1f} s)")
+    if summary["hf_output_tok_s"]:
+        line += (f"\n  hf generate: {summary['hf_output_tok_s']:,.1f} output tok/s "
+                 f"({summary['hf_seconds']:.2f} s); ratio engine / hf: {summary['ratio_engine_over_hf']:.2f}x")
+    if "reference_ratio_engine_over_hf" in summary:
+        line += (f"\n  REFERENCE ONLY (not measured in this run): transformers did "
+                 f"{summary['reference_hf_tok_s_not_measured_here']} tok/s on W2 on this GPU in an earlier session; "
+                 f"engine / that = {summary['reference_ratio_engine_over_hf']:.1f}x")
+    if "prefix_cache_hit_rate" in summary:
+        line += (f"\n  prefix-cache hit rate {summary['prefix_cache_hit_rate']:.3f} of prompt tokens "
+                 f"(ideal {summary['prefix_cache_hit_rate_ideal']:.3f}, at most "
+                 f"{summary['prefix_cache_hit_rate_max']:.3f} with whole blocks)")
+    if "weight_update_seconds" in summary:
+        line += (f"\n  weight update (full state dict, on-device tensors): {summary['weight_update_seconds']:.3f} s "
+                 f"for {summary['weight_update_bytes'] / 1e9:.2f} GB")
+        line += f"\n  release {summary['release_seconds']:.3f} s, resume {summary['resume_seconds']:.3f} s"
+        if summary["released_allocated_bytes"] is not None:
+            line += (f"; freed {summary['released_allocated_bytes'] / 2**30:.2f} GiB allocated, "
+                     f"{summary['released_device_free_bytes'] / 2**30:.2f} GiB device free memory")
+    if "warning" in summary:
+        line += f"\n  WARNING: {summary['warning']}"
+    print(line, flush=flush)
 
 
 def main(argv=None) -> dict:
@@ -172,56 +573,36 @@ def main(argv=None) -> dict:
 
     args = parse_args(argv)
     torch.manual_seed(args.seed)
-    with tempfile.TemporaryDirectory(prefix="bench_engine_") as tmp:
-        model_path = Path(args.model_path) if args.model_path else build_checkpoint(
-            args.preset, Path(tmp) / "model", getattr(torch, args.dtype), args.seed
-        )
-        vocab_size = json.loads((model_path / "config.json").read_text())["vocab_size"]
-        prompts = make_prompts(args.num_prompts, args.input_len, vocab_size, args.seed)
-        # HF first: it frees its memory before the engine sizes its KV cache from what is free.
-        hf = None if args.skip_hf else bench_hf(model_path, prompts, args)
-        engine = bench_engine(model_path, prompts, args)
-
-    expected_tokens = args.num_prompts * args.output_len
-    engine_rate = engine["num_output_tokens"] / engine["seconds"]
-    hf_rate = hf["num_output_tokens"] / hf["seconds"] if hf else None
-    ratio = engine_rate / hf_rate if hf_rate else None
-    device_name = torch.cuda.get_device_name() if args.device == "cuda" else platform.processor() or "cpu"
-    result = {
-        "benchmark": "engine_vs_hf_generate",
+    common = {
         "preset": args.preset,
-        "model": str(args.model_path or args.preset),
-        "num_prompts": args.num_prompts,
-        "input_len": args.input_len,
-        "output_len": args.output_len,
         "device": args.device,
-        "device_name": device_name,
+        "device_name": torch.cuda.get_device_name() if args.device == "cuda" else platform.processor() or "cpu",
         "dtype": args.dtype,
-        "engine_output_tok_s": round(engine_rate, 1),
-        "engine_seconds": round(engine["seconds"], 3),
-        "engine_output_tokens": engine["num_output_tokens"],
-        "hf_output_tok_s": round(hf_rate, 1) if hf_rate else None,
-        "hf_seconds": round(hf["seconds"], 3) if hf else None,
-        "hf_output_tokens": hf["num_output_tokens"] if hf else None,
-        "ratio_engine_over_hf": round(ratio, 3) if ratio else None,
         "torch": torch.__version__,
         "transformers": transformers.__version__,
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
     }
-    print(f"engine: {engine_rate:,.1f} output tok/s "
-          f"({engine['num_output_tokens']} tokens in {engine['seconds']:.2f} s)")
-    if hf:
-        print(f"hf generate: {hf_rate:,.1f} output tok/s ({hf['num_output_tokens']} tokens in {hf['seconds']:.2f} s)")
-        print(f"ratio engine / hf: {ratio:.2f}x")
-    if engine["num_output_tokens"] != expected_tokens:
-        print(f"WARNING: engine produced {engine['num_output_tokens']} tokens, expected {expected_tokens}")
-    print("=" * 64)
-    print(f"| preset {args.preset}: {args.num_prompts} prompts x {args.input_len} in, {args.output_len} out")
-    print(f"| device {args.device} ({device_name}), dtype {args.dtype}")
+    if args.workload == "host":
+        result = {**bench_host_step(args.seed), **common, "device": "cpu (device work faked)"}
+        print(f"host-side time per decode step, {result['num_seqs']} seqs: mean {result['host_ms_per_step_mean']} ms, "
+              f"median {result['host_ms_per_step_median']} ms (first 64 steps {result['host_ms_per_step_first_64']}"
+              f" ms, last 64 {result['host_ms_per_step_last_64']} ms)")
+        print(json.dumps(result))
+        return result
+    names = list(WORKLOADS) if args.workload == "all" else [args.workload]
+    results = run_workloads(names, args)
+    result = {"benchmark": "engine_vs_hf_generate", **common, "model": str(args.model_path or args.preset)}
+    if "w1" in results:  # the W1 fields at the top level, as before workloads existed
+        result.update(num_prompts=args.num_prompts, input_len=args.input_len, output_len=args.output_len)
+        result.update({key: value for key, value in results["w1"].items() if key != "title"})
+    result["workloads"] = results
+    print("=" * 72)
+    print(f"| preset {args.preset}, device {args.device} ({common['device_name']}), dtype {args.dtype}")
     print(f"| torch {torch.__version__}, transformers {transformers.__version__}")
-    print(f"| engine {result['engine_output_tok_s']} tok/s | hf {result['hf_output_tok_s']} tok/s "
-          f"| ratio {result['ratio_engine_over_hf']}")
-    print("=" * 64)
+    for name, summary in results.items():
+        ratio = f" | {summary['ratio_engine_over_hf']}x hf" if summary["ratio_engine_over_hf"] else ""
+        print(f"| {name}: {summary['engine_output_tok_s']} tok/s | MBU {summary['mbu']:.1%}{ratio}")
+    print("=" * 72)
     print(json.dumps(result))
     return result
 

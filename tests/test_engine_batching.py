@@ -55,3 +55,20 @@ def test_prefix_cache_hits_keep_outputs(path, reference):
     outputs = engine.generate(PROMPTS, GREEDY)
     assert all(output["cached_tokens"] == 6 for output in outputs)
     assert_same(outputs, reference)
+
+
+def test_step_outputs_are_snapshots_of_their_step(path, reference):
+    # Outputs are built in O(1) and read lazily; each must still show the tokens, log-probs and text of its step.
+    engine = Engine(str(path), device="cpu", kvcache_block_size=4, num_kvcache_blocks=128)
+    rid = engine.add_request(PROMPTS[0], GREEDY)
+    outputs = []
+    while engine.has_unfinished_requests():
+        outputs.extend(engine.step())
+    expected = reference[0]
+    assert [o.num_completion_tokens for o in outputs] == list(range(1, 21))
+    for step, output in enumerate(outputs, start=1):
+        assert output.rid == rid and output.prompt_token_ids == PROMPTS[0]
+        assert output.output_token_ids == expected["output_ids"][:step]
+        assert output.output_log_probs == pytest.approx(expected["output_log_probs"][:step], abs=1e-4)
+        assert output.text == engine.tokenizer.decode(expected["output_ids"][:step], skip_special_tokens=True)
+        assert output.finished == (step == 20)

@@ -150,3 +150,29 @@ def test_duplicate_rid_is_a_request_error(engine_loop):
 
     asyncio.run(main())
     assert engine_loop.engine.requests == {} and engine_loop.num_in_flight == 0
+
+
+def test_non_incremental_consumer_gets_only_the_finished_output_and_abort_keeps_partials(engine_loop):
+    async def main():
+        finals = await asyncio.gather(*(
+            asyncio.create_task(_all(engine_loop.generate([0] * n, {"max_new_tokens": n + 2}, incremental=False)))
+            for n in range(1, 4)
+        ))
+        generator = engine_loop.generate([1, 2], {"max_new_tokens": 10_000}, "long", incremental=False)
+        waiter = asyncio.create_task(_all(generator))
+        while engine_loop.engine.num_steps < 5 or "long" not in engine_loop.engine.requests:
+            await asyncio.sleep(0.01)
+        assert await asyncio.wrap_future(engine_loop.abort("long")) is True
+        return finals, await waiter
+
+    finals, aborted = asyncio.run(main())
+    for n, outputs in zip(range(1, 4), finals):
+        assert len(outputs) == 1 and outputs[0].finished
+        assert outputs[0].output_token_ids == list(range(n, 2 * n + 2))
+    assert len(aborted) == 1 and aborted[0].finish_reason == {"type": "abort"}
+    assert len(aborted[0].output_token_ids) >= 1
+    assert engine_loop.num_in_flight == 0
+
+
+async def _all(generator):
+    return [output async for output in generator]

@@ -16,7 +16,7 @@ pytest.importorskip("triton")
 from slime.engine.layers.activation import SiluAndMul
 from slime.engine.layers.rmsnorm import RMSNorm
 from slime.engine.layers.rotary import RotaryEmbedding
-from slime.engine.layers.triton_fused import norm_rope, rms_norm, silu_and_mul
+from slime.engine.layers.triton_fused import add_rms_norm, norm_rope, rms_norm, silu_and_mul
 from slime.engine.layers.triton_paged_attention import paged_attention
 from slime.engine.sampler import exponential_noise
 from slime.engine.triton_sampler import gumbel_argmax
@@ -106,6 +106,10 @@ def test_fused_elementwise_kernels_match_torch_modules(dtype):
     norm = RMSNorm(96, 1e-6).to(DEVICE, dtype)
     norm.weight.data = torch.rand(96, generator=generator).to(DEVICE, dtype) + 0.5
     torch.testing.assert_close(rms_norm(hidden, norm.weight, norm.eps), norm(hidden), **tolerance)
+    residual = torch.randn(5, 96, generator=generator).to(DEVICE, dtype)
+    normed, summed = add_rms_norm(hidden, residual, norm.weight, norm.eps)
+    assert summed.dtype == dtype and torch.equal(summed, hidden + residual)  # rounded as torch's add
+    torch.testing.assert_close(normed, norm(hidden + residual), **tolerance)
 
     gate_up = torch.randn(5, 2 * 1500, generator=generator).to(DEVICE, dtype)  # two column blocks
     torch.testing.assert_close(silu_and_mul(gate_up), SiluAndMul()(gate_up), **tolerance)

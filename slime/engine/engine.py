@@ -9,6 +9,7 @@ happen here. Not an HTTP layer and not a multi-process launcher.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import random
 import uuid
@@ -65,6 +66,10 @@ class Engine:
         self.released_tags: set[str] = set()
         self.weight_version = "0"
         self.num_weight_updates = 0
+        # Text of running requests, decoded only when a consumer reads it; keyed by skip_special_tokens.
+        self._detokenizers = {
+            skip: functools.partial(_decode, self.tokenizer, skip_special_tokens=skip) for skip in (False, True)
+        }
 
     def _eos_token_ids(self) -> set[int]:
         eos = set(self.model_config.eos_token_ids)
@@ -132,38 +137,35 @@ class Engine:
         token_ids, log_probs = self.model_runner.run(scheduled)
         self.scheduler.postprocess(scheduled, token_ids, log_probs)
         for item in scheduled:
-            seq = item.seq
             if not item.needs_sample:
                 continue
-            if not seq.is_finished:
+            seq = item.seq
+            if seq.status is not SequenceStatus.FINISHED and seq.sampling_params.stop:
                 stop = find_new_stop(self.tokenizer, seq.output_token_ids, seq.sampling_params)
                 if stop is not None:
                     self.scheduler.finish(seq, {"type": "stop", "matched": stop})
-            if seq.is_finished:
+            if seq.status is SequenceStatus.FINISHED:
                 self.requests.pop(seq.rid, None)
             outputs.append(self._output(seq))
         return outputs
 
     def _output(self, seq: Sequence) -> RequestOutput:
-        params, output_token_ids = seq.sampling_params, seq.output_token_ids
-        finish_reason = seq.finish_reason
-        if seq.is_finished:
-            text = final_text(self.tokenizer, output_token_ids, params, finish_reason)
+        """O(1) for a running sequence (a snapshot, sliced when read); the final text of a finished one."""
+        params = seq.sampling_params
+        if seq.status is SequenceStatus.FINISHED:
+            text = final_text(self.tokenizer, seq.output_token_ids, params, seq.finish_reason)
             detokenize = None
         else:
             text = None
-
-            def detokenize() -> str:
-                return self.tokenizer.decode(output_token_ids, skip_special_tokens=params.skip_special_tokens)
-
-        return RequestOutput(
-            rid=seq.rid,
-            prompt_token_ids=seq.prompt_token_ids,
-            output_token_ids=output_token_ids,
-            output_log_probs=list(seq.output_log_probs),
+            detokenize = self._detokenizers[params.skip_special_tokens]
+        return RequestOutput.from_sequence(
+            seq.rid,
+            seq.token_ids,
+            seq.num_prompt_tokens,
+            seq.output_log_probs,
             text=text,
-            finished=seq.is_finished,
-            finish_reason=finish_reason,
+            finished=seq.status is SequenceStatus.FINISHED,
+            finish_reason=seq.finish_reason,
             num_cached_tokens=seq.num_cached_tokens,
             weight_version=self.weight_version,
             detokenize=detokenize,
@@ -269,6 +271,10 @@ class Engine:
         released = sorted(self.released_tags & set(tags))
         if released:
             raise EngineMemoryReleasedError(f"cannot {action}: memory {released} is released; call resume_memory first")
+
+
+def _decode(tokenizer, token_ids: list[int], skip_special_tokens: bool) -> str:
+    return tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
 
 
 def _as_sampling_params(params) -> SamplingParams:

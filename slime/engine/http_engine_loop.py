@@ -35,6 +35,7 @@ class _Stream:
     loop: asyncio.AbstractEventLoop
     outputs: asyncio.Queue
     prompt_token_ids: list[int]
+    incremental: bool = True  # False: the consumer only wants the finished output
     latest: object | None = None
     finished: bool = False
 
@@ -82,13 +83,16 @@ class EngineLoop:
         return await asyncio.wrap_future(self.submit(fn, *args))
 
     # ---- requests --------------------------------------------------------------------------------------------
-    async def generate(self, prompt_token_ids: list[int], sampling_params, rid: str | None = None) -> AsyncIterator:
-        """Add a request and yield its RequestOutputs (cumulative) until the finished one.
+    async def generate(
+        self, prompt_token_ids: list[int], sampling_params, rid: str | None = None, incremental: bool = True
+    ) -> AsyncIterator:
+        """Add a request and yield its RequestOutputs (cumulative) until the finished one; with incremental=False
+        only the finished one (a non-streaming consumer then costs one hand-over, not one per token).
 
         If the consumer stops early (client gone, task cancelled), the request is aborted in the engine.
         """
         rid = rid or uuid.uuid4().hex
-        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue(), list(prompt_token_ids))
+        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue(), list(prompt_token_ids), incremental)
         try:
             await self.call(self._add, rid, stream, sampling_params)
         except ValueError as error:  # the engine rejected the request (e.g. a rid already in flight)
@@ -218,13 +222,21 @@ class EngineLoop:
                 future.set_exception(error)
 
     def _dispatch(self, outputs) -> None:
+        """Hand a step's outputs to their waiters: one wake-up per event loop and step, not one per output."""
+        deliveries: dict[asyncio.AbstractEventLoop, list] = {}
         for output in outputs:
             stream = self._streams.get(output.rid)
             if stream is None:
                 continue
+            stream.latest = output
             if output.finished:
                 del self._streams[output.rid]
-            self._send(stream, output)
+                stream.finished = True
+            elif not stream.incremental:
+                continue
+            deliveries.setdefault(stream.loop, []).append((stream.outputs, output))
+        for loop, items in deliveries.items():
+            loop.call_soon_threadsafe(_put_all, items)
 
     def _send(self, stream: _Stream, output) -> None:
         stream.latest = output
@@ -245,6 +257,11 @@ class EngineLoop:
         for stream in streams.values():
             stream.finished = True
             stream.loop.call_soon_threadsafe(stream.outputs.put_nowait, RuntimeError(f"engine step failed: {error}"))
+
+
+def _put_all(items: list) -> None:
+    for outputs, output in items:
+        outputs.put_nowait(output)
 
 
 def _as_outputs(result) -> list:

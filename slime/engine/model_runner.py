@@ -8,6 +8,7 @@ to / restore from a CPU copy). It does not schedule, check stop conditions or de
 
 from __future__ import annotations
 
+import itertools
 import os
 import warnings
 
@@ -186,21 +187,21 @@ class ModelRunner:
             )
         if len(scheduled) > self.decode_graphs.max_batch_size:
             return None
-        block_size = self.block_size
-        tables = [item.seq.block_table for item in scheduled]
-        block_tables = _padded_block_tables(tables)
+        block_tables = _padded_block_tables([item.seq.block_table for item in scheduled])
         if block_tables.shape[1] > self.max_num_blocks_per_seq:
             return None
-        positions = [item.start for item in scheduled]
-        token_inputs = np.array(
-            [
-                [item.seq.token_ids[item.start] for item in scheduled],
-                positions,
-                [table[pos // block_size] * block_size + pos % block_size for table, pos in zip(tables, positions)],
-                [pos + 1 for pos in positions],
-            ],
-            dtype=np.int64,
+        num_seqs = len(scheduled)
+        positions = np.fromiter((item.start for item in scheduled), dtype=np.int64, count=num_seqs)
+        token_inputs = np.empty((4, num_seqs), dtype=np.int64)
+        token_inputs[0] = np.fromiter(
+            (item.seq.token_ids[item.start] for item in scheduled), dtype=np.int64, count=num_seqs
         )
+        token_inputs[1] = positions
+        token_inputs[2] = (
+            block_tables[np.arange(num_seqs), positions // self.block_size].astype(np.int64) * self.block_size
+            + positions % self.block_size
+        )
+        token_inputs[3] = positions + 1
         return self.decode_graphs.run(token_inputs, block_tables)
 
     def prepare_inputs(self, scheduled: list[ScheduledSequence]):
@@ -255,45 +256,69 @@ class ModelRunner:
         return input_ids_t, positions_t, meta, logits_indices_t
 
     def prepare_sampling(self, sampled: list[ScheduledSequence], vocab_size: int) -> SamplingBatch:
-        temperatures, top_ks, top_ps, min_ps, seeds, steps = [], [], [], [], [], []
-        banned_rows, banned_token_ids = [], []
-        needs_filtering = False
-        for row, item in enumerate(sampled):
-            seq, params = item.seq, item.seq.sampling_params
-            temperatures.append(params.temperature)
-            top_ks.append(vocab_size if params.top_k == -1 else params.top_k)
-            top_ps.append(params.top_p if params.top_p < 1.0 else 2.0)  # 2.0: never cut by float round-off
-            min_ps.append(params.min_p)
-            needs_filtering |= params.top_k != -1 or params.top_p < 1.0 or params.min_p > 0.0
-            seeds.append(seq.seed)
-            steps.append(seq.num_completion_tokens)
-            if seq.num_completion_tokens < params.min_new_tokens:
-                stop_ids = set(params.stop_token_ids)
-                if not params.ignore_eos:
-                    stop_ids |= self.eos_token_ids
-                for token_id in sorted(t for t in stop_ids if t < vocab_size):
-                    banned_rows.append(row)
-                    banned_token_ids.append(token_id)
-        device = self.device
-        return SamplingBatch(
-            temperatures=torch.tensor(temperatures, dtype=torch.float32, device=device),
-            top_ks=torch.tensor(top_ks, dtype=torch.int64, device=device),
-            top_ps=torch.tensor(top_ps, dtype=torch.float32, device=device),
-            min_ps=torch.tensor(min_ps, dtype=torch.float32, device=device),
-            seeds=torch.tensor(seeds, dtype=torch.int64, device=device),
-            steps=torch.tensor(steps, dtype=torch.int64, device=device),
-            banned_rows=torch.tensor(banned_rows, dtype=torch.int64, device=device),
-            banned_token_ids=torch.tensor(banned_token_ids, dtype=torch.int64, device=device),
-            needs_filtering=needs_filtering,
-            all_greedy=not any(temperatures),
+        """Per-row sampling tensors, sent in two host-to-device copies (int64 and float32 rows). Each distinct
+        SamplingParams object is read once per step (a batch usually shares one)."""
+        num_rows = len(sampled)
+        seqs = [item.seq for item in sampled]
+        params_of_rows = [seq.sampling_params for seq in seqs]
+        distinct = {id(params): params for params in params_of_rows}
+        values = {key: _sampling_values(params, vocab_size) for key, params in distinct.items()}
+        if len(values) == 1:
+            (only,) = values.values()
+            float_columns = np.broadcast_to(np.array(only[:3], dtype=np.float32)[:, None], (3, num_rows))
+            top_ks = np.full(num_rows, only[3], dtype=np.int64)
+        else:
+            rows = [values[id(params)] for params in params_of_rows]
+            float_columns = np.array([row[:3] for row in rows], dtype=np.float32).T
+            top_ks = np.fromiter((row[3] for row in rows), dtype=np.int64, count=num_rows)
+        seeds = np.fromiter((seq.seed for seq in seqs), dtype=np.int64, count=num_rows)
+        steps = np.fromiter(
+            (len(seq.token_ids) - seq.num_prompt_tokens for seq in seqs), dtype=np.int64, count=num_rows
         )
+        banned_rows, banned_token_ids = [], []
+        if any(params.min_new_tokens > 0 for params in distinct.values()):
+            for row, (params, step) in enumerate(zip(params_of_rows, steps.tolist())):
+                if step < params.min_new_tokens:
+                    stop_ids = set(params.stop_token_ids)
+                    if not params.ignore_eos:
+                        stop_ids |= self.eos_token_ids
+                    for token_id in sorted(t for t in stop_ids if t < vocab_size):
+                        banned_rows.append(row)
+                        banned_token_ids.append(token_id)
+        int_tensors = _to_device_packed(
+            [top_ks, seeds, steps, np.array(banned_rows, dtype=np.int64), np.array(banned_token_ids, dtype=np.int64)],
+            np.int64,
+            self.device,
+        )
+        temperatures, top_ps, min_ps = _to_device_packed(list(float_columns), np.float32, self.device)
+        return SamplingBatch(
+            temperatures=temperatures,
+            top_ks=int_tensors[0],
+            top_ps=top_ps,
+            min_ps=min_ps,
+            seeds=int_tensors[1],
+            steps=int_tensors[2],
+            banned_rows=int_tensors[3],
+            banned_token_ids=int_tensors[4],
+            needs_filtering=any(value[4] for value in values.values()),
+            all_greedy=not any(value[0] for value in values.values()),
+        )
+
+
+def _sampling_values(params, vocab_size: int) -> tuple[float, float, float, int, bool]:
+    """(temperature, top_p, min_p, top_k, needs_filtering) of one SamplingParams as the sampler takes them."""
+    top_k = vocab_size if params.top_k == -1 else params.top_k
+    top_p = params.top_p if params.top_p < 1.0 else 2.0  # 2.0: never cut by float round-off
+    needs_filtering = params.top_k != -1 or params.top_p < 1.0 or params.min_p > 0.0
+    return params.temperature, top_p, params.min_p, top_k, needs_filtering
 
 
 def _padded_block_tables(tables: list[list[int]]) -> np.ndarray:
     """[num_seqs, longest table] int32, padded with block 0 (never read: masked by context lengths)."""
-    padded = np.zeros((len(tables), max(len(table) for table in tables)), dtype=np.int32)
-    for row, table in enumerate(tables):
-        padded[row, : len(table)] = table
+    lengths = np.fromiter(map(len, tables), dtype=np.int64, count=len(tables))
+    padded = np.zeros((len(tables), int(lengths.max())), dtype=np.int32)
+    flat = np.fromiter(itertools.chain.from_iterable(tables), dtype=np.int32, count=int(lengths.sum()))
+    padded[np.arange(padded.shape[1])[None, :] < lengths[:, None]] = flat  # row-major, as the chain
     return padded
 
 
@@ -327,18 +352,23 @@ def _triton_attention_works(device: torch.device) -> bool:
 
 
 def _triton_fused_kernels_work(device: torch.device) -> bool:
-    """Whether the fused RMSNorm / q-k norm + rotary / SiLU-and-mul kernels match the torch modules here; if not,
+    """Whether the fused RMSNorm / add + RMSNorm / q-k norm + rotary / SiLU-and-mul kernels match the torch modules
+    here; if not,
     warn and keep the torch modules for those stages."""
     try:
         from slime.engine.layers.activation import SiluAndMul
         from slime.engine.layers.rmsnorm import RMSNorm
         from slime.engine.layers.rotary import RotaryEmbedding
-        from slime.engine.layers.triton_fused import norm_rope, rms_norm, silu_and_mul
+        from slime.engine.layers.triton_fused import add_rms_norm, norm_rope, rms_norm, silu_and_mul
 
         generator = torch.Generator(device=device).manual_seed(0)
         x = torch.randn(3, 64, 128, device=device, generator=generator)
         norm = RMSNorm(128, 1e-6).to(device)
         torch.testing.assert_close(rms_norm(x, norm.weight, norm.eps), norm(x), atol=1e-4, rtol=1e-4)
+        residual = torch.randn(64, 128, device=device, generator=generator)
+        expected = norm(x[0] + residual), x[0] + residual
+        got = add_rms_norm(x[0], residual, norm.weight, norm.eps)
+        torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
         torch.testing.assert_close(silu_and_mul(x[0]), SiluAndMul()(x[0]), atol=1e-4, rtol=1e-4)
         rotary = RotaryEmbedding(128, 16, 10000.0).to(device)
         positions = torch.arange(3, device=device) * 5

@@ -197,7 +197,7 @@ async def _respond(request, state, body, prompts, max_tokens, want_logprobs, kin
     if not body.get("stream", False):
         async def run(prompt, params):
             final = None
-            async for output in loop.generate(prompt, params):
+            async for output in loop.generate(prompt, params, incremental=False):
                 final = output
             return final
 

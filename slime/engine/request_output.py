@@ -1,8 +1,10 @@
 """What the engine reports about a request after a step: tokens and log-probs so far, text, finish reason.
 
-A plain record built by the engine; `to_dict` gives the blocking `Engine.generate` result shape. The text is
-detokenized lazily on first access (a streaming consumer that never reads it pays nothing). It does not know how
-the HTTP server renders it (SGLang's meta_info lives in the server).
+A plain record built by the engine; `to_dict` gives the blocking `Engine.generate` result shape. Building one costs
+O(1), whatever the request's length: `from_sequence` snapshots only the sequence's length, and the token and
+log-prob lists are sliced out of the (append-only) sequence on first access, as is the text (detokenized). A
+consumer that only looks at the final output never pays for the intermediate ones. It does not know how the HTTP
+server renders it (SGLang's meta_info lives in the server).
 """
 
 from __future__ import annotations
@@ -15,6 +17,12 @@ class RequestOutput:
     finished, finish_reason ({"type": "stop"|"length"|"abort", plus "matched" | "length" | "message"} or None while
     running), num_cached_tokens (prompt tokens served by the prefix cache), weight_version."""
 
+    __slots__ = (
+        "rid", "finished", "finish_reason", "num_cached_tokens", "weight_version", "_text", "_detokenize",
+        "_prompt_token_ids", "_output_token_ids", "_output_log_probs", "_sequence_token_ids", "_sequence_log_probs",
+        "_num_prompt_tokens", "_num_tokens",
+    )  # fmt: skip
+
     def __init__(
         self,
         rid: str,
@@ -26,14 +34,17 @@ class RequestOutput:
         finish_reason: dict | None = None,
         num_cached_tokens: int = 0,
         weight_version: str = "0",
-        detokenize: Callable[[], str] | None = None,
+        detokenize: Callable[[list[int]], str] | None = None,
     ):
         if text is None and detokenize is None:
             raise ValueError("RequestOutput needs text or a detokenize callable")
         self.rid = rid
-        self.prompt_token_ids = prompt_token_ids
-        self.output_token_ids = output_token_ids
-        self.output_log_probs = output_log_probs
+        self._prompt_token_ids = prompt_token_ids
+        self._output_token_ids = output_token_ids
+        self._output_log_probs = output_log_probs
+        self._sequence_token_ids = self._sequence_log_probs = None
+        self._num_prompt_tokens = len(prompt_token_ids)
+        self._num_tokens = self._num_prompt_tokens + len(output_token_ids)
         self._text = text
         self._detokenize = detokenize
         self.finished = finished
@@ -41,19 +52,70 @@ class RequestOutput:
         self.num_cached_tokens = num_cached_tokens
         self.weight_version = weight_version
 
+    @classmethod
+    def from_sequence(
+        cls,
+        rid: str,
+        token_ids: list[int],
+        num_prompt_tokens: int,
+        log_probs: list[float],
+        text: str | None = None,
+        finished: bool = False,
+        finish_reason: dict | None = None,
+        num_cached_tokens: int = 0,
+        weight_version: str = "0",
+        detokenize: Callable[[list[int]], str] | None = None,
+    ) -> RequestOutput:
+        """A snapshot of a running sequence in O(1): `token_ids` (prompt + output) and `log_probs` must only ever be
+        appended to afterwards; the lists are sliced at their current lengths when first read."""
+        if text is None and detokenize is None:
+            raise ValueError("RequestOutput needs text or a detokenize callable")
+        output = cls.__new__(cls)
+        output.rid = rid
+        output._prompt_token_ids = output._output_token_ids = output._output_log_probs = None
+        output._sequence_token_ids = token_ids
+        output._sequence_log_probs = log_probs
+        output._num_prompt_tokens = num_prompt_tokens
+        output._num_tokens = len(token_ids)
+        output._text = text
+        output._detokenize = detokenize
+        output.finished = finished
+        output.finish_reason = finish_reason
+        output.num_cached_tokens = num_cached_tokens
+        output.weight_version = weight_version
+        return output
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        if self._prompt_token_ids is None:
+            self._prompt_token_ids = self._sequence_token_ids[: self._num_prompt_tokens]
+        return self._prompt_token_ids
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        if self._output_token_ids is None:
+            self._output_token_ids = self._sequence_token_ids[self._num_prompt_tokens : self._num_tokens]
+        return self._output_token_ids
+
+    @property
+    def output_log_probs(self) -> list[float]:
+        if self._output_log_probs is None:
+            self._output_log_probs = self._sequence_log_probs[: self._num_tokens - self._num_prompt_tokens]
+        return self._output_log_probs
+
     @property
     def text(self) -> str:
         if self._text is None:
-            self._text = self._detokenize()
+            self._text = self._detokenize(self.output_token_ids)
         return self._text
 
     @property
     def num_prompt_tokens(self) -> int:
-        return len(self.prompt_token_ids)
+        return self._num_prompt_tokens
 
     @property
     def num_completion_tokens(self) -> int:
-        return len(self.output_token_ids)
+        return self._num_tokens - self._num_prompt_tokens
 
     def __repr__(self) -> str:
         return (

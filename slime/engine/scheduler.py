@@ -17,7 +17,7 @@ from slime.engine.block_manager import BlockManager
 from slime.engine.sequence import Sequence, SequenceStatus
 
 
-@dataclass
+@dataclass(slots=True)
 class ScheduledSequence:
     """One sequence's share of a step: `num_new_tokens` tokens from `start` (its num_computed_tokens when
     scheduled). needs_sample: the chunk reaches the end of the sequence, so its last logits give the next token."""
@@ -59,23 +59,29 @@ class Scheduler:
     def schedule(self) -> list[ScheduledSequence]:
         budget = self.max_num_batched_tokens
         scheduled: list[ScheduledSequence] = []
+        block_manager = self.block_manager
+        block_size = block_manager.block_size
         index = 0
         num_preempted = 0
         while index < len(self.running) and budget > 0:
             seq = self.running[index]
-            num_new_tokens = min(len(seq) - seq.num_computed_tokens, budget)
-            end = seq.num_computed_tokens + num_new_tokens
-            while not self.block_manager.can_grow(seq, end):
-                victim = self.running[-1]
-                self.preempt(victim)
-                num_preempted += 1
-                if victim is seq:
+            start = seq.num_computed_tokens
+            num_new_tokens = min(len(seq.token_ids) - start, budget)
+            end = start + num_new_tokens
+            # Most decode steps need no new block and fill none: skip the block manager then (O(1) per sequence).
+            if end > len(seq.block_table) * block_size:
+                while not block_manager.can_grow(seq, end):
+                    victim = self.running[-1]
+                    self.preempt(victim)
+                    num_preempted += 1
+                    if victim is seq:
+                        break
+                if seq.status is not SequenceStatus.RUNNING:
                     break
-            if seq.status != SequenceStatus.RUNNING:
-                break
-            self.block_manager.grow(seq, end)
-            self.block_manager.register_full_blocks(seq, end)
-            scheduled.append(ScheduledSequence.of(seq, num_new_tokens))
+                block_manager.grow(seq, end)
+            if end // block_size > start // block_size:  # earlier steps registered the blocks full before `start`
+                block_manager.register_full_blocks(seq, end)
+            scheduled.append(ScheduledSequence(seq, start, num_new_tokens, end == len(seq.token_ids)))
             budget -= num_new_tokens
             index += 1
         # After a preemption the cache is full: admitting more would only evict again.
@@ -121,14 +127,16 @@ class Scheduler:
 
     def token_finish_reason(self, seq: Sequence, token_id: int) -> dict | None:
         params = seq.sampling_params
+        num_tokens = len(seq.token_ids)
+        num_completion_tokens = num_tokens - seq.num_prompt_tokens
         is_stop_token = token_id in params.stop_token_ids or (not params.ignore_eos and token_id in self.eos_token_ids)
         # The sampler masks stop tokens while fewer than min_new_tokens tokens exist; this guards other samplers.
-        if is_stop_token and seq.num_completion_tokens > params.min_new_tokens:
+        if is_stop_token and num_completion_tokens > params.min_new_tokens:
             return {"type": "stop", "matched": token_id}
-        if params.max_new_tokens is not None and seq.num_completion_tokens >= params.max_new_tokens:
+        if params.max_new_tokens is not None and num_completion_tokens >= params.max_new_tokens:
             return {"type": "length", "length": params.max_new_tokens}
-        if len(seq) >= self.max_model_len:
-            return {"type": "length", "length": seq.num_completion_tokens}
+        if num_tokens >= self.max_model_len:
+            return {"type": "length", "length": num_completion_tokens}
         return None
 
     def finish(self, seq: Sequence, finish_reason: dict) -> None:

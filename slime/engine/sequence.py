@@ -52,7 +52,7 @@ class Sequence:
 
     @property
     def is_finished(self) -> bool:
-        return self.status == SequenceStatus.FINISHED
+        return self.status is SequenceStatus.FINISHED
 
     def append_token(self, token_id: int, log_prob: float) -> None:
         self.token_ids.append(token_id)

@@ -119,7 +119,10 @@ def _register_generate_routes(app: FastAPI, state: ServerState) -> None:
 
         async def run_one(item):
             final = None
-            async for output in state.engine_loop.generate(item.prompt_token_ids, item.sampling_params, item.rid):
+            outputs = state.engine_loop.generate(
+                item.prompt_token_ids, item.sampling_params, item.rid, incremental=False
+            )
+            async for output in outputs:
                 final = output
             return render(final)
 

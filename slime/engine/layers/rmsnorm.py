@@ -1,5 +1,6 @@
-"""RMSNorm as in Llama / Qwen (computed in float32, cast back). Not fused with the residual add. With `use_triton`
-(set by the model runner on CUDA) the same math runs as one Triton kernel (`triton_fused.rms_norm`)."""
+"""RMSNorm as in Llama / Qwen (computed in float32, cast back), alone or after the residual add (`add_and_norm`).
+With `use_triton` (set by the model runner on CUDA) each runs as one Triton kernel (`triton_fused.rms_norm`,
+`triton_fused.add_rms_norm`)."""
 
 from __future__ import annotations
 
@@ -23,3 +24,12 @@ class RMSNorm(nn.Module):
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x.to(dtype)
+
+    def add_and_norm(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(x + residual), x + residual): the pre-norm decoder's residual stream step."""
+        if self.use_triton:
+            from slime.engine.layers.triton_fused import add_rms_norm
+
+            return add_rms_norm(x, residual, self.weight, self.eps)
+        residual = x + residual
+        return self(residual), residual

@@ -1,5 +1,6 @@
 """Triton kernels that fuse the decoder's small elementwise stages, each into one launch: RMSNorm over the last dim,
-per-head q/k RMSNorm followed by rotary embedding, and SiLU-and-multiply.
+the residual add fused with the RMSNorm after it, per-head q/k RMSNorm followed by rotary embedding, and
+SiLU-and-multiply.
 
 Why: at decode batch sizes every layer is dozens of tiny kernels (RMSNorm alone is seven torch ops), and even
 inside a CUDA graph each costs a few microseconds of GPU time; fused, a layer is about a dozen launches. Each kernel
@@ -39,6 +40,56 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
             x, weight, out, x.stride(0), out.stride(0), shape[-1], eps, BLOCK=triton.next_power_of_2(shape[-1])
         )
     return out.view(shape)
+
+
+@triton.jit
+def _add_rms_norm_kernel(
+    x_ptr,
+    residual_ptr,
+    weight_ptr,
+    out_ptr,
+    residual_out_ptr,
+    stride_x,
+    stride_residual,
+    stride_out,
+    stride_residual_out,
+    num_columns,
+    eps,
+    BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    columns = tl.arange(0, BLOCK)
+    valid = columns < num_columns
+    x = tl.load(x_ptr + row * stride_x + columns, mask=valid, other=0.0)
+    residual = tl.load(residual_ptr + row * stride_residual + columns, mask=valid, other=0.0)
+    # Rounded to the model dtype before the norm reads it back, as torch's `x + residual` then RMSNorm.
+    summed = (x.to(tl.float32) + residual.to(tl.float32)).to(residual_out_ptr.dtype.element_ty)
+    tl.store(residual_out_ptr + row * stride_residual_out + columns, summed, mask=valid)
+    summed = summed.to(tl.float32)
+    normed = summed * tl.rsqrt(tl.sum(summed * summed, 0) / num_columns + eps)
+    weight = tl.load(weight_ptr + columns, mask=valid, other=0.0)
+    out = weight * normed.to(weight.dtype)
+    tl.store(out_ptr + row * stride_out + columns, out.to(out_ptr.dtype.element_ty), mask=valid)
+
+
+def add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(RMSNorm(x + residual), x + residual) of [num_tokens, hidden] tensors with contiguous rows, in one launch:
+    the decoder's residual add fused with the norm that follows it."""
+    assert x.shape == residual.shape and x.dim() == 2, "add_rms_norm expects two [num_tokens, hidden] tensors"
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    if residual.stride(-1) != 1:
+        residual = residual.contiguous()
+    residual_out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    out = torch.empty(x.shape, dtype=torch.result_type(weight, x), device=x.device)
+    if x.shape[0]:
+        _add_rms_norm_kernel[(x.shape[0],)](
+            x, residual, weight, out, residual_out, x.stride(0), residual.stride(0), out.stride(0),
+            residual_out.stride(0), x.shape[1], eps, BLOCK=triton.next_power_of_2(x.shape[1]),
+        )  # fmt: skip
+    return out, residual_out
 
 
 @triton.jit

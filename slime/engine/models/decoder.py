@@ -76,9 +76,18 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = DecoderMLP(config)
 
-    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        hidden = hidden + self.self_attn(positions, self.input_layernorm(hidden), meta)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+    def forward(
+        self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None, meta: AttentionMetadata
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """hidden: the previous sub-layer's output (the embeddings for the first layer, with residual None);
+        residual: the residual stream before it. Each add is fused with the norm after it; returns the MLP's
+        output and the residual stream it must be added to."""
+        if residual is None:
+            residual, normed = hidden, self.input_layernorm(hidden)
+        else:
+            normed, residual = self.input_layernorm.add_and_norm(hidden, residual)
+        normed, residual = self.post_attention_layernorm.add_and_norm(self.self_attn(positions, normed, meta), residual)
+        return self.mlp(normed), residual
 
 
 class DecoderModel(nn.Module):
@@ -92,10 +101,12 @@ class DecoderModel(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        hidden = self.embed_tokens(input_ids)
+        hidden, residual = self.embed_tokens(input_ids), None
         for layer in self.layers:
-            hidden = layer(positions, hidden, meta)
-        return self.norm(hidden)
+            hidden, residual = layer(positions, hidden, residual, meta)
+        if residual is None:  # no layers
+            return self.norm(hidden)
+        return self.norm.add_and_norm(hidden, residual)[0]
 
 
 class DecoderForCausalLM(nn.Module):
