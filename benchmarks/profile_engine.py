@@ -20,7 +20,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.bench_engine import build_checkpoint, make_prompts  # noqa: E402
+from benchmarks.bench_engine import QWEN3_06B_SHAPE, build_checkpoint, make_prompts  # noqa: E402
 
 
 def timed(owner, name: str, totals: dict, synchronize: bool) -> None:
@@ -48,7 +48,7 @@ def main() -> None:
     from slime.engine.sampling_params import SamplingParams
 
     with tempfile.TemporaryDirectory(prefix="profile_engine_") as tmp:
-        model_path = build_checkpoint("qwen3-0.6b", Path(tmp) / "model", torch.bfloat16, 0)
+        model_path = build_checkpoint(Path(tmp) / "model", QWEN3_06B_SHAPE, torch.bfloat16, "cuda", 0)
         prompts = make_prompts(args.num_prompts, args.input_len, 151936, 0)
         engine = Engine(str(model_path), device="cuda", dtype="bfloat16", max_num_seqs=args.num_prompts,
                         max_model_len=args.input_len + args.output_len + 16)

@@ -120,6 +120,19 @@ def test_automatic_config_follows_the_group_and_the_step():
     assert choose_num_kv_splits(1, 1, 4096, 1, 32, torch.device("cpu")) == 1  # no split off CUDA
 
 
+def test_kv_split_count_is_a_power_of_two_capped_by_the_tiles(monkeypatch):
+    """A block table holding 3 key tiles (the H200 failure: 3 splits) caps the count at 2, never 3."""
+    import slime.engine.layers.triton_paged_attention as kernel
+
+    monkeypatch.setattr(kernel, "_num_sms", lambda device: 132)
+    cuda = torch.device("cuda")
+    for max_context_len in range(1, 40 * 32, 7):
+        splits = choose_num_kv_splits(4, 2, max_context_len, 1, 32, cuda)
+        assert splits & (splits - 1) == 0 and splits <= max(1, -(-max_context_len // 32))
+    assert choose_num_kv_splits(4, 2, 96, 1, 32, cuda) == 2
+    assert choose_num_kv_splits(4, 2, 4096, 1, 32, cuda) == kernel.MAX_KV_SPLITS
+
+
 def test_num_kv_splits_must_be_a_power_of_two():
     q, k_cache, v_cache, block_tables = make_batch([1], [5], 2, 1, torch.float32, 0)
     with pytest.raises(ValueError, match="num_kv_splits"):

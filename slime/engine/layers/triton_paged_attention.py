@@ -231,8 +231,11 @@ def choose_num_kv_splits(
     if num_programs >= target_programs:
         return 1
     num_splits = triton.next_power_of_2(triton.cdiv(target_programs, num_programs))
-    # No more splits than key tiles in the widest context the block table can hold.
-    return max(1, min(num_splits, MAX_KV_SPLITS, triton.cdiv(max_context_len, block_n)))
+    # No more splits than key tiles in the widest context the block table can hold; a power of two (the merge
+    # kernel's requirement), so round that cap down.
+    max_tiles = triton.cdiv(max_context_len, block_n)
+    tile_cap = 1 << (max_tiles.bit_length() - 1) if max_tiles >= 1 else 1
+    return max(1, min(num_splits, MAX_KV_SPLITS, tile_cap))
 
 
 def paged_attention(
