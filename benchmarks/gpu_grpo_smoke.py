@@ -28,7 +28,7 @@ SHAPES = {
     "tiny": dict(task_mod.MODEL_SHAPE),
 }
 PHASES = ["perf/rollout_time", "perf/log_prob_time", "perf/actor_train_time", "perf/update_weights_time",
-          "perf/step_time"]
+          "perf/weight_push_time", "perf/step_time"]
 EXTRA = ["perf/rollout_tokens_per_sec", "train/train_rollout_logprob_abs_diff", "rollout/response_len/mean"]
 
 

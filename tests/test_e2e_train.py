@@ -45,8 +45,10 @@ def test_grpo_run(task, tmp_path):
     assert [r["rollout_id"] for r in rows] == [0, 1]
     for row in rows:
         for key in ("rollout/raw_reward", "train/loss", "train/kl_loss", "train/grad_norm", "perf/rollout_time",
-                    "perf/train_time", "perf/update_weights_time", "train/train_rollout_logprob_abs_diff"):
+                    "perf/train_time", "perf/update_weights_time", "perf/weight_push_time", "perf/weight_push_gb",
+                    "perf/log_prob_time", "perf/actor_train_time", "train/train_rollout_logprob_abs_diff"):
             assert key in row, (key, sorted(row))
+        assert not {"seconds", "bytes", "num_buckets"} & set(row)  # every metric carries its prefix
         # the engine's log-probs and the trainer's of the same tokens agree (same weights after every sync)
         assert row["train/train_rollout_logprob_abs_diff"] < 1e-3
     assert rows[0]["train/kl_loss"] == 0.0  # first step: policy == reference exactly
