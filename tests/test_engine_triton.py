@@ -169,3 +169,24 @@ def test_engine_triton_path_matches_torch_path(tmp_path):
         assert triton_output["output_ids"] == torch_output["output_ids"]
         assert triton_output["output_log_probs"] == pytest.approx(torch_output["output_log_probs"], abs=1e-4)
     assert outputs[1][-1]["cached_tokens"] > 0
+
+
+def test_start_up_self_check_passes_and_catches_a_wrong_attention_kernel(monkeypatch):
+    """The model runner's start-up check runs both kernel variants (prefill over a cached prefix, decode) against
+    SDPA: it accepts the real kernel and turns a wrong one (here: a decode result off by a constant) into the
+    torch fallback with a warning."""
+    import slime.engine.layers.triton_paged_attention as kernel_module
+    from slime.engine.model_runner import _triton_attention_works
+
+    device = torch.device(DEVICE)
+    assert _triton_attention_works(device)
+
+    real = kernel_module.paged_attention
+
+    def wrong_decode(q, *args, **kwargs):
+        out = real(q, *args, **kwargs)
+        return out + 0.01 if args[-2] == 1 else out  # max_query_len 1: the decode step
+
+    monkeypatch.setattr(kernel_module, "paged_attention", wrong_decode)
+    with pytest.warns(UserWarning, match="Triton paged attention unavailable"):
+        assert not _triton_attention_works(device)
