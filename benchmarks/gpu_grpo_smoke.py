@@ -1,8 +1,12 @@
-"""A colocated GRPO run through train.py with the per-rollout step-time breakdown (rollout, log-prob, train,
-weight sync) as a table and a JSON last line.
+"""A GRPO run through train.py (colocated on one GPU by default; the two-GPU placements of the multi-GPU issue
+on request) with the per-rollout step-time breakdown (rollout, log-prob, train, weight sync) as a table and a JSON
+last line.
 
     python benchmarks/gpu_grpo_smoke.py OUT_DIR                    # one GPU: Qwen3-0.6B shape, 32 x 8 samples
     python benchmarks/gpu_grpo_smoke.py OUT_DIR --shape tiny       # CPU: the quickstart model, a quick check
+    python benchmarks/gpu_grpo_smoke.py OUT_DIR --placement disaggregated   # trainer GPU 0, engine GPU 1 (NCCL push)
+    python benchmarks/gpu_grpo_smoke.py OUT_DIR --placement colocated-2     # FSDP2 over 2 GPUs, 2 engines
+    python benchmarks/gpu_grpo_smoke.py OUT_DIR --placement disaggregated --async   # train_async.py
 
 The qwen3-0.6b shape is Qwen3-0.6B's (28 layers, hidden 1024, 151,936 embedding rows) with random weights and the
 quickstart's small tokenizer (ids past it decode to nothing), so nothing is downloaded; rewards are ~0, which
@@ -27,9 +31,15 @@ SHAPES = {
                        num_key_value_heads=8, head_dim=128, max_position_embeddings=4096, embedding_size=151936),
     "tiny": dict(task_mod.MODEL_SHAPE),
 }
+PLACEMENTS = {  # the issues' runs: one GPU colocated; two GPUs disaggregated or colocated with FSDP2 over both
+    "colocated": ["--colocate", "--actor-num-gpus-per-node", "1"],
+    "disaggregated": ["--actor-num-gpus-per-node", "1", "--rollout-num-gpus", "1"],
+    "colocated-2": ["--colocate", "--actor-num-gpus-per-node", "2"],
+}
 PHASES = ["perf/rollout_time", "perf/log_prob_time", "perf/actor_train_time", "perf/update_weights_time",
           "perf/weight_push_time", "perf/step_time"]
-EXTRA = ["perf/rollout_tokens_per_sec", "train/train_rollout_logprob_abs_diff", "rollout/response_len/mean"]
+EXTRA = ["perf/weight_push_gb_per_s", "perf/rollout_tokens_per_sec", "train/train_rollout_logprob_abs_diff",
+         "rollout/response_len/mean"]
 
 
 def main() -> int:
@@ -40,19 +50,22 @@ def main() -> int:
     parser.add_argument("--rollout-batch-size", type=int, default=32)
     parser.add_argument("--n-samples-per-prompt", type=int, default=8)
     parser.add_argument("--max-response-len", type=int, default=256)
+    parser.add_argument("--placement", choices=sorted(PLACEMENTS), default="colocated")
+    parser.add_argument("--async", dest="use_async", action="store_true", help="run train_async.py")
     args = parser.parse_args()
     out = args.out_dir
     out.mkdir(parents=True, exist_ok=True)
     task_mod.MODEL_SHAPE = SHAPES[args.shape]
     paths = task_mod.build_task(out / "task")
     on_gpu = args.shape != "tiny"
-    cmd = [sys.executable, str(REPO / "train.py"), "--hf-checkpoint", str(paths["model"]),
+    driver = "train_async.py" if args.use_async else "train.py"
+    cmd = [sys.executable, str(REPO / driver), "--hf-checkpoint", str(paths["model"]),
            "--ref-load", str(paths["model"]), "--prompt-data", str(paths["train"]), "--input-key", "prompt",
            "--label-key", "label", "--apply-chat-template", "--rm-type", "math",
            "--rollout-batch-size", str(args.rollout_batch_size), "--n-samples-per-prompt",
            str(args.n_samples_per_prompt), "--num-rollout", str(args.num_rollout),
-           "--rollout-max-response-len", str(args.max_response_len), "--colocate",
-           "--actor-num-gpus-per-node", "1", "--use-kl-loss", "--kl-loss-coef", "0.001",
+           "--rollout-max-response-len", str(args.max_response_len), *PLACEMENTS[args.placement],
+           "--use-kl-loss", "--kl-loss-coef", "0.001",
            "--use-dynamic-batch-size", "--max-tokens-per-gpu", "16384" if on_gpu else "2048",
            "--lr", "1e-6", "--output-dir", str(out / "run"), "--no-progress"]
     print(" ".join(cmd), flush=True)
@@ -63,8 +76,9 @@ def main() -> int:
     print("rollout | " + " | ".join(k.split("/", 1)[1] for k in keys))
     for row in rows:
         print(f"{row['rollout_id']} | " + " | ".join(f"{row.get(k, float('nan')):.4g}" for k in keys))
-    print(json.dumps({"rc": rc, "shape": args.shape, "rows": [{k: r.get(k) for k in ["rollout_id"] + keys}
-                                                               for r in rows]}))
+    summary = {"rc": rc, "shape": args.shape, "placement": args.placement, "async": args.use_async,
+               "rows": [{k: r.get(k) for k in ["rollout_id"] + keys} for r in rows]}
+    print(json.dumps(summary))
     return rc if rows else 1
 
 
