@@ -123,6 +123,9 @@ def parse_args(argv=None):
     parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None)
     parser.add_argument("--model-path", default=None, help="W1 only: benchmark this checkpoint instead of building one")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--overlap-schedule", action="store_true",
+                        help="the engine's overlapped scheduling (next decode step launched before the last one's "
+                             "tokens reach the host)")
     parser.add_argument("--skip-hf", action="store_true", help="measure the engine only (no ratio) on every workload")
     parser.add_argument("--hf-workloads", default="w1",
                         help="comma-separated workloads on which HF generate is measured too (default w1)")
@@ -270,6 +273,7 @@ def bench_engine(model_path: Path, workload: Workload, args, measure_weights_and
         max_model_len=max(map(len, workload.prompts)) + max(workload.max_new_tokens) + 16,
         max_num_seqs=len(workload.prompts),
         seed=args.seed,
+        overlap_schedule=args.overlap_schedule,
     )
     init_seconds = time.perf_counter() - started
     # Warm-up: on CUDA the first decode step captures every CUDA graph; then forget the warm-up's prefixes.
@@ -416,7 +420,7 @@ def bench_host_step(seed: int, num_seqs: int = 256, input_len: int = 256, output
             self.max_batch_size = max_num_seqs
             self.hidden = torch.zeros(max_num_seqs, model.config.hidden_size)
 
-        def run(self, token_inputs, block_tables):
+        def run(self, token_inputs, block_tables, input_tokens=None):
             return self.hidden[: block_tables.shape[0]]
 
     generator = torch.Generator().manual_seed(seed)
@@ -578,6 +582,7 @@ def main(argv=None) -> dict:
         "device": args.device,
         "device_name": torch.cuda.get_device_name() if args.device == "cuda" else platform.processor() or "cpu",
         "dtype": args.dtype,
+        "overlap_schedule": args.overlap_schedule,
         "torch": torch.__version__,
         "transformers": transformers.__version__,
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),

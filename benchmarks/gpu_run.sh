@@ -18,6 +18,7 @@ run_step() {
     profile_engine) python3 benchmarks/profile_engine.py ;;
     bench_engine) python3 benchmarks/bench_engine.py --preset qwen3-0.6b ;;
     engine_all) python3 benchmarks/bench_engine.py --preset qwen3-0.6b --workload all ;;
+    engine_overlap) python3 benchmarks/bench_engine.py --preset qwen3-0.6b --workload all --overlap-schedule ;;
     bench_train) python3 benchmarks/bench_train.py ;;
     bench_train_profile) python3 benchmarks/bench_train.py --profile --skip-baseline --num-iters 2 ;;
     trainer_gpu_tests) python3 -m pytest -q tests/test_fsdp_gpu.py ;;

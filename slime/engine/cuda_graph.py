@@ -70,8 +70,10 @@ class DecodeGraphs:
             self.graphs[batch_size] = graph
         torch.cuda.synchronize()
 
-    def run(self, token_inputs: np.ndarray, block_tables: np.ndarray) -> torch.Tensor:
-        """token_inputs [4, n] int64 (input ids, positions, slots, seq_lens); block_tables [n, w] int32.
+    def run(self, token_inputs: np.ndarray, block_tables: np.ndarray,
+            input_tokens: torch.Tensor | None = None) -> torch.Tensor:
+        """token_inputs [4, n] int64 (input ids, positions, slots, seq_lens); block_tables [n, w] int32;
+        input_tokens [n] on the device, if given, replaces the input ids (tokens the host has not seen yet).
         Returns hidden states [n, hidden_size] (a view into a static buffer, valid until the next run)."""
         num_seqs, width = block_tables.shape
         batch_size = next(size for size in self.batch_sizes if size >= num_seqs)
@@ -80,5 +82,7 @@ class DecodeGraphs:
         padded[:, num_seqs:] = np.array([0, 0, self.scratch_slot, 0])[:, None]
         self.token_inputs[:, :batch_size].copy_(torch.from_numpy(padded), non_blocking=True)
         self.block_tables[:num_seqs, :width].copy_(torch.from_numpy(block_tables), non_blocking=True)
+        if input_tokens is not None:
+            self.input_ids[:num_seqs].copy_(input_tokens)
         self.graphs[batch_size].replay()
         return self.hidden[:num_seqs]

@@ -63,6 +63,7 @@ class Engine:
         self.rng = random.Random(self.config.seed)
         self.requests: dict[str, Sequence] = {}
         self.pending_outputs: list[RequestOutput] = []
+        self.in_flight = None  # overlapped scheduling: (scheduled batch, its launched device tensors)
         self.released_tags: set[str] = set()
         self.weight_version = "0"
         self.num_weight_updates = 0
@@ -110,14 +111,16 @@ class Engine:
         return rid
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.requests or self.pending_outputs)
+        return bool(self.requests or self.pending_outputs or self.in_flight)
 
     def abort_request(self, rid: str) -> RequestOutput | None:
         """Finish `rid` with reason abort and free its blocks. Returns its final output (partial tokens and
         log-probs), which `step()` will not report again; None if `rid` is unknown or already finished."""
+        self._drain()
         seq = self.requests.pop(rid, None)
         if seq is None:
             return None
+        self.pending_outputs = [output for output in self.pending_outputs if output.rid != rid]
         self.scheduler.abort(seq)
         return self._output(seq)
 
@@ -126,20 +129,56 @@ class Engine:
 
     def step(self) -> list[RequestOutput]:
         """One scheduler step: forward the scheduled batch, sample, apply stop rules. Returns the outputs of the
-        requests that made progress (a new token or finished)."""
+        requests that made progress (a new token or finished).
+
+        With `overlap_schedule`, a step launches the next decode batch before it waits for the one in flight, so
+        its outputs are those of the batch launched by the previous call."""
         if self.scheduler.has_unfinished():
             self._check_resident("generate")
         outputs, self.pending_outputs = self.pending_outputs, []
+        if self.config.overlap_schedule:
+            return outputs + self._overlapped_step()
         if not self.scheduler.has_unfinished():
             return outputs
         scheduled = self.scheduler.schedule()
         assert scheduled, "scheduler made no progress with unfinished requests"
-        token_ids, log_probs = self.model_runner.run(scheduled)
+        return outputs + self._complete(scheduled, self.model_runner.launch(scheduled))
+
+    def _overlapped_step(self) -> list[RequestOutput]:
+        """Launch the step after the one in flight (scheduled ahead on placeholders, its input tokens gathered on
+        the device), then wait for the one in flight; without a step in flight, launch one normally."""
+        in_flight, self.in_flight = self.in_flight, None
+        outputs = []
+        if in_flight is not None:
+            scheduled, launched = in_flight
+            ahead = self.scheduler.look_ahead(scheduled) if launched is not None else None
+            if ahead:
+                sampled_tokens = launched[0]
+                source_rows = [row for row, item in enumerate(scheduled) if item.seq.has_placeholder]
+                input_tokens = sampled_tokens[torch.tensor(source_rows, device=sampled_tokens.device)]
+                self.in_flight = (ahead, self.model_runner.launch(ahead, input_tokens))
+            outputs = self._complete(scheduled, launched)
+        if self.in_flight is None and self.scheduler.has_unfinished():
+            scheduled = self.scheduler.schedule()
+            assert scheduled, "scheduler made no progress with unfinished requests"
+            self.in_flight = (scheduled, self.model_runner.launch(scheduled))
+        return outputs
+
+    def _drain(self) -> None:
+        """Finish the step in flight (overlapped scheduling) before the engine's state changes under it."""
+        if self.in_flight is not None:
+            (scheduled, launched), self.in_flight = self.in_flight, None
+            self.pending_outputs.extend(self._complete(scheduled, launched))
+
+    def _complete(self, scheduled, launched) -> list[RequestOutput]:
+        """Wait for a launched step's tokens, apply them and the stop rules; the outputs of its requests."""
+        token_ids, log_probs = self.model_runner.collect(launched)
         self.scheduler.postprocess(scheduled, token_ids, log_probs)
+        outputs = []
         for item in scheduled:
-            if not item.needs_sample:
-                continue
             seq = item.seq
+            if not item.needs_sample or self.requests.get(seq.rid) is not seq:  # or it finished a step earlier
+                continue
             if seq.status is not SequenceStatus.FINISHED and seq.sampling_params.stop:
                 stop = find_new_stop(self.tokenizer, seq.output_token_ids, seq.sampling_params)
                 if stop is not None:
@@ -212,6 +251,7 @@ class Engine:
         """Copy HF-named tensors into the model (any subset), after checking every name and shape; flushes the
         prefix cache. Does not change weight_version (see `update_weights_from_tensors`)."""
         self._check_resident("load weights", tags=("weights",))
+        self._drain()  # the step in flight finishes on the weights it started with
         named_tensors = list(named_tensors)
         shapes = self.named_weight_shapes()
         for name, tensor in named_tensors:
@@ -232,6 +272,7 @@ class Engine:
         self._check_resident("load weights", tags=("weights",))
         if not _same_architecture(load_model_config(model_path), self.model_config):
             raise ValueError(f"model_path {str(model_path)!r} has a different architecture than the engine's model")
+        self._drain()
         load_checkpoint(self.model_runner.model, model_path)
         self.flush_cache()
         self._bump_weight_version(weight_version)
@@ -242,6 +283,7 @@ class Engine:
 
     def flush_cache(self) -> bool:
         """Forget all cached prefixes; KV written before this call is never reused. Always succeeds."""
+        self._drain()
         self.block_manager.flush()
         return True
 
@@ -250,6 +292,7 @@ class Engine:
     def release_memory(self, tags=None) -> None:
         """Free device memory for `tags` (default all). Running requests are preempted and recompute on resume."""
         tags = _memory_tags(tags)
+        self._drain()
         if "kv_cache" in tags and "kv_cache" not in self.released_tags:
             for seq in list(self.scheduler.running):
                 self.scheduler.preempt(seq)

@@ -149,23 +149,40 @@ class ModelRunner:
 
     # ---- one step -----------------------------------------------------------------------------------------------
 
-    @torch.inference_mode()
     def run(self, scheduled: list[ScheduledSequence]) -> tuple[list[int], list[float]]:
         """Forward the batch; returns sampled token ids and log-probs for the sequences whose needs_sample is True,
         in schedule order (one host sync)."""
+        return self.collect(self.launch(scheduled))
+
+    @torch.inference_mode()
+    def launch(self, scheduled: list[ScheduledSequence], input_tokens: torch.Tensor | None = None):
+        """Queue the batch's forward and sampling on the device without waiting: returns the (token ids,
+        log-probs) device tensors of the rows that sample, or None if none does. `input_tokens` ([len(scheduled)],
+        on the device) replaces the input token of every row of a decode batch: tokens sampled by the previous
+        step that the host has not seen yet (overlapped scheduling)."""
         sample_rows = [row for row, item in enumerate(scheduled) if item.needs_sample]
         vocab_size = self.model_config.vocab_size
         # Built first: its host-to-device copies would otherwise wait behind the forward pass.
         sampling = self.prepare_sampling([scheduled[row] for row in sample_rows], vocab_size) if sample_rows else None
-        hidden = self._forward_decode_graph(scheduled)
+        hidden = self._forward_decode_graph(scheduled, input_tokens)
         if hidden is not None:
             hidden = hidden[sample_rows] if len(sample_rows) < len(scheduled) else hidden
         else:
             input_ids, positions, meta, logits_indices = self.prepare_inputs(scheduled)
+            if input_tokens is not None:
+                assert input_ids.shape == input_tokens.shape, "input_tokens needs a decode batch"
+                input_ids = input_tokens
             hidden = self.model(input_ids, positions, meta)[logits_indices]
         if not sample_rows:
+            return None
+        return sample(self.model.compute_logits(hidden), sampling)
+
+    @staticmethod
+    def collect(launched) -> tuple[list[int], list[float]]:
+        """Wait for a launched step: its sampled token ids and log-probs as Python lists (the one host sync)."""
+        if launched is None:
             return [], []
-        tokens, log_probs = sample(self.model.compute_logits(hidden), sampling)
+        tokens, log_probs = launched
         token_ids, token_log_probs = torch.stack([tokens.double(), log_probs.double()]).tolist()
         return [int(token_id) for token_id in token_ids], token_log_probs
 
@@ -175,7 +192,8 @@ class ModelRunner:
         input_ids, positions, meta, _ = self.prepare_inputs(scheduled)
         return self.model.compute_logits(self.model(input_ids, positions, meta))
 
-    def _forward_decode_graph(self, scheduled: list[ScheduledSequence]) -> torch.Tensor | None:
+    def _forward_decode_graph(self, scheduled: list[ScheduledSequence],
+                              input_tokens: torch.Tensor | None = None) -> torch.Tensor | None:
         """Hidden states of a decode batch through a CUDA graph; None when the batch must run eagerly."""
         if not self.use_cuda_graphs or len(scheduled) > self.config.max_num_seqs:
             return None
@@ -202,7 +220,7 @@ class ModelRunner:
             + positions % self.block_size
         )
         token_inputs[3] = positions + 1
-        return self.decode_graphs.run(token_inputs, block_tables)
+        return self.decode_graphs.run(token_inputs, block_tables, input_tokens)
 
     def prepare_inputs(self, scheduled: list[ScheduledSequence]):
         """(input_ids, positions, AttentionMetadata, logits_indices) on the device; the metadata is filled for the

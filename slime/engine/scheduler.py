@@ -102,6 +102,37 @@ class Scheduler:
             budget -= num_new_tokens
         return scheduled
 
+    def look_ahead(self, batch: list[ScheduledSequence]) -> list[ScheduledSequence] | None:
+        """The next decode step of `batch` (a decode step whose tokens are still on the device), scheduled now:
+        each sequence that can continue gets a placeholder token and one more KV slot. Sequences that the pending
+        token must finish by length are left out. None when the step cannot be scheduled ahead (new requests are
+        waiting, a running sequence sat out, or the cache lacks blocks: preemption needs the real tokens)."""
+        if self.waiting or len(batch) != len(self.running):
+            return None
+        if any(item.num_new_tokens != 1 or not item.needs_sample for item in batch):
+            return None
+        block_size = self.block_manager.block_size
+        continuing = [item.seq for item in batch if not self._finishes_by_length_after_one_more(item.seq)]
+        num_new_blocks = sum(1 for seq in continuing if len(seq) + 1 > len(seq.block_table) * block_size)
+        if num_new_blocks > self.block_manager.num_free_blocks:
+            return None
+        ahead = []
+        for seq in continuing:
+            seq.num_computed_tokens = len(seq)
+            seq.append_placeholder()
+            if len(seq) > len(seq.block_table) * block_size:
+                self.block_manager.grow(seq, len(seq))
+            self.block_manager.register_full_blocks(seq, len(seq) - 1)  # not the block holding the placeholder
+            ahead.append(ScheduledSequence(seq, len(seq) - 1, 1, True))
+        return ahead
+
+    def _finishes_by_length_after_one_more(self, seq: Sequence) -> bool:
+        max_new_tokens = seq.sampling_params.max_new_tokens
+        num_tokens = len(seq) + 1
+        return (max_new_tokens is not None and num_tokens - seq.num_prompt_tokens >= max_new_tokens) or (
+            num_tokens >= self.max_model_len
+        )
+
     def preempt(self, seq: Sequence) -> None:
         """Free `seq`'s blocks and requeue it first; its KV is recomputed (prefix hits permitting) on readmission."""
         self.running.remove(seq)
@@ -116,10 +147,13 @@ class Scheduler:
         sampled = iter(zip(token_ids, log_probs))
         for item in scheduled:
             seq = item.seq
-            seq.num_computed_tokens = item.start + item.num_new_tokens
             if not item.needs_sample:
+                seq.num_computed_tokens = item.start + item.num_new_tokens
                 continue
             token_id, log_prob = next(sampled)
+            if seq.is_finished:  # overlapped scheduling: it stopped at the step before this one; drop the token
+                continue
+            seq.num_computed_tokens = max(seq.num_computed_tokens, item.start + item.num_new_tokens)
             seq.append_token(token_id, log_prob)
             reason = self.token_finish_reason(seq, token_id)
             if reason is not None:

@@ -1,0 +1,142 @@
+"""Overlapped scheduling (`overlap_schedule=True`) against the plain step loop on the same requests: identical
+tokens, log-probs and finish reasons with seeded sampling, through stops at random steps (stop tokens and stop
+strings, whose look-ahead token is dropped), length limits, preemption when KV blocks run out, requests arriving
+mid-run, aborts and weight updates; and the look-ahead really runs (it is counted)."""
+
+import pytest
+import torch
+
+from slime.engine.engine import Engine
+from slime.engine.sequence import PLACEHOLDER
+
+
+@pytest.fixture(scope="module")
+def path(tiny_qwen3):
+    return str(tiny_qwen3)
+
+
+def requests(num: int = 6):
+    """Seeded sampling at T=1; some stop on frequent token ids or on a stop string, lengths differ."""
+    prompts = [[5 + i, 17, 29 + i, 41, 53 + 2 * i] for i in range(num)]
+    params = []
+    for i in range(num):
+        p = {"temperature": 1.0, "max_new_tokens": 6 + 3 * i, "sampling_seed": 1000 + i}
+        if i % 3 == 1:
+            p["stop_token_ids"] = list(range(40, 140))  # likely to stop within a few tokens
+        if i % 3 == 2:
+            p["stop"] = ["e"]
+        params.append(p)
+    return prompts, params
+
+
+def run(path, overlap: bool, prompts, params, count=None, **config):
+    engine = Engine(path, device="cpu", overlap_schedule=overlap, **config)
+    if count is not None:
+        original = engine.scheduler.look_ahead
+
+        def counting(batch):
+            ahead = original(batch)
+            count["ahead"] += bool(ahead)
+            return ahead
+
+        engine.scheduler.look_ahead = counting
+    rids = [engine.add_request(p, q) for p, q in zip(prompts, params)]
+    sequences = dict(engine.requests)
+    finished = {}
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            assert PLACEHOLDER not in output.output_token_ids
+            if output.finished:
+                finished[output.rid] = output.to_dict()
+    for rid in rids:  # a token sampled ahead for a finished request never lands on it
+        assert sequences[rid].output_token_ids == finished[rid]["output_ids"]
+    # Prefix-cache entries only ever cover real tokens.
+    assert all(PLACEHOLDER not in (block.token_ids or ()) for block in engine.block_manager.blocks)
+    return [finished[rid] for rid in rids]
+
+
+def assert_same(got, expected):
+    assert [o["output_ids"] for o in got] == [o["output_ids"] for o in expected]
+    assert [o["finish_reason"] for o in got] == [o["finish_reason"] for o in expected]
+    assert [o["text"] for o in got] == [o["text"] for o in expected]
+    for a, b in zip(got, expected):
+        assert a["output_log_probs"] == pytest.approx(b["output_log_probs"], abs=1e-5)
+
+
+def test_overlap_gives_the_same_tokens_and_runs_ahead(path):
+    prompts, params = requests()
+    count = {"ahead": 0}
+    plain = run(path, False, prompts, params)
+    overlapped = run(path, True, prompts, params, count)
+    assert_same(overlapped, plain)
+    assert count["ahead"] >= 5
+    reasons = {o["finish_reason"]["type"] for o in plain}
+    assert reasons == {"stop", "length"}  # both kinds of ending are exercised
+
+
+def test_overlap_under_preemption_and_tiny_blocks(path):
+    prompts, params = requests()
+    kv = dict(kvcache_block_size=4, num_kvcache_blocks=14)  # too few blocks: look-ahead must back off
+    assert_same(run(path, True, prompts, params, **kv), run(path, False, prompts, params, **kv))
+
+
+def test_requests_arriving_mid_run_and_abort(path):
+    prompts, params = requests(4)
+    results = {}
+    for overlap in (False, True):
+        engine = Engine(path, device="cpu", overlap_schedule=overlap)
+        rids = [engine.add_request(prompts[0], params[0]), engine.add_request(prompts[3], params[3])]
+        outputs, aborted = {}, None
+        for step in range(40):
+            if step == 2:
+                rids.append(engine.add_request(prompts[1], params[1]))
+            if step == 4:
+                aborted = engine.abort_request(rids[1]).to_dict()
+            for output in engine.step():
+                if output.finished:
+                    outputs[output.rid] = output.to_dict()
+            if not engine.has_unfinished_requests():
+                break
+        results[overlap] = ([outputs[r]["output_ids"] for r in rids if r in outputs], aborted)
+    plain_outputs, plain_aborted = results[False]
+    overlap_outputs, overlap_aborted = results[True]
+    assert overlap_outputs == plain_outputs
+    # The abort lands at a different step (overlap reports a step later), so the partial outputs are prefixes
+    # of one another, and both are aborts.
+    assert overlap_aborted["finish_reason"]["type"] == plain_aborted["finish_reason"]["type"] == "abort"
+    shorter, longer = sorted([overlap_aborted["output_ids"], plain_aborted["output_ids"]], key=len)
+    assert longer[: len(shorter)] == shorter
+
+
+def test_weights_pushed_mid_run_apply_to_later_steps(path):
+    """A weight update drains the step in flight, then every later token comes from the new weights: same tokens
+    as the plain loop given the same update at the same call."""
+    prompts, _ = requests(3)
+    greedy = [{"temperature": 0.0, "max_new_tokens": 12, "ignore_eos": True}] * 3
+    tokens = {}
+    for overlap in (False, True):
+        engine = Engine(path, device="cpu", overlap_schedule=overlap)
+        shapes = engine.named_weight_shapes()
+        rids = [engine.add_request(p, q) for p, q in zip(prompts, greedy)]
+        finished = {}
+        for step in range(60):
+            if step == 4:
+                name = "model.layers.0.mlp.down_proj.weight"
+                new_weight = torch.randn(shapes[name][0], generator=torch.Generator().manual_seed(0))
+                engine.update_weights_from_tensors([(name, new_weight)])
+            for output in engine.step():
+                if output.finished:
+                    finished[output.rid] = output.output_token_ids
+            if not engine.has_unfinished_requests():
+                break
+        tokens[overlap] = [finished[r] for r in rids]
+    # Both loops have sampled 4 tokens per sequence when the update arrives (the overlapped one finishes the step
+    # in flight first), so every token matches, and the update changed the later ones.
+    assert tokens[True] == tokens[False]
+    untouched = Engine(path, device="cpu")
+    assert [o["output_ids"] for o in untouched.generate(prompts, greedy)] != tokens[False]
+
+
+def test_overlap_flag_is_validated(path):
+    with pytest.raises(ValueError, match="overlap_schedule must be a bool"):
+        Engine(path, device="cpu", overlap_schedule="yes")
