@@ -52,6 +52,7 @@ def main() -> int:
     parser.add_argument("--max-response-len", type=int, default=256)
     parser.add_argument("--placement", choices=sorted(PLACEMENTS), default="colocated")
     parser.add_argument("--async", dest="use_async", action="store_true", help="run train_async.py")
+    parser.add_argument("--train-args", default="", help="more train.py flags, e.g. '--compile-model'")
     args = parser.parse_args()
     out = args.out_dir
     out.mkdir(parents=True, exist_ok=True)
@@ -67,7 +68,7 @@ def main() -> int:
            "--rollout-max-response-len", str(args.max_response_len), *PLACEMENTS[args.placement],
            "--use-kl-loss", "--kl-loss-coef", "0.001",
            "--use-dynamic-batch-size", "--max-tokens-per-gpu", "16384" if on_gpu else "2048",
-           "--lr", "1e-6", "--output-dir", str(out / "run"), "--no-progress"]
+           "--lr", "1e-6", "--output-dir", str(out / "run"), "--no-progress", *args.train_args.split()]
     print(" ".join(cmd), flush=True)
     rc = subprocess.run(cmd, cwd=REPO).returncode
     metrics_file = out / "run" / "metrics.jsonl"

@@ -8,8 +8,9 @@ export PYTHONUNBUFFERED=1 RAY_AUTH_MODE=disabled NCCL_NVLS_ENABLE=0 TORCH_SYMM_M
 OUT=${OUT:-/tmp/gpu_run_out}; mkdir -p $OUT /tmp/site
 tar xJf .gpubundle/site.tar.xz -C /tmp/site
 export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH
-grpo() {  # PLACEMENT [--async]: a GRPO run; its metrics and curves come back as $OUT/grpo_<placement>*.{jsonl,png}
-  local tag=grpo_$1${2:+_async}; python3 benchmarks/gpu_grpo_smoke.py /tmp/$tag --placement "$@"; local rc=$?
+grpo() {  # PLACEMENT [smoke flags]: a GRPO run; metrics and curves come back as $OUT/grpo_<placement>...{jsonl,png}
+  local tag; tag=$(printf 'grpo_%s' "$*" | tr -c 'a-zA-Z0-9_' '_')
+  python3 benchmarks/gpu_grpo_smoke.py /tmp/$tag --placement "$@"; local rc=$?
   cp /tmp/$tag/run/metrics.jsonl $OUT/$tag.jsonl; cp /tmp/$tag/run/curves.png $OUT/$tag.png; return $rc
 }
 run_step() {
@@ -37,6 +38,7 @@ run_step() {
     train_4b_c) python3 benchmarks/bench_train.py --model-shape qwen3-4b --compile-model --micro-batch-size 2 ;;
     train_06b_32k_rc) python3 benchmarks/bench_train.py --model-shape qwen3-0.6b --max-tokens-per-gpu 32768 --recompute-activations --compile-model --skip-baseline ;;
     grpo_smoke) grpo colocated ;;
+    grpo_compiled) grpo colocated --train-args=--compile-model ;;
     # Two GPUs (nvidia-h200-x2): the multi-GPU issue's runs.
     multi_gpu_tests) python3 -m pytest -q tests/test_fsdp_multi_gpu.py tests/test_fsdp_weight_push.py ;;
     grpo_disagg) grpo disaggregated ;;
