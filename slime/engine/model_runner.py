@@ -263,10 +263,12 @@ class ModelRunner:
         query_positions = np.where(np.arange(max_query_len)[None, :] < query_lens[:, None], query_positions, 0)
         key_positions = np.arange(block_tables.shape[1] * self.block_size)
         attn_mask = (key_positions[None, None, :] <= query_positions[:, :, None])[:, None]
+        key_slots = (block_tables.astype(np.int64)[:, :, None] * self.block_size + np.arange(self.block_size))
         meta = AttentionMetadata(
             slot_mapping=slot_mapping_t,
             block_tables=torch.from_numpy(block_tables.astype(np.int64)).to(device, non_blocking=True),
             max_query_len=max_query_len,
+            key_slots=torch.from_numpy(key_slots.reshape(num_seqs, -1)).to(device, non_blocking=True),
             token_seq_index=torch.from_numpy(token_seq_index).to(device, non_blocking=True),
             token_query_index=torch.from_numpy(token_query_index).to(device, non_blocking=True),
             attn_mask=torch.from_numpy(attn_mask).to(device, non_blocking=True),
