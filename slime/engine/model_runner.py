@@ -322,6 +322,7 @@ class ModelRunner:
             banned_token_ids=int_tensors[4],
             needs_filtering=any(value[4] for value in values.values()),
             all_greedy=not any(value[0] for value in values.values()),
+            any_greedy=any(value[0] == 0 for value in values.values()),
         )
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 _MASK32 = 0xFFFFFFFF
@@ -37,10 +38,11 @@ class SamplingBatch:
     banned_token_ids: torch.Tensor
     needs_filtering: bool  # any row with top_k / top_p / min_p active
     all_greedy: bool | None = None  # every temperature is 0; None = read it from the tensor (a host sync)
+    any_greedy: bool = True  # some temperature is 0 (False lets sampling skip the greedy argmax)
 
 
-def _hash32(x: torch.Tensor) -> torch.Tensor:
-    """A 32-bit integer mixer on int64 tensors (values stay below 2**63, so no overflow)."""
+def _hash32(x):
+    """A 32-bit integer mixer on int64 tensors or numpy arrays (values stay below 2**63, so no overflow)."""
     x = x & _MASK32
     x = ((x >> 16) ^ x) * 0x45D9F3B & _MASK32
     x = ((x >> 16) ^ x) * 0x45D9F3B & _MASK32
@@ -54,11 +56,20 @@ def noise_row_keys(seeds: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
 
 def exponential_noise(seeds: torch.Tensor, steps: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """[num_rows, vocab_size] Exp(1) samples, a pure function of (seed, step, column)."""
+    if seeds.device.type == "cpu":  # the same integer arithmetic in numpy: a fraction of torch's per-op cost here
+        return torch.from_numpy(_exponential_noise_numpy(seeds.numpy(), steps.numpy(), vocab_size))
     columns = torch.arange(vocab_size, device=seeds.device, dtype=torch.int64)
     row_key = noise_row_keys(seeds, steps)
     bits = _hash32(_hash32(row_key[:, None] ^ columns[None, :]) + row_key[:, None])
     uniform = (bits.double() + 0.5) / 2.0**32
     return -torch.log(uniform)
+
+
+def _exponential_noise_numpy(seeds: np.ndarray, steps: np.ndarray, vocab_size: int) -> np.ndarray:
+    row_key = _hash32(_hash32(seeds) ^ _hash32(steps * 0x9E3779B1 + 0x7F4A7C15))
+    columns = np.arange(vocab_size, dtype=np.int64)
+    bits = _hash32(_hash32(row_key[:, None] ^ columns[None, :]) + row_key[:, None])
+    return -np.log((bits.astype(np.float64) + 0.5) / 2.0**32)
 
 
 def sample(logits: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor]:
@@ -71,8 +82,8 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Tensor, to
     if batch.banned_rows.numel():
         sampling_logits = sampling_logits.clone()
         sampling_logits[batch.banned_rows, batch.banned_token_ids] = float("-inf")
-    greedy_tokens = sampling_logits.argmax(dim=-1)
     all_greedy = batch.all_greedy if batch.all_greedy is not None else bool(is_greedy.all())
+    greedy_tokens = sampling_logits.argmax(dim=-1) if batch.any_greedy or all_greedy else None
     if all_greedy:
         tokens = greedy_tokens
     else:
@@ -86,7 +97,7 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Tensor, to
         else:
             noise = exponential_noise(batch.seeds, batch.steps, logits.shape[-1])
             sampled_tokens = (probs.double() / noise).argmax(dim=-1)
-        tokens = torch.where(is_greedy, greedy_tokens, sampled_tokens)
+        tokens = torch.where(is_greedy, greedy_tokens, sampled_tokens) if batch.any_greedy else sampled_tokens
     # log_softmax at the sampled token only, without materialising [num_rows, vocab] log-probs
     log_probs = scaled.gather(1, tokens[:, None]).squeeze(1) - torch.logsumexp(scaled, dim=-1)
     return tokens, log_probs
