@@ -20,10 +20,7 @@ class RMSNorm(nn.Module):
             from slime.engine.layers.triton_fused import rms_norm
 
             return rms_norm(x, self.weight, self.eps)
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        return torch_rms_norm(x, self.weight, self.eps)
 
     def add_and_norm(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(norm(x + residual), x + residual): the pre-norm decoder's residual stream step."""
@@ -33,3 +30,11 @@ class RMSNorm(nn.Module):
             return add_rms_norm(x, residual, self.weight, self.eps)
         residual = x + residual
         return self(residual), residual
+
+
+def torch_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dimension in float32, cast back, times `weight` (broadcast from the right)."""
+    dtype = x.dtype
+    x = x.float()
+    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x.to(dtype)

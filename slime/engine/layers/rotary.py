@@ -43,12 +43,15 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """q: [num_tokens, num_heads, head_dim], k: [num_tokens, num_kv_heads, head_dim]."""
+        return self.rotate(positions, q), self.rotate(positions, k)
+
+    def rotate(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """x: [num_tokens, any number of heads, head_dim] rotated by each token's position."""
         # Every layer of one forward pass gets the same positions tensor (the table is shared): look it up once.
         if positions is not self._positions:
             self._positions = positions
             self._cos_sin = self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
-        cos, sin = self._cos_sin
-        return _apply(q, cos, sin), _apply(k, cos, sin)
+        return _apply(x, *self._cos_sin)
 
 
 def _apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

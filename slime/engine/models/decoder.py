@@ -14,7 +14,7 @@ from torch import nn
 
 from slime.engine.layers.activation import SiluAndMul
 from slime.engine.layers.attention import AttentionMetadata, PagedAttention
-from slime.engine.layers.rmsnorm import RMSNorm
+from slime.engine.layers.rmsnorm import RMSNorm, torch_rms_norm
 from slime.engine.layers.rotary import RotaryEmbedding
 from slime.engine.models.model_config import ModelConfig
 
@@ -38,7 +38,8 @@ class DecoderAttention(nn.Module):
         self.use_triton = False  # fused q/k norm + rotary kernel (set by the model runner on CUDA)
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        qkv = self.qkv_proj(hidden)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
@@ -51,9 +52,13 @@ class DecoderAttention(nn.Module):
             q = norm_rope(q, q_weight, eps, rotary.cos, rotary.sin, positions)
             k = norm_rope(k, k_weight, eps, rotary.cos, rotary.sin, positions)
             return self.o_proj(self.attn(q, k, v, meta))
+        # q and k heads side by side: their norms and the rotation run once for both (fewer ops per layer).
+        qk = qkv[:, : self.q_size + self.kv_size].view(-1, self.num_heads + self.num_kv_heads, self.head_dim)
         if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary[0](positions, q, k)
+            weight = torch.cat([self.q_norm.weight.expand(self.num_heads, -1),
+                                self.k_norm.weight.expand(self.num_kv_heads, -1)])
+            qk = torch_rms_norm(qk, weight, self.q_norm.eps)
+        q, k = self.rotary[0].rotate(positions, qk).split([self.num_heads, self.num_kv_heads], dim=1)
         return self.o_proj(self.attn(q, k, v, meta))
 
 
