@@ -9,6 +9,7 @@ a JSON last line.
     python benchmarks/bench_engine.py --preset qwen3-0.6b               # CUDA bf16: W1 (+ HF, update, release)
     python benchmarks/bench_engine.py --preset qwen3-0.6b --workload all
     python benchmarks/bench_engine.py --workload host                   # host ms per step, device work faked
+    python benchmarks/bench_engine.py --preset quickstart               # CPU: W1 on the quickstart's own model
 
 Workloads (`--preset qwen3-0.6b` sizes; `--preset tiny` runs small variants of each on the CPU):
     w1  Qwen3-0.6B shape, 256 prompts x 256 tokens, 256 out, temperature 1, EOS ignored; vs HF generate.
@@ -60,6 +61,8 @@ WORKLOADS = ("w1", "w2", "w3", "w4")
 PRESETS = {
     "tiny": dict(num_prompts=16, input_len=32, output_len=64, device="cpu", dtype="float32"),
     "qwen3-0.6b": dict(num_prompts=256, input_len=256, output_len=256, device="cuda", dtype="bfloat16"),
+    # The engine-speed issue's CPU bar: the quickstart's model (built by examples/quickstart/task.py), W1 only.
+    "quickstart": dict(num_prompts=64, input_len=32, output_len=64, device="cpu", dtype="float32"),
 }
 QWEN3_06B_SHAPE = dict(
     vocab_size=151936,
@@ -143,6 +146,8 @@ def parse_args(argv=None):
     args.hf_workloads = set() if args.skip_hf else hf_workloads - {"w4"}  # W4 is engine only
     if args.device == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device cuda but CUDA is not available; use --device cpu")
+    if args.preset == "quickstart" and args.workload != "w1":
+        raise ValueError("--preset quickstart runs --workload w1 only")
     if args.model_path and args.workload != "w1":
         raise ValueError("--model-path works with --workload w1 only (other workloads need their own shapes)")
     return args
@@ -472,6 +477,11 @@ def run_workloads(names: list[str], args) -> dict:
         for name in names:
             workload = make_workload(name, args)
             key = json.dumps(workload.shape, sort_keys=True)
+            if name == "w1" and args.preset == "quickstart" and not args.model_path:
+                sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+                from examples.quickstart.task import build_task
+
+                args.model_path = str(build_task(Path(tmp) / "quickstart")["model"])
             if name == "w1" and args.model_path:
                 checkpoints[key] = Path(args.model_path)
                 vocab_size = json.loads((checkpoints[key] / "config.json").read_text())["vocab_size"]

@@ -7,6 +7,8 @@ import random
 import sys
 from pathlib import Path
 
+import pytest
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
 import bench_engine  # noqa: E402
@@ -73,3 +75,14 @@ def test_sharded_random_checkpoint_loads_into_engine_and_transformers(tmp_path):
     expected = hf(torch.tensor([tokens])).logits[0, -1].argmax().item()
     greedy = {"temperature": 0.0, "max_new_tokens": 1, "ignore_eos": True}
     assert engine.generate([tokens], greedy)[0]["output_ids"] == [expected]
+
+
+def test_quickstart_preset_runs_w1_on_the_quickstart_model():
+    """The engine-speed issue's CPU bar is measured on the quickstart's own model (built by its task module)."""
+    result = bench_engine.main(["--preset", "quickstart", "--num-prompts", "4", "--input-len", "8",
+                                "--output-len", "8"])
+    assert result["engine_output_tokens"] == result["hf_output_tokens"] == 32
+    assert result["weight_gb"] * 1e9 < 5e6  # the quickstart's tiny Qwen3, not a preset shape
+    assert result["ratio_engine_over_hf"] > 0
+    with pytest.raises(ValueError, match="--preset quickstart runs --workload w1 only"):
+        bench_engine.parse_args(["--preset", "quickstart", "--workload", "w2"])
