@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Build .gpubundle/site.tar.xz: the Python 3.12 packages the H200 image lacks (ray, sglang-router, fastapi, ...),
+# Build .gpubundle/site.tar.xz: the Python 3.12 packages the H200 image lacks or may lack (ray, sglang-router,
+# fastapi, the rollout client's aiohttp, ...),
 # installed into one folder, trimmed of what slime never loads (ray's Java jars, RLlib, Tune, Serve, Data, Train,
 # dashboard source maps) and xz-compressed to ~50 MB, under the device tool's 64 MiB carry limit, so one call
 # carries everything. benchmarks/gpu_run.sh unpacks it into /tmp/site. `.gpubundle/` is git-ignored through
@@ -16,7 +17,8 @@ PLATFORMS="--platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --p
   ray==2.60.0 jsonschema jsonschema-specifications referencing rpds-py \
   sglang-router==0.3.2 setproctitle orjson \
   math-verify==0.9.0 latex2sympy2_extended antlr4-python3-runtime==4.13.2 \
-  fastapi==0.115.12 starlette==0.46.2 pydantic pydantic-core annotated-types typing-inspection uvicorn
+  fastapi==0.115.12 starlette==0.46.2 pydantic pydantic-core annotated-types typing-inspection uvicorn \
+  aiohttp multidict yarl frozenlist aiosignal aiohappyeyeballs propcache
 (cd "$site" && rm -rf ray/jars ray/rllib ray/tune ray/serve ray/data ray/llm ray/train ray/air/examples bin &&
  find ray/dashboard/client/build -name "*.map" -delete)
 mkdir -p .gpubundle

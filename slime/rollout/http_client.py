@@ -1,20 +1,23 @@
-"""Async HTTP plumbing for rollouts: one background event loop, one shared httpx client, router helpers.
+"""Async HTTP plumbing for rollouts: one background event loop, one shared aiohttp session, router helpers.
 
 Rollout code is asyncio; its callers (Ray actor methods, train.py) are synchronous. `run(coro)` executes a
 coroutine on a single daemon event-loop thread and blocks for the result, so every request of every rollout
 shares one loop and one connection pool. Not a general HTTP library: only what talking to an sglang-router and
-SGLang-compatible engines needs (POST/GET JSON with retries on connection errors, abort every worker).
+SGLang-compatible engines needs (POST/GET JSON with retries on connection errors, abort every worker). aiohttp
+rather than httpx: on a 2-core machine 256 concurrent /generate round trips took 0.18-0.31 s with aiohttp and
+0.9-1.3 s through httpx's connection pool.
 """
 
 from __future__ import annotations
 
 import asyncio
+import atexit
+import json
 import logging
 import threading
-import weakref
 from typing import Any
 
-import httpx
+import aiohttp
 
 logger = logging.getLogger(__name__)
 
@@ -35,7 +38,7 @@ class HTTPRequestError(RuntimeError):
 
 _loop: asyncio.AbstractEventLoop | None = None
 _loop_lock = threading.Lock()
-_clients: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # event loop -> httpx.AsyncClient
+_session: aiohttp.ClientSession | None = None  # shared by the requests on the background loop
 
 
 def get_event_loop() -> asyncio.AbstractEventLoop:
@@ -63,20 +66,26 @@ def run(coro):
     return asyncio.run_coroutine_threadsafe(coro, loop).result()
 
 
-def get_client() -> httpx.AsyncClient:
-    """The AsyncClient shared by all requests on the running loop (one per loop: connections are loop-bound).
+def _new_session() -> aiohttp.ClientSession:
+    # limit=0: no connection cap (the rollout's semaphore bounds concurrency). trust_env=False: an http_proxy set
+    # for downloads must not capture traffic to local engines.
+    return aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), timeout=aiohttp.ClientTimeout(total=None),
+                                 trust_env=False)
 
-    Concurrency is bounded by the rollout's semaphore, not by the pool. trust_env=False: an http_proxy set for
-    downloads must not capture traffic to local engines.
-    """
-    loop = asyncio.get_running_loop()
-    if loop not in _clients:
-        _clients[loop] = httpx.AsyncClient(
-            limits=httpx.Limits(max_connections=None, max_keepalive_connections=256),
-            timeout=None,
-            trust_env=False,
-        )
-    return _clients[loop]
+
+def _shared_session() -> aiohttp.ClientSession:
+    """The session every request on the background loop shares (its connections are bound to that loop)."""
+    global _session
+    if _session is None or _session.closed:
+        _session = _new_session()
+    return _session
+
+
+@atexit.register
+def _close_shared_session() -> None:
+    loop, session = _loop, _session
+    if session is not None and not session.closed and loop is not None and loop.is_running():
+        asyncio.run_coroutine_threadsafe(session.close(), loop).result(timeout=5)
 
 
 async def request_json(
@@ -94,24 +103,35 @@ async def request_json(
     """
     if num_retries is None:
         num_retries = DEFAULT_NUM_RETRIES
-    client = get_client()
+    on_background_loop = asyncio.get_running_loop() is _loop
+    client = _shared_session() if on_background_loop else _new_session()  # other loops: one session per call
+    try:
+        return await _request_with_retries(client, method, url, payload, timeout, num_retries)
+    finally:
+        if not on_background_loop:
+            await client.close()
+
+
+async def _request_with_retries(client: aiohttp.ClientSession, method: str, url: str, payload: dict | None,
+                                timeout: float | None, num_retries: int) -> Any:
     last_error: Exception | None = None
     for attempt in range(num_retries + 1):
         if attempt:
             await asyncio.sleep(min(RETRY_BACKOFF_BASE_S * 2 ** (attempt - 1), RETRY_BACKOFF_MAX_S))
         try:
-            response = await client.request(method, url, json=payload, timeout=timeout)
-        except httpx.TransportError as exc:
+            async with client.request(method, url, json=payload,
+                                      timeout=aiohttp.ClientTimeout(total=timeout)) as response:
+                status, body = response.status, await response.read()
+        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:  # connection refused / reset, timeouts
             last_error = exc
             continue
-        if response.status_code in RETRYABLE_STATUS_CODES:
-            last_error = httpx.HTTPStatusError(
-                f"{response.status_code}: {response.text[:200]}", request=response.request, response=response
-            )
+        text = body.decode("utf-8", errors="replace")
+        if status in RETRYABLE_STATUS_CODES:
+            last_error = HTTPRequestError(f"{status}: {text[:200]}")
             continue
-        if response.is_error:
-            raise HTTPRequestError(f"{method} {url} answered {response.status_code}: {response.text[:1000]}")
-        return response.json() if response.content else None
+        if status >= 400:
+            raise HTTPRequestError(f"{method} {url} answered {status}: {text[:1000]}")
+        return json.loads(body) if body else None
     raise EndpointUnreachableError(
         f"could not reach {url} after {num_retries + 1} attempts "
         f"(last error: {type(last_error).__name__}: {last_error}). Is the sglang router/engine running at that "
