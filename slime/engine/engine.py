@@ -197,7 +197,7 @@ class Engine:
         else:
             text = None
             detokenize = self._detokenizers[params.skip_special_tokens]
-        return RequestOutput.from_sequence(
+        return RequestOutput(
             seq.rid,
             seq.token_ids,
             seq.num_prompt_tokens,

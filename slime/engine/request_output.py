@@ -1,7 +1,7 @@
 """What the engine reports about a request after a step: tokens and log-probs so far, text, finish reason.
 
 A plain record built by the engine; `to_dict` gives the blocking `Engine.generate` result shape. Building one costs
-O(1), whatever the request's length: `from_sequence` snapshots only the sequence's length, and the token and
+O(1), whatever the request's length: it snapshots only the sequence's length, and the token and
 log-prob lists are sliced out of the (append-only) sequence on first access, as is the text (detokenized). A
 consumer that only looks at the final output never pays for the intermediate ones. It does not know how the HTTP
 server renders it (SGLang's meta_info lives in the server).
@@ -26,36 +26,6 @@ class RequestOutput:
     def __init__(
         self,
         rid: str,
-        prompt_token_ids: list[int],
-        output_token_ids: list[int],
-        output_log_probs: list[float],
-        text: str | None = None,
-        finished: bool = False,
-        finish_reason: dict | None = None,
-        num_cached_tokens: int = 0,
-        weight_version: str = "0",
-        detokenize: Callable[[list[int]], str] | None = None,
-    ):
-        if text is None and detokenize is None:
-            raise ValueError("RequestOutput needs text or a detokenize callable")
-        self.rid = rid
-        self._prompt_token_ids = prompt_token_ids
-        self._output_token_ids = output_token_ids
-        self._output_log_probs = output_log_probs
-        self._sequence_token_ids = self._sequence_log_probs = None
-        self._num_prompt_tokens = len(prompt_token_ids)
-        self._num_tokens = self._num_prompt_tokens + len(output_token_ids)
-        self._text = text
-        self._detokenize = detokenize
-        self.finished = finished
-        self.finish_reason = finish_reason
-        self.num_cached_tokens = num_cached_tokens
-        self.weight_version = weight_version
-
-    @classmethod
-    def from_sequence(
-        cls,
-        rid: str,
         token_ids: list[int],
         num_prompt_tokens: int,
         log_probs: list[float],
@@ -65,25 +35,23 @@ class RequestOutput:
         num_cached_tokens: int = 0,
         weight_version: str = "0",
         detokenize: Callable[[list[int]], str] | None = None,
-    ) -> RequestOutput:
-        """A snapshot of a running sequence in O(1): `token_ids` (prompt + output) and `log_probs` must only ever be
-        appended to afterwards; the lists are sliced at their current lengths when first read."""
+    ):
+        """A snapshot of a sequence in O(1): `token_ids` (prompt + output) and `log_probs` (one per output token)
+        must only ever be appended to afterwards; the lists are sliced at their current lengths when first read."""
         if text is None and detokenize is None:
             raise ValueError("RequestOutput needs text or a detokenize callable")
-        output = cls.__new__(cls)
-        output.rid = rid
-        output._prompt_token_ids = output._output_token_ids = output._output_log_probs = None
-        output._sequence_token_ids = token_ids
-        output._sequence_log_probs = log_probs
-        output._num_prompt_tokens = num_prompt_tokens
-        output._num_tokens = len(token_ids)
-        output._text = text
-        output._detokenize = detokenize
-        output.finished = finished
-        output.finish_reason = finish_reason
-        output.num_cached_tokens = num_cached_tokens
-        output.weight_version = weight_version
-        return output
+        self.rid = rid
+        self._prompt_token_ids = self._output_token_ids = self._output_log_probs = None
+        self._sequence_token_ids = token_ids
+        self._sequence_log_probs = log_probs
+        self._num_prompt_tokens = num_prompt_tokens
+        self._num_tokens = len(token_ids)
+        self._text = text
+        self._detokenize = detokenize
+        self.finished = finished
+        self.finish_reason = finish_reason
+        self.num_cached_tokens = num_cached_tokens
+        self.weight_version = weight_version
 
     @property
     def prompt_token_ids(self) -> list[int]:
