@@ -1,4 +1,5 @@
-"""Shared fixtures: tiny offline checkpoints, and the GPU skip rule."""
+"""Shared fixtures: tiny offline checkpoints, the GPU skip rule, and no default process group leaking from one
+in-process trainer test into the next."""
 
 import os
 import sys
@@ -46,3 +47,13 @@ def client(server):
 
     with httpx.Client(base_url=server.url, timeout=120, trust_env=False) as http:
         yield http
+
+
+@pytest.fixture(autouse=True)
+def _fresh_process_group():
+    """A test that built an in-process trainer leaves torch.distributed's default group behind; destroy it."""
+    yield
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()

@@ -16,13 +16,6 @@ def tiny_checkpoint(tmp_path_factory):
     return build_tiny_model(tmp_path_factory.mktemp("tiny"), arch="qwen3", seed=2)
 
 
-@pytest.fixture(autouse=True)
-def _fresh_process_group():
-    yield
-    if dist.is_initialized():
-        dist.destroy_process_group()
-
-
 def make_critic(args):
     from slime.backends.fsdp_utils.critic import FSDPCritic
 

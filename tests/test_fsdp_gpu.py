@@ -9,13 +9,6 @@ import torch.distributed as dist
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 
-@pytest.fixture(autouse=True)
-def _fresh_process_group():
-    yield
-    if dist.is_initialized():
-        dist.destroy_process_group()
-
-
 def test_gpu_train_offload_onload(tmp_path):
     from fsdp_helpers import make_args, make_train_data, make_trainer
 

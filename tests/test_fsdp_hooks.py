@@ -3,7 +3,6 @@ on-policy distillation from teacher log-probs, unsupported options failing loudl
 
 import pytest
 import torch
-import torch.distributed as dist
 from fsdp_helpers import make_args, make_train_data, make_trainer
 
 from slime.backends.fsdp_utils.data import pack_samples
@@ -27,13 +26,6 @@ def record_train_step(args, rollout_id, step_id, model, optimizer, scheduler):
 @pytest.fixture(scope="module")
 def tiny_checkpoint(tmp_path_factory):
     return build_tiny_model(tmp_path_factory.mktemp("tiny"), arch="qwen3", seed=9)
-
-
-@pytest.fixture(autouse=True)
-def _fresh_process_group():
-    yield
-    if dist.is_initialized():
-        dist.destroy_process_group()
 
 
 def test_hooks_are_called_in_order(tiny_checkpoint):

@@ -18,13 +18,6 @@ def tiny_checkpoint(tmp_path_factory):
     return build_tiny_model(tmp_path_factory.mktemp("tiny"), arch="qwen3", seed=2)
 
 
-@pytest.fixture(autouse=True)
-def _fresh_process_group():
-    yield
-    if dist.is_initialized():
-        dist.destroy_process_group()
-
-
 def _one_step(checkpoint, data, *extra, lr="1e-3"):
     args = make_args(checkpoint, "--lr", lr, *extra)
     trainer = make_trainer(args, with_ref=args.use_kl_loss)
