@@ -49,27 +49,24 @@ def _hash32(x):
     return (x >> 16) ^ x
 
 
-def noise_row_keys(seeds: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
-    """[num_rows] 32-bit keys of each row's noise (int64 tensor)."""
+def noise_row_keys(seeds, steps):
+    """[num_rows] 32-bit keys of each row's noise (int64 tensor or numpy array)."""
     return _hash32(_hash32(seeds) ^ _hash32(steps * 0x9E3779B1 + 0x7F4A7C15))
 
 
 def exponential_noise(seeds: torch.Tensor, steps: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """[num_rows, vocab_size] Exp(1) samples, a pure function of (seed, step, column)."""
     if seeds.device.type == "cpu":  # the same integer arithmetic in numpy: a fraction of torch's per-op cost here
-        return torch.from_numpy(_exponential_noise_numpy(seeds.numpy(), steps.numpy(), vocab_size))
-    columns = torch.arange(vocab_size, device=seeds.device, dtype=torch.int64)
+        bits = _noise_bits(seeds.numpy(), steps.numpy(), np.arange(vocab_size, dtype=np.int64))
+        return torch.from_numpy(-np.log((bits.astype(np.float64) + 0.5) / 2.0**32))
+    bits = _noise_bits(seeds, steps, torch.arange(vocab_size, device=seeds.device, dtype=torch.int64))
+    return -torch.log((bits.double() + 0.5) / 2.0**32)
+
+
+def _noise_bits(seeds, steps, columns):
+    """32-bit hashes of (seed, step, column), [num_rows, num_columns], on int64 torch tensors or numpy arrays."""
     row_key = noise_row_keys(seeds, steps)
-    bits = _hash32(_hash32(row_key[:, None] ^ columns[None, :]) + row_key[:, None])
-    uniform = (bits.double() + 0.5) / 2.0**32
-    return -torch.log(uniform)
-
-
-def _exponential_noise_numpy(seeds: np.ndarray, steps: np.ndarray, vocab_size: int) -> np.ndarray:
-    row_key = _hash32(_hash32(seeds) ^ _hash32(steps * 0x9E3779B1 + 0x7F4A7C15))
-    columns = np.arange(vocab_size, dtype=np.int64)
-    bits = _hash32(_hash32(row_key[:, None] ^ columns[None, :]) + row_key[:, None])
-    return -np.log((bits.astype(np.float64) + 0.5) / 2.0**32)
+    return _hash32(_hash32(row_key[:, None] ^ columns[None, :]) + row_key[:, None])
 
 
 def sample(logits: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor]:

@@ -112,7 +112,8 @@ class Scheduler:
         if any(item.num_new_tokens != 1 or not item.needs_sample for item in batch):
             return None
         block_size = self.block_manager.block_size
-        continuing = [item.seq for item in batch if not self._finishes_by_length_after_one_more(item.seq)]
+        # The pending token brings each sequence to len + 1 tokens; those it ends by length do not continue.
+        continuing = [item.seq for item in batch if self._length_finish_reason(item.seq, len(item.seq) + 1) is None]
         num_new_blocks = sum(1 for seq in continuing if len(seq) + 1 > len(seq.block_table) * block_size)
         if num_new_blocks > self.block_manager.num_free_blocks:
             return None
@@ -125,13 +126,6 @@ class Scheduler:
             self.block_manager.register_full_blocks(seq, len(seq) - 1)  # not the block holding the placeholder
             ahead.append(ScheduledSequence(seq, len(seq) - 1, 1, True))
         return ahead
-
-    def _finishes_by_length_after_one_more(self, seq: Sequence) -> bool:
-        max_new_tokens = seq.sampling_params.max_new_tokens
-        num_tokens = len(seq) + 1
-        return (max_new_tokens is not None and num_tokens - seq.num_prompt_tokens >= max_new_tokens) or (
-            num_tokens >= self.max_model_len
-        )
 
     def preempt(self, seq: Sequence) -> None:
         """Free `seq`'s blocks and requeue it first; its KV is recomputed (prefix hits permitting) on readmission."""
@@ -167,8 +161,14 @@ class Scheduler:
         # The sampler masks stop tokens while fewer than min_new_tokens tokens exist; this guards other samplers.
         if is_stop_token and num_completion_tokens > params.min_new_tokens:
             return {"type": "stop", "matched": token_id}
-        if params.max_new_tokens is not None and num_completion_tokens >= params.max_new_tokens:
-            return {"type": "length", "length": params.max_new_tokens}
+        return self._length_finish_reason(seq, num_tokens)
+
+    def _length_finish_reason(self, seq: Sequence, num_tokens: int) -> dict | None:
+        """The length limit (max_new_tokens, then max_model_len) that `num_tokens` tokens of `seq` reach, if any."""
+        max_new_tokens = seq.sampling_params.max_new_tokens
+        num_completion_tokens = num_tokens - seq.num_prompt_tokens
+        if max_new_tokens is not None and num_completion_tokens >= max_new_tokens:
+            return {"type": "length", "length": max_new_tokens}
         if num_tokens >= self.max_model_len:
             return {"type": "length", "length": num_completion_tokens}
         return None

@@ -20,7 +20,7 @@ import torch
 VARLEN = "slime_varlen"
 
 
-def _varlen_attn():
+def _import_varlen_attn():
     try:
         from torch.nn.attention.varlen import varlen_attn
     except ImportError:
@@ -28,8 +28,11 @@ def _varlen_attn():
     return varlen_attn
 
 
+_VARLEN_ATTN = _import_varlen_attn()
+
+
 def varlen_supported(device: torch.device) -> bool:
-    return device.type == "cuda" and _varlen_attn() is not None and bool(_CAUSAL)
+    return device.type == "cuda" and _VARLEN_ATTN is not None and bool(_CAUSAL)
 
 
 def varlen_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, *,
@@ -58,12 +61,12 @@ def _call_varlen(q, k, v, cu_seqlens, max_len, scale):
         raise ValueError(f"this torch's varlen_attn has no scale argument; the model needs scale {scale}")
     if _SUPPORTS_GQA and k.shape[1] != q.shape[1]:
         kwargs["enable_gqa"] = True
-    return _varlen_attn()(q, k, v, cu_seqlens, cu_seqlens, max_len, max_len, **kwargs)
+    return _VARLEN_ATTN(q, k, v, cu_seqlens, cu_seqlens, max_len, max_len, **kwargs)
 
 
 # The keyword set of varlen_attn changed across torch releases: 2.10 has is_causal; later ones window_size
 # ((-1, 0) is causal), scale and, from 2.12, enable_gqa (earlier, K/V heads are repeated to the query heads).
-_PARAMS = set(inspect.signature(_varlen_attn()).parameters) if _varlen_attn() is not None else set()
+_PARAMS = set(inspect.signature(_VARLEN_ATTN).parameters) if _VARLEN_ATTN is not None else set()
 _CAUSAL = ({"is_causal": True} if "is_causal" in _PARAMS
            else {"window_size": (-1, 0)} if "window_size" in _PARAMS else {})
 _SUPPORTS_GQA = "enable_gqa" in _PARAMS

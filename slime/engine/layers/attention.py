@@ -93,7 +93,8 @@ class PagedAttention(nn.Module):
         num_seqs, max_query_len = meta.num_seqs, meta.max_query_len
         keys = self._gather(self.k_cache, meta.key_slots)
         values = self._gather(self.v_cache, meta.key_slots)
-        if max_query_len == 1 and q.shape[0] == num_seqs:  # decode: token i is sequence i's only query
+        is_decode = max_query_len == 1 and q.shape[0] == num_seqs  # token i is sequence i's only query
+        if is_decode:
             padded_q = q.view(num_seqs, 1, self.num_heads, self.head_dim)
         else:
             padded_q = q.new_zeros(num_seqs, max_query_len, self.num_heads, self.head_dim)
@@ -106,7 +107,7 @@ class PagedAttention(nn.Module):
             scale=self.scale,
             enable_gqa=self.num_heads != self.num_kv_heads,
         )
-        if max_query_len == 1 and q.shape[0] == num_seqs:
+        if is_decode:
             return out.reshape(num_seqs, self.num_heads * self.head_dim)  # [num_seqs, heads, 1, dim]
         out = out.transpose(1, 2)[meta.token_seq_index, meta.token_query_index]
         return out.reshape(-1, self.num_heads * self.head_dim)
