@@ -176,10 +176,10 @@ def test_start_up_self_check_passes_and_catches_a_wrong_attention_kernel(monkeyp
     SDPA: it accepts the real kernel and turns a wrong one (here: a decode result off by a constant) into the
     torch fallback with a warning."""
     import slime.engine.layers.triton_paged_attention as kernel_module
-    from slime.engine.model_runner import _triton_attention_works
+    from slime.engine.kernel_checks import triton_attention_works
 
     device = torch.device(DEVICE)
-    assert _triton_attention_works(device)
+    assert triton_attention_works(device)
 
     real = kernel_module.paged_attention
 
@@ -189,4 +189,4 @@ def test_start_up_self_check_passes_and_catches_a_wrong_attention_kernel(monkeyp
 
     monkeypatch.setattr(kernel_module, "paged_attention", wrong_decode)
     with pytest.warns(UserWarning, match="Triton paged attention unavailable"):
-        assert not _triton_attention_works(device)
+        assert not triton_attention_works(device)

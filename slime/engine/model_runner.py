@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import itertools
 import os
-import warnings
 
 import numpy as np
 import torch
 
 from slime.engine.config import Config
 from slime.engine.cuda_graph import DecodeGraphs
+from slime.engine.kernel_checks import triton_attention_works, triton_fused_kernels_work
 from slime.engine.layers.attention import AttentionMetadata
 from slime.engine.models import DecoderForCausalLM, ModelConfig
 from slime.engine.models.weight_loader import load_checkpoint
@@ -67,8 +67,8 @@ class ModelRunner:
         max_model_len = config.max_model_len or model_config.max_position_embeddings
         self.max_num_blocks_per_seq = min(-(-max_model_len // self.block_size), self.num_kvcache_blocks)
         self.decode_graphs: DecodeGraphs | None = None
-        attention_works = self.device.type == "cuda" and _triton_attention_works(self.device)
-        self.set_use_triton(attention_works, fused=attention_works and _triton_fused_kernels_work(self.device))
+        attention_works = self.device.type == "cuda" and triton_attention_works(self.device)
+        self.set_use_triton(attention_works, fused=attention_works and triton_fused_kernels_work(self.device))
         self.allocate_kv_cache()
 
     def set_use_triton(self, enabled: bool, fused: bool | None = None) -> None:
@@ -341,79 +341,6 @@ def _padded_block_tables(tables: list[list[int]]) -> np.ndarray:
     flat = np.fromiter(itertools.chain.from_iterable(tables), dtype=np.int32, count=int(lengths.sum()))
     padded[np.arange(padded.shape[1])[None, :] < lengths[:, None]] = flat  # row-major, as the chain
     return padded
-
-
-def _triton_attention_works(device: torch.device) -> bool:
-    """Whether the Triton paged-attention kernels import, compile and match SDPA here on a small prefill chunk over
-    a cached prefix and on a decode step of two sequences (the two kernel variants); if not, warn and let the
-    engine run the pure-torch path."""
-    try:
-        from slime.engine.layers.triton_paged_attention import paged_attention
-
-        generator = torch.Generator(device=device).manual_seed(0)
-        k_cache = torch.randn(2, 4, 2, 64, device=device, generator=generator)
-        v_cache = torch.randn(2, 4, 2, 64, device=device, generator=generator)
-        cases = [  # (block tables, query lengths, sequence lengths after the step)
-            ([[1, 0]], [5], [8]),
-            ([[1, 0], [0, 1]], [1, 1], [8, 6]),
-        ]
-        for tables, query_lens, seq_lens in cases:
-            q = torch.randn(sum(query_lens), 4, 64, device=device, generator=generator)
-            query_start_loc = torch.tensor([0, *np.cumsum(query_lens)], dtype=torch.int32, device=device)
-            out = paged_attention(q, k_cache, v_cache, torch.tensor(tables, dtype=torch.int32, device=device),
-                                  query_start_loc, torch.tensor(seq_lens, dtype=torch.int32, device=device),
-                                  max(query_lens), 0.125)
-            expected = torch.cat([
-                _sdpa_reference(q[start:start + query_len], k_cache, v_cache, table, seq_len)
-                for table, query_len, seq_len, start in zip(tables, query_lens, seq_lens, query_start_loc.tolist())
-            ])
-            torch.testing.assert_close(out, expected, atol=1e-3, rtol=1e-3)
-        return True
-    except Exception as error:  # any failure (no triton, compile error, wrong result) means: use the torch path
-        warnings.warn(f"Triton paged attention unavailable ({type(error).__name__}: {error}); using the torch path")
-        return False
-
-
-def _sdpa_reference(q, k_cache, v_cache, table: list[int], seq_len: int) -> torch.Tensor:
-    """Causal attention of the last len(q) positions of a sequence whose K/V sit in the blocks `table`."""
-    import torch.nn.functional as F
-
-    block_size, num_kv_heads, head_dim = k_cache.shape[1:]
-    keys = k_cache[table].reshape(-1, num_kv_heads, head_dim)[:seq_len].transpose(0, 1)
-    values = v_cache[table].reshape(-1, num_kv_heads, head_dim)[:seq_len].transpose(0, 1)
-    positions = torch.arange(seq_len - q.shape[0], seq_len, device=q.device)
-    mask = torch.arange(seq_len, device=q.device)[None, :] <= positions[:, None]
-    return F.scaled_dot_product_attention(q.transpose(0, 1), keys, values, attn_mask=mask, scale=0.125,
-                                          enable_gqa=True).transpose(0, 1)
-
-
-def _triton_fused_kernels_work(device: torch.device) -> bool:
-    """Whether the fused RMSNorm / add + RMSNorm / q-k norm + rotary / SiLU-and-mul kernels match the torch modules
-    here; if not, warn and keep the torch modules for those stages."""
-    try:
-        from slime.engine.layers.activation import SiluAndMul
-        from slime.engine.layers.rmsnorm import RMSNorm
-        from slime.engine.layers.rotary import RotaryEmbedding
-        from slime.engine.layers.triton_fused import add_rms_norm, norm_rope, rms_norm, silu_and_mul
-
-        generator = torch.Generator(device=device).manual_seed(0)
-        x = torch.randn(3, 64, 128, device=device, generator=generator)
-        norm = RMSNorm(128, 1e-6).to(device)
-        torch.testing.assert_close(rms_norm(x, norm.weight, norm.eps), norm(x), atol=1e-4, rtol=1e-4)
-        residual = torch.randn(64, 128, device=device, generator=generator)
-        expected = norm(x[0] + residual), x[0] + residual
-        got = add_rms_norm(x[0], residual, norm.weight, norm.eps)
-        torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
-        torch.testing.assert_close(silu_and_mul(x[0]), SiluAndMul()(x[0]), atol=1e-4, rtol=1e-4)
-        rotary = RotaryEmbedding(128, 16, 10000.0).to(device)
-        positions = torch.arange(3, device=device) * 5
-        expected_q, _ = rotary(positions, norm(x[:, :8]), x[:, :1])
-        got_q = norm_rope(x[:, :8], norm.weight, norm.eps, rotary.cos, rotary.sin, positions)
-        torch.testing.assert_close(got_q, expected_q, atol=1e-4, rtol=1e-4)
-        return True
-    except Exception as error:
-        warnings.warn(f"fused Triton kernels unavailable ({type(error).__name__}: {error}); using torch modules")
-        return False
 
 
 def _to_device_packed(arrays: list[np.ndarray], dtype, device: torch.device) -> list[torch.Tensor]:
