@@ -54,6 +54,15 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.engine_checkpoints import (  # noqa: E402
+    QWEN3_06B_SHAPE,
+    QWEN3_8B_SHAPE,
+    TINY_LARGE_SHAPE,
+    TINY_SHAPE,
+    build_checkpoint,
+    make_prompts,
+)
+
 PEAK_BANDWIDTH_TB_S = 4.25  # H200 HBM3e
 HF_W2_REFERENCE_TOK_S = 635.0  # transformers generate on W2, same H200, measured in an earlier session (FACTS)
 WORKLOADS = ("w1", "w2", "w3", "w4")
@@ -64,40 +73,6 @@ PRESETS = {
     # The engine-speed issue's CPU bar: the quickstart's model (built by examples/quickstart/task.py), W1 only.
     "quickstart": dict(num_prompts=64, input_len=32, output_len=64, device="cpu", dtype="float32"),
 }
-QWEN3_06B_SHAPE = dict(
-    vocab_size=151936,
-    hidden_size=1024,
-    intermediate_size=3072,
-    num_hidden_layers=28,
-    num_attention_heads=16,
-    num_key_value_heads=8,
-    head_dim=128,
-    max_position_embeddings=40960,
-    rms_norm_eps=1e-6,
-    rope_theta=1000000.0,
-    tie_word_embeddings=True,
-)
-QWEN3_8B_SHAPE = dict(
-    QWEN3_06B_SHAPE,
-    hidden_size=4096,
-    intermediate_size=12288,
-    num_hidden_layers=36,
-    num_attention_heads=32,
-    tie_word_embeddings=False,
-)
-TINY_SHAPE = dict(
-    QWEN3_06B_SHAPE,
-    vocab_size=512,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-    max_position_embeddings=4096,
-)
-TINY_LARGE_SHAPE = dict(TINY_SHAPE, hidden_size=128, intermediate_size=256, num_hidden_layers=4, head_dim=32,
-                        tie_word_embeddings=False)
 # (W2 sequences, W2 min length, W2 max length, W3 prompts, W3 prompt length, W3 max output)
 WORKLOAD_SIZES = {"tiny": (16, 8, 64, 4, 64, 32), "qwen3-0.6b": (256, 100, 1024, 64, 512, 1024)}
 W3_SAMPLES_PER_PROMPT = 8
@@ -153,79 +128,7 @@ def parse_args(argv=None):
     return args
 
 
-# ---- checkpoints ------------------------------------------------------------------------------------------------
-
-def build_checkpoint(
-    out_dir: Path, shape: dict, dtype: torch.dtype, device: str, seed: int, max_shard_bytes: int = 4 << 30
-) -> Path:
-    """config.json, a word-level tokenizer and random weights as safetensors shards (written straight from
-    `device` tensors of `dtype`; norms are ones, everything else N(0, 0.02))."""
-    from safetensors.torch import save_file
-    from transformers import Qwen3Config
-
-    from slime.engine.models import DecoderForCausalLM, load_model_config
-    from slime.engine.models.weight_loader import named_weight_shapes
-
-    tokenizer = build_word_level_tokenizer(out_dir, shape["vocab_size"])
-    config = Qwen3Config(**shape, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
-                         bos_token_id=None, architectures=["Qwen3ForCausalLM"], dtype=str(dtype).split(".")[-1])
-    config.save_pretrained(out_dir)
-    with torch.device("meta"):
-        shapes = named_weight_shapes(DecoderForCausalLM(load_model_config(out_dir)))
-    # Plan the shards from the shapes, then write each from fresh device tensors (host RAM holds one shard).
-    element_size = torch.empty((), dtype=dtype).element_size()
-    shard_names: list[list[str]] = [[]]
-    shard_bytes = 0
-    for name, (tensor_shape, _) in shapes.items():
-        size = element_size * int(np.prod(tensor_shape))
-        if shard_bytes and shard_bytes + size > max_shard_bytes:
-            shard_names.append([])
-            shard_bytes = 0
-        shard_names[-1].append(name)
-        shard_bytes += size
-    generator = torch.Generator(device).manual_seed(seed)
-    weight_map = {}
-    for index, names in enumerate(shard_names):
-        shard = {}
-        for name in names:
-            if name.endswith("norm.weight"):
-                tensor = torch.ones(shapes[name][0], dtype=dtype, device=device)
-            else:
-                tensor = torch.randn(shapes[name][0], dtype=dtype, device=device, generator=generator).mul_(0.02)
-            shard[name] = tensor.cpu()
-        file_name = f"model-{index + 1:05d}-of-{len(shard_names):05d}.safetensors"
-        save_file(shard, str(out_dir / file_name), metadata={"format": "pt"})
-        weight_map.update(dict.fromkeys(names, file_name))
-    index_json = {"metadata": {}, "weight_map": weight_map}
-    (out_dir / "model.safetensors.index.json").write_text(json.dumps(index_json))
-    return out_dir
-
-
-def build_word_level_tokenizer(out_dir: Path, vocab_size: int):
-    """A tokenizer with one word per id ("t0", "t1", ...), so any sampled id decodes; special tokens first."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-    vocab = {token: index for index, token in enumerate(specials)}
-    vocab.update({f"t{index}": index for index in range(len(specials), vocab_size)})
-    tokenizer = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<|endoftext|>"))
-    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tokenizer.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
-    fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="<|im_end|>", pad_token="<|endoftext|>")
-    fast.add_special_tokens({"additional_special_tokens": specials})
-    out_dir.mkdir(parents=True, exist_ok=True)
-    fast.save_pretrained(out_dir)
-    return fast
-
-
 # ---- workloads --------------------------------------------------------------------------------------------------
-
-def make_prompts(num_prompts: int, input_len: int, vocab_size: int, seed: int) -> list[list[int]]:
-    generator = torch.Generator().manual_seed(seed)
-    # Ids from 3 upward: never a special token, so no prompt contains EOS.
-    return torch.randint(3, vocab_size, (num_prompts, input_len), generator=generator).tolist()
-
 
 def make_workload(name: str, args) -> Workload:
     tiny = args.preset == "tiny"

@@ -20,7 +20,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.bench_engine import QWEN3_06B_SHAPE, build_checkpoint, make_prompts  # noqa: E402
+from benchmarks.engine_checkpoints import QWEN3_06B_SHAPE, build_checkpoint, make_prompts  # noqa: E402
 
 
 def timed(owner, name: str, totals: dict, synchronize: bool) -> None:
