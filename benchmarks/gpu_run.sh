@@ -4,9 +4,9 @@
 # image lacks (ray, sglang-router, fastapi, ...), pre-installed and xz-compressed. Each step's log goes to
 # $OUT/<step>.log; a summary table prints last.
 set -u
-export PYTHONUNBUFFERED=1 RAY_AUTH_MODE=disabled NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
+export PYTHONUNBUFFERED=1 RAY_AUTH_MODE=disabled NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 OUT=${OUT:-/tmp/gpu_run_out}; mkdir -p $OUT /tmp/site
-tar xJf .gpubundle/site.tar.xz -C /tmp/site
+[ -e /tmp/site/ray ] || tar xJf .gpubundle/site.tar.xz -C /tmp/site
 export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH
 grpo() {  # PLACEMENT [smoke flags]: a GRPO run; metrics and curves come back as $OUT/grpo_<placement>...{jsonl,png}
   local tag; tag=$(printf 'grpo_%s' "$*" | tr -c 'a-zA-Z0-9_' '_')
@@ -19,6 +19,7 @@ run_step() {
     profile_engine) python3 benchmarks/profile_engine.py ;;
     bench_engine) python3 benchmarks/bench_engine.py --preset qwen3-0.6b ;;
     engine_all) python3 benchmarks/bench_engine.py --preset qwen3-0.6b --workload all ;;
+    engine_w1_plain) python3 benchmarks/bench_engine.py --preset qwen3-0.6b --skip-hf ;;
     engine_overlap) python3 benchmarks/bench_engine.py --preset qwen3-0.6b --workload all --overlap-schedule ;;
     bench_train) python3 benchmarks/bench_train.py ;;
     bench_train_profile) python3 benchmarks/bench_train.py --profile --skip-baseline --num-iters 2 ;;
@@ -36,6 +37,10 @@ run_step() {
     train_06b_c) python3 benchmarks/bench_train.py --model-shape qwen3-0.6b --compile-model --micro-batch-size 4 ;;
     train_17b_c) python3 benchmarks/bench_train.py --model-shape qwen3-1.7b --compile-model --micro-batch-size 2 ;;
     train_4b_c) python3 benchmarks/bench_train.py --model-shape qwen3-4b --compile-model --micro-batch-size 2 ;;
+    train_4b_c_es) PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True python3 benchmarks/bench_train.py --model-shape qwen3-4b --compile-model --micro-batch-size 2 ;;
+    train_4b_c_8k) PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True python3 benchmarks/bench_train.py --model-shape qwen3-4b --compile-model --micro-batch-size 2 --max-tokens-per-gpu 8192 ;;
+    overlap_tests) python3 -m pytest -q -m gpu tests/test_engine_overlap.py tests/test_host_staging.py tests/test_engine_cuda.py ;;
+    engine_w1_overlap) python3 benchmarks/bench_engine.py --preset qwen3-0.6b --overlap-schedule ;;
     train_06b_32k_rc) python3 benchmarks/bench_train.py --model-shape qwen3-0.6b --max-tokens-per-gpu 32768 --recompute-activations --compile-model --skip-baseline ;;
     grpo_smoke) grpo colocated ;;
     grpo_compiled) grpo colocated --train-args=--compile-model ;;
@@ -47,9 +52,11 @@ run_step() {
     *) echo "unknown step $1"; return 2 ;;
   esac
 }
+if [ "${1:-}" = --one ]; then run_step $2; exit $?; fi  # one step, in its own process so a timeout can end it
 steps=${*:-gpu_tests bench_engine bench_train grpo_smoke}
 for name in $steps; do
-  start=$(date +%s); run_step $name > $OUT/$name.log 2>&1; rc=$?
+  start=$(date +%s); timeout ${STEP_TIMEOUT:-600} bash "$0" --one $name > $OUT/$name.log 2>&1; rc=$?
+  [ $rc = 0 ] || ray stop --force > /dev/null 2>&1  # a step cut off by its timeout leaves its Ray cluster behind
   echo "$name rc=$rc $(( $(date +%s) - start ))s" >> $OUT/summary.txt
 done
 for name in $steps; do echo "== $name"; tail -n ${TAIL:-30} $OUT/$name.log; done

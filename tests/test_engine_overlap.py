@@ -30,7 +30,7 @@ def requests(num: int = 6):
 
 
 def run(path, overlap: bool, prompts, params, count=None, **config):
-    engine = Engine(path, device="cpu", overlap_schedule=overlap, **config)
+    engine = Engine(path, **{"device": "cpu", **config}, overlap_schedule=overlap)
     if count is not None:
         original = engine.scheduler.look_ahead
 
@@ -72,6 +72,18 @@ def test_overlap_gives_the_same_tokens_and_runs_ahead(path):
     assert count["ahead"] >= 5
     reasons = {o["finish_reason"]["type"] for o in plain}
     assert reasons == {"stop", "length"}  # both kinds of ending are exercised
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_overlap_on_cuda_graphs_gives_the_same_tokens(path):
+    """On the GPU the look-ahead's input tokens are gathered on the device and fed to captured CUDA graphs."""
+    prompts, params = requests(8)
+    cuda = dict(device="cuda", dtype="float32", num_kvcache_blocks=256)
+    count = {"ahead": 0}
+    assert_same(run(path, True, prompts, params, count, **cuda), run(path, False, prompts, params, **cuda))
+    assert count["ahead"] >= 5
+    assert Engine(path, **cuda).model_runner.use_cuda_graphs
 
 
 def test_overlap_under_preemption_and_tiny_blocks(path):

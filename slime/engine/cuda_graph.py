@@ -14,6 +14,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from slime.engine.host_staging import HostStaging
 from slime.engine.layers.attention import AttentionMetadata
 
 
@@ -24,8 +25,10 @@ def bucket_batch_sizes(max_num_seqs: int) -> list[int]:
 
 
 class DecodeGraphs:
-    def __init__(self, model: nn.Module, max_num_seqs: int, max_num_blocks_per_seq: int, scratch_slot: int):
+    def __init__(self, model: nn.Module, max_num_seqs: int, max_num_blocks_per_seq: int, scratch_slot: int,
+                 staging: HostStaging):
         self.model = model
+        self.staging = staging
         self.batch_sizes = bucket_batch_sizes(max_num_seqs)
         self.scratch_slot = scratch_slot
         max_batch_size = self.batch_sizes[-1]
@@ -80,8 +83,8 @@ class DecodeGraphs:
         padded = np.empty((4, batch_size), dtype=np.int64)
         padded[:, :num_seqs] = token_inputs
         padded[:, num_seqs:] = np.array([0, 0, self.scratch_slot, 0])[:, None]
-        self.token_inputs[:, :batch_size].copy_(torch.from_numpy(padded), non_blocking=True)
-        self.block_tables[:num_seqs, :width].copy_(torch.from_numpy(block_tables), non_blocking=True)
+        self.staging.copy_(self.token_inputs[:, :batch_size], padded)
+        self.staging.copy_(self.block_tables[:num_seqs, :width], block_tables)
         if input_tokens is not None:
             self.input_ids[:num_seqs].copy_(input_tokens)
         self.graphs[batch_size].replay()

@@ -15,6 +15,7 @@ import random
 import uuid
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from slime.engine.block_manager import BlockManager
@@ -155,7 +156,7 @@ class Engine:
             if ahead:
                 sampled_tokens = launched[0]
                 source_rows = [row for row, item in enumerate(scheduled) if item.seq.has_placeholder]
-                input_tokens = sampled_tokens[torch.tensor(source_rows, device=sampled_tokens.device)]
+                input_tokens = sampled_tokens[self.model_runner.staging.to_device(np.array(source_rows))]
                 self.in_flight = (ahead, self.model_runner.launch(ahead, input_tokens))
             outputs = self._complete(scheduled, launched)
         if self.in_flight is None and self.scheduler.has_unfinished():

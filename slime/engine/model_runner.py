@@ -16,6 +16,7 @@ import torch
 
 from slime.engine.config import Config
 from slime.engine.cuda_graph import DecodeGraphs
+from slime.engine.host_staging import HostStaging
 from slime.engine.kernel_checks import triton_attention_works, triton_fused_kernels_work
 from slime.engine.layers.attention import AttentionMetadata
 from slime.engine.models import DecoderForCausalLM, ModelConfig
@@ -50,6 +51,7 @@ class ModelRunner:
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device, model_config.torch_dtype)
         self.block_size = config.kvcache_block_size
+        self.staging = HostStaging(self.device)
         # Build in the target dtype (not .to(dtype) afterwards, which would also round the fp32 RoPE tables).
         default_dtype = torch.get_default_dtype()
         torch.set_default_dtype(self.dtype)
@@ -201,7 +203,7 @@ class ModelRunner:
             return None
         if self.decode_graphs is None:
             self.decode_graphs = DecodeGraphs(
-                self.model, self.config.max_num_seqs, self.max_num_blocks_per_seq, self.scratch_slot
+                self.model, self.config.max_num_seqs, self.max_num_blocks_per_seq, self.scratch_slot, self.staging
             )
         if len(scheduled) > self.decode_graphs.max_batch_size:
             return None
@@ -243,13 +245,13 @@ class ModelRunner:
         )
         logits_indices = (cu_seqlens - 1)[[i for i, item in enumerate(scheduled) if item.needs_sample]]
         max_query_len = int(query_lens.max())
-        device = self.device
+        to_device = self.staging.to_device
         input_ids_t, positions_t, slot_mapping_t, logits_indices_t = _to_device_packed(
-            [np.asarray(input_ids, dtype=np.int64), positions, slot_mapping, logits_indices], np.int64, device
+            [np.asarray(input_ids, dtype=np.int64), positions, slot_mapping, logits_indices], np.int64, to_device
         )
         if self.use_triton:
             query_start_loc, seq_lens, flat_tables = _to_device_packed(
-                [np.concatenate([[0], cu_seqlens]), starts + query_lens, block_tables.ravel()], np.int32, device
+                [np.concatenate([[0], cu_seqlens]), starts + query_lens, block_tables.ravel()], np.int32, to_device
             )
             meta = AttentionMetadata(
                 slot_mapping=slot_mapping_t,
@@ -266,12 +268,12 @@ class ModelRunner:
         key_slots = (block_tables.astype(np.int64)[:, :, None] * self.block_size + np.arange(self.block_size))
         meta = AttentionMetadata(
             slot_mapping=slot_mapping_t,
-            block_tables=torch.from_numpy(block_tables.astype(np.int64)).to(device, non_blocking=True),
+            block_tables=to_device(block_tables.astype(np.int64)),
             max_query_len=max_query_len,
-            key_slots=torch.from_numpy(key_slots.reshape(num_seqs, -1)).to(device, non_blocking=True),
-            token_seq_index=torch.from_numpy(token_seq_index).to(device, non_blocking=True),
-            token_query_index=torch.from_numpy(token_query_index).to(device, non_blocking=True),
-            attn_mask=torch.from_numpy(attn_mask).to(device, non_blocking=True),
+            key_slots=to_device(key_slots.reshape(num_seqs, -1)),
+            token_seq_index=to_device(token_seq_index),
+            token_query_index=to_device(token_query_index),
+            attn_mask=to_device(attn_mask),
         )
         return input_ids_t, positions_t, meta, logits_indices_t
 
@@ -308,9 +310,9 @@ class ModelRunner:
         int_tensors = _to_device_packed(
             [top_ks, seeds, steps, np.array(banned_rows, dtype=np.int64), np.array(banned_token_ids, dtype=np.int64)],
             np.int64,
-            self.device,
+            self.staging.to_device,
         )
-        temperatures, top_ps, min_ps = _to_device_packed(list(float_columns), np.float32, self.device)
+        temperatures, top_ps, min_ps = _to_device_packed(list(float_columns), np.float32, self.staging.to_device)
         return SamplingBatch(
             temperatures=temperatures,
             top_ks=int_tensors[0],
@@ -343,8 +345,8 @@ def _padded_block_tables(tables: list[list[int]]) -> np.ndarray:
     return padded
 
 
-def _to_device_packed(arrays: list[np.ndarray], dtype, device: torch.device) -> list[torch.Tensor]:
-    """Copy 1-D arrays to the device in one transfer; each piece starts 16-byte aligned, as Triton kernels are
+def _to_device_packed(arrays: list[np.ndarray], dtype, to_device) -> list[torch.Tensor]:
+    """Copy 1-D arrays to the device in one transfer (`to_device`: HostStaging.to_device); each piece starts 16-byte aligned, as Triton kernels are
     compiled per pointer alignment and a misaligned piece would trigger a recompilation mid-run."""
     align = 16 // np.dtype(dtype).itemsize
     sizes = [len(array) for array in arrays]
@@ -354,5 +356,5 @@ def _to_device_packed(arrays: list[np.ndarray], dtype, device: torch.device) -> 
     for array, padded_size in zip(arrays, padded_sizes):
         packed[offset : offset + len(array)] = array
         offset += padded_size
-    pieces = torch.from_numpy(packed).to(device, non_blocking=True).split(padded_sizes)
+    pieces = to_device(packed).split(padded_sizes)
     return [piece[:size] for piece, size in zip(pieces, sizes)]
