@@ -101,9 +101,9 @@ def parse_args(argv=None):
     parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None)
     parser.add_argument("--model-path", default=None, help="W1 only: benchmark this checkpoint instead of building one")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--overlap-schedule", action="store_true",
+    parser.add_argument("--overlap-schedule", action=argparse.BooleanOptionalAction, default=None,
                         help="the engine's overlapped scheduling (next decode step launched before the last one's "
-                             "tokens reach the host)")
+                             "tokens reach the host); default: the engine's (on for CUDA, off on CPU)")
     parser.add_argument("--skip-hf", action="store_true", help="measure the engine only (no ratio) on every workload")
     parser.add_argument("--hf-workloads", default="w1",
                         help="comma-separated workloads on which HF generate is measured too (default w1)")
@@ -224,6 +224,7 @@ def bench_engine(model_path: Path, workload: Workload, args, measure_weights_and
         "num_prompt_tokens": sum(o.num_prompt_tokens for o in finished),
         "num_cached_prompt_tokens": sum(o.num_cached_tokens for o in finished),
         "block_size": runner.block_size,
+        "overlap_schedule": engine.overlap_schedule,
     }
     if measure_weights_and_memory:
         result.update(bench_weight_update(engine, model_path, args.device))
@@ -425,6 +426,7 @@ def summarize(workload: Workload, engine: dict, hf: dict | None, args) -> dict:
         "engine_seconds": round(engine["seconds"], 3),
         "engine_output_tokens": engine["num_output_tokens"],
         "engine_steps": engine["num_steps"],
+        "overlap_schedule": engine["overlap_schedule"],
         "mbu": round(engine["mbu"], 4),
         "weight_gb": round(engine["weight_bytes"] / 1e9, 3),
         "bytes_read": engine["bytes_read"],
@@ -495,7 +497,6 @@ def main(argv=None) -> dict:
         "device": args.device,
         "device_name": torch.cuda.get_device_name() if args.device == "cuda" else platform.processor() or "cpu",
         "dtype": args.dtype,
-        "overlap_schedule": args.overlap_schedule,
         "torch": torch.__version__,
         "transformers": transformers.__version__,
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),

@@ -19,8 +19,7 @@ run_step() {
     profile_engine) python3 benchmarks/profile_engine.py ;;
     bench_engine) python3 benchmarks/bench_engine.py --preset qwen3-0.6b ;;
     engine_all) python3 benchmarks/bench_engine.py --preset qwen3-0.6b --workload all ;;
-    engine_w1_plain) python3 benchmarks/bench_engine.py --preset qwen3-0.6b --skip-hf ;;
-    engine_overlap) python3 benchmarks/bench_engine.py --preset qwen3-0.6b --workload all --overlap-schedule ;;
+    engine_w1_plain) python3 benchmarks/bench_engine.py --preset qwen3-0.6b --skip-hf --no-overlap-schedule ;;
     bench_train) python3 benchmarks/bench_train.py ;;
     bench_train_profile) python3 benchmarks/bench_train.py --profile --skip-baseline --num-iters 2 ;;
     trainer_gpu_tests) python3 -m pytest -q tests/test_fsdp_gpu.py ;;
@@ -40,7 +39,6 @@ run_step() {
     train_4b_c_es) PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True python3 benchmarks/bench_train.py --model-shape qwen3-4b --compile-model --micro-batch-size 2 ;;
     train_4b_c_8k) PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True python3 benchmarks/bench_train.py --model-shape qwen3-4b --compile-model --micro-batch-size 2 --max-tokens-per-gpu 8192 ;;
     overlap_tests) python3 -m pytest -q -m gpu tests/test_engine_overlap.py tests/test_host_staging.py tests/test_engine_cuda.py ;;
-    engine_w1_overlap) python3 benchmarks/bench_engine.py --preset qwen3-0.6b --overlap-schedule ;;
     train_06b_32k_rc) python3 benchmarks/bench_train.py --model-shape qwen3-0.6b --max-tokens-per-gpu 32768 --recompute-activations --compile-model --skip-baseline ;;
     grpo_smoke) grpo colocated ;;
     grpo_compiled) grpo colocated --train-args=--compile-model ;;

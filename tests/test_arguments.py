@@ -47,6 +47,15 @@ def test_derived_fields(setup):
     assert args.loss_agg_mode == "sample_mean" and args.loss_agg_constant is None
 
 
+@pytest.mark.parametrize("flags, expected", [
+    (["--sglang-disable-overlap-schedule"], {"overlap_schedule": False}),
+    (["--sglang-disable-overlap-schedule=false"], {"overlap_schedule": True}),
+    (["--sglang-disable-cuda-graph"], {"enforce_eager": True}),
+])
+def test_sglang_switches_map_onto_engine_config(setup, flags, expected):
+    assert parse_args(base(setup, *flags)).engine_config == expected
+
+
 def test_algorithm_derived_fields(setup):
     args = parse_args(base(setup, "--advantage-estimator", "ppo", "--lr", "1e-6", "--loss-agg-mode", "constant",
                            "--rollout-max-response-len", "64"))

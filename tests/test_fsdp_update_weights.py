@@ -18,12 +18,13 @@ from slime.utils.tiny_model import build_tiny_model
 pytest.importorskip("slime.engine.server")
 
 
-@pytest.fixture()
-def engine(tmp_path):
+@pytest.fixture(params=[[]], ids=["fp32"])
+def engine(tmp_path, request):
     checkpoint = build_tiny_model(tmp_path / "tiny", arch="qwen3", seed=6)
     port = find_free_port()
     process = subprocess.Popen([sys.executable, "-m", "slime.engine.server", "--model-path", str(checkpoint),
-                                "--port", str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+                                "--port", str(port), *request.param],
+                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     url = f"http://127.0.0.1:{port}"
     deadline = time.time() + 120
     while time.time() < deadline:
@@ -80,3 +81,23 @@ def test_pushed_weights_reproduce_trainer_log_probs(engine):
     # Training moved the weights far enough that the stale engine would have disagreed.
     stale_output, stale, _ = _engine_sample(url, prompt)
     assert (torch.tensor(stale) - torch.tensor(before)).abs().max() > 1e-3 or stale_output != output_ids
+
+
+@pytest.mark.parametrize("engine", [["--dtype", "bfloat16"]], ids=["bf16"], indirect=True)
+def test_weights_travel_in_the_engines_dtype(engine):
+    """A bf16 engine gets bf16 tensors (half the bytes of the fp32 master weights), rounded exactly as the engine
+    rounds fp32 tensors itself: the same log-probs, to the bit, as after an fp32 push of the same weights."""
+    checkpoint, url = engine
+    trainer = make_trainer(make_args(checkpoint, "--lr", "3e-2", "--micro-batch-size", "4"))
+    trainer.train(1, make_train_data(8, vocab_size=300, seed=1))
+    num_param_bytes = sum(p.numel() * p.element_size() for p in trainer.model.parameters())
+    prompt = [5, 17, 33, 42]
+    results = {}
+    for mode in ("tensor", "distributed"):
+        for forced in (torch.float32, None):
+            trainer.weight_updater.dtype = forced
+            timings = trainer.update_weights([url], weight_version=f"{mode}-{forced}", mode=mode)
+            assert trainer.weight_updater.push_dtype == (forced or torch.bfloat16)
+            assert timings["bytes"] == num_param_bytes // (1 if forced else 2)
+            results[mode, forced] = _engine_sample(url, prompt)[:2]
+    assert len({repr(result) for result in results.values()}) == 1, results

@@ -296,6 +296,7 @@ def _register_info_routes(app: FastAPI, state: ServerState) -> None:
             "dp_size": 1,
             "version": SERVER_VERSION,
             "weight_version": state.engine.weight_version,
+            "dtype": str(state.engine.model_runner.dtype).removeprefix("torch."),  # resolved, never "auto"
             "internal_states": [
                 {"paused": state.engine_loop.is_paused, "num_in_flight_requests": state.engine_loop.num_in_flight}
             ],
@@ -343,7 +344,8 @@ def build_parser() -> argparse.ArgumentParser:
         flags = ["--" + config_field.name.replace("_", "-")] + SGLANG_ALIASES.get(config_field.name, [])
         kind = str(config_field.type)
         if "bool" in kind:
-            engine_group.add_argument(*flags, dest=config_field.name, action="store_true", default=None)
+            engine_group.add_argument(*flags, dest=config_field.name, action=argparse.BooleanOptionalAction,
+                                      default=None)
         else:
             parse = int if "int" in kind else float if "float" in kind else str
             engine_group.add_argument(*flags, dest=config_field.name, type=parse, default=None)

@@ -19,6 +19,7 @@ SGLANG_FLAG_TO_ENGINE_CONFIG = {
     "sglang_max_prefill_tokens": ("max_num_batched_tokens", int),
     "sglang_page_size": ("kvcache_block_size", int),
     "sglang_disable_cuda_graph": ("enforce_eager", bool),
+    "sglang_disable_overlap_schedule": ("overlap_schedule", "negated bool"),
     "sglang_dtype": ("dtype", str),
     "sglang_num_kvcache_blocks": ("num_kvcache_blocks", int),
 }
@@ -309,8 +310,10 @@ def _parse_sglang_flags(unknown: list[str]) -> tuple[dict, list[str]]:
             known = ", ".join("--" + k.replace("_", "-") for k in SGLANG_FLAG_TO_ENGINE_CONFIG)
             raise ArgumentError(f"{flag} has no meaning for the built-in engine; supported --sglang-* flags: {known}")
         field, kind = SGLANG_FLAG_TO_ENGINE_CONFIG[dest]
+        negate = kind == "negated bool"  # --sglang-disable-X sets X to False
+        kind = bool if negate else kind
         if kind is bool and not inline_value:
-            engine_config[field] = True
+            engine_config[field] = not negate
             i += 1
             continue
         value = inline_value
@@ -320,7 +323,7 @@ def _parse_sglang_flags(unknown: list[str]) -> tuple[dict, list[str]]:
             value = unknown[i + 1]
             i += 1
         try:
-            engine_config[field] = _str2bool(value) if kind is bool else kind(value)
+            engine_config[field] = _str2bool(value) != negate if kind is bool else kind(value)
         except (ValueError, argparse.ArgumentTypeError):
             raise ArgumentError(f"{flag}: expected {kind.__name__}, got {value!r}") from None
         i += 1

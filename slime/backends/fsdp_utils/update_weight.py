@@ -7,6 +7,10 @@ of about --update-weight-buffer-size bytes under their Hugging Face names and se
 - "distributed" mode: a one-time process group with the engines (POST /init_weights_update_group), then per bucket
   POST /update_weights_from_distributed {names, dtypes, shapes} while rank 0 broadcasts the tensors.
 Every bucket but the last sends flush_cache false; the last sends flush_cache true and the weight version.
+
+Tensors travel in the engines' dtype when every engine reports the same one in GET /get_server_info (bf16 engines
+get half the bytes of the fp32 master weights, rounded as the engine would round them itself); otherwise in the
+trainer's.
 """
 
 from __future__ import annotations
@@ -32,11 +36,13 @@ def iter_full_parameters(model: torch.nn.Module, dtype: torch.dtype | None = Non
     for name, param in model.named_parameters():
         local = param.to_local() if isinstance(param, DTensor) else param
         full = param.full_tensor() if isinstance(param, DTensor) else param
-        if full.untyped_storage().data_ptr() == local.untyped_storage().data_ptr():
+        if dtype is not None and dtype != full.dtype:
+            full = full.to(dtype)  # a new tensor
+        elif full.untyped_storage().data_ptr() == local.untyped_storage().data_ptr():
             # One rank: the "gather" aliases the parameter. Sending by handle moves a tensor's storage into shared
             # memory, which must never happen to a parameter's own storage (FSDP resizes it: segfault).
             full = full.clone()
-        yield hf_name(name), full.detach().to(dtype or full.dtype)
+        yield hf_name(name), full.detach()
 
 
 def iter_buckets(named_tensors, bucket_bytes: int) -> Iterator[tuple[list[tuple[str, torch.Tensor]], bool]]:
@@ -66,6 +72,20 @@ def _post(url: str, path: str, payload: dict) -> dict:
     return response.json() if response.content else {}
 
 
+def engines_dtype(urls: list[str]) -> torch.dtype | None:
+    """The floating dtype every engine reports in /get_server_info ("dtype"), or None when they differ, one does
+    not say, or says "auto" (real SGLang reports its --dtype flag)."""
+    import httpx
+
+    names = set()
+    for url in urls:
+        response = httpx.get(url.rstrip("/") + "/get_server_info", timeout=HTTP_TIMEOUT_S)
+        names.add(response.json().get("dtype") if response.status_code == 200 else None)
+    (name,) = names if len(names) == 1 else (None,)
+    dtype = getattr(torch, name, None) if isinstance(name, str) else None
+    return dtype if isinstance(dtype, torch.dtype) and dtype.is_floating_point else None
+
+
 def _post_all(urls: list[str], path: str, payload_for_url) -> list:
     with ThreadPoolExecutor(max_workers=max(1, len(urls))) as pool:
         return list(pool.map(lambda url: _post(url, path, payload_for_url(url)), urls))
@@ -77,6 +97,7 @@ class WeightUpdater:
     def __init__(self, model: torch.nn.Module, rank: int, bucket_bytes: int, dtype: torch.dtype | None,
                  master_address: str = "127.0.0.1"):
         self.model, self.rank, self.bucket_bytes, self.dtype = model, rank, bucket_bytes, dtype
+        self.engines_dtype: torch.dtype | None = None  # what the connected engines report; None: unknown
         self.master_address = master_address
         self.engine_urls: list[str] = []
         self.mode = "tensor"
@@ -90,6 +111,8 @@ class WeightUpdater:
             dist.destroy_process_group(self.group)
             self.group = None
         self.engine_urls, self.mode = list(engine_urls), mode
+        if self.rank == 0:
+            self.engines_dtype = engines_dtype(self.engine_urls)
         if mode == "distributed" and self.rank == 0:
             # The group's backend follows where the trainer's weights live, not whether the host has a GPU.
             on_gpu = next(self.model.parameters()).device.type == "cuda"
@@ -110,11 +133,16 @@ class WeightUpdater:
                                                    WEIGHT_GROUP_NAME)
             requests.result()
 
+    @property
+    def push_dtype(self) -> torch.dtype | None:
+        """The dtype tensors travel in: the one asked for, else the engines', else (None) the parameters' own."""
+        return self.dtype or self.engines_dtype
+
     def update(self, weight_version) -> dict:
         """Send every parameter; returns {"seconds", "bytes", "num_buckets"}."""
         start = time.perf_counter()
         num_bytes, num_buckets = 0, 0
-        params = iter_full_parameters(self.model, self.dtype)
+        params = iter_full_parameters(self.model, self.push_dtype)
         for bucket, is_last in iter_buckets(params, self.bucket_bytes):
             num_buckets += 1
             num_bytes += sum(t.numel() * t.element_size() for _, t in bucket)
