@@ -103,7 +103,7 @@ def parse_args(argv=None):
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--overlap-schedule", action=argparse.BooleanOptionalAction, default=None,
                         help="the engine's overlapped scheduling (next decode step launched before the last one's "
-                             "tokens reach the host); default: the engine's (on for CUDA, off on CPU)")
+                             "tokens reach the host); default: the engine's (off)")
     parser.add_argument("--skip-hf", action="store_true", help="measure the engine only (no ratio) on every workload")
     parser.add_argument("--hf-workloads", default="w1",
                         help="comma-separated workloads on which HF generate is measured too (default w1)")
@@ -224,7 +224,7 @@ def bench_engine(model_path: Path, workload: Workload, args, measure_weights_and
         "num_prompt_tokens": sum(o.num_prompt_tokens for o in finished),
         "num_cached_prompt_tokens": sum(o.num_cached_tokens for o in finished),
         "block_size": runner.block_size,
-        "overlap_schedule": engine.overlap_schedule,
+        "overlap_schedule": engine.config.overlap_schedule,
     }
     if measure_weights_and_memory:
         result.update(bench_weight_update(engine, model_path, args.device))

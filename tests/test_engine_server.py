@@ -353,5 +353,5 @@ def test_cli_maps_engine_flags_and_sglang_aliases():
     )
     assert (args.max_num_seqs, args.max_model_len, args.enforce_eager, args.dtype) == (8, 512, True, "float32")
     assert (args.gpu_memory_utilization, args.port, args.host, args.seed) == (0.5, 1234, "127.0.0.1", None)
-    assert args.overlap_schedule is None  # the engine decides: on for CUDA, off on CPU
+    assert args.overlap_schedule is None  # not given: the engine's default
     assert build_parser().parse_args(["--model-path", "m", "--no-overlap-schedule"]).overlap_schedule is False

@@ -45,8 +45,6 @@ class Engine:
         self.tokenizer = AutoTokenizer.from_pretrained(self.config.model)
         self.eos_token_ids = self._eos_token_ids()
         self.model_runner = ModelRunner(self.config, self.model_config, self.eos_token_ids)
-        self.overlap_schedule = (self.config.overlap_schedule if self.config.overlap_schedule is not None
-                                 else self.model_runner.device.type == "cuda")
         max_model_len = self.config.max_model_len or self.model_config.max_position_embeddings
         if max_model_len > self.model_config.max_position_embeddings:
             raise ValueError(
@@ -139,7 +137,7 @@ class Engine:
         if self.scheduler.has_unfinished():
             self._check_resident("generate")
         outputs, self.pending_outputs = self.pending_outputs, []
-        if self.overlap_schedule:
+        if self.config.overlap_schedule:
             return outputs + self._overlapped_step()
         if not self.scheduler.has_unfinished():
             return outputs
