@@ -181,7 +181,7 @@ def bench_engine(model_path: Path, workload: Workload, args, measure_weights_and
         max_model_len=max(map(len, workload.prompts)) + max(workload.max_new_tokens) + 16,
         max_num_seqs=len(workload.prompts),
         seed=args.seed,
-        overlap_schedule=args.overlap_schedule,
+        **({} if args.overlap_schedule is None else {"overlap_schedule": args.overlap_schedule}),
     )
     init_seconds = time.perf_counter() - started
     # Warm-up: on CUDA the first decode step captures every CUDA graph; then forget the warm-up's prefixes.
