@@ -34,7 +34,8 @@ class Config:
     overlap_schedule: in steady decode, launch step N+1 (its input tokens read on the device from step N's
         samples) before waiting for step N's tokens, so the host's bookkeeping runs while the device computes.
         Same tokens as without it; a request that stops at step N has its step N+1 token dropped. Off by default:
-        on the H200 it has measured from 34% slower to 19% faster than the plain loop (benchmarks/RESULTS.md).
+        against the plain loop in the same run on an H200 it has measured from 34% slower to 7% faster
+        (benchmarks/RESULTS.md).
     """
 
     model: str
