@@ -20,6 +20,7 @@ run_step() {
     bench_engine) python3 benchmarks/bench_engine.py --preset qwen3-0.6b ;;
     engine_all) python3 benchmarks/bench_engine.py --preset qwen3-0.6b --workload all ;;
     engine_w1_plain) python3 benchmarks/bench_engine.py --preset qwen3-0.6b --skip-hf --no-overlap-schedule ;;
+    engine_w1_overlap) python3 benchmarks/bench_engine.py --preset qwen3-0.6b --overlap-schedule ;;
     bench_train) python3 benchmarks/bench_train.py ;;
     bench_train_profile) python3 benchmarks/bench_train.py --profile --skip-baseline --num-iters 2 ;;
     trainer_gpu_tests) python3 -m pytest -q tests/test_fsdp_gpu.py ;;
