@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import gc
 import json
 import platform
 import random
@@ -49,7 +48,6 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -61,6 +59,13 @@ from benchmarks.engine_checkpoints import (  # noqa: E402
     TINY_SHAPE,
     build_checkpoint,
     make_prompts,
+)
+from benchmarks.engine_host_step import bench_host_step  # noqa: E402
+from benchmarks.engine_weights_memory import (  # noqa: E402
+    bench_release_resume,
+    bench_weight_update,
+    free_device_memory,
+    synchronize,
 )
 
 PEAK_BANDWIDTH_TB_S = 4.25  # H200 HBM3e
@@ -158,17 +163,6 @@ def make_workload(name: str, args) -> Workload:
 
 # ---- measurements -----------------------------------------------------------------------------------------------
 
-def synchronize(device: str) -> None:
-    if device == "cuda":
-        torch.cuda.synchronize()
-
-
-def free_device_memory(device: str) -> None:
-    gc.collect()
-    if device == "cuda":
-        torch.cuda.empty_cache()
-
-
 def bench_engine(model_path: Path, workload: Workload, args, measure_weights_and_memory: bool) -> dict:
     from slime.engine.engine import Engine
     from slime.engine.sampling_params import SamplingParams
@@ -228,61 +222,10 @@ def bench_engine(model_path: Path, workload: Workload, args, measure_weights_and
     }
     if measure_weights_and_memory:
         result.update(bench_weight_update(engine, model_path, args.device))
-        result.update(bench_release_resume(engine, workload, args.device))
+        result.update(bench_release_resume(engine, workload.prompts, args.device))
     del engine, finished
     free_device_memory(args.device)
     return result
-
-
-def bench_weight_update(engine, model_path: Path, device: str) -> dict:
-    """`update_weights_from_tensors` with the full state dict, from tensors already on the engine's device (what
-    a colocated trainer hands over by CUDA IPC)."""
-    from slime.engine.models.weight_loader import iterate_checkpoint
-
-    named_tensors = [(name, tensor.to(device)) for name, tensor in iterate_checkpoint(model_path)]
-    synchronize(device)
-    started = time.perf_counter()
-    engine.update_weights_from_tensors(named_tensors, weight_version="bench")
-    synchronize(device)
-    seconds = time.perf_counter() - started
-    num_bytes = sum(tensor.numel() * tensor.element_size() for _, tensor in named_tensors)
-    del named_tensors
-    free_device_memory(device)
-    return {"weight_update_seconds": seconds, "weight_update_bytes": num_bytes}
-
-
-def bench_release_resume(engine, workload: Workload, device: str) -> dict:
-    """Time of release_memory / resume_memory (all tags) and the device bytes they free, then a short generate to
-    show the engine works again."""
-    from slime.engine.sampling_params import SamplingParams
-
-    def memory() -> tuple[int | None, int | None]:
-        if device != "cuda":
-            return None, None
-        return torch.cuda.memory_allocated(), torch.cuda.mem_get_info()[0]
-
-    synchronize(device)
-    allocated_before, free_before = memory()
-    started = time.perf_counter()
-    engine.release_memory()
-    synchronize(device)
-    release_seconds = time.perf_counter() - started
-    allocated_released, free_released = memory()
-    started = time.perf_counter()
-    engine.resume_memory()
-    synchronize(device)
-    resume_seconds = time.perf_counter() - started
-    allocated_resumed, _ = memory()
-    check = engine.generate(workload.prompts[:1], SamplingParams(temperature=0.0, max_new_tokens=2, ignore_eos=True))
-    assert len(check[0]["output_ids"]) == 2, "the engine did not generate after resume_memory"
-    on_cuda = device == "cuda"
-    return {
-        "release_seconds": release_seconds,
-        "resume_seconds": resume_seconds,
-        "released_allocated_bytes": allocated_before - allocated_released if on_cuda else None,
-        "released_device_free_bytes": free_released - free_before if on_cuda else None,
-        "resumed_allocated_bytes": allocated_resumed - allocated_released if on_cuda else None,
-    }
 
 
 def bench_hf(model_path: Path, workload: Workload, args) -> dict:
@@ -314,62 +257,6 @@ def bench_hf(model_path: Path, workload: Workload, args) -> dict:
     del model
     free_device_memory(args.device)
     return {"seconds": elapsed, "num_output_tokens": sum(workload.max_new_tokens)}
-
-
-def bench_host_step(seed: int, num_seqs: int = 256, input_len: int = 256, output_len: int = 512) -> dict:
-    """Host-side ms per decode step: the engine steps 256 sequences on a tiny CPU model whose decode forward (the
-    CUDA-graph path, faked) and sampler return at once, so what is timed is scheduling, input preparation, output
-    bookkeeping and stop checks."""
-    import slime.engine.model_runner as model_runner_module
-    from slime.engine.engine import Engine
-    from slime.engine.sampling_params import SamplingParams
-
-    class InstantDecodeGraphs:
-        def __init__(self, model, max_num_seqs, *_):
-            self.max_batch_size = max_num_seqs
-            self.hidden = torch.zeros(max_num_seqs, model.config.hidden_size)
-
-        def run(self, token_inputs, block_tables, input_tokens=None):
-            return self.hidden[: block_tables.shape[0]]
-
-    generator = torch.Generator().manual_seed(seed)
-
-    def instant_sample(logits, batch):
-        return torch.randint(3, TINY_SHAPE["vocab_size"], (logits.shape[0],), generator=generator), logits[:, 0]
-
-    saved = model_runner_module.DecodeGraphs, model_runner_module.sample
-    model_runner_module.DecodeGraphs, model_runner_module.sample = InstantDecodeGraphs, instant_sample
-    try:
-        with tempfile.TemporaryDirectory(prefix="bench_engine_host_") as tmp:
-            path = build_checkpoint(Path(tmp) / "model", TINY_SHAPE, torch.float32, "cpu", seed)
-            engine = Engine(str(path), device="cpu", max_num_seqs=num_seqs, max_model_len=input_len + output_len + 16,
-                            seed=seed)
-            engine.model_runner.use_cuda_graphs = True
-            engine.model_runner.model.compute_logits = lambda hidden: hidden[:, :8].float()
-            params = SamplingParams(temperature=1.0, max_new_tokens=output_len, ignore_eos=True)
-            for prompt in make_prompts(num_seqs, input_len, TINY_SHAPE["vocab_size"], seed):
-                engine.add_request(prompt, params)
-            step_seconds = []
-            while engine.has_unfinished_requests():
-                is_decode = not engine.scheduler.waiting and all(
-                    seq.num_computed_tokens == len(seq) - 1 for seq in engine.scheduler.running
-                )
-                started = time.perf_counter()
-                engine.step()
-                if is_decode:
-                    step_seconds.append(time.perf_counter() - started)
-    finally:
-        model_runner_module.DecodeGraphs, model_runner_module.sample = saved
-    step_ms = np.array(step_seconds) * 1e3
-    return {
-        "benchmark": "engine_host_step",
-        "num_seqs": num_seqs, "input_len": input_len, "output_len": output_len,
-        "num_decode_steps": len(step_ms),
-        "host_ms_per_step_mean": round(float(step_ms.mean()), 3),
-        "host_ms_per_step_median": round(float(np.median(step_ms)), 3),
-        "host_ms_per_step_first_64": round(float(step_ms[:64].mean()), 3),
-        "host_ms_per_step_last_64": round(float(step_ms[-64:].mean()), 3),
-    }
 
 
 # ---- report -----------------------------------------------------------------------------------------------------

@@ -11,6 +11,8 @@ On the CPU there is nothing to stage: arrays become tensors that share their mem
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import torch
 
@@ -53,5 +55,6 @@ class HostStaging:
         self.events[slot] = event
 
 
+@functools.cache  # called for every copy of every step
 def _torch_dtype(dtype: np.dtype) -> torch.dtype:
     return torch.from_numpy(np.empty(0, dtype=dtype)).dtype

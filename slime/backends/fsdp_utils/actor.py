@@ -39,9 +39,9 @@ from slime.backends.fsdp_utils.data import (
 from slime.backends.fsdp_utils.loss import LossReducer, MicroBatchTensors, aggregation_mode, get_loss_function
 from slime.backends.fsdp_utils.model import (
     WeightSnapshot,
+    attention_implementation,
     build_policy_model,
     load_full_weights,
-    attention_implementation,
     load_hf_model,
     read_hf_weights,
 )

@@ -1,0 +1,71 @@
+"""The engine's host-side time per decode step (`bench_engine.py --workload host`): 256 sequences on a tiny CPU
+model whose decode forward and sampler are replaced by trivial functions, so each step's time is scheduling, input
+preparation, output bookkeeping and stop checks. Measures no device work.
+"""
+
+from __future__ import annotations
+
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from benchmarks.engine_checkpoints import TINY_SHAPE, build_checkpoint, make_prompts
+
+
+def bench_host_step(seed: int, num_seqs: int = 256, input_len: int = 256, output_len: int = 512) -> dict:
+    """Host-side ms per decode step: the engine steps 256 sequences on a tiny CPU model whose decode forward (the
+    CUDA-graph path, faked) and sampler return at once, so what is timed is scheduling, input preparation, output
+    bookkeeping and stop checks."""
+    import slime.engine.model_runner as model_runner_module
+    from slime.engine.engine import Engine
+    from slime.engine.sampling_params import SamplingParams
+
+    class InstantDecodeGraphs:
+        def __init__(self, model, max_num_seqs, *_):
+            self.max_batch_size = max_num_seqs
+            self.hidden = torch.zeros(max_num_seqs, model.config.hidden_size)
+
+        def run(self, token_inputs, block_tables, input_tokens=None):
+            return self.hidden[: block_tables.shape[0]]
+
+    generator = torch.Generator().manual_seed(seed)
+
+    def instant_sample(logits, batch):
+        return torch.randint(3, TINY_SHAPE["vocab_size"], (logits.shape[0],), generator=generator), logits[:, 0]
+
+    saved = model_runner_module.DecodeGraphs, model_runner_module.sample
+    model_runner_module.DecodeGraphs, model_runner_module.sample = InstantDecodeGraphs, instant_sample
+    try:
+        with tempfile.TemporaryDirectory(prefix="bench_engine_host_") as tmp:
+            path = build_checkpoint(Path(tmp) / "model", TINY_SHAPE, torch.float32, "cpu", seed)
+            engine = Engine(str(path), device="cpu", max_num_seqs=num_seqs, max_model_len=input_len + output_len + 16,
+                            seed=seed)
+            engine.model_runner.use_cuda_graphs = True
+            engine.model_runner.model.compute_logits = lambda hidden: hidden[:, :8].float()
+            params = SamplingParams(temperature=1.0, max_new_tokens=output_len, ignore_eos=True)
+            for prompt in make_prompts(num_seqs, input_len, TINY_SHAPE["vocab_size"], seed):
+                engine.add_request(prompt, params)
+            step_seconds = []
+            while engine.has_unfinished_requests():
+                is_decode = not engine.scheduler.waiting and all(
+                    seq.num_computed_tokens == len(seq) - 1 for seq in engine.scheduler.running
+                )
+                started = time.perf_counter()
+                engine.step()
+                if is_decode:
+                    step_seconds.append(time.perf_counter() - started)
+    finally:
+        model_runner_module.DecodeGraphs, model_runner_module.sample = saved
+    step_ms = np.array(step_seconds) * 1e3
+    return {
+        "benchmark": "engine_host_step",
+        "num_seqs": num_seqs, "input_len": input_len, "output_len": output_len,
+        "num_decode_steps": len(step_ms),
+        "host_ms_per_step_mean": round(float(step_ms.mean()), 3),
+        "host_ms_per_step_median": round(float(np.median(step_ms)), 3),
+        "host_ms_per_step_first_64": round(float(step_ms[:64].mean()), 3),
+        "host_ms_per_step_last_64": round(float(step_ms[-64:].mean()), 3),
+    }
