@@ -103,10 +103,16 @@ def run_slime(checkpoint, tokens, response_lengths, rewards, opts):
     torch.cuda.synchronize()
     log_prob_seconds = (time.perf_counter() - start) / opts.num_iters
     if opts.profile:
+        from benchmarks.gpu_trace import busy_microseconds
+
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            started = time.perf_counter()
             trainer.train(0, data)
             torch.cuda.synchronize()
-        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=30))
+            wall = time.perf_counter() - started
+        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=40))
+        busy_us, num_events = busy_microseconds(prof)
+        print(f"profiled train step: {wall:.3f} s wall, GPU busy {busy_us / 1e6:.3f} s ({num_events} kernels/copies)")
     torch.cuda.reset_peak_memory_stats()
     start = time.perf_counter()
     for rollout_id in range(opts.num_iters):
@@ -114,6 +120,8 @@ def run_slime(checkpoint, tokens, response_lengths, rewards, opts):
     torch.cuda.synchronize()
     seconds = (time.perf_counter() - start) / opts.num_iters
     num_params = sum(p.numel() for p in trainer.model.parameters())
+    retries = torch.cuda.memory_stats().get("num_alloc_retries", 0)
+    print(f"slime: allocator retries (cache flushed to satisfy a cudaMalloc) so far: {retries}")
     return seconds, log_prob_seconds, torch.cuda.max_memory_allocated(), num_params
 
 

@@ -1,10 +1,13 @@
-"""Where a decode step's time goes: the engine on W1 (Qwen3-0.6B shape, 256 x 256 in, --output-len out), each
-`Engine.step` split into schedule / model run (forward + sampling + the one host sync) / postprocess / the rest
-(outputs, stop rules), then a torch profiler table of the GPU kernels of 8 decode steps.
+"""Where a decode step's time goes: the engine on W1 (Qwen3-0.6B shape, 256 x 256 in, --output-len out), once with
+the plain step loop and once with overlapped scheduling. For each: prefill time, decode wall time per step, and,
+from a torch profiler trace of 16 decode steps, the GPU's busy time per step (the union of its kernels' intervals)
+and so how long the GPU sat idle waiting for the host. Then the kernels of the plain loop's steps by GPU time, and
+the plain loop's `Engine.step` split into schedule / model run (forward + sampling + the one host sync) /
+postprocess / the rest (outputs, stop rules), timed with GPU synchronisation.
 
-    python benchmarks/profile_engine.py [--output-len 64] [--num-prompts 256]
+    python benchmarks/profile_engine.py [--output-len 96] [--num-prompts 256]
 
-A diagnosis tool, not a benchmark: the timers synchronise the GPU, so steps run slower than in bench_engine.py.
+A diagnosis tool, not a benchmark: the profiler and the timers slow the host down.
 """
 
 from __future__ import annotations
@@ -21,6 +24,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.engine_checkpoints import QWEN3_06B_SHAPE, build_checkpoint, make_prompts  # noqa: E402
+from benchmarks.gpu_trace import busy_microseconds  # noqa: E402
+
+PROFILED_STEPS = 16
+UNPROFILED_STEPS = 32
 
 
 def timed(owner, name: str, totals: dict, synchronize: bool) -> None:
@@ -38,49 +45,78 @@ def timed(owner, name: str, totals: dict, synchronize: bool) -> None:
     setattr(owner, name, wrapper)
 
 
+def profile_mode(model_path: str, prompts, args, overlap: bool) -> dict:
+    from slime.engine.engine import Engine
+    from slime.engine.sampling_params import SamplingParams
+
+    engine = Engine(model_path, device="cuda", dtype="bfloat16", max_num_seqs=args.num_prompts,
+                    max_model_len=args.input_len + args.output_len + 16, overlap_schedule=overlap)
+    params = SamplingParams(temperature=1.0, max_new_tokens=args.output_len, ignore_eos=True)
+    engine.generate(prompts[:4], SamplingParams(temperature=1.0, max_new_tokens=4, ignore_eos=True))
+    for prompt in prompts:
+        engine.add_request(prompt, params)
+    torch.cuda.synchronize()
+    started = time.perf_counter()
+    while any(seq.num_completion_tokens == 0 for seq in engine.requests.values()):
+        engine.step()
+    torch.cuda.synchronize()
+    prefill_seconds = time.perf_counter() - started
+    for _ in range(4):
+        engine.step()
+    torch.cuda.synchronize()
+    started = time.perf_counter()
+    for _ in range(UNPROFILED_STEPS):
+        engine.step()
+    torch.cuda.synchronize()
+    step_ms = 1000 * (time.perf_counter() - started) / UNPROFILED_STEPS
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        started = time.perf_counter()
+        for _ in range(PROFILED_STEPS):
+            engine.step()
+        torch.cuda.synchronize()
+        profiled_ms = 1000 * (time.perf_counter() - started) / PROFILED_STEPS
+    busy_us, num_kernels = busy_microseconds(prof)
+    totals: dict[str, float] = defaultdict(float)
+    if not overlap:
+        timed(engine.scheduler, "schedule", totals, False)
+        timed(engine.model_runner, "run", totals, True)
+        timed(engine.scheduler, "postprocess", totals, False)
+    num_steps, started = 0, time.perf_counter()
+    while engine.has_unfinished_requests():
+        engine.step()
+        num_steps += 1
+    torch.cuda.synchronize()
+    elapsed = time.perf_counter() - started
+    return dict(prof=prof, prefill_s=prefill_seconds, profiled_ms=profiled_ms, busy_ms=busy_us / 1000 / PROFILED_STEPS,
+                kernels=num_kernels / PROFILED_STEPS, step_ms=step_ms, totals=totals,
+                num_steps=num_steps, elapsed=elapsed)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--num-prompts", type=int, default=256)
     parser.add_argument("--input-len", type=int, default=256)
-    parser.add_argument("--output-len", type=int, default=64)
+    parser.add_argument("--output-len", type=int, default=96)
     args = parser.parse_args()
-    from slime.engine.engine import Engine
-    from slime.engine.sampling_params import SamplingParams
-
     with tempfile.TemporaryDirectory(prefix="profile_engine_") as tmp:
-        model_path = build_checkpoint(Path(tmp) / "model", QWEN3_06B_SHAPE, torch.bfloat16, "cuda", 0)
+        model_path = str(build_checkpoint(Path(tmp) / "model", QWEN3_06B_SHAPE, torch.bfloat16, "cuda", 0))
         prompts = make_prompts(args.num_prompts, args.input_len, 151936, 0)
-        engine = Engine(str(model_path), device="cuda", dtype="bfloat16", max_num_seqs=args.num_prompts,
-                        max_model_len=args.input_len + args.output_len + 16)
-        params = SamplingParams(temperature=1.0, max_new_tokens=args.output_len, ignore_eos=True)
-        engine.generate(prompts[:4], SamplingParams(temperature=1.0, max_new_tokens=4, ignore_eos=True))
-        for prompt in prompts:
-            engine.add_request(prompt, params)
-        while any(seq.num_completion_tokens == 0 for seq in engine.requests.values()):  # prefill, untimed
-            engine.step()
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-            for _ in range(8):
-                engine.step()
-            torch.cuda.synchronize()
-        events = prof.key_averages()
-        print(events.table(sort_by="cuda_time_total", row_limit=25))
-        gpu_ms = sum(e.device_time_total for e in events) / 1000 / 8
-        print(f"kernels per decode step: {sum(e.count for e in events) / 8:.0f}; GPU busy per step: {gpu_ms:.2f} ms")
-        totals: dict[str, float] = defaultdict(float)
-        timed(engine.scheduler, "schedule", totals, False)
-        timed(engine.model_runner, "run", totals, True)
-        timed(engine.scheduler, "postprocess", totals, False)
-        num_steps, started = 0, time.perf_counter()
-        while engine.has_unfinished_requests():
-            engine.step()
-            num_steps += 1
-        elapsed = time.perf_counter() - started
-    step_ms = 1000 * elapsed / max(num_steps, 1)
-    print(f"decode steps timed: {num_steps}, batch {args.num_prompts}, {step_ms:.2f} ms per step")
-    for name, total in totals.items():
-        print(f"  {name:12s} {1000 * total / max(num_steps, 1):7.2f} ms/step")
-    rest = elapsed - sum(totals.values())
-    print(f"  {'rest':12s} {1000 * rest / max(num_steps, 1):7.2f} ms/step (outputs, stop rules, bookkeeping)")
+        results = {mode: profile_mode(model_path, prompts, args, mode == "overlap") for mode in ("plain", "overlap")}
+    events = results["plain"]["prof"].key_averages()
+    print(events.table(sort_by="cuda_time_total", row_limit=30))
+    plain = results["plain"]
+    print(f"plain loop, timed with synchronisation ({plain['num_steps']} steps, batch {args.num_prompts}):")
+    for name, total in plain["totals"].items():
+        print(f"  {name:12s} {1000 * total / max(plain['num_steps'], 1):7.2f} ms/step")
+    rest = plain["elapsed"] - sum(plain["totals"].values())
+    print(f"  {'rest':12s} {1000 * rest / max(plain['num_steps'], 1):7.2f} ms/step (outputs, stop rules, bookkeeping)")
+    print("\n| loop | prefill s | decode ms/step (unprofiled) | profiled ms/step | GPU busy ms/step | GPU idle | "
+          "kernels/step |")
+    print("|---|---|---|---|---|---|---|")
+    for mode, r in results.items():
+        idle = 1 - r["busy_ms"] / r["profiled_ms"]
+        print(f"| {mode} | {r['prefill_s']:.3f} | {r['step_ms']:.2f} | {r['profiled_ms']:.2f} | {r['busy_ms']:.2f} | "
+              f"{idle:.0%} | {r['kernels']:.0f} |")
 
 
 if __name__ == "__main__":

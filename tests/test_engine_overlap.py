@@ -86,6 +86,28 @@ def test_overlap_on_cuda_graphs_gives_the_same_tokens(path):
     assert Engine(path, **cuda).model_runner.use_cuda_graphs
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_collecting_a_step_does_not_wait_for_work_queued_after_it(path):
+    """The results' host copy is queued at launch: collecting step N must not wait for step N+1's kernels, or the
+    overlapped loop would serialise host and GPU again (stand-in for step N+1: a second of GPU sleep)."""
+    engine = Engine(path, device="cuda", dtype="float32", num_kvcache_blocks=256)
+    prompts, params = requests(4)
+    for prompt, p in zip(prompts, params):
+        engine.add_request(prompt, p)
+    runner = engine.model_runner
+    for _ in range(2):  # the prefill step, then a decode step on CUDA graphs
+        scheduled = engine.scheduler.schedule()
+        launched = runner.launch(scheduled)
+        torch.cuda._sleep(2_000_000_000)
+        token_ids, log_probs = runner.collect(launched)
+        assert not torch.cuda.current_stream().query(), "collect waited for GPU work queued after its step"
+        assert token_ids == launched.tokens.tolist() and len(log_probs) == len(scheduled)
+        assert all(lp <= 0 for lp in log_probs)
+        engine.scheduler.postprocess(scheduled, token_ids, log_probs)
+        torch.cuda.synchronize()
+
+
 def test_overlap_under_preemption_and_tiny_blocks(path):
     prompts, params = requests()
     kv = dict(kvcache_block_size=4, num_kvcache_blocks=14)  # too few blocks: look-ahead must back off

@@ -64,7 +64,7 @@ class Engine:
         self.rng = random.Random(self.config.seed)
         self.requests: dict[str, Sequence] = {}
         self.pending_outputs: list[RequestOutput] = []
-        self.in_flight = None  # overlapped scheduling: (scheduled batch, its launched device tensors)
+        self.in_flight = None  # overlapped scheduling: (scheduled batch, its LaunchedStep)
         self.released_tags: set[str] = set()
         self.weight_version = "0"
         self.num_weight_updates = 0
@@ -154,9 +154,8 @@ class Engine:
             scheduled, launched = in_flight
             ahead = self.scheduler.look_ahead(scheduled) if launched is not None else None
             if ahead:
-                sampled_tokens = launched[0]
                 source_rows = [row for row, item in enumerate(scheduled) if item.seq.has_placeholder]
-                input_tokens = sampled_tokens[self.model_runner.staging.to_device(np.array(source_rows))]
+                input_tokens = launched.tokens[self.model_runner.staging.to_device(np.array(source_rows))]
                 self.in_flight = (ahead, self.model_runner.launch(ahead, input_tokens))
             outputs = self._complete(scheduled, launched)
         if self.in_flight is None and self.scheduler.has_unfinished():

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 import os
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -25,6 +26,20 @@ from slime.engine.sampler import SamplingBatch, sample
 from slime.engine.scheduler import ScheduledSequence
 
 CPU_KV_CACHE_RAM_FRACTION = 0.25
+
+
+@dataclass
+class LaunchedStep:
+    """A step queued on the device. `tokens` [n] stays on the device (overlapped scheduling feeds the next step's
+    inputs from it); `results` [2, n] float64 (token ids, log-probs) is the host copy, queued right behind the
+    sampler, and `ready` the event that marks it complete (None on the CPU, where the copy is the result).
+
+    The copy is queued at launch, not when the host asks for the results: queued later, it would sit behind the
+    next step's kernels, and waiting for step N would mean waiting for step N+1 too."""
+
+    tokens: torch.Tensor
+    results: torch.Tensor
+    ready: torch.cuda.Event | None
 
 
 def resolve_device(device: str) -> torch.device:
@@ -158,8 +173,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def launch(self, scheduled: list[ScheduledSequence], input_tokens: torch.Tensor | None = None):
-        """Queue the batch's forward and sampling on the device without waiting: returns the (token ids,
-        log-probs) device tensors of the rows that sample, or None if none does. `input_tokens` ([len(scheduled)],
+        """Queue the batch's forward, sampling and the copy of the results to the host without waiting: returns the
+        LaunchedStep of the rows that sample, or None if none does. `input_tokens` ([len(scheduled)],
         on the device) replaces the input token of every row of a decode batch: tokens sampled by the previous
         step that the host has not seen yet (overlapped scheduling)."""
         sample_rows = [row for row, item in enumerate(scheduled) if item.needs_sample]
@@ -177,15 +192,24 @@ class ModelRunner:
             hidden = self.model(input_ids, positions, meta)[logits_indices]
         if not sample_rows:
             return None
-        return sample(self.model.compute_logits(hidden), sampling)
+        tokens, log_probs = sample(self.model.compute_logits(hidden), sampling)
+        results = torch.stack([tokens.double(), log_probs.double()])  # token ids are exact in float64
+        if self.device.type != "cuda":
+            return LaunchedStep(tokens, results, None)
+        host = torch.empty(results.shape, dtype=results.dtype, pin_memory=True)
+        host.copy_(results, non_blocking=True)
+        ready = torch.cuda.Event()
+        ready.record()
+        return LaunchedStep(tokens, host, ready)
 
     @staticmethod
-    def collect(launched) -> tuple[list[int], list[float]]:
+    def collect(launched: LaunchedStep | None) -> tuple[list[int], list[float]]:
         """Wait for a launched step: its sampled token ids and log-probs as Python lists (the one host sync)."""
         if launched is None:
             return [], []
-        tokens, log_probs = launched
-        token_ids, token_log_probs = torch.stack([tokens.double(), log_probs.double()]).tolist()
+        if launched.ready is not None:
+            launched.ready.synchronize()
+        token_ids, token_log_probs = launched.results.tolist()
         return [int(token_id) for token_id in token_ids], token_log_probs
 
     @torch.inference_mode()

@@ -1,0 +1,21 @@
+"""Reading torch profiler traces: how long the GPU was busy (the union of its kernels' and copies' intervals), to
+set against the wall time of the traced region; the difference is time the GPU waited for the host."""
+
+from __future__ import annotations
+
+import torch
+
+
+def busy_microseconds(prof) -> tuple[float, int]:
+    """(GPU busy time in us, number of device events) of a finished `torch.profiler.profile`."""
+    intervals = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
+                       if e.device_type == torch.autograd.DeviceType.CUDA)
+    busy, current_start, current_end = 0.0, None, None
+    for start, end in intervals:
+        if current_end is None or start > current_end:
+            busy += 0 if current_end is None else current_end - current_start
+            current_start, current_end = start, end
+        else:
+            current_end = max(current_end, end)
+    busy += 0 if current_end is None else current_end - current_start
+    return busy, len(intervals)
