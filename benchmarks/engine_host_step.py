@@ -44,7 +44,7 @@ def bench_host_step(seed: int, num_seqs: int = 256, input_len: int = 256, output
             engine = Engine(str(path), device="cpu", max_num_seqs=num_seqs, max_model_len=input_len + output_len + 16,
                             seed=seed)
             engine.model_runner.use_cuda_graphs = True
-            engine.model_runner.model.compute_logits = lambda hidden: hidden[:, :8].float()
+            engine.model_runner.model.compute_logits = lambda hidden, upcast=True: hidden[:, :8].float()
             params = SamplingParams(temperature=1.0, max_new_tokens=output_len, ignore_eos=True)
             for prompt in make_prompts(num_seqs, input_len, TINY_SHAPE["vocab_size"], seed):
                 engine.add_request(prompt, params)

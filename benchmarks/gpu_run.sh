@@ -41,6 +41,7 @@ run_step() {
     train_4b_c_es) PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True python3 benchmarks/bench_train.py --model-shape qwen3-4b --compile-model --micro-batch-size 2 ;;
     train_4b_c_8k) PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True python3 benchmarks/bench_train.py --model-shape qwen3-4b --compile-model --micro-batch-size 2 --max-tokens-per-gpu 8192 ;;
     overlap_tests) python3 -m pytest -q -m gpu tests/test_engine_overlap.py tests/test_host_staging.py tests/test_engine_cuda.py ;;
+    engine_gpu_tests) python3 -m pytest -q tests/test_engine_triton.py tests/test_engine_overlap.py tests/test_host_staging.py tests/test_engine_cuda.py tests/test_engine_server_gpu.py ;;
     train_06b_32k_rc) python3 benchmarks/bench_train.py --model-shape qwen3-0.6b --max-tokens-per-gpu 32768 --recompute-activations --compile-model --skip-baseline ;;
     grpo_smoke) grpo colocated ;;
     grpo_compiled) grpo colocated --train-args=--compile-model ;;

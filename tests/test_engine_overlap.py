@@ -171,6 +171,10 @@ def test_weights_pushed_mid_run_apply_to_later_steps(path):
     assert [o["output_ids"] for o in untouched.generate(prompts, greedy)] != tokens[False]
 
 
-def test_overlap_flag_is_validated(path):
+def test_overlap_flag_is_validated_and_defaults_by_device(path):
     with pytest.raises(ValueError, match="overlap_schedule must be a bool"):
         Engine(path, device="cpu", overlap_schedule="yes")
+    assert Engine(path, device="cpu").config.overlap_schedule is False  # the forward runs on the host thread
+    assert Engine(path, device="cpu", overlap_schedule=True).config.overlap_schedule is True
+    if torch.cuda.is_available():
+        assert Engine(path, device="cuda", num_kvcache_blocks=64).config.overlap_schedule is True

@@ -1,5 +1,6 @@
 """Triton kernels of the engine against independent torch references: paged attention (decode tokens, prefill
-chunks over a cached prefix, grouped-query heads, padded rows) and the fused Gumbel-max sampler.
+chunks over a cached prefix, grouped-query heads, padded rows) and the fused sampler
+(Gumbel-max draw and log-probs in one pass).
 
 Without a GPU the kernels run in Triton's interpreter (TRITON_INTERPRET=1, set before triton is imported) on small
 fp32 shapes; skipped when triton is not installed. With CUDA they run compiled, fp32 and bf16."""
@@ -16,10 +17,10 @@ pytest.importorskip("triton")
 from slime.engine.layers.activation import SiluAndMul
 from slime.engine.layers.rmsnorm import RMSNorm
 from slime.engine.layers.rotary import RotaryEmbedding
-from slime.engine.layers.triton_fused import add_rms_norm, norm_rope, rms_norm, silu_and_mul
+from slime.engine.layers.triton_fused import add_rms_norm, norm_rope, qkv_rope_store, rms_norm, silu_and_mul
 from slime.engine.layers.triton_paged_attention import paged_attention
-from slime.engine.sampler import exponential_noise
-from slime.engine.triton_sampler import gumbel_argmax
+from slime.engine.sampler import draw_scores, near_tie_rows
+from slime.engine.triton_sampler import fused_sample
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -131,16 +132,89 @@ def test_fused_elementwise_kernels_match_torch_modules(dtype):
     torch.testing.assert_close(norm_rope(q, None, 0.0, rotary.cos, rotary.sin, positions), expected_q, **tolerance)
 
 
-@pytest.mark.parametrize("vocab_size", [3000, 40000])  # 3 chunks, not a multiple of the block; 16 chunks
-def test_gumbel_argmax_matches_torch_noise(vocab_size):
-    """Same tokens as argmax(probs / exponential_noise) in float64, the sampler's torch path."""
+@pytest.mark.parametrize("qk_norm", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float32] + ([torch.bfloat16] if DEVICE == "cuda" else []))
+def test_qkv_rope_store_equals_norm_rope_and_cache_writes(dtype, qk_norm):
+    """The fused attention input stage: q as norm_rope gives it, and the caches' slots hold norm_rope(k) and v,
+    bit for bit, for 6 q heads over 2 KV heads (not powers of two apart); other slots stay untouched."""
     generator = torch.Generator().manual_seed(0)
-    logits = torch.randn(6, vocab_size, generator=generator) * 3
-    probs = logits.softmax(-1).to(DEVICE)
-    seeds = torch.tensor([0, 1, 2**32 - 1, 12345, 7, 7], device=DEVICE)
-    steps = torch.tensor([0, 5, 9, 0, 100, 101], device=DEVICE)
-    expected = (probs.double() / exponential_noise(seeds, steps, vocab_size)).argmax(-1)
-    assert gumbel_argmax(probs, seeds, steps).tolist() == expected.tolist()
+    num_heads, num_kv_heads, head_dim = 6, 2, 32
+    qkv = torch.randn(5, (num_heads + 2 * num_kv_heads) * head_dim, generator=generator).to(DEVICE, dtype)
+    rotary = RotaryEmbedding(head_dim, 64, 10000.0).to(DEVICE)
+    positions = torch.tensor([0, 3, 63, 7, 7], device=DEVICE)
+    slots = torch.tensor([9, 0, 4, 15, 2], device=DEVICE)
+    q_norm, k_norm = RMSNorm(head_dim, 1e-6).to(DEVICE, dtype), RMSNorm(head_dim, 1e-6).to(DEVICE, dtype)
+    q_norm.weight.data = torch.rand(head_dim, generator=generator).to(DEVICE, dtype) + 0.5
+    k_norm.weight.data = torch.rand(head_dim, generator=generator).to(DEVICE, dtype) + 0.5
+    k_cache = torch.full((4, 4, num_kv_heads, head_dim), 7.0, dtype=dtype, device=DEVICE)
+    v_cache = k_cache.clone()
+    weights = (q_norm.weight, k_norm.weight) if qk_norm else (None, None)
+    q = qkv_rope_store(qkv, *weights, 1e-6, rotary.cos, rotary.sin, positions, slots, k_cache, v_cache, num_heads)
+    q_in, k_in, v_in = qkv.split([num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=1)
+    views = [x.view(5, -1, head_dim) for x in (q_in, k_in, v_in)]
+    assert torch.equal(q, norm_rope(views[0], weights[0], 1e-6, rotary.cos, rotary.sin, positions))
+    flat_k, flat_v = k_cache.view(16, num_kv_heads, head_dim), v_cache.view(16, num_kv_heads, head_dim)
+    assert torch.equal(flat_k[slots], norm_rope(views[1], weights[1], 1e-6, rotary.cos, rotary.sin, positions))
+    assert torch.equal(flat_v[slots], views[2])
+    untouched = torch.ones(16, dtype=torch.bool, device=DEVICE)
+    untouched[slots] = False
+    assert (flat_k[untouched] == 7).all() and (flat_v[untouched] == 7).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("vocab_size", [3000, 40000])  # 3 chunks, not a multiple of the block; 16 chunks
+def test_fused_sample_matches_the_torch_reference(vocab_size, dtype):
+    """Same tokens as argmax(logits / T + g) with float64 noise (the torch path), except on near-ties; greedy rows
+    (T = 0) take the argmax; log-probs equal log_softmax(logits / T) at the token; -inf columns (filtered) are never
+    drawn, even when whole chunks are -inf."""
+    generator = torch.Generator().manual_seed(0)
+    logits = (torch.randn(8, vocab_size, generator=generator) * 3).to(dtype)
+    logits[6, : vocab_size - 5] = float("-inf")  # only the last five columns allowed
+    logits[7, 1::2] = float("-inf")
+    logits = logits.to(DEVICE)
+    temperatures = torch.tensor([1.0, 0.6, 0.0, 1.3, 1.0, 1.0, 1.0, 0.0], device=DEVICE)
+    seeds = torch.tensor([0, 1, 2**32 - 1, 12345, 7, 7, 3, 3], device=DEVICE)
+    steps = torch.tensor([0, 5, 9, 0, 100, 101, 2, 2], device=DEVICE)
+    tokens, log_probs = fused_sample(logits, temperatures, seeds, steps)
+    scores = draw_scores(logits, temperatures, seeds, steps)
+    ties = near_tie_rows(scores)
+    assert int(ties.sum()) <= 1
+    assert ((tokens == scores.argmax(-1)) | ties).all(), (tokens, scores.argmax(-1))
+    assert tokens[2] == logits[2].float().argmax() and tokens[7] == logits[7].float().argmax()
+    assert tokens[6] >= vocab_size - 5 and tokens[7] % 2 == 0
+    divisors = torch.where(temperatures == 0, torch.ones_like(temperatures), temperatures)
+    expected = torch.log_softmax(logits.float() / divisors[:, None], -1).gather(1, tokens[:, None]).squeeze(1)
+    torch.testing.assert_close(log_probs, expected, atol=2e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("sampler", ["fused", "torch"])
+def test_draws_follow_the_softmax(sampler):
+    """Frequencies of many seeded draws from one row of logits match softmax(logits / T): each of the five likely
+    tokens and the long tail as a whole, within 4.5 standard errors."""
+    from slime.engine.sampler import SamplingBatch, sample
+
+    interpreted = DEVICE == "cpu" and sampler == "fused"  # Triton's interpreter: ~8 ms per program
+    num_draws, vocab_size, temperature = (800 if interpreted else 20000), 1000, 0.8
+    logits = torch.full((vocab_size,), -3.0)
+    logits[:5] = torch.tensor([2.0, 1.5, 1.0, 0.5, 0.0])
+    probs = torch.softmax(logits.double() / temperature, -1)
+    expected = torch.cat([probs[:5], probs[5:].sum()[None]])
+    device = DEVICE if sampler == "fused" else "cpu"
+    rows = logits.to(device).expand(num_draws, -1)
+    temperatures = torch.full((num_draws,), temperature, device=device)
+    seeds = torch.arange(num_draws, device=device) * 7919
+    steps = torch.arange(num_draws, device=device) % 13
+    if sampler == "fused":
+        tokens, _ = fused_sample(rows, temperatures, seeds, steps)
+    else:
+        zeros = torch.zeros(0, dtype=torch.int64)
+        batch = SamplingBatch(temperatures, torch.full((num_draws,), vocab_size), torch.full((num_draws,), 2.0),
+                              torch.zeros(num_draws), seeds, steps, zeros, zeros, needs_filtering=False,
+                              all_greedy=False, any_greedy=False)
+        tokens, _ = sample(rows, batch)
+    counts = torch.bincount(tokens.cpu().clamp(max=5), minlength=6).double() / num_draws
+    standard_error = (expected * (1 - expected) / num_draws).sqrt()
+    assert ((counts - expected).abs() <= 4.5 * standard_error).all(), (counts, expected)
 
 
 def test_engine_triton_path_matches_torch_path(tmp_path):

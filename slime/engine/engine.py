@@ -45,6 +45,8 @@ class Engine:
         self.tokenizer = AutoTokenizer.from_pretrained(self.config.model)
         self.eos_token_ids = self._eos_token_ids()
         self.model_runner = ModelRunner(self.config, self.model_config, self.eos_token_ids)
+        if self.config.overlap_schedule is None:
+            self.config.overlap_schedule = self.model_runner.device.type == "cuda"
         max_model_len = self.config.max_model_len or self.model_config.max_position_embeddings
         if max_model_len > self.model_config.max_position_embeddings:
             raise ValueError(

@@ -57,13 +57,13 @@ def _sdpa_reference(q, k_cache, v_cache, table: list[int], seq_len: int) -> torc
 
 
 def triton_fused_kernels_work(device: torch.device) -> bool:
-    """Whether the fused RMSNorm / add + RMSNorm / q-k norm + rotary / SiLU-and-mul kernels match the torch modules
-    here; if not, warn and keep the torch modules for those stages."""
+    """Whether the fused RMSNorm / add + RMSNorm / q-k norm + rotary (alone, and with the K/V cache writes) /
+    SiLU-and-mul kernels match the torch modules here; if not, warn and keep the torch modules for those stages."""
     try:
         from slime.engine.layers.activation import SiluAndMul
         from slime.engine.layers.rmsnorm import RMSNorm
         from slime.engine.layers.rotary import RotaryEmbedding
-        from slime.engine.layers.triton_fused import add_rms_norm, norm_rope, rms_norm, silu_and_mul
+        from slime.engine.layers.triton_fused import add_rms_norm, norm_rope, qkv_rope_store, rms_norm, silu_and_mul
 
         generator = torch.Generator(device=device).manual_seed(0)
         x = torch.randn(3, 64, 128, device=device, generator=generator)
@@ -79,6 +79,15 @@ def triton_fused_kernels_work(device: torch.device) -> bool:
         expected_q, _ = rotary(positions, norm(x[:, :8]), x[:, :1])
         got_q = norm_rope(x[:, :8], norm.weight, norm.eps, rotary.cos, rotary.sin, positions)
         torch.testing.assert_close(got_q, expected_q, atol=1e-4, rtol=1e-4)
+        qkv = x[:, :8].reshape(3, 8 * 128)  # 4 q heads, 2 k heads, 2 v heads
+        k_cache, v_cache = torch.zeros(2, 2, 4, 2, 128, device=device)
+        slots = torch.tensor([5, 0, 3], device=device)
+        got_q = qkv_rope_store(qkv, norm.weight, norm.weight, norm.eps, rotary.cos, rotary.sin, positions, slots,
+                               k_cache, v_cache, 4)
+        expected_q, expected_k = rotary(positions, norm(x[:, :4]), norm(x[:, 4:6]))
+        torch.testing.assert_close(got_q, expected_q, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(k_cache.view(8, 2, 128)[slots], expected_k, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(v_cache.view(8, 2, 128)[slots], x[:, 6:8])
         return True
     except Exception as error:
         warnings.warn(f"fused Triton kernels unavailable ({type(error).__name__}: {error}); using torch modules")

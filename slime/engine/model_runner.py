@@ -192,7 +192,7 @@ class ModelRunner:
             hidden = self.model(input_ids, positions, meta)[logits_indices]
         if not sample_rows:
             return None
-        tokens, log_probs = sample(self.model.compute_logits(hidden), sampling)
+        tokens, log_probs = sample(self.model.compute_logits(hidden, upcast=False), sampling)
         results = torch.stack([tokens.double(), log_probs.double()])  # token ids are exact in float64
         if self.device.type != "cuda":
             return LaunchedStep(tokens, results, None)

@@ -2,10 +2,12 @@
 the sampled token under log_softmax(logits / temperature) before any filtering (temperature 0 counts as 1), the
 same quantity the trainer computes, so rollout and train log-probs are comparable.
 
-Randomness is a counter-based hash of (request seed, output position, vocabulary index) turned into exponential
-noise (the Gumbel-max trick): a request's samples depend only on its seed, never on the batch it shares, and the
-same on CPU and CUDA (on CUDA the draw is one fused Triton kernel, `triton_sampler.py`, when it works). Not
-responsible for stop conditions.
+The draw is Gumbel-max: argmax(logits / T + g) with Gumbel noise g hashed from (request seed, output position,
+vocabulary index), so a request's samples depend only on its seed, never on the batch it shares. On CUDA, without
+top-k / top-p / min-p or banned tokens, one fused Triton kernel (`triton_sampler.py`) does it all in one pass over
+the LM head's bf16 logits; with them, the filters run here in torch and the kernel draws from the filtered logits.
+Elsewhere the torch path below (float64 noise) is the reference; it and the kernel (float32 noise) pick the same
+token except where a row's two best scores lie within float32 rounding. Not responsible for stop conditions.
 """
 
 from __future__ import annotations
@@ -55,12 +57,29 @@ def noise_row_keys(seeds, steps):
 
 
 def exponential_noise(seeds: torch.Tensor, steps: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """[num_rows, vocab_size] Exp(1) samples, a pure function of (seed, step, column)."""
+    """[num_rows, vocab_size] Exp(1) samples -log(u), u = (hash + 0.5) / 2**32, a pure function of (seed, step,
+    column), float64."""
     if seeds.device.type == "cpu":  # the same integer arithmetic in numpy: a fraction of torch's per-op cost here
         bits = _noise_bits(seeds.numpy(), steps.numpy(), np.arange(vocab_size, dtype=np.int64))
         return torch.from_numpy(-np.log((bits.astype(np.float64) + 0.5) / 2.0**32))
     bits = _noise_bits(seeds, steps, torch.arange(vocab_size, device=seeds.device, dtype=torch.int64))
     return -torch.log((bits.double() + 0.5) / 2.0**32)
+
+
+def gumbel_noise(seeds: torch.Tensor, steps: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """[num_rows, vocab_size] Gumbel(0, 1) samples -log(Exp(1)), float64: argmax(logits + g) draws from
+    softmax(logits) (the Gumbel-max trick)."""
+    return -torch.log(exponential_noise(seeds, steps, vocab_size))
+
+
+def draw_scores(logits: torch.Tensor, temperatures: torch.Tensor, seeds: torch.Tensor,
+                steps: torch.Tensor) -> torch.Tensor:
+    """float64 [rows, vocab]: logits / T + g, or the logits for a greedy row (T = 0); the drawn token is the
+    argmax. The reference of the fused kernel (tests compare against it)."""
+    is_greedy = temperatures == 0
+    scaled = logits.float() / torch.where(is_greedy, torch.ones_like(temperatures), temperatures)[:, None]
+    noise = gumbel_noise(seeds, steps, logits.shape[-1]).to(logits.device)
+    return scaled.double() + torch.where(is_greedy[:, None], torch.zeros_like(noise), noise)
 
 
 def _noise_bits(seeds, steps, columns):
@@ -70,10 +89,15 @@ def _noise_bits(seeds, steps, columns):
 
 
 def sample(logits: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor]:
-    """logits [num_rows, vocab] (float32) -> (token ids [num_rows], log-probs [num_rows])."""
+    """logits [num_rows, vocab] (any float dtype; the math is float32) -> (token ids [num_rows], log-probs)."""
+    fused = logits.is_cuda and _triton_sampler_available()
+    if fused and not batch.needs_filtering and not batch.banned_rows.numel():
+        from slime.engine.triton_sampler import fused_sample
+
+        return fused_sample(logits, batch.temperatures, batch.seeds, batch.steps)
     is_greedy = batch.temperatures == 0
     temperatures = torch.where(is_greedy, torch.ones_like(batch.temperatures), batch.temperatures)
-    scaled = logits / temperatures[:, None]
+    scaled = logits.float() / temperatures[:, None]
 
     sampling_logits = scaled
     if batch.banned_rows.numel():
@@ -86,30 +110,41 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Tensor, to
     else:
         if batch.needs_filtering:
             sampling_logits = _filter(sampling_logits, batch)
-        probs = torch.softmax(sampling_logits, dim=-1)
-        if probs.is_cuda and _triton_sampler_available():
-            from slime.engine.triton_sampler import gumbel_argmax
+        if fused:  # the logits are scaled already: draw at temperature 1 (0 keeps greedy rows greedy)
+            from slime.engine.triton_sampler import fused_sample
 
-            sampled_tokens = gumbel_argmax(probs, batch.seeds, batch.steps)
+            sampled_tokens, _ = fused_sample(sampling_logits, (~is_greedy).float(), batch.seeds, batch.steps)
         else:
-            noise = exponential_noise(batch.seeds, batch.steps, logits.shape[-1])
-            sampled_tokens = (probs.double() / noise).argmax(dim=-1)
+            noise = gumbel_noise(batch.seeds, batch.steps, logits.shape[-1])
+            sampled_tokens = (sampling_logits.double() + noise).argmax(dim=-1)
         tokens = torch.where(is_greedy, greedy_tokens, sampled_tokens) if batch.any_greedy else sampled_tokens
     # log_softmax at the sampled token only, without materialising [num_rows, vocab] log-probs
     log_probs = scaled.gather(1, tokens[:, None]).squeeze(1) - torch.logsumexp(scaled, dim=-1)
     return tokens, log_probs
 
 
+def near_tie_rows(scores: torch.Tensor, tolerance: float = 1e-4) -> torch.Tensor:
+    """[rows] bool: rows whose two best draw scores lie within `tolerance`, where float32 and float64 noise may
+    pick different tokens."""
+    top2 = scores.topk(2, dim=-1).values
+    return (top2[:, 0] - top2[:, 1]) <= tolerance
+
+
 @functools.cache
 def _triton_sampler_available() -> bool:
-    """Whether the fused Triton draw imports, compiles and agrees with the torch draw on this machine."""
+    """Whether the fused Triton sampler imports, compiles and agrees with the torch reference on this machine."""
     try:
-        from slime.engine.triton_sampler import gumbel_argmax
+        from slime.engine.triton_sampler import fused_sample
 
-        probs = torch.softmax(torch.arange(2000, device="cuda", dtype=torch.float32).remainder(7)[None, :], -1)
-        seeds, steps = torch.tensor([3], device="cuda"), torch.tensor([1], device="cuda")
-        expected = (probs.double() / exponential_noise(seeds, steps, 2000)).argmax(-1)
-        return bool(torch.equal(gumbel_argmax(probs, seeds, steps), expected))
+        logits = (torch.arange(3 * 2000, device="cuda", dtype=torch.float32).reshape(3, 2000) * 0.37).sin() * 4
+        temperatures = torch.tensor([1.0, 0.7, 0.0], device="cuda")
+        seeds, steps = torch.tensor([3, 4, 5], device="cuda"), torch.tensor([1, 0, 9], device="cuda")
+        tokens, log_probs = fused_sample(logits, temperatures, seeds, steps)
+        scores = draw_scores(logits, temperatures, seeds, steps)
+        agree = (tokens == scores.argmax(-1)) | near_tie_rows(scores)
+        divisors = torch.where(temperatures == 0, torch.ones_like(temperatures), temperatures)
+        expected = torch.log_softmax(logits / divisors[:, None], -1).gather(1, tokens[:, None]).squeeze(1)
+        return bool(agree.all()) and bool(torch.allclose(log_probs, expected, atol=1e-4))
     except Exception:
         return False
 

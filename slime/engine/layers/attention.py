@@ -73,6 +73,11 @@ class PagedAttention(nn.Module):
         flat_v_cache = self.v_cache.view(-1, self.num_kv_heads, self.head_dim)
         flat_k_cache.index_copy_(0, meta.slot_mapping, k.to(flat_k_cache.dtype))
         flat_v_cache.index_copy_(0, meta.slot_mapping, v.to(flat_v_cache.dtype))
+        return self.attend(q, meta)
+
+    def attend(self, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """Attention of q over the cache, whose slots already hold this batch's K/V (`forward` writes them; the
+        decoder's fused input kernel writes them itself)."""
         if meta.uses_triton:
             from slime.engine.layers.triton_paged_attention import paged_attention
 

@@ -1,6 +1,6 @@
 """Triton kernels that fuse the decoder's small elementwise stages, each into one launch: RMSNorm over the last dim,
 the residual add fused with the RMSNorm after it, per-head q/k RMSNorm followed by rotary embedding, and
-SiLU-and-multiply.
+SiLU-and-multiply, and the attention's input stage (q/k norm, rotary, and the K/V cache writes) in one launch.
 
 Why: at decode batch sizes every layer is dozens of tiny kernels (RMSNorm alone is seven torch ops), and even
 inside a CUDA graph each costs a few microseconds of GPU time; fused, a layer is about a dozen launches. Each kernel
@@ -93,6 +93,41 @@ def add_rms_norm(
 
 
 @triton.jit
+def _norm_rope_heads(x_ptr, x_row, stride_x_head, out_ptr, out_row, stride_out_head, weight_ptr, cos, sin, num_heads,
+                     eps, HALF: tl.constexpr, BLOCK_H: tl.constexpr, HAS_NORM: tl.constexpr):
+    """One token's heads: optional per-head RMSNorm, then rotary with this position's cos / sin [1, HALF]."""
+    heads = tl.arange(0, BLOCK_H)
+    half = tl.arange(0, HALF)
+    valid = (heads < num_heads)[:, None]
+    x_offsets = x_row + heads[:, None] * stride_x_head + half[None, :]
+    x1 = tl.load(x_ptr + x_offsets, mask=valid, other=0.0)
+    x2 = tl.load(x_ptr + x_offsets + HALF, mask=valid, other=0.0)
+    dtype = x1.dtype
+    if HAS_NORM:
+        x1f, x2f = x1.to(tl.float32), x2.to(tl.float32)
+        inv_rms = tl.rsqrt((tl.sum(x1f * x1f, 1) + tl.sum(x2f * x2f, 1)) / (2 * HALF) + eps)
+        w1 = tl.load(weight_ptr + half)
+        w2 = tl.load(weight_ptr + HALF + half)
+        x1 = (w1[None, :] * (x1f * inv_rms[:, None]).to(dtype)).to(dtype)
+        x2 = (w2[None, :] * (x2f * inv_rms[:, None]).to(dtype)).to(dtype)
+    x1f, x2f = x1.to(tl.float32), x2.to(tl.float32)
+    out_offsets = out_row + heads[:, None] * stride_out_head + half[None, :]
+    tl.store(out_ptr + out_offsets, (x1f * cos - x2f * sin).to(dtype), mask=valid)
+    tl.store(out_ptr + out_offsets + HALF, (x2f * cos + x1f * sin).to(dtype), mask=valid)
+
+
+@triton.jit
+def _rotary_of(cos_ptr, sin_ptr, positions_ptr, token, stride_table, HALF: tl.constexpr):
+    """This token's cos / sin [1, HALF]: the table repeats each frequency in both halves (HF layout), so the first
+    half's entries serve both."""
+    position = tl.load(positions_ptr + token).to(tl.int64)
+    half = tl.arange(0, HALF)
+    cos = tl.load(cos_ptr + position * stride_table + half)[None, :]
+    sin = tl.load(sin_ptr + position * stride_table + half)[None, :]
+    return cos, sin
+
+
+@triton.jit
 def _norm_rope_kernel(
     x_ptr,
     out_ptr,
@@ -112,28 +147,66 @@ def _norm_rope_kernel(
     HAS_NORM: tl.constexpr,
 ):
     token = tl.program_id(0).to(tl.int64)
-    heads = tl.arange(0, BLOCK_H)
-    half = tl.arange(0, HALF)
-    valid = (heads < num_heads)[:, None]
-    x_offsets = token * stride_x_token + heads[:, None] * stride_x_head + half[None, :]
-    x1 = tl.load(x_ptr + x_offsets, mask=valid, other=0.0)
-    x2 = tl.load(x_ptr + x_offsets + HALF, mask=valid, other=0.0)
-    dtype = x1.dtype
-    if HAS_NORM:
-        x1f, x2f = x1.to(tl.float32), x2.to(tl.float32)
-        inv_rms = tl.rsqrt((tl.sum(x1f * x1f, 1) + tl.sum(x2f * x2f, 1)) / (2 * HALF) + eps)
-        w1 = tl.load(weight_ptr + half)
-        w2 = tl.load(weight_ptr + HALF + half)
-        x1 = (w1[None, :] * (x1f * inv_rms[:, None]).to(dtype)).to(dtype)
-        x2 = (w2[None, :] * (x2f * inv_rms[:, None]).to(dtype)).to(dtype)
-    position = tl.load(positions_ptr + token).to(tl.int64)
-    # The table repeats each frequency in both halves (HF layout): the first half's entries serve both.
-    cos = tl.load(cos_ptr + position * stride_table + half)[None, :]
-    sin = tl.load(sin_ptr + position * stride_table + half)[None, :]
-    x1f, x2f = x1.to(tl.float32), x2.to(tl.float32)
-    out_offsets = token * stride_out_token + heads[:, None] * stride_out_head + half[None, :]
-    tl.store(out_ptr + out_offsets, (x1f * cos - x2f * sin).to(dtype), mask=valid)
-    tl.store(out_ptr + out_offsets + HALF, (x2f * cos + x1f * sin).to(dtype), mask=valid)
+    cos, sin = _rotary_of(cos_ptr, sin_ptr, positions_ptr, token, stride_table, HALF)
+    _norm_rope_heads(x_ptr, token * stride_x_token, stride_x_head, out_ptr, token * stride_out_token,
+                     stride_out_head, weight_ptr, cos, sin, num_heads, eps, HALF, BLOCK_H, HAS_NORM)
+
+
+@triton.jit
+def _qkv_rope_store_kernel(
+    qkv_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr, q_weight_ptr, k_weight_ptr, cos_ptr, sin_ptr,
+    positions_ptr, stride_qkv_token, stride_table, num_heads, num_kv_heads, eps,
+    HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_KV: tl.constexpr, HAS_NORM: tl.constexpr,
+):
+    """Program per token: q heads normed and rotated into q_out [tokens, heads, dim]; k heads normed, rotated and
+    written to the flat K cache at the token's slot; v heads copied to the V cache at that slot."""
+    token = tl.program_id(0).to(tl.int64)
+    cos, sin = _rotary_of(cos_ptr, sin_ptr, positions_ptr, token, stride_table, HALF)
+    slot_row = tl.load(slot_mapping_ptr + token).to(tl.int64) * num_kv_heads * (2 * HALF)
+    qkv_row = token * stride_qkv_token
+    _norm_rope_heads(qkv_ptr, qkv_row, 2 * HALF, q_out_ptr, token * num_heads * (2 * HALF), 2 * HALF, q_weight_ptr,
+                     cos, sin, num_heads, eps, HALF, BLOCK_H, HAS_NORM)
+    _norm_rope_heads(qkv_ptr, qkv_row + num_heads * (2 * HALF), 2 * HALF, k_cache_ptr, slot_row, 2 * HALF,
+                     k_weight_ptr, cos, sin, num_kv_heads, eps, HALF, BLOCK_KV, HAS_NORM)
+    heads = tl.arange(0, BLOCK_KV)[:, None]
+    dims = tl.arange(0, 2 * HALF)[None, :]
+    valid = heads < num_kv_heads
+    v = tl.load(qkv_ptr + qkv_row + (num_heads + num_kv_heads) * (2 * HALF) + heads * (2 * HALF) + dims, mask=valid)
+    tl.store(v_cache_ptr + slot_row + heads * (2 * HALF) + dims, v, mask=valid)
+
+
+def qkv_rope_store(
+    qkv: torch.Tensor,
+    q_weight: torch.Tensor | None,
+    k_weight: torch.Tensor | None,
+    eps: float,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    positions: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    num_heads: int,
+) -> torch.Tensor:
+    """The attention's input stage in one launch: qkv [num_tokens, (heads + 2 kv_heads) * head_dim] -> q
+    [num_tokens, heads, head_dim] after optional per-head RMSNorm and rotary; k (likewise) and v are written into
+    the caches [blocks, block_size, kv_heads, head_dim] at `slot_mapping`. Equals norm_rope on q and k followed by
+    the caches' index_copy_, in three launches fewer per layer."""
+    num_tokens = qkv.shape[0]
+    num_kv_heads, head_dim = k_cache.shape[-2:]
+    assert qkv.stride(-1) == 1 and qkv.shape[1] == (num_heads + 2 * num_kv_heads) * head_dim
+    assert k_cache.is_contiguous() and v_cache.is_contiguous() and k_cache.dtype == qkv.dtype == v_cache.dtype
+    assert cos.is_contiguous() and sin.is_contiguous() and (q_weight is None) == (k_weight is None)
+    q = torch.empty(num_tokens, num_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
+    if num_tokens:
+        _qkv_rope_store_kernel[(num_tokens,)](
+            qkv, q, k_cache, v_cache, slot_mapping,
+            q_weight if q_weight is not None else qkv, k_weight if k_weight is not None else qkv,
+            cos, sin, positions, qkv.stride(0), cos.stride(0), num_heads, num_kv_heads, eps,
+            HALF=head_dim // 2, BLOCK_H=triton.next_power_of_2(num_heads),
+            BLOCK_KV=triton.next_power_of_2(num_kv_heads), HAS_NORM=q_weight is not None,
+        )
+    return q
 
 
 def norm_rope(

@@ -39,19 +39,19 @@ class DecoderAttention(nn.Module):
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         qkv = self.qkv_proj(hidden)
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(-1, self.num_heads, self.head_dim)
-        k = k.view(-1, self.num_kv_heads, self.head_dim)
-        v = v.view(-1, self.num_kv_heads, self.head_dim)
-        if self.use_triton:
-            from slime.engine.layers.triton_fused import norm_rope
+        if self.use_triton:  # norms, rotary and the K/V cache writes in one kernel
+            from slime.engine.layers.triton_fused import qkv_rope_store
 
             rotary = self.rotary[0]
             q_weight, k_weight = (self.q_norm.weight, self.k_norm.weight) if self.qk_norm else (None, None)
             eps = self.q_norm.eps if self.qk_norm else 0.0
-            q = norm_rope(q, q_weight, eps, rotary.cos, rotary.sin, positions)
-            k = norm_rope(k, k_weight, eps, rotary.cos, rotary.sin, positions)
-            return self.o_proj(self.attn(q, k, v, meta))
+            q = qkv_rope_store(qkv, q_weight, k_weight, eps, rotary.cos, rotary.sin, positions, meta.slot_mapping,
+                               self.attn.k_cache, self.attn.v_cache, self.num_heads)
+            return self.o_proj(self.attn.attend(q, meta))
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
         # q and k heads side by side: their norms and the rotation run once for both (fewer ops per layer).
         qk = qkv[:, : self.q_size + self.kv_size].view(-1, self.num_heads + self.num_kv_heads, self.head_dim)
         if self.qk_norm:
@@ -127,8 +127,10 @@ class DecoderForCausalLM(nn.Module):
         """Final hidden states [num_tokens, hidden_size]; call `compute_logits` on the rows that need them."""
         return self.model(input_ids, positions, meta)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+    def compute_logits(self, hidden: torch.Tensor, upcast: bool = True) -> torch.Tensor:
+        """float32 logits, or the head's own dtype (upcast=False: the sampler reads bf16 logits in one pass)."""
+        logits = self.lm_head(hidden)
+        return logits.float() if upcast else logits
 
     def set_use_triton(self, enabled: bool) -> None:
         """Route norms, q/k norm + rotary and SiLU-and-mul through the fused Triton kernels (CUDA only)."""
