@@ -48,6 +48,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -191,12 +192,17 @@ def bench_engine(model_path: Path, workload: Workload, args, measure_weights_and
     synchronize(args.device)
     started = time.perf_counter()
     finished = []
-    num_steps = 0
+    step_ends = []
     while engine.has_unfinished_requests():
         finished.extend(output for output in engine.step() if output.finished)
-        num_steps += 1
+        step_ends.append(time.perf_counter())
     synchronize(args.device)
     seconds = time.perf_counter() - started
+    num_steps = len(step_ends)
+    step_seconds = np.diff([started] + step_ends)
+    slowest = np.argsort(step_seconds)[::-1][:3]
+    print("  slowest steps: " + ", ".join(f"#{i} {1000 * step_seconds[i]:.1f} ms" for i in slowest)
+          + f"; median {1000 * np.median(step_seconds):.2f} ms")
 
     runner = engine.model_runner
     weight_bytes = sum(p.numel() * p.element_size() for p in runner.model.parameters())
@@ -379,6 +385,10 @@ def main(argv=None) -> dict:
 
     args = parse_args(argv)
     torch.manual_seed(args.seed)
+    if args.device == "cuda":
+        from benchmarks.gpu_trace import log_triton_compiles
+
+        log_triton_compiles()  # a kernel compiled inside a timed run is visible next to its slowest steps
     common = {
         "preset": args.preset,
         "device": args.device,

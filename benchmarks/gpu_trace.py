@@ -19,3 +19,21 @@ def busy_microseconds(prof) -> tuple[float, int]:
             current_end = max(current_end, end)
     busy += 0 if current_end is None else current_end - current_start
     return busy, len(intervals)
+
+
+def log_triton_compiles(label: str = "triton") -> list[str]:
+    """From now on, print each Triton kernel compiled in this process (a compile mid-run shows up as a slow step);
+    returns the list the names are appended to. A no-op where Triton or its compile hook is missing."""
+    compiled: list[str] = []
+    try:
+        from triton import knobs
+    except ImportError:
+        return compiled
+
+    def hook(**kwargs):
+        name = str(kwargs.get("repr", "?"))
+        compiled.append(name)
+        print(f"[{label}] compiled {name[:160]}", flush=True)
+
+    knobs.runtime.jit_post_compile_hook = hook
+    return compiled

@@ -24,7 +24,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.engine_checkpoints import QWEN3_06B_SHAPE, build_checkpoint, make_prompts  # noqa: E402
-from benchmarks.gpu_trace import busy_microseconds  # noqa: E402
+from benchmarks.gpu_trace import busy_microseconds, log_triton_compiles  # noqa: E402
 
 PROFILED_STEPS = 16
 UNPROFILED_STEPS = 32
@@ -57,10 +57,14 @@ def profile_mode(model_path: str, prompts, args, overlap: bool) -> dict:
         engine.add_request(prompt, params)
     torch.cuda.synchronize()
     started = time.perf_counter()
+    prefill_steps = []
     while any(seq.num_completion_tokens == 0 for seq in engine.requests.values()):
+        step_started = time.perf_counter()
         engine.step()
-    torch.cuda.synchronize()
+        torch.cuda.synchronize()
+        prefill_steps.append(time.perf_counter() - step_started)
     prefill_seconds = time.perf_counter() - started
+    print(f"{'overlap' if overlap else 'plain'}: prefill steps (ms): " + " ".join(f"{1000 * t:.0f}" for t in prefill_steps))
     for _ in range(4):
         engine.step()
     torch.cuda.synchronize()
@@ -98,6 +102,7 @@ def main() -> None:
     parser.add_argument("--input-len", type=int, default=256)
     parser.add_argument("--output-len", type=int, default=96)
     args = parser.parse_args()
+    log_triton_compiles()
     with tempfile.TemporaryDirectory(prefix="profile_engine_") as tmp:
         model_path = str(build_checkpoint(Path(tmp) / "model", QWEN3_06B_SHAPE, torch.bfloat16, "cuda", 0))
         prompts = make_prompts(args.num_prompts, args.input_len, 151936, 0)
