@@ -112,3 +112,19 @@ def test_gpu_varlen_packed_log_probs_match_per_sample_forward(tmp_path):
     assert (varlen_log_probs - sdpa_log_probs).abs().max() < 0.05
     relative = (varlen_grad - sdpa_grad).norm() / sdpa_grad.norm()
     assert relative < 0.02, relative
+
+
+def test_micro_batch_upload_does_not_wait_for_the_gpu():
+    """A micro-batch's tensors reach the device without the host waiting for queued GPU work (a pageable
+    `.to("cuda")` would block until a second of GPU sleep had run), and arrive intact."""
+    from slime.backends.fsdp_utils.data import pack_samples
+
+    micro_batch = pack_samples([list(range(3, 40)), list(range(5, 20))], [10, 4], [0, 1])
+    torch.cuda.synchronize()
+    torch.cuda._sleep(2_000_000_000)
+    on_device = micro_batch.to("cuda")
+    assert not torch.cuda.current_stream().query(), "the upload waited for the GPU"
+    torch.cuda.synchronize()
+    assert torch.equal(on_device.input_ids.cpu(), micro_batch.input_ids)
+    assert torch.equal(on_device.cu_seqlens.cpu(), micro_batch.cu_seqlens)
+    assert torch.equal(on_device.target_ids.cpu(), micro_batch.target_ids)

@@ -31,10 +31,12 @@ from torch.distributed.tensor import DTensor
 from slime.backends.fsdp_utils import checkpoint
 from slime.backends.fsdp_utils.advantages import compute_advantages
 from slime.backends.fsdp_utils.data import (
+    outputs_per_sample,
     pack_samples,
     pad_num_micro_batches,
     split_micro_batches,
     step_sample_indices,
+    to_device,
 )
 from slime.backends.fsdp_utils.loss import LossReducer, MicroBatchTensors, aggregation_mode, get_loss_function
 from slime.backends.fsdp_utils.model import (
@@ -157,13 +159,8 @@ class FSDPTrainer:
         if self.hooks["custom_before_log_prob_hook_path"]:
             self.hooks["custom_before_log_prob_hook_path"](self.args, self.model, store_prefix)
         self.model.eval()
-        result = {}
-        for micro_batches in schedule:
-            for micro_batch in micro_batches:
-                log_probs, _ = self.model.forward_micro_batch(micro_batch.to(self.device))
-                for index, piece in zip(micro_batch.sample_indices,
-                                        torch.split(log_probs.cpu(), micro_batch.response_lengths)):
-                    result[index] = piece
+        result = outputs_per_sample(schedule, lambda micro_batch: self.model.forward_micro_batch(micro_batch)[0],
+                                    self.device)
         self.model.train()
         return result
 
@@ -344,10 +341,10 @@ class FSDPTrainer:
             values = per_sample.get(key)
             if values is None:
                 return None
-            return torch.cat([values[i] for i in micro_batch.sample_indices]).to(self.device)
+            return to_device(torch.cat([values[i] for i in micro_batch.sample_indices]), self.device)
 
         return MicroBatchTensors(
-            loss_masks=[per_sample["loss_masks"][i].to(self.device) for i in micro_batch.sample_indices],
+            loss_masks=[to_device(per_sample["loss_masks"][i], self.device) for i in micro_batch.sample_indices],
             advantages=flat("advantages"), old_log_probs=flat("old_log_probs"),
             ref_log_probs=flat("ref_log_probs"), rollout_log_probs=flat("rollout_log_probs"),
             old_values=flat("old_values"), returns=flat("returns"),

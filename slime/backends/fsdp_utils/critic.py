@@ -17,6 +17,7 @@ import torch
 
 from slime.backends.fsdp_utils import checkpoint
 from slime.backends.fsdp_utils.actor import FSDPTrainer
+from slime.backends.fsdp_utils.data import outputs_per_sample
 from slime.backends.fsdp_utils.loss import LossReducer, MicroBatchTensors, value_loss
 from slime.backends.fsdp_utils.model import attention_implementation, load_hf_model, read_hf_weights
 from slime.backends.fsdp_utils.optimizer import build_optimizer
@@ -68,13 +69,7 @@ class FSDPCritic(FSDPTrainer):
     def compute_values(self, rollout_id: int, data: dict) -> list[torch.Tensor]:
         """Values (CPU, fp32) of every sample's response tokens under the current critic weights."""
         self.model.eval()
-        by_index = {}
-        for micro_batches in self._schedule(data):
-            for micro_batch in micro_batches:
-                values = self.model.forward_micro_batch(micro_batch.to(self.device))
-                for index, piece in zip(micro_batch.sample_indices,
-                                        torch.split(values.cpu(), micro_batch.response_lengths)):
-                    by_index[index] = piece
+        by_index = outputs_per_sample(self._schedule(data), self.model.forward_micro_batch, self.device)
         self.model.train()
         return [by_index[i] for i in range(len(data["tokens"]))]
 

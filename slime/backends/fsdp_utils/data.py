@@ -34,10 +34,35 @@ class PackedMicroBatch:
 
     def to(self, device) -> "PackedMicroBatch":
         return PackedMicroBatch(
-            self.input_ids.to(device), self.position_ids.to(device), self.logit_index.to(device),
-            self.target_ids.to(device), self.sample_indices, self.response_lengths, self.cu_seqlens.to(device),
-            self.max_seqlen,
+            to_device(self.input_ids, device), to_device(self.position_ids, device),
+            to_device(self.logit_index, device), to_device(self.target_ids, device), self.sample_indices,
+            self.response_lengths, to_device(self.cu_seqlens, device), self.max_seqlen,
         )
+
+
+def to_device(tensor: torch.Tensor, device) -> torch.Tensor:
+    """Copy a host tensor to `device` without making the host wait for the GPU. A plain `.to("cuda")` of pageable
+    memory synchronises the stream: the host would stall until the previous micro-batch's backward had finished
+    and the GPU would then idle while the next forward's kernels are queued. From pinned memory the copy is queued
+    (the caching host allocator keeps the pinned block until the copy has run)."""
+    if torch.device(device).type != "cuda" or tensor.device.type != "cpu":
+        return tensor.to(device)
+    return tensor.pin_memory().to(device, non_blocking=True)
+
+
+def outputs_per_sample(schedule, forward, device) -> dict[int, torch.Tensor]:
+    """Run `forward(micro_batch on device) -> [the micro-batch's response tokens]` over every micro-batch of the
+    schedule; returns {sample index: its slice, on the host}. One copy to the host at the end, not one per
+    micro-batch: each would wait for the GPU and leave it idle while the next micro-batch is queued."""
+    micro_batches = [micro_batch for step in schedule for micro_batch in step]
+    if not micro_batches:
+        return {}
+    outputs = torch.cat([forward(micro_batch.to(device)) for micro_batch in micro_batches]).cpu()
+    result = {}
+    pieces = outputs.split([sum(micro_batch.response_lengths) for micro_batch in micro_batches])
+    for micro_batch, piece in zip(micro_batches, pieces):
+        result.update(zip(micro_batch.sample_indices, piece.split(micro_batch.response_lengths)))
+    return result
 
 
 def pack_samples(tokens: list[list[int]], response_lengths: list[int], sample_indices: list[int]) -> PackedMicroBatch:
