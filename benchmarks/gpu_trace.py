@@ -33,7 +33,8 @@ def log_triton_compiles(label: str = "triton") -> list[str]:
     def hook(**kwargs):
         name = str(kwargs.get("repr", "?"))
         compiled.append(name)
-        print(f"[{label}] compiled {name[:160]}", flush=True)
+        kernel, _, arguments = name.partition("[")
+        print(f"[{label}] compiled {kernel}: {arguments.partition('](')[2][:400]}", flush=True)
 
     knobs.runtime.jit_post_compile_hook = hook
     return compiled

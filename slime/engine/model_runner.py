@@ -148,16 +148,22 @@ class ModelRunner:
             return
         self.decode_graphs = None  # they hold the weights' addresses
         self.cpu_weights = {}
+        on_cuda = self.device.type == "cuda"
         for name, param in self.model.named_parameters():
-            self.cpu_weights[name] = param.data.to("cpu", copy=self.device.type != "cpu")
+            # From CUDA, non_blocking copies land in pinned memory: several times faster both ways, one sync.
+            self.cpu_weights[name] = param.data.to("cpu", copy=on_cuda, non_blocking=on_cuda)
             param.data = torch.empty(0, dtype=param.dtype, device=self.device)
+        if on_cuda:
+            torch.cuda.synchronize(self.device)
         self._empty_device_cache()
 
     def resume_weights(self) -> None:
         if self.cpu_weights is None:
             return
         for name, param in self.model.named_parameters():
-            param.data = self.cpu_weights[name].to(self.device)
+            param.data = self.cpu_weights[name].to(self.device, non_blocking=True)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
         self.cpu_weights = None
 
     def _empty_device_cache(self) -> None:

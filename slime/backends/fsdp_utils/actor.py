@@ -386,11 +386,13 @@ class FSDPTrainer:
     def _move_states(self, device) -> None:
         if self.device.type != "cuda":
             return
-        # Swap tensors in place so the optimizer's references to the parameters stay valid.
+        # Swap tensors in place so the optimizer's references to the parameters stay valid. Non-blocking: copies
+        # to the host land in pinned memory (from the caching host allocator, reused across offloads), several
+        # times faster than pageable copies and without a stream sync per tensor; one sync at the end.
         swap = torch.__future__.get_swap_module_params_on_conversion()
         torch.__future__.set_swap_module_params_on_conversion(True)
         try:
-            self.model.to(device)
+            self.model.to(device, non_blocking=True)
         finally:
             torch.__future__.set_swap_module_params_on_conversion(swap)
         # Fused AdamW keeps its step counts on the parameters' device; the default one keeps them on the host.
