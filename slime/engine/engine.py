@@ -63,6 +63,7 @@ class Engine:
             self.max_model_len,
             self.eos_token_ids,
         )
+        self.model_runner.warm_up(self.config.max_num_batched_tokens, self.config.max_num_seqs)
         self.rng = random.Random(self.config.seed)
         self.requests: dict[str, Sequence] = {}
         self.pending_outputs: list[RequestOutput] = []

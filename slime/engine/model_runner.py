@@ -170,6 +170,26 @@ class ModelRunner:
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 
+    def warm_up(self, num_tokens: int, num_decode_rows: int) -> None:
+        """On CUDA, run what the first real batches would, on dummy sequences: a prefill chunk of `num_tokens`
+        tokens that samples every sequence, then a decode step of `num_decode_rows` rows (which captures the CUDA
+        graphs). Kernel compilation and lazy loading of GPU code then happen at start-up, not in a request's first
+        steps (measured: two first prefill steps of 300-360 ms instead of ~30 ms). The dummies' K/V all go to the
+        scratch cache block that no request owns; the block manager and prefix cache are not involved."""
+        if self.device.type != "cuda":
+            return
+        from slime.engine.sampling_params import SamplingParams
+        from slime.engine.sequence import Sequence
+
+        params = SamplingParams(temperature=1.0, max_new_tokens=1, ignore_eos=True)
+        length = self.block_size
+        seqs = [Sequence(f"warm-up-{i}", [0] * length, params, i) for i in range(max(1, num_tokens // length))]
+        for seq in seqs:
+            seq.block_table = [self.num_kvcache_blocks]  # the scratch block past those the block manager owns
+        self.collect(self.launch([ScheduledSequence(seq, 0, length, True) for seq in seqs]))
+        self.collect(self.launch([ScheduledSequence(seq, length - 1, 1, True) for seq in seqs[:num_decode_rows]]))
+        torch.cuda.synchronize(self.device)
+
     # ---- one step -----------------------------------------------------------------------------------------------
 
     def run(self, scheduled: list[ScheduledSequence]) -> tuple[list[int], list[float]]:
