@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import gc
 import json
 import platform
 import random
@@ -164,6 +165,22 @@ def make_workload(name: str, args) -> Workload:
 
 # ---- measurements -----------------------------------------------------------------------------------------------
 
+class GcPauses(list):
+    """Durations (s) of the garbage collections that run while `callback` is in `gc.callbacks`."""
+
+    def callback(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self.started = time.perf_counter()
+        elif hasattr(self, "started"):
+            self.append(time.perf_counter() - self.started)
+
+
+def gc_pauses() -> GcPauses:
+    pauses = GcPauses()
+    gc.callbacks.append(pauses.callback)
+    return pauses
+
+
 def bench_engine(model_path: Path, workload: Workload, args, measure_weights_and_memory: bool) -> dict:
     from slime.engine.engine import Engine
     from slime.engine.sampling_params import SamplingParams
@@ -190,6 +207,9 @@ def bench_engine(model_path: Path, workload: Workload, args, measure_weights_and
                                 max_new_tokens=max_new_tokens, ignore_eos=workload.ignore_eos)
         engine.add_request(prompt, params)
     synchronize(args.device)
+    gc.collect()
+    gc.freeze()  # as the engine server does after start-up (slime.utils.misc.freeze_startup_objects)
+    pauses = gc_pauses()
     started = time.perf_counter()
     finished = []
     step_ends = []
@@ -198,6 +218,9 @@ def bench_engine(model_path: Path, workload: Workload, args, measure_weights_and
         step_ends.append(time.perf_counter())
     synchronize(args.device)
     seconds = time.perf_counter() - started
+    gc.callbacks.remove(pauses.callback)
+    gc.unfreeze()  # this process drops the engine next: its objects must be collectable again
+    print(f"  garbage collections during the run: {len(pauses)}, longest {1000 * max(pauses, default=0):.1f} ms")
     num_steps = len(step_ends)
     step_seconds = np.diff([started] + step_ends)
     slowest = np.argsort(step_seconds)[::-1][:3]

@@ -356,6 +356,7 @@ def main(argv: list[str] | None = None) -> None:
     import uvicorn
 
     from slime.engine.engine import Engine
+    from slime.utils.misc import freeze_startup_objects
 
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
@@ -364,6 +365,7 @@ def main(argv: list[str] | None = None) -> None:
     }
     started = time.perf_counter()
     engine = Engine(args.model_path, **engine_config)
+    freeze_startup_objects()  # no full garbage collection rescans them in the middle of a generation step
     logger.info("engine ready in %.1f s", time.perf_counter() - started)
     server_args = {"host": args.host, "port": args.port, **engine_config}
     app = create_app(engine, args.model_path, args.served_model_name, server_args)

@@ -40,3 +40,18 @@ def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
+
+
+def freeze_startup_objects() -> None:
+    """Collect garbage, then move every surviving object into the collector's permanent generation (`gc.freeze`).
+    A process that keeps its start-up objects (torch, transformers, the model) for life then stops rescanning them:
+    with an engine loaded, a full collection took ~150 ms on a 2-core CPU with 388k tracked objects and ~0 ms after
+    the freeze, and such a pause would otherwise land inside a random generation step. Call it once, in a process
+    that serves one long-lived engine (not in one that builds and drops engines: frozen cycles are never freed);
+    they are unfrozen at exit so that interpreter shutdown still finalises them."""
+    import atexit
+    import gc
+
+    gc.collect()
+    gc.freeze()
+    atexit.register(gc.unfreeze)
