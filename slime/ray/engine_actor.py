@@ -67,3 +67,6 @@ class EngineActor:
     def shutdown(self) -> None:
         if self.server is not None:
             self.server.stop()
+            # Finalise the Popen now: left for actor teardown, its __del__ can be what Ray's SIGTERM interrupts,
+            # which printed an "Exception ignored ... SystemExit" traceback at the end of every run.
+            self.server = None
