@@ -2,7 +2,7 @@
 the plain step loop and once with overlapped scheduling. For each: prefill time, decode wall time per step, and,
 from a torch profiler trace of 16 decode steps, the GPU's busy time per step (the union of its kernels' intervals)
 and so how long the GPU sat idle waiting for the host. Then the kernels of the plain loop's steps by GPU time, and
-the plain loop's `Engine.step` split into schedule / model run (forward + sampling + the one host sync) /
+the plain loop's `Engine.step` split into schedule / launch (forward + sampling, synchronised) / collect /
 postprocess / the rest (outputs, stop rules), timed with GPU synchronisation.
 
     python benchmarks/profile_engine.py [--output-len 96] [--num-prompts 256]
@@ -83,7 +83,8 @@ def profile_mode(model_path: str, prompts, args, overlap: bool) -> dict:
     totals: dict[str, float] = defaultdict(float)
     if not overlap:
         timed(engine.scheduler, "schedule", totals, False)
-        timed(engine.model_runner, "run", totals, True)
+        timed(engine.model_runner, "launch", totals, True)  # synchronised: the forward and sampling's GPU time
+        timed(engine.model_runner, "collect", totals, False)
         timed(engine.scheduler, "postprocess", totals, False)
     num_steps, started = 0, time.perf_counter()
     while engine.has_unfinished_requests():
