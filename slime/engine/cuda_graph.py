@@ -10,12 +10,17 @@ used for prefill, on CPU, with enforce_eager, or beyond the largest bucket (the 
 
 from __future__ import annotations
 
+import logging
+import time
+
 import numpy as np
 import torch
 from torch import nn
 
 from slime.engine.host_staging import HostStaging
 from slime.engine.layers.attention import AttentionMetadata
+
+logger = logging.getLogger(__name__)
 
 
 def bucket_batch_sizes(max_num_seqs: int) -> list[int]:
@@ -62,6 +67,9 @@ class DecodeGraphs:
         self.hidden[:batch_size] = self.model(self.input_ids[:batch_size], self.positions[:batch_size], meta)
 
     def _capture(self) -> None:
+        """Capture every bucket, largest first (the smaller graphs reuse its memory pool). Runs at start-up and again
+        after each release of the weights or KV cache (colocated RL: once per rollout); its time is logged."""
+        started = time.perf_counter()
         self.slot_mapping.fill_(self.scratch_slot)
         pool = None
         for batch_size in reversed(self.batch_sizes):
@@ -72,6 +80,8 @@ class DecodeGraphs:
             pool = graph.pool() if pool is None else pool
             self.graphs[batch_size] = graph
         torch.cuda.synchronize()
+        logger.info("captured %d decode CUDA graphs (batch sizes up to %d) in %.2f s", len(self.graphs),
+                    self.batch_sizes[-1], time.perf_counter() - started)
 
     def run(self, token_inputs: np.ndarray, block_tables: np.ndarray,
             input_tokens: torch.Tensor | None = None) -> torch.Tensor:
