@@ -31,8 +31,10 @@ def engine_server_command(args, port: int) -> list[str]:
         if "gpu_memory_utilization" in args.engine_config:
             cmd += ["--mem-fraction-static", str(args.engine_config["gpu_memory_utilization"])]
         return cmd
+    # Info level: the engine's log file (engine_<rank>.log) then records its start-up and CUDA-graph capture times.
     cmd = [sys.executable, "-m", "slime.engine.server", "--model-path", args.hf_checkpoint,
-           "--host", "127.0.0.1", "--port", str(port), "--device", args.device, "--seed", str(args.seed)]
+           "--host", "127.0.0.1", "--port", str(port), "--device", args.device, "--seed", str(args.seed),
+           "--log-level", "info"]
     for field, value in args.engine_config.items():
         flag = "--" + field.replace("_", "-")
         if isinstance(value, bool):
