@@ -42,11 +42,9 @@ import datetime
 import gc
 import json
 import platform
-import random
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -54,14 +52,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.engine_checkpoints import (  # noqa: E402
-    QWEN3_06B_SHAPE,
-    QWEN3_8B_SHAPE,
-    TINY_LARGE_SHAPE,
-    TINY_SHAPE,
-    build_checkpoint,
-    make_prompts,
-)
+from benchmarks.engine_checkpoints import build_checkpoint, make_prompts  # noqa: E402
 from benchmarks.engine_host_step import bench_host_step  # noqa: E402
 from benchmarks.engine_weights_memory import (  # noqa: E402
     bench_release_resume,
@@ -69,6 +60,8 @@ from benchmarks.engine_weights_memory import (  # noqa: E402
     free_device_memory,
     synchronize,
 )
+from benchmarks.engine_workloads import Workload, make_workload  # noqa: E402
+from benchmarks.gpu_trace import gc_pauses  # noqa: E402
 
 PEAK_BANDWIDTH_TB_S = 4.25  # H200 HBM3e
 HF_W2_REFERENCE_TOK_S = 635.0  # transformers generate on W2, same H200, measured in an earlier session (FACTS)
@@ -80,21 +73,6 @@ PRESETS = {
     # The engine-speed issue's CPU bar: the quickstart's model (built by examples/quickstart/task.py), W1 only.
     "quickstart": dict(num_prompts=64, input_len=32, output_len=64, device="cpu", dtype="float32"),
 }
-# (W2 sequences, W2 min length, W2 max length, W3 prompts, W3 prompt length, W3 max output)
-WORKLOAD_SIZES = {"tiny": (16, 8, 64, 4, 64, 32), "qwen3-0.6b": (256, 100, 1024, 64, 512, 1024)}
-W3_SAMPLES_PER_PROMPT = 8
-
-
-@dataclass
-class Workload:
-    name: str
-    title: str
-    shape: dict  # the model's config.json fields
-    prompts: list[list[int]]
-    max_new_tokens: list[int]
-    temperature: float
-    ignore_eos: bool
-    samples_per_prompt: int = 1  # consecutive prompts share their token ids (the n samples of a GRPO group)
 
 
 def parse_args(argv=None):
@@ -110,7 +88,7 @@ def parse_args(argv=None):
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--overlap-schedule", action=argparse.BooleanOptionalAction, default=None,
                         help="the engine's overlapped scheduling (next decode step launched before the last one's "
-                             "tokens reach the host); default: the engine's (off)")
+                             "tokens reach the host); default: the engine's (on for CUDA)")
     parser.add_argument("--skip-hf", action="store_true", help="measure the engine only (no ratio) on every workload")
     parser.add_argument("--hf-workloads", default="w1",
                         help="comma-separated workloads on which HF generate is measured too (default w1)")
@@ -135,51 +113,7 @@ def parse_args(argv=None):
     return args
 
 
-# ---- workloads --------------------------------------------------------------------------------------------------
-
-def make_workload(name: str, args) -> Workload:
-    tiny = args.preset == "tiny"
-    small_shape = TINY_SHAPE if tiny else QWEN3_06B_SHAPE
-    if name in ("w1", "w4"):
-        shape = small_shape if name == "w1" else (TINY_LARGE_SHAPE if tiny else QWEN3_8B_SHAPE)
-        prompts = make_prompts(args.num_prompts, args.input_len, shape["vocab_size"], args.seed)
-        title = f"{'W1' if name == 'w1' else 'W4 (8B shape)'}: {args.num_prompts} x {args.input_len} in, " \
-                f"{args.output_len} out, T=1"
-        return Workload(name, title, shape, prompts, [args.output_len] * args.num_prompts, 1.0, True)
-    num_seqs, min_len, max_len, num_groups, prompt_len, max_output = WORKLOAD_SIZES[args.preset]
-    if name == "w2":
-        # nano-vllm's bench.py, draw for draw: all prompts first, then all output lengths.
-        rng = random.Random(args.seed)
-        max_token_id = min(10000, small_shape["vocab_size"] - 1)
-        prompts = [[rng.randint(0, max_token_id) for _ in range(rng.randint(min_len, max_len))]
-                   for _ in range(num_seqs)]
-        max_new_tokens = [rng.randint(min_len, max_len) for _ in range(num_seqs)]
-        title = f"W2 (nano-vllm): {num_seqs} seqs, in/out uniform [{min_len}, {max_len}], T=0.6"
-        return Workload(name, title, small_shape, prompts, max_new_tokens, 0.6, True)
-    groups = make_prompts(num_groups, prompt_len, small_shape["vocab_size"], args.seed)
-    prompts = [prompt for prompt in groups for _ in range(W3_SAMPLES_PER_PROMPT)]
-    title = f"W3 (GRPO): {num_groups} prompts x {W3_SAMPLES_PER_PROMPT} samples, {prompt_len} in, <= {max_output} out"
-    return Workload(name, title, small_shape, prompts, [max_output] * len(prompts), 1.0, False,
-                    samples_per_prompt=W3_SAMPLES_PER_PROMPT)
-
-
 # ---- measurements -----------------------------------------------------------------------------------------------
-
-class GcPauses(list):
-    """Durations (s) of the garbage collections that run while `callback` is in `gc.callbacks`."""
-
-    def callback(self, phase: str, info: dict) -> None:
-        if phase == "start":
-            self.started = time.perf_counter()
-        elif hasattr(self, "started"):
-            self.append(time.perf_counter() - self.started)
-
-
-def gc_pauses() -> GcPauses:
-    pauses = GcPauses()
-    gc.callbacks.append(pauses.callback)
-    return pauses
-
 
 def bench_engine(model_path: Path, workload: Workload, args, measure_weights_and_memory: bool) -> dict:
     from slime.engine.engine import Engine

@@ -1,7 +1,11 @@
-"""Reading torch profiler traces: how long the GPU was busy (the union of its kernels' and copies' intervals), to
-set against the wall time of the traced region; the difference is time the GPU waited for the host."""
+"""Diagnostics for benchmark runs: how long the GPU was busy in a torch profiler trace (the union of its kernels'
+and copies' intervals, to set against the wall time of the traced region; the difference is time the GPU waited for
+the host), which Triton kernels compiled, and how long Python's garbage collections paused the run."""
 
 from __future__ import annotations
+
+import gc
+import time
 
 import torch
 
@@ -38,3 +42,19 @@ def log_triton_compiles(label: str = "triton") -> list[str]:
 
     knobs.runtime.jit_post_compile_hook = hook
     return compiled
+
+
+class GcPauses(list):
+    """Durations (s) of the garbage collections that run while `callback` is in `gc.callbacks`."""
+
+    def callback(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self.started = time.perf_counter()
+        elif hasattr(self, "started"):
+            self.append(time.perf_counter() - self.started)
+
+
+def gc_pauses() -> GcPauses:
+    pauses = GcPauses()
+    gc.callbacks.append(pauses.callback)
+    return pauses

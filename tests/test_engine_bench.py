@@ -63,7 +63,9 @@ def test_sharded_random_checkpoint_loads_into_engine_and_transformers(tmp_path):
 
     from slime.engine.engine import Engine
 
-    path = bench_engine.build_checkpoint(tmp_path, bench_engine.TINY_SHAPE, torch.float32, "cpu", 0, 100_000)
+    from benchmarks.engine_checkpoints import TINY_SHAPE
+
+    path = bench_engine.build_checkpoint(tmp_path, TINY_SHAPE, torch.float32, "cpu", 0, 100_000)
     index = json.loads((path / "model.safetensors.index.json").read_text())
     assert len(set(index["weight_map"].values())) == len(list(path.glob("*.safetensors"))) > 1
     engine = Engine(str(path), device="cpu", num_kvcache_blocks=16)  # raises on any missing weight
