@@ -35,6 +35,20 @@ class HostStaging:
         self.copy_(out, array)
         return out
 
+    def to_device_packed(self, arrays: list[np.ndarray], dtype) -> list[torch.Tensor]:
+        """1-D arrays as device tensors of `dtype`, sent in one transfer. Each piece starts 16-byte aligned: Triton
+        kernels are compiled per pointer alignment, and a misaligned piece would trigger a recompilation mid-run."""
+        align = 16 // np.dtype(dtype).itemsize
+        sizes = [len(array) for array in arrays]
+        padded_sizes = [-(-size // align) * align for size in sizes]
+        packed = np.zeros(sum(padded_sizes), dtype=dtype)
+        offset = 0
+        for array, padded_size in zip(arrays, padded_sizes):
+            packed[offset : offset + len(array)] = array
+            offset += padded_size
+        pieces = self.to_device(packed).split(padded_sizes)
+        return [piece[:size] for piece, size in zip(pieces, sizes)]
+
     def copy_(self, destination: torch.Tensor, array: np.ndarray) -> None:
         """destination.copy_(array), queued on the current stream without waiting for the GPU."""
         if not self.pinned:

@@ -23,7 +23,9 @@ from slime.engine.layers.attention import AttentionMetadata
 from slime.engine.models import DecoderForCausalLM, ModelConfig
 from slime.engine.models.weight_loader import load_checkpoint
 from slime.engine.sampler import SamplingBatch, sample
+from slime.engine.sampling_params import SamplingParams
 from slime.engine.scheduler import ScheduledSequence
+from slime.engine.sequence import Sequence
 
 CPU_KV_CACHE_RAM_FRACTION = 0.25
 
@@ -174,13 +176,11 @@ class ModelRunner:
         """On CUDA, run what the first real batches would, on dummy sequences: a prefill chunk of `num_tokens`
         tokens that samples every sequence, then a decode step of `num_decode_rows` rows (which captures the CUDA
         graphs). Kernel compilation and lazy loading of GPU code then happen at start-up, not in a request's first
-        steps (measured: two first prefill steps of 300-360 ms instead of ~30 ms). The dummies' K/V all go to the
-        scratch cache block that no request owns; the block manager and prefix cache are not involved."""
+        steps (measured on an H200: the sampling kernel compiling inside a run's first prefill steps made them
+        300-360 ms instead of ~30 ms). The dummies' K/V all go to the scratch cache block that no request owns; the
+        block manager and prefix cache are not involved."""
         if self.device.type != "cuda":
             return
-        from slime.engine.sampling_params import SamplingParams
-        from slime.engine.sequence import Sequence
-
         params = SamplingParams(temperature=1.0, max_new_tokens=1, ignore_eos=True)
         length = self.block_size
         seqs = [Sequence(f"warm-up-{i}", [0] * length, params, i) for i in range(max(1, num_tokens // length))]
@@ -188,14 +188,8 @@ class ModelRunner:
             seq.block_table = [self.num_kvcache_blocks]  # the scratch block past those the block manager owns
         self.collect(self.launch([ScheduledSequence(seq, 0, length, True) for seq in seqs]))
         self.collect(self.launch([ScheduledSequence(seq, length - 1, 1, True) for seq in seqs[:num_decode_rows]]))
-        torch.cuda.synchronize(self.device)
 
     # ---- one step -----------------------------------------------------------------------------------------------
-
-    def run(self, scheduled: list[ScheduledSequence]) -> tuple[list[int], list[float]]:
-        """Forward the batch; returns sampled token ids and log-probs for the sequences whose needs_sample is True,
-        in schedule order (one host sync)."""
-        return self.collect(self.launch(scheduled))
 
     @torch.inference_mode()
     def launch(self, scheduled: list[ScheduledSequence], input_tokens: torch.Tensor | None = None):
@@ -222,8 +216,7 @@ class ModelRunner:
         results = torch.stack([tokens.double(), log_probs.double()])  # token ids are exact in float64
         if self.device.type != "cuda":
             return LaunchedStep(tokens, results, None)
-        host = torch.empty(results.shape, dtype=results.dtype, pin_memory=True)
-        host.copy_(results, non_blocking=True)
+        host = results.to("cpu", non_blocking=True)  # lands in pinned memory
         ready = torch.cuda.Event()
         ready.record()
         return LaunchedStep(tokens, host, ready)
@@ -296,12 +289,12 @@ class ModelRunner:
         logits_indices = (cu_seqlens - 1)[[i for i, item in enumerate(scheduled) if item.needs_sample]]
         max_query_len = int(query_lens.max())
         to_device = self.staging.to_device
-        input_ids_t, positions_t, slot_mapping_t, logits_indices_t = _to_device_packed(
-            [np.asarray(input_ids, dtype=np.int64), positions, slot_mapping, logits_indices], np.int64, to_device
+        input_ids_t, positions_t, slot_mapping_t, logits_indices_t = self.staging.to_device_packed(
+            [np.asarray(input_ids, dtype=np.int64), positions, slot_mapping, logits_indices], np.int64
         )
         if self.use_triton:
-            query_start_loc, seq_lens, flat_tables = _to_device_packed(
-                [np.concatenate([[0], cu_seqlens]), starts + query_lens, block_tables.ravel()], np.int32, to_device
+            query_start_loc, seq_lens, flat_tables = self.staging.to_device_packed(
+                [np.concatenate([[0], cu_seqlens]), starts + query_lens, block_tables.ravel()], np.int32
             )
             meta = AttentionMetadata(
                 slot_mapping=slot_mapping_t,
@@ -357,12 +350,11 @@ class ModelRunner:
                     for token_id in sorted(t for t in stop_ids if t < vocab_size):
                         banned_rows.append(row)
                         banned_token_ids.append(token_id)
-        int_tensors = _to_device_packed(
+        int_tensors = self.staging.to_device_packed(
             [top_ks, seeds, steps, np.array(banned_rows, dtype=np.int64), np.array(banned_token_ids, dtype=np.int64)],
             np.int64,
-            self.staging.to_device,
         )
-        temperatures, top_ps, min_ps = _to_device_packed(list(float_columns), np.float32, self.staging.to_device)
+        temperatures, top_ps, min_ps = self.staging.to_device_packed(list(float_columns), np.float32)
         return SamplingBatch(
             temperatures=temperatures,
             top_ks=int_tensors[0],
@@ -393,18 +385,3 @@ def _padded_block_tables(tables: list[list[int]]) -> np.ndarray:
     flat = np.fromiter(itertools.chain.from_iterable(tables), dtype=np.int32, count=int(lengths.sum()))
     padded[np.arange(padded.shape[1])[None, :] < lengths[:, None]] = flat  # row-major, as the chain
     return padded
-
-
-def _to_device_packed(arrays: list[np.ndarray], dtype, to_device) -> list[torch.Tensor]:
-    """Copy 1-D arrays to the device in one transfer (`to_device`: HostStaging.to_device); each piece starts 16-byte aligned, as Triton kernels are
-    compiled per pointer alignment and a misaligned piece would trigger a recompilation mid-run."""
-    align = 16 // np.dtype(dtype).itemsize
-    sizes = [len(array) for array in arrays]
-    padded_sizes = [-(-size // align) * align for size in sizes]
-    packed = np.zeros(sum(padded_sizes), dtype=dtype)
-    offset = 0
-    for array, padded_size in zip(arrays, padded_sizes):
-        packed[offset : offset + len(array)] = array
-        offset += padded_size
-    pieces = to_device(packed).split(padded_sizes)
-    return [piece[:size] for piece, size in zip(pieces, sizes)]
