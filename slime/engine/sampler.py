@@ -72,12 +72,17 @@ def gumbel_noise(seeds: torch.Tensor, steps: torch.Tensor, vocab_size: int) -> t
     return -torch.log(exponential_noise(seeds, steps, vocab_size))
 
 
+def temperature_divisors(temperatures: torch.Tensor) -> torch.Tensor:
+    """What the logits are divided by: the temperature, or 1 for a greedy row (T = 0)."""
+    return torch.where(temperatures == 0, torch.ones_like(temperatures), temperatures)
+
+
 def draw_scores(logits: torch.Tensor, temperatures: torch.Tensor, seeds: torch.Tensor,
                 steps: torch.Tensor) -> torch.Tensor:
     """float64 [rows, vocab]: logits / T + g, or the logits for a greedy row (T = 0); the drawn token is the
     argmax. The reference of the fused kernel (tests compare against it)."""
     is_greedy = temperatures == 0
-    scaled = logits.float() / torch.where(is_greedy, torch.ones_like(temperatures), temperatures)[:, None]
+    scaled = logits.float() / temperature_divisors(temperatures)[:, None]
     noise = gumbel_noise(seeds, steps, logits.shape[-1]).to(logits.device)
     return scaled.double() + torch.where(is_greedy[:, None], torch.zeros_like(noise), noise)
 
@@ -96,8 +101,7 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Tensor, to
 
         return fused_sample(logits, batch.temperatures, batch.seeds, batch.steps)
     is_greedy = batch.temperatures == 0
-    temperatures = torch.where(is_greedy, torch.ones_like(batch.temperatures), batch.temperatures)
-    scaled = logits.float() / temperatures[:, None]
+    scaled = logits.float() / temperature_divisors(batch.temperatures)[:, None]
 
     sampling_logits = scaled
     if batch.banned_rows.numel():
@@ -142,8 +146,7 @@ def _triton_sampler_available() -> bool:
         tokens, log_probs = fused_sample(logits, temperatures, seeds, steps)
         scores = draw_scores(logits, temperatures, seeds, steps)
         agree = (tokens == scores.argmax(-1)) | near_tie_rows(scores)
-        divisors = torch.where(temperatures == 0, torch.ones_like(temperatures), temperatures)
-        expected = torch.log_softmax(logits / divisors[:, None], -1).gather(1, tokens[:, None]).squeeze(1)
+        expected = torch.log_softmax(logits / temperature_divisors(temperatures)[:, None], -1).gather(1, tokens[:, None]).squeeze(1)
         return bool(agree.all()) and bool(torch.allclose(log_probs, expected, atol=1e-4))
     except Exception:
         return False

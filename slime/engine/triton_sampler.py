@@ -92,7 +92,7 @@ def fused_sample(logits: torch.Tensor, temperatures: torch.Tensor, seeds: torch.
     -> (token ids [rows], log-probs [rows]): the Gumbel-max draw on logits / T and log_softmax(logits / T) at the
     drawn token (T = 1 for greedy rows). The vocabulary is split into chunks, enough programs to fill the GPU at
     small batches; per-chunk winners and statistics are combined with a few [rows, chunks] torch ops."""
-    from slime.engine.sampler import noise_row_keys
+    from slime.engine.sampler import noise_row_keys, temperature_divisors
 
     if logits.stride(-1) != 1:
         logits = logits.contiguous()
@@ -114,6 +114,5 @@ def fused_sample(logits: torch.Tensor, temperatures: torch.Tensor, seeds: torch.
     tokens = best_index.gather(1, best_score.argmax(1, keepdim=True)).squeeze(1)
     row_max = chunk_max.max(1, keepdim=True).values
     log_sum_exp = row_max.squeeze(1) + (chunk_sum * torch.exp(chunk_max - row_max)).sum(1).log()
-    divisors = torch.where(temperatures == 0, torch.ones_like(temperatures), temperatures)
-    token_logits = logits.gather(1, tokens[:, None]).squeeze(1).float() / divisors
+    token_logits = logits.gather(1, tokens[:, None]).squeeze(1).float() / temperature_divisors(temperatures)
     return tokens, token_logits - log_sum_exp
