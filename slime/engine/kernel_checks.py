@@ -57,13 +57,13 @@ def _sdpa_reference(q, k_cache, v_cache, table: list[int], seq_len: int) -> torc
 
 
 def triton_fused_kernels_work(device: torch.device) -> bool:
-    """Whether the fused RMSNorm / add + RMSNorm / q-k norm + rotary (alone, and with the K/V cache writes) /
-    SiLU-and-mul kernels match the torch modules here; if not, warn and keep the torch modules for those stages."""
+    """Whether the fused kernels the decoder runs (RMSNorm, add + RMSNorm, q/k norm + rotary + K/V cache writes,
+    SiLU-and-mul) match the torch modules here; if not, warn and keep the torch modules for those stages."""
     try:
         from slime.engine.layers.activation import SiluAndMul
         from slime.engine.layers.rmsnorm import RMSNorm
         from slime.engine.layers.rotary import RotaryEmbedding
-        from slime.engine.layers.triton_fused import add_rms_norm, norm_rope, qkv_rope_store, rms_norm, silu_and_mul
+        from slime.engine.layers.triton_fused import add_rms_norm, qkv_rope_store, rms_norm, silu_and_mul
 
         generator = torch.Generator(device=device).manual_seed(0)
         x = torch.randn(3, 64, 128, device=device, generator=generator)
@@ -76,9 +76,6 @@ def triton_fused_kernels_work(device: torch.device) -> bool:
         torch.testing.assert_close(silu_and_mul(x[0]), SiluAndMul()(x[0]), atol=1e-4, rtol=1e-4)
         rotary = RotaryEmbedding(128, 16, 10000.0).to(device)
         positions = torch.arange(3, device=device) * 5
-        expected_q, _ = rotary(positions, norm(x[:, :8]), x[:, :1])
-        got_q = norm_rope(x[:, :8], norm.weight, norm.eps, rotary.cos, rotary.sin, positions)
-        torch.testing.assert_close(got_q, expected_q, atol=1e-4, rtol=1e-4)
         qkv = x[:, :8].reshape(3, 8 * 128)  # 4 q heads, 2 k heads, 2 v heads
         k_cache, v_cache = torch.zeros(2, 2, 4, 2, 128, device=device)
         slots = torch.tensor([5, 0, 3], device=device)

@@ -218,7 +218,9 @@ def norm_rope(
     positions: torch.Tensor,
 ) -> torch.Tensor:
     """x [num_tokens, num_heads, head_dim] (a strided view is fine) -> contiguous result of optional per-head
-    RMSNorm (weight [head_dim]) then rotary embedding at `positions`; cos / sin [max_position, head_dim] float32."""
+    RMSNorm (weight [head_dim]) then rotary embedding at `positions`; cos / sin [max_position, head_dim] float32.
+    The decoder runs `qkv_rope_store` (the same arithmetic plus the cache writes); this one-tensor form is its
+    tested building block and the tests' reference for it."""
     num_tokens, num_heads, head_dim = x.shape
     assert x.stride(-1) == 1 and cos.is_contiguous() and sin.is_contiguous()
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
