@@ -47,7 +47,7 @@ from slime.backends.fsdp_utils.model import (
     load_hf_model,
     read_hf_weights,
 )
-from slime.backends.fsdp_utils.optimizer import build_optimizer
+from slime.backends.fsdp_utils.optimizer import build_optimizer, move_training_state
 from slime.backends.fsdp_utils.update_weight import WeightUpdater
 from slime.utils.misc import load_function, seed_everything
 from slime.utils.ppo_utils import apply_opd_advantage, compute_mismatch_metrics, loss_denominator
@@ -378,28 +378,9 @@ class FSDPTrainer:
     # ---------------------------------------------------------------------------------------- offload
     def offload(self) -> None:
         """GPU: move parameters and optimizer state to host memory and release the cache. CPU: nothing to do."""
-        self._move_states("cpu")
+        if self.device.type == "cuda":
+            move_training_state(self.model, self.optimizer, "cpu")
 
     def onload(self) -> None:
-        self._move_states(self.device)
-
-    def _move_states(self, device) -> None:
-        if self.device.type != "cuda":
-            return
-        # Swap tensors in place so the optimizer's references to the parameters stay valid. Non-blocking: copies
-        # to the host land in pinned memory (from the caching host allocator, reused across offloads), several
-        # times faster than pageable copies and without a stream sync per tensor; one sync at the end.
-        swap = torch.__future__.get_swap_module_params_on_conversion()
-        torch.__future__.set_swap_module_params_on_conversion(True)
-        try:
-            self.model.to(device, non_blocking=True)
-        finally:
-            torch.__future__.set_swap_module_params_on_conversion(swap)
-        # Fused AdamW keeps its step counts on the parameters' device; the default one keeps them on the host.
-        move_steps = bool(self.optimizer.defaults.get("fused"))
-        for state in self.optimizer.state.values():
-            for key, value in state.items():
-                if isinstance(value, torch.Tensor) and (key != "step" or move_steps):
-                    state[key] = value.to(device, non_blocking=True)
-        torch.cuda.synchronize()
-        torch.cuda.empty_cache()
+        if self.device.type == "cuda":
+            move_training_state(self.model, self.optimizer, self.device)
