@@ -10,7 +10,6 @@ test_rollout_engine.py covers the temperature-1 path against an independent Hugg
 import asyncio
 import functools
 import json
-import subprocess
 from types import SimpleNamespace
 
 import httpx
@@ -22,7 +21,6 @@ from slime.ray.router import register_worker as router_register_worker
 from slime.rollout import http_client, sglang_rollout
 from slime.rollout.data_source import RolloutDataSourceWithBuffer
 from slime.rollout.dataset import load_tokenizer
-from slime.rollout.eval import compute_pass_at_k
 from slime.rollout.sglang_rollout import build_sampling_params, generate, generate_rollout, get_last_rollout_metrics
 from slime.utils.misc import find_free_port
 from slime.utils.types import Sample
@@ -30,24 +28,6 @@ from slime.utils.types import Sample
 MAX_RESPONSE_LEN = 6
 LONG_RESPONSE_LEN = 256  # groups that are still generating when group 0 (2 tokens) has finished
 LONG_PROMPT = "The quick brown fox jumps over the lazy dog. " * 4  # > 2 KV blocks: the prefix cache can hit
-
-
-# ---------------------------------------------------------------- router helpers (also used by test_rollout_engine)
-def launch_router(port: int) -> subprocess.Popen:
-    return RouterProcess(port=port, policy="round_robin").process
-
-
-def register_worker(router_port: int, worker_url: str, timeout_s: float = 60) -> None:
-    router_register_worker(f"http://127.0.0.1:{router_port}", worker_url, timeout=timeout_s)
-
-
-def stop(proc: subprocess.Popen) -> None:
-    proc.terminate()
-    try:
-        proc.wait(timeout=10)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
 
 
 # ---------------------------------------------------------------- test hooks (loaded by dotted path)
@@ -400,19 +380,3 @@ def test_eval_uses_eval_params_and_returns_per_dataset_results(make_args, tmp_pa
             assert sample.rollout_log_probs == pytest.approx(at_eval, abs=2e-3)
             assert max(abs(a - b) for a, b in zip(at_eval, at_rollout)) > 1e-2
     assert results["b"]["rewards"] == [1.0, 1.0, 1.0, 1.0, 0.0, 1.0]  # reward_by_index on eval indices
-
-
-def test_pass_at_k_matches_the_combinatorial_definition():
-    import itertools
-
-    rewards = [[1, 0, 0, 1, 0], [0, 0, 0, 0, 0], [1, 1, 1, 1, 1]]
-    for k in (1, 2, 3, 5):
-        brute = sum(
-            sum(any(r[i] > 0 for i in subset) for subset in itertools.combinations(range(5), k))
-            / len(list(itertools.combinations(range(5), k)))
-            for r in rewards
-        ) / len(rewards)
-        assert compute_pass_at_k(rewards, k) == pytest.approx(brute)
-    assert compute_pass_at_k(rewards, 1) == pytest.approx((0.4 + 0 + 1) / 3)
-    with pytest.raises(ValueError, match="pass@6"):
-        compute_pass_at_k(rewards, 6)

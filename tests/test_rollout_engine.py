@@ -20,7 +20,7 @@ from slime.rollout.dataset import load_tokenizer
 from slime.rollout.sglang_rollout import generate, generate_rollout, get_last_rollout_metrics
 from slime.utils.misc import find_free_port
 from slime.utils.types import Sample
-from test_rollout import launch_router, register_worker, stop
+from router_helpers import launch_router, register_worker, stop
 
 MAX_RESPONSE_LEN = 8
 LONG_RESPONSE_LEN = 200
