@@ -87,6 +87,8 @@ def run_slime(checkpoint, tokens, response_lengths, rewards, opts):
         argv.append("--recompute-activations")
     if opts.compile_model:
         argv.append("--compile-model")
+    if not opts.reshard_after_forward:
+        argv.append("--no-reshard-after-forward")
     args = parse_args(argv)
     trainer = FSDPTrainer(args, 0, 1, "127.0.0.1", find_free_port())
     trainer.init(with_ref=False)
@@ -197,6 +199,8 @@ def main():
     parser.add_argument("--max-tokens-per-gpu", type=int, default=16384, help="slime packed micro-batch budget")
     parser.add_argument("--recompute-activations", action="store_true")
     parser.add_argument("--compile-model", action="store_true", help="slime's --compile-model")
+    parser.add_argument("--reshard-after-forward", action=argparse.BooleanOptionalAction, default=True,
+                        help="slime's --[no-]reshard-after-forward")
     parser.add_argument("--num-iters", type=int, default=3)
     parser.add_argument("--skip-baseline", action="store_true")
     parser.add_argument("--profile", action="store_true", help="print the GPU kernels of one slime step first")
@@ -225,7 +229,7 @@ def main():
         "slime_seconds": slime_s, "slime_tokens_per_s": sum(lengths) / slime_s,
         "slime_mfu": flops / slime_s / PEAK_FLOPS, "slime_peak_memory_gb": slime_mem / 2**30,
         "max_tokens_per_gpu": opts.max_tokens_per_gpu, "recompute_activations": opts.recompute_activations,
-        "compile_model": opts.compile_model,
+        "compile_model": opts.compile_model, "reshard_after_forward": opts.reshard_after_forward,
         "log_prob_seconds": log_prob_s, "log_prob_tokens_per_s": sum(lengths) / log_prob_s,
         "log_prob_mfu": log_prob_flops / log_prob_s / PEAK_FLOPS, "log_prob_over_train_speed": slime_s / log_prob_s,
     }

@@ -40,6 +40,9 @@ run_step() {
     train_06b_c) python3 benchmarks/bench_train.py --model-shape qwen3-0.6b --compile-model --micro-batch-size 4 ;;
     train_17b_c) python3 benchmarks/bench_train.py --model-shape qwen3-1.7b --compile-model --micro-batch-size 2 ;;
     train_4b_c) python3 benchmarks/bench_train.py --model-shape qwen3-4b --compile-model --micro-batch-size 2 ;;
+    train_4b_c_keep) python3 benchmarks/bench_train.py --model-shape qwen3-4b --compile-model --micro-batch-size 2 --no-reshard-after-forward ;;
+    train_4b_c_keep_skip) python3 benchmarks/bench_train.py --model-shape qwen3-4b --compile-model --no-reshard-after-forward --skip-baseline ;;
+    train_4b_c_skip) python3 benchmarks/bench_train.py --model-shape qwen3-4b --compile-model --skip-baseline ;;
     train_4b_c_es) PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True python3 benchmarks/bench_train.py --model-shape qwen3-4b --compile-model --micro-batch-size 2 ;;
     train_4b_c_8k) PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True python3 benchmarks/bench_train.py --model-shape qwen3-4b --compile-model --micro-batch-size 2 --max-tokens-per-gpu 8192 ;;
     overlap_tests) python3 -m pytest -q -m gpu tests/test_engine_overlap.py tests/test_host_staging.py tests/test_engine_cuda.py ;;

@@ -161,3 +161,19 @@ def test_compiled_layers_give_the_same_step(tiny_checkpoint):
     assert compiled["train/loss"] == pytest.approx(plain["train/loss"], rel=1e-5)
     for name, grad in compiled_grads[0].items():
         torch.testing.assert_close(grad, plain_grads[0][name], rtol=1e-4, atol=1e-6)
+
+
+def test_keeping_gathered_parameters_gives_the_same_steps(tiny_checkpoint):
+    """--no-reshard-after-forward: the same losses and gradients over two optimizer steps, with no-grad log-prob
+    passes of the actor and of the swapped-in reference in between (a stale gathered copy of the parameters would
+    show in the second step)."""
+    data = make_train_data(8, vocab_size=300, seed=23, num_steps=2)
+    algorithm = ("--micro-batch-size", "2", "--use-kl-loss", "--kl-loss-coef", "0.1", "--ref-load", tiny_checkpoint)
+    plain, plain_grads = _one_step(tiny_checkpoint, data, *algorithm)
+    kept, kept_grads = _one_step(tiny_checkpoint, data, *algorithm, "--no-reshard-after-forward")
+    for key in ("train/loss", "train/kl_loss", "train/grad_norm", "train/ppo_kl"):
+        assert kept[key] == pytest.approx(plain[key], rel=1e-6, abs=1e-9), key
+    assert len(kept_grads) == 2
+    for step_grads, step_reference in zip(kept_grads, plain_grads):
+        for name, grad in step_grads.items():
+            torch.testing.assert_close(grad, step_reference[name], rtol=1e-6, atol=1e-8)

@@ -88,6 +88,11 @@ def add_model_arguments(parser):
     g.add_argument("--compile-model", action="store_true",
                    help="torch.compile each decoder layer's forward (dynamic shapes; fuses the elementwise work "
                         "around the matmuls; the first steps pay the compile time)")
+    g.add_argument("--reshard-after-forward", action=argparse.BooleanOptionalAction, default=True,
+                   help="FSDP2: free each decoder layer's gathered bf16 parameters after its forward and gather them "
+                        "again for the backward (default). --no-reshard-after-forward keeps them: one gather and "
+                        "fp32 -> bf16 cast fewer per layer and micro-batch, for a bf16 copy of the model's "
+                        "parameters (unsharded) held in GPU memory through each pass")
     g.add_argument("--log-probs-chunk-size", type=int, default=-1,
                    help="tokens per chunk of the log-prob head; <= 0: its default (4096 with the fused GPU kernels, "
                         "1024 otherwise)")

@@ -40,6 +40,7 @@ from slime.backends.fsdp_utils.data import (
 )
 from slime.backends.fsdp_utils.loss import LossReducer, MicroBatchTensors, aggregation_mode, get_loss_function
 from slime.backends.fsdp_utils.model import (
+    ShardOptions,
     WeightSnapshot,
     attention_implementation,
     build_policy_model,
@@ -107,11 +108,8 @@ class FSDPTrainer:
             raise ValueError("no model to train: pass --hf-checkpoint (a Hugging Face folder)")
         hf_model = load_hf_model(weights_path, attention_implementation(self.device))
         self.hf_config = hf_model.config
-        self.model = build_policy_model(
-            hf_model, self.mesh, temperature=args.rollout_temperature, chunk_size=args.log_probs_chunk_size,
-            mixed_precision=self.device.type == "cuda", recompute_activations=args.recompute_activations,
-            compile_layers=args.compile_model,
-        )
+        self.model = build_policy_model(hf_model, self.mesh, ShardOptions.from_args(args, self.device),
+                                        temperature=args.rollout_temperature, chunk_size=args.log_probs_chunk_size)
         self.model.train()  # from_pretrained returns eval mode; HF activation checkpointing only runs in train mode
         self.optimizer, self.scheduler = build_optimizer(args, self.model.parameters())
         self.snapshot = WeightSnapshot(self.model)

@@ -1,5 +1,5 @@
-"""Attention over packed micro-batches on the GPU: FlashAttention's variable-length kernel (through
-`torch.nn.attention.varlen`), registered with transformers as the attention implementation `slime_varlen`.
+"""Attention over packed micro-batches on the GPU: FlashAttention's variable-length kernel, registered with
+transformers as the attention implementation `slime_varlen`.
 
 A packed row holds several samples back to back; `cu_seqlens` ([num_samples + 1], int32, cumulative lengths)
 tells the kernel where each starts, so no token attends across samples and no [T, T] mask is ever built (sdpa
@@ -7,32 +7,25 @@ with restarting position_ids builds a dense block-diagonal mask: quadratic memor
 The model's forward passes `cu_seq_lens_q` / `max_length_q` (transformers' FlashAttention keyword names), and
 transformers hands them through every decoder layer to `varlen_attention_forward`.
 
+The kernel is torch's built-in FlashAttention (`aten._flash_attention_forward` / `_backward`), wrapped here as a
+custom op with its own backward rather than through `torch.nn.attention.varlen.varlen_attn`: that wrapper only
+takes grouped-query attention from torch 2.12 on, and repeating K/V to the query heads (the way around it) costs
+a copy of K and V per layer in forward, their reduction in backward, and the repeated copies kept for backward
+(about 7 GB of activations for Qwen3-4B at 16k-token micro-batches). The kernel itself reads grouped K/V.
+
 Not for the CPU: there the trainer keeps sdpa. `varlen_supported()` says whether this torch has the kernel.
 """
 
 from __future__ import annotations
-
-import inspect
-import math
 
 import torch
 
 VARLEN = "slime_varlen"
 
 
-def _import_varlen_attn():
-    try:
-        from torch.nn.attention.varlen import varlen_attn
-    except ImportError:
-        return None
-    return varlen_attn
-
-
-_VARLEN_ATTN = _import_varlen_attn()
-
-
 def varlen_supported(device: torch.device) -> bool:
-    return device.type == "cuda" and _VARLEN_ATTN is not None and bool(_CAUSAL)
+    return (device.type == "cuda" and torch.backends.cuda.is_flash_attention_available()
+            and hasattr(torch.ops.aten, "_flash_attention_backward"))
 
 
 def varlen_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, *,
@@ -45,31 +38,57 @@ def varlen_attention_forward(module, query, key, value, attention_mask, scaling=
                          "for other uses")
     if query.shape[0] != 1:
         raise ValueError(f"{VARLEN!r} takes one packed row, got a batch of {query.shape[0]}")
-    q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # [T, H, D]
-    if k.shape[1] != q.shape[1] and not _SUPPORTS_GQA:
-        repeat = q.shape[1] // k.shape[1]
-        k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
-    out = _call_varlen(q.contiguous(), k.contiguous(), v.contiguous(), cu_seq_lens_q, int(max_length_q), scaling)
+    q, k, v = (t[0].transpose(0, 1).contiguous() for t in (query, key, value))  # [T, H, D]
+    scale = query.shape[-1] ** -0.5 if scaling is None else float(scaling)
+    out, _ = flash_varlen_causal(q, k, v, cu_seq_lens_q, int(max_length_q), scale)
     return out.unsqueeze(0), None
 
 
-def _call_varlen(q, k, v, cu_seqlens, max_len, scale):
-    kwargs = dict(_CAUSAL)
-    if "scale" in _PARAMS:
-        kwargs["scale"] = scale
-    elif scale is not None and not math.isclose(scale, q.shape[-1] ** -0.5):
-        raise ValueError(f"this torch's varlen_attn has no scale argument; the model needs scale {scale}")
-    if _SUPPORTS_GQA and k.shape[1] != q.shape[1]:
-        kwargs["enable_gqa"] = True
-    return _VARLEN_ATTN(q, k, v, cu_seqlens, cu_seqlens, max_len, max_len, **kwargs)
+def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, max_len: int,
+             scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    out, log_sum_exp, *_ = torch.ops.aten._flash_attention_forward(
+        q, k, v, cu_seqlens, cu_seqlens, max_len, max_len, 0.0, True, False, scale=scale)
+    return out, log_sum_exp
 
 
-# The keyword set of varlen_attn changed across torch releases: 2.10 has is_causal; later ones window_size
-# ((-1, 0) is causal), scale and, from 2.12, enable_gqa (earlier, K/V heads are repeated to the query heads).
-_PARAMS = set(inspect.signature(_VARLEN_ATTN).parameters) if _VARLEN_ATTN is not None else set()
-_CAUSAL = ({"is_causal": True} if "is_causal" in _PARAMS
-           else {"window_size": (-1, 0)} if "window_size" in _PARAMS else {})
-_SUPPORTS_GQA = "enable_gqa" in _PARAMS
+def _backward_kernel(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                     log_sum_exp: torch.Tensor, cu_seqlens: torch.Tensor, max_len: int,
+                     scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    # No dropout, so the kernel never reads the random-number state (torch's own wrapper passes the same).
+    rng_state = torch.zeros(2, dtype=torch.uint64, device=q.device)
+    unused = torch.empty(0, device=q.device)
+    dq, dk, dv = torch.ops.aten._flash_attention_backward(
+        grad_out.contiguous(), q, k, v, out, log_sum_exp, cu_seqlens, cu_seqlens, max_len, max_len, 0.0, True,
+        rng_state, unused, scale=scale)
+    return dq, dk, dv
+
+
+# Custom ops, so that torch.compile treats the kernels as opaque calls; the same functions serve as their fake
+# (tracing) implementations, where the aten ops answer with torch's own meta shapes.
+flash_varlen_causal = torch.library.custom_op("slime::flash_varlen_causal", _forward, mutates_args=())
+flash_varlen_causal.register_fake(_forward)
+flash_varlen_causal.__doc__ = """Causal attention within each packed sample: q [T, Hq, D], k/v [T, Hkv, D] with Hq a
+multiple of Hkv. Returns the output [T, Hq, D] and the log-sum-exp the backward needs."""
+_flash_varlen_causal_backward = torch.library.custom_op("slime::flash_varlen_causal_backward", _backward_kernel,
+                                                        mutates_args=())
+_flash_varlen_causal_backward.register_fake(_backward_kernel)
+
+
+def _save_for_backward(ctx, inputs, output):
+    q, k, v, cu_seqlens, max_len, scale = inputs
+    out, log_sum_exp = output
+    ctx.save_for_backward(q, k, v, out, log_sum_exp, cu_seqlens)
+    ctx.max_len, ctx.scale = max_len, scale
+
+
+def _backward(ctx, grad_out, grad_log_sum_exp):
+    q, k, v, out, log_sum_exp, cu_seqlens = ctx.saved_tensors
+    dq, dk, dv = _flash_varlen_causal_backward(grad_out, q, k, v, out, log_sum_exp, cu_seqlens, ctx.max_len,
+                                               ctx.scale)
+    return dq, dk, dv, None, None, None
+
+
+flash_varlen_causal.register_autograd(_backward, setup_context=_save_for_backward)
 
 
 def register() -> str:

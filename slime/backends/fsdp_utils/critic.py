@@ -19,7 +19,7 @@ from slime.backends.fsdp_utils import checkpoint
 from slime.backends.fsdp_utils.actor import FSDPTrainer
 from slime.backends.fsdp_utils.data import outputs_per_sample
 from slime.backends.fsdp_utils.loss import LossReducer, MicroBatchTensors, value_loss
-from slime.backends.fsdp_utils.model import attention_implementation, load_hf_model, read_hf_weights
+from slime.backends.fsdp_utils.model import ShardOptions, attention_implementation, load_hf_model, read_hf_weights
 from slime.backends.fsdp_utils.optimizer import build_optimizer
 from slime.backends.fsdp_utils.value_model import VALUE_HEAD_KEY, build_value_model
 from slime.utils.misc import seed_everything
@@ -54,10 +54,8 @@ class FSDPCritic(FSDPTrainer):
         head = read_hf_weights(weights_path).get(VALUE_HEAD_KEY)
         hf_model = load_hf_model(weights_path, attention_implementation(self.device))
         self.hf_config = hf_model.config
-        self.model = build_value_model(hf_model, self.mesh, value_head_weight=head,
-                                       mixed_precision=self.device.type == "cuda",
-                                       recompute_activations=args.recompute_activations,
-                                       compile_layers=args.compile_model)
+        self.model = build_value_model(hf_model, self.mesh, ShardOptions.from_args(args, self.device),
+                                       value_head_weight=head)
         self.model.train()
         self.optimizer, self.scheduler = build_optimizer(args, self.model.parameters(), lr=args.critic_lr)
         if resume_dir is not None:

@@ -8,6 +8,8 @@ model lives in host memory and is swapped into the same sharded modules only whi
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
@@ -70,19 +72,37 @@ def load_hf_model(path: str, attn_implementation: str = "sdpa") -> nn.Module:
     return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation=attn_implementation)
 
 
-def shard_model(model: nn.Module, hf_model: nn.Module, mesh, *, mixed_precision: bool,
-                recompute_activations: bool, compile_layers: bool = False) -> nn.Module:
+@dataclass(frozen=True)
+class ShardOptions:
+    """How `shard_model` prepares the decoder layers. mixed_precision: bf16 compute over fp32 parameters (GPU);
+    recompute_activations: checkpoint each layer; compile_layers: torch.compile each layer's forward;
+    reshard_after_forward: free each layer's gathered bf16 parameters after its forward (False keeps them for the
+    backward: one gather and fp32 -> bf16 cast per layer per micro-batch fewer, for a bf16 copy of the whole
+    model's share held through the pass)."""
+
+    mixed_precision: bool
+    recompute_activations: bool = False
+    compile_layers: bool = False
+    reshard_after_forward: bool = True
+
+    @classmethod
+    def from_args(cls, args, device: torch.device) -> ShardOptions:
+        return cls(mixed_precision=device.type == "cuda", recompute_activations=args.recompute_activations,
+                   compile_layers=args.compile_model, reshard_after_forward=args.reshard_after_forward)
+
+
+def shard_model(model: nn.Module, hf_model: nn.Module, mesh, options: ShardOptions) -> nn.Module:
     """Checkpoint activations per decoder layer if asked, compile each layer's forward if asked (parameter names and
     FSDP's hooks stay outside the compiled code), then shard every decoder layer of `hf_model` and finally `model`
     (the wrapper holding it) as the root."""
-    if compile_layers:
+    if options.compile_layers:
         for layer in hf_model.get_decoder().layers:
             layer.forward = torch.compile(layer.forward, dynamic=True)
-    if recompute_activations:
+    if options.recompute_activations:
         hf_model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     hf_model.config.use_cache = False
-    kwargs = {"mesh": mesh}
-    if mixed_precision:
+    kwargs = {"mesh": mesh, "reshard_after_forward": options.reshard_after_forward}
+    if options.mixed_precision:
         kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     for layer in hf_model.get_decoder().layers:
         fully_shard(layer, **kwargs)
@@ -90,12 +110,9 @@ def shard_model(model: nn.Module, hf_model: nn.Module, mesh, *, mixed_precision:
     return model
 
 
-def build_policy_model(hf_model: nn.Module, mesh, *, temperature: float, chunk_size: int | None,
-                       mixed_precision: bool, recompute_activations: bool,
-                       compile_layers: bool = False) -> PolicyModel:
-    return shard_model(PolicyModel(hf_model, temperature, chunk_size), hf_model, mesh,
-                       mixed_precision=mixed_precision, recompute_activations=recompute_activations,
-                       compile_layers=compile_layers)
+def build_policy_model(hf_model: nn.Module, mesh, options: ShardOptions, *, temperature: float,
+                       chunk_size: int | None) -> PolicyModel:
+    return shard_model(PolicyModel(hf_model, temperature, chunk_size), hf_model, mesh, options)
 
 
 def reshard(model: nn.Module) -> None:

@@ -8,6 +8,8 @@ import math
 
 import torch
 
+from slime.backends.fsdp_utils.model import reshard
+
 LR_DECAY_STYLES = ("constant", "linear", "cosine")
 
 
@@ -57,7 +59,9 @@ def move_training_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer
     """Move a CUDA trainer's parameters and optimizer state to `device` ("cpu" to offload) and release the cache.
     Tensors are swapped in place, so the optimizer's references to the parameters stay valid. Non-blocking: copies
     to the host land in pinned memory (from the caching host allocator, reused across offloads), several times
-    faster than pageable copies and without a stream sync per tensor; one sync at the end."""
+    faster than pageable copies and without a stream sync per tensor; one sync at the end. Gathered parameters
+    (the root's, and every layer's with --no-reshard-after-forward) are freed first: only the shards move."""
+    reshard(model)
     swap = torch.__future__.get_swap_module_params_on_conversion()
     torch.__future__.set_swap_module_params_on_conversion(True)
     try:

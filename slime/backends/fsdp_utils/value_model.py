@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from slime.backends.fsdp_utils.data import PackedMicroBatch
-from slime.backends.fsdp_utils.model import packed_hidden_states, shard_model
+from slime.backends.fsdp_utils.model import ShardOptions, packed_hidden_states, shard_model
 
 VALUE_HEAD_KEY = "value_head.weight"
 
@@ -38,12 +38,11 @@ class ValueModel(nn.Module):
                     micro_batch.max_seqlen)
 
 
-def build_value_model(hf_model: nn.Module, mesh, *, value_head_weight: torch.Tensor | None, mixed_precision: bool,
-                      recompute_activations: bool, compile_layers: bool = False) -> ValueModel:
+def build_value_model(hf_model: nn.Module, mesh, options: ShardOptions, *,
+                      value_head_weight: torch.Tensor | None) -> ValueModel:
     """Wrap (loading `value_head_weight` when resuming a critic), then shard like the policy."""
     model = ValueModel(hf_model)
     if value_head_weight is not None:
         with torch.no_grad():
             model.value_head.weight.copy_(value_head_weight)
-    return shard_model(model, hf_model, mesh, mixed_precision=mixed_precision,
-                       recompute_activations=recompute_activations, compile_layers=compile_layers)
+    return shard_model(model, hf_model, mesh, options)
