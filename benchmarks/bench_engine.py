@@ -61,7 +61,7 @@ from benchmarks.engine_weights_memory import (  # noqa: E402
     synchronize,
 )
 from benchmarks.engine_workloads import Workload, make_workload  # noqa: E402
-from benchmarks.gpu_trace import gc_pauses  # noqa: E402
+from benchmarks.gpu_trace import StepTracer, gc_pauses  # noqa: E402
 
 PEAK_BANDWIDTH_TB_S = 4.25  # H200 HBM3e
 HF_W2_REFERENCE_TOK_S = 635.0  # transformers generate on W2, same H200, measured in an earlier session (FACTS)
@@ -93,6 +93,9 @@ def parse_args(argv=None):
     parser.add_argument("--hf-workloads", default="w1",
                         help="comma-separated workloads on which HF generate is measured too (default w1)")
     parser.add_argument("--peak-bandwidth-tb-s", type=float, default=PEAK_BANDWIDTH_TB_S)
+    parser.add_argument("--trace-steps", type=int, default=0,
+                        help="diagnosis: profile the first N steps of each timed run (host calls and GPU kernels) and "
+                             "print where their time went; the run's tok/s then includes the profiler's overhead")
     args = parser.parse_args(argv)
     for name, value in PRESETS[args.preset].items():
         if getattr(args, name) is None:
@@ -147,9 +150,13 @@ def bench_engine(model_path: Path, workload: Workload, args, measure_weights_and
     started = time.perf_counter()
     finished = []
     step_ends = []
+    tracer = StepTracer(args.device) if args.trace_steps else None
     while engine.has_unfinished_requests():
         finished.extend(output for output in engine.step() if output.finished)
         step_ends.append(time.perf_counter())
+        if tracer is not None and len(step_ends) == args.trace_steps:
+            tracer.stop_and_print()
+            tracer = None
     synchronize(args.device)
     seconds = time.perf_counter() - started
     gc.callbacks.remove(pauses.callback)
@@ -160,6 +167,13 @@ def bench_engine(model_path: Path, workload: Workload, args, measure_weights_and
     slowest = np.argsort(step_seconds)[::-1][:3]
     print("  slowest steps: " + ", ".join(f"#{i} {1000 * step_seconds[i]:.1f} ms" for i in slowest)
           + f"; median {1000 * np.median(step_seconds):.2f} ms")
+    for when, text in getattr(args, "triton_compiles", []):
+        if started <= when <= step_ends[-1]:
+            print(f"  Triton compile inside the timed run, step #{int(np.searchsorted(step_ends, when))}: {text}")
+    step_ms = np.round(1000 * step_seconds, 1)
+    print(f"  step timeline (ms): first 12 {step_ms[:12].tolist()}, last 3 {step_ms[-3:].tolist()}; p10/p50/p90/p99 "
+          + "/".join(f"{np.percentile(step_ms, q):.2f}" for q in (10, 50, 90, 99))
+          + f"; sum of steps over 5 ms: {step_ms[step_ms > 5].sum():.0f} ms of {1000 * seconds:.0f}")
 
     runner = engine.model_runner
     weight_bytes = sum(p.numel() * p.element_size() for p in runner.model.parameters())
@@ -345,7 +359,7 @@ def main(argv=None) -> dict:
     if args.device == "cuda":
         from benchmarks.gpu_trace import log_triton_compiles
 
-        log_triton_compiles()  # a kernel compiled inside a timed run is visible next to its slowest steps
+        args.triton_compiles = log_triton_compiles()  # bench_engine names any that land inside a timed run
     common = {
         "preset": args.preset,
         "device": args.device,

@@ -19,6 +19,7 @@ run_step() {
     profile_engine) python3 benchmarks/profile_engine.py ;;
     bench_engine) python3 benchmarks/bench_engine.py --preset qwen3-0.6b ;;
     engine_all) python3 benchmarks/bench_engine.py --preset qwen3-0.6b --workload all ;;
+    engine_trace) python3 benchmarks/bench_engine.py --preset qwen3-0.6b --skip-hf --trace-steps 3 ;;
     engine_w1_plain) python3 benchmarks/bench_engine.py --preset qwen3-0.6b --skip-hf --no-overlap-schedule ;;
     engine_w1_overlap) python3 benchmarks/bench_engine.py --preset qwen3-0.6b --overlap-schedule ;;
     bench_train) python3 benchmarks/bench_train.py ;;
@@ -37,6 +38,7 @@ run_step() {
     kernel_tests) python3 -m pytest -q tests/test_fsdp_gpu.py tests/test_triton_log_probs.py tests/test_fsdp_log_probs.py tests/test_paged_attention_kernel.py tests/test_engine_triton.py ;;
     bench_attention) python3 benchmarks/bench_paged_attention.py --sweep ;;
     bench_log_probs) python3 benchmarks/bench_log_probs.py ;;
+    bench_varlen) python3 benchmarks/bench_varlen_attention.py --model-shape qwen3-4b ;;
     train_06b_c) python3 benchmarks/bench_train.py --model-shape qwen3-0.6b --compile-model --micro-batch-size 4 ;;
     train_17b_c) python3 benchmarks/bench_train.py --model-shape qwen3-1.7b --compile-model --micro-batch-size 2 ;;
     train_4b_c) python3 benchmarks/bench_train.py --model-shape qwen3-4b --compile-model --micro-batch-size 2 ;;

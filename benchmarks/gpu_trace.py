@@ -1,6 +1,7 @@
 """Diagnostics for benchmark runs: how long the GPU was busy in a torch profiler trace (the union of its kernels'
 and copies' intervals, to set against the wall time of the traced region; the difference is time the GPU waited for
-the host), which Triton kernels compiled, and how long Python's garbage collections paused the run."""
+the host), which Triton kernels compiled, how long Python's garbage collections paused the run, and a profile of the
+first steps of a run (host calls, GPU kernels, Python functions)."""
 
 from __future__ import annotations
 
@@ -25,20 +26,23 @@ def busy_microseconds(prof) -> tuple[float, int]:
     return busy, len(intervals)
 
 
-def log_triton_compiles(label: str = "triton") -> list[str]:
-    """From now on, print each Triton kernel compiled in this process (a compile mid-run shows up as a slow step);
-    returns the list the names are appended to. A no-op where Triton or its compile hook is missing."""
-    compiled: list[str] = []
+def log_triton_compiles(label: str = "triton") -> list[tuple[float, str]]:
+    """From now on, print each Triton kernel compiled in this process with what it was specialised on (a compile
+    mid-run shows up as a slow step); returns the list of (time.perf_counter() when done, description) it appends
+    to. A no-op where Triton or its compile hook is missing."""
+    compiled: list[tuple[float, str]] = []
     try:
         from triton import knobs
     except ImportError:
         return compiled
 
     def hook(**kwargs):
-        name = str(kwargs.get("repr", "?"))
-        compiled.append(name)
-        kernel, _, arguments = name.partition("[")
-        print(f"[{label}] compiled {kernel}: {arguments.partition('](')[2][:400]}", flush=True)
+        name = str(kwargs.get("repr", "?")).partition("[")[0]
+        details = kwargs.get("compile") or {}
+        constants = {k: v for k, v in (details.get("constants") or {}).items() if not isinstance(v, type(None))}
+        text = f"{name} constants {constants} specialisation {details.get('configs')}"[:600]
+        compiled.append((time.perf_counter(), text))
+        print(f"[{label}] compiled {text}", flush=True)
 
     knobs.runtime.jit_post_compile_hook = hook
     return compiled
@@ -58,3 +62,30 @@ def gc_pauses() -> GcPauses:
     pauses = GcPauses()
     gc.callbacks.append(pauses.callback)
     return pauses
+
+
+class StepTracer:
+    """--trace-steps: the torch profiler (host calls, GPU kernels) and cProfile (Python functions) over the first
+    steps of a timed run."""
+
+    def __init__(self, device: str):
+        import cProfile
+
+        activities = [torch.profiler.ProfilerActivity.CPU]
+        if device == "cuda":
+            activities.append(torch.profiler.ProfilerActivity.CUDA)
+        self.torch_profile = torch.profiler.profile(activities=activities)
+        self.python_profile = cProfile.Profile()
+        self.torch_profile.__enter__()
+        self.python_profile.enable()
+
+    def stop_and_print(self) -> None:
+        import pstats
+
+        self.python_profile.disable()
+        self.torch_profile.__exit__(None, None, None)
+        averages = self.torch_profile.key_averages()
+        print(averages.table(sort_by="self_cpu_time_total", row_limit=12))
+        if any(event.device_time_total for event in averages):
+            print(averages.table(sort_by="device_time_total", row_limit=8))
+        pstats.Stats(self.python_profile).sort_stats("cumulative").print_stats(25)

@@ -264,3 +264,15 @@ def test_start_up_self_check_passes_and_catches_a_wrong_attention_kernel(monkeyp
     monkeypatch.setattr(kernel_module, "paged_attention", wrong_decode)
     with pytest.warns(UserWarning, match="Triton paged attention unavailable"):
         assert not triton_attention_works(device)
+
+
+def test_sampler_buffers_start_aligned_for_every_batch_size():
+    """Triton specialises a kernel on 16-byte pointer alignment: the sampler's outputs must be aligned whatever the
+    row count, or a new batch size compiles the kernel again mid-run."""
+    from slime.engine.triton_sampler import chunk_buffers
+
+    for num_rows in range(1, 40):
+        for num_chunks in (1, 7, 16):
+            for buffer in chunk_buffers(num_rows, num_chunks, DEVICE):
+                assert buffer.data_ptr() % 16 == 0, (num_rows, num_chunks)
+                assert buffer.shape == (num_rows, num_chunks)

@@ -86,6 +86,16 @@ def _sample_kernel(
     tl.store(chunk_sum_ptr + out, chunk_sum)
 
 
+def chunk_buffers(num_rows: int, num_chunks: int, device) -> tuple[torch.Tensor, ...]:
+    """The kernel's per-chunk outputs [rows, chunks]: best score, its index, max and sum of exp. Each is its own
+    allocation, so each starts aligned: Triton compiles a kernel per pointer alignment, and views into one shared
+    buffer would start at offsets that depend on the row count (measured on an H200: a new batch size mid-run
+    compiled the kernel again, a 300 ms step)."""
+    shape = (num_rows, num_chunks)
+    return (torch.empty(shape, dtype=torch.float32, device=device), torch.empty(shape, dtype=torch.int64, device=device),
+            torch.empty(shape, dtype=torch.float32, device=device), torch.empty(shape, dtype=torch.float32, device=device))
+
+
 def fused_sample(logits: torch.Tensor, temperatures: torch.Tensor, seeds: torch.Tensor,
                  steps: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """logits [rows, vocab] (any float dtype), temperatures [rows] float32 (0 = greedy), seeds / steps [rows] int64
@@ -103,8 +113,7 @@ def fused_sample(logits: torch.Tensor, temperatures: torch.Tensor, seeds: torch.
     num_chunks = min(NUM_CHUNKS, triton.cdiv(vocab_size, BLOCK_V))
     chunk_size = triton.cdiv(triton.cdiv(vocab_size, num_chunks), BLOCK_V) * BLOCK_V
     num_chunks = triton.cdiv(vocab_size, chunk_size)
-    best_score, chunk_max, chunk_sum = torch.empty(3, num_rows, num_chunks, dtype=torch.float32, device=logits.device)
-    best_index = torch.empty(num_rows, num_chunks, dtype=torch.int64, device=logits.device)
+    best_score, best_index, chunk_max, chunk_sum = chunk_buffers(num_rows, num_chunks, logits.device)
     temperatures = temperatures.float().contiguous()
     row_keys = noise_row_keys(seeds, steps).contiguous()
     _sample_kernel[(num_rows, num_chunks)](
