@@ -105,7 +105,7 @@ def run_slime(checkpoint, tokens, response_lengths, rewards, opts):
     torch.cuda.synchronize()
     log_prob_seconds = (time.perf_counter() - start) / opts.num_iters
     if opts.profile:
-        from benchmarks.gpu_trace import busy_microseconds
+        from benchmarks.gpu_trace import busy_microseconds, idle_gaps
 
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
             started = time.perf_counter()
@@ -115,6 +115,8 @@ def run_slime(checkpoint, tokens, response_lengths, rewards, opts):
         print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=40))
         busy_us, num_events = busy_microseconds(prof)
         print(f"profiled train step: {wall:.3f} s wall, GPU busy {busy_us / 1e6:.3f} s ({num_events} kernels/copies)")
+        for gap_us, before, after in idle_gaps(prof, 12):
+            print(f"  GPU idle {gap_us / 1e3:7.2f} ms between {before!r} and {after!r}")
     torch.cuda.reset_peak_memory_stats()
     start = time.perf_counter()
     for rollout_id in range(opts.num_iters):

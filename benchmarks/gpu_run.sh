@@ -44,6 +44,7 @@ run_step() {
     train_4b_c) python3 benchmarks/bench_train.py --model-shape qwen3-4b --compile-model --micro-batch-size 2 ;;
     train_4b_c_keep) python3 benchmarks/bench_train.py --model-shape qwen3-4b --compile-model --micro-batch-size 2 --no-reshard-after-forward ;;
     train_4b_c_keep_skip) python3 benchmarks/bench_train.py --model-shape qwen3-4b --compile-model --no-reshard-after-forward --skip-baseline ;;
+    train_4b_keep_profile) python3 benchmarks/bench_train.py --model-shape qwen3-4b --compile-model --no-reshard-after-forward --profile --skip-baseline --num-iters 1 ;;
     train_4b_c_skip) python3 benchmarks/bench_train.py --model-shape qwen3-4b --compile-model --skip-baseline ;;
     train_4b_c_es) PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True python3 benchmarks/bench_train.py --model-shape qwen3-4b --compile-model --micro-batch-size 2 ;;
     train_4b_c_8k) PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True python3 benchmarks/bench_train.py --model-shape qwen3-4b --compile-model --micro-batch-size 2 --max-tokens-per-gpu 8192 ;;

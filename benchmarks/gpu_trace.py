@@ -26,6 +26,20 @@ def busy_microseconds(prof) -> tuple[float, int]:
     return busy, len(intervals)
 
 
+def idle_gaps(prof, num_gaps: int = 8) -> list[tuple[float, str, str]]:
+    """The longest stretches in which the GPU ran nothing, as (microseconds, device event before, device event
+    after), longest first: where in a step the GPU waited for the host."""
+    events = sorted(((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+                     if e.device_type == torch.autograd.DeviceType.CUDA))
+    gaps, busy_until, last_name = [], None, ""
+    for start, end, name in events:
+        if busy_until is not None and start > busy_until:
+            gaps.append((start - busy_until, last_name[:60], name[:60]))
+        if busy_until is None or end >= busy_until:
+            busy_until, last_name = end, name
+    return sorted(gaps, reverse=True)[:num_gaps]
+
+
 def log_triton_compiles(label: str = "triton") -> list[tuple[float, str]]:
     """From now on, print each Triton kernel compiled in this process with what it was specialised on (a compile
     mid-run shows up as a slow step); returns the list of (time.perf_counter() when done, description) it appends

@@ -26,7 +26,6 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import DTensor
 
 from slime.backends.fsdp_utils import checkpoint
 from slime.backends.fsdp_utils.advantages import compute_advantages
@@ -48,7 +47,7 @@ from slime.backends.fsdp_utils.model import (
     load_hf_model,
     read_hf_weights,
 )
-from slime.backends.fsdp_utils.optimizer import build_optimizer, move_training_state
+from slime.backends.fsdp_utils.optimizer import build_optimizer, clip_grad_norm, move_training_state
 from slime.backends.fsdp_utils.update_weight import WeightUpdater
 from slime.utils.misc import load_function, seed_everything
 from slime.utils.ppo_utils import apply_opd_advantage, compute_mismatch_metrics, loss_denominator
@@ -321,10 +320,7 @@ class FSDPTrainer:
         reduced = self._all_reduce(torch.stack([sums[k] for k in keys])).tolist()
         metrics = dict(zip(keys, reduced))
         max_norm = args.clip_grad if args.clip_grad and args.clip_grad > 0 else math.inf
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
-        if isinstance(grad_norm, DTensor):
-            grad_norm = grad_norm.full_tensor()
-        metrics["grad_norm"] = float(grad_norm)
+        metrics["grad_norm"] = float(clip_grad_norm(self.model.parameters(), max_norm))
         metrics["lr"] = self.optimizer.param_groups[0]["lr"]
         if math.isfinite(metrics["grad_norm"]):
             self.optimizer.step()

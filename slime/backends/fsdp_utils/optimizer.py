@@ -7,6 +7,8 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from slime.backends.fsdp_utils.model import reshard
 
@@ -53,6 +55,33 @@ def build_optimizer(args, params, lr: float | None = None) -> tuple[torch.optim.
     else:
         factor = lambda step: 1.0  # noqa: E731
     return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+def clip_grad_norm(params, max_norm: float) -> torch.Tensor:
+    """`torch.nn.utils.clip_grad_norm_` (L2, same clip coefficient) computed on each rank's local gradient shards:
+    FSDP2 shards every parameter (none is replicated), so the squared norms of the local shards, summed over the
+    mesh, are the squared total. DTensor's generic path dispatches every tensor on the host: ~50 ms for Qwen3-4B's 398
+    parameters on an H200 host, with the GPU idle behind the step's sync. Returns the total norm (0-dim float32 on
+    the gradients' device); clips in place when `max_norm` is finite."""
+    grads, mesh = [], None
+    for param in params:
+        grad = param.grad
+        if grad is None:
+            continue
+        if isinstance(grad, DTensor):
+            assert all(placement.is_shard() for placement in grad.placements), grad.placements
+            mesh = grad.device_mesh
+            grad = grad.to_local()
+        grads.append(grad)
+    if not grads:
+        return torch.zeros(())
+    squared = torch.stack([norm.float() for norm in torch._foreach_norm(grads)]).square().sum()
+    if mesh is not None and mesh.size() > 1:
+        dist.all_reduce(squared, group=mesh.get_group())
+    total = squared.sqrt()
+    if math.isfinite(max_norm):
+        torch._foreach_mul_(grads, (max_norm / (total + 1e-6)).clamp(max=1.0))
+    return total
 
 
 def move_training_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, device) -> None:
