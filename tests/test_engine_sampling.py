@@ -171,3 +171,36 @@ def test_generate_accepts_strings(setup):
         engine.generate(["a", "b"], [{}, {}, {}])
     with pytest.raises(ValueError, match="prompt_token_ids"):
         engine.add_request([10**6], SamplingParams())
+
+
+def test_final_texts_of_a_batch_equal_one_by_one_decoding(setup):
+    """Requests finishing in the same step are decoded in one batched call: the same texts as decoding each alone,
+    with each request's own stop trimming and skip_special_tokens."""
+    from types import SimpleNamespace
+
+    from slime.engine.stop_strings import decode_many, final_texts
+
+    engine, _ = setup
+    tokenizer = engine.tokenizer
+    special = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    outputs = [list(range(40, 70)) + [special, 75], list(range(80, 95)), [special, 101, 102, special], [7]]
+    assert decode_many(tokenizer, outputs, True) == [tokenizer.decode(o, skip_special_tokens=True) for o in outputs]
+    assert decode_many(tokenizer, outputs, False) == [tokenizer.decode(o, skip_special_tokens=False) for o in outputs]
+    cut_at = tokenizer.decode(outputs[1][5:7])
+    seqs = [
+        SimpleNamespace(output_token_ids=outputs[0], finish_reason={"type": "length"},
+                        sampling_params=SamplingParams(skip_special_tokens=False)),
+        SimpleNamespace(output_token_ids=outputs[1], finish_reason={"type": "stop", "matched": cut_at},
+                        sampling_params=SamplingParams(stop=[cut_at])),
+        SimpleNamespace(output_token_ids=outputs[2], finish_reason={"type": "stop", "matched": special},
+                        sampling_params=SamplingParams(stop_token_ids=[special], skip_special_tokens=False)),
+        SimpleNamespace(output_token_ids=outputs[3], finish_reason={"type": "stop", "matched": 7},
+                        sampling_params=SamplingParams(stop_token_ids=[7], no_stop_trim=True)),
+    ]
+    full_1 = tokenizer.decode(outputs[1])
+    assert final_texts(tokenizer, seqs) == [
+        tokenizer.decode(outputs[0], skip_special_tokens=False),
+        full_1[: full_1.rfind(cut_at)],
+        tokenizer.decode(outputs[2][:-1], skip_special_tokens=False),
+        tokenizer.decode(outputs[3]),
+    ]

@@ -27,7 +27,7 @@ from slime.engine.request_output import RequestOutput
 from slime.engine.sampling_params import SamplingParams
 from slime.engine.scheduler import Scheduler
 from slime.engine.sequence import Sequence, SequenceStatus
-from slime.engine.stop_strings import final_text, find_new_stop
+from slime.engine.stop_strings import final_texts, find_new_stop
 
 MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")
 
@@ -177,7 +177,7 @@ class Engine:
         """Wait for a launched step's tokens, apply them and the stop rules; the outputs of its requests."""
         token_ids, log_probs = self.model_runner.collect(launched)
         self.scheduler.postprocess(scheduled, token_ids, log_probs)
-        outputs = []
+        progressed = []
         for item in scheduled:
             seq = item.seq
             if not item.needs_sample or self.requests.get(seq.rid) is not seq:  # or it finished a step earlier
@@ -188,14 +188,17 @@ class Engine:
                     self.scheduler.finish(seq, {"type": "stop", "matched": stop})
             if seq.status is SequenceStatus.FINISHED:
                 self.requests.pop(seq.rid, None)
-            outputs.append(self._output(seq))
-        return outputs
+            progressed.append(seq)
+        finished = [seq for seq in progressed if seq.status is SequenceStatus.FINISHED]
+        texts = dict(zip((seq.rid for seq in finished), final_texts(self.tokenizer, finished)))
+        return [self._output(seq, texts.get(seq.rid)) for seq in progressed]
 
-    def _output(self, seq: Sequence) -> RequestOutput:
-        """O(1) for a running sequence (a snapshot, sliced when read); the final text of a finished one."""
+    def _output(self, seq: Sequence, text: str | None = None) -> RequestOutput:
+        """O(1) for a running sequence (a snapshot, sliced when read); the final text of a finished one (`text` if
+        the caller decoded it already)."""
         params = seq.sampling_params
         if seq.status is SequenceStatus.FINISHED:
-            text = final_text(self.tokenizer, seq.output_token_ids, params, seq.finish_reason)
+            text = text if text is not None else final_texts(self.tokenizer, [seq])[0]
             detokenize = None
         else:
             text = None
