@@ -30,6 +30,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from slime.backends.fsdp_utils import checkpoint
 from slime.backends.fsdp_utils.advantages import compute_advantages
 from slime.backends.fsdp_utils.data import (
+    float_tensors,
     outputs_per_sample,
     pack_samples,
     pad_num_micro_batches,
@@ -175,8 +176,8 @@ class FSDPTrainer:
         args = self.args
         num_samples = len(data["tokens"])
         schedule = self._schedule(data)
-        loss_masks = [torch.tensor(m, dtype=torch.float32) for m in data["loss_masks"]]
-        rollout_log_probs = ([torch.tensor(lp, dtype=torch.float32) for lp in data["rollout_log_probs"]]
+        loss_masks = float_tensors(data["loss_masks"])
+        rollout_log_probs = (float_tensors(data["rollout_log_probs"])
                              if data.get("rollout_log_probs") else None)
         ref_log_probs = None
         if self.with_ref and (args.use_kl_loss or args.kl_coef != 0):
@@ -234,7 +235,7 @@ class FSDPTrainer:
         if not data.get("teacher_log_probs"):
             raise ValueError("--use-opd: the train data has no teacher_log_probs; pass --opd-teacher-load or have the "
                              "custom rollout / generate function set Sample.teacher_log_probs")
-        return [torch.tensor(lp, dtype=torch.float32) for lp in data["teacher_log_probs"]]
+        return float_tensors(data["teacher_log_probs"])
 
     def _global_masked_mean(self, values: list[torch.Tensor], masks: list[torch.Tensor]) -> float:
         sums = torch.tensor([float(sum((v * m).sum() for v, m in zip(values, masks))),

@@ -17,7 +17,7 @@ import torch
 
 from slime.backends.fsdp_utils import checkpoint
 from slime.backends.fsdp_utils.actor import FSDPTrainer
-from slime.backends.fsdp_utils.data import outputs_per_sample
+from slime.backends.fsdp_utils.data import float_tensors, outputs_per_sample
 from slime.backends.fsdp_utils.loss import LossReducer, MicroBatchTensors, value_loss
 from slime.backends.fsdp_utils.model import ShardOptions, attention_implementation, load_hf_model, read_hf_weights
 from slime.backends.fsdp_utils.optimizer import build_optimizer
@@ -76,7 +76,7 @@ class FSDPCritic(FSDPTrainer):
         if len(values) != len(data["tokens"]) or len(returns) != len(data["tokens"]):
             raise ValueError(f"critic got {len(values)} values and {len(returns)} returns for "
                              f"{len(data['tokens'])} samples")
-        per_sample = dict(loss_masks=[torch.tensor(m, dtype=torch.float32) for m in data["loss_masks"]],
+        per_sample = dict(loss_masks=float_tensors(data["loss_masks"]),
                           old_values=values, returns=[r.float() for r in returns])
         step_metrics = [self._train_step(micro_batches, per_sample, self._value_loss)
                         for micro_batches in self._schedule(data)]

@@ -5,13 +5,14 @@ Packing: the samples of a micro-batch are concatenated into a single row; `posit
 sample, and transformers turns restarting positions (with no attention mask and no KV cache) into a block-diagonal
 causal mask, so no token attends across samples (on the GPU, `cu_seqlens` drives FlashAttention's varlen
 kernel instead, see attention.py). Only the positions whose hidden state predicts a response token
-are gathered for the log-prob head (`logit_index`). Pure torch, no distributed code.
+are gathered for the log-prob head (`logit_index`). Pure torch and numpy, no distributed code.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from slime.backends.fsdp_utils.attention import cu_seqlens_of
@@ -65,29 +66,37 @@ def outputs_per_sample(schedule, forward, device) -> dict[int, torch.Tensor]:
     return result
 
 
+def float_tensors(rows: list[list[float]]) -> list[torch.Tensor]:
+    """Per-sample float32 tensors of Python lists (loss masks, log-probs), through numpy: ~2.5x faster than
+    torch.tensor on a list."""
+    return [torch.from_numpy(np.asarray(row, dtype=np.float32)) for row in rows]
+
+
 def pack_samples(tokens: list[list[int]], response_lengths: list[int], sample_indices: list[int]) -> PackedMicroBatch:
-    """Concatenate the given samples (full token lists, prompt + response) into one packed row."""
-    input_ids, position_ids, logit_index, target_ids, lengths, sample_lengths = [], [], [], [], [], []
-    offset = 0
+    """Concatenate the given samples (full token lists, prompt + response) into one packed row. Index arithmetic in
+    numpy: building the row element by element in Python cost ~20 ms per 80k tokens, with the GPU waiting."""
+    sample_lengths, lengths = [], []
     for index in sample_indices:
-        sample_tokens = tokens[index]
-        num_tokens, response_length = len(sample_tokens), response_lengths[index]
+        num_tokens, response_length = len(tokens[index]), response_lengths[index]
         if not 0 < response_length < num_tokens:
             raise ValueError(f"sample {index}: response_length {response_length} must be in [1, {num_tokens - 1}] "
                              "(a sample needs at least one prompt token and one response token)")
-        input_ids.extend(sample_tokens)
-        position_ids.extend(range(num_tokens))
-        first_predictor = offset + num_tokens - response_length - 1
-        logit_index.extend(range(first_predictor, first_predictor + response_length))
-        target_ids.extend(sample_tokens[num_tokens - response_length:])
-        lengths.append(response_length)
         sample_lengths.append(num_tokens)
-        offset += num_tokens
+        lengths.append(response_length)
+    input_ids = np.concatenate([np.asarray(tokens[index], dtype=np.int64) for index in sample_indices])
+    num_tokens = np.asarray(sample_lengths, dtype=np.int64)
+    starts = np.cumsum(num_tokens) - num_tokens
+    position_ids = np.arange(len(input_ids)) - np.repeat(starts, num_tokens)
+    # Response token j of a sample (0-based) is predicted by the hidden state one position before it.
+    num_response = np.asarray(lengths, dtype=np.int64)
+    first_predictor = starts + num_tokens - num_response - 1
+    response_offsets = np.arange(num_response.sum()) - np.repeat(np.cumsum(num_response) - num_response, num_response)
+    logit_index = np.repeat(first_predictor, num_response) + response_offsets
     return PackedMicroBatch(
-        input_ids=torch.tensor([input_ids], dtype=torch.long),
-        position_ids=torch.tensor([position_ids], dtype=torch.long),
-        logit_index=torch.tensor(logit_index, dtype=torch.long),
-        target_ids=torch.tensor(target_ids, dtype=torch.long),
+        input_ids=torch.from_numpy(input_ids)[None],
+        position_ids=torch.from_numpy(position_ids)[None],
+        logit_index=torch.from_numpy(logit_index),
+        target_ids=torch.from_numpy(input_ids[logit_index + 1]),
         sample_indices=list(sample_indices),
         response_lengths=lengths,
         cu_seqlens=cu_seqlens_of(sample_lengths),
