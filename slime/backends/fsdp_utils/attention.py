@@ -24,8 +24,10 @@ VARLEN = "slime_varlen"
 
 
 def varlen_supported(device: torch.device) -> bool:
+    """CUDA, a torch built with FlashAttention, and a GPU it runs on (Ampere or newer)."""
     return (device.type == "cuda" and torch.backends.cuda.is_flash_attention_available()
-            and hasattr(torch.ops.aten, "_flash_attention_backward"))
+            and hasattr(torch.ops.aten, "_flash_attention_backward")
+            and torch.cuda.get_device_capability(device) >= (8, 0))
 
 
 def varlen_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, *,
