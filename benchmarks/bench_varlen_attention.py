@@ -25,19 +25,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.bench_train import SHAPES, make_samples  # noqa: E402
 
 
-def packed_micro_batches(lengths: list[int], max_tokens: int) -> list[list[int]]:
-    """First-fit decreasing, as the trainer's dynamic batching packs a rollout."""
-    bins: list[list[int]] = []
-    for length in sorted(lengths, reverse=True):
-        for bin_ in bins:
-            if sum(bin_) + length <= max_tokens:
-                bin_.append(length)
-                break
-        else:
-            bins.append([length])
-    return bins
-
-
 def timed(fn, num_iters):
     fn()
     torch.cuda.synchronize()
@@ -50,6 +37,7 @@ def timed(fn, num_iters):
 
 def main():
     from slime.backends.fsdp_utils.attention import cu_seqlens_of, flash_varlen_causal
+    from slime.backends.fsdp_utils.data import split_micro_batches
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model-shape", choices=sorted(SHAPES), default="qwen3-4b")
@@ -59,7 +47,10 @@ def main():
     shape = SHAPES[opts.model_shape]
     num_heads, num_kv_heads, head_dim = shape["num_attention_heads"], shape["num_key_value_heads"], shape["head_dim"]
     tokens, _, _ = make_samples(32, 256, 256, 4096, shape["vocab_size"])
-    bins = packed_micro_batches([len(t) for t in tokens], opts.max_tokens_per_gpu)
+    lengths = [len(t) for t in tokens]
+    # The trainer's own packing (--use-dynamic-batch-size): sample lengths per micro-batch.
+    bins = [[lengths[i] for i in bin_] for bin_ in
+            split_micro_batches(list(range(len(tokens))), lengths, len(tokens), opts.max_tokens_per_gpu)]
     scale = head_dim ** -0.5
     flops = sum(2 * n * n * num_heads * head_dim for bin_ in bins for n in bin_) * 3.5  # fwd 1 + bwd 2.5
     torch.manual_seed(0)
