@@ -7,6 +7,7 @@ import json
 
 import pytest
 import torch
+from greedy_margin import assert_clear_greedy_margin
 from transformers import AutoModelForCausalLM
 
 from slime.engine.engine import Engine
@@ -103,6 +104,7 @@ def test_greedy_64_tokens_matches_transformers_generate(checkpoint):
     for prompt, output in zip(prompts, outputs):
         expected = hf.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=64, pad_token_id=0)
         expected = expected[0, len(prompt) :].tolist()
+        assert_clear_greedy_margin(hf, prompt, expected)
         assert output["output_ids"] == expected
         assert output["finish_reason"] == {"type": "length", "length": 64}
         assert output["completion_tokens"] == 64 and output["prompt_tokens"] == len(prompt)

@@ -3,6 +3,7 @@ errors, and release / resume of memory, on a tiny Qwen2 engine checked against t
 
 import pytest
 import torch
+from greedy_margin import assert_clear_greedy_margin
 from transformers import AutoModelForCausalLM
 
 from slime.engine.engine import Engine, EngineMemoryReleasedError
@@ -31,7 +32,9 @@ def hf_greedy(path_or_model, prompt=PROMPT, n=16):
         hf = AutoModelForCausalLM.from_pretrained(str(path_or_model), dtype=torch.float32).eval()
     hf.generation_config.eos_token_id = None
     output = hf.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=n, pad_token_id=0)
-    return output[0, len(prompt) :].tolist()
+    output_ids = output[0, len(prompt) :].tolist()
+    assert_clear_greedy_margin(hf, prompt, output_ids)
+    return output_ids
 
 
 def test_n_samples_report_shared_prefix_as_cached(engine):

@@ -114,10 +114,12 @@ def compute_value_loss(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Clipped critic loss, elementwise (slime: no 0.5 factor). Returns `(loss, clipfrac)`.
 
-    V_clip = V_old + clamp(V - V_old, -value_clip, value_clip); loss = max((V_clip - R)^2, (V - R)^2);
-    clipfrac = float((V_clip - R)^2 > (V - R)^2), i.e. where the clipped term is the one taken.
+    V_clip = clamp(V, V_old - value_clip, V_old + value_clip) (slime's V_old + clamp(V - V_old, ±value_clip));
+    loss = max((V_clip - R)^2, (V - R)^2); clipfrac = float((V_clip - R)^2 > (V - R)^2), i.e. where the clipped
+    term is the one taken. Clamping V itself keeps V_clip == V bit for bit inside the range: V_old + (V - V_old)
+    is V only up to rounding, which counted unclipped tokens as clipped on some CPUs and not on others.
     """
-    values_clipped = old_values + (values - old_values).clamp(-value_clip, value_clip)
+    values_clipped = torch.maximum(torch.minimum(values, old_values + value_clip), old_values - value_clip)
     loss_clipped = (values_clipped - returns).square()
     loss_unclipped = (values - returns).square()
     return torch.maximum(loss_clipped, loss_unclipped), (loss_clipped > loss_unclipped).to(values.dtype)
