@@ -67,9 +67,10 @@ def test_algorithm_derived_fields(setup):
 
 
 def test_megatron_hook_aliases(setup):
-    args = parse_args(base(setup, "--custom-megatron-init-path", "a.b", "--custom-megatron-before-train-step-hook-path",
-                           "c.d"))
-    assert args.custom_init_path == "a.b" and args.custom_before_train_step_hook_path == "c.d"
+    init, step = "slime.utils.misc.seed_everything", "slime.utils.misc.find_free_port"  # any importable function
+    args = parse_args(base(setup, "--custom-megatron-init-path", init, "--custom-megatron-before-train-step-hook-path",
+                           step))
+    assert args.custom_init_path == init and args.custom_before_train_step_hook_path == step
 
 
 def test_model_preset_matches_config(setup):

@@ -84,7 +84,8 @@ def test_parquet_and_slicing(tmp_path):
     messages_path = tmp_path / "m.parquet"
     messages = [[{"role": "user", "content": f"m{i}"}] for i in range(2)]
     pq.write_table(pa.table({"input": messages}), messages_path)
-    chat = RolloutDataSource(make_args(prompt_data=str(messages_path), n_samples_per_prompt=1)).get_samples(2)
+    chat = RolloutDataSource(make_args(prompt_data=str(messages_path), n_samples_per_prompt=1,
+                                       label_key=None)).get_samples(2)
     assert [g[0].prompt for g in chat] == messages
     assert parse_path_spec("a.jsonl@[:-2]") == ("a.jsonl", None, -2)
     assert parse_path_spec("a.jsonl") == ("a.jsonl", None, None)
@@ -103,7 +104,8 @@ def test_chat_messages_tools_and_template(tmp_path, tiny_tokenizer_dir):
 
 def test_text_prompt_that_looks_like_json_stays_text_and_metadata_string_is_decoded(tmp_path):
     rows = [{"input": "[1, 2] + [3]?", "metadata": '{"rm_type": "math"}'}]
-    sample = RolloutDataSource(make_args(prompt_data=write_jsonl(tmp_path / "j.jsonl", rows))).get_samples(1)[0][0]
+    source = RolloutDataSource(make_args(prompt_data=write_jsonl(tmp_path / "j.jsonl", rows), label_key=None))
+    sample = source.get_samples(1)[0][0]
     assert sample.prompt == "[1, 2] + [3]?" and sample.metadata == {"rm_type": "math"}
 
 
@@ -116,7 +118,8 @@ def test_long_prompts_filtered(tmp_path, tiny_tokenizer_dir):
     assert lengths[1] > 5 >= max(lengths[0], lengths[2])
     path = write_jsonl(tmp_path / "l.jsonl", [{"input": t} for t in texts])
     source = RolloutDataSource(
-        make_args(prompt_data=path, rollout_max_prompt_len=5, hf_checkpoint=tiny_tokenizer_dir, n_samples_per_prompt=1)
+        make_args(prompt_data=path, rollout_max_prompt_len=5, hf_checkpoint=tiny_tokenizer_dir, n_samples_per_prompt=1,
+                  label_key=None)
     )
     assert len(source) == 2 and source.num_filtered_long_prompts == 1
     assert prompts_of(source.get_samples(2)) == ["1", "2"]
@@ -132,7 +135,7 @@ def test_malformed_row_names_file_and_line(tmp_path):
 def test_missing_input_key_names_key_line_and_keys(tmp_path):
     path = write_jsonl(tmp_path / "k.jsonl", [{"input": "a"}, {"question": "b", "answer": "c"}])
     with pytest.raises(ValueError) as err:
-        RolloutDataSource(make_args(prompt_data=path))
+        RolloutDataSource(make_args(prompt_data=path, label_key=None))
     message = str(err.value)
     assert f"{path}:2" in message and "'input'" in message and "['answer', 'question']" in message
 

@@ -2,6 +2,8 @@
 hand computation (and independent of the micro-batch split), GAE advantages from the critic's values reaching the
 actor's loss, the critic checkpoint round-trip, Dr.GRPO's constant normaliser, and a trainer-side OPD teacher."""
 
+import json
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -127,6 +129,8 @@ def test_critic_checkpoint_round_trip(tiny_checkpoint, tmp_path):
     saved_values = critic.compute_values(1, data)
     dist.destroy_process_group()
     assert (tmp_path / "critic" / "latest").is_file()
+    make_trainer(make_args(tiny_checkpoint, *extra)).save_model(0, run_state={"data_source": {}})  # --load needs both
+    dist.destroy_process_group()
     resumed = make_critic(make_args(tiny_checkpoint, *extra, "--load", tmp_path))
     assert resumed.start_rollout_id == 1
     for value, saved in zip(resumed.compute_values(1, data), saved_values):
@@ -162,15 +166,17 @@ def test_opd_teacher_checkpoint(tiny_checkpoint, tmp_path):
 def test_critic_resumes_from_the_actors_rollout(tmp_path):
     from slime.backends.fsdp_utils.critic import critic_resume_dir
 
-    for folder in ("rollout_1", "critic/rollout_1", "critic/rollout_2"):
+    def write_checkpoint(folder, rollout_id):  # a complete checkpoint of no files: only the folder choice matters
         (tmp_path / folder).mkdir(parents=True)
-        (tmp_path / folder / "meta.json").write_text("{}")
+        (tmp_path / folder / "meta.json").write_text(json.dumps({"rollout_id": rollout_id, "files": []}))
+
+    for folder, rollout_id in (("rollout_1", 1), ("critic/rollout_1", 1), ("critic/rollout_2", 2)):
+        write_checkpoint(folder, rollout_id)
     (tmp_path / "latest").write_text("rollout_1")
     (tmp_path / "critic" / "latest").write_text("rollout_2")
     assert critic_resume_dir(str(tmp_path)) == tmp_path / "critic" / "rollout_1"  # the actor's rollout wins
     (tmp_path / "latest").write_text("rollout_3")
-    (tmp_path / "rollout_3").mkdir()
-    (tmp_path / "rollout_3" / "meta.json").write_text("{}")
+    write_checkpoint("rollout_3", 3)
     with pytest.raises(ValueError, match="critic checkpoint"):
         critic_resume_dir(str(tmp_path))
     assert critic_resume_dir(None) is None

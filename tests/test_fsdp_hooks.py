@@ -57,7 +57,7 @@ def test_on_policy_distillation_pulls_towards_a_confident_teacher(tiny_checkpoin
     data["teacher_log_probs"] = [[0.0] * r for r in data["response_lengths"]]  # the teacher is sure of every token
     # teacher log-probs arrive with the data, as a custom generate function that queries a teacher would set them
     args = make_args(tiny_checkpoint, "--lr", "1e-3", "--use-opd", "--opd-kl-coef", "1.0",
-                     "--custom-generate-function-path", "my_pkg.generate_with_teacher_log_probs")
+                     "--custom-generate-function-path", "slime.rollout.sglang_rollout.generate")
     trainer = make_trainer(args)
     packed = pack_samples(data["tokens"], data["response_lengths"], list(range(4)))
 

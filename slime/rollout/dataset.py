@@ -1,7 +1,8 @@
 """Prompt datasets: `.jsonl` / `.parquet` rows -> one prompt `Sample` per row.
 
 Handles `path@[start:end]` row slicing, the `--input-key` / `--label-key` / `--metadata-key` / `--tool-key` columns,
-`--apply-chat-template`, and the `--rollout-max-prompt-len` filter. Errors in user data name the file and line.
+`--apply-chat-template`, and the `--rollout-max-prompt-len` filter. Errors in user data name the file and line;
+a row without the `--label-key` column is one, unless `--allow-missing-labels` or the reward reads no labels.
 Not here: epochs, shuffling and the buffer (data_source.py), or any tokenization of responses.
 """
 
@@ -15,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
+from slime.rollout.rm_hub import reward_uses_labels
 from slime.utils.types import Sample
 
 logger = logging.getLogger(__name__)
@@ -89,6 +91,7 @@ class PromptFormat:
 
     input_key: str = "input"
     label_key: str | None = None
+    label_required: bool = True  # a row without label_key is an error (not when the reward reads no labels)
     metadata_key: str | None = "metadata"
     tool_key: str | None = "tools"
     apply_chat_template: bool = False
@@ -112,6 +115,7 @@ class PromptFormat:
         return cls(
             input_key=pick("input_key", "input"),
             label_key=pick("label_key"),
+            label_required=not getattr(args, "allow_missing_labels", False) and reward_uses_labels(args),
             metadata_key=pick("metadata_key", "metadata"),
             tool_key=pick("tool_key", "tools"),
             apply_chat_template=bool(getattr(args, "apply_chat_template", False)),
@@ -155,6 +159,11 @@ def row_to_sample(row: dict, location: str, fmt: PromptFormat, tokenizer) -> Sam
         messages = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
         prompt = render_chat_prompt(tokenizer, messages, tools=tools or None, **(fmt.apply_chat_template_kwargs or {}))
 
+    if fmt.label_key and fmt.label_required and fmt.label_key not in row:
+        raise ValueError(
+            f"{location}: label key {fmt.label_key!r} (--label-key / --eval-label-key) not found; the row has keys "
+            f"{sorted(row)}. Add the label, or pass --allow-missing-labels if these rows have none"
+        )
     label = row.get(fmt.label_key) if fmt.label_key else None
     return Sample(prompt=prompt, label=label, metadata=metadata)
 

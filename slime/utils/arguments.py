@@ -80,7 +80,12 @@ def add_model_arguments(parser):
     g = parser.add_argument_group("model")
     g.add_argument("--hf-checkpoint", required=False, default=None)
     g.add_argument("--ref-load", default=None)
-    g.add_argument("--load", default=None)
+    g.add_argument("--load", default=None,
+                   help="resume from this checkpoint: a --save folder (its `latest`) or one of its rollout_<id> "
+                        "folders; anything else, or an incomplete checkpoint, is an error")
+    g.add_argument("--load-if-exists", action="store_true",
+                   help="with --load: start fresh when the folder is absent or empty (e.g. --load DIR --save DIR for "
+                        "a run that resumes itself); an incomplete checkpoint there is still an error")
     g.add_argument("--save", default=None)
     g.add_argument("--save-interval", type=int, default=None)
     g.add_argument("--no-save-optim", action="store_true")
@@ -109,7 +114,10 @@ def add_data_arguments(parser):
     g = parser.add_argument_group("data")
     g.add_argument("--prompt-data", default=None)
     g.add_argument("--input-key", default="input")
-    g.add_argument("--label-key", default=None)
+    g.add_argument("--label-key", default=None,
+                   help="column of the label; a row without it is an error unless the reward reads no labels")
+    g.add_argument("--allow-missing-labels", action="store_true",
+                   help="rows may lack the --label-key column (their label is None)")
     g.add_argument("--metadata-key", default="metadata")
     g.add_argument("--tool-key", default="tools")
     g.add_argument("--apply-chat-template", action="store_true")

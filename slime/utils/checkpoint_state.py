@@ -1,16 +1,31 @@
-"""When to save, and the run state (data-source position) that travels with each checkpoint.
+"""When to save, what a complete checkpoint is, and which folder `--load` resumes from.
 
 A checkpoint folder is `{save}/rollout_{id}/` written atomically by the trainer; `{save}/latest` names the newest
 complete one. The driver's run state (the data source's state) is saved inside it as `run_state.json`, so model,
-optimizer and data order always come from the same rollout.
+optimizer and data order always come from the same rollout. `meta.json` lists the files a resume reads; a folder
+missing one of them, or holding a truncated one, is an error naming the file and the previous checkpoint to
+`--load` instead, never a silent fresh start. Pure Python (no torch), so the driver checks `--load` before any
+process starts.
 """
 
 from __future__ import annotations
 
 import json
+import re
+import struct
+import zipfile
 from pathlib import Path
 
 RUN_STATE_FILE = "run_state.json"
+META_FILE = "meta.json"
+MODEL_FILE = "model.safetensors"
+OPTIMIZER_FILE = "optimizer.pt"
+CRITIC_SUBDIR = "critic"
+_FOLDER_RE = re.compile(r"^rollout_(\d+)$")
+
+
+class CheckpointError(ValueError):
+    """A `--load` folder that cannot be resumed from."""
 
 
 def checkpoint_dir(root: str | Path, rollout_id: int) -> Path:
@@ -18,12 +33,162 @@ def checkpoint_dir(root: str | Path, rollout_id: int) -> Path:
 
 
 def latest_checkpoint(root: str | Path) -> Path | None:
-    """The newest complete checkpoint under `root`, or None when there is none."""
+    """The folder `{root}/latest` names, or None when there is none (no completeness check: see resume_dir)."""
     pointer = Path(root) / "latest"
     if not pointer.is_file():
         return None
     path = Path(root) / pointer.read_text().strip()
     return path if path.is_dir() else None
+
+
+def checkpoint_files(num_ranks: int, *, optimizer: bool, run_state: bool) -> list[str]:
+    """The files of a checkpoint folder that resuming reads; meta.json lists them."""
+    files = [MODEL_FILE, "config.json", *(f"rng/rank_{rank}.pt" for rank in range(num_ranks))]
+    if optimizer:
+        files.append(OPTIMIZER_FILE)
+    if run_state:
+        files.append(RUN_STATE_FILE)
+    return files
+
+
+def _safetensors_problem(path: Path) -> str | None:
+    """Whether the file's size matches its header (a truncated copy does not); None when it does."""
+    size = path.stat().st_size
+    with path.open("rb") as handle:
+        raw = handle.read(8)
+        if len(raw) < 8:
+            return "truncated (no header)"
+        (header_size,) = struct.unpack("<Q", raw)
+        if 8 + header_size > size:
+            return "truncated (header cut off)"
+        try:
+            header = json.loads(handle.read(header_size))
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            return "corrupt (unreadable header)"
+    ends = [entry["data_offsets"][1] for name, entry in header.items() if name != "__metadata__"]
+    expected = 8 + header_size + max(ends, default=0)
+    return None if expected == size else f"truncated or corrupt ({size} bytes, the header describes {expected})"
+
+
+def _file_problem(path: Path) -> str | None:
+    """A cheap integrity check by format: safetensors header vs size, torch.save zip directory, JSON parse."""
+    if path.suffix == ".safetensors":
+        return _safetensors_problem(path)
+    if path.suffix == ".pt":
+        try:
+            zipfile.ZipFile(path).close()
+        except zipfile.BadZipFile:
+            return "truncated or corrupt (not a complete torch.save archive)"
+        return None
+    if path.suffix == ".json":
+        try:
+            json.loads(path.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            return "corrupt (not valid JSON)"
+    return None
+
+
+def _problems(folder: Path, required: tuple[str, ...]) -> list[str]:
+    """What keeps `folder` from being resumed from (empty when it is complete)."""
+    meta_path = folder / META_FILE
+    if not meta_path.is_file():
+        return [f"{meta_path} is missing"]
+    try:
+        meta = json.loads(meta_path.read_text())
+        files = list(meta["files"])
+        int(meta["rollout_id"])
+    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, ValueError):
+        return [f"{meta_path} is corrupt (needs 'rollout_id' and 'files')"]
+    problems = []
+    for name in dict.fromkeys(files + list(required)):
+        path = folder / name
+        problem = "missing" if not path.is_file() else _file_problem(path)
+        if problem:
+            problems.append(f"{path} is {problem}")
+    return problems
+
+
+def previous_checkpoint(root: Path, before_id: int | None, required: tuple[str, ...] = ()) -> Path | None:
+    """The newest complete `rollout_{id}` folder under `root` with id < before_id (any id when None)."""
+    candidates = []
+    for folder in root.iterdir() if root.is_dir() else ():
+        match = _FOLDER_RE.match(folder.name)
+        if match and folder.is_dir() and (before_id is None or int(match[1]) < before_id):
+            candidates.append((int(match[1]), folder))
+    for _, folder in sorted(candidates, reverse=True):
+        if not _problems(folder, required):
+            return folder
+    return None
+
+
+def _suggestion(folder: Path, required: tuple[str, ...]) -> str:
+    match = _FOLDER_RE.match(folder.name)
+    previous = previous_checkpoint(folder.parent, int(match[1]) if match else None, required)
+    if previous is None:
+        return f"no earlier complete checkpoint under {folder.parent}; start fresh without --load"
+    return f"resume from the previous checkpoint with --load {previous}"
+
+
+def check_checkpoint(folder: Path, required: tuple[str, ...] = ()) -> None:
+    """Raise CheckpointError when a file of `folder` (its meta.json's list plus `required`) is missing or
+    truncated; the message names the files and the previous checkpoint to resume from."""
+    problems = _problems(folder, required)
+    if problems:
+        raise CheckpointError(f"--load: checkpoint {folder} is incomplete: {'; '.join(problems)}. "
+                              f"{_suggestion(folder, required)}")
+
+
+def corrupt_file_error(folder: Path, path: Path, exc: Exception) -> CheckpointError:
+    """The error for a file of checkpoint `folder` that failed to load: names it and the previous checkpoint."""
+    return CheckpointError(f"--load: {path} is truncated or corrupt ({type(exc).__name__}: {exc}). "
+                           f"{_suggestion(folder, ())}")
+
+
+def find_checkpoint(load: str | None, *, load_if_exists: bool = False) -> Path | None:
+    """The checkpoint folder `--load` names: a save root (through its `latest`) or one `rollout_{id}` folder.
+    None without --load, and with --load-if-exists when the folder is absent or empty. Not checked complete."""
+    if not load:
+        return None
+    root = Path(load)
+    # `*.tmp` entries are unfinished saves (a crash during the first one), never resumable.
+    if not root.exists() or (root.is_dir() and all(p.name.endswith(".tmp") for p in root.iterdir())):
+        if load_if_exists:
+            return None
+        state = "does not exist" if not root.exists() else "is empty"
+        raise CheckpointError(f"--load {load}: the folder {state}, so there is no checkpoint to resume from; fix the "
+                              "path, or add --load-if-exists to start fresh while it holds no checkpoint yet")
+    pointer = root / "latest"
+    if pointer.is_file():
+        folder = root / pointer.read_text().strip()
+        if not folder.is_dir():
+            raise CheckpointError(f"--load {load}: {pointer} names {folder.name}, which does not exist. "
+                                  f"{_suggestion(folder, (RUN_STATE_FILE,))}")
+        return folder
+    if (root / META_FILE).is_file():
+        return root
+    hint = ""
+    if list(root.glob("*.safetensors")):
+        hint = " It holds model weights only: to start training from them pass the folder as --hf-checkpoint."
+    raise CheckpointError(f"--load {load}: not a checkpoint (no 'latest' file and no {META_FILE}); give a --save "
+                          f"folder or one of its rollout_<id> folders.{hint}")
+
+
+def resume_dir(load: str | None, *, load_if_exists: bool = False) -> Path | None:
+    """The complete actor checkpoint (run state included) that `--load` resumes from, or None to start fresh."""
+    folder = find_checkpoint(load, load_if_exists=load_if_exists)
+    if folder is not None:
+        check_checkpoint(folder, required=(RUN_STATE_FILE,))
+    return folder
+
+
+def critic_checkpoint(actor_dir: Path) -> Path:
+    """The complete critic checkpoint saved with the actor's `{save}/rollout_{id}`: `{save}/critic/rollout_{id}`."""
+    folder = actor_dir.parent / CRITIC_SUBDIR / actor_dir.name
+    if not folder.is_dir():
+        raise CheckpointError(f"--load: resuming ppo needs the critic checkpoint {folder} next to the actor's "
+                              f"{actor_dir}; {_suggestion(actor_dir, (RUN_STATE_FILE,))}")
+    check_checkpoint(folder)
+    return folder
 
 
 def should_save(args, rollout_id: int, num_rollout: int) -> bool:
@@ -35,9 +200,8 @@ def should_save(args, rollout_id: int, num_rollout: int) -> bool:
 
 
 def load_run_state(args) -> dict | None:
-    if not args.load:
+    """The driver's run state saved with the checkpoint `--load` resumes from; None when starting fresh."""
+    folder = resume_dir(args.load, load_if_exists=args.load_if_exists)
+    if folder is None:
         return None
-    path = latest_checkpoint(args.load)
-    if path is None or not (path / RUN_STATE_FILE).is_file():
-        return None
-    return json.loads((path / RUN_STATE_FILE).read_text())
+    return json.loads((folder / RUN_STATE_FILE).read_text())

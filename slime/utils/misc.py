@@ -8,7 +8,7 @@ import socket
 
 
 def load_function(path: str, flag: str = "a hook path"):
-    """Import `module.attr` (or `module:attr`) and return the attribute.
+    """Import `module.attr` (or `module:attr`) and return the attribute, which must be callable.
 
     `flag` names the CLI flag the path came from, so a typo gives an error the user can act on.
     """
@@ -19,12 +19,16 @@ def load_function(path: str, flag: str = "a hook path"):
         raise ValueError(f"{flag}: {path!r} is not a dotted path like 'my_pkg.my_module.my_fn'")
     try:
         module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise ValueError(f"{flag}: cannot import module {module_name!r} from {path!r}: {exc}") from exc
+    except Exception as exc:  # noqa: BLE001 - a user module may fail to import with any error (SyntaxError, ...)
+        raise ValueError(f"{flag}: cannot import module {module_name!r} from {path!r}: "
+                         f"{type(exc).__name__}: {exc}") from exc
     try:
-        return getattr(module, attr)
+        hook = getattr(module, attr)
     except AttributeError:
         raise ValueError(f"{flag}: module {module_name!r} has no attribute {attr!r}") from None
+    if not callable(hook):
+        raise ValueError(f"{flag}: {path!r} is a {type(hook).__name__}, not a function; name a function or class")
+    return hook
 
 
 def find_free_port(host: str = "127.0.0.1") -> int:

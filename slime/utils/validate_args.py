@@ -1,6 +1,8 @@
 """Every rule that ties slime's flags together, and the fields derived from them, in one place.
 
-Each rule raises `ArgumentError` (a ValueError) that names the flag and says how to fix it. Derived fields:
+Each rule raises `ArgumentError` (a ValueError) that names the flag and says how to fix it. Before anything
+starts: every numeric flag is range-checked (`FLAG_RANGES`), every dotted-path hook (`HOOK_FLAGS`) is imported and
+checked callable, and `--load` must name a complete checkpoint (or nothing, with `--load-if-exists`). Derived fields:
 device, world_size, rollout_num_engines, use_critic, critic_lr, loss_agg_mode, loss_agg_constant, eps_clip_high, global_batch_size / num_steps_per_rollout,
 over_sampling_batch_size, offload_train / offload_rollout, output_dir, eval_datasets.
 """
@@ -10,11 +12,101 @@ from __future__ import annotations
 import json
 import os
 import time
+from dataclasses import dataclass
 from pathlib import Path
+
+from slime.utils.checkpoint_state import CheckpointError, critic_checkpoint, resume_dir
+from slime.utils.misc import load_function
 
 
 class ArgumentError(ValueError):
     """A bad flag or flag combination."""
+
+
+@dataclass(frozen=True)
+class Range:
+    """The values a numeric flag accepts: [low, high] (either end open or absent), plus sentinel `also` values."""
+
+    low: float | None = None
+    high: float | None = None
+    low_open: bool = False
+    high_open: bool = False
+    also: tuple = ()
+    why: str = ""
+
+    def allows(self, value) -> bool:
+        if value in self.also:
+            return True
+        above = self.low is None or (value > self.low if self.low_open else value >= self.low)
+        below = self.high is None or (value < self.high if self.high_open else value <= self.high)
+        return above and below
+
+    def __str__(self) -> str:
+        if self.low is not None and self.high is not None:
+            text = f"in {'(' if self.low_open else '['}{self.low}, {self.high}{')' if self.high_open else ']'}"
+        elif self.low is not None:
+            text = f"{'>' if self.low_open else '>='} {self.low}"
+        else:
+            text = f"{'<' if self.high_open else '<='} {self.high}"
+        return text + "".join(f" or {value}" for value in self.also) + (f" ({self.why})" if self.why else "")
+
+
+ANY = None  # a numeric flag with no range (a seed, a sentinel-only value)
+AT_LEAST_1 = Range(low=1)
+NON_NEGATIVE = Range(low=0)
+POSITIVE = Range(low=0, low_open=True)
+PROBABILITY = Range(low=0, high=1)
+TOP_P = Range(low=0, high=1, low_open=True)
+TOP_K = Range(low=1, also=(-1,), why="-1 = off")
+ADAM_BETA = Range(low=0, high=1, high_open=True)
+
+# Every int / float flag -> the values it accepts (None values, i.e. flags left unset, are not checked). A test
+# checks that every numeric flag of the parser is listed here.
+FLAG_RANGES = {
+    # cluster
+    "actor_num_nodes": AT_LEAST_1, "actor_num_gpus_per_node": AT_LEAST_1, "rollout_num_gpus": AT_LEAST_1,
+    "rollout_num_gpus_per_engine": AT_LEAST_1, "num_gpus_per_node": AT_LEAST_1,
+    # model
+    "save_interval": AT_LEAST_1, "log_probs_chunk_size": ANY,
+    "num_layers": AT_LEAST_1, "hidden_size": AT_LEAST_1, "ffn_hidden_size": AT_LEAST_1,
+    "num_attention_heads": AT_LEAST_1, "num_query_groups": AT_LEAST_1, "kv_channels": AT_LEAST_1,
+    "vocab_size": AT_LEAST_1, "rotary_base": POSITIVE, "norm_epsilon": POSITIVE, "seq_length": AT_LEAST_1,
+    "max_position_embeddings": AT_LEAST_1, "rotary_percent": TOP_P,
+    # data
+    "rollout_seed": ANY, "num_rollout": NON_NEGATIVE, "num_epoch": AT_LEAST_1, "start_rollout_id": NON_NEGATIVE,
+    # rollout
+    "rollout_batch_size": AT_LEAST_1, "n_samples_per_prompt": AT_LEAST_1,
+    "rollout_temperature": Range(low=0, low_open=True, why="log-probs are taken at this temperature"),
+    "rollout_top_p": TOP_P, "rollout_top_k": TOP_K, "rollout_max_response_len": AT_LEAST_1,
+    "rollout_max_prompt_len": AT_LEAST_1, "rollout_max_context_len": AT_LEAST_1, "rollout_stop_token_ids": NON_NEGATIVE,
+    "over_sampling_batch_size": AT_LEAST_1, "sglang_router_port": Range(low=1, high=65535),
+    "sglang_server_concurrency": AT_LEAST_1, "update_weight_buffer_size": AT_LEAST_1,
+    "update_weights_interval": AT_LEAST_1,
+    # reward
+    "reward_timeout": POSITIVE, "reward_failure_value": ANY,
+    # training
+    "global_batch_size": AT_LEAST_1, "num_steps_per_rollout": AT_LEAST_1, "micro_batch_size": AT_LEAST_1,
+    "max_tokens_per_gpu": AT_LEAST_1, "lr": NON_NEGATIVE, "min_lr": NON_NEGATIVE, "lr_warmup_iters": NON_NEGATIVE,
+    "weight_decay": NON_NEGATIVE, "adam_beta1": ADAM_BETA, "adam_beta2": ADAM_BETA, "adam_eps": NON_NEGATIVE,
+    "clip_grad": Range(low=0, why="0 = no clipping"), "seed": Range(low=0, high=2**32 - 1),
+    # algorithm
+    "eps_clip": NON_NEGATIVE, "eps_clip_high": NON_NEGATIVE, "eps_clip_c": Range(low=1, low_open=True, why="dual clip"),
+    "value_clip": NON_NEGATIVE, "critic_lr": NON_NEGATIVE, "kl_coef": NON_NEGATIVE, "kl_loss_coef": NON_NEGATIVE,
+    "ref_update_interval": AT_LEAST_1, "entropy_coef": NON_NEGATIVE, "gamma": PROBABILITY, "lambd": PROBABILITY,
+    "loss_agg_constant": POSITIVE, "tis_clip": POSITIVE, "tis_clip_low": NON_NEGATIVE,
+    "num_critic_only_steps": NON_NEGATIVE, "opd_kl_coef": NON_NEGATIVE,
+    # eval
+    "eval_interval": AT_LEAST_1, "n_samples_per_eval_prompt": AT_LEAST_1,
+    "eval_temperature": Range(low=0, why="0 = greedy"), "eval_top_p": TOP_P, "eval_top_k": TOP_K, "eval_max_response_len": AT_LEAST_1,
+}
+
+# Flags naming a user function by dotted path: imported and checked callable before anything starts.
+HOOK_FLAGS = (
+    "rollout_function_path", "custom_generate_function_path", "dynamic_sampling_filter_path", "buffer_filter_path",
+    "data_source_path", "custom_rm_path", "rollout_data_postprocess_path", "eval_function_path",
+    "custom_loss_function_path", "custom_advantage_function_path", "custom_init_path",
+    "custom_before_log_prob_hook_path", "custom_before_train_step_hook_path",
+)
 
 
 # slime model flag -> (HF config attribute, how to compare)
@@ -34,6 +126,39 @@ MODEL_FLAG_TO_HF = {
 def _require(condition: bool, message: str) -> None:
     if not condition:
         raise ArgumentError(message)
+
+
+def _flag(dest: str) -> str:
+    return "--" + dest.replace("_", "-")
+
+
+def _check_ranges(args) -> None:
+    for dest, allowed in FLAG_RANGES.items():
+        value = getattr(args, dest)
+        for item in value if isinstance(value, list) else [value]:
+            _require(allowed is ANY or item is None or allowed.allows(item),
+                     f"{_flag(dest)} {item}: must be {allowed}")
+
+
+def _check_hooks(args) -> None:
+    for dest in HOOK_FLAGS:
+        path = getattr(args, dest)
+        if path is not None:
+            try:
+                load_function(path, _flag(dest))
+            except ValueError as exc:
+                raise ArgumentError(str(exc)) from None
+
+
+def _check_resume(args) -> None:
+    """--load must name a complete checkpoint (the critic's too under ppo), or nothing with --load-if-exists."""
+    try:
+        actor_dir = resume_dir(args.load, load_if_exists=args.load_if_exists)
+        if actor_dir is not None and args.use_critic:
+            critic_checkpoint(actor_dir)
+    except CheckpointError as exc:
+        raise ArgumentError(str(exc)) from None
+    _require(not args.load_if_exists or args.load, "--load-if-exists needs --load (the folder to resume from)")
 
 
 def _check_paths(args) -> None:
@@ -83,8 +208,6 @@ def _resolve_cluster(args) -> None:
         import torch
 
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
-    _require(args.actor_num_nodes >= 1 and args.actor_num_gpus_per_node >= 1,
-             "--actor-num-nodes and --actor-num-gpus-per-node must be >= 1")
     args.world_size = args.actor_num_nodes * args.actor_num_gpus_per_node
     if args.colocate:
         args.offload_train = True if args.offload_train is None else args.offload_train
@@ -95,7 +218,6 @@ def _resolve_cluster(args) -> None:
         args.offload_rollout = bool(args.offload_rollout or args.offload)
     if args.rollout_num_gpus is None:
         args.rollout_num_gpus = 1
-    _require(args.rollout_num_gpus_per_engine >= 1, "--rollout-num-gpus-per-engine must be >= 1")
     _require(args.rollout_num_gpus % args.rollout_num_gpus_per_engine == 0,
              f"--rollout-num-gpus {args.rollout_num_gpus} is not a multiple of "
              f"--rollout-num-gpus-per-engine {args.rollout_num_gpus_per_engine}")
@@ -110,12 +232,9 @@ def _resolve_cluster(args) -> None:
 
 
 def _resolve_batches(args) -> None:
-    _require(args.rollout_batch_size is not None and args.rollout_batch_size > 0,
-             "--rollout-batch-size (prompts per rollout) is required and must be > 0")
-    _require(args.n_samples_per_prompt >= 1, "--n-samples-per-prompt must be >= 1")
+    _require(args.rollout_batch_size is not None, "--rollout-batch-size (prompts per rollout) is required")
     samples_per_rollout = args.rollout_batch_size * args.n_samples_per_prompt
     if args.num_steps_per_rollout is not None:
-        _require(args.num_steps_per_rollout >= 1, "--num-steps-per-rollout must be >= 1")
         derived = samples_per_rollout // args.num_steps_per_rollout
         _require(args.global_batch_size in (None, derived) and derived * args.num_steps_per_rollout == samples_per_rollout,
                  f"--rollout-batch-size x --n-samples-per-prompt ({samples_per_rollout}) must equal "
@@ -130,7 +249,6 @@ def _resolve_batches(args) -> None:
     _require(args.global_batch_size % args.world_size == 0,
              f"--global-batch-size {args.global_batch_size} must divide evenly over {args.world_size} trainer "
              "processes (--actor-num-nodes x --actor-num-gpus-per-node)")
-    _require(args.micro_batch_size >= 1, "--micro-batch-size must be >= 1")
     if args.use_dynamic_batch_size:
         _require(args.max_tokens_per_gpu is not None, "--use-dynamic-batch-size needs --max-tokens-per-gpu")
     if args.over_sampling_batch_size is None:
@@ -141,14 +259,11 @@ def _resolve_batches(args) -> None:
     _require(args.num_rollout is not None or args.num_epoch is not None or args.debug_train_only
              or args.load_debug_rollout_data is not None,
              "give --num-rollout or --num-epoch (how long to train)")
-    _require(args.num_rollout is None or args.num_rollout >= 0, "--num-rollout must be >= 0")
 
 
 def _resolve_algorithm(args) -> None:
-    _require(args.rollout_temperature > 0, "--rollout-temperature must be > 0 (log-probs are taken at it)")
     if args.eps_clip_high is None:
         args.eps_clip_high = args.eps_clip
-    _require(args.eps_clip_c is None or args.eps_clip_c > 1.0, "--eps-clip-c (dual clip) must be > 1")
     uses_kl = args.kl_coef != 0 or args.use_kl_loss
     _require(not uses_kl or args.ref_load is not None,
              "KL (--kl-coef or --use-kl-loss) needs a reference model: pass --ref-load (usually the "
@@ -173,7 +288,6 @@ def _resolve_algorithm(args) -> None:
         args.grpo_std_normalization = False
     args.use_critic = args.advantage_estimator == "ppo"
     _require(args.use_critic or args.critic_load is None, "--critic-load is only used with --advantage-estimator ppo")
-    _require(args.num_critic_only_steps >= 0, "--num-critic-only-steps must be >= 0")
     if args.critic_lr is None:
         args.critic_lr = args.lr
     if args.loss_agg_mode is None:
@@ -185,7 +299,6 @@ def _resolve_algorithm(args) -> None:
         args.loss_agg_constant = float(args.rollout_max_response_len)
     _require(args.loss_agg_constant is None or args.loss_agg_mode == "constant",
              "--loss-agg-constant is only used with --loss-agg-mode constant")
-    _require(args.loss_agg_constant is None or args.loss_agg_constant > 0, "--loss-agg-constant must be > 0")
     _require(args.tis_mode == "truncate" or args.use_tis, f"--tis-mode {args.tis_mode} needs --use-tis")
     if args.loss_type == "policy_loss" and not args.debug_rollout_only:
         _require(args.rm_type is not None or args.custom_rm_path is not None
@@ -205,15 +318,17 @@ def _resolve_eval_and_output(args) -> None:
         _require(Path(path.split("@[")[0]).is_file(), f"--eval-prompt-data {name}: file {path} not found")
     _require(args.eval_interval is None or args.eval_datasets, "--eval-interval needs --eval-prompt-data")
     _require(args.save_interval is None or args.save, "--save-interval needs --save")
-    _require(args.save_interval is None or args.save_interval >= 1, "--save-interval must be >= 1")
     if args.output_dir is None:
         args.output_dir = os.path.join("runs", time.strftime("%Y%m%d-%H%M%S") + f"-{os.getpid()}")
 
 
 def validate_args(args) -> None:
+    _check_ranges(args)
+    _check_hooks(args)
     _check_paths(args)
     _check_model_flags(args)
     _resolve_cluster(args)
     _resolve_batches(args)
     _resolve_algorithm(args)
     _resolve_eval_and_output(args)
+    _check_resume(args)

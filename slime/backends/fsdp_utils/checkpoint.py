@@ -1,7 +1,8 @@
 """Trainer checkpoints: `{save}/rollout_{id}/` holds a Hugging Face model (fp32 safetensors + config + tokenizer
 files copied from --hf-checkpoint, loadable by transformers and by the engine), `optimizer.pt` (full optimizer and
-LR-scheduler state, re-shardable to any number of ranks), `rng/rank_{r}.pt` and `meta.json`. The folder is written
-under a temporary name and renamed when complete; `{save}/latest` (the folder's name) is written last.
+LR-scheduler state, re-shardable to any number of ranks), `rng/rank_{r}.pt` and `meta.json` (the rollout id and the
+files a resume reads, which checkpoint_state.py checks before loading). The folder is written under a temporary name
+and renamed when complete; `{save}/latest` (the folder's name) is written last.
 """
 
 from __future__ import annotations
@@ -22,12 +23,21 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from slime.backends.fsdp_utils.model import hf_name
-from slime.utils.checkpoint_state import RUN_STATE_FILE, checkpoint_dir, latest_checkpoint
+from slime.utils.checkpoint_state import (
+    META_FILE,
+    MODEL_FILE,
+    OPTIMIZER_FILE,
+    RUN_STATE_FILE,
+    check_checkpoint,
+    checkpoint_dir,
+    checkpoint_files,
+    corrupt_file_error,
+    find_checkpoint,
+    latest_checkpoint,
+)
 
 __all__ = ["checkpoint_dir", "latest_checkpoint", "resolve_load_dir", "save_checkpoint", "load_training_state"]
 
-META_FILE = "meta.json"
-OPTIMIZER_FILE = "optimizer.pt"
 HF_EXTRA_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
                   "special_tokens_map.json", "vocab.json", "merges.txt", "chat_template.jinja", "tokenizer.model")
 
@@ -38,15 +48,22 @@ def _barrier():
 
 
 def resolve_load_dir(load: str | None) -> Path | None:
-    """The checkpoint folder --load refers to: a save root (via its `latest`), a `rollout_{id}` folder, or None
-    when it holds no trainer checkpoint (e.g. a plain HF folder, used as initial weights only)."""
-    if not load:
-        return None
-    if (Path(load) / "latest").is_file():
-        return latest_checkpoint(load)
-    if (Path(load) / META_FILE).is_file():
-        return Path(load)
-    return None
+    """The checkpoint folder --load refers to (a save root, via its `latest`, or a `rollout_{id}` folder), checked
+    complete; None without --load or when the folder holds no checkpoint yet (the driver allowed that only with
+    --load-if-exists). Anything else that is not a checkpoint raises CheckpointError."""
+    folder = find_checkpoint(load, load_if_exists=True)
+    if folder is not None:
+        check_checkpoint(folder)
+    return folder
+
+
+def _torch_load(ckpt: Path, path: Path):
+    """torch.load of a file of checkpoint `ckpt`; any failure is reported as a truncated or corrupt file, named,
+    with the previous checkpoint to resume from."""
+    try:
+        return torch.load(path, map_location="cpu", weights_only=False)
+    except Exception as exc:  # noqa: BLE001 - torch.load fails with EOFError, RuntimeError, UnpicklingError, ...
+        raise corrupt_file_error(ckpt, path, exc) from exc
 
 
 def _rng_state() -> dict:
@@ -89,13 +106,16 @@ def save_checkpoint(save_root: str, rollout_id: int, model, optimizer, scheduler
         tensors = {hf_name(k): v.contiguous() for k, v in model_state.items()}
         if tie_word_embeddings:
             tensors.pop("lm_head.weight", None)
-        save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        save_file(tensors, str(tmp / MODEL_FILE), metadata={"format": "pt"})
         for name in HF_EXTRA_FILES:
             if (Path(hf_checkpoint) / name).is_file():
                 shutil.copy2(Path(hf_checkpoint) / name, tmp / name)
         if optim_state is not None:
             torch.save({"optimizer": optim_state, "scheduler": scheduler.state_dict()}, tmp / OPTIMIZER_FILE)
-        (tmp / META_FILE).write_text(json.dumps({"rollout_id": rollout_id, "hf_checkpoint": str(hf_checkpoint)}))
+        num_ranks = dist.get_world_size() if dist.is_initialized() else 1
+        files = checkpoint_files(num_ranks, optimizer=optim_state is not None, run_state=run_state is not None)
+        (tmp / META_FILE).write_text(json.dumps({"rollout_id": rollout_id, "hf_checkpoint": str(hf_checkpoint),
+                                                 "files": files}))
         if run_state is not None:
             (tmp / RUN_STATE_FILE).write_text(json.dumps(run_state))
     _barrier()
@@ -112,14 +132,14 @@ def save_checkpoint(save_root: str, rollout_id: int, model, optimizer, scheduler
 
 def load_training_state(ckpt: Path, model, optimizer, scheduler, rank: int) -> int:
     """Restore optimizer, scheduler and this rank's RNG from `ckpt` (model weights are loaded with the model).
-    Returns the saved rollout id."""
+    Returns the saved rollout id. A file that fails to load raises CheckpointError naming it."""
     meta = json.loads((ckpt / META_FILE).read_text())
-    if (ckpt / OPTIMIZER_FILE).is_file():
-        state = torch.load(ckpt / OPTIMIZER_FILE, map_location="cpu", weights_only=False)
+    if OPTIMIZER_FILE in meta["files"]:
+        state = _torch_load(ckpt, ckpt / OPTIMIZER_FILE)
         set_optimizer_state_dict(model, optimizer, state["optimizer"],
                                  options=StateDictOptions(full_state_dict=True))
         scheduler.load_state_dict(state["scheduler"])
     rng_file = ckpt / "rng" / f"rank_{rank}.pt"
-    if rng_file.is_file():
-        _set_rng_state(torch.load(rng_file, map_location="cpu", weights_only=False))
+    if rng_file.is_file():  # a resume on more ranks than were saved: the new ranks keep their seeded state
+        _set_rng_state(_torch_load(ckpt, rng_file))
     return int(meta["rollout_id"])

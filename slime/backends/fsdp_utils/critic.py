@@ -22,23 +22,15 @@ from slime.backends.fsdp_utils.loss import LossReducer, MicroBatchTensors, value
 from slime.backends.fsdp_utils.model import ShardOptions, attention_implementation, load_hf_model, read_hf_weights
 from slime.backends.fsdp_utils.optimizer import build_optimizer
 from slime.backends.fsdp_utils.value_model import VALUE_HEAD_KEY, build_value_model
+from slime.utils.checkpoint_state import CRITIC_SUBDIR, critic_checkpoint
 from slime.utils.misc import seed_everything
-
-CRITIC_SUBDIR = "critic"
 
 
 def critic_resume_dir(load: str | None) -> Path | None:
-    """The critic checkpoint of the same rollout as the actor's under --load (`{save}/critic/rollout_{id}`)."""
-    if not load:
-        return None
+    """The critic checkpoint of the same rollout as the actor's under --load (`{save}/critic/rollout_{id}`), checked
+    complete; None when --load holds no actor checkpoint to resume from."""
     actor_dir = checkpoint.resolve_load_dir(load)
-    if actor_dir is None:
-        return checkpoint.resolve_load_dir(os.path.join(load, CRITIC_SUBDIR))
-    critic_dir = actor_dir.parent / CRITIC_SUBDIR / actor_dir.name
-    if not (critic_dir / checkpoint.META_FILE).is_file():
-        raise ValueError(f"--load {load}: resuming ppo needs the critic checkpoint {critic_dir} next to the actor's "
-                         f"{actor_dir}")
-    return critic_dir
+    return None if actor_dir is None else critic_checkpoint(actor_dir)
 
 
 class FSDPCritic(FSDPTrainer):

@@ -3,7 +3,8 @@
 Which reward runs, first match wins: `sample.custom_rm_path` > `--custom-rm-path` > `sample.metadata["rm_type"]` >
 `--rm-type`. Built-in types: math, deepscaler, dapo, f1, gpqa, remote_rm, random, and `boxed_<type>` (grade the
 content of the response's last `\\boxed{}` with <type>). Custom rewards are `async def fn(args, sample)` (or
-`fn(args, samples)` with `--group-rm`); plain functions also work and run in a thread.
+`fn(args, samples)` with `--group-rm`); plain functions also work and run in a thread. A reward that reads no
+label sets `fn.uses_label = False`, so rows without `--label-key` are accepted (`reward_uses_labels`).
 
 Robustness: each reward computation is bounded by `args.reward_timeout` seconds (default 30). An exception or a
 timeout gives the sample `args.reward_failure_value` (default 0.0) and records the error text in
@@ -31,6 +32,7 @@ from slime.utils.types import Sample
 logger = logging.getLogger(__name__)
 
 RM_TYPES = ("math", "deepscaler", "dapo", "f1", "gpqa", "remote_rm", "random")
+LABEL_FREE_RM_TYPES = ("random",)
 BOXED_PREFIX = "boxed_"
 DEFAULT_REWARD_TIMEOUT_S = 30.0
 DEFAULT_FAILURE_REWARD = 0.0
@@ -55,6 +57,16 @@ def _check_rm_type(args, rm_type: str | None) -> str:
     if base == "remote_rm" and not getattr(args, "rm_url", None):
         raise ValueError("--rm-type remote_rm needs --rm-url")
     return rm_type
+
+
+def reward_uses_labels(args) -> bool:
+    """Whether the configured reward reads `Sample.label`: a custom reward says it does not with a function
+    attribute `uses_label = False`; of the built-in types only `random` does not."""
+    custom_path = getattr(args, "custom_rm_path", None)
+    if custom_path:
+        return bool(getattr(load_function(custom_path, "--custom-rm-path"), "uses_label", True))
+    rm_type = getattr(args, "rm_type", None) or ""
+    return rm_type.removeprefix(BOXED_PREFIX) not in LABEL_FREE_RM_TYPES
 
 
 async def _builtin_reward(args, sample: Sample, rm_type: str):
@@ -147,4 +159,4 @@ async def batched_async_rm(args, samples: list[Sample]) -> list:
     return list(await asyncio.gather(*(async_rm(args, sample) for sample in samples)))
 
 
-__all__ = ["RM_TYPES", "async_rm", "batched_async_rm"]
+__all__ = ["RM_TYPES", "async_rm", "batched_async_rm", "reward_uses_labels"]
