@@ -54,6 +54,9 @@ def test_grpo_run(task, tmp_path):
     assert rows[0]["train/kl_loss"] == 0.0  # first step: policy == reference exactly
     assert "eval/arith" in rows[0] and "eval/arith" in rows[1]
     assert (out / "curves.png").is_file() and any((out / "tensorboard").iterdir())
+    # The run's own engine admin key: sent by the trainer and rollout (the run worked), never written in clear.
+    assert json.loads((out / "args.json").read_text())["sglang_admin_api_key"] == "<redacted>"
+    assert (out / "engine_0.json").stat().st_mode & 0o777 == 0o600
 
     from transformers import AutoModelForCausalLM
 

@@ -345,13 +345,30 @@ def test_client_disconnect_aborts_the_request(client, server, stream):
 
 
 def test_cli_maps_engine_flags_and_sglang_aliases():
-    from slime.engine.server import build_parser
+    from slime.engine.server_config import parse_settings
 
-    args = build_parser().parse_args(
+    settings = parse_settings(
         ["--model-path", "m", "--max-running-requests", "8", "--context-length", "512", "--enforce-eager",
          "--dtype", "float32", "--mem-fraction-static", "0.5", "--port", "1234"]
     )
-    assert (args.max_num_seqs, args.max_model_len, args.enforce_eager, args.dtype) == (8, 512, True, "float32")
-    assert (args.gpu_memory_utilization, args.port, args.host, args.seed) == (0.5, 1234, "127.0.0.1", None)
-    assert args.overlap_schedule is None  # not given: the engine's default
-    assert build_parser().parse_args(["--model-path", "m", "--no-overlap-schedule"]).overlap_schedule is False
+    assert settings.engine == {"max_num_seqs": 8, "max_model_len": 512, "enforce_eager": True, "dtype": "float32",
+                               "gpu_memory_utilization": 0.5}  # flags not given keep the engine's defaults
+    assert (settings.port, settings.host) == (1234, "127.0.0.1")
+    assert parse_settings(["--model-path", "m", "--no-overlap-schedule"]).engine == {"overlap_schedule": False}
+
+
+def test_config_file_carries_typed_values_and_keys_and_flags_win(tmp_path):
+    from slime.engine.server_config import parse_settings, write_config_file
+
+    path = write_config_file(tmp_path / "engine.json", "ckpt", {"overlap_schedule": False, "enforce_eager": False,
+                                                                "max_num_seqs": 4},
+                             {"api_key": "k1", "admin_api_key": "k2", "weights_dir_allowlist": [str(tmp_path)]})
+    assert path.stat().st_mode & 0o777 == 0o600  # keys: owner only
+    settings = parse_settings(["--config-file", str(path), "--max-num-seqs", "9"])
+    assert settings.model_path == "ckpt"
+    assert settings.engine == {"overlap_schedule": False, "enforce_eager": False, "max_num_seqs": 9}
+    assert (settings.policy.api_key, settings.policy.admin_api_key) == ("k1", "k2")
+    assert settings.allowed_weight_dirs() == [tmp_path.resolve()]
+    path.write_text('{"engine": {"max_num_seq": 4}}')
+    with pytest.raises(SystemExit):
+        parse_settings(["--config-file", str(path)])

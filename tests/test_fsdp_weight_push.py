@@ -132,8 +132,8 @@ def test_weight_push_delivers_every_parameter(engine, checkpoints, trainers, mon
     sent, bucket_names = [], []
     real_post, real_serialize = update_weight._post, update_weight.serialize_named_tensors
 
-    def recording_post(engine_url, path, payload):
-        result = real_post(engine_url, path, payload)
+    def recording_post(engine_url, path, payload, headers=None):
+        result = real_post(engine_url, path, payload, headers)
         if path in UPDATE_PATHS:
             sent.append({"path": path, "names": payload.get("names"), "flush_cache": payload["flush_cache"],
                          "weight_version": payload.get("weight_version"),

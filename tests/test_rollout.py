@@ -128,9 +128,9 @@ def abort_calls(monkeypatch):
     calls = []
     real = sglang_rollout.abort_all_requests
 
-    async def counting(base_url):
+    async def counting(base_url, *headers):
         calls.append(base_url)
-        return await real(base_url)
+        return await real(base_url, *headers)
 
     monkeypatch.setattr(sglang_rollout, "abort_all_requests", counting)
     return calls
@@ -353,8 +353,8 @@ def test_unreachable_router_gives_a_clear_error(make_args, monkeypatch):
 
 def test_eval_uses_eval_params_and_returns_per_dataset_results(make_args, tmp_path, stack):
     first, second = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
-    first.write_text(json.dumps({"input": "1 + 1"}) + "\n")
-    second.write_text("".join(json.dumps({"input": f"{i} + 2"}) + "\n" for i in range(2)))
+    first.write_text(json.dumps({"input": "1 + 1", "label": "2"}) + "\n")
+    second.write_text("".join(json.dumps({"input": f"{i} + 2", "label": str(i + 2)}) + "\n" for i in range(2)))
     args = make_args(
         ["unused"], rollout_temperature=1.0, eval_prompt_data=["a", str(first), "b", str(second)],
         n_samples_per_eval_prompt=3, eval_temperature=0.5, eval_max_response_len=2, eval_top_p=None, eval_top_k=None,

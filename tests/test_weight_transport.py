@@ -68,7 +68,7 @@ def test_round_trip_in_process_and_bad_input():
     tensor = torch.randn(3, 5)
     [(name, received)] = deserialize_named_tensors(serialize_named_tensors([("w", tensor)]))
     assert name == "w" and torch.equal(received, tensor)
-    with pytest.raises(ValueError, match="could not be deserialized"):
+    with pytest.raises(ValueError, match="not base64"):
         deserialize_named_tensors("definitely not base64 !!!")
     with pytest.raises(ValueError, match="pairs"):
         serialize_named_tensors([("w", [1, 2, 3])])
@@ -141,3 +141,41 @@ def test_init_custom_process_group_rejects_bad_arguments():
         init_custom_process_group("mpi", "tcp://127.0.0.1:1", 2, 0, "g")
     with pytest.raises(ValueError, match="rank"):
         init_custom_process_group("gloo", "tcp://127.0.0.1:1", 2, 2, "g")
+
+
+class _RunsCode:
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_only_the_tensor_handle_format_is_admitted(tmp_path):
+    import base64
+    import io
+    import pickle
+    from multiprocessing.reduction import ForkingPickler
+
+    marker = tmp_path / "ran"
+    real = [("w", torch.ones(2, 3)), ("e", torch.empty(0)), ("b", torch.zeros(4, dtype=torch.bfloat16))]
+    [(name, _), (_, empty), (_, bf16)] = deserialize_named_tensors(serialize_named_tensors(real))
+    assert name == "w" and empty.numel() == 0 and bf16.dtype is torch.bfloat16
+
+    def forking(payload):
+        buffer = io.BytesIO()
+        ForkingPickler(buffer).dump(payload)
+        return base64.b64encode(buffer.getvalue()).decode()
+
+    rejected = [
+        forking([("w", torch.ones(2)), ("x", _RunsCode(marker))]),  # a real tensor first, then code
+        forking(_RunsCode(marker)),
+        base64.b64encode(pickle.dumps([("x", getattr)])).decode(),
+        base64.b64encode(pickle.dumps([("x", torch.ones(2))])).decode(),  # torch.save-style rebuild: not handles
+        forking({"w": torch.ones(2)}),  # admitted globals, wrong shape of the result
+        base64.b64encode(pickle.dumps([("x", 3)])).decode(),
+    ]
+    for payload in rejected:
+        with pytest.raises(ValueError, match="rejected"):
+            deserialize_named_tensors(payload)
+    assert not marker.exists()

@@ -14,17 +14,26 @@ from slime.engine.http_protocol import RequestError
 DISCONNECT_POLL_S = 0.5
 
 
+# Bodies above this are decoded on a worker thread, so a large request does not stall /health and other requests.
+LARGE_BODY_BYTES = 256 * 1024
+
+
 async def read_json(request: Request, allow_empty: bool = False):
-    """The request's JSON body; `{}` for an empty body when allowed. Malformed JSON -> RequestError."""
+    """The request's JSON body; `{}` for an empty body when allowed. Malformed or too deeply nested JSON ->
+    RequestError. (The body's size is bounded before this by `http_guard`.)"""
     raw = await request.body()
     if not raw.strip():
         if allow_empty:
             return {}
         raise RequestError("request body is empty; expected a JSON object")
     try:
+        if len(raw) > LARGE_BODY_BYTES:
+            return await asyncio.to_thread(json.loads, raw)
         return json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as error:
         raise RequestError(f"request body is not valid JSON: {error}") from error
+    except RecursionError:
+        raise RequestError("request body is nested too deeply to be a request of this API") from None
 
 
 async def unless_disconnected(request: Request, coroutine):

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import threading
 from datetime import timedelta
+from pathlib import Path
 
 import torch
 
@@ -21,14 +22,18 @@ from slime.engine.http_protocol import RequestError, require_fields
 from slime.utils import weight_transport
 
 DEFAULT_GROUP_NAME = "weight_update_group"
+GROUP_TIMEOUT = timedelta(minutes=10)  # the trainer's rank 0 joins within its own start-up; big models load slowly
 # Buffers some checkpoints carry; the engine recomputes them (mirrors the loader's list).
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
-class WeightUpdater:
-    def __init__(self, engine_loop, device: torch.device):
+class EngineWeightReceiver:
+    """The engine side of a weight update (the trainer side is `slime.backends.fsdp_utils.update_weight`)."""
+
+    def __init__(self, engine_loop, device: torch.device, weight_dirs: list[Path]):
         self.loop = engine_loop
         self.device = device
+        self.weight_dirs = [Path(d).resolve() for d in weight_dirs]
         self.weight_shapes = engine_loop.engine.named_weight_shapes()
         self.groups: dict[str, object] = {}
         self._group_locks: dict[str, threading.Lock] = {}
@@ -46,6 +51,15 @@ class WeightUpdater:
                 raise RequestError(f"{field}: unknown weight name {name!r} for this model")
             if tuple(shape) != tuple(expected[0]):
                 raise RequestError(f"{field}: weight {name!r} has shape {tuple(shape)}, expected {tuple(expected[0])}")
+
+    def check_weight_dir(self, model_path: str) -> None:
+        """RequestError unless `model_path` (links resolved) lies inside one of the allowed folders."""
+        resolved = Path(model_path).resolve()
+        if not any(resolved == d or d in resolved.parents for d in self.weight_dirs):
+            raise RequestError(
+                f"/update_weights_from_disk field 'model_path': {model_path!r} is outside the folders this server "
+                f"may load from ({', '.join(map(str, self.weight_dirs))}); start it with --weights-dir-allowlist DIR"
+            )
 
     async def _load(self, named_tensors, weight_version: str | None) -> None:
         engine = self.loop.engine
@@ -93,6 +107,7 @@ class WeightUpdater:
         )
         if body["load_format"] not in (None, "auto", "safetensors"):
             raise RequestError("/update_weights_from_disk field 'load_format' must be null, 'auto' or 'safetensors'")
+        self.check_weight_dir(body["model_path"])
         engine = self.loop.engine
         try:
             await self.loop.call(engine.update_weights_from_disk, body["model_path"], body["weight_version"])
@@ -124,14 +139,14 @@ class WeightUpdater:
             )
         init_method = f"tcp://{body['master_address']}:{body['master_port']}"
         try:
-            group = await asyncio.to_thread(
+            group = await run_in_daemon_thread(
                 weight_transport.init_custom_process_group,
                 backend,
                 init_method,
                 body["world_size"],
                 rank,
                 name,
-                timedelta(minutes=10),
+                GROUP_TIMEOUT,
             )
         except ValueError as error:
             raise RequestError(f"/init_weights_update_group: {error}") from error
@@ -182,7 +197,7 @@ class WeightUpdater:
                 return weight_transport.receive_named_tensors(group, names, torch_dtypes, shapes, self.device)
 
         # Receive every tensor even if a name is wrong: skipping would leave the trainer's broadcast hanging.
-        named_tensors = await asyncio.to_thread(receive)
+        named_tensors = await run_in_daemon_thread(receive)
         self.check_names_and_shapes([(n, s) for n, s in zip(names, shapes)], "names/shapes")
         await self._load(named_tensors, body["weight_version"])
         return {"success": True, "message": "Succeeded to update parameter online."}
@@ -196,3 +211,30 @@ class WeightUpdater:
         self._group_locks.pop(name, None)
         await asyncio.to_thread(weight_transport.destroy_custom_process_group, group)
         return {"success": True, "message": "Succeeded to destroy custom process group."}
+
+
+async def run_in_daemon_thread(function, *args):
+    """`await` function(*args) run on a daemon thread: a collective or rendezvous blocked on a peer that never
+    comes must not keep the process alive after SIGTERM (the default executor's threads are joined at exit)."""
+    loop = asyncio.get_running_loop()
+    future = loop.create_future()
+
+    def run():
+        try:
+            result = function(*args)
+        except BaseException as error:  # noqa: BLE001 - handed to the awaiting coroutine
+            loop.call_soon_threadsafe(_settle, future, None, error)
+        else:
+            loop.call_soon_threadsafe(_settle, future, result, None)
+
+    threading.Thread(target=run, name="slime-weight-group", daemon=True).start()
+    return await future
+
+
+def _settle(future, result, error) -> None:
+    if future.cancelled():
+        return
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(result)

@@ -74,7 +74,8 @@ def register_openai_routes(app: FastAPI, state) -> None:
     async def completions(request: Request):
         body = await read_json(request)
         _check_fields(body, COMPLETION_FIELDS, "/v1/completions")
-        prompts = _completion_prompts(body.get("prompt"), state)
+        # Tokenizing (up to the body limit, megabytes of text) runs off the event loop: /health keeps answering.
+        prompts = await asyncio.to_thread(_completion_prompts, body.get("prompt"), state)
         if body.get("logprobs") not in (None, 0):
             raise RequestError("'logprobs' must be null or 0: the engine returns the sampled token's log-prob only")
         best_of = body.get("best_of")
@@ -88,7 +89,7 @@ def register_openai_routes(app: FastAPI, state) -> None:
     async def chat_completions(request: Request):
         body = await read_json(request)
         _check_fields(body, CHAT_FIELDS, "/v1/chat/completions")
-        prompt = _chat_prompt(body.get("messages"), body.get("chat_template_kwargs"), state)
+        prompt = await asyncio.to_thread(_chat_prompt, body.get("messages"), body.get("chat_template_kwargs"), state)
         if body.get("top_logprobs") not in (None, 0):
             raise RequestError("'top_logprobs' must be null or 0: the engine returns the sampled token's log-prob only")
         logprobs = body.get("logprobs", False)

@@ -10,20 +10,18 @@ One process, one Engine, one driver thread stepping it (`http_engine_loop.py`). 
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import json
 import logging
 import time
-from dataclasses import fields
 from pathlib import Path
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
-from slime.engine.config import Config
 from slime.engine.http_engine_loop import EngineLoop
+from slime.engine.http_guard import AccessPolicy, GuardMiddleware
 from slime.engine.http_io import read_json, sse_line, unless_disconnected
 from slime.engine.http_protocol import (
     RequestError,
@@ -32,7 +30,7 @@ from slime.engine.http_protocol import (
     parse_generate_request,
     require_fields,
 )
-from slime.engine.http_weights import WeightUpdater
+from slime.engine.http_weights import EngineWeightReceiver
 from slime.engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -40,12 +38,13 @@ logger = logging.getLogger(__name__)
 MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")
 HEALTH_GENERATE_TIMEOUT_S = 20.0
 SERVER_VERSION = "slime-engine"
+SHUTDOWN_GRACE_S = 5
 
 
 class ServerState:
     """What the routes share: the driver loop, the engine's static facts, the weight updater, held memory tags."""
 
-    def __init__(self, engine, model_path: str, served_model_name: str, server_args: dict):
+    def __init__(self, engine, model_path: str, served_model_name: str, server_args: dict, weight_dirs: list[Path]):
         self.engine_loop = EngineLoop(engine)
         self.engine = engine
         self.tokenizer = engine.tokenizer
@@ -55,7 +54,7 @@ class ServerState:
         self.hf_config = _read_hf_config(model_path)
         self.vocab_size = engine.model_config.vocab_size
         self.max_model_len = engine.max_model_len
-        self.weights = WeightUpdater(self.engine_loop, engine.model_runner.device)
+        self.weights = EngineWeightReceiver(self.engine_loop, engine.model_runner.device, weight_dirs)
         self.released_tags: set[str] = set()
 
     def tokenize(self, text: str) -> list[int]:
@@ -65,11 +64,15 @@ class ServerState:
         return [self.tokenizer.decode([token_id]) for token_id in token_ids]
 
 
-def create_app(engine, model_path: str, served_model_name: str | None = None, server_args: dict | None = None):
-    """The FastAPI app serving `engine`; its driver thread starts and stops with the app."""
+def create_app(engine, model_path: str, served_model_name: str | None = None, server_args: dict | None = None,
+               policy: AccessPolicy | None = None, weight_dirs: list[Path] | None = None):
+    """The FastAPI app serving `engine` behind `policy` (keys, admin routes, body limit; default: open on loopback,
+    admin routes for loopback peers only); its driver thread starts and stops with the app. /update_weights_from_disk
+    loads only from `weight_dirs` (default: the checkpoint's parent folder)."""
     from slime.engine.openai_api import register_openai_routes
 
-    state = ServerState(engine, model_path, served_model_name or model_path, server_args or {})
+    weight_dirs = weight_dirs or [Path(model_path).resolve().parent]
+    state = ServerState(engine, model_path, served_model_name or model_path, server_args or {}, weight_dirs)
 
     @contextlib.asynccontextmanager
     async def lifespan(_app: FastAPI):
@@ -90,6 +93,7 @@ def create_app(engine, model_path: str, served_model_name: str | None = None, se
     _register_weight_routes(app, state)
     _register_info_routes(app, state)
     register_openai_routes(app, state)
+    app.add_middleware(GuardMiddleware, policy=policy or AccessPolicy())
     return app
 
 
@@ -98,7 +102,9 @@ def _register_generate_routes(app: FastAPI, state: ServerState) -> None:
     @app.post("/generate")
     async def generate(request: Request):
         body = await read_json(request)
-        parsed = parse_generate_request(body, state.tokenize, state.vocab_size, state.max_model_len)
+        parse = (parse_generate_request, body, state.tokenize, state.vocab_size, state.max_model_len)
+        # Tokenizing text (up to the body limit, megabytes) runs off the event loop, so /health keeps answering.
+        parsed = await asyncio.to_thread(*parse) if isinstance(body, dict) and "text" in body else parse[0](*parse[1:])
 
         def render(output):
             texts = state.token_texts(output.output_token_ids) if parsed.return_text_in_logprobs else None
@@ -318,58 +324,29 @@ def _eos_token_ids(state: ServerState) -> list[int]:
     return sorted(state.engine.eos_token_ids)
 
 
-# ---- CLI -------------------------------------------------------------------------------------------------------
-# SGLang launch-flag spellings accepted as aliases of Config fields, so scripts written for SGLang keep working.
-SGLANG_ALIASES = {
-    "max_num_seqs": ["--max-running-requests"],
-    "max_num_batched_tokens": ["--chunked-prefill-size"],
-    "max_model_len": ["--context-length"],
-    "kvcache_block_size": ["--page-size"],
-    "gpu_memory_utilization": ["--mem-fraction-static"],
-    "seed": ["--random-seed"],
-}
-
-
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description="SGLang-compatible HTTP server for slime's built-in engine")
-    parser.add_argument("--model-path", required=True, help="Hugging Face checkpoint directory")
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=30000)
-    parser.add_argument("--served-model-name", default=None, help="model name in /v1/models (default: model path)")
-    parser.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
-    engine_group = parser.add_argument_group("engine (slime.engine.config.Config fields)")
-    for config_field in fields(Config):
-        if config_field.name == "model":
-            continue
-        flags = ["--" + config_field.name.replace("_", "-")] + SGLANG_ALIASES.get(config_field.name, [])
-        kind = str(config_field.type)
-        if "bool" in kind:
-            engine_group.add_argument(*flags, dest=config_field.name, action=argparse.BooleanOptionalAction,
-                                      default=None)
-        else:
-            parse = int if "int" in kind else float if "float" in kind else str
-            engine_group.add_argument(*flags, dest=config_field.name, type=parse, default=None)
-    return parser
-
-
+# ---- entry point -----------------------------------------------------------------------------------------------
 def main(argv: list[str] | None = None) -> None:
     import uvicorn
 
     from slime.engine.engine import Engine
+    from slime.engine.server_config import parse_settings
     from slime.utils.misc import freeze_startup_objects
 
-    args = build_parser().parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    engine_config = {
-        f.name: getattr(args, f.name) for f in fields(Config) if f.name != "model" and getattr(args, f.name) is not None
-    }
+    settings = parse_settings(argv)
+    logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     started = time.perf_counter()
-    engine = Engine(args.model_path, **engine_config)
+    engine = Engine(settings.model_path, **settings.engine)
     freeze_startup_objects()  # no full garbage collection rescans them in the middle of a generation step
     logger.info("engine ready in %.1f s", time.perf_counter() - started)
-    server_args = {"host": args.host, "port": args.port, **engine_config}
-    app = create_app(engine, args.model_path, args.served_model_name, server_args)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False)
+    if settings.host not in ("127.0.0.1", "::1", "localhost") and settings.policy.api_key is None:
+        logger.warning("serving on %s without --api-key: anyone who can reach the port can generate", settings.host)
+    server_args = {"host": settings.host, "port": settings.port, **settings.engine}
+    app = create_app(engine, settings.model_path, settings.served_model_name, server_args, settings.policy,
+                     settings.allowed_weight_dirs())
+    # In-flight requests get a few seconds after SIGTERM, so no request (a weight-group set-up waiting on a peer
+    # that never comes) can keep the process alive.
+    uvicorn.run(app, host=settings.host, port=settings.port, log_level=settings.log_level, access_log=False,
+                timeout_graceful_shutdown=SHUTDOWN_GRACE_S)
 
 
 if __name__ == "__main__":

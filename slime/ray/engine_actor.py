@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 from slime.engine.http_launch import launch_process
+from slime.engine.server_config import write_config_file
 from slime.utils.misc import find_free_port
 
 
@@ -20,7 +21,9 @@ class EngineStartError(RuntimeError):
     pass
 
 
-def engine_server_command(args, port: int) -> list[str]:
+def engine_server_command(args, port: int, config_path: Path) -> list[str]:
+    """The command line of engine `port`'s server. The built-in engine gets its settings as a JSON file at
+    `config_path` (typed values, owner-only: it holds the keys), never as re-serialised flags."""
     if args.rollout_backend == "sglang":
         if importlib.util.find_spec("sglang") is None:
             raise EngineStartError("--rollout-backend sglang: the sglang package is not installed "
@@ -30,18 +33,17 @@ def engine_server_command(args, port: int) -> list[str]:
                "--enable-memory-saver", "--random-seed", str(args.seed)]
         if "gpu_memory_utilization" in args.engine_config:
             cmd += ["--mem-fraction-static", str(args.engine_config["gpu_memory_utilization"])]
+        # SGLang reads its keys from flags only (visible to local users in `ps`); the docs say so.
+        for flag, key in (("--api-key", args.sglang_api_key), ("--admin-api-key", args.sglang_admin_api_key)):
+            cmd += [flag, key] if key else []
         return cmd
+    engine = {"device": args.device, "seed": args.seed, **args.engine_config}
+    server = {name: value for name, value in (("api_key", args.sglang_api_key),
+                                              ("admin_api_key", args.sglang_admin_api_key)) if value}
+    write_config_file(config_path, args.hf_checkpoint, engine, server)
     # Info level: the engine's log file (engine_<rank>.log) then records its start-up and CUDA-graph capture times.
-    cmd = [sys.executable, "-m", "slime.engine.server", "--model-path", args.hf_checkpoint,
-           "--host", "127.0.0.1", "--port", str(port), "--device", args.device, "--seed", str(args.seed),
-           "--log-level", "info"]
-    for field, value in args.engine_config.items():
-        flag = "--" + field.replace("_", "-")
-        if isinstance(value, bool):
-            cmd += [flag] if value else []
-        else:
-            cmd += [flag, str(value)]
-    return cmd
+    return [sys.executable, "-m", "slime.engine.server", "--config-file", str(config_path),
+            "--host", "127.0.0.1", "--port", str(port), "--log-level", "info"]
 
 
 class EngineActor:
@@ -57,8 +59,9 @@ class EngineActor:
         # Sync training leaves the cores to the engine while it generates.
         env = {"OMP_NUM_THREADS": str(os.cpu_count() or 1)} if self.args.device == "cpu" else {}
         try:
-            self.server = launch_process(engine_server_command(self.args, port), f"http://127.0.0.1:{port}",
-                                         log_path, env, startup_timeout_s=timeout)
+            command = engine_server_command(self.args, port, log_path.with_name(f"engine_{self.rank}.json"))
+            self.server = launch_process(command, f"http://127.0.0.1:{port}", log_path, env,
+                                         startup_timeout_s=timeout)
         except RuntimeError as exc:
             raise EngineStartError(f"engine {self.rank} did not start (log {log_path}): {exc}") from None
         return self.server.url

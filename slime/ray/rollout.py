@@ -23,6 +23,7 @@ from slime.ray.train_data import rollout_metrics, samples_to_train_data, split_t
 from slime.rollout.data_source import create_data_source
 from slime.rollout.eval import compute_pass_at_k
 from slime.rollout.rm_hub.math_verify_pool import shutdown_pool as shutdown_reward_workers
+from slime.utils.engine_access import engine_admin_headers, router_headers
 from slime.utils.misc import load_function
 from slime.utils.types import Sample
 
@@ -73,12 +74,12 @@ class RolloutManager:
         if args.use_external_router:
             router_url = f"http://{args.sglang_router_ip}:{args.sglang_router_port}"
             try:
-                list_workers(router_url)
+                list_workers(router_url, router_headers(args))
             except httpx.HTTPError as exc:
                 raise RuntimeError(f"--sglang-router-ip/--sglang-router-port: no router answers at {router_url} "
                                    f"({exc}); start it or drop the flags to let slime start one") from None
         else:
-            self.router = RouterProcess(policy=args.router_policy)
+            self.router = RouterProcess(policy=args.router_policy, api_key=args.sglang_api_key)
             args.sglang_router_ip, args.sglang_router_port = self.router.host, self.router.port
             router_url = self.router.url
         engine_cls = ray.remote(EngineActor)
@@ -89,7 +90,7 @@ class RolloutManager:
         ]
         self.engine_urls = ray.get([engine.start.remote() for engine in self.engines])
         for url in self.engine_urls:
-            register_worker(router_url, url)
+            register_worker(router_url, url, api_key=args.sglang_api_key)
         self.router_url = router_url
 
     # ---- queries -------------------------------------------------------------------------------------------
@@ -168,7 +169,8 @@ class RolloutManager:
     # ---- memory and state ----------------------------------------------------------------------------------
     def _post_all(self, path: str, payload: dict) -> None:
         for url in self.engine_urls:
-            response = httpx.post(f"{url}{path}", json=payload, timeout=300.0, trust_env=False)
+            response = httpx.post(f"{url}{path}", json=payload, headers=engine_admin_headers(self.args), timeout=300.0,
+                                  trust_env=False)
             if response.status_code != 200:
                 raise RuntimeError(f"{url}{path} failed: {response.status_code} {response.text}")
 

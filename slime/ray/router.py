@@ -22,7 +22,7 @@ class RouterError(RuntimeError):
 
 class RouterProcess:
     def __init__(self, host: str = "127.0.0.1", port: int | None = None, policy: str = "cache_aware",
-                 request_timeout_secs: int = 14400):
+                 request_timeout_secs: int = 14400, api_key: str | None = None):
         self.host = host
         self.port = port or find_free_port(host)
         self.url = f"http://{host}:{self.port}"
@@ -32,6 +32,9 @@ class RouterProcess:
             "--log-level", "warn", "--request-timeout-secs", str(request_timeout_secs),
             "--prometheus-host", host, "--prometheus-port", str(find_free_port(host)),
         ]
+        # With a key the router requires it from its clients and sends it to the engines (sglang-router 0.3.2).
+        self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        cmd += ["--api-key", api_key] if api_key else []
         self.process = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         self._wait_ready()
 
@@ -42,7 +45,8 @@ class RouterProcess:
                 err = self.process.stderr.read().decode(errors="replace")[-2000:]
                 raise RouterError(f"sglang-router exited with code {self.process.returncode}: {err}")
             try:
-                if httpx.get(f"{self.url}/workers", timeout=1.0, trust_env=False).status_code == 200:
+                if httpx.get(f"{self.url}/workers", headers=self.headers, timeout=1.0,
+                             trust_env=False).status_code == 200:
                     return
             except httpx.HTTPError:
                 pass
@@ -59,20 +63,23 @@ class RouterProcess:
                 self.process.kill()
 
 
-def list_workers(router_url: str) -> list[str]:
-    response = httpx.get(f"{router_url}/workers", timeout=10.0, trust_env=False)
+def list_workers(router_url: str, headers: dict | None = None) -> list[str]:
+    response = httpx.get(f"{router_url}/workers", headers=headers, timeout=10.0, trust_env=False)
     response.raise_for_status()
     return worker_urls_from_listing(response.json())
 
 
-def register_worker(router_url: str, worker_url: str, timeout: float = 120.0) -> None:
-    """Add `worker_url` to the router and wait until the router lists it."""
-    response = httpx.post(f"{router_url}/workers", json={"url": worker_url}, timeout=30.0, trust_env=False)
+def register_worker(router_url: str, worker_url: str, timeout: float = 120.0, api_key: str | None = None) -> None:
+    """Add `worker_url` to the router and wait until the router lists it (`api_key`: the router's and the
+    worker's key, when they have one)."""
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    body = {"url": worker_url, **({"api_key": api_key} if api_key else {})}
+    response = httpx.post(f"{router_url}/workers", json=body, headers=headers, timeout=30.0, trust_env=False)
     if response.status_code not in (200, 201, 202):
         raise RouterError(f"router {router_url} refused worker {worker_url}: {response.status_code} {response.text}")
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if worker_url in list_workers(router_url):
+        if worker_url in list_workers(router_url, headers):
             return
         time.sleep(0.2)
     raise RouterError(f"router {router_url} did not list worker {worker_url} within {timeout:.0f} s")

@@ -95,8 +95,10 @@ async def request_json(
     *,
     timeout: float | None = None,
     num_retries: int | None = None,
+    headers: dict | None = None,
 ) -> Any:
-    """Send one JSON request, retrying with exponential backoff on connection errors and 502/503/504.
+    """Send one JSON request (with `headers`, e.g. the bearer key of `slime.utils.engine_access`), retrying with
+    exponential backoff on connection errors and 502/503/504.
 
     Raises EndpointUnreachableError (naming the URL) once the retries are spent, and HTTPRequestError with the
     answer's body for other error statuses (a 4xx/500 is a bug in the request or the engine; retrying would not help).
@@ -106,20 +108,20 @@ async def request_json(
     on_background_loop = asyncio.get_running_loop() is _loop
     client = _shared_session() if on_background_loop else _new_session()  # other loops: one session per call
     try:
-        return await _request_with_retries(client, method, url, payload, timeout, num_retries)
+        return await _request_with_retries(client, method, url, payload, timeout, num_retries, headers)
     finally:
         if not on_background_loop:
             await client.close()
 
 
 async def _request_with_retries(client: aiohttp.ClientSession, method: str, url: str, payload: dict | None,
-                                timeout: float | None, num_retries: int) -> Any:
+                                timeout: float | None, num_retries: int, headers: dict | None) -> Any:
     last_error: Exception | None = None
     for attempt in range(num_retries + 1):
         if attempt:
             await asyncio.sleep(min(RETRY_BACKOFF_BASE_S * 2 ** (attempt - 1), RETRY_BACKOFF_MAX_S))
         try:
-            async with client.request(method, url, json=payload,
+            async with client.request(method, url, json=payload, headers=headers,
                                       timeout=aiohttp.ClientTimeout(total=timeout)) as response:
                 status, body = response.status, await response.read()
         except (aiohttp.ClientError, asyncio.TimeoutError) as exc:  # connection refused / reset, timeouts
@@ -156,17 +158,20 @@ def worker_urls_from_listing(listing: Any) -> list[str]:
     raise ValueError(f"unexpected GET /workers answer from the router: {listing!r}")
 
 
-async def list_worker_urls(base_url: str) -> list[str]:
-    return worker_urls_from_listing(await request_json("GET", f"{base_url}/workers"))
+async def list_worker_urls(base_url: str, headers: dict | None = None) -> list[str]:
+    return worker_urls_from_listing(await request_json("GET", f"{base_url}/workers", headers=headers))
 
 
-async def abort_all_requests(base_url: str) -> list[str]:
+async def abort_all_requests(base_url: str, router_headers: dict | None = None,
+                             engine_headers: dict | None = None) -> list[str]:
     """Ask every worker behind the router at `base_url` to abort all its requests; returns the worker URLs.
+    `router_headers` authenticate to the router, `engine_headers` (the admin key) to the workers.
 
     Aborted requests answer their pending /generate with finish_reason "abort" and the tokens produced so far.
     """
-    worker_urls = await list_worker_urls(base_url)
-    await asyncio.gather(
-        *(request_json("POST", f"{url.rstrip('/')}/abort_request", {"abort_all": True}) for url in worker_urls)
-    )
+    worker_urls = await list_worker_urls(base_url, router_headers)
+    await asyncio.gather(*(
+        request_json("POST", f"{url.rstrip('/')}/abort_request", {"abort_all": True}, headers=engine_headers)
+        for url in worker_urls
+    ))
     return worker_urls

@@ -24,6 +24,7 @@ from tqdm import tqdm
 
 from slime.rollout.dataset import prompt_token_ids, tokenizer_for
 from slime.rollout.http_client import abort_all_requests, request_json, router_url, run
+from slime.utils.engine_access import engine_admin_headers, router_headers
 from slime.rollout.rm_hub import async_rm, batched_async_rm
 from slime.utils.misc import load_function
 from slime.utils.types import Sample
@@ -102,7 +103,8 @@ async def generate(args, sample: Sample, sampling_params: dict) -> Sample:
         "return_logprob": True,
     }
     timeout = getattr(args, "sglang_router_request_timeout_secs", None) or DEFAULT_REQUEST_TIMEOUT_S
-    output = await request_json("POST", f"{router_url(args)}/generate", payload, timeout=timeout)
+    output = await request_json("POST", f"{router_url(args)}/generate", payload, timeout=timeout,
+                                headers=router_headers(args))
     meta = output.get("meta_info", {})
     logprob_items = meta.get("output_token_logprobs")
     if logprob_items is not None:
@@ -235,7 +237,7 @@ async def _generate_rollout_async(args, rollout_id: int, data_source) -> tuple[l
         num_in_flight = len(pending)
         if pending:
             state.aborted = True  # requests still waiting for the semaphore will not be sent
-            await abort_all_requests(state.url)
+            await abort_all_requests(state.url, router_headers(args), engine_admin_headers(args))
             leftovers += await asyncio.gather(*pending)
             pending = set()
     finally:

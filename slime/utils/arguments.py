@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 
+from slime.utils.engine_access import add_engine_access_arguments, ensure_admin_key
 from slime.utils.validate_args import ArgumentError, validate_args
 
 # --sglang-* flags that mean something to the built-in engine, mapped to its Config fields.
@@ -293,6 +294,7 @@ ARGUMENT_GROUPS = [
     add_eval_arguments,
     add_logging_arguments,
     add_debug_arguments,
+    add_engine_access_arguments,
 ]
 
 
@@ -352,4 +354,5 @@ def parse_args(argv: list[str] | None = None, add_custom_arguments=None) -> argp
         raise ArgumentError(f"unknown argument(s): {' '.join(leftover)} (see `python train.py --help`)")
     args.engine_config = engine_config
     validate_args(args)
+    ensure_admin_key(args)
     return args

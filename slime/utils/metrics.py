@@ -10,6 +10,8 @@ import json
 import math
 from pathlib import Path
 
+from slime.utils.engine_access import redacted
+
 # (panel title, metric keys drawn in it); a key that never appears is skipped.
 PLOT_PANELS = [
     ("reward", ["rollout/raw_reward"]),
@@ -125,4 +127,4 @@ class MetricsLogger:
 def write_args(args) -> None:
     path = Path(args.output_dir) / "args.json"
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({k: v for k, v in vars(args).items()}, indent=1, default=str))
+    path.write_text(json.dumps(redacted(vars(args)), indent=1, default=str))

@@ -28,6 +28,8 @@ from multiprocessing.reduction import ForkingPickler
 
 import torch.multiprocessing.reductions  # noqa: F401  (registers the tensor reducers with ForkingPickler)
 
+from slime.utils.tensor_unpickler import ForbiddenPickleError, loads_named_tensors
+
 DEFAULT_GROUP_TIMEOUT = timedelta(minutes=10)
 
 _sharing_strategy_lock = threading.Lock()
@@ -61,20 +63,21 @@ def serialize_named_tensors(named_tensors) -> str:
 def deserialize_named_tensors(serialized: str) -> list[tuple[str, torch.Tensor]]:
     """Inverse of `serialize_named_tensors`: map the sender's tensors into this process (no copy yet).
 
-    The returned tensors alias the sender's memory; copy them (e.g. into model parameters) before the sender frees
+    Decoded by `slime.utils.tensor_unpickler`, which admits only torch's tensor / storage rebuild functions: a
+    payload naming anything else is rejected before any object is built (a plain unpickle would run it). The
+    returned tensors alias the sender's memory; copy them (e.g. into model parameters) before the sender frees
     them. Raises ValueError when the text is not a serialized tensor list.
     """
     try:
         payload = base64.b64decode(serialized.encode("ascii"), validate=True)
-        named_tensors = ForkingPickler.loads(payload)
-    except Exception as error:  # any decode / unpickle / shared-memory failure is a bad input
-        raise ValueError(f"serialized_named_tensors item could not be deserialized: {error}") from error
-    if not isinstance(named_tensors, list) or not all(
-        isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str) and isinstance(item[1], torch.Tensor)
-        for item in named_tensors
-    ):
-        raise ValueError("serialized_named_tensors item does not hold a list of (name, tensor) pairs")
-    return named_tensors
+    except (ValueError, UnicodeEncodeError) as error:
+        raise ValueError(f"serialized_named_tensors item is not base64 text: {error}") from error
+    try:
+        return loads_named_tensors(payload)
+    except ForbiddenPickleError as error:
+        raise ValueError(f"serialized_named_tensors item rejected: {error}") from error
+    except Exception as error:  # any decode / shared-memory failure of an admitted payload is a bad input
+        raise ValueError(f"serialized_named_tensors item could not be deserialized: {error!r}") from error
 
 
 def init_custom_process_group(

@@ -49,7 +49,8 @@ from slime.backends.fsdp_utils.model import (
     read_hf_weights,
 )
 from slime.backends.fsdp_utils.optimizer import build_optimizer, clip_grad_norm, move_training_state
-from slime.backends.fsdp_utils.update_weight import WeightUpdater
+from slime.backends.fsdp_utils.update_weight import WeightSender
+from slime.utils.engine_access import engine_admin_headers
 from slime.utils.misc import load_function, seed_everything
 from slime.utils.ppo_utils import apply_opd_advantage, compute_mismatch_metrics, loss_denominator
 
@@ -123,8 +124,8 @@ class FSDPTrainer:
                     load_full_weights(self.model, read_hf_weights(path))
                     self.snapshot.save(tag)
             self.snapshot.restore("actor")
-        self.weight_updater = WeightUpdater(self.model, self.rank, args.update_weight_buffer_size,
-                                            dtype=None, master_address=self.master_addr)
+        self.weight_updater = WeightSender(self.model, self.rank, args.update_weight_buffer_size, dtype=None,
+                                           master_address=self.master_addr, headers=engine_admin_headers(args))
         self.loss_fn = get_loss_function(args)
         if resume_dir is not None:
             return checkpoint.load_training_state(resume_dir, self.model, self.optimizer, self.scheduler,

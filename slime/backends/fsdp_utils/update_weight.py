@@ -63,40 +63,45 @@ def iter_buckets(named_tensors, bucket_bytes: int) -> Iterator[tuple[list[tuple[
         yield bucket, True
 
 
-def _post(url: str, path: str, payload: dict) -> dict:
+def _post(url: str, path: str, payload: dict, headers: dict | None = None) -> dict:
     import httpx
 
-    response = httpx.post(url.rstrip("/") + path, json=payload, timeout=HTTP_TIMEOUT_S)
+    response = httpx.post(url.rstrip("/") + path, json=payload, headers=headers, timeout=HTTP_TIMEOUT_S,
+                          trust_env=False)
     if response.status_code != 200:
         raise RuntimeError(f"POST {url}{path} failed with {response.status_code}: {response.text[:500]}")
     return response.json() if response.content else {}
 
 
-def engines_dtype(urls: list[str]) -> torch.dtype | None:
+def engines_dtype(urls: list[str], headers: dict | None = None) -> torch.dtype | None:
     """The floating dtype every engine reports in /get_server_info ("dtype"), or None when they differ, one does
     not say, or says "auto" (real SGLang reports its --dtype flag)."""
     import httpx
 
     names = set()
     for url in urls:
-        response = httpx.get(url.rstrip("/") + "/get_server_info", timeout=HTTP_TIMEOUT_S)
+        response = httpx.get(url.rstrip("/") + "/get_server_info", headers=headers, timeout=HTTP_TIMEOUT_S,
+                             trust_env=False)
         names.add(response.json().get("dtype") if response.status_code == 200 else None)
     (name,) = names if len(names) == 1 else (None,)
     dtype = getattr(torch, name, None) if isinstance(name, str) else None
     return dtype if isinstance(dtype, torch.dtype) and dtype.is_floating_point else None
 
 
-def _post_all(urls: list[str], path: str, payload_for_url) -> list:
+def _post_all(urls: list[str], path: str, payload_for_url, headers: dict | None = None) -> list:
     with ThreadPoolExecutor(max_workers=max(1, len(urls))) as pool:
-        return list(pool.map(lambda url: _post(url, path, payload_for_url(url)), urls))
+        return list(pool.map(lambda url: _post(url, path, payload_for_url(url), headers), urls))
 
 
-class WeightUpdater:
-    """Sends the weights of `model` to the connected engines; every rank calls `update`, rank 0 talks HTTP."""
+class WeightSender:
+    """The trainer side of a weight update (the engine side is `slime.engine.http_weights.EngineWeightReceiver`):
+    sends the weights of `model` to the connected engines; every rank calls `update`, rank 0 talks HTTP with
+    `headers` (the engines' admin key)."""
 
     def __init__(self, model: torch.nn.Module, rank: int, bucket_bytes: int, dtype: torch.dtype | None,
-                 master_address: str = "127.0.0.1"):
+                 master_address: str = "127.0.0.1", headers: dict | None = None):
         self.model, self.rank, self.bucket_bytes, self.dtype = model, rank, bucket_bytes, dtype
+        self.headers = dict(headers or {})
         self.engines_dtype: torch.dtype | None = None  # what the connected engines report; None: unknown
         self.master_address = master_address
         self.engine_urls: list[str] = []
@@ -107,12 +112,13 @@ class WeightUpdater:
         if mode not in UPDATE_MODES:
             raise ValueError(f"unknown weight update mode {mode!r}; choose {' or '.join(UPDATE_MODES)}")
         if self.group is not None and self.rank == 0:
-            _post_all(self.engine_urls, "/destroy_weights_update_group", lambda url: {"group_name": WEIGHT_GROUP_NAME})
+            _post_all(self.engine_urls, "/destroy_weights_update_group", lambda url: {"group_name": WEIGHT_GROUP_NAME},
+                      self.headers)
             dist.destroy_process_group(self.group)
             self.group = None
         self.engine_urls, self.mode = list(engine_urls), mode
         if self.rank == 0:
-            self.engines_dtype = engines_dtype(self.engine_urls)
+            self.engines_dtype = engines_dtype(self.engine_urls, self.headers)
         if mode == "distributed" and self.rank == 0:
             # The group's backend follows where the trainer's weights live, not whether the host has a GPU.
             on_gpu = next(self.model.parameters()).device.type == "cuda"
@@ -128,7 +134,7 @@ class WeightUpdater:
                 "master_address": self.master_address, "master_port": port,
                 "rank_offset": 1 + self.engine_urls.index(url), "world_size": world_size,
                 "group_name": WEIGHT_GROUP_NAME, "backend": backend,
-            })
+            }, self.headers)
             self.group = init_custom_process_group(backend, f"tcp://{self.master_address}:{port}", world_size, 0,
                                                    WEIGHT_GROUP_NAME)
             requests.result()
@@ -159,7 +165,8 @@ class WeightUpdater:
         if self.mode == "tensor":
             # Serialize per engine: each serialized handle must be opened exactly once.
             _post_all(self.engine_urls, "/update_weights_from_tensor",
-                      lambda url: {"serialized_named_tensors": [serialize_named_tensors(bucket)], **flush})
+                      lambda url: {"serialized_named_tensors": [serialize_named_tensors(bucket)], **flush},
+                      self.headers)
             return
         payload = {
             "names": [name for name, _ in bucket],
@@ -168,7 +175,8 @@ class WeightUpdater:
             "group_name": WEIGHT_GROUP_NAME, **flush,
         }
         with ThreadPoolExecutor(max_workers=1) as pool:
-            requests = pool.submit(_post_all, self.engine_urls, "/update_weights_from_distributed", lambda url: payload)
+            requests = pool.submit(_post_all, self.engine_urls, "/update_weights_from_distributed", lambda url: payload,
+                                   self.headers)
             broadcast_named_tensors(self.group, bucket, src=0)
             requests.result()
 

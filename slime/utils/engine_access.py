@@ -1,0 +1,50 @@
+"""The credentials a run uses with its engines and its router, in one place.
+
+- `--sglang-api-key` (SGLang's `--api-key`): when given, every engine route but /health and the router itself need
+  it; the router is started with it (sglang-router then also authenticates to the engines with it).
+- `--sglang-admin-api-key` (SGLang's `--admin-api-key`): the key of the engines' state-changing routes (weights,
+  memory, abort). With the built-in engine a run that names none gets a random one, so no other process on the host
+  can push weights or release an engine's memory; only this run's actors (which receive `args`) know it.
+Keys travel to engine servers in an owner-only config file, never on a command line, and `args.json` redacts them.
+"""
+
+from __future__ import annotations
+
+import secrets
+
+SECRET_ARGS = ("sglang_api_key", "sglang_admin_api_key")
+REDACTED = "<redacted>"
+
+
+def add_engine_access_arguments(parser) -> None:
+    g = parser.add_argument_group("engine access")
+    g.add_argument("--sglang-api-key", default=None,
+                   help="bearer token the engines (every route but /health) and the router require")
+    g.add_argument("--sglang-admin-api-key", default=None,
+                   help="bearer token of the engines' weight / memory / abort routes (built-in engine: a random "
+                        "per-run key when not given)")
+
+
+def ensure_admin_key(args) -> None:
+    """Give a built-in-engine run its own admin key when the user named none."""
+    if getattr(args, "sglang_admin_api_key", None) is None and getattr(args, "rollout_backend", "slime") == "slime":
+        args.sglang_admin_api_key = secrets.token_urlsafe(32)
+
+
+def _bearer(key: str | None) -> dict:
+    return {"Authorization": f"Bearer {key}"} if key else {}
+
+
+def router_headers(args) -> dict:
+    """Headers for requests to the router (generation, /workers)."""
+    return _bearer(getattr(args, "sglang_api_key", None))
+
+
+def engine_admin_headers(args) -> dict:
+    """Headers for direct requests to an engine: the admin key (accepted on every route), else the API key."""
+    return _bearer(getattr(args, "sglang_admin_api_key", None) or getattr(args, "sglang_api_key", None))
+
+
+def redacted(values: dict) -> dict:
+    """`values` (e.g. vars(args)) with every key secret replaced."""
+    return {k: (REDACTED if k in SECRET_ARGS and v is not None else v) for k, v in values.items()}
