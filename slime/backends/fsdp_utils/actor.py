@@ -20,7 +20,6 @@ import os
 import time
 from collections import defaultdict
 from datetime import timedelta
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -98,13 +97,8 @@ class FSDPTrainer:
                                           args.custom_before_train_step_hook_path))}
         if self.hooks["custom_init_path"]:
             self.hooks["custom_init_path"](args)
-        resume_dir = checkpoint.resolve_load_dir(args.load)
-        if resume_dir is not None:
-            weights_path = str(resume_dir)
-        elif args.load and list(Path(args.load).glob("*.safetensors")):
-            weights_path = args.load
-        else:
-            weights_path = args.hf_checkpoint
+        resume_dir = checkpoint.resolve_load_dir(args.load)  # a complete checkpoint or None (validated at parse time)
+        weights_path = str(resume_dir) if resume_dir is not None else args.hf_checkpoint
         if not weights_path:
             raise ValueError("no model to train: pass --hf-checkpoint (a Hugging Face folder)")
         hf_model = load_hf_model(weights_path, attention_implementation(self.device))
