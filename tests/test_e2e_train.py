@@ -46,7 +46,8 @@ def test_grpo_run(task, tmp_path):
     for row in rows:
         for key in ("rollout/raw_reward", "train/loss", "train/kl_loss", "train/grad_norm", "perf/rollout_time",
                     "perf/train_time", "perf/update_weights_time", "perf/weight_push_time", "perf/weight_push_gb",
-                    "perf/log_prob_time", "perf/actor_train_time", "train/train_rollout_logprob_abs_diff"):
+                    "perf/log_prob_time", "perf/actor_train_time", "train/train_rollout_logprob_abs_diff",
+                    "rollout/prefix_cache_hit_rate"):  # returned by the rollout function with its samples
             assert key in row, (key, sorted(row))
         assert not {"seconds", "bytes", "num_buckets"} & set(row)  # every metric carries its prefix
         # the engine's log-probs and the trainer's of the same tokens agree (same weights after every sync)

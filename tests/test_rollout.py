@@ -21,7 +21,7 @@ from slime.ray.router import register_worker as router_register_worker
 from slime.rollout import http_client, sglang_rollout
 from slime.rollout.data_source import RolloutDataSourceWithBuffer
 from slime.rollout.dataset import load_tokenizer
-from slime.rollout.sglang_rollout import build_sampling_params, generate, generate_rollout, get_last_rollout_metrics
+from slime.rollout.sglang_rollout import build_sampling_params, generate, generate_rollout
 from slime.utils.misc import find_free_port
 from slime.utils.types import Sample
 
@@ -185,7 +185,8 @@ def test_samples_are_filled_from_the_engine_answer(make_args, stack):
     }
     version = engine_weight_version(stack)
     for attempt in range(2):  # the second rollout re-sends the same prompts: the engine's prefix cache hits
-        groups = generate_rollout(args, 0, RolloutDataSourceWithBuffer(args))
+        output = generate_rollout(args, 0, RolloutDataSourceWithBuffer(args))
+        groups = output.samples
         assert [[s.index for s in g] for g in groups] == [[0, 1], [2, 3]]
         for sample in (s for g in groups for s in g):
             ids = prompt_ids(stack.model_dir, sample.prompt)
@@ -204,7 +205,7 @@ def test_samples_are_filled_from_the_engine_answer(make_args, stack):
             assert sample.reward == (float(sample.index % 2) if sample.group_index % 2 else 1.0)
             assert sample.prefix_cache_info["prompt_tokens"] == len(ids)
             assert 0 <= sample.prefix_cache_info["cached_tokens"] < len(ids)
-        metrics = get_last_rollout_metrics()
+        metrics = output.metrics
         assert metrics["rollout/num_groups_fetched"] == 2 and metrics["rollout/num_groups_aborted"] == 0
         samples = [s for g in groups for s in g]
         assert metrics["rollout/prefix_cache_hit_rate"] == pytest.approx(
@@ -217,10 +218,11 @@ def test_samples_are_filled_from_the_engine_answer(make_args, stack):
 def test_dynamic_filter_drops_and_over_samples(make_args):
     # check_reward_nonzero_std (a DynamicFilterOutput) is covered in test_rollout_engine; this is a bool filter.
     args = make_args([f"{i} + 1" for i in range(8)], dynamic_sampling_filter_path=f"{__name__}.keep_odd_groups")
-    groups = generate_rollout(args, 0, RolloutDataSourceWithBuffer(args))
+    output = generate_rollout(args, 0, RolloutDataSourceWithBuffer(args))
+    groups = output.samples
     assert [g[0].group_index for g in groups] == [1, 3]
     assert all(sorted(s.reward for s in g) == [0.0, 1.0] for g in groups)
-    metrics = get_last_rollout_metrics()
+    metrics = output.metrics
     assert metrics["rollout/num_groups_fetched"] == 4  # two waves of over-sampling
     assert metrics["rollout/dynamic_filter/num_dropped"] >= 1
     drop_keys = [k for k in metrics if k.startswith("rollout/dynamic_filter/drop_")]
@@ -231,16 +233,18 @@ def test_dynamic_filter_drops_and_over_samples(make_args):
 def test_keep_when_insufficient_keeps_a_dropped_group_without_spares(make_args):
     filter_path = "slime.rollout.filter_hub.dynamic_sampling_filters.check_reward_nonzero_std_with_fallback"
     args = make_args([f"{i} + 1" for i in range(8)], dynamic_sampling_filter_path=filter_path)
-    groups = generate_rollout(args, 0, RolloutDataSourceWithBuffer(args))
+    output = generate_rollout(args, 0, RolloutDataSourceWithBuffer(args))
+    groups = output.samples
     assert [g[0].group_index for g in groups] == [0, 1]  # group 0 has zero std but nothing could replace it
-    metrics = get_last_rollout_metrics()
+    metrics = output.metrics
     assert metrics["rollout/dynamic_filter/num_kept_when_insufficient"] == 1
     assert metrics["rollout/dynamic_filter/num_dropped"] == 0 and metrics["rollout/num_groups_fetched"] == 2
 
     args.over_sampling_batch_size = 4  # spares in flight: the zero-std groups are dropped after all
-    groups = generate_rollout(args, 0, RolloutDataSourceWithBuffer(args))
+    output = generate_rollout(args, 0, RolloutDataSourceWithBuffer(args))
+    groups = output.samples
     assert [g[0].group_index for g in groups] == [1, 3]
-    metrics = get_last_rollout_metrics()
+    metrics = output.metrics
     assert metrics["rollout/dynamic_filter/num_kept_when_insufficient"] == 0
     assert metrics["rollout/dynamic_filter/num_dropped"] >= 1
 
@@ -263,11 +267,12 @@ def test_abort_returns_partial_groups_and_continues_them(make_args, stack, abort
         uninterrupted[prompt] = (ids + answer["output_ids"], log_probs)
 
     source = RolloutDataSourceWithBuffer(args)
-    groups = generate_rollout(args, 5, source)
+    output = generate_rollout(args, 5, source)
+    groups = output.samples
     assert [g[0].prompt for g in groups] == ["9 + 9"]
     assert all(s.response_length == 2 and s.status == Sample.Status.TRUNCATED for s in groups[0])
     assert abort_calls == [stack.router.url]
-    metrics = get_last_rollout_metrics()
+    metrics = output.metrics
     assert metrics["rollout/num_groups_aborted"] == 2
     if not partial:
         assert source.buffer == [] and metrics["rollout/num_groups_returned_to_buffer"] == 0
@@ -288,9 +293,10 @@ def test_abort_returns_partial_groups_and_continues_them(make_args, stack, abort
 
     # next rollout: the buffered groups come first and are continued where they stopped
     args.rollout_batch_size, args.over_sampling_batch_size = 2, 2
-    groups = generate_rollout(args, 6, source)
+    output = generate_rollout(args, 6, source)
+    groups = output.samples
     assert [g[0].prompt for g in groups] == ["slow 1", "slow 2"] and source.buffer == []
-    assert get_last_rollout_metrics()["rollout/num_groups_fetched"] == 2
+    assert output.metrics["rollout/num_groups_fetched"] == 2
     for sample in (s for g in groups for s in g):
         old_tokens, old_length, old_log_probs = old[sample.index]
         full_tokens, full_log_probs = uninterrupted[sample.prompt]
@@ -307,7 +313,7 @@ def test_abort_returns_partial_groups_and_continues_them(make_args, stack, abort
 def test_custom_generate_hook(make_args, stack):
     args = make_args(["1 + 2"], rollout_batch_size=1,
                      custom_generate_function_path=f"{__name__}.generate_with_tool_output")
-    (group,) = generate_rollout(args, 0, RolloutDataSourceWithBuffer(args))
+    (group,) = generate_rollout(args, 0, RolloutDataSourceWithBuffer(args)).samples
     ids = prompt_ids(stack.model_dir, "1 + 2")
     answer = engine_generate(stack, ids, {**build_sampling_params(args), "ignore_eos": True})
     for sample in group:
@@ -322,15 +328,17 @@ def test_custom_generate_hook(make_args, stack):
 
 def test_group_rm_and_reward_failures(make_args):
     args = make_args(["1 + 2", "3 + 4"], group_rm=True, custom_rm_path=f"{__name__}.reward_per_group")
-    groups = generate_rollout(args, 0, RolloutDataSourceWithBuffer(args))
+    output = generate_rollout(args, 0, RolloutDataSourceWithBuffer(args))
+    groups = output.samples
     assert [[s.reward for s in g] for g in groups] == [[0.0, 1.0], [10.0, 11.0]]
-    assert get_last_rollout_metrics()["rollout/reward_failures"] == 0
+    assert output.metrics["rollout/reward_failures"] == 0
 
     args = make_args(["1 + 2", "3 + 4"], custom_rm_path=f"{__name__}.failing_reward")
-    groups = generate_rollout(args, 0, RolloutDataSourceWithBuffer(args))
+    output = generate_rollout(args, 0, RolloutDataSourceWithBuffer(args))
+    groups = output.samples
     assert [[s.reward for s in g] for g in groups] == [[1.0, 0.0], [1.0, 0.0]]
     assert "grader crashed" in groups[0][1].metadata["reward_error"]
-    assert get_last_rollout_metrics()["rollout/reward_failures"] == 2
+    assert output.metrics["rollout/reward_failures"] == 2
 
 
 def test_exhausted_data_source_is_an_error_not_a_hang(make_args):

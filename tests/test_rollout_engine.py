@@ -17,7 +17,7 @@ import pytest
 
 from slime.rollout.data_source import RolloutDataSourceWithBuffer
 from slime.rollout.dataset import load_tokenizer
-from slime.rollout.sglang_rollout import generate, generate_rollout, get_last_rollout_metrics
+from slime.rollout.sglang_rollout import generate, generate_rollout
 from slime.utils.misc import find_free_port
 from slime.utils.types import Sample
 from router_helpers import launch_router, register_worker, stop
@@ -109,7 +109,8 @@ def reference_log_probs(model_dir, tokens, response_length, temperature):
 def test_samples_match_the_engine_and_the_reference_model(stack):
     args = make_args(stack, ["What is 12 + 7?", "Compute 3 * 4 - 5."])
     tokenizer = load_tokenizer(stack["model_dir"])
-    groups = generate_rollout(args, 0, RolloutDataSourceWithBuffer(args))
+    output = generate_rollout(args, 0, RolloutDataSourceWithBuffer(args))
+    groups = output.samples
     assert [[s.index for s in g] for g in groups] == [[0, 1], [2, 3]]
     eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
     for sample in (s for g in groups for s in g):
@@ -128,7 +129,7 @@ def test_samples_match_the_engine_and_the_reference_model(stack):
         assert all(math.isfinite(x) and x <= 0 for x in sample.rollout_log_probs)
         reference = reference_log_probs(stack["model_dir"], sample.tokens, sample.response_length, 1.0)
         assert sample.rollout_log_probs == pytest.approx(reference, abs=2e-3)
-    assert get_last_rollout_metrics()["rollout/num_groups_fetched"] == 2
+    assert output.metrics["rollout/num_groups_fetched"] == 2
 
 
 def reward_by_group_sync(sample):
@@ -140,9 +141,10 @@ def test_dynamic_filter_drops_zero_std_groups_and_over_samples(stack):
         stack, [f"{i} + 1" for i in range(8)],
         "--dynamic-sampling-filter-path", "slime.rollout.filter_hub.dynamic_sampling_filters.check_reward_nonzero_std",
     )
-    groups = generate_rollout(args, 0, RolloutDataSourceWithBuffer(args))
+    output = generate_rollout(args, 0, RolloutDataSourceWithBuffer(args))
+    groups = output.samples
     assert [g[0].group_index for g in groups] == [1, 3]
-    metrics = get_last_rollout_metrics()
+    metrics = output.metrics
     assert metrics["rollout/num_groups_fetched"] == 4
     assert metrics["rollout/dynamic_filter/num_dropped"] >= 1
     assert metrics["rollout/dynamic_filter/drop_zero_std_1.0"] == metrics["rollout/dynamic_filter/num_dropped"]
@@ -155,9 +157,10 @@ def test_partial_rollout_returns_aborted_groups_and_continues_them(stack):
         "--mask-offpolicy-in-partial-rollout", "--custom-generate-function-path", f"{__name__}.short_first_group",
     )
     source = RolloutDataSourceWithBuffer(args)
-    groups = generate_rollout(args, 3, source)
+    output = generate_rollout(args, 3, source)
+    groups = output.samples
     assert [g[0].group_index for g in groups] == [0] and groups[0][0].response_length <= 2
-    assert get_last_rollout_metrics()["rollout/num_groups_returned_to_buffer"] == 2
+    assert output.metrics["rollout/num_groups_returned_to_buffer"] == 2
     buffered = {s.index: (list(s.tokens), s.response_length, s.status) for g in source.buffer for s in g}
     assert sorted(buffered) == [2, 3, 4, 5]
     assert all(s.metadata["start_rollout_id"] == 3 for g in source.buffer for s in g)
@@ -166,7 +169,8 @@ def test_partial_rollout_returns_aborted_groups_and_continues_them(stack):
     assert all(buffered[i][1] < LONG_RESPONSE_LEN for i in aborted)
 
     args.rollout_batch_size = args.over_sampling_batch_size = 2
-    groups = generate_rollout(args, 4, source)
+    output = generate_rollout(args, 4, source)
+    groups = output.samples
     assert [g[0].group_index for g in groups] == [1, 2] and source.buffer == []
     for sample in (s for g in groups for s in g):
         old_tokens, old_length, old_status = buffered[sample.index]

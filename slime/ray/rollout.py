@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import copy
 import json
-import sys
 import time
 from pathlib import Path
 
@@ -20,6 +19,7 @@ from slime.ray.engine_actor import EngineActor
 from slime.ray.placement_group import ENGINE_ACTOR_FRACTION
 from slime.ray.router import RouterProcess, list_workers, register_worker
 from slime.ray.train_data import rollout_metrics, samples_to_train_data, split_train_data
+from slime.rollout.base_types import split_rollout_output
 from slime.rollout.data_source import create_data_source
 from slime.rollout.eval import compute_pass_at_k
 from slime.rollout.rm_hub.math_verify_pool import shutdown_pool as shutdown_reward_workers
@@ -47,12 +47,6 @@ def eval_metrics(name: str, samples: list[Sample], rewards: list[float], n_per_p
         metrics[f"eval/{name}-pass@{k}"] = compute_pass_at_k(list(by_prompt.values()), k)
         k *= 2
     return metrics
-
-
-def _rollout_function_metrics(rollout_fn) -> dict:
-    """Metrics a rollout function's module publishes through `get_last_rollout_metrics()`, if it does."""
-    getter = getattr(sys.modules.get(rollout_fn.__module__), "get_last_rollout_metrics", None)
-    return getter() if getter is not None else {}
 
 
 class RolloutManager:
@@ -115,27 +109,29 @@ class RolloutManager:
         if dead:
             raise RuntimeError(f"rollout engine(s) died: {dead}; see engine_*.log in {self.args.output_dir}")
 
-    def _rollout_samples(self, rollout_id: int) -> list[Sample]:
+    def _rollout_samples(self, rollout_id: int) -> tuple[list[Sample], dict]:
+        """The rollout's samples and the metrics its function returned with them."""
         args = self.args
         if args.load_debug_rollout_data:
             path = args.load_debug_rollout_data.format(rollout_id=rollout_id)
             dump = json.loads(Path(path).read_text())
-            return [Sample.from_dict(d) for d in dump["samples"]]
+            return [Sample.from_dict(d) for d in dump["samples"]], {}
         self._check_engines_alive()
-        result = self.generate_rollout(args, rollout_id, self.data_source, evaluation=False)
+        result, function_metrics = split_rollout_output(
+            self.generate_rollout(args, rollout_id, self.data_source, evaluation=False))
         samples = _flatten(result)
         samples.sort(key=lambda s: (s.index if s.index is not None else 0))
         if args.save_debug_rollout_data:
             path = Path(args.save_debug_rollout_data.format(rollout_id=rollout_id))
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text(json.dumps({"rollout_id": rollout_id, "samples": [s.to_dict() for s in samples]}))
-        return samples
+        return samples, function_metrics
 
     def generate(self, rollout_id: int) -> tuple[list, dict]:
         """Run one rollout; returns (one ObjectRef of train data per trainer rank, rollout metrics)."""
         start = time.perf_counter()
         self.state_before_rollout = {rollout_id: copy.deepcopy(self.data_source.state_dict())}
-        samples = self._rollout_samples(rollout_id)
+        samples, function_metrics = self._rollout_samples(rollout_id)
         rollout_time = time.perf_counter() - start
         for s in samples:
             s.rollout_id = rollout_id if s.rollout_id is None else s.rollout_id
@@ -143,7 +139,7 @@ class RolloutManager:
             load_function(self.args.rollout_data_postprocess_path, "--rollout-data-postprocess-path")(self.args, samples)
         data = samples_to_train_data(self.args, samples)
         metrics = rollout_metrics(self.args, samples, data["raw_reward"])
-        metrics.update(_rollout_function_metrics(self.generate_rollout))
+        metrics.update(function_metrics)
         metrics["perf/rollout_time"] = rollout_time
         num_tokens = sum(data["response_lengths"])
         metrics["perf/rollout_tokens_per_sec"] = num_tokens / max(rollout_time, 1e-9)
@@ -158,8 +154,8 @@ class RolloutManager:
             return {}
         self._check_engines_alive()
         start = time.perf_counter()
-        results = self.eval_rollout(self.args, rollout_id, self.data_source, evaluation=True)
-        metrics = {}
+        results, metrics = split_rollout_output(
+            self.eval_rollout(self.args, rollout_id, self.data_source, evaluation=True))
         for name, result in results.items():
             metrics.update(eval_metrics(name, result.get("samples", []), result["rewards"],
                                         self.args.n_samples_per_eval_prompt))

@@ -6,8 +6,8 @@ finished group, pass it through `--dynamic-sampling-filter-path`, and once enoug
 on every engine; with `--partial-rollout` the half-generated groups go back to the data source's buffer and are
 continued next time. Evaluation (`evaluation=True`) is in eval.py.
 
-Metrics of the last training rollout (drop counts, reward failures, prefix-cache hit rate) are read with
-`get_last_rollout_metrics()` right after `generate_rollout` returns, in the same process.
+Training returns `RolloutFnTrainOutput(groups, metrics)`: the metrics (drop counts, reward failures, prefix-cache
+hit rate) travel with the samples.
 
 All asyncio runs on one background event loop (`http_client.run`), so synchronous callers can call in.
 """
@@ -22,6 +22,7 @@ import uuid
 
 from tqdm import tqdm
 
+from slime.rollout.base_types import RolloutFnTrainOutput
 from slime.rollout.dataset import prompt_token_ids, tokenizer_for
 from slime.rollout.http_client import abort_all_requests, request_json, router_url, run
 from slime.utils.engine_access import engine_admin_headers, router_headers
@@ -32,12 +33,6 @@ from slime.utils.types import Sample
 logger = logging.getLogger(__name__)
 
 DEFAULT_REQUEST_TIMEOUT_S = 14400.0
-_last_rollout_metrics: dict[str, float] = {}
-
-
-def get_last_rollout_metrics() -> dict[str, float]:
-    """Metrics of the most recent training `generate_rollout` call in this process (`rollout/...` keys)."""
-    return dict(_last_rollout_metrics)
 
 
 @functools.lru_cache(maxsize=32)
@@ -274,13 +269,11 @@ async def _generate_rollout_async(args, rollout_id: int, data_source) -> tuple[l
 
 
 def generate_rollout(args, rollout_id: int, data_source, evaluation: bool = False):
-    """Training: `--rollout-batch-size` accepted groups (list[list[Sample]], sorted by index).
-    Evaluation: {dataset name: {"rewards", "truncated", "samples"}} (see eval.py)."""
+    """Training: `RolloutFnTrainOutput` of `--rollout-batch-size` accepted groups (list[list[Sample]], sorted by
+    index) and the rollout's metrics. Evaluation: {dataset name: {"rewards", "truncated", "samples"}} (eval.py)."""
     if evaluation:
         from slime.rollout.eval import eval_rollout
 
         return eval_rollout(args, rollout_id)
     groups, metrics = run(_generate_rollout_async(args, rollout_id, data_source))
-    _last_rollout_metrics.clear()
-    _last_rollout_metrics.update(metrics)
-    return groups
+    return RolloutFnTrainOutput(groups, metrics)
