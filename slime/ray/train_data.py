@@ -108,4 +108,22 @@ def rollout_metrics(args, samples: list[Sample], raw_rewards: list[float]) -> di
     for s, r in zip(samples, raw_rewards):
         groups[s.group_index].append(r)
     metrics["rollout/zero_std_groups"] = sum(1 for g in groups.values() if len(g) > 1 and max(g) == min(g))
+    metrics.update(multi_turn_metrics(samples))
     return metrics
+
+
+def multi_turn_metrics(samples: list[Sample]) -> dict:
+    """Per-sample means of what slime.rollout.multi_turn recorded in sample.metadata["multi_turn"]."""
+    states = [s.metadata["multi_turn"] for s in samples if isinstance(s.metadata.get("multi_turn"), dict)]
+    if not states:
+        return {}
+    turn_lengths = [n for state in states for n in state["turn_lengths"]]
+    num_calls = sum(state["tool_calls"] for state in states)
+    return {
+        "rollout/turns_per_sample": statistics.fmean(state["turns"] for state in states),
+        "rollout/tool_calls_per_sample": num_calls / len(states),
+        "rollout/tool_errors_per_sample": statistics.fmean(state["tool_errors"] for state in states),
+        "rollout/tool_latency_s": sum(state["tool_seconds"] for state in states) / max(num_calls, 1),
+        "rollout/cut_by_context_ratio": statistics.fmean(float(state["cut_by_context"]) for state in states),
+        "rollout/turn_response_len/mean": statistics.fmean(turn_lengths) if turn_lengths else 0.0,
+    }

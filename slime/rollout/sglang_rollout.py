@@ -33,6 +33,7 @@ from slime.utils.types import Sample
 logger = logging.getLogger(__name__)
 
 DEFAULT_REQUEST_TIMEOUT_S = 14400.0
+MULTI_TURN_GENERATE = "slime.rollout.multi_turn.generate"  # the generate function when --max-turns > 1
 
 
 @functools.lru_cache(maxsize=32)
@@ -91,15 +92,17 @@ async def generate(args, sample: Sample, sampling_params: dict) -> Sample:
     if max_new_tokens <= 0:
         sample.status = Sample.Status.TRUNCATED
         return sample
+    await sample_continuation(args, sample, {**sampling_params, "max_new_tokens": max_new_tokens})
+    return sample
 
-    payload = {
-        "input_ids": sample.tokens,
-        "sampling_params": {**sampling_params, "max_new_tokens": max_new_tokens},
-        "return_logprob": True,
-    }
+
+async def sample_continuation(args, sample: Sample, sampling_params: dict) -> str:
+    """One POST /generate continuing `sample.tokens`: appends the sampled ids (loss mask 1, the engine's log-probs)
+    and the text, sets the status from the finish reason, counts prefix-cache hits; returns the text sampled."""
+    payload = {"input_ids": sample.tokens, "sampling_params": sampling_params, "return_logprob": True}
     timeout = getattr(args, "sglang_router_request_timeout_secs", None) or DEFAULT_REQUEST_TIMEOUT_S
-    output = await request_json("POST", f"{router_url(args)}/generate", payload, timeout=timeout,
-                                headers=router_headers(args))
+    headers = {**router_headers(args), **({"X-SMG-Routing-Key": sample.session_id} if sample.session_id else {})}
+    output = await request_json("POST", f"{router_url(args)}/generate", payload, timeout=timeout, headers=headers)
     meta = output.get("meta_info", {})
     logprob_items = meta.get("output_token_logprobs")
     if logprob_items is not None:
@@ -110,17 +113,18 @@ async def generate(args, sample: Sample, sampling_params: dict) -> Sample:
     finish_reason = meta.get("finish_reason")
     if isinstance(finish_reason, dict):
         finish_reason = finish_reason.get("type")
+    text = output.get("text", "")
     sample.append_response_tokens(
         token_ids,
         log_probs,
-        text=output.get("text", ""),
+        text=text,
         finish_reason=finish_reason,
         weight_version=meta.get("weight_version"),
     )
     cache = sample.prefix_cache_info
     cache["cached_tokens"] = cache.get("cached_tokens", 0) + int(meta.get("cached_tokens", 0) or 0)
     cache["prompt_tokens"] = cache.get("prompt_tokens", 0) + int(meta.get("prompt_tokens", 0) or 0)
-    return sample
+    return text
 
 
 def _flatten(items) -> list[Sample]:
@@ -154,6 +158,8 @@ async def generate_and_rm(args, sample: Sample, sampling_params: dict, state: Ge
                 sample.status = Sample.Status.ABORTED
                 return sample
             hook_path = sample.generate_function_path or getattr(args, "custom_generate_function_path", None)
+            if hook_path is None and (getattr(args, "max_turns", None) or 1) > 1:
+                hook_path = MULTI_TURN_GENERATE
             generate_fn = _load_hook(hook_path, "--custom-generate-function-path") if hook_path else generate
             sample = await generate_fn(args, sample, dict(sampling_params))  # a copy: hooks may edit theirs
     samples = sample if isinstance(sample, list) else [sample]

@@ -160,6 +160,25 @@ def add_rollout_arguments(parser):
     g.add_argument("--keep-old-actor", action="store_true")
 
 
+def add_multi_turn_arguments(parser):
+    g = parser.add_argument_group("multi-turn (slime.rollout.multi_turn)")
+    g.add_argument("--max-turns", type=int, default=1,
+                   help="assistant turns per sample; > 1 makes slime.rollout.multi_turn.generate the generate function")
+    g.add_argument("--tool-functions-path", action="append", default=None, metavar="MODULE.FN",
+                   help="a tool (sync or async function; schema from its tool_schema attribute or its signature) or "
+                        "a list of tools, by dotted path; repeatable")
+    g.add_argument("--tool-call-parser", default="qwen",
+                   help="how tool calls are written: qwen/hermes (<tool_call>{json}</tool_call>), tool_tag "
+                        "(<tool>{json}</tool>), xml_tags (<NAME>text</NAME>), or a parser by dotted path")
+    g.add_argument("--tool-timeout", type=float, default=30.0, help="seconds one tool call may take")
+    g.add_argument("--max-tool-response-chars", type=int, default=8192, help="longer tool answers are cut")
+    g.add_argument("--tool-response-template", default=None,
+                   help="xml_tags format: how a tool's answer is written into the turn (default "
+                        "'\\n\\n<information>{result}</information>\\n\\n')")
+    g.add_argument("--env-path", default=None,
+                   help="make_env(args) -> an environment with reset(sample) and step(text) (slime.rollout.environment)")
+
+
 def add_reward_arguments(parser):
     g = parser.add_argument_group("reward")
     g.add_argument("--rm-type", default=None)
@@ -288,6 +307,7 @@ ARGUMENT_GROUPS = [
     add_model_arguments,
     add_data_arguments,
     add_rollout_arguments,
+    add_multi_turn_arguments,
     add_reward_arguments,
     add_training_arguments,
     add_algorithm_arguments,

@@ -20,6 +20,7 @@ PLOT_PANELS = [
     ("KL", ["train/kl_loss", "train/ppo_kl"]),
     ("train/rollout mismatch", ["train/train_rollout_logprob_abs_diff", "train/mismatch_ratio_outside_clip"]),
     ("response length", ["rollout/response_len/mean"]),
+    ("multi-turn", ["rollout/turns_per_sample", "rollout/tool_calls_per_sample", "rollout/tool_errors_per_sample"]),
 ]
 SUMMARY_KEYS = [
     ("reward", "rollout/raw_reward"),

@@ -9,9 +9,18 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+# Qwen's layout: tools offered in a system block, an assistant's tool calls as <tool_call>{json}</tool_call>, tool
+# results as messages of role "tool". A conversation without tools renders exactly as before.
 CHAT_TEMPLATE = (
+    "{% if tools %}<|im_start|>system\n# Tools\n{% for tool in tools %}{{ tool | tojson }}\n{% endfor %}"
+    "Call a tool with <tool_call>{\"name\": ..., \"arguments\": {...}}</tool_call>.<|im_end|>\n{% endif %}"
     "{% for message in messages %}"
-    "<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "<|im_start|>{{ message['role'] }}\n{{ message['content'] or '' }}"
+    "{% for call in message.get('tool_calls') or [] %}<tool_call>"
+    "{\"name\": {{ call['function']['name'] | tojson }}, \"arguments\": "
+    "{% if call['function']['arguments'] is string %}{{ call['function']['arguments'] }}"
+    "{% else %}{{ call['function']['arguments'] | tojson }}{% endif %}}</tool_call>{% endfor %}"
+    "<|im_end|>\n"
     "{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )

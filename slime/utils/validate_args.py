@@ -82,6 +82,8 @@ FLAG_RANGES = {
     "over_sampling_batch_size": AT_LEAST_1, "sglang_router_port": Range(low=1, high=65535),
     "sglang_server_concurrency": AT_LEAST_1, "update_weight_buffer_size": AT_LEAST_1,
     "update_weights_interval": AT_LEAST_1,
+    # multi-turn
+    "max_turns": AT_LEAST_1, "tool_timeout": POSITIVE, "max_tool_response_chars": AT_LEAST_1,
     # reward
     "reward_timeout": POSITIVE, "reward_failure_value": ANY,
     # training
@@ -105,7 +107,7 @@ HOOK_FLAGS = (
     "rollout_function_path", "custom_generate_function_path", "dynamic_sampling_filter_path", "buffer_filter_path",
     "data_source_path", "custom_rm_path", "rollout_data_postprocess_path", "eval_function_path",
     "custom_loss_function_path", "custom_advantage_function_path", "custom_init_path",
-    "custom_before_log_prob_hook_path", "custom_before_train_step_hook_path",
+    "custom_before_log_prob_hook_path", "custom_before_train_step_hook_path", "env_path",
 )
 
 
@@ -148,6 +150,30 @@ def _check_hooks(args) -> None:
                 load_function(path, _flag(dest))
             except ValueError as exc:
                 raise ArgumentError(str(exc)) from None
+    _check_tools(args)
+
+
+def _check_tools(args) -> None:
+    """--tool-functions-path entries import (a callable or a list of callables); --tool-call-parser is known."""
+    import importlib
+
+    from slime.utils.tool_parsers import get_parser
+
+    for path in args.tool_functions_path or []:
+        module_name, _, attr = path.rpartition(".")
+        try:
+            value = getattr(importlib.import_module(module_name), attr)
+        except (ImportError, AttributeError, ValueError) as exc:
+            raise ArgumentError(f"--tool-functions-path {path}: cannot import it ({exc})") from None
+        values = value if isinstance(value, (list, tuple)) else [value]
+        _require(bool(values) and all(callable(v) for v in values),
+                 f"--tool-functions-path {path}: must name a function or a non-empty list of functions")
+    try:
+        get_parser(args.tool_call_parser)
+    except ValueError as exc:
+        raise ArgumentError(str(exc)) from None
+    _require(args.max_turns > 1 or not (args.tool_functions_path or args.env_path),
+             "--tool-functions-path / --env-path need --max-turns > 1 (a conversation of one turn never uses them)")
 
 
 def _check_resume(args) -> None:
