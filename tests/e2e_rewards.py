@@ -7,3 +7,12 @@ async def response_hash_parity(args, sample) -> float:
     """0 or 1 from a hash of the response text: a random tiny model's groups get rewards that vary, which
     dynamic sampling (check_reward_nonzero_std) needs to accept them."""
     return float(zlib.crc32(sample.response.encode()) % 2)
+
+
+def never_returns(args, sample) -> float:
+    """A plain (non-async) reward that hangs forever: --reward-timeout must bound it, and its thread must not keep
+    the rollout process alive after the run (tests/test_process_lifetime.py)."""
+    import time
+
+    while True:
+        time.sleep(3600)

@@ -14,6 +14,7 @@ import urllib.request
 from pathlib import Path
 
 from slime.utils.misc import find_free_port
+from slime.utils.parent_death import die_with_parent
 
 DEFAULT_STARTUP_TIMEOUT_S = 120.0
 
@@ -59,13 +60,15 @@ def launch_server(
 def launch_process(command: list[str], url: str, log_path: str | Path | None = None, env: dict | None = None,
                    startup_timeout_s: float = DEFAULT_STARTUP_TIMEOUT_S) -> ServerProcess:
     """Start any server speaking the engine HTTP API (the built-in one, or SGLang) at `url` and block until
-    GET /health returns 200; RuntimeError (with the log tail) if it exits or does not become healthy in time."""
+    GET /health returns 200; RuntimeError (with the log tail) if it exits or does not become healthy in time. The
+    server is SIGKILLed when the calling process dies (`slime.utils.parent_death`)."""
     log_path = Path(log_path) if log_path else None
     log_file = open(log_path, "w") if log_path else subprocess.DEVNULL
     child_env = {**os.environ, **(env or {})}
     repo_root = str(Path(__file__).resolve().parents[2])
     child_env["PYTHONPATH"] = os.pathsep.join(p for p in (repo_root, child_env.get("PYTHONPATH")) if p)
-    process = subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT, env=child_env)
+    process = subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT, env=child_env,
+                               preexec_fn=die_with_parent())
     if log_path:
         log_file.close()
     server = ServerProcess(process, url, log_path)

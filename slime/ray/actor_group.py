@@ -3,20 +3,36 @@
 Every call fans out to all ranks (they run collectives together) and returns rank 0's answer; the trainer
 all-reduces its metrics, so rank 0 speaks for the group. The trainer class is imported inside the actor, so the
 driver never imports the training backend. `train_with_critic` is PPO's actor/critic hand-over (spec 3.2e).
+
+The ranks of a local run (no `--ray-address`) meet through a file in the run folder, not torch's TCPStore, which
+listens on every interface; a run on a Ray cluster keeps the TCP rendezvous.
 """
 
 from __future__ import annotations
 
+import atexit
+import logging
 import os
+import uuid
+from pathlib import Path
 
 import ray
 
 from slime.ray.placement_group import TRAIN_ACTOR_FRACTION, DevicePlacement
 from slime.utils.misc import find_free_port
 
+logger = logging.getLogger(__name__)
+
+
+def weight_update_mode(args) -> str:
+    """Tensor handles (shared memory / CUDA IPC) when trainer and engines share devices or the host's memory;
+    an NCCL broadcast group when the engines sit on GPUs of their own."""
+    return "distributed" if args.device == "cuda" and not args.colocate else "tensor"
+
 
 class TrainRayActor:
-    def __init__(self, args, rank: int, world_size: int, master_addr: str, master_port: int, role: str):
+    def __init__(self, args, rank: int, world_size: int, master_addr: str, master_port: int, role: str,
+                 rendezvous_file: Path | None = None):
         if args.device == "cpu":
             import torch
 
@@ -27,6 +43,14 @@ class TrainRayActor:
             from slime.backends.fsdp_utils.critic import FSDPCritic as trainer_cls
         else:
             raise ValueError(f"unknown train group role {role!r}; expected actor or critic")
+        if rendezvous_file is not None:  # the trainer then finds its default group made
+            import torch.distributed as dist
+
+            from slime.backends.fsdp_utils.actor import PROCESS_GROUP_TIMEOUT
+
+            backend = "nccl" if args.device == "cuda" else "gloo"
+            dist.init_process_group(backend, init_method=f"file://{rendezvous_file}", rank=rank,
+                                    world_size=world_size, timeout=PROCESS_GROUP_TIMEOUT)
         self.trainer = trainer_cls(args, rank, world_size, master_addr, master_port, role=role)
 
     def call(self, method: str, *args, **kwargs):
@@ -49,11 +73,19 @@ class RayTrainGroup:
         world_size = args.world_size
         master_addr = "127.0.0.1" if args.actor_num_nodes == 1 else ray.util.get_node_ip_address()
         master_port = find_free_port()
+        rendezvous_file = None
+        if not args.ray_address:
+            rendezvous_file = Path(args.output_dir).resolve() / f"rendezvous_{role}_{uuid.uuid4().hex[:8]}"
+            atexit.register(rendezvous_file.unlink, missing_ok=True)  # the ranks are killed before they remove it
+        if role == "actor" and weight_update_mode(args) == "distributed" and not args.debug_train_only:
+            logger.warning("the weight broadcast group's rendezvous (a torch TCPStore on trainer rank 0) listens "
+                           "beyond loopback, on every interface, while the trainer and the engines connect "
+                           "(docs/security.md)")
         actor_cls = ray.remote(TrainRayActor)
         self.actors = [
             actor_cls.options(scheduling_strategy=placement.strategy(rank),
                               **placement.resources(TRAIN_ACTOR_FRACTION)).remote(
-                args, rank, world_size, master_addr, master_port, role)
+                args, rank, world_size, master_addr, master_port, role, rendezvous_file)
             for rank in range(world_size)
         ]
 
@@ -75,10 +107,7 @@ class RayTrainGroup:
         self._all("save_model", rollout_id, run_state)
 
     def update_weights(self, engine_urls: list[str], weight_version: str) -> dict:
-        """Tensor handles (shared memory / CUDA IPC) when trainer and engines share devices or the host's memory;
-        an NCCL broadcast group when the engines sit on GPUs of their own."""
-        mode = "distributed" if self.args.device == "cuda" and not self.args.colocate else "tensor"
-        return self._all("update_weights", engine_urls, weight_version, mode)[0]
+        return self._all("update_weights", engine_urls, weight_version, weight_update_mode(self.args))[0]
 
     def offload(self) -> None:
         self._all("offload")

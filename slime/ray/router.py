@@ -1,4 +1,4 @@
-"""The real sglang-router as a child process, and worker registration with it.
+"""The real sglang-router as a child process (it dies with its owner), and worker registration with it.
 
 The router spreads `/generate` requests over the engines; the rollout only ever talks to the router. Registration
 uses the router's `POST /workers` API and waits until the worker is listed (the router probes its health first).
@@ -14,6 +14,7 @@ import httpx
 
 from slime.rollout.http_client import worker_urls_from_listing
 from slime.utils.misc import find_free_port
+from slime.utils.parent_death import die_with_parent
 
 
 class RouterError(RuntimeError):
@@ -35,7 +36,8 @@ class RouterProcess:
         # With a key the router requires it from its clients and sends it to the engines (sglang-router 0.3.2).
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         cmd += ["--api-key", api_key] if api_key else []
-        self.process = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        self.process = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                        preexec_fn=die_with_parent())
         self._wait_ready()
 
     def _wait_ready(self, timeout: float = 60.0) -> None:

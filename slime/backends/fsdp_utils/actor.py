@@ -65,6 +65,10 @@ def can_reuse_log_probs_in_loss(args, num_steps_per_rollout: int) -> bool:
             and not getattr(args, "use_critic", False))
 
 
+# The default group's timeout, here or where a launcher creates the group first (slime/ray/actor_group.py).
+PROCESS_GROUP_TIMEOUT = timedelta(minutes=30)
+
+
 class FSDPTrainer:
     def __init__(self, args, rank: int, world_size: int, master_addr: str, master_port: int, role: str = "actor"):
         self.args, self.rank, self.world_size, self.role = args, rank, world_size, role
@@ -77,7 +81,7 @@ class FSDPTrainer:
             self.device = torch.device("cpu")
         if not dist.is_initialized():
             dist.init_process_group("nccl" if use_cuda else "gloo", init_method=f"tcp://{master_addr}:{master_port}",
-                                    rank=rank, world_size=world_size, timeout=timedelta(minutes=30))
+                                    rank=rank, world_size=world_size, timeout=PROCESS_GROUP_TIMEOUT)
         self.mesh = init_device_mesh(self.device.type, (world_size,))
         self.master_addr = master_addr
         self.model = self.optimizer = self.scheduler = None

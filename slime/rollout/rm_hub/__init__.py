@@ -16,7 +16,6 @@ blocks the event loop cannot be bounded, and a plain function that hangs keeps i
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import inspect
 import logging
 import random
@@ -26,6 +25,7 @@ from slime.rollout.rm_hub.f1 import f1_reward
 from slime.rollout.rm_hub.gpqa import gpqa_reward
 from slime.rollout.rm_hub.math_rewards import dapo_reward, deepscaler_reward, math_reward
 from slime.rollout.rm_hub.remote_rm import request_remote_reward
+from slime.rollout.rm_hub.reward_threads import DaemonThreadPool
 from slime.utils.misc import load_function
 from slime.utils.types import Sample
 
@@ -38,8 +38,8 @@ DEFAULT_REWARD_TIMEOUT_S = 30.0
 DEFAULT_FAILURE_REWARD = 0.0
 
 # Plain (non-async) custom reward functions run here, not in the event loop's default executor, so that a hung
-# call never blocks `asyncio.run` from returning.
-_sync_reward_threads = concurrent.futures.ThreadPoolExecutor(max_workers=8, thread_name_prefix="slime-reward")
+# call never blocks `asyncio.run` from returning; daemon threads, so that it never blocks the process's exit either.
+_sync_reward_threads = DaemonThreadPool(max_workers=8, thread_name_prefix="slime-reward")
 
 
 _GROUP_FAILED = object()  # sentinel: the group reward call failed (its error is already recorded)
