@@ -70,6 +70,26 @@ def test_loss_matches_hand_computed_sample_mean(tiny_checkpoint):
     assert metrics["train/loss"] == pytest.approx(float(torch.stack(per_sample).mean()), rel=1e-5)
 
 
+def test_fan_out_loss_is_the_mean_over_rollouts_of_their_token_means(tiny_checkpoint):
+    """Samples 1 and 2 are siblings of one rollout (a fan-out): the SFT loss averages over 3 rollouts, the
+    siblings' tokens pooled into one mean, for any micro-batch split."""
+    data = make_train_data(4, vocab_size=300, seed=5)
+    masks = [torch.tensor(m, dtype=torch.float32) for m in data["loss_masks"]]
+    siblings = float(masks[1].sum() + masks[2].sum())
+    data["rollout_mask_sums"] = [float(masks[0].sum()), siblings, siblings, float(masks[3].sum())]
+    data["rollout_num_samples"] = [1, 2, 2, 1]
+    results = [_one_step(tiny_checkpoint, data, "--loss-type", "sft_loss", "--micro-batch-size", mbs)[0]
+               for mbs in ("1", "3")]
+    trainer = make_trainer(make_args(tiny_checkpoint))
+    packed = pack_samples(data["tokens"], data["response_lengths"], list(range(4)))
+    with torch.no_grad():
+        log_probs, _ = trainer.model.forward_micro_batch(packed)
+    nll = [-(lp * m).sum() for lp, m in zip(torch.split(log_probs, data["response_lengths"]), masks)]
+    expected = (nll[0] / masks[0].sum() + (nll[1] + nll[2]) / siblings + nll[3] / masks[3].sum()) / 3
+    for metrics in results:
+        assert metrics["train/loss"] == pytest.approx(float(expected), rel=1e-5)
+
+
 def test_first_step_has_zero_ppo_kl_and_kl_with_ref_equal_to_actor(tiny_checkpoint):
     data = make_train_data(4, vocab_size=300, seed=7, num_steps=2)
     metrics, _ = _one_step(tiny_checkpoint, data, "--use-kl-loss", "--kl-loss-coef", "0.5",

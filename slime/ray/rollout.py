@@ -18,7 +18,7 @@ import ray
 from slime.ray.engine_actor import EngineActor
 from slime.ray.placement_group import ENGINE_ACTOR_FRACTION
 from slime.ray.router import RouterProcess, list_workers, register_worker
-from slime.ray.train_data import rollout_metrics, samples_to_train_data, split_train_data
+from slime.ray.train_data import assign_rollout_ids, rollout_metrics, samples_to_train_data, split_train_data
 from slime.rollout.base_types import split_rollout_output
 from slime.rollout.data_source import create_data_source
 from slime.rollout.eval import compute_pass_at_k
@@ -133,8 +133,7 @@ class RolloutManager:
         self.state_before_rollout = {rollout_id: copy.deepcopy(self.data_source.state_dict())}
         samples, function_metrics = self._rollout_samples(rollout_id)
         rollout_time = time.perf_counter() - start
-        for s in samples:
-            s.rollout_id = rollout_id if s.rollout_id is None else s.rollout_id
+        assign_rollout_ids(samples)
         if self.args.rollout_data_postprocess_path:
             load_function(self.args.rollout_data_postprocess_path, "--rollout-data-postprocess-path")(self.args, samples)
         data = samples_to_train_data(self.args, samples)

@@ -6,15 +6,18 @@ Group normalisation uses each Sample's explicit `group_index`, never its positio
 
 from __future__ import annotations
 
+import collections
+import itertools
 import statistics
 from collections import defaultdict
 
 import torch
 
-from slime.utils.ppo_utils import compute_rloo_advantages, normalize_group_rewards
+from slime.utils.ppo_utils import compute_rloo_advantages, group_mean_std
 from slime.utils.types import Sample, Status
 
 GROUP_NORMALISED_ESTIMATORS = ("grpo", "gspo", "reinforce_plus_plus_baseline")
+GROUP_STD_EPS = 1e-6  # as normalize_group_rewards
 
 
 def post_process_rewards(args, samples: list[Sample]) -> tuple[list[float], list[float]]:
@@ -22,14 +25,31 @@ def post_process_rewards(args, samples: list[Sample]) -> tuple[list[float], list
     raw = [s.get_reward_value(args) for s in samples]
     if not samples:
         return raw, raw
-    group_ids = torch.tensor([s.group_index if s.group_index is not None else -1 for s in samples])
+    # Group statistics count each rollout once: the siblings of a fan-out (one prompt sample that became several
+    # Samples sharing a rollout_id) enter with their mean reward; each sibling is then scored against them.
+    rollouts: dict = {}
+    for i, s in enumerate(samples):
+        rollouts.setdefault(s.rollout_id if s.rollout_id is not None else ("sample", i), []).append(i)
+    members = list(rollouts.values())
+    rollout_rewards = torch.tensor([statistics.fmean(raw[i] for i in m) for m in members], dtype=torch.float64)
+    group_ids = torch.tensor([_group_of(samples[m[0]]) for m in members])
+    of_sample = torch.empty(len(samples), dtype=torch.long)
+    for rollout, m in enumerate(members):
+        of_sample[m] = rollout
     rewards = torch.tensor(raw, dtype=torch.float64)
     if args.advantage_estimator == "rloo":
-        return raw, compute_rloo_advantages(rewards, group_ids).tolist()
+        baselines = rollout_rewards - compute_rloo_advantages(rollout_rewards, group_ids)
+        return raw, (rewards - baselines[of_sample]).tolist()
     if args.advantage_estimator in GROUP_NORMALISED_ESTIMATORS and args.rewards_normalization:
+        means, stds = group_mean_std(rollout_rewards, group_ids)
+        centred = rewards - means[of_sample]
         std_normalize = args.grpo_std_normalization and args.advantage_estimator in ("grpo", "gspo")
-        return raw, normalize_group_rewards(rewards, group_ids, std_normalize=std_normalize).tolist()
+        return raw, (centred / (stds[of_sample] + GROUP_STD_EPS) if std_normalize else centred).tolist()
     return raw, raw
+
+
+def _group_of(sample: Sample) -> int:
+    return sample.group_index if sample.group_index is not None else -1
 
 
 def samples_to_train_data(args, samples: list[Sample]) -> dict:
@@ -50,6 +70,9 @@ def samples_to_train_data(args, samples: list[Sample]) -> dict:
         "group_indices": [s.group_index for s in samples],
         "sample_indices": [s.index for s in samples],
         "truncated": [int(s.status == Status.TRUNCATED) for s in samples],
+        "rollout_ids": [s.rollout_id for s in samples],
+        "rollout_mask_sums": _rollout_mask_sums(samples, loss_masks),
+        "rollout_num_samples": _rollout_sizes(samples),
     }
     if samples and all(s.rollout_log_probs is not None for s in samples):
         data["rollout_log_probs"] = [list(s.rollout_log_probs) for s in samples]
@@ -58,6 +81,31 @@ def samples_to_train_data(args, samples: list[Sample]) -> dict:
     if samples and all(s.teacher_log_probs is not None for s in samples):
         data["teacher_log_probs"] = [list(s.teacher_log_probs) for s in samples]
     return data
+
+
+def assign_rollout_ids(samples: list[Sample]) -> None:
+    """Give every sample without a `rollout_id` its own (slime: "fill missing rollout_id with unused ints"); samples
+    that already share one (fan-out siblings) keep it. Not the rollout step: that is the train data's `rollout_id`."""
+    taken = {s.rollout_id for s in samples if s.rollout_id is not None}
+    fresh = (i for i in itertools.count() if i not in taken)
+    for s in samples:
+        if s.rollout_id is None:
+            s.rollout_id = next(fresh)
+
+
+def _rollout_mask_sums(samples: list[Sample], loss_masks: list[list[int]]) -> list[float]:
+    """Per sample, the loss-mask total of every sample of its rollout (siblings share one per-token mean)."""
+    totals: dict = defaultdict(float)
+    for s, mask in zip(samples, loss_masks):
+        totals[s.rollout_id] += sum(mask)
+    return [totals[s.rollout_id] if s.rollout_id is not None else float(sum(mask))
+            for s, mask in zip(samples, loss_masks)]
+
+
+def _rollout_sizes(samples: list[Sample]) -> list[int]:
+    """Per sample, how many samples its rollout has (1 unless a generate function fanned out)."""
+    sizes = collections.Counter(s.rollout_id for s in samples)
+    return [sizes[s.rollout_id] if s.rollout_id is not None else 1 for s in samples]
 
 
 def split_train_data(args, data: dict, rollout_id: int) -> tuple[list[dict], int]:

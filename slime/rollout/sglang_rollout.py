@@ -163,6 +163,11 @@ async def generate_and_rm(args, sample: Sample, sampling_params: dict, state: Ge
             generate_fn = _load_hook(hook_path, "--custom-generate-function-path") if hook_path else generate
             sample = await generate_fn(args, sample, dict(sampling_params))  # a copy: hooks may edit theirs
     samples = sample if isinstance(sample, list) else [sample]
+    if len(samples) > 1 and any(s.rollout_id is None for s in samples):
+        shared = next((s.rollout_id for s in samples if s.rollout_id is not None), None)
+        shared = shared if shared is not None else uuid.uuid4().int >> 65  # fan-out siblings: one rollout
+        for s in samples:
+            s.rollout_id = shared
     if not group_rm and _is_scorable(samples):
         await _score(args, samples, state, batched=isinstance(sample, list))
     return sample

@@ -24,22 +24,28 @@ def _split_per_sample(values, loss_masks: Sequence[torch.Tensor]) -> list[torch.
     return list(torch.split(values, lengths))
 
 
-def loss_denominator(mode: str, loss_masks: Sequence[torch.Tensor], constant: float | None = None) -> float:
+def loss_denominator(mode: str, loss_masks: Sequence[torch.Tensor], constant: float | None = None,
+                     sample_shares: Sequence[float] | None = None) -> float:
     """This rank's share of `aggregate_loss`'s `global_denominator` for the samples in `loss_masks`.
 
-    sample_mean: number of samples; token_mean: number of masked-in tokens; constant: number of samples x
-    `constant` (Dr.GRPO, e.g. the max response length). All three add up over disjoint sets of samples, so the
-    global denominator is the SUM over every micro-batch of the global batch on every rank (one all-reduce).
+    sample_mean: number of rollouts; token_mean: number of masked-in tokens; constant: number of rollouts x
+    `constant` (Dr.GRPO, e.g. the max response length). A sample counts as `sample_shares[i]` of a rollout (1 / its
+    number of fan-out siblings; 1 when not given), so a rollout split into several Samples weighs what one Sample
+    weighs. All three add up over disjoint sets of samples, so the global denominator is the SUM over every
+    micro-batch of the global batch on every rank (one all-reduce).
     """
     if mode not in LOSS_AGGREGATION_MODES:
         raise ValueError(f"unknown loss aggregation mode {mode!r}; valid: {', '.join(LOSS_AGGREGATION_MODES)}")
+    if sample_shares is not None and len(sample_shares) != len(loss_masks):
+        raise ValueError(f"got {len(sample_shares)} sample_shares for {len(loss_masks)} samples")
+    num_rollouts = float(sum(sample_shares)) if sample_shares is not None else float(len(loss_masks))
     if mode == "sample_mean":
-        return float(len(loss_masks))
+        return num_rollouts
     if mode == "token_mean":
         return float(sum(m.sum() for m in loss_masks)) if loss_masks else 0.0
     if constant is None or not constant > 0:
         raise ValueError(f"loss aggregation mode 'constant' needs a positive constant, got {constant!r}")
-    return float(len(loss_masks)) * float(constant)
+    return num_rollouts * float(constant)
 
 
 def aggregate_loss(

@@ -219,6 +219,16 @@ def _group_sums(x: torch.Tensor, inverse: torch.Tensor, num_groups: int) -> torc
     return torch.zeros(num_groups, dtype=x.dtype, device=x.device).index_add_(0, inverse, x)
 
 
+def group_mean_std(rewards: torch.Tensor, group_ids) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per element, the mean and the unbiased (n - 1) standard deviation of its group (0 for a group of one)."""
+    inverse, num_groups = _group_index(rewards, group_ids)
+    counts = _group_sums(torch.ones_like(rewards), inverse, num_groups)
+    means = _group_sums(rewards, inverse, num_groups) / counts
+    sum_sq = _group_sums((rewards - means[inverse]).square(), inverse, num_groups)
+    stds = torch.where(counts > 1, sum_sq / (counts - 1).clamp(min=1), 0.0).sqrt()
+    return means[inverse], stds[inverse]
+
+
 def normalize_group_rewards(
     rewards: torch.Tensor, group_ids, std_normalize: bool = True, eps: float = 1e-6
 ) -> torch.Tensor:
@@ -230,15 +240,9 @@ def normalize_group_rewards(
     rewards = torch.as_tensor(rewards)
     if not rewards.is_floating_point():
         rewards = rewards.float()
-    inverse, num_groups = _group_index(rewards, group_ids)
-    counts = _group_sums(torch.ones_like(rewards), inverse, num_groups)
-    means = _group_sums(rewards, inverse, num_groups) / counts
-    centred = rewards - means[inverse]
-    if not std_normalize:
-        return centred
-    sum_sq = _group_sums(centred.square(), inverse, num_groups)
-    stds = torch.where(counts > 1, sum_sq / (counts - 1).clamp(min=1), 0.0).sqrt()
-    return centred / (stds[inverse] + eps)
+    means, stds = group_mean_std(rewards, group_ids)
+    centred = rewards - means
+    return centred / (stds + eps) if std_normalize else centred
 
 
 def compute_rloo_advantages(rewards: torch.Tensor, group_ids) -> torch.Tensor:

@@ -205,8 +205,13 @@ class FSDPTrainer:
                               for a, o, t in zip(advantages, old_log_probs, teacher)]
                 reverse_kl = [o - t for o, t in zip(old_log_probs, teacher)]
                 metrics["train/opd_reverse_kl"] = self._global_masked_mean(reverse_kl, loss_masks)
+        # sample_mean divides each sample's token sum by its rollout's (siblings of a fan-out share one mean)
+        rollout_token_counts = data.get("rollout_mask_sums") or [float(m.sum()) for m in loss_masks]
+        rollout_sizes = data.get("rollout_num_samples") or [1] * len(loss_masks)
         per_sample = dict(loss_masks=loss_masks, advantages=advantages, old_log_probs=old_log_probs,
-                          ref_log_probs=ref_log_probs, rollout_log_probs=rollout_log_probs, returns=returns)
+                          ref_log_probs=ref_log_probs, rollout_log_probs=rollout_log_probs, returns=returns,
+                          rollout_token_counts=[float(c) for c in rollout_token_counts],
+                          rollout_shares=[1.0 / n for n in rollout_sizes])
         return schedule, per_sample, metrics
 
     def _log_probs_of_generating_weights(self, data: dict, schedule, num_samples: int) -> list[torch.Tensor]:
@@ -301,15 +306,20 @@ class FSDPTrainer:
         """One optimizer step; compute_loss(micro_batch, tensors, reduce) -> (loss share, metric shares)."""
         args = self.args
         mode = aggregation_mode(args)
-        step_masks = [per_sample["loss_masks"][i] for mb in micro_batches for i in mb.sample_indices]
-        denominator = torch.tensor([loss_denominator(mode, step_masks, args.loss_agg_constant)],
+        step_indices = [i for mb in micro_batches for i in mb.sample_indices]
+        step_masks = [per_sample["loss_masks"][i] for i in step_indices]
+        shares = per_sample.get("rollout_shares")  # fan-out siblings: one rollout between them (the critic: None)
+        step_shares = [shares[i] for i in step_indices] if shares else None
+        denominator = torch.tensor([loss_denominator(mode, step_masks, args.loss_agg_constant, step_shares)],
                                    dtype=torch.float64, device=self.device)
         global_denominator = max(float(self._all_reduce(denominator)), 1.0)
         self.optimizer.zero_grad(set_to_none=True)
         sums: dict[str, torch.Tensor] = defaultdict(lambda: torch.zeros((), dtype=torch.float64, device=self.device))
         for micro_batch in micro_batches:
             batch = self._micro_batch_tensors(micro_batch, per_sample)
-            token_counts = [float(per_sample["loss_masks"][i].sum()) for i in micro_batch.sample_indices]
+            counts = per_sample.get("rollout_token_counts")  # the critic trains per sample
+            token_counts = [counts[i] if counts else float(per_sample["loss_masks"][i].sum())
+                            for i in micro_batch.sample_indices]
             reduce = LossReducer(args, batch.loss_masks, global_denominator, token_counts)
             loss, loss_metrics = compute_loss(micro_batch, batch, reduce)
             # FSDP averages gradients over ranks; the loss is already a share of the global sum.
