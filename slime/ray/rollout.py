@@ -73,7 +73,8 @@ class RolloutManager:
                 raise RuntimeError(f"--sglang-router-ip/--sglang-router-port: no router answers at {router_url} "
                                    f"({exc}); start it or drop the flags to let slime start one") from None
         else:
-            self.router = RouterProcess(policy=args.router_policy, api_key=args.sglang_api_key)
+            self.router = RouterProcess(policy=args.router_policy, api_key=args.sglang_api_key,
+                                        log_path=str(Path(args.output_dir) / "router.log"))
             args.sglang_router_ip, args.sglang_router_port = self.router.host, self.router.port
             router_url = self.router.url
         engine_cls = ray.remote(EngineActor)

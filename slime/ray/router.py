@@ -7,6 +7,8 @@ uses the router's `POST /workers` API and waits until the worker is listed (the 
 from __future__ import annotations
 
 import subprocess
+import tempfile
+from pathlib import Path
 import sys
 import time
 
@@ -23,7 +25,7 @@ class RouterError(RuntimeError):
 
 class RouterProcess:
     def __init__(self, host: str = "127.0.0.1", port: int | None = None, policy: str = "cache_aware",
-                 request_timeout_secs: int = 14400, api_key: str | None = None):
+                 request_timeout_secs: int = 14400, api_key: str | None = None, log_path: str | None = None):
         self.host = host
         self.port = port or find_free_port(host)
         self.url = f"http://{host}:{self.port}"
@@ -36,7 +38,11 @@ class RouterProcess:
         # With a key the router requires it from its clients and sends it to the engines (sglang-router 0.3.2).
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         cmd += ["--api-key", api_key] if api_key else []
-        self.process = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+        # Its log goes to a file, never to a pipe: nobody reads a pipe during a run, and a full one stalls the router.
+        if log_path:
+            Path(log_path).parent.mkdir(parents=True, exist_ok=True)
+        self.log_file = open(log_path, "w+b") if log_path else tempfile.TemporaryFile()
+        self.process = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=self.log_file,
                                         preexec_fn=die_with_parent())
         self._wait_ready()
 
@@ -44,7 +50,8 @@ class RouterProcess:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
-                err = self.process.stderr.read().decode(errors="replace")[-2000:]
+                self.log_file.seek(0)
+                err = self.log_file.read().decode(errors="replace")[-2000:]
                 raise RouterError(f"sglang-router exited with code {self.process.returncode}: {err}")
             try:
                 if httpx.get(f"{self.url}/workers", headers=self.headers, timeout=1.0,
@@ -63,6 +70,7 @@ class RouterProcess:
                 self.process.wait(timeout=10)
             except subprocess.TimeoutExpired:
                 self.process.kill()
+        self.log_file.close()
 
 
 def list_workers(router_url: str, headers: dict | None = None) -> list[str]:
