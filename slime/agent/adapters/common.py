@@ -1,0 +1,328 @@
+"""The one turn flow both agent protocols share: session lifecycle, HTTP app, engine call, trajectory record.
+
+A protocol adapter (`OpenAIAdapter`, `AnthropicAdapter`) subclasses `BaseAdapter` and provides its route and four
+methods: `parse_request(body) -> ChatRequest` (messages in the chat template's shape, tools in OpenAI's function shape,
+sampling fields; `RequestError(param, message)` for a bad field), `render_answer(answer) -> dict`,
+`render_stream(answer) -> list[bytes]` (SSE frames) and `error_body(status, message, param)`. Everything else is here.
+
+One turn: the session id from `Authorization: Bearer <id>` or `x-api-key: <id>` (404 unknown, 409 finished) -> parse
+(400 naming the field) -> turn cap (429) -> render the chat template to ids -> POST the router's /generate with
+`input_ids`, `return_logprob` and the header `X-SMG-Routing-Key: <session id>` (keeps a session on one engine for its
+prefix cache) -> parse reasoning and tool calls from the sampled text -> record a `TurnRecord` -> answer. The stream
+is rendered from the finished turn (the engine call is not streamed token by token).
+
+Not the wire formats (openai.py, anthropic.py), not the linearisation of turns (`slime.agent.trajectory`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from dataclasses import dataclass, field
+
+from aiohttp import web
+
+from slime.agent.adapters.reasoning import get_reasoning_parser
+from slime.agent.trajectory import DEFAULT_FORK_THRESHOLD_TOKENS, TrajectoryManager, TurnRecord
+from slime.rollout.http_client import EndpointUnreachableError, HTTPRequestError, request_json
+from slime.utils.tool_parsers import ToolCall, get_parser, stop_strings_for
+
+ROUTING_KEY_HEADER = "X-SMG-Routing-Key"
+# The openai and anthropic SDKs retry a 429 unless told not to; a spent turn budget does not come back.
+NO_RETRY_HEADERS = {"x-should-retry": "false"}
+
+
+class RequestError(ValueError):
+    """A request the adapter cannot serve: `param` names the offending field."""
+
+    def __init__(self, param: str, message: str):
+        super().__init__(f"{param}: {message}")
+        self.param = param
+
+
+@dataclass
+class ChatRequest:
+    messages: list[dict]
+    tools: list[dict] | None  # OpenAI function shape: {"type": "function", "function": {"name", "parameters"}}
+    parse_tool_calls: bool  # tool_choice none: tools stay in the prompt, the output is not parsed for calls
+    sampling_params: dict  # engine names: temperature, top_p, top_k, max_new_tokens, stop, sampling_seed
+    stream: bool = False
+    include_usage: bool = False
+    model: str = ""
+
+
+@dataclass
+class TurnAnswer:
+    """One sampled turn, protocol-neutral: what an adapter's renderers turn into wire JSON or SSE."""
+
+    id: str
+    model: str
+    content: str
+    reasoning: str
+    tool_calls: list[ToolCall]
+    tool_call_ids: list[str]
+    finish: str  # stop | stop_sequence | length | tool_calls
+    stop_sequence: str | None
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+    created: int = field(default_factory=lambda: int(time.time()))
+    request: ChatRequest | None = None
+
+
+@dataclass
+class _Session:
+    sampling_defaults: dict
+    num_turns: int = 0
+    closed: bool = False
+    in_flight: set = field(default_factory=set)
+
+
+def sse(data: dict | str, event: str | None = None) -> bytes:
+    payload = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)
+    return (f"event: {event}\n" if event else "").encode() + f"data: {payload}\n\n".encode()
+
+
+def text_of(content, param: str) -> str:
+    """The text of a message content: a string, or a list of text parts (OpenAI "text", Anthropic "text")."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise RequestError(param, f"must be a string or a list of text parts, got {type(content).__name__}")
+    texts = []
+    for i, part in enumerate(content):
+        if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+            raise RequestError(f"{param}[{i}]", 'only text parts {"type": "text", "text": ...} are supported')
+        texts.append(part["text"])
+    return "".join(texts)
+
+
+def number(body: dict, key: str, low: float, high: float, integer: bool = False, low_open: bool = False):
+    """body[key] checked to be a number in [low, high] ((low, high] with low_open); None when absent."""
+    value = body.get(key)
+    if value is None:
+        return None
+    numeric = not isinstance(value, bool) and isinstance(value, int if integer else (int, float))
+    if not numeric or not (low < value if low_open else low <= value) or value > high:
+        kind = "an integer" if integer else "a number"
+        raise RequestError(key, f"must be {kind} in {'(' if low_open else '['}{low}, {high}], got {value!r}")
+    return value
+
+
+def string_list(value, param: str) -> list[str]:
+    if value is None:
+        return []
+    values = [value] if isinstance(value, str) else value
+    if not isinstance(values, list) or not all(isinstance(v, str) and v for v in values):
+        raise RequestError(param, "must be a non-empty string or a list of non-empty strings")
+    return values
+
+
+class BaseAdapter:
+    """Session lifecycle and the shared turn flow; subclasses provide the wire format (module docstring)."""
+
+    route = ""
+    tool_call_id_prefix = "call_"
+
+    def __init__(self, *, tokenizer, sglang_url: str, tool_parser: str = "qwen", reasoning_parser: str | None = None,
+                 max_turns: int | None = None, headers: dict | None = None,
+                 fork_threshold_tokens: int = DEFAULT_FORK_THRESHOLD_TOKENS, request_timeout_s: float | None = None):
+        if max_turns is not None and max_turns < 1:
+            raise ValueError(f"max_turns must be >= 1 (or None for no cap), got {max_turns}")
+        self.tokenizer = tokenizer
+        self.sglang_url = sglang_url.rstrip("/")
+        self.tool_parser = get_parser(tool_parser)
+        self.reasoning_parser = get_reasoning_parser(reasoning_parser)
+        self.max_turns = max_turns
+        self.headers = dict(headers or {})
+        self.request_timeout_s = request_timeout_s
+        self.manager = TrajectoryManager(fork_threshold_tokens=fork_threshold_tokens, tokenizer=tokenizer)
+        self.model_name = str(getattr(tokenizer, "name_or_path", "") or "slime")
+        self._sessions: dict[str, _Session] = {}
+        self.app = web.Application(client_max_size=64 * 1024 * 1024)
+        self.app.router.add_post(self.route, self._handle)
+
+    # ---- lifecycle -------------------------------------------------------------------------------------------
+    def open_session(self, session_id: str, sampling_defaults: dict | None = None) -> None:
+        """Accept turns for `session_id` (the key the agent client authenticates with); `sampling_defaults` in the
+        engine's names (temperature, top_p, max_new_tokens, stop, ...), overridden per request by the client."""
+        if not isinstance(session_id, str) or not session_id:
+            raise ValueError(f"session_id must be a non-empty string, got {session_id!r}")
+        if session_id in self._sessions:
+            raise ValueError(f"session {session_id!r} is already open; session ids must be unique")
+        self._sessions[session_id] = _Session(dict(sampling_defaults or {}))
+
+    async def shutdown_session(self, session_id: str, timeout_s: float = 30.0) -> None:
+        """Refuse new turns of the session (409) and wait for the ones in flight (cancelled after `timeout_s`)."""
+        session = self._session_or_error(session_id)
+        session.closed = True
+        tasks = [task for task in session.in_flight if not task.done()]
+        if not tasks:
+            return
+        loop = tasks[0].get_loop()
+
+        async def drain():
+            _, pending = await asyncio.wait(tasks, timeout=timeout_s)
+            for task in pending:
+                task.cancel()
+
+        if loop is asyncio.get_running_loop():
+            await drain()
+        else:  # the app serves on another thread's loop
+            await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(drain(), loop))
+
+    async def finish_session(self, session_id: str, base_sample=None, timeout_s: float = 30.0) -> list:
+        """Close the session, wait for its turns in flight, and return its Samples (siblings; see
+        `slime.agent.trajectory`); the session is forgotten afterwards."""
+        await self.shutdown_session(session_id, timeout_s)
+        samples = self.manager.get_trajectory(session_id, base_sample)
+        self.drop_session(session_id)
+        return samples
+
+    def drop_session(self, session_id: str) -> None:
+        """Forget the session and its turns (a turn still in flight is not recorded)."""
+        self._sessions.pop(session_id, None)
+        self.manager.drop_session(session_id)
+
+    def _session_or_error(self, session_id: str) -> _Session:
+        if session_id not in self._sessions:
+            raise ValueError(f"session {session_id!r} is not open (open_session first)")
+        return self._sessions[session_id]
+
+    # ---- wire hooks ------------------------------------------------------------------------------------------
+    def parse_request(self, body: dict) -> ChatRequest:
+        raise NotImplementedError
+
+    def render_answer(self, answer: TurnAnswer) -> dict:
+        raise NotImplementedError
+
+    def render_stream(self, answer: TurnAnswer) -> list[bytes]:
+        raise NotImplementedError
+
+    def error_body(self, status: int, message: str, param: str | None = None) -> dict:
+        raise NotImplementedError
+
+    # ---- the turn --------------------------------------------------------------------------------------------
+    def _error(self, status: int, message: str, param: str | None = None, headers: dict | None = None):
+        return web.json_response(self.error_body(status, message, param), status=status, headers=headers)
+
+    @staticmethod
+    def session_id_of(request: web.Request) -> str | None:
+        authorization = request.headers.get("Authorization", "")
+        if authorization.startswith("Bearer ") and authorization[len("Bearer "):].strip():
+            return authorization[len("Bearer "):].strip()
+        return request.headers.get("x-api-key") or None
+
+    async def _handle(self, request: web.Request) -> web.StreamResponse:
+        session_id = self.session_id_of(request)
+        if session_id is None:
+            return self._error(401, "no session: send the session id as the API key (Authorization: Bearer <id> "
+                                    "or x-api-key: <id>)")
+        session = self._sessions.get(session_id)
+        if session is None:
+            return self._error(404, f"unknown session {session_id!r}: the rollout did not open it or finished it")
+        if session.closed:
+            return self._error(409, f"session {session_id!r} is finished and takes no more turns")
+        try:
+            body = await request.json()
+        except (json.JSONDecodeError, UnicodeDecodeError) as error:
+            return self._error(400, f"body: is not JSON ({error})", "body")
+        try:
+            if not isinstance(body, dict):
+                raise RequestError("body", f"must be a JSON object, got {type(body).__name__}")
+            chat = self.parse_request(body)
+        except RequestError as error:
+            return self._error(400, str(error), error.param)
+        if self.max_turns is not None and session.num_turns >= self.max_turns:
+            return self._error(429, f"session {session_id!r} reached its turn cap (max_turns={self.max_turns}); "
+                                    "the episode is over", headers=NO_RETRY_HEADERS)
+        session.num_turns += 1
+        task = asyncio.current_task()
+        session.in_flight.add(task)
+        try:
+            return await self._turn(request, session_id, chat)
+        finally:
+            session.in_flight.discard(task)
+
+    async def _turn(self, request: web.Request, session_id: str, chat: ChatRequest) -> web.StreamResponse:
+        try:
+            prompt_ids = await asyncio.to_thread(self._render, chat)
+        except Exception as error:  # the chat template rejected the conversation (jinja raises many types)
+            return self._error(400, f"the chat template cannot render these messages: {error}", "messages")
+        sampling_params, tool_stops = self._sampling_params(session_id, chat)
+        payload = {"input_ids": prompt_ids, "sampling_params": sampling_params, "return_logprob": True}
+        headers = {**self.headers, ROUTING_KEY_HEADER: session_id}
+        try:
+            result = await request_json("POST", f"{self.sglang_url}/generate", payload, headers=headers,
+                                        timeout=self.request_timeout_s)
+        except (HTTPRequestError, EndpointUnreachableError) as error:
+            return self._error(502, f"the inference engine failed: {error}")
+        try:
+            answer, turn = self._interpret(result, chat, prompt_ids, tool_stops)
+        except (KeyError, TypeError, ValueError) as error:
+            return self._error(502, f"the inference engine answered in an unexpected shape: {error}")
+        if session_id in self._sessions:  # not dropped while the engine sampled
+            self.manager.record_turn(session_id, turn)
+        if not chat.stream:
+            return web.json_response(self.render_answer(answer))
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await response.prepare(request)
+        for frame in self.render_stream(answer):
+            await response.write(frame)
+        await response.write_eof()
+        return response
+
+    def _render(self, chat: ChatRequest) -> list[int]:
+        ids = self.tokenizer.apply_chat_template(chat.messages, tools=chat.tools or None, add_generation_prompt=True,
+                                                 tokenize=True, return_dict=False)
+        return list(ids)
+
+    def _sampling_params(self, session_id: str, chat: ChatRequest) -> tuple[dict, list[str]]:
+        params = {**self._sessions[session_id].sampling_defaults, **chat.sampling_params}
+        tool_stops = stop_strings_for(self.tool_parser, chat.tools) if chat.tools and chat.parse_tool_calls else []
+        user_stops = string_list(self._sessions[session_id].sampling_defaults.get("stop"), "stop")
+        user_stops += [s for s in chat.sampling_params.get("stop", []) if s not in user_stops]
+        params["stop"] = user_stops + [s for s in tool_stops if s not in user_stops]
+        params["no_stop_trim"] = True  # the parser needs a call's closing tag; a client's own stop is cut below
+        return params, tool_stops
+
+    def _interpret(self, result: dict, chat: ChatRequest, prompt_ids: list[int],
+                   tool_stops: list[str]) -> tuple[TurnAnswer, TurnRecord]:
+        meta = result.get("meta_info", {})
+        output_ids = list(result.get("output_ids", []))
+        log_probs = [float(entry[0]) for entry in meta.get("output_token_logprobs", [])]
+        if len(log_probs) != len(output_ids):
+            raise ValueError(f"the engine returned {len(log_probs)} log-probs for {len(output_ids)} tokens")
+        finish = meta.get("finish_reason") or {"type": "stop"}
+        text, stop_sequence = result.get("text", ""), None
+        matched = finish.get("matched")
+        if finish.get("type") == "stop" and isinstance(matched, str) and matched not in tool_stops:
+            text, stop_sequence = text[:text.rfind(matched)] if matched in text else text, matched
+        reasoning, content = self.reasoning_parser(text) if self.reasoning_parser else ("", text)
+        calls, ill_formed = [], False
+        if chat.tools and chat.parse_tool_calls:
+            parsed = self.tool_parser(content, chat.tools)
+            calls = [call for call in parsed.calls if call.error is None]
+            ill_formed = len(calls) < len(parsed.calls)
+            for call in calls:  # a call that failed to parse stays in the text, where the client can see it
+                content = content.replace(call.raw, "", 1)
+            content = content.strip() if calls else content
+        if finish.get("type") in ("length", "abort"):
+            finish_name = "length"
+        elif calls:
+            finish_name = "tool_calls"
+        else:
+            finish_name = "stop_sequence" if stop_sequence is not None else "stop"
+        answer = TurnAnswer(
+            id=uuid.uuid4().hex, model=chat.model or self.model_name, content=content, reasoning=reasoning,
+            tool_calls=calls, tool_call_ids=[f"{self.tool_call_id_prefix}{uuid.uuid4().hex[:24]}" for _ in calls],
+            finish=finish_name, stop_sequence=stop_sequence, prompt_tokens=len(prompt_ids),
+            completion_tokens=len(output_ids), cached_tokens=int(meta.get("cached_tokens") or 0), request=chat,
+        )
+        turn = TurnRecord(prompt_ids, output_ids, finish.get("type", "stop"), log_probs, ill_formed,
+                          meta.get("weight_version"))
+        return answer, turn
