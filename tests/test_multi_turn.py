@@ -252,3 +252,18 @@ def test_bad_environment_is_a_clear_error(stack):
     args, params = make_args(stack, env_path=f"{__name__}.lookup", tool_functions_path=None)
     with pytest.raises(ValueError, match="--env-path .*no reset"):
         run(multi_turn.generate(args, Sample(prompt=PROMPT, index=0), params))
+
+
+def test_prompt_rendered_at_load_time_is_rendered_again_with_the_tools(stack):
+    """--apply-chat-template renders the prompt when the data is loaded, without the rollout's tools; the messages
+    kept in metadata are rendered again, tools included."""
+    from slime.rollout.dataset import render_chat_prompt
+    from slime.rollout.tools import tool_schema
+
+    tokenizer = load_tokenizer(stack.model_dir)
+    args, params = make_args(stack, max_turns=2)
+    loaded = Sample(prompt=render_chat_prompt(tokenizer, PROMPT), metadata={"messages": PROMPT}, index=0)
+    sample = run(multi_turn.generate(args, loaded, params))
+    schemas = [tool_schema(f) for f in (lookup, explode, hang)]
+    expected = render_chat_prompt(tokenizer, PROMPT, tools=schemas)
+    assert sample.tokens[: sample.prompt_length] == tokenizer(expected, add_special_tokens=False)["input_ids"]

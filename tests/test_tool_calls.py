@@ -109,3 +109,21 @@ def test_every_failure_is_a_bounded_message():
     assert "unknown tool" in asyncio.run(run("missing", {})).error
     malformed = asyncio.run(run_tool_call(ToolCall("", {}, "raw", "tool call is not valid JSON"), tools))
     assert malformed.error == "tool call is not valid JSON"
+
+
+def episode_answer(sample, word: str) -> str:
+    """A tool that reads the conversation's own state."""
+    return f"{word}:{sample.label}"
+
+
+def test_a_tool_can_read_its_conversation_but_the_model_cannot_set_it():
+    from slime.utils.types import Sample
+
+    tools = load_tools((f"{__name__}.episode_answer",))
+    schema = tools["episode_answer"][1]["function"]["parameters"]
+    assert schema["properties"] == {"word": {"type": "string"}} and schema["required"] == ["word"]
+    result = asyncio.run(run_tool_call(ToolCall("episode_answer", {"word": "w"}, "raw"), tools,
+                                       sample=Sample(label="secret")))
+    assert (result.text, result.error) == ("w:secret", None)
+    forged = asyncio.run(run_tool_call(ToolCall("episode_answer", {"word": "w", "sample": "x"}, "raw"), tools))
+    assert "'sample' is not an argument" in forged.error

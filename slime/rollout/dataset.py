@@ -158,6 +158,7 @@ def row_to_sample(row: dict, location: str, fmt: PromptFormat, tokenizer) -> Sam
             raise ValueError("--apply-chat-template needs --hf-checkpoint (the tokenizer that holds the template)")
         messages = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
         prompt = render_chat_prompt(tokenizer, messages, tools=tools or None, **(fmt.apply_chat_template_kwargs or {}))
+        metadata.setdefault("messages", messages)  # a multi-turn rollout re-renders them with its tools and turns
 
     if fmt.label_key and fmt.label_required and fmt.label_key not in row:
         raise ValueError(

@@ -7,7 +7,7 @@ One sample is one conversation: sample a turn, find its tool calls (`--tool-call
 inline, for the `xml_tags` format: `--tool-response-template`), continue; or hand the turn to an environment
 (`--env-path`) and render its observation as a user message. Stops at a turn without a call, `--max-turns`, the
 response budget (`--rollout-max-response-len`, all turns and tool text together) or the context budget
-(`--rollout-max-context-len`, prompt included).
+(`--rollout-max-context-len`, prompt included; default the checkpoint's max_position_embeddings).
 
 The trajectory contract: `sample.tokens` is the prompt ids followed, turn by turn, by exactly the ids the engine
 sampled (loss mask 1, `rollout_log_probs` = the engine's) and the ids of the rendered template / tool / environment
@@ -39,8 +39,22 @@ def _parser(name: str):
     return get_parser(name)
 
 
+@functools.lru_cache(maxsize=8)
+def _model_max_len(checkpoint: str) -> int | None:
+    """The checkpoint's max_position_embeddings: the context budget when --rollout-max-context-len is not given."""
+    import json
+    from pathlib import Path
+
+    config = Path(checkpoint) / "config.json"
+    return json.loads(config.read_text()).get("max_position_embeddings") if config.is_file() else None
+
+
 def _messages(sample: Sample) -> list[dict]:
+    """The conversation to start from: the chat messages (kept in metadata when --apply-chat-template rendered the
+    prompt at load time, without this rollout's tools), or a text prompt as one user message."""
     prompt = sample.prompt
+    if not isinstance(prompt, list) and isinstance(sample.metadata.get("messages"), list):
+        prompt = sample.metadata["messages"]
     return [dict(m) for m in prompt] if isinstance(prompt, list) else [{"role": "user", "content": str(prompt)}]
 
 
@@ -88,7 +102,7 @@ async def generate(args, sample: Sample, sampling_params: dict, evaluation: bool
         sample.loss_mask = [0] * sample.response_length  # resumed: what was sampled came from older weights
     stops = list(sampling_params.get("stop") or []) + stop_strings_for(parser, schemas)
     max_turns = int(getattr(args, "max_turns", None) or 1)
-    max_context = getattr(args, "rollout_max_context_len", None)
+    max_context = getattr(args, "rollout_max_context_len", None) or _model_max_len(args.hf_checkpoint)
     timeout_s = getattr(args, "tool_timeout", None) or DEFAULT_TOOL_TIMEOUT_S
     max_chars = getattr(args, "max_tool_response_chars", None) or DEFAULT_MAX_TOOL_RESPONSE_CHARS
 
@@ -114,7 +128,8 @@ async def generate(args, sample: Sample, sampling_params: dict, evaluation: bool
             break  # length: out of budget mid-turn
         if state["turns"] >= max_turns and env is None:
             break  # no tool runs for a call the model would never see answered
-        new_messages, done = await _react(args, env, parser, schemas, tools, turn_text, state, timeout_s, max_chars)
+        new_messages, done = await _react(args, env, parser, schemas, tools, turn_text, state, timeout_s, max_chars,
+                                          sample)
         if done or state["turns"] >= max_turns:
             break
         between = new_messages if isinstance(new_messages, str) else \
@@ -135,7 +150,7 @@ async def generate(args, sample: Sample, sampling_params: dict, evaluation: bool
 
 
 async def _react(args, env, parser, schemas, tools, turn_text: str, state: dict, timeout_s: float,
-                 max_chars: int):
+                 max_chars: int, sample: Sample):
     """What answers a finished assistant turn: (tool / observation messages or inline text, done)."""
     if env is not None:
         observation, reward, done, _ = check_step_result(await maybe_await(env.step(turn_text)), args.env_path)
@@ -144,7 +159,7 @@ async def _react(args, env, parser, schemas, tools, turn_text: str, state: dict,
     parsed = parser(turn_text, schemas)
     if not parsed.calls:
         return [], True
-    results = [await run_tool_call(call, tools, timeout_s, max_chars) for call in parsed.calls]
+    results = [await run_tool_call(call, tools, timeout_s, max_chars, sample) for call in parsed.calls]
     state["tool_calls"] += len(results)
     state["tool_errors"] += sum(r.error is not None for r in results)
     state["tool_seconds"] += sum(r.seconds for r in results)

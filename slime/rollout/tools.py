@@ -1,7 +1,9 @@
 """Tools for multi-turn rollouts: plain Python functions (sync or async) with a JSON schema, loaded by dotted path
 (`--tool-functions-path`, repeatable) and run so that nothing a tool does can crash or stall a rollout.
 
-A tool's schema is its `tool_schema` attribute (OpenAI's `{"type": "function", "function": {...}}` form, or the bare
+A tool that declares a parameter named `sample` gets the conversation's Sample there (its label, metadata: the
+episode's own state, e.g. a per-task database); that parameter is not part of its schema. A tool's schema is its
+`tool_schema` attribute (OpenAI's `{"type": "function", "function": {...}}` form, or the bare
 `{"name", "description", "parameters"}`), or is built from its signature (str / int / float / bool / list / dict
 annotations) and the first paragraph of its docstring. A dotted path may also name a list of functions.
 
@@ -27,6 +29,7 @@ from slime.utils.tool_parsers import ToolCall, tool_name
 
 DEFAULT_TOOL_TIMEOUT_S = 30.0
 DEFAULT_MAX_TOOL_RESPONSE_CHARS = 8192
+SAMPLE_PARAMETER = "sample"  # filled by the runner with the conversation's Sample, never by the model
 _JSON_TYPES = {str: "string", int: "integer", float: "number", bool: "boolean", list: "array", dict: "object"}
 
 
@@ -45,7 +48,7 @@ def tool_schema(function) -> dict:
         return schema if "function" in schema else {"type": "function", "function": schema}
     properties, required = {}, []
     for name, parameter in inspect.signature(function).parameters.items():
-        if parameter.kind in (parameter.VAR_POSITIONAL, parameter.VAR_KEYWORD):
+        if parameter.kind in (parameter.VAR_POSITIONAL, parameter.VAR_KEYWORD) or name == SAMPLE_PARAMETER:
             continue
         annotation = parameter.annotation
         if isinstance(annotation, str):  # from __future__ import annotations
@@ -122,8 +125,9 @@ def _settle(future, result, error) -> None:
 
 
 async def run_tool_call(call: ToolCall, tools: dict, timeout_s: float = DEFAULT_TOOL_TIMEOUT_S,
-                        max_chars: int = DEFAULT_MAX_TOOL_RESPONSE_CHARS) -> ToolResult:
-    """Run one parsed call; every failure is a ToolResult whose text tells the model what went wrong."""
+                        max_chars: int = DEFAULT_MAX_TOOL_RESPONSE_CHARS, sample=None) -> ToolResult:
+    """Run one parsed call (`sample` goes to a tool that declares that parameter); every failure is a ToolResult
+    whose text tells the model what went wrong."""
     started = time.perf_counter()
 
     def failed(message: str) -> ToolResult:
@@ -134,12 +138,17 @@ async def run_tool_call(call: ToolCall, tools: dict, timeout_s: float = DEFAULT_
     if call.name not in tools:
         return failed(f"unknown tool {call.name!r}; available: {sorted(tools)}")
     function, _ = tools[call.name]
+    if SAMPLE_PARAMETER in call.arguments:
+        return failed(f"{SAMPLE_PARAMETER!r} is not an argument of {call.name}")
+    arguments = dict(call.arguments)
+    if SAMPLE_PARAMETER in inspect.signature(function).parameters:
+        arguments[SAMPLE_PARAMETER] = sample
     try:
-        inspect.signature(function).bind(**call.arguments)
+        inspect.signature(function).bind(**arguments)
     except TypeError as error:
         return failed(f"bad arguments for {call.name}: {error}")
     try:
-        result = await _call_with_timeout(function, call.arguments, timeout_s)
+        result = await _call_with_timeout(function, arguments, timeout_s)
     except asyncio.TimeoutError:
         return failed(f"tool {call.name} did not answer within {timeout_s:g} s (--tool-timeout)")
     except Exception as error:  # noqa: BLE001 - any tool bug becomes a message
