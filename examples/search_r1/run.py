@@ -1,0 +1,111 @@
+"""Search-R1 style multi-turn search, end to end on a tiny local model: build the task, start the BM25 retrieval
+server on loopback, warm-start the model with SFT through train.py on trajectories that search, then run GRPO
+through train.py with the built-in multi-turn rollout (`<search>` calls answered inline by `<information>`).
+
+    python examples/search_r1/run.py [--out-dir runs/search_r1] [--num-rollout 3]
+
+The last stdout line is JSON: {"turns_per_sample", "tool_calls_per_sample", "tool_errors_per_sample", "reward",
+"run_dir"}, each the mean over the GRPO rollouts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO_ROOT))
+
+from examples.search_r1.search_tool import URL_ENV  # noqa: E402
+from examples.search_r1.task import build_task  # noqa: E402
+from slime.utils.checkpoint_state import latest_checkpoint  # noqa: E402
+
+SERVER_START_TIMEOUT_S = 60
+TOOL = "examples.search_r1.search_tool.search"
+MULTI_TURN_METRICS = {"turns_per_sample": "rollout/turns_per_sample",
+                      "tool_calls_per_sample": "rollout/tool_calls_per_sample",
+                      "tool_errors_per_sample": "rollout/tool_errors_per_sample", "reward": "rollout/raw_reward"}
+
+
+def run_train(argv: list[str], name: str) -> None:
+    cmd = [sys.executable, str(REPO_ROOT / "train.py"), *argv]
+    print(f"\n$ {' '.join(cmd)}\n", flush=True)
+    result = subprocess.run(cmd, cwd=REPO_ROOT)
+    if result.returncode != 0:
+        sys.exit(f"search_r1: the {name} run failed (exit {result.returncode}); see the output above")
+
+
+def start_retrieval_server(corpus: Path, run_dir: Path) -> tuple[subprocess.Popen, str]:
+    ready_file = run_dir / "retrieval_server.json"
+    ready_file.unlink(missing_ok=True)
+    log = open(run_dir / "retrieval_server.log", "w")
+    server = subprocess.Popen([sys.executable, "-m", "examples.search_r1.retrieval_server", "--corpus", str(corpus),
+                               "--port", "0", "--ready-file", str(ready_file)], cwd=REPO_ROOT, stdout=log,
+                              stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + SERVER_START_TIMEOUT_S
+    while not ready_file.exists():
+        if server.poll() is not None or time.monotonic() > deadline:
+            server.kill()
+            sys.exit(f"search_r1: the retrieval server did not start; see {run_dir / 'retrieval_server.log'}")
+        time.sleep(0.1)
+    return server, json.loads(ready_file.read_text())["url"]
+
+
+def summarize(metrics_path: Path) -> dict:
+    rows = [json.loads(line) for line in metrics_path.read_text().splitlines() if line.strip()]
+    summary = {}
+    for name, key in MULTI_TURN_METRICS.items():
+        values = [row[key] for row in rows if key in row]
+        summary[name] = sum(values) / len(values) if values else None
+    return summary
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out-dir", default=None)
+    parser.add_argument("--sft-rollouts", type=int, default=24, help="SFT rollouts (2 optimizer steps each)")
+    parser.add_argument("--num-rollout", type=int, default=3, help="GRPO rollouts")
+    parser.add_argument("--max-turns", type=int, default=3)
+    parser.add_argument("--seed", type=int, default=1)
+    opts = parser.parse_args()
+
+    run_dir = Path(opts.out_dir or REPO_ROOT / "runs" / f"search_r1-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
+    paths = build_task(run_dir / "task", seed=opts.seed)
+    server, url = start_retrieval_server(paths["corpus"], run_dir)
+    os.environ[URL_ENV] = url  # inherited by train.py, its local Ray cluster and the rollout's tool calls
+    print(f"search_r1: retrieval server at {url}", flush=True)
+    common = ["--actor-num-gpus-per-node", "2", "--seed", str(opts.seed), "--micro-batch-size", "8",
+              "--no-progress"]
+    try:
+        run_train(common + [
+            "--hf-checkpoint", str(paths["model"]), "--prompt-data", str(paths["sft"]), "--input-key", "prompt",
+            "--rollout-function-path", "examples.search_r1.inline_sft_rollout.generate_rollout",
+            "--loss-type", "sft_loss", "--debug-train-only", "--rollout-batch-size", "64", "--global-batch-size", "32",
+            "--rollout-shuffle", "--num-rollout", str(opts.sft_rollouts), "--lr", "3e-3", "--lr-warmup-iters", "10",
+            "--save", str(run_dir / "sft"), "--output-dir", str(run_dir / "sft_run"),
+        ], "SFT")
+        grpo_dir = run_dir / "grpo_run"
+        run_train(common + [
+            "--hf-checkpoint", str(latest_checkpoint(run_dir / "sft")), "--prompt-data", str(paths["train"]),
+            "--input-key", "prompt", "--label-key", "label", "--rollout-shuffle",
+            "--max-turns", str(opts.max_turns), "--tool-functions-path", TOOL, "--tool-call-parser", "xml_tags",
+            "--tool-timeout", "5",
+            "--custom-rm-path", "examples.search_r1.reward.exact_match",
+            "--rollout-batch-size", "8", "--n-samples-per-prompt", "4", "--num-rollout", str(opts.num_rollout),
+            "--rollout-max-response-len", "96", "--rollout-temperature", "1.0", "--global-batch-size", "32",
+            "--lr", "1e-4", "--output-dir", str(grpo_dir),
+            "--save-debug-rollout-data", str(grpo_dir / "rollout_{rollout_id}.json"),
+        ], "GRPO")
+    finally:
+        server.terminate()
+        server.wait(timeout=10)
+    print(json.dumps({**summarize(grpo_dir / "metrics.jsonl"), "run_dir": str(run_dir)}))
+
+
+if __name__ == "__main__":
+    main()
