@@ -227,9 +227,9 @@ def test_inline_sft_masks_the_information_text_only(tmp_path):
     paths = build_task(tmp_path, seed=0, num_countries=8)
     tokenizer = AutoTokenizer.from_pretrained(paths["model"])
     row = json.loads(paths["sft"].read_text().splitlines()[0])
-    sample = build_segmented_sample(tokenizer, Sample(prompt=row["prompt"], metadata={**row["metadata"],
-                                                                                       "tools": row["tools"]}))
-    prompt = render_chat_prompt(tokenizer, row["prompt"], tools=row["tools"])
+    assert "tools" not in row  # xml_tags: the GRPO prompt has no template tool block, so neither has SFT
+    sample = build_segmented_sample(tokenizer, Sample(prompt=row["prompt"], metadata=dict(row["metadata"])))
+    prompt = render_chat_prompt(tokenizer, row["prompt"])
     assert tokenizer.decode(sample.tokens[:sample.prompt_length]) == prompt
     response = sample.tokens[sample.prompt_length:]
     masked = tokenizer.decode([t for t, m in zip(response, sample.loss_mask) if m == 0])

@@ -192,8 +192,10 @@ def test_inline_tool_answers_and_context_budget(stack):
     args, params = make_args(stack, tool_call_parser=f"{__name__}.inline_lookup", max_turns=2)
     sample = run(multi_turn.generate(args, Sample(prompt=PROMPT, index=0), params))
     assert tokenizer.decode(spans(sample)[1][1]) == "\n\n<information>value-z</information>\n\n"
+    # an inline format names its tags in the prompt: no template tool block telling the model to write <tool_call>
+    assert "# Tools" not in tokenizer.decode(sample.tokens[: sample.prompt_length])
     cut_at = sample.prompt_length + 3  # room for a sampled token, not for the tool answer after it
-    args, params = make_args(stack, rollout_max_context_len=cut_at)
+    args, params = make_args(stack, tool_call_parser=f"{__name__}.inline_lookup", rollout_max_context_len=cut_at)
     cut = run(multi_turn.generate(args, Sample(prompt=PROMPT, index=0), params))
     assert cut.status == Sample.Status.TRUNCATED and cut.metadata["multi_turn"]["cut_by_context"]
     assert len(cut.tokens) < cut_at and cut.loss_mask == [1]

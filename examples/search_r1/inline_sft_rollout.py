@@ -6,9 +6,8 @@ Why not `slime.rollout.sft_rollout`: it masks whole chat messages, so an assista
 answer inline (`<search>q</search>\\n\\n<information>...</information>\\n\\n<answer>a</answer>`, one message)
 would be trained on the retrieved text too. Here a row's `metadata.segments` is `[[text, trainable], ...]` and
 the tokens are laid out as `slime.rollout.multi_turn` lays out a rollout of the same conversation: the prompt
-rendered with the row's tool schemas (its `tools` column, as for `sft_rollout`; the GRPO run renders the schemas of
-`--tool-functions-path`, which train.py accepts only with `--max-turns` > 1), then each segment tokenized on its
-own, loss mask 1 on the model's segments and 0 on the `<information>` text.
+rendered with the row's `tools` column if it has one (the GRPO run with the xml_tags parser offers no tool block:
+the question itself names the tags), then each segment tokenized on its own, loss mask 1 on the model's segments and 0 on the `<information>` text.
 """
 
 from __future__ import annotations

@@ -51,7 +51,7 @@ def build_task(out_dir: str | Path, seed: int = 0, num_countries: int = 64) -> d
     facts = [f"The capital of {country} is {capital}." for country, capital in zip(countries, capitals)]
     facts += [f"The main river of {country} is the {rng.choice(RIVERS)} River." for country in countries]
     index = BM25Index(facts)
-    schema = tool_schema(search)  # what the GRPO run's --tool-functions-path renders into the prompt
+    schema = tool_schema(search)  # in the tokenizer's corpus; xml_tags offers no tool block (the question says how)
 
     sft_rows, train_rows = [], []
     for country, capital in zip(countries, capitals):
@@ -60,7 +60,7 @@ def build_task(out_dir: str | Path, seed: int = 0, num_countries: int = 64) -> d
         segments = [[f"<search>{query}</search>", True],
                     [DEFAULT_INLINE_TEMPLATE.format(result=documents), False],
                     [f"<answer>{capital}</answer><|im_end|>", True]]
-        sft_rows.append({"prompt": question(country), "metadata": {"segments": segments}, "tools": [schema]})
+        sft_rows.append({"prompt": question(country), "metadata": {"segments": segments}})
         train_rows.append({"prompt": question(country), "label": capital})
 
     paths = {name: out_dir / f"{name}.jsonl" for name in ("corpus", "sft", "train")}

@@ -87,6 +87,9 @@ async def generate(args, sample: Sample, sampling_params: dict, evaluation: bool
     tools = load_tools(tuple(getattr(args, "tool_functions_path", None) or ()))
     schemas = _schemas(args, sample, tools)
     parser = _parser(getattr(args, "tool_call_parser", None) or "qwen")
+    # Inline formats (Search-R1's <search>) describe their tags in the prompt: a template's tool block would
+    # instruct the model to write <tool_call> instead, which the parser would never see.
+    offered = [] if getattr(parser, "inline_response", False) else schemas
     env = make_environment(args)
     state = sample.metadata.setdefault("multi_turn", _initial_state(sample))
     if state["history"] is None:
@@ -96,7 +99,7 @@ async def generate(args, sample: Sample, sampling_params: dict, evaluation: bool
             if first:
                 state["history"].append({"role": "user", "content": first})
     if not sample.tokens:
-        sample.tokens = tokenizer(render_chat_prompt(tokenizer, state["history"], tools=schemas or None),
+        sample.tokens = tokenizer(render_chat_prompt(tokenizer, state["history"], tools=offered or None),
                                   add_special_tokens=False)["input_ids"]
     elif sample.response_length and getattr(args, "mask_offpolicy_in_partial_rollout", False):
         sample.loss_mask = [0] * sample.response_length  # resumed: what was sampled came from older weights
@@ -133,7 +136,7 @@ async def generate(args, sample: Sample, sampling_params: dict, evaluation: bool
         if done or state["turns"] >= max_turns:
             break
         between = new_messages if isinstance(new_messages, str) else \
-            render_between_turns(tokenizer, state["history"], new_messages, schemas)
+            render_between_turns(tokenizer, state["history"], new_messages, offered)
         between_ids = tokenizer(between, add_special_tokens=False)["input_ids"]
         if max_context is not None and len(sample.tokens) + len(between_ids) >= max_context:
             sample.status, state["cut_by_context"] = Sample.Status.TRUNCATED, True
