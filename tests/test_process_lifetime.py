@@ -96,3 +96,19 @@ def test_sigkill_of_driver_group_leaves_no_server(task, tmp_path):
         assert wait_gone(watched, timeout=90) == []
     finally:
         kill_leftovers(watched)
+
+
+def test_sigterm_of_the_driver_alone_leaves_no_process(task, tmp_path):
+    """`kill <driver pid>` (what a scheduler's time limit sends): the driver's actors, engines, router and its
+    private Ray cluster all go."""
+    log_path = tmp_path / "train.log"
+    process = start_run(small_grpo_argv(task, tmp_path / "run", "--rm-type", "math", "--num-rollout", "50"),
+                        log_path)
+    watched = watch(process, timeout=300, until=_serving)
+    try:
+        assert _serving(watched), log_path.read_text()[-6000:]
+        process.send_signal(signal.SIGTERM)
+        process.wait(timeout=30)
+        assert wait_gone(watched, timeout=90) == []
+    finally:
+        kill_leftovers(watched)
