@@ -14,6 +14,11 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 def pytest_collection_modifyitems(config, items):
     import torch
 
+    if os.environ.get("SLIME_RUN_SLOW") != "1":
+        skip_slow = pytest.mark.skip(reason="a long example run: SLIME_RUN_SLOW=1 runs it")
+        for item in items:
+            if "slow" in item.keywords:
+                item.add_marker(skip_slow)
     if torch.cuda.is_available():
         return
     skip_gpu = pytest.mark.skip(reason="needs CUDA")

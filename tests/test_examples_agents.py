@@ -254,7 +254,10 @@ def grpo_rows(run_dir: Path) -> list[dict]:
 
 
 @pytest.mark.e2e
-@pytest.mark.parametrize("script, num_sft_rollouts", [("search_r1/run.py", 12), ("retool/run.py", 16)])
+@pytest.mark.parametrize("script, num_sft_rollouts", [
+    ("search_r1/run.py", 12),
+    pytest.param("retool/run.py", 16, marks=pytest.mark.slow),  # its sandbox has fast tests above
+])
 def test_example_runs_multi_turn_tool_use_end_to_end(script, num_sft_rollouts, tmp_path):
     summary = run_example(script, tmp_path, num_sft_rollouts)
     rows = grpo_rows(tmp_path)
