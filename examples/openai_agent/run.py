@@ -1,0 +1,99 @@
+"""An agent written against the official `openai` client, trained by slime, end to end on a tiny local model: build
+the weather task, warm-start the model with SFT through train.py on conversations that call `get_weather` (qwen
+`<tool_call>` format, role "tool" results, loss on the assistant turns only), then run GRPO through train.py with
+`--custom-generate-function-path examples.openai_agent.generate.generate`: every episode is agent.py's tool loop
+talking to slime's OpenAIAdapter through `openai.AsyncOpenAI`.
+
+    python examples/openai_agent/run.py [--out-dir runs/openai_agent] [--sft-rollouts 20] [--num-rollout 8]
+
+The last stdout line is JSON with the GRPO rollouts' means: turns and tool calls per Sample, tool errors, reward
+(first and last rollout too), the trainer's vs the engine's log-probs on the trained tokens, Samples per episode
+(> 1 when a history re-rendered differently forked a sibling), and per Sample the response tokens trained (the
+model's own) and masked out (template and tool results); "run_dir".
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO_ROOT))
+
+from examples.openai_agent.task import build_task  # noqa: E402
+from slime.utils.checkpoint_state import latest_checkpoint  # noqa: E402
+
+GENERATE = "examples.openai_agent.generate.generate"
+REWARD = "examples.openai_agent.reward.final_answer_reward"
+METRICS = {"turns_per_sample": "rollout/turns_per_sample", "tool_calls_per_sample": "rollout/tool_calls_per_sample",
+           "tool_errors_per_sample": "rollout/tool_errors_per_sample", "reward": "rollout/raw_reward",
+           "train_rollout_logprob_abs_diff": "train/train_rollout_logprob_abs_diff"}
+
+
+def run_train(argv: list[str], name: str) -> None:
+    cmd = [sys.executable, str(REPO_ROOT / "train.py"), *argv]
+    print(f"\n$ {' '.join(cmd)}\n", flush=True)
+    result = subprocess.run(cmd, cwd=REPO_ROOT)
+    if result.returncode != 0:
+        sys.exit(f"openai_agent: the {name} run failed (exit {result.returncode}); see the output above")
+
+
+def summarize(grpo_dir: Path) -> dict:
+    """Means over the GRPO rollouts of metrics.jsonl's multi-turn metrics and of the rollout dumps' token counts."""
+    rows = [json.loads(line) for line in (grpo_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    if not rows:
+        sys.exit(f"openai_agent: no rollout metrics in {grpo_dir / 'metrics.jsonl'}")
+    summary = {name: statistics.fmean(row[key] for row in rows) for name, key in METRICS.items()}
+    summary["reward_first_rollout"], summary["reward_last_rollout"] = (rows[0][METRICS["reward"]],
+                                                                       rows[-1][METRICS["reward"]])
+    samples = [s for path in sorted(grpo_dir.glob("rollout_*.json"))
+               for s in json.loads(path.read_text())["samples"]]
+    episodes = {(s["index"], s["session_id"]) for s in samples}
+    summary["samples_per_episode"] = len(samples) / len(episodes)
+    summary["trained_tokens_per_sample"] = statistics.fmean(sum(s["loss_mask"]) for s in samples)
+    summary["masked_tokens_per_sample"] = statistics.fmean(len(s["loss_mask"]) - sum(s["loss_mask"])
+                                                           for s in samples)
+    return summary
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out-dir", default=None)
+    parser.add_argument("--sft-rollouts", type=int, default=20, help="SFT rollouts (4 optimizer steps each)")
+    parser.add_argument("--num-rollout", type=int, default=8, help="GRPO rollouts")
+    parser.add_argument("--grpo-lr", type=float, default=1e-4)
+    parser.add_argument("--max-turns", type=int, default=3, help="model calls per episode (the agent's cap)")
+    parser.add_argument("--seed", type=int, default=1)
+    opts = parser.parse_args()
+
+    run_dir = Path(opts.out_dir or REPO_ROOT / "runs" / f"openai_agent-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
+    paths = build_task(run_dir / "task", seed=opts.seed)
+    common = ["--actor-num-gpus-per-node", "2", "--seed", str(opts.seed), "--micro-batch-size", "8", "--no-progress"]
+    run_train(common + [
+        "--hf-checkpoint", str(paths["model"]), "--prompt-data", str(paths["sft"]), "--input-key", "messages",
+        "--rollout-function-path", "slime.rollout.sft_rollout.generate_rollout", "--loss-type", "sft_loss",
+        "--debug-train-only", "--rollout-batch-size", "64", "--global-batch-size", "16", "--rollout-shuffle",
+        "--num-rollout", str(opts.sft_rollouts), "--lr", "1e-3", "--lr-warmup-iters", "10",
+        "--save", str(run_dir / "sft"), "--output-dir", str(run_dir / "sft_run"),
+    ], "SFT")
+    grpo_dir = run_dir / "grpo_run"
+    run_train(common + [
+        "--hf-checkpoint", str(latest_checkpoint(run_dir / "sft")), "--prompt-data", str(paths["train"]),
+        "--input-key", "prompt", "--label-key", "label", "--rollout-shuffle",
+        "--custom-generate-function-path", GENERATE, "--max-turns", str(opts.max_turns), "--tool-call-parser", "qwen",
+        "--router-policy", "manual", "--custom-rm-path", REWARD,
+        "--rollout-batch-size", "8", "--n-samples-per-prompt", "8", "--num-rollout", str(opts.num_rollout),
+        "--rollout-max-response-len", "48", "--rollout-temperature", "1.0", "--global-batch-size", "64",
+        "--lr", str(opts.grpo_lr), "--output-dir", str(grpo_dir),
+        "--save-debug-rollout-data", str(grpo_dir / "rollout_{rollout_id}.json"),
+    ], "GRPO")
+    print(json.dumps({**summarize(grpo_dir), "run_dir": str(run_dir)}))
+
+
+if __name__ == "__main__":
+    main()
