@@ -280,6 +280,7 @@ def test_reward_wants_exactly_the_label():
 
 # ---------------------------------------------------------------- end to end
 @pytest.mark.e2e
+@pytest.mark.slow
 def test_example_runs_end_to_end(tmp_path):
     result = subprocess.run([sys.executable, str(REPO / "examples" / "openai_agent" / "run.py"), "--out-dir",
                              str(tmp_path)], cwd=REPO, capture_output=True, text=True, timeout=900)
