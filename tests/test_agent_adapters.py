@@ -351,3 +351,13 @@ def test_ill_formed_calls_and_client_stops_are_translated(tokenizer):
     assert answer.tool_calls == [] and answer.content == CALL_TEXT  # tool_choice none: not parsed
     with pytest.raises(ValueError, match="reasoning_parser"):
         OpenAIAdapter(tokenizer=tokenizer, sglang_url="http://unused", reasoning_parser="nope")
+
+
+def test_the_end_of_turn_token_text_is_not_part_of_the_reply(tokenizer):
+    """With skip_special_tokens false the engine's text ends in "<|im_end|>"; the client reads the reply without
+    it, and the trajectory keeps the token."""
+    adapter = OpenAIAdapter(tokenizer=tokenizer, sglang_url="http://unused")
+    chat = ChatRequest(messages=[USER], tools=[], parse_tool_calls=False, sampling_params={})
+    end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    answer, turn = adapter._interpret(engine_answer("It is sunny.<|im_end|>", None, (5, 6, end)), chat, [1], [])
+    assert answer.content == "It is sunny." and turn.output_ids[-1] == end

@@ -60,6 +60,8 @@ def test_malformed_and_unknown_calls_carry_an_error():
     assert "not valid JSON" in bad_json.error
     no_name = qwen('<tool_call>{"arguments": {}}</tool_call>', [LOOKUP]).calls[0]
     assert "JSON object" in no_name.error
+    misspelt = qwen('<tool_call>{"name": "lookup", "cri": {"key": "a"}}</tool_call>', [LOOKUP]).calls[0]
+    assert "unexpected key(s) ['cri']" in misspelt.error
     unknown = qwen('<tool_call>{"name": "rm_rf", "arguments": {}}</tool_call>', [LOOKUP]).calls[0]
     assert "unknown tool 'rm_rf'" in unknown.error and "lookup" in unknown.error
     with pytest.raises(ValueError, match="--tool-call-parser"):

@@ -42,6 +42,10 @@ def _json_call(raw: str, body: str, tool_names: set[str]) -> ToolCall:
         return ToolCall("", {}, raw, f"tool call is not valid JSON ({error.msg} at char {error.pos})")
     if not isinstance(payload, dict) or not isinstance(payload.get("name"), str):
         return ToolCall("", {}, raw, 'tool call must be a JSON object {"name": ..., "arguments": {...}}')
+    unexpected = sorted(set(payload) - {"name", "arguments", "parameters"})
+    if unexpected:
+        return ToolCall(payload["name"], {}, raw, f"tool call has unexpected key(s) {unexpected}; write "
+                        '{"name": ..., "arguments": {...}}')
     arguments = payload.get("arguments", payload.get("parameters", {}))
     if isinstance(arguments, str):  # some models emit the arguments as a JSON string (OpenAI's wire form)
         try:

@@ -142,6 +142,8 @@ class BaseAdapter:
         self.request_timeout_s = request_timeout_s
         self.manager = TrajectoryManager(fork_threshold_tokens=fork_threshold_tokens, tokenizer=tokenizer)
         self.model_name = str(getattr(tokenizer, "name_or_path", "") or "slime")
+        end_ids = {tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids("<|im_end|>")} - {None, tokenizer.unk_token_id}
+        self._end_token_texts = {i: tokenizer.convert_ids_to_tokens(i) for i in end_ids if isinstance(i, int)}
         self._sessions: dict[str, _Session] = {}
         self.app = web.Application(client_max_size=64 * 1024 * 1024)
         self.app.router.add_post(self.route, self._handle)
@@ -302,6 +304,10 @@ class BaseAdapter:
         matched = finish.get("matched")
         if finish.get("type") == "stop" and isinstance(matched, str) and matched not in tool_stops:
             text, stop_sequence = text[:text.rfind(matched)] if matched in text else text, matched
+        if finish.get("type") == "stop" and output_ids and output_ids[-1] in self._end_token_texts:
+            # The model's end-of-turn token ends the reply; its text (kept with skip_special_tokens false) is not
+            # part of what the client reads. The id stays in the trajectory.
+            text = text.removesuffix(self._end_token_texts[output_ids[-1]])
         reasoning, content = self.reasoning_parser(text) if self.reasoning_parser else ("", text)
         calls, ill_formed = [], False
         if chat.tools and chat.parse_tool_calls:
