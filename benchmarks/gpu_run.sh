@@ -18,6 +18,7 @@ run_step() {
     gpu_tests) python3 -m pytest -q -m gpu tests ;;
     profile_engine) python3 benchmarks/profile_engine.py ;;
     bench_engine) python3 benchmarks/bench_engine.py --preset qwen3-0.6b ;;
+    agent_adapter) python3 benchmarks/bench_agent_adapter.py --shape qwen3-0.6b --device cuda ;;
     engine_all) python3 benchmarks/bench_engine.py --preset qwen3-0.6b --workload all ;;
     engine_trace) python3 benchmarks/bench_engine.py --preset qwen3-0.6b --skip-hf --trace-steps 3 ;;
     engine_w1_plain) python3 benchmarks/bench_engine.py --preset qwen3-0.6b --skip-hf --no-overlap-schedule ;;
