@@ -44,20 +44,27 @@ def always_calls(text, tools):
     return ParsedTurn(text, [ToolCall("weather", {"city": "x"}, text)])
 
 
+# Turns end at a stop token (ids 3..40: about one token in ten), at most 24 tokens per turn (set per request).
+SAMPLING = {"temperature": 1.0, "max_new_tokens": 400, "no_stop_trim": True, "stop_token_ids": list(range(3, 40))}
+
+
+def rollout_args(model_dir: str, router, num_turns: int) -> SimpleNamespace:
+    """The flags slime.rollout.multi_turn reads, for conversations that call `weather` every turn."""
+    return SimpleNamespace(
+        hf_checkpoint=model_dir, sglang_router_ip=router.host, sglang_router_port=router.port,
+        max_turns=num_turns, tool_functions_path=[f"{__name__}.weather"],
+        tool_call_parser=f"{__name__}.always_calls", tool_timeout=5.0, max_tool_response_chars=4096,
+        tool_response_template=None, env_path=None, rollout_max_context_len=None, custom_rm_path=None,
+        rm_type=None, partial_rollout=False, mask_offpolicy_in_partial_rollout=False)
+
+
 def measure(model_dir: str, urls: list[str], policy: str, num_sessions: int, num_turns: int) -> dict:
     router = RouterProcess(policy=policy)
     try:
         for url in urls:
             register_worker(router.url, url)
-        args = SimpleNamespace(
-            hf_checkpoint=model_dir, sglang_router_ip=router.host, sglang_router_port=router.port,
-            max_turns=num_turns, tool_functions_path=[f"{__name__}.weather"],
-            tool_call_parser=f"{__name__}.always_calls", tool_timeout=5.0, max_tool_response_chars=4096,
-            tool_response_template=None, env_path=None, rollout_max_context_len=None, custom_rm_path=None,
-            rm_type=None, partial_rollout=False, mask_offpolicy_in_partial_rollout=False)
-        # Turns end at a stop token (ids 3..40: about one token in ten), at most 24 tokens per turn.
-        params = {"temperature": 1.0, "max_new_tokens": 400, "no_stop_trim": True,
-                  "stop_token_ids": list(range(3, 40))}
+        args = rollout_args(model_dir, router, num_turns)
+        params = dict(SAMPLING)
         records, request_seconds = [], 0.0
         real_continuation = multi_turn.sample_continuation
 
@@ -108,14 +115,8 @@ def bookkeeping_ms_per_turn(model_dir: str, url: str, num_turns: int) -> float:
     router = RouterProcess(policy="round_robin")
     try:
         register_worker(router.url, url)
-        args = SimpleNamespace(
-            hf_checkpoint=model_dir, sglang_router_ip=router.host, sglang_router_port=router.port,
-            max_turns=num_turns, tool_functions_path=[f"{__name__}.weather"],
-            tool_call_parser=f"{__name__}.always_calls", tool_timeout=5.0, max_tool_response_chars=4096,
-            tool_response_template=None, env_path=None, rollout_max_context_len=None, custom_rm_path=None,
-            rm_type=None, partial_rollout=False, mask_offpolicy_in_partial_rollout=False)
-        params = {"temperature": 1.0, "max_new_tokens": 400, "no_stop_trim": True,
-                  "stop_token_ids": list(range(3, 40))}
+        args = rollout_args(model_dir, router, num_turns)
+        params = dict(SAMPLING)
         inside = 0.0
         real = multi_turn.sample_continuation
 

@@ -17,38 +17,28 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO_ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from examples.openai_agent.task import build_task  # noqa: E402
+from examples.run_steps import (MULTI_TURN_METRICS, REPO_ROOT, metric_rows, run_train, sft_argv,  # noqa: E402
+                                summarize as summarize_metrics)
 from slime.utils.checkpoint_state import latest_checkpoint  # noqa: E402
 
 GENERATE = "examples.openai_agent.generate.generate"
 REWARD = "examples.openai_agent.reward.final_answer_reward"
-METRICS = {"turns_per_sample": "rollout/turns_per_sample", "tool_calls_per_sample": "rollout/tool_calls_per_sample",
-           "tool_errors_per_sample": "rollout/tool_errors_per_sample", "reward": "rollout/raw_reward",
-           "train_rollout_logprob_abs_diff": "train/train_rollout_logprob_abs_diff"}
-
-
-def run_train(argv: list[str], name: str) -> None:
-    cmd = [sys.executable, str(REPO_ROOT / "train.py"), *argv]
-    print(f"\n$ {' '.join(cmd)}\n", flush=True)
-    result = subprocess.run(cmd, cwd=REPO_ROOT)
-    if result.returncode != 0:
-        sys.exit(f"openai_agent: the {name} run failed (exit {result.returncode}); see the output above")
+METRICS = {**MULTI_TURN_METRICS, "train_rollout_logprob_abs_diff": "train/train_rollout_logprob_abs_diff"}
 
 
 def summarize(grpo_dir: Path) -> dict:
     """Means over the GRPO rollouts of metrics.jsonl's multi-turn metrics and of the rollout dumps' token counts."""
-    rows = [json.loads(line) for line in (grpo_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    rows = metric_rows(grpo_dir / "metrics.jsonl")
     if not rows:
         sys.exit(f"openai_agent: no rollout metrics in {grpo_dir / 'metrics.jsonl'}")
-    summary = {name: statistics.fmean(row[key] for row in rows) for name, key in METRICS.items()}
+    summary = summarize_metrics(grpo_dir / "metrics.jsonl", METRICS)
     summary["reward_first_rollout"], summary["reward_last_rollout"] = (rows[0][METRICS["reward"]],
                                                                        rows[-1][METRICS["reward"]])
     samples = [s for path in sorted(grpo_dir.glob("rollout_*.json"))
@@ -74,13 +64,10 @@ def main() -> None:
     run_dir = Path(opts.out_dir or REPO_ROOT / "runs" / f"openai_agent-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
     paths = build_task(run_dir / "task", seed=opts.seed)
     common = ["--actor-num-gpus-per-node", "2", "--seed", str(opts.seed), "--micro-batch-size", "8", "--no-progress"]
-    run_train(common + [
-        "--hf-checkpoint", str(paths["model"]), "--prompt-data", str(paths["sft"]), "--input-key", "messages",
-        "--rollout-function-path", "slime.rollout.sft_rollout.generate_rollout", "--loss-type", "sft_loss",
-        "--debug-train-only", "--rollout-batch-size", "64", "--global-batch-size", "16", "--rollout-shuffle",
-        "--num-rollout", str(opts.sft_rollouts), "--lr", "1e-3", "--lr-warmup-iters", "10",
-        "--save", str(run_dir / "sft"), "--output-dir", str(run_dir / "sft_run"),
-    ], "SFT")
+    run_train(common + sft_argv(paths["model"], paths["sft"], run_dir, input_key="messages",
+                                rollout_function="slime.rollout.sft_rollout.generate_rollout",
+                                num_rollout=opts.sft_rollouts, lr="1e-3", global_batch_size=16),
+              "openai_agent", "SFT")
     grpo_dir = run_dir / "grpo_run"
     run_train(common + [
         "--hf-checkpoint", str(latest_checkpoint(run_dir / "sft")), "--prompt-data", str(paths["train"]),
@@ -91,7 +78,7 @@ def main() -> None:
         "--rollout-max-response-len", "48", "--rollout-temperature", "1.0", "--global-batch-size", "64",
         "--lr", str(opts.grpo_lr), "--output-dir", str(grpo_dir),
         "--save-debug-rollout-data", str(grpo_dir / "rollout_{rollout_id}.json"),
-    ], "GRPO")
+    ], "openai_agent", "GRPO")
     print(json.dumps({**summarize(grpo_dir), "run_dir": str(run_dir)}))
 
 

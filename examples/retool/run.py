@@ -12,38 +12,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 import time
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO_ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from examples.retool.task import build_task  # noqa: E402
+from examples.run_steps import REPO_ROOT, run_train, sft_argv, summarize  # noqa: E402
 from slime.utils.checkpoint_state import latest_checkpoint  # noqa: E402
 
 TOOL = "examples.retool.python_tool.python"
-MULTI_TURN_METRICS = {"turns_per_sample": "rollout/turns_per_sample",
-                      "tool_calls_per_sample": "rollout/tool_calls_per_sample",
-                      "tool_errors_per_sample": "rollout/tool_errors_per_sample", "reward": "rollout/raw_reward"}
-
-
-def run_train(argv: list[str], name: str) -> None:
-    cmd = [sys.executable, str(REPO_ROOT / "train.py"), *argv]
-    print(f"\n$ {' '.join(cmd)}\n", flush=True)
-    result = subprocess.run(cmd, cwd=REPO_ROOT)
-    if result.returncode != 0:
-        sys.exit(f"retool: the {name} run failed (exit {result.returncode}); see the output above")
-
-
-def summarize(metrics_path: Path) -> dict:
-    rows = [json.loads(line) for line in metrics_path.read_text().splitlines() if line.strip()]
-    summary = {}
-    for name, key in MULTI_TURN_METRICS.items():
-        values = [row[key] for row in rows if key in row]
-        summary[name] = sum(values) / len(values) if values else None
-    return summary
 
 
 def main() -> None:
@@ -58,13 +37,9 @@ def main() -> None:
     run_dir = Path(opts.out_dir or REPO_ROOT / "runs" / f"retool-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
     paths = build_task(run_dir / "task", seed=opts.seed)
     common = ["--actor-num-gpus-per-node", "2", "--seed", str(opts.seed), "--micro-batch-size", "8", "--no-progress"]
-    run_train(common + [
-        "--hf-checkpoint", str(paths["model"]), "--prompt-data", str(paths["sft"]), "--input-key", "messages",
-        "--rollout-function-path", "slime.rollout.sft_rollout.generate_rollout", "--loss-type", "sft_loss",
-        "--debug-train-only", "--rollout-batch-size", "64", "--global-batch-size", "32", "--rollout-shuffle",
-        "--num-rollout", str(opts.sft_rollouts), "--lr", "3e-3", "--lr-warmup-iters", "10",
-        "--save", str(run_dir / "sft"), "--output-dir", str(run_dir / "sft_run"),
-    ], "SFT")
+    run_train(common + sft_argv(paths["model"], paths["sft"], run_dir, input_key="messages",
+                                rollout_function="slime.rollout.sft_rollout.generate_rollout",
+                                num_rollout=opts.sft_rollouts, lr="3e-3"), "retool", "SFT")
     grpo_dir = run_dir / "grpo_run"
     run_train(common + [
         "--hf-checkpoint", str(latest_checkpoint(run_dir / "sft")), "--prompt-data", str(paths["train"]),
@@ -75,7 +50,7 @@ def main() -> None:
         "--rollout-max-response-len", "128", "--rollout-temperature", "1.0", "--global-batch-size", "32",
         "--lr", "1e-4", "--output-dir", str(grpo_dir),
         "--save-debug-rollout-data", str(grpo_dir / "rollout_{rollout_id}.json"),
-    ], "GRPO")
+    ], "retool", "GRPO")
     print(json.dumps({**summarize(grpo_dir / "metrics.jsonl"), "run_dir": str(run_dir)}))
 
 

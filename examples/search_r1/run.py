@@ -18,26 +18,15 @@ import sys
 import time
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO_ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from examples.search_r1.search_tool import URL_ENV  # noqa: E402
 from examples.search_r1.task import build_task  # noqa: E402
+from examples.run_steps import REPO_ROOT, run_train, sft_argv, summarize  # noqa: E402
 from slime.utils.checkpoint_state import latest_checkpoint  # noqa: E402
 
 SERVER_START_TIMEOUT_S = 60
 TOOL = "examples.search_r1.search_tool.search"
-MULTI_TURN_METRICS = {"turns_per_sample": "rollout/turns_per_sample",
-                      "tool_calls_per_sample": "rollout/tool_calls_per_sample",
-                      "tool_errors_per_sample": "rollout/tool_errors_per_sample", "reward": "rollout/raw_reward"}
-
-
-def run_train(argv: list[str], name: str) -> None:
-    cmd = [sys.executable, str(REPO_ROOT / "train.py"), *argv]
-    print(f"\n$ {' '.join(cmd)}\n", flush=True)
-    result = subprocess.run(cmd, cwd=REPO_ROOT)
-    if result.returncode != 0:
-        sys.exit(f"search_r1: the {name} run failed (exit {result.returncode}); see the output above")
 
 
 def start_retrieval_server(corpus: Path, run_dir: Path) -> tuple[subprocess.Popen, str]:
@@ -54,15 +43,6 @@ def start_retrieval_server(corpus: Path, run_dir: Path) -> tuple[subprocess.Pope
             sys.exit(f"search_r1: the retrieval server did not start; see {run_dir / 'retrieval_server.log'}")
         time.sleep(0.1)
     return server, json.loads(ready_file.read_text())["url"]
-
-
-def summarize(metrics_path: Path) -> dict:
-    rows = [json.loads(line) for line in metrics_path.read_text().splitlines() if line.strip()]
-    summary = {}
-    for name, key in MULTI_TURN_METRICS.items():
-        values = [row[key] for row in rows if key in row]
-        summary[name] = sum(values) / len(values) if values else None
-    return summary
 
 
 def main() -> None:
@@ -82,13 +62,9 @@ def main() -> None:
     common = ["--actor-num-gpus-per-node", "2", "--seed", str(opts.seed), "--micro-batch-size", "8",
               "--no-progress"]
     try:
-        run_train(common + [
-            "--hf-checkpoint", str(paths["model"]), "--prompt-data", str(paths["sft"]), "--input-key", "prompt",
-            "--rollout-function-path", "examples.search_r1.inline_sft_rollout.generate_rollout",
-            "--loss-type", "sft_loss", "--debug-train-only", "--rollout-batch-size", "64", "--global-batch-size", "32",
-            "--rollout-shuffle", "--num-rollout", str(opts.sft_rollouts), "--lr", "3e-3", "--lr-warmup-iters", "10",
-            "--save", str(run_dir / "sft"), "--output-dir", str(run_dir / "sft_run"),
-        ], "SFT")
+        run_train(common + sft_argv(paths["model"], paths["sft"], run_dir, input_key="prompt",
+                                    rollout_function="examples.search_r1.inline_sft_rollout.generate_rollout",
+                                    num_rollout=opts.sft_rollouts, lr="3e-3"), "search_r1", "SFT")
         grpo_dir = run_dir / "grpo_run"
         run_train(common + [
             "--hf-checkpoint", str(latest_checkpoint(run_dir / "sft")), "--prompt-data", str(paths["train"]),
@@ -100,7 +76,7 @@ def main() -> None:
             "--rollout-max-response-len", "96", "--rollout-temperature", "1.0", "--global-batch-size", "32",
             "--lr", "1e-4", "--output-dir", str(grpo_dir),
             "--save-debug-rollout-data", str(grpo_dir / "rollout_{rollout_id}.json"),
-        ], "GRPO")
+        ], "search_r1", "GRPO")
     finally:
         server.terminate()
         server.wait(timeout=10)

@@ -20,6 +20,7 @@ import torch
 from slime.engine.engine import EngineMemoryReleasedError
 from slime.engine.http_protocol import RequestError, require_fields
 from slime.utils import weight_transport
+from slime.utils.daemon_threads import run_in_daemon_thread
 
 DEFAULT_GROUP_NAME = "weight_update_group"
 GROUP_TIMEOUT = timedelta(minutes=10)  # the trainer's rank 0 joins within its own start-up; big models load slowly
@@ -212,29 +213,3 @@ class EngineWeightReceiver:
         await asyncio.to_thread(weight_transport.destroy_custom_process_group, group)
         return {"success": True, "message": "Succeeded to destroy custom process group."}
 
-
-async def run_in_daemon_thread(function, *args):
-    """`await` function(*args) run on a daemon thread: a collective or rendezvous blocked on a peer that never
-    comes must not keep the process alive after SIGTERM (the default executor's threads are joined at exit)."""
-    loop = asyncio.get_running_loop()
-    future = loop.create_future()
-
-    def run():
-        try:
-            result = function(*args)
-        except BaseException as error:  # noqa: BLE001 - handed to the awaiting coroutine
-            loop.call_soon_threadsafe(_settle, future, None, error)
-        else:
-            loop.call_soon_threadsafe(_settle, future, result, None)
-
-    threading.Thread(target=run, name="slime-weight-group", daemon=True).start()
-    return await future
-
-
-def _settle(future, result, error) -> None:
-    if future.cancelled():
-        return
-    if error is not None:
-        future.set_exception(error)
-    else:
-        future.set_result(result)

@@ -20,10 +20,10 @@ import asyncio
 import functools
 import inspect
 import json
-import threading
 import time
 from dataclasses import dataclass
 
+from slime.utils.daemon_threads import run_in_daemon_thread
 from slime.utils.misc import load_function
 from slime.utils.tool_parsers import ToolCall, tool_name
 
@@ -101,27 +101,7 @@ def _load_list(path: str) -> list:
 async def _call_with_timeout(function, arguments: dict, timeout_s: float):
     if inspect.iscoroutinefunction(function):
         return await asyncio.wait_for(function(**arguments), timeout_s)
-    loop = asyncio.get_running_loop()
-    future = loop.create_future()
-
-    def run():
-        try:
-            result, error = function(**arguments), None
-        except BaseException as exc:  # noqa: BLE001 - reported to the model as the tool's error
-            result, error = None, exc
-        loop.call_soon_threadsafe(_settle, future, result, error)
-
-    threading.Thread(target=run, name=f"tool-{getattr(function, '__name__', 'tool')}", daemon=True).start()
-    return await asyncio.wait_for(future, timeout_s)
-
-
-def _settle(future, result, error) -> None:
-    if future.done():
-        return
-    if error is not None:
-        future.set_exception(error)
-    else:
-        future.set_result(result)
+    return await asyncio.wait_for(run_in_daemon_thread(function, **arguments), timeout_s)
 
 
 async def run_tool_call(call: ToolCall, tools: dict, timeout_s: float = DEFAULT_TOOL_TIMEOUT_S,

@@ -1,0 +1,47 @@
+"""What the agent examples' run scripts share: one train.py phase as a child process, the SFT warm-start flags,
+and the mean of a run's multi-turn metrics. Not a launcher of its own; each example's run.py says what it runs."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+MULTI_TURN_METRICS = {"turns_per_sample": "rollout/turns_per_sample",
+                      "tool_calls_per_sample": "rollout/tool_calls_per_sample",
+                      "tool_errors_per_sample": "rollout/tool_errors_per_sample", "reward": "rollout/raw_reward"}
+
+
+def run_train(argv: list[str], example: str, phase: str) -> None:
+    """train.py with `argv`; exits naming the example and phase when it fails."""
+    cmd = [sys.executable, str(REPO_ROOT / "train.py"), *argv]
+    print(f"\n$ {' '.join(cmd)}\n", flush=True)
+    result = subprocess.run(cmd, cwd=REPO_ROOT)
+    if result.returncode != 0:
+        sys.exit(f"{example}: the {phase} run failed (exit {result.returncode}); see the output above")
+
+
+def sft_argv(model: Path, data: Path, run_dir: Path, *, input_key: str, rollout_function: str, num_rollout: int,
+             lr: str, rollout_batch_size: int = 64, global_batch_size: int = 32) -> list[str]:
+    """The SFT warm start's flags (checkpoints in run_dir/sft, its run in run_dir/sft_run)."""
+    return ["--hf-checkpoint", str(model), "--prompt-data", str(data), "--input-key", input_key,
+            "--rollout-function-path", rollout_function, "--loss-type", "sft_loss", "--debug-train-only",
+            "--rollout-batch-size", str(rollout_batch_size), "--global-batch-size", str(global_batch_size),
+            "--rollout-shuffle", "--num-rollout", str(num_rollout), "--lr", lr, "--lr-warmup-iters", "10",
+            "--save", str(run_dir / "sft"), "--output-dir", str(run_dir / "sft_run")]
+
+
+def metric_rows(metrics_path: Path) -> list[dict]:
+    return [json.loads(line) for line in metrics_path.read_text().splitlines() if line.strip()]
+
+
+def summarize(metrics_path: Path, metrics: dict[str, str] = MULTI_TURN_METRICS) -> dict:
+    """{name: mean over the run's rollouts of its metric key} (None where the key never appears)."""
+    rows = metric_rows(metrics_path)
+    summary = {}
+    for name, key in metrics.items():
+        values = [row[key] for row in rows if key in row]
+        summary[name] = sum(values) / len(values) if values else None
+    return summary
