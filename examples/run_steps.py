@@ -3,15 +3,39 @@ and the mean of a run's multi-turn metrics. Not a launcher of its own; each exam
 
 from __future__ import annotations
 
+import argparse
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 MULTI_TURN_METRICS = {"turns_per_sample": "rollout/turns_per_sample",
                       "tool_calls_per_sample": "rollout/tool_calls_per_sample",
                       "tool_errors_per_sample": "rollout/tool_errors_per_sample", "reward": "rollout/raw_reward"}
+
+
+def example_parser(description: str, sft_rollouts: int, num_rollout: int, max_turns: int,
+                   sft_help: str) -> argparse.ArgumentParser:
+    """The flags every example's run.py takes (--out-dir, --sft-rollouts, --num-rollout, --max-turns, --seed)."""
+    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out-dir", default=None)
+    parser.add_argument("--sft-rollouts", type=int, default=sft_rollouts, help=sft_help)
+    parser.add_argument("--num-rollout", type=int, default=num_rollout, help="GRPO rollouts")
+    parser.add_argument("--max-turns", type=int, default=max_turns)
+    parser.add_argument("--seed", type=int, default=1)
+    return parser
+
+
+def run_folder(out_dir: str | None, example: str) -> Path:
+    """--out-dir, or runs/<example>-<timestamp> in the repository."""
+    return Path(out_dir or REPO_ROOT / "runs" / f"{example}-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
+
+
+def common_argv(seed: int) -> list[str]:
+    """train.py flags both phases share: two CPU trainer processes, the seed, quiet progress."""
+    return ["--actor-num-gpus-per-node", "2", "--seed", str(seed), "--micro-batch-size", "8", "--no-progress"]
 
 
 def run_train(argv: list[str], example: str, phase: str) -> None:

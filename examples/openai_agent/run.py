@@ -14,18 +14,16 @@ model's own) and masked out (template and tool results); "run_dir".
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from examples.openai_agent.task import build_task  # noqa: E402
-from examples.run_steps import (MULTI_TURN_METRICS, REPO_ROOT, metric_rows, run_train, sft_argv,  # noqa: E402
-                                summarize as summarize_metrics)
+from examples.run_steps import (MULTI_TURN_METRICS, common_argv, example_parser, metric_rows,  # noqa: E402
+                                run_folder, run_train, sft_argv, summarize as summarize_metrics)
 from slime.utils.checkpoint_state import latest_checkpoint  # noqa: E402
 
 GENERATE = "examples.openai_agent.generate.generate"
@@ -52,18 +50,14 @@ def summarize(grpo_dir: Path) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out-dir", default=None)
-    parser.add_argument("--sft-rollouts", type=int, default=20, help="SFT rollouts (4 optimizer steps each)")
-    parser.add_argument("--num-rollout", type=int, default=8, help="GRPO rollouts")
+    parser = example_parser(__doc__, sft_rollouts=20, num_rollout=8, max_turns=3,
+                            sft_help="SFT rollouts (4 optimizer steps each)")
     parser.add_argument("--grpo-lr", type=float, default=1e-4)
-    parser.add_argument("--max-turns", type=int, default=3, help="model calls per episode (the agent's cap)")
-    parser.add_argument("--seed", type=int, default=1)
     opts = parser.parse_args()
 
-    run_dir = Path(opts.out_dir or REPO_ROOT / "runs" / f"openai_agent-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
+    run_dir = run_folder(opts.out_dir, "openai_agent")
     paths = build_task(run_dir / "task", seed=opts.seed)
-    common = ["--actor-num-gpus-per-node", "2", "--seed", str(opts.seed), "--micro-batch-size", "8", "--no-progress"]
+    common = common_argv(opts.seed)
     run_train(common + sft_argv(paths["model"], paths["sft"], run_dir, input_key="messages",
                                 rollout_function="slime.rollout.sft_rollout.generate_rollout",
                                 num_rollout=opts.sft_rollouts, lr="1e-3", global_batch_size=16),

@@ -10,33 +10,28 @@ The last stdout line is JSON: {"turns_per_sample", "tool_calls_per_sample", "too
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from examples.retool.task import build_task  # noqa: E402
-from examples.run_steps import REPO_ROOT, run_train, sft_argv, summarize  # noqa: E402
+from examples.run_steps import (common_argv, example_parser, run_folder, run_train, sft_argv,  # noqa: E402
+                                summarize)
 from slime.utils.checkpoint_state import latest_checkpoint  # noqa: E402
 
 TOOL = "examples.retool.python_tool.python"
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out-dir", default=None)
-    parser.add_argument("--sft-rollouts", type=int, default=24, help="SFT rollouts (2 optimizer steps each)")
-    parser.add_argument("--num-rollout", type=int, default=3, help="GRPO rollouts")
-    parser.add_argument("--max-turns", type=int, default=3)
-    parser.add_argument("--seed", type=int, default=1)
+    parser = example_parser(__doc__, sft_rollouts=24, num_rollout=3, max_turns=3,
+                            sft_help="SFT rollouts (2 optimizer steps each)")
     opts = parser.parse_args()
 
-    run_dir = Path(opts.out_dir or REPO_ROOT / "runs" / f"retool-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
+    run_dir = run_folder(opts.out_dir, "retool")
     paths = build_task(run_dir / "task", seed=opts.seed)
-    common = ["--actor-num-gpus-per-node", "2", "--seed", str(opts.seed), "--micro-batch-size", "8", "--no-progress"]
+    common = common_argv(opts.seed)
     run_train(common + sft_argv(paths["model"], paths["sft"], run_dir, input_key="messages",
                                 rollout_function="slime.rollout.sft_rollout.generate_rollout",
                                 num_rollout=opts.sft_rollouts, lr="3e-3"), "retool", "SFT")

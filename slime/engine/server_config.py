@@ -28,7 +28,8 @@ SGLANG_ALIASES = {
     "gpu_memory_utilization": ["--mem-fraction-static"],
     "seed": ["--random-seed"],
 }
-SERVER_FIELDS = ("api_key", "admin_api_key", "allow_remote_admin", "max_request_bytes", "weights_dir_allowlist")
+POLICY_FIELDS = ("api_key", "admin_api_key", "allow_remote_admin", "max_request_bytes")  # AccessPolicy's
+SERVER_FIELDS = (*POLICY_FIELDS, "weights_dir_allowlist")
 
 
 @dataclass
@@ -118,7 +119,7 @@ def parse_settings(argv: list[str] | None = None) -> ServerSettings:
     if not model_path:
         parser.error("--model-path is required (or model_path in --config-file)")
     try:
-        policy = AccessPolicy(**{k: server[k] for k in SERVER_FIELDS[:4] if k in server})
+        policy = AccessPolicy(**{k: server[k] for k in POLICY_FIELDS if k in server})
     except ValueError as error:
         parser.error(str(error))
     return ServerSettings(

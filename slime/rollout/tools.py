@@ -24,7 +24,7 @@ import time
 from dataclasses import dataclass
 
 from slime.utils.daemon_threads import run_in_daemon_thread
-from slime.utils.misc import load_function
+from slime.utils.misc import load_functions
 from slime.utils.tool_parsers import ToolCall, tool_name
 
 DEFAULT_TOOL_TIMEOUT_S = 30.0
@@ -68,34 +68,13 @@ def load_tools(paths: tuple[str, ...]) -> dict[str, tuple[callable, dict]]:
     """{tool name: (function, schema)} from `--tool-functions-path` values; ValueError naming a bad path."""
     tools = {}
     for path in paths:
-        loaded = load_function(path, "--tool-functions-path") if not _names_a_list(path) else _load_list(path)
-        for function in loaded if isinstance(loaded, list) else [loaded]:
+        for function in load_functions(path, "--tool-functions-path"):
             schema = tool_schema(function)
             name = tool_name(schema)
             if name in tools:
                 raise ValueError(f"--tool-functions-path {path}: a second tool is named {name!r}")
             tools[name] = (function, schema)
     return tools
-
-
-def _names_a_list(path: str) -> bool:
-    import importlib
-
-    module_name, _, attr = path.rpartition(".")
-    try:
-        return isinstance(getattr(importlib.import_module(module_name), attr, None), (list, tuple))
-    except ImportError:
-        return False
-
-
-def _load_list(path: str) -> list:
-    import importlib
-
-    module_name, _, attr = path.rpartition(".")
-    functions = list(getattr(importlib.import_module(module_name), attr))
-    if not functions or not all(callable(f) for f in functions):
-        raise ValueError(f"--tool-functions-path {path}: a list of tools must hold callables only")
-    return functions
 
 
 async def _call_with_timeout(function, arguments: dict, timeout_s: float):

@@ -7,11 +7,8 @@ import random
 import socket
 
 
-def load_function(path: str, flag: str = "a hook path"):
-    """Import `module.attr` (or `module:attr`) and return the attribute, which must be callable.
-
-    `flag` names the CLI flag the path came from, so a typo gives an error the user can act on.
-    """
+def _load_attribute(path: str, flag: str):
+    """Import `module.attr` (or `module:attr`) and return the attribute; ValueError naming `flag` otherwise."""
     if not isinstance(path, str) or not path:
         raise ValueError(f"{flag}: expected a dotted path like 'my_pkg.my_module.my_fn', got {path!r}")
     module_name, sep, attr = path.replace(":", ".").rpartition(".")
@@ -23,12 +20,29 @@ def load_function(path: str, flag: str = "a hook path"):
         raise ValueError(f"{flag}: cannot import module {module_name!r} from {path!r}: "
                          f"{type(exc).__name__}: {exc}") from exc
     try:
-        hook = getattr(module, attr)
+        return getattr(module, attr)
     except AttributeError:
         raise ValueError(f"{flag}: module {module_name!r} has no attribute {attr!r}") from None
+
+
+def load_function(path: str, flag: str = "a hook path"):
+    """Import `module.attr` (or `module:attr`) and return the attribute, which must be callable.
+
+    `flag` names the CLI flag the path came from, so a typo gives an error the user can act on.
+    """
+    hook = _load_attribute(path, flag)
     if not callable(hook):
         raise ValueError(f"{flag}: {path!r} is a {type(hook).__name__}, not a function; name a function or class")
     return hook
+
+
+def load_functions(path: str, flag: str) -> list:
+    """Like `load_function`, but the attribute may also be a non-empty list (or tuple) of functions."""
+    value = _load_attribute(path, flag)
+    functions = list(value) if isinstance(value, (list, tuple)) else [value]
+    if not functions or not all(callable(f) for f in functions):
+        raise ValueError(f"{flag}: {path!r} must name a function or a non-empty list of functions")
+    return functions
 
 
 def find_free_port(host: str = "127.0.0.1") -> int:

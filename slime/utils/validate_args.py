@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from slime.utils.checkpoint_state import CheckpointError, critic_checkpoint, resume_dir
-from slime.utils.misc import load_function
+from slime.utils.misc import load_function, load_functions
 
 
 class ArgumentError(ValueError):
@@ -155,19 +155,13 @@ def _check_hooks(args) -> None:
 
 def _check_tools(args) -> None:
     """--tool-functions-path entries import (a callable or a list of callables); --tool-call-parser is known."""
-    import importlib
-
     from slime.utils.tool_parsers import get_parser
 
     for path in args.tool_functions_path or []:
-        module_name, _, attr = path.rpartition(".")
         try:
-            value = getattr(importlib.import_module(module_name), attr)
-        except (ImportError, AttributeError, ValueError) as exc:
-            raise ArgumentError(f"--tool-functions-path {path}: cannot import it ({exc})") from None
-        values = value if isinstance(value, (list, tuple)) else [value]
-        _require(bool(values) and all(callable(v) for v in values),
-                 f"--tool-functions-path {path}: must name a function or a non-empty list of functions")
+            load_functions(path, "--tool-functions-path")
+        except ValueError as exc:
+            raise ArgumentError(str(exc)) from None
     try:
         get_parser(args.tool_call_parser)
     except ValueError as exc:
