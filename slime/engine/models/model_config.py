@@ -10,6 +10,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from slime.utils.moe_config import moe_layer_indices
+
 # model_type -> (HF architecture class name, has qkv bias by default, has per-head q/k RMSNorm)
 SUPPORTED_MODEL_TYPES = {
     "qwen2": ("Qwen2ForCausalLM", True, False),
@@ -117,16 +119,11 @@ def _moe_fields(raw: dict) -> dict:
         raise ValueError(f"config of a {raw['model_type']} model needs num_experts and num_experts_per_tok")
     if raw["num_experts_per_tok"] > num_experts:
         raise ValueError(f"num_experts_per_tok={raw['num_experts_per_tok']} exceeds num_experts={num_experts}")
-    sparse_step = raw.get("decoder_sparse_step", 1)
-    mlp_only = set(raw.get("mlp_only_layers") or [])
     return dict(
         num_experts=num_experts,
         num_experts_per_tok=raw["num_experts_per_tok"],
         moe_intermediate_size=raw["moe_intermediate_size"],
         norm_topk_prob=raw.get("norm_topk_prob", False),
         shared_expert_intermediate_size=raw.get("shared_expert_intermediate_size", 0) or 0,
-        moe_layers=tuple(
-            index for index in range(raw["num_hidden_layers"])
-            if index not in mlp_only and (index + 1) % sparse_step == 0
-        ),
+        moe_layers=moe_layer_indices(raw),
     )
