@@ -33,6 +33,8 @@ def engine_server_command(args, port: int, config_path: Path) -> list[str]:
                "--enable-memory-saver", "--random-seed", str(args.seed)]
         if "gpu_memory_utilization" in args.engine_config:
             cmd += ["--mem-fraction-static", str(args.engine_config["gpu_memory_utilization"])]
+        if args.use_rollout_routing_replay:
+            cmd += ["--enable-return-routed-experts"]
         # SGLang reads its keys from flags only (visible to local users in `ps`); the docs say so.
         for flag, key in (("--api-key", args.sglang_api_key), ("--admin-api-key", args.sglang_admin_api_key)):
             cmd += [flag, key] if key else []

@@ -25,6 +25,7 @@ from tqdm import tqdm
 from slime.rollout.base_types import RolloutFnTrainOutput
 from slime.rollout.dataset import prompt_token_ids, tokenizer_for
 from slime.rollout.http_client import abort_all_requests, request_json, router_url, run
+from slime.rollout.routed_experts import routed_experts_request, store_routed_experts
 from slime.utils.engine_access import engine_admin_headers, router_headers
 from slime.rollout.rm_hub import async_rm, batched_async_rm
 from slime.utils.misc import load_function
@@ -99,7 +100,8 @@ async def generate(args, sample: Sample, sampling_params: dict) -> Sample:
 async def sample_continuation(args, sample: Sample, sampling_params: dict) -> str:
     """One POST /generate continuing `sample.tokens`: appends the sampled ids (loss mask 1, the engine's log-probs)
     and the text, sets the status from the finish reason, counts prefix-cache hits; returns the text sampled."""
-    payload = {"input_ids": sample.tokens, "sampling_params": sampling_params, "return_logprob": True}
+    routing = routed_experts_request(args, sample)
+    payload = {"input_ids": sample.tokens, "sampling_params": sampling_params, "return_logprob": True, **routing}
     timeout = getattr(args, "sglang_router_request_timeout_secs", None) or DEFAULT_REQUEST_TIMEOUT_S
     headers = {**router_headers(args), **({"X-SMG-Routing-Key": sample.session_id} if sample.session_id else {})}
     output = await request_json("POST", f"{router_url(args)}/generate", payload, timeout=timeout, headers=headers)
@@ -121,6 +123,7 @@ async def sample_continuation(args, sample: Sample, sampling_params: dict) -> st
         finish_reason=finish_reason,
         weight_version=meta.get("weight_version"),
     )
+    store_routed_experts(args, sample, meta, routing.get("routed_experts_start_len", 0))
     cache = sample.prefix_cache_info
     cache["cached_tokens"] = cache.get("cached_tokens", 0) + int(meta.get("cached_tokens", 0) or 0)
     cache["prompt_tokens"] = cache.get("prompt_tokens", 0) + int(meta.get("prompt_tokens", 0) or 0)

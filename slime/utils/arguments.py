@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 
 from slime.utils.engine_access import add_engine_access_arguments, ensure_admin_key
+from slime.utils.moe_arguments import add_moe_arguments
 from slime.utils.validate_args import ArgumentError, validate_args
 
 # --sglang-* flags that mean something to the built-in engine, mapped to its Config fields.
@@ -311,6 +312,7 @@ ARGUMENT_GROUPS = [
     add_reward_arguments,
     add_training_arguments,
     add_algorithm_arguments,
+    add_moe_arguments,
     add_eval_arguments,
     add_logging_arguments,
     add_debug_arguments,

@@ -45,6 +45,8 @@ class Sample:
     custom_rm_path: str | None = None
     session_id: str | None = None
     prefix_cache_info: dict = field(default_factory=dict)
+    # --use-rollout-routing-replay: the engine's MoE routing, int32 numpy [len(tokens) - 1, num_moe_layers, top_k]
+    rollout_routed_experts: Any = None
 
     Status = Status
 
