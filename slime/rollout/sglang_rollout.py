@@ -123,7 +123,8 @@ async def sample_continuation(args, sample: Sample, sampling_params: dict) -> st
         finish_reason=finish_reason,
         weight_version=meta.get("weight_version"),
     )
-    store_routed_experts(args, sample, meta, routing.get("routed_experts_start_len", 0))
+    start_len = meta.get("routed_experts_start_len", routing.get("routed_experts_start_len", 0))
+    store_routed_experts(args, sample, meta, start_len)
     cache = sample.prefix_cache_info
     cache["cached_tokens"] = cache.get("cached_tokens", 0) + int(meta.get("cached_tokens", 0) or 0)
     cache["prompt_tokens"] = cache.get("prompt_tokens", 0) + int(meta.get("prompt_tokens", 0) or 0)
