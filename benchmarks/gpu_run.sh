@@ -53,6 +53,12 @@ run_step() {
     engine_gpu_tests) python3 -m pytest -q tests/test_engine_triton.py tests/test_engine_overlap.py tests/test_host_staging.py tests/test_engine_cuda.py tests/test_engine_server_gpu.py ;;
     train_06b_32k_rc) python3 benchmarks/bench_train.py --model-shape qwen3-0.6b --max-tokens-per-gpu 32768 --recompute-activations --compile-model --skip-baseline ;;
     grpo_smoke) grpo colocated ;;
+    # MoE (issue 16): Qwen3-30B-A3B's layer shapes, 8 layers, 64 experts, top-8 (3.2B params, 0.9B active).
+    moe_gpu_tests) python3 -m pytest -q tests/test_engine_moe_cuda.py tests/test_engine_moe.py ;;
+    moe_engine) python3 benchmarks/engine_checkpoints.py qwen3-30b-a3b-8l /tmp/moe_ckpt && python3 benchmarks/bench_engine.py --preset qwen3-0.6b --model-path /tmp/moe_ckpt ;;
+    moe_train) python3 benchmarks/bench_train.py --model-shape qwen3-30b-a3b-8l --micro-batch-size 2 ;;
+    moe_grpo_r3) grpo colocated --shape qwen3-30b-a3b-8l --num-rollout 3 "--train-args=--use-rollout-routing-replay --get-mismatch-metrics" ;;
+    moe_grpo_free) grpo colocated --shape qwen3-30b-a3b-8l --num-rollout 3 --train-args=--get-mismatch-metrics ;;
     grpo_compiled) grpo colocated --train-args=--compile-model ;;
     # Two GPUs (nvidia-h200-x2): the multi-GPU issue's runs.
     multi_gpu_tests) python3 -m pytest -q tests/test_fsdp_multi_gpu.py tests/test_fsdp_weight_push.py ;;
