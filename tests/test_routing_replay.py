@@ -77,15 +77,17 @@ def rollout(checkpoints):
 
 
 def _old_log_probs(checkpoint, data, *flags):
-    """Per-sample old log-probs, the metrics of the preparation pass, and the expert ids the experts received."""
-    args = make_args(checkpoint, "--get-mismatch-metrics", "--micro-batch-size", "3", *flags)
-    trainer = make_trainer(args)
+    """Per-sample old and reference log-probs, the metrics of the preparation pass, and the expert ids the experts
+    received (the reference is the same checkpoint, loaded from its per-expert tensors into the stacked ones)."""
+    args = make_args(checkpoint, "--get-mismatch-metrics", "--micro-batch-size", "3", "--use-kl-loss",
+                     "--ref-load", checkpoint, *flags)
+    trainer = make_trainer(args, with_ref=True)
     received = []
     for layer in trainer.model.hf_model.get_decoder().layers:
         layer.mlp.experts.register_forward_pre_hook(lambda _m, inputs: received.append(inputs[1].clone()))
     schedule, per_sample, metrics = trainer._prepare(data)
     dist.destroy_process_group()
-    return per_sample["old_log_probs"], metrics, received
+    return per_sample["old_log_probs"], per_sample["ref_log_probs"], metrics, received
 
 
 def _max_mismatch(old_log_probs, data) -> float:
@@ -95,12 +97,17 @@ def _max_mismatch(old_log_probs, data) -> float:
 
 def test_r3_reproduces_engine_routing_and_log_probs_free_routing_does_not(checkpoints, rollout):
     _, trainer_checkpoint = checkpoints
-    free, free_metrics, _ = _old_log_probs(trainer_checkpoint, rollout)
-    replayed, metrics, received = _old_log_probs(trainer_checkpoint, rollout, "--use-rollout-routing-replay")
+    free, _, free_metrics, _ = _old_log_probs(trainer_checkpoint, rollout)
+    replayed, reference, metrics, received = _old_log_probs(trainer_checkpoint, rollout,
+                                                            "--use-rollout-routing-replay")
+    # The reference pass routes freely (fallthrough) even with R3: it equals the free old-policy pass.
+    for ref, old in zip(reference, free):
+        torch.testing.assert_close(ref, old, rtol=0, atol=1e-6)
     # Micro-batches of samples [0, 1, 2] and [3]; per micro-batch each layer's experts saw the packed tokens.
     engine_rows = [np.concatenate([rollout["rollout_routed_experts"][i] for i in batch]) for batch in ([0, 1, 2], [3])]
     num_layers = engine_rows[0].shape[1]
     last_rows = [np.cumsum([len(rollout["tokens"][i]) for i in batch]) - 1 for batch in ([0, 1, 2], [3])]
+    received = received[len(received) // 2:]  # the reference pass first, then the old-policy pass
     for index, ids in enumerate(received):
         batch, layer = divmod(index, num_layers)
         ids = np.delete(ids.numpy(), last_rows[batch], axis=0)  # a sample's last token routes freely
