@@ -35,7 +35,8 @@ def run_grpo(task, out: Path, *extra) -> list[dict]:
             "--moe-aux-loss-coeff", "1e-3", "--output-dir", str(out), "--no-progress", *extra]
     result = subprocess.run([sys.executable, str(REPO / "train.py"), *argv], cwd=REPO, capture_output=True,
                             text=True, timeout=600)
-    assert result.returncode == 0, f"train.py failed:\nSTDOUT:\n{result.stdout[-4000:]}\nSTDERR:\n{result.stderr[-6000:]}"
+    assert result.returncode == 0, (f"train.py failed:\nSTDOUT:\n{result.stdout[-4000:]}\n"
+                                    f"STDERR:\n{result.stderr[-6000:]}")
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 

@@ -43,7 +43,8 @@ def folders(tmp_path_factory):
 
 def parse(folders, model: str, *extra):
     return parse_args(["--hf-checkpoint", str(folders / model), "--prompt-data", str(folders / "data.jsonl"),
-                       "--rollout-batch-size", "4", "--n-samples-per-prompt", "4", "--num-rollout", "2", "--rm-type", "math",
+                       "--rollout-batch-size", "4", "--n-samples-per-prompt", "4", "--num-rollout", "2",
+                       "--rm-type", "math",
                        *extra])
 
 

@@ -15,7 +15,7 @@ import torch.distributed as dist
 from fsdp_helpers import make_args, make_trainer
 from safetensors.torch import load_file, save_file
 
-from slime.backends.moe_aux_loss import load_balancing_loss, z_loss
+from slime.backends.moe_aux_loss import load_balancing_loss, sequence_load_balancing_loss, z_loss
 from slime.backends.routing_replay import RoutingReplay, ReplayStage, pack_routing
 from slime.engine.engine import Engine
 from slime.utils.tiny_model import build_tiny_model
@@ -188,3 +188,7 @@ def test_load_balancing_loss_matches_its_definition_and_transformers():
     hf = load_balancing_loss_func((logits,), NUM_EXPERTS, TOP_K)
     torch.testing.assert_close(load_balancing_loss(probs, ids, NUM_EXPERTS) * TOP_K, hf)
     torch.testing.assert_close(z_loss(logits), (torch.logsumexp(logits, -1) ** 2).mean())
+    # seq_aux_loss: the loss of each sample of the packed row, averaged.
+    per_sample = (load_balancing_loss(probs[:4], ids[:4], NUM_EXPERTS) + load_balancing_loss(probs[4:], ids[4:],
+                                                                                          NUM_EXPERTS)) / 2
+    torch.testing.assert_close(sequence_load_balancing_loss(probs, ids, NUM_EXPERTS, [4, 6]), per_sample)
