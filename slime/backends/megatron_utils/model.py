@@ -88,6 +88,8 @@ def transformer_config(args, hf_config):
         recompute_method=args.recompute_method,
         recompute_num_layers=args.recompute_num_layers,
         variable_seq_lengths=True,
+        # The loss function returns its share of the global loss: the schedules must not divide it again.
+        calculate_per_token_loss=True,
         use_cpu_initialization=not on_gpu,
         perform_initialization=True,
         params_dtype=torch.bfloat16 if use_bf16 else torch.float32,

@@ -43,9 +43,10 @@ def shard_of(full: torch.Tensor, name: str, param) -> torch.Tensor:
     return full.chunk(size, dim=param.partition_dim)[rank]
 
 
-def full_tensor(name: str, param) -> torch.Tensor:
-    """The full tensor of a (possibly sharded) parameter; collective over its tensor-parallel group."""
-    local = param.detach()
+def full_tensor(name: str, param, local: torch.Tensor | None = None) -> torch.Tensor:
+    """The full tensor of a (possibly sharded) parameter, or of `local` laid out like it (its gradient);
+    collective over its tensor-parallel group."""
+    local = param.detach() if local is None else local
     if not is_sharded(param):
         return local
     group = _group(param)
