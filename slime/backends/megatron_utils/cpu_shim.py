@@ -11,7 +11,10 @@ PP=1) and p2p communication allocate token counters and shape messages with `dev
 `torch.cuda.current_device()` (those two modules get a `torch` whose CUDA device is the CPU, `_CpuDeviceTorch`;
 every other attribute is torch's own), and with PP > 1 and tied embeddings
 `LanguageModule.setup_embeddings_and_output_layer` moves the last stage's copy of the embedding to CUDA before
-the all-reduce that makes both copies equal (here the all-reduce runs on the CPU). `apply_cpu_shim()` is applied
+the all-reduce that makes both copies equal (here the all-reduce runs on the CPU). MoE layers: the router moves its
+weight to `torch.cuda.current_device()` at its first forward (the router module gets the same `torch`), and the
+alltoall token dispatcher creates a CUDA stream for its device-to-host copies of the routing counts and synchronises on it; on
+the CPU the counts are host tensors already (no stream, no copy). `apply_cpu_shim()` is applied
 explicitly by the backend before it builds a model, not at import: importing this package must not change
 megatron-core for a GPU process that shares the interpreter. On a machine with CUDA it does nothing.
 
@@ -116,6 +119,8 @@ def apply_cpu_shim() -> bool:
     from megatron.core.fusions import fused_softmax
     from megatron.core.models.common.language_module import language_module
     from megatron.core.pipeline_parallel import p2p_communication, schedules
+    from megatron.core.transformer.moe import router
+    from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
     from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
     from megatron.core.tensor_parallel import random as tp_random
     from megatron.core.transformer import utils as transformer_utils
@@ -133,7 +138,10 @@ def apply_cpu_shim() -> bool:
     transformer_utils.get_default_causal_mask = _cpu_causal_mask
     fused_softmax.get_default_causal_mask = _cpu_causal_mask
     tp_random.CudaRNGStatesTracker.fork = lambda self, name=None: contextlib.nullcontext()
-    schedules.torch = p2p_communication.torch = _CpuDeviceTorch()
+    schedules.torch = p2p_communication.torch = router.torch = _CpuDeviceTorch()
+    MoEAlltoAllTokenDispatcher.cuda_dtoh_stream = "cpu: no stream"  # set, so no CUDA stream is created
+    MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize = \
+        lambda self, point, tokens_per_expert=None: tokens_per_expert
     language_module.LanguageModule.setup_embeddings_and_output_layer = _cpu_setup_embeddings(
         language_module, language_module.LanguageModule.setup_embeddings_and_output_layer)
     _applied = True

@@ -116,7 +116,12 @@ def layer_spec(config):
             num_experts=config.num_moe_experts, moe_grouped_gemm=config.moe_grouped_gemm,
             qk_layernorm=config.qk_layernorm)
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.moe import moe_utils
 
+    if config.num_moe_experts and not hasattr(moe_utils, "te_general_gemm"):
+        # megatron-core 0.16.1 without Transformer Engine leaves this name undefined, and the router's gating
+        # linear tests it against None: None is the fallback to torch's matmul it intends.
+        moe_utils.te_general_gemm = None
     spec = get_gpt_layer_local_spec(num_experts=config.num_moe_experts, moe_grouped_gemm=False,
                                     qk_layernorm=config.qk_layernorm, normalization="RMSNorm")
     spec.submodules.self_attention.submodules.core_attention = PackedCoreAttention
