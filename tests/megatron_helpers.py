@@ -54,21 +54,22 @@ def hf_named_grads(chunks, hf_config) -> dict[str, torch.Tensor]:
 
 
 def step_denominator(args, micro_batches, per_sample) -> float:
-    from slime.backends.fsdp_utils.loss import aggregation_mode
+    from slime.backends.loss import aggregation_mode
     from slime.utils.ppo_utils import loss_denominator
 
     masks = [per_sample["loss_masks"][i] for mb in micro_batches for i in mb.sample_indices]
     return max(float(loss_denominator(aggregation_mode(args), masks, args.loss_agg_constant, None)), 1.0)
 
 
-def policy_loss_function(args, per_sample, denominator):
+def policy_loss_function(args, micro_batches, per_sample, denominator):
     """loss_function(micro_batch, log_probs, entropy) of the FSDP trainer's policy loss."""
-    from slime.backends.fsdp_utils.loss import LossReducer, MicroBatchTensors, get_loss_function
+    from slime.backends.loss import LossReducer, MicroBatchTensors, get_loss_function
 
     loss_fn = get_loss_function(args)
 
-    def compute(micro_batch, log_probs, entropy):
-        indices = micro_batch.sample_indices
+    def compute(index, outputs):
+        log_probs, entropy = outputs
+        indices = micro_batches[index].sample_indices
         batch = MicroBatchTensors(
             loss_masks=[per_sample["loss_masks"][i] for i in indices],
             advantages=torch.cat([per_sample["advantages"][i] for i in indices]),

@@ -64,7 +64,7 @@ def test_hf_round_trip_is_bit_exact(megatron_model):
 
 
 def _packed_batch(vocab_size: int):
-    from slime.backends.fsdp_utils.data import pack_samples
+    from slime.backends.packing import pack_samples
 
     generator = torch.Generator().manual_seed(1)
     tokens = [torch.randint(3, vocab_size, (n,), generator=generator).tolist() for n in (7, 12, 4)]

@@ -23,7 +23,7 @@ def tiny_checkpoint(tmp_path_factory):
 
 
 def _train_inputs(vocab_size: int, seed: int = 0):
-    from slime.backends.fsdp_utils.data import float_tensors, pack_samples
+    from slime.backends.packing import float_tensors, pack_samples
 
     data = make_train_data(8, vocab_size, seed=seed)
     tokens, lengths = data["tokens"], data["response_lengths"]
@@ -46,8 +46,8 @@ def _log_probs_loss_grads(rank, world_size, port, checkpoint, parallel):
     micro_batches, per_sample = _train_inputs(hf_config.vocab_size)
     common = dict(temperature=0.7, vocab_size=hf_config.vocab_size, device=torch.device("cpu"))
     forward = run_micro_batches(chunks, micro_batches, **common)
-    loss_fn = policy_loss_function(args, per_sample, step_denominator(args, micro_batches, per_sample))
-    metrics = run_micro_batches(chunks, micro_batches, loss_function=loss_fn, **common)
+    loss_fn = policy_loss_function(args, micro_batches, per_sample, step_denominator(args, micro_batches, per_sample))
+    metrics = run_micro_batches(chunks, micro_batches, loss_of=loss_fn, **common)
     from slime.backends.megatron_utils.grads import finalize_grads
 
     finalize_grads(chunks)

@@ -65,34 +65,50 @@ def iter_hf_weights(model_chunks, hf_config) -> Iterator[tuple[str, torch.Tensor
         yield from mapping.to_hf(name, tp_shards.full_tensor(name, param), hf_config)
 
 
-def gather_hf_state_dict(model_chunks, hf_config) -> dict[str, torch.Tensor]:
-    """The whole model's HF state dict on global rank 0 (host tensors), {} elsewhere. Collective over all ranks:
-    each pipeline / expert-parallel owner sends its tensors to rank 0 (data-parallel replicas send nothing)."""
+def model_hf_weights(model_chunks, hf_config, dtype: torch.dtype | None = None
+                     ) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF name, full tensor) of the whole model on global rank 0, pipeline stage by stage (copies, in `dtype`
+    when given); other ranks take part in the gathers and yield nothing. Collective over all ranks: within each
+    stage of the first data-parallel replica the TP peers gather, and the stage's TP rank 0 sends each tensor to
+    rank 0 (a name message, then the tensor); other replicas hold the same weights and sit out."""
     from megatron.core import parallel_state
 
-    local = {}
-    owner = parallel_state.get_data_parallel_rank(with_context_parallel=True) == 0 \
-        and parallel_state.get_tensor_model_parallel_rank() == 0
-    for hf_name, tensor in iter_hf_weights(model_chunks, hf_config):
-        if owner:
-            local[hf_name] = tensor.detach().to("cpu", copy=True)
-    if dist.get_world_size() == 1:
-        return local
-    pieces = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
-    dist.gather_object(local, pieces, dst=0)
-    if dist.get_rank() != 0:
-        return {}
-    merged = {}
-    for piece in pieces:
-        merged.update(piece)
-    return merged
+    if parallel_state.get_data_parallel_rank(with_context_parallel=True) != 0:
+        return
+    rank = dist.get_rank()
+    is_stage_sender = parallel_state.get_tensor_model_parallel_rank() == 0
+    pp_size = parallel_state.get_pipeline_model_parallel_world_size()
+    my_stage = parallel_state.get_pipeline_model_parallel_rank()
+    pp_group = parallel_state.get_pipeline_model_parallel_group()
+    for stage in range(pp_size):
+        sender = dist.get_global_rank(pp_group, stage)  # the stage's rank in rank 0's pipeline (its TP rank 0)
+        if stage == my_stage:
+            for hf_name, tensor in iter_hf_weights(model_chunks, hf_config):
+                tensor = tensor.to(dtype or tensor.dtype, copy=True)
+                if rank == 0:
+                    yield hf_name, tensor
+                elif is_stage_sender:
+                    dist.send_object_list([(hf_name, tensor.shape, tensor.dtype)], dst=0)
+                    dist.send(tensor, dst=0)
+            if is_stage_sender and rank != 0:
+                dist.send_object_list([None], dst=0)
+        elif rank == 0:
+            while True:
+                header = [None]
+                dist.recv_object_list(header, src=sender)
+                if header[0] is None:
+                    break
+                hf_name, shape, tensor_dtype = header[0]
+                tensor = torch.empty(shape, dtype=tensor_dtype, device=next(model_chunks[0].parameters()).device)
+                dist.recv(tensor, src=sender)
+                yield hf_name, tensor
 
 
 def save_hf_checkpoint(model_chunks, hf_config, out_dir: str | Path, source_checkpoint: str | Path) -> None:
     """Write an HF safetensors folder (weights, config and tokenizer files of `source_checkpoint`); collective."""
     from safetensors.torch import save_file
 
-    state = gather_hf_state_dict(model_chunks, hf_config)
+    state = {name: tensor.cpu() for name, tensor in model_hf_weights(model_chunks, hf_config)}
     if dist.get_rank() != 0:
         return
     out_dir = Path(out_dir)

@@ -16,12 +16,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import partial
-from typing import Callable
 
 import torch
 import torch.distributed as dist
 
-from slime.backends.fsdp_utils.data import PackedMicroBatch, to_device
+from slime.backends.backend import LossOf
+from slime.backends.packing import PackedMicroBatch, to_device
 from slime.backends.megatron_utils.log_probs import vocab_parallel_log_probs_and_entropy
 
 
@@ -65,39 +65,36 @@ def _broadcast_from_last_stage(value):
     return holder[0]
 
 
-LossFunction = Callable[[PackedMicroBatch, torch.Tensor, torch.Tensor], tuple[torch.Tensor, dict]]
-
-
 def run_micro_batches(model_chunks, micro_batches: list[PackedMicroBatch], *, temperature: float, vocab_size: int,
-                      device, loss_function: LossFunction | None = None):
-    """Forward-only (loss_function None): per micro-batch (log_probs, entropy) host tensors of its response tokens,
-    on every rank. Otherwise forward + backward of `loss_function(micro_batch, log_probs, entropy) -> (loss,
-    metrics)` (gradients accumulate in .grad); returns the per-micro-batch metric dicts, on every rank."""
+                      device, loss_of: LossOf | None = None):
+    """Forward-only (loss_of None): per micro-batch (log_probs, entropy) host tensors of its response tokens, on
+    every rank. Otherwise forward + backward of `loss_of(index of the micro-batch, (log_probs, entropy)) -> (loss,
+    metrics)` (gradients accumulate in .grad); returns the per-micro-batch metric dicts (floats), on every rank."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     if not micro_batches:
         return []
-    forward_only = loss_function is None
+    forward_only = loss_of is None
     config = model_chunks[0].config
     pad_multiple = _pad_multiple(config)
     outputs = []
 
-    def loss_of(micro_batch: PackedMicroBatch, logits: torch.Tensor):
+    def loss_func(index: int, micro_batch: PackedMicroBatch, logits: torch.Tensor):
         rows = logits[0].index_select(0, to_device(micro_batch.logit_index, logits.device))
         log_probs, entropy = vocab_parallel_log_probs_and_entropy(
             rows, to_device(micro_batch.target_ids, logits.device), temperature, vocab_size)
         if forward_only:
             outputs.append((log_probs.detach().cpu(), entropy.detach().cpu()))
             return log_probs.sum() * 0.0, torch.tensor(1), {}
-        loss, metrics = loss_function(micro_batch, log_probs, entropy)
+        loss, metrics = loss_of(index, (log_probs, entropy))
         outputs.append({key: float(value) for key, value in metrics.items()})
         return loss, torch.tensor(1), {}
 
     def forward_step(data_iterator, model):
-        micro_batch = next(data_iterator)
+        index, micro_batch = next(data_iterator)
         inputs = thd_input(micro_batch, device, pad_multiple)
         output = model(inputs.input_ids, inputs.position_ids, None, packed_seq_params=inputs.packed_seq_params)
-        return output, partial(loss_of, micro_batch)
+        return output, partial(loss_func, index, micro_batch)
 
     for chunk in model_chunks:
         chunk.train(not forward_only)
@@ -105,7 +102,7 @@ def run_micro_batches(model_chunks, micro_batches: list[PackedMicroBatch], *, te
     with context:
         get_forward_backward_func()(
             forward_step_func=forward_step,
-            data_iterator=iter(micro_batches),
+            data_iterator=iter(enumerate(micro_batches)),
             model=model_chunks if len(model_chunks) > 1 else model_chunks[0],
             num_microbatches=len(micro_batches),
             seq_length=max(mb.num_tokens + pad_multiple for mb in micro_batches),
