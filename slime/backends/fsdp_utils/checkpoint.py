@@ -69,9 +69,9 @@ def torch_load(ckpt: Path, path: Path):
 def rng_state() -> dict:
     import numpy as np
 
-    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.getrng_state()}
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
     if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.getrng_state()
+        state["cuda"] = torch.cuda.get_rng_state()
     return state
 
 

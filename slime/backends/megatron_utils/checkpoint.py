@@ -86,6 +86,7 @@ def save_checkpoint(save_root: str, rollout_id: int, model_chunks, optimizer, sc
     if rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)
         (tmp / "rng").mkdir(parents=True)
+        (tmp / TORCH_DIST_DIR).mkdir()
     barrier()
     sharded = _model_sharded_state_dict(model_chunks)
     if save_optim:

@@ -11,7 +11,9 @@ PP=1) and p2p communication allocate token counters and shape messages with `dev
 `torch.cuda.current_device()` (those two modules get a `torch` whose CUDA device is the CPU, `_CpuDeviceTorch`;
 every other attribute is torch's own), and with PP > 1 and tied embeddings
 `LanguageModule.setup_embeddings_and_output_layer` moves the last stage's copy of the embedding to CUDA before
-the all-reduce that makes both copies equal (here the all-reduce runs on the CPU). MoE layers: the router moves its
+the all-reduce that makes both copies equal (here the all-reduce runs on the CPU). dist_checkpointing's
+saver synchronises CUDA before writing and reduces its success flags on "cuda" (those two modules get the same
+`torch`). MoE layers: the router moves its
 weight to `torch.cuda.current_device()` at its first forward (the router module gets the same `torch`), and the
 alltoall token dispatcher creates a CUDA stream for its device-to-host copies of the routing counts and synchronises on it; on
 the CPU the counts are host tensors already (no stream, no copy). `apply_cpu_shim()` is applied
@@ -119,6 +121,7 @@ def apply_cpu_shim() -> bool:
     from megatron.core.fusions import fused_softmax
     from megatron.core.models.common.language_module import language_module
     from megatron.core.pipeline_parallel import p2p_communication, schedules
+    from megatron.core.dist_checkpointing.strategies import filesystem_async, state_dict_saver
     from megatron.core.transformer.moe import router
     from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
     from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
@@ -138,7 +141,8 @@ def apply_cpu_shim() -> bool:
     transformer_utils.get_default_causal_mask = _cpu_causal_mask
     fused_softmax.get_default_causal_mask = _cpu_causal_mask
     tp_random.CudaRNGStatesTracker.fork = lambda self, name=None: contextlib.nullcontext()
-    schedules.torch = p2p_communication.torch = router.torch = _CpuDeviceTorch()
+    for module in (schedules, p2p_communication, router, filesystem_async, state_dict_saver):
+        module.torch = _CpuDeviceTorch()
     MoEAlltoAllTokenDispatcher.cuda_dtoh_stream = "cpu: no stream"  # set, so no CUDA stream is created
     MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize = \
         lambda self, point, tokens_per_expert=None: tokens_per_expert
