@@ -69,8 +69,10 @@ def _hf_value(config: dict, key: str, absent):
 
 
 def _num_experts(args, config: dict) -> int:
-    counts = [config[key] for key in EXPERT_COUNT_KEYS if config.get(key)]
-    return counts[0] if counts else (args.num_experts or 0)
+    """The model's expert count: config.json's; --num-experts only without a config."""
+    if not config:
+        return args.num_experts or 0
+    return next((config[key] for key in EXPERT_COUNT_KEYS if config.get(key)), 0)
 
 
 def megatron_parallelism_set(args) -> list[str]:
@@ -128,6 +130,12 @@ def _check_model_shape(args, config: dict) -> None:
              f"--swiglu disagrees with hidden_act={config.get('hidden_act')} in the HF config")
     _require(not args.add_qkv_bias or config.get("attention_bias", True),
              "--add-qkv-bias disagrees with attention_bias=false in the HF config")
+    if args.use_rope_scaling:
+        scaling = config.get("rope_scaling") or config.get("rope_parameters") or {}
+        kind, factor = scaling.get("rope_type", scaling.get("type")), scaling.get("factor")
+        _require(kind == "llama3" and factor is not None and float(factor) == args.rotary_scaling_factor,
+                 f"--use-rope-scaling --rotary-scaling-factor {args.rotary_scaling_factor} disagrees with "
+                 f"rope_scaling type {kind!r} factor {factor} in the HF config")
     _require(args.normalization in (None, "RMSNorm") or "rms_norm_eps" not in config,
              f"--normalization {args.normalization}: the HF config's model uses RMSNorm (rms_norm_eps)")
 

@@ -1,11 +1,11 @@
 """Megatron-LM's command-line flags, as slime's recipes pass them: names, dests and defaults of megatron-core
 0.16.1's `megatron/training/arguments.py` (plus the two layer-norm switches of slime's patched Megatron).
 
-`add_megatron_arguments(parser)` registers them; `slime.utils.arguments` calls it once. Each flag is in one of
-four groups: PARALLELISM and TRAINING flags are applied (their rules live in `slime.utils.validate_megatron_args`);
-MODEL_SHAPE flags describe the architecture, which both backends build from `--hf-checkpoint`'s config.json, and
-are checked against it where config.json states the same fact; INERT flags are accepted with the reason they
-change nothing here, and a run that sets one is told once at start-up (`inert_flag_notices`). The Megatron flags
+`add_megatron_arguments(parser)` registers them; `slime.utils.arguments` calls it once. PARALLELISM and TRAINING
+flags are applied (their rules live in `slime.utils.validate_megatron_args`). MODEL_SHAPE and MOE flags describe
+the architecture, which both backends build from `--hf-checkpoint`'s config.json: those config.json states too are
+checked against it. Every other flag carries the reason it changes nothing here (`inert_because`; the INERT group
+and the architecture switches), and a run that sets one is told once at start-up (`inert_flag_notices`). The Megatron flags
 the project already had under the same name (`--micro-batch-size`, `--lr`, `--clip-grad`, ...) stay in
 `slime.utils.arguments`. docs/megatron-flags.md is the table of all of them.
 
@@ -85,6 +85,7 @@ TRAINING = [
 ]
 
 _FROM_HF_CONFIG = "default: from --hf-checkpoint's config.json, which the value must match"
+_ARCHITECTURE = "the backends build the architecture from config.json's model_type, which this flag describes"
 MODEL_SHAPE = [
     MegatronFlag("--num-layers", {"type": int, "default": None, "help": _FROM_HF_CONFIG}),
     MegatronFlag("--hidden-size", {"type": int, "default": None, "help": _FROM_HF_CONFIG}),
@@ -102,30 +103,31 @@ MODEL_SHAPE = [
     _switch("--untie-embeddings-and-output-weights", default=None, help=_FROM_HF_CONFIG),
     _switch("--swiglu", help="checked against config.json's hidden_act"),
     _switch("--add-qkv-bias", help="checked against config.json's attention_bias where it has one"),
-    # Architecture switches config.json does not state as such: the model is built from its model_type.
-    _switch("--group-query-attention"),
-    _switch("--disable-bias-linear", dest="add_bias_linear", action="store_false"),
-    _switch("--qk-layernorm"),
-    _switch("--use-rotary-position-embeddings"),
+    # Architecture switches config.json does not state as such: the backends build the model from its model_type.
+    _switch("--group-query-attention", _ARCHITECTURE),
+    _switch("--disable-bias-linear", _ARCHITECTURE, dest="add_bias_linear", action="store_false"),
+    _switch("--qk-layernorm", _ARCHITECTURE),
+    _switch("--use-rotary-position-embeddings", _ARCHITECTURE),
     MegatronFlag("--position-embedding-type",
-                 {"choices": ["learned_absolute", "rope", "mrope", "relative", "none"], "default": None}),
-    _switch("--no-position-embedding", dest="add_position_embedding", action="store_false"),
-    _switch("--rotary-interleaved"),
-    _switch("--post-self-attn-layernorm"),
-    _switch("--post-mlp-layernorm"),
-    _switch("--apply-layernorm-1p", dest="layernorm_zero_centered_gamma"),
-    _switch("--attention-output-gate"),
-    _switch("--use-gated-attention"),
-    _switch("--use-rope-scaling"),
-    MegatronFlag("--rotary-scaling-factor", {"type": float, "default": 1.0}),
-    MegatronFlag("--mscale", {"type": float, "default": 1.0}),
-    MegatronFlag("--mscale-all-dim", {"type": float, "default": 0.0}),
-    _switch("--multi-latent-attention"),
-    MegatronFlag("--q-lora-rank", {"type": int, "default": None}),
-    MegatronFlag("--kv-lora-rank", {"type": int, "default": 32}),
-    MegatronFlag("--qk-head-dim", {"type": int, "default": 128}),
-    MegatronFlag("--qk-pos-emb-head-dim", {"type": int, "default": 64}),
-    MegatronFlag("--v-head-dim", {"type": int, "default": 128}),
+                 {"choices": ["learned_absolute", "rope", "mrope", "relative", "none"], "default": None}, _ARCHITECTURE),
+    _switch("--no-position-embedding", _ARCHITECTURE, dest="add_position_embedding", action="store_false"),
+    _switch("--rotary-interleaved", _ARCHITECTURE),
+    _switch("--post-self-attn-layernorm", _ARCHITECTURE),
+    _switch("--post-mlp-layernorm", _ARCHITECTURE),
+    _switch("--apply-layernorm-1p", _ARCHITECTURE, dest="layernorm_zero_centered_gamma"),
+    _switch("--attention-output-gate", _ARCHITECTURE),
+    _switch("--use-gated-attention", _ARCHITECTURE),
+    _switch("--use-rope-scaling", help="checked against config.json's rope_scaling (llama3 type)"),
+    MegatronFlag("--rotary-scaling-factor", {"type": float, "default": 1.0,
+                                             "help": "with --use-rope-scaling: config.json's rope_scaling factor"}),
+    MegatronFlag("--mscale", {"type": float, "default": 1.0}, _ARCHITECTURE),
+    MegatronFlag("--mscale-all-dim", {"type": float, "default": 0.0}, _ARCHITECTURE),
+    _switch("--multi-latent-attention", _ARCHITECTURE),
+    MegatronFlag("--q-lora-rank", {"type": int, "default": None}, _ARCHITECTURE),
+    MegatronFlag("--kv-lora-rank", {"type": int, "default": 32}, _ARCHITECTURE),
+    MegatronFlag("--qk-head-dim", {"type": int, "default": 128}, _ARCHITECTURE),
+    MegatronFlag("--qk-pos-emb-head-dim", {"type": int, "default": 64}, _ARCHITECTURE),
+    MegatronFlag("--v-head-dim", {"type": int, "default": 128}, _ARCHITECTURE),
 ]
 
 # MoE flags: the MoE trainer may give some of them a meaning under the same name; its registration comes first
@@ -233,13 +235,13 @@ def _default(flag: MegatronFlag):
 
 
 def inert_flag_notices(args, parser: argparse.ArgumentParser) -> list[str]:
-    """One line per inert flag this run set away from its default; a flag whose name another group took over
-    (its help is not ours) is that group's business."""
-    notices = []
+    """One line per reason, naming the inert flags this run set away from their defaults; a flag whose name another
+    group took over (its help is not ours) is that group's business."""
+    set_flags: dict[str, list[str]] = {}
     for flag in MEGATRON_FLAGS:
         if flag.inert_because is None:
             continue
         action = parser._option_string_actions[flag.option]
         if action.help == _inert_help(flag) and getattr(args, flag.dest) != _default(flag):
-            notices.append(f"{flag.option} has no effect here: {flag.inert_because}")
-    return notices
+            set_flags.setdefault(flag.inert_because, []).append(flag.option)
+    return [f"{', '.join(options)}: no effect here ({reason})" for reason, options in set_flags.items()]
