@@ -345,7 +345,7 @@ def test_megatron_backend_must_import_at_start(tmp_path, data, monkeypatch):
     args = parse_args(base(tmp_path, data, "--actor-num-gpus-per-node", "2", "--tensor-model-parallel-size", "2"))
     monkeypatch.setattr(validate_megatron_args, "MEGATRON_BACKEND_MODULE", "slime.backends.megatron_utils.no_such")
     with pytest.raises(ArgumentError, match="no Megatron training backend.*--train-backend fsdp without "
-                                            "--tensor-model-parallel-size 2"):
+                                            "--tensor-model-parallel-size 2$"):
         require_train_backend(args)
     monkeypatch.setattr(validate_megatron_args, "MEGATRON_BACKEND_MODULE", "slime.backends.megatron_utils.arguments")
     require_train_backend(args)

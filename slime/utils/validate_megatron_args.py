@@ -76,8 +76,12 @@ def _num_experts(args, config: dict) -> int:
 
 
 def megatron_parallelism_set(args) -> list[str]:
-    """The Megatron parallelism flags of this run that only the Megatron backend can honour."""
-    asked = [f"{_flag(dest)} {getattr(args, dest)}" for dest in PARALLEL_SIZES if (getattr(args, dest) or 1) > 1]
+    """The Megatron parallelism flags of this run that only the Megatron backend can honour (the expert tensor
+    size once it is resolved to the tensor size is not one of them)."""
+    sizes = [dest for dest in PARALLEL_SIZES if (getattr(args, dest) or 1) > 1]
+    if args.expert_tensor_parallel_size == args.tensor_model_parallel_size and "tensor_model_parallel_size" in sizes:
+        sizes.remove("expert_tensor_parallel_size")
+    asked = [f"{_flag(dest)} {getattr(args, dest)}" for dest in sizes]
     asked += [f"{_flag(dest)} {getattr(args, dest)}" for dest in VIRTUAL_STAGES if getattr(args, dest) is not None]
     return asked
 

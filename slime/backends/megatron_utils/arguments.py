@@ -166,7 +166,7 @@ MOE = [
     _switch("--moe-shared-expert-gate", _ROUTING_FROM_HF),
 ]
 
-_KERNELS = "kernel choice: the trainers here pick their own kernels (varlen flash attention or SDPA, fp32 softmax)"
+_KERNELS = "kernel choice: the trainers here pick their own kernels, varlen flash attention or SDPA with fp32 softmax"
 _OPTIMIZER_PLACEMENT = ("optimizer state placement on the GPU; use --offload-train to move the training state "
                         "to host memory while the engines generate")
 INERT = [
