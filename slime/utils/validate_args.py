@@ -81,10 +81,8 @@ FLAG_RANGES = {
     "attention_dropout": PROBABILITY, "hidden_dropout": PROBABILITY, "rotary_scaling_factor": POSITIVE,
     "mscale": POSITIVE, "mscale_all_dim": NON_NEGATIVE, "q_lora_rank": AT_LEAST_1, "kv_lora_rank": AT_LEAST_1,
     "qk_head_dim": AT_LEAST_1, "qk_pos_emb_head_dim": AT_LEAST_1, "v_head_dim": AT_LEAST_1,
-    "num_experts": NON_NEGATIVE, "moe_ffn_hidden_size": AT_LEAST_1, "moe_router_topk": AT_LEAST_1,
-    "moe_shared_expert_intermediate_size": AT_LEAST_1, "moe_router_topk_scaling_factor": POSITIVE,
-    "moe_router_num_groups": AT_LEAST_1, "moe_router_group_topk": AT_LEAST_1,
-    "moe_router_bias_update_rate": NON_NEGATIVE, "moe_aux_loss_coeff": NON_NEGATIVE,
+    "moe_router_topk_scaling_factor": POSITIVE, "moe_router_num_groups": AT_LEAST_1,
+    "moe_router_group_topk": AT_LEAST_1, "moe_router_bias_update_rate": NON_NEGATIVE,
     "make_vocab_size_divisible_by": AT_LEAST_1, "decoder_first_pipeline_num_layers": NON_NEGATIVE,
     "decoder_last_pipeline_num_layers": NON_NEGATIVE, "ckpt_step": NON_NEGATIVE,
     # data

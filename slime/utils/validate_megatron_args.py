@@ -6,7 +6,7 @@
 backend's optimizer defaults, and the model-shape flags against --hf-checkpoint's config.json (resolving
 `untie_embeddings_and_output_weights` from it). `validate_megatron_batches` runs once the batch sizes are known:
 Megatron's micro-batch rule and --lr-warmup-fraction. Each rule follows Megatron's own validation where it has one,
-raising `ArgumentError` naming the flag.
+raising `ArgumentError` naming the flag. The MoE flags' own rules are slime/utils/moe_arguments.py's.
 
 No megatron-core import here, so slime's recipes parse on any machine; `require_train_backend` is the start-up
 check (train.py / train_async.py) that the chosen backend can be imported.
@@ -46,9 +46,6 @@ MODEL_FLAG_TO_HF = {
     "rotary_base": ("rope_theta", None),
     "rotary_percent": ("partial_rotary_factor", 1.0),
     "max_position_embeddings": ("max_position_embeddings", None),
-    "moe_ffn_hidden_size": ("moe_intermediate_size", None),
-    "moe_router_topk": ("num_experts_per_tok", None),
-    "moe_shared_expert_intermediate_size": ("shared_expert_intermediate_size", None),
 }
 OPTION_BY_DEST = {flag.dest: flag.option for flag in MEGATRON_FLAGS}
 EXPERT_COUNT_KEYS = ("num_experts", "n_routed_experts", "num_local_experts")
@@ -68,10 +65,7 @@ def _hf_value(config: dict, key: str, absent):
     return (config.get("rope_parameters") or {}).get(key, absent)
 
 
-def _num_experts(args, config: dict) -> int:
-    """The model's expert count: config.json's; --num-experts only without a config."""
-    if not config:
-        return args.num_experts or 0
+def _num_experts(config: dict) -> int:
     return next((config[key] for key in EXPERT_COUNT_KEYS if config.get(key)), 0)
 
 
@@ -104,11 +98,9 @@ def _check_model_shape(args, config: dict) -> None:
     """Model-shape flags (slime's scripts/models/*.sh) must agree with the HF config they are run against."""
     if not config:
         return
-    moe_layer_freq = args.moe_layer_freq
-    all_layers_moe = _num_experts(args, config) > 0 and not (isinstance(moe_layer_freq, list) and 0 in moe_layer_freq)
     for dest, (hf_key, absent) in MODEL_FLAG_TO_HF.items():
         value = getattr(args, dest)
-        if value is None or (dest == "ffn_hidden_size" and all_layers_moe):
+        if value is None:
             continue
         actual = _hf_value(config, hf_key, absent)
         if hf_key == "head_dim" and actual is None and "num_attention_heads" in config:
@@ -118,10 +110,6 @@ def _check_model_shape(args, config: dict) -> None:
         _require(actual is not None and float(actual) == float(value),
                  f"{OPTION_BY_DEST[dest]} {value} does not match "
                  f"{hf_key}={actual} in {args.hf_checkpoint}/config.json; fix the model preset or the checkpoint")
-    if args.num_experts is not None:
-        _require(args.num_experts == _num_experts(args, config),
-                 f"--num-experts {args.num_experts} does not match the {_num_experts(args, config)} experts of "
-                 f"{args.hf_checkpoint}/config.json ({' / '.join(EXPERT_COUNT_KEYS)})")
     if args.vocab_size is not None and "vocab_size" in config:
         _require(args.vocab_size >= config["vocab_size"],
                  f"--vocab-size {args.vocab_size} is smaller than the checkpoint's vocab_size {config['vocab_size']}")
@@ -157,8 +145,8 @@ def _resolve_layout(args, config: dict) -> None:
     _require(args.world_size % (etp * ep * pp) == 0,
              f"{args.world_size} trainer processes are not divisible by --expert-tensor-parallel-size x "
              f"--expert-model-parallel-size x --pipeline-model-parallel-size ({etp} x {ep} x {pp})")
-    num_experts = _num_experts(args, config)
-    _require(ep == 1 or num_experts > 0,
+    num_experts = _num_experts(config)
+    _require(ep == 1 or not config or num_experts > 0,
              f"--expert-model-parallel-size {ep} needs an MoE model; {args.hf_checkpoint} has no experts "
              f"({' / '.join(EXPERT_COUNT_KEYS)} in config.json)")
     _require(num_experts % ep == 0,
@@ -243,10 +231,6 @@ def _resolve_precision(args) -> None:
         _require(getattr(args, dest) in (None, 0.0),
                  f"{_flag(dest)} {getattr(args, dest)}: the trainers here run without dropout; pass 0 or drop it")
         setattr(args, dest, 0.0)
-    for dest in ("moe_aux_loss_coeff", "moe_router_load_balancing_type"):  # Megatron unwraps a list of one
-        value = getattr(args, dest)
-        if isinstance(value, list) and len(value) == 1:
-            setattr(args, dest, value[0])
 
 
 def validate_megatron_args(args) -> None:

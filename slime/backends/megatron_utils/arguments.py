@@ -2,10 +2,11 @@
 0.16.1's `megatron/training/arguments.py` (plus the two layer-norm switches of slime's patched Megatron).
 
 `add_megatron_arguments(parser)` registers them; `slime.utils.arguments` calls it once. PARALLELISM and TRAINING
-flags are applied (their rules live in `slime.utils.validate_megatron_args`). MODEL_SHAPE and MOE flags describe
-the architecture, which both backends build from `--hf-checkpoint`'s config.json: those config.json states too are
-checked against it. Every other flag carries the reason it changes nothing here (`inert_because`; the INERT group
-and the architecture switches), and a run that sets one is told once at start-up (`inert_flag_notices`). The Megatron flags
+flags are applied (their rules live in `slime.utils.validate_megatron_args`). MODEL_SHAPE flags describe the
+architecture, which both backends build from `--hf-checkpoint`'s config.json: those config.json states too are
+checked against it. Every other flag carries the reason it changes nothing here (`inert_because`: the INERT and MOE
+groups, the architecture switches), and a run that sets one is told once at start-up (`inert_flag_notices`).
+Megatron's MoE shape, router and load-balancing flags are slime/utils/moe_arguments.py's, not this module's. The Megatron flags
 the project already had under the same name (`--micro-batch-size`, `--lr`, `--clip-grad`, ...) stay in
 `slime.utils.arguments`. docs/megatron-flags.md is the table of all of them.
 
@@ -16,23 +17,6 @@ from __future__ import annotations
 
 import argparse
 from dataclasses import dataclass, field
-
-
-def _moe_layer_freq(value: str):
-    """Megatron's --moe-layer-freq: an int (every N-th layer is MoE) or a Python list of 0/1 per layer."""
-    text = value.strip()
-    if text.startswith("["):
-        try:
-            pattern = [int(item) for item in text.strip("[]").split(",") if item.strip()]
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected an int or a list like [1,1,0], got {value!r}") from None
-        if any(item not in (0, 1) for item in pattern):
-            raise argparse.ArgumentTypeError(f"a per-layer list holds only 0 and 1, got {value!r}")
-        return pattern
-    try:
-        return int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an int or a list like [1,1,0], got {value!r}") from None
 
 
 @dataclass(frozen=True)
@@ -130,40 +114,22 @@ MODEL_SHAPE = [
     MegatronFlag("--v-head-dim", {"type": int, "default": 128}, _ARCHITECTURE),
 ]
 
-# MoE flags: the MoE trainer may give some of them a meaning under the same name; its registration comes first
-# and wins (add_megatron_arguments skips a name already taken).
+# Megatron's MoE flags that slime/utils/moe_arguments.py (the MoE trainer's flags) does not define: --num-experts,
+# --moe-router-topk, --moe-ffn-hidden-size, --moe-layer-freq, --moe-aux-loss-coeff, ... are that module's. A name
+# it takes as well stays its own (add_megatron_arguments skips it).
 _ROUTING_FROM_HF = "routing is built from config.json (the engine routes the same way)"
+_NO_EXPERT_BIAS = "no expert-bias load balancing in the trainers here"
 MOE = [
-    MegatronFlag("--num-experts", {"type": int, "default": None, "help": _FROM_HF_CONFIG}),
-    MegatronFlag("--moe-ffn-hidden-size", {"type": int, "default": None, "help": _FROM_HF_CONFIG}),
-    MegatronFlag("--moe-router-topk", {"type": int, "default": None, "help": _FROM_HF_CONFIG}),
-    MegatronFlag("--moe-shared-expert-intermediate-size", {"type": int, "default": None, "help": _FROM_HF_CONFIG}),
-    MegatronFlag("--moe-layer-freq", {"type": _moe_layer_freq, "default": 1}, _ROUTING_FROM_HF),
-    MegatronFlag("--moe-router-score-function", {"choices": ["softmax", "sigmoid"], "default": "softmax"},
-                 _ROUTING_FROM_HF),
-    MegatronFlag("--moe-router-dtype", {"choices": ["fp32", "fp64"], "default": None},
-                 "the router runs in fp32 here"),
     _switch("--moe-router-pre-softmax", _ROUTING_FROM_HF),
     MegatronFlag("--moe-router-topk-scaling-factor", {"type": float, "default": None}, _ROUTING_FROM_HF),
     MegatronFlag("--moe-router-num-groups", {"type": int, "default": None}, _ROUTING_FROM_HF),
     MegatronFlag("--moe-router-group-topk", {"type": int, "default": None}, _ROUTING_FROM_HF),
-    _switch("--moe-router-enable-expert-bias", "no expert-bias load balancing in the trainers here"),
-    MegatronFlag("--moe-router-bias-update-rate", {"type": float, "default": 0.001},
-                 "no expert-bias load balancing in the trainers here"),
-    MegatronFlag("--moe-aux-loss-coeff", {"type": float, "nargs": "+", "default": 0.0},
-                 "no auxiliary load-balancing loss in the trainers here"),
-    MegatronFlag("--moe-router-load-balancing-type",
-                 {"nargs": "+", "choices": ["aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn", "none"],
-                  "default": "aux_loss"}, "no auxiliary load-balancing loss in the trainers here"),
-    MegatronFlag("--moe-token-dispatcher-type", {"choices": ["allgather", "alltoall", "flex"],
-                                                 "default": "allgather"},
-                 "token dispatch is the backend's own (slime also forces alltoall for varlen batches)"),
+    _switch("--moe-shared-expert-gate", _ROUTING_FROM_HF),
+    _switch("--moe-router-enable-expert-bias", _NO_EXPERT_BIAS),
+    MegatronFlag("--moe-router-bias-update-rate", {"type": float, "default": 0.001}, _NO_EXPERT_BIAS),
     MegatronFlag("--moe-token-drop-policy", {"choices": ["probs", "position"], "default": "probs"},
                  "no token dropping: every routed token reaches its experts"),
-    _switch("--moe-grouped-gemm", "kernel choice: grouped experts when Transformer Engine is installed"),
-    _switch("--moe-permute-fusion", "kernel fusion switch of Transformer Engine"),
     _switch("--moe-enable-deepep", "DeepEP dispatch kernels are not used here"),
-    _switch("--moe-shared-expert-gate", _ROUTING_FROM_HF),
 ]
 
 _KERNELS = "kernel choice: the trainers here pick their own kernels, varlen flash attention or SDPA with fp32 softmax"
@@ -224,7 +190,7 @@ def add_megatron_arguments(parser: argparse.ArgumentParser) -> None:
             except argparse.ArgumentError:
                 if flag not in MOE:
                     raise
-                # an earlier group (the MoE trainer's flags) gives this name a meaning; its definition stands
+                # the MoE trainer's flags (registered earlier) give this name a meaning; their definition stands
 
 
 def _default(flag: MegatronFlag):
