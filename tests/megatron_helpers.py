@@ -1,4 +1,4 @@
-"""Shared helpers for the Megatron backend tests: args with Megatron's parallelism attributes, a model built and
+"""Shared helpers for the Megatron backend tests: args of --train-backend megatron, a model built and
 filled from an HF checkpoint in the calling process, full gradients under HF names, and a policy-loss step that
 mirrors the FSDP trainer's (the same loss functions and global denominator)."""
 
@@ -8,16 +8,10 @@ import torch
 
 from fsdp_helpers import make_args
 
-MEGATRON_DEFAULTS = dict(
-    tensor_model_parallel_size=1, pipeline_model_parallel_size=1, virtual_pipeline_model_parallel_size=None,
-    context_parallel_size=1, expert_model_parallel_size=1, expert_tensor_parallel_size=None,
-    sequence_parallel=False, recompute_granularity=None, recompute_method=None, recompute_num_layers=None,
-    use_distributed_optimizer=False, bf16=False,
-)
-
-
-def make_megatron_args(hf_checkpoint, *extra, world_size=1, **overrides):
-    return make_args(hf_checkpoint, *extra, world_size=world_size, **{**MEGATRON_DEFAULTS, **overrides})
+def make_megatron_args(hf_checkpoint, *extra, world_size=1, tp: int = 1, pp: int = 1):
+    """Parsed args of --train-backend megatron with the given tensor / pipeline parallel sizes."""
+    return make_args(hf_checkpoint, "--train-backend", "megatron", "--tensor-model-parallel-size", tp,
+                     "--pipeline-model-parallel-size", pp, *extra, world_size=world_size)
 
 
 def build_megatron(args, rank: int, world_size: int, port: int):

@@ -10,13 +10,14 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from fsdp_helpers import capture_grads, full_params, make_train_data, make_trainer, run_distributed
+from fsdp_helpers import capture_grads, full_params, make_args, make_train_data, make_trainer, run_distributed
 from megatron_helpers import make_megatron_args
 
 pytest.importorskip("megatron.core")
 
-ALGORITHM = ("--lr", "1e-3", "--lr-warmup-iters", "2", "--lr-decay-style", "cosine", "--entropy-coef", "0.01",
-             "--micro-batch-size", "3", "--clip-grad", "0.5")
+# The optimizer flags both backends default differently (as slime's Megatron and FSDP do) given explicitly.
+ALGORITHM = ("--lr", "1e-3", "--lr-warmup-iters", "2", "--lr-decay-style", "cosine", "--adam-beta2", "0.98",
+             "--weight-decay", "0.01", "--entropy-coef", "0.01", "--micro-batch-size", "2", "--clip-grad", "0.5")
 
 
 @pytest.fixture(scope="module")
@@ -41,12 +42,12 @@ def _fsdp_and_megatron(rank, world_size, port, checkpoint):
     from slime.backends.megatron_utils.parallel import destroy_model_parallel
 
     data = make_train_data(8, vocab_size=300, seed=4, num_steps=2)
-    fsdp = make_trainer(make_megatron_args(checkpoint, *ALGORITHM), port=port)
+    fsdp = make_trainer(make_args(checkpoint, *ALGORITHM), port=port)
     fsdp_grads = capture_grads(fsdp)
     fsdp_metrics = fsdp.train(0, data)
     fsdp_params = {name.removeprefix("hf_model."): value for name, value in full_params(fsdp).items()}
     dist.destroy_process_group()
-    megatron = make_trainer(make_megatron_args(checkpoint, *ALGORITHM, train_backend="megatron"), port=port + 1)
+    megatron = make_trainer(make_megatron_args(checkpoint, *ALGORITHM), port=port + 1)
     megatron_grads = _hf_grads(megatron)
     megatron_metrics = megatron.train(0, data)
     megatron_params = dict(megatron.backend.hf_weights(None))
@@ -73,7 +74,7 @@ def _train_save_train(rank, world_size, port, checkpoint, save, data, parallel):
     from safetensors.torch import load_file
 
     trainer = make_trainer(make_megatron_args(checkpoint, *ALGORITHM, "--save", save, world_size=world_size,
-                                              train_backend="megatron", **parallel), rank, world_size, port)
+                                              **parallel), rank, world_size, port)
     exported = dict(trainer.backend.hf_weights(None))
     if rank == 0:
         original = load_file(str(checkpoint / "model.safetensors"))
@@ -87,8 +88,7 @@ def _train_save_train(rank, world_size, port, checkpoint, save, data, parallel):
 
 
 def _resume(rank, world_size, port, checkpoint, save, data):
-    trainer = make_trainer(make_megatron_args(checkpoint, *ALGORITHM, "--load", save, train_backend="megatron"),
-                           rank, world_size, port)
+    trainer = make_trainer(make_megatron_args(checkpoint, *ALGORITHM, "--load", save), rank, world_size, port)
     start = trainer.start_rollout_id
     return start, trainer.train(1, data[1]), dict(trainer.backend.hf_weights(None))
 
@@ -97,7 +97,7 @@ def test_torch_dist_checkpoint_saved_at_tp2_resumes_at_tp1(tiny_checkpoint, tmp_
     save = tmp_path / "save"
     data = [make_train_data(8, vocab_size=300, seed=s, num_steps=2) for s in (11, 12)]
     results = run_distributed(_train_save_train, 2, tiny_checkpoint, save, data,
-                              {"tensor_model_parallel_size": 2})
+                              {"tp": 2})
     uninterrupted, expected = results[0]
     meta = json.loads((save / "rollout_0" / "meta.json").read_text())
     assert meta["format"] == "torch_dist" and meta["rollout_id"] == 0

@@ -71,13 +71,13 @@ def _assert_same(result, reference):
 
 
 def test_tp2_equals_tp1(tiny_checkpoint, tp1_reference):
-    results = run_distributed(_log_probs_loss_grads, 2, tiny_checkpoint, {"tensor_model_parallel_size": 2})
+    results = run_distributed(_log_probs_loss_grads, 2, tiny_checkpoint, {"tp": 2})
     for result in results:
         _assert_same(result, tp1_reference)
 
 
 def test_pp2_equals_tp1(tiny_checkpoint, tp1_reference):
-    first, last = run_distributed(_log_probs_loss_grads, 2, tiny_checkpoint, {"pipeline_model_parallel_size": 2})
+    first, last = run_distributed(_log_probs_loss_grads, 2, tiny_checkpoint, {"pp": 2})
     assert first["loss"] == last["loss"]
     merged = {**first["grads"], **last["grads"]}
     _assert_same({**last, "grads": merged}, tp1_reference)

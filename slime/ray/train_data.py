@@ -108,16 +108,26 @@ def _rollout_sizes(samples: list[Sample]) -> list[int]:
     return [sizes[s.rollout_id] if s.rollout_id is not None else 1 for s in samples]
 
 
+def data_parallel_rank(args, rank: int) -> int:
+    """The data-parallel rank of trainer process `rank`: Megatron's rank order (tensor, context, expert, data,
+    pipeline from fastest to slowest) puts the tensor and context peers of one replica next to each other, and
+    its pipeline stages dp x tp x cp apart; every process of a replica trains on the same data. With the FSDP
+    backend every process is its own data-parallel rank."""
+    replica_width = args.tensor_model_parallel_size * args.context_parallel_size
+    return (rank // replica_width) % args.data_parallel_size
+
+
 def split_train_data(args, data: dict, rollout_id: int) -> tuple[list[dict], int]:
     """Split into one dict per data-parallel rank, step by step, so every rank holds the same number of samples
-    of every optimizer step. Returns (per-rank dicts, number of samples dropped to make the split even)."""
+    of every optimizer step. Returns (per-rank dicts, number of samples dropped to make the split even); the
+    train group hands dict `data_parallel_rank(args, rank)` to process `rank`."""
     num_samples = len(data["tokens"])
-    dp_size = args.world_size
+    dp_size = args.data_parallel_size
     num_steps = args.num_steps_per_rollout
     per_rank_per_step = num_samples // (num_steps * dp_size)
     if per_rank_per_step == 0:
         raise ValueError(f"rollout {rollout_id} produced {num_samples} samples, fewer than "
-                         f"num_steps_per_rollout ({num_steps}) x trainer processes ({dp_size})")
+                         f"num_steps_per_rollout ({num_steps}) x data-parallel ranks ({dp_size})")
     global_batch_size = per_rank_per_step * dp_size
     used = global_batch_size * num_steps
     per_rank = [defaultdict(list) for _ in range(dp_size)]
