@@ -187,7 +187,7 @@ def test_model_preset_parses_and_matches_its_model(tmp_path, data, preset):
     assert (args.num_layers, args.hidden_size) == (config["num_hidden_layers"], config["hidden_size"])
     assert args.untie_embeddings_and_output_weights == (not config["tie_word_embeddings"])
     other = "glm4-9B" if preset != "glm4-9B" else "qwen3-4B"
-    with pytest.raises(ArgumentError, match="config.json|HF config"):
+    with pytest.raises(ArgumentError, match="config.json|HF config|not a mixture-of-experts model"):
         parse_args(base(tmp_path, data, *flags, model=other))
 
 
