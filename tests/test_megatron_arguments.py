@@ -135,7 +135,7 @@ def base(folder: Path, data: Path, *extra, model="qwen3-0.6B") -> list[str]:
 DEFAULT_DEVIATIONS = {"--num-query-groups", "--rotary-base", "--rotary-percent", "--norm-epsilon", "--normalization",
                       "--position-embedding-type", "--untie-embeddings-and-output-weights",
                       "--attention-dropout", "--hidden-dropout", "--lr", "--adam-beta2", "--weight-decay",
-                      "--lr-decay-style", "--micro-batch-size"}
+                      "--lr-decay-style", "--micro-batch-size", "--mtp-loss-scaling-factor"}  # the last: slime's
 
 
 def test_flags_have_megatrons_names_and_defaults():

@@ -167,6 +167,19 @@ INERT = [
     _switch("--no-load-optim", "--load resumes the optimizer state with the weights", default=None),
     _switch("--no-load-rng", "--load resumes the random state with the weights", default=None),
     _switch("--finetune", "--load resumes a run; start a new one from an HF folder with --hf-checkpoint"),
+    # Megatron flags whose defaults slime's arguments.py resets (slime's values here)
+    MegatronFlag("--padded-vocab-size", {"type": int, "default": None},
+                 "vocabulary padding is internal to the Megatron model; the HF-named weights keep the HF vocab"),
+    MegatronFlag("--distributed-backend", {"choices": ["nccl", "gloo"], "default": "nccl"},
+                 "the trainers use NCCL between GPUs and gloo on the CPU"),
+    MegatronFlag("--distributed-timeout-minutes", {"type": int, "default": 10},
+                 "the trainers' process groups time out after 30 minutes"),
+    _switch("--async-save", "checkpoints are written before the next rollout, atomically"),
+    _switch("--record-memory-history", "no CUDA memory-history recording here"),
+    MegatronFlag("--mtp-num-layers", {"type": int, "default": None},
+                 "no multi-token-prediction layers: the model is the HF causal LM"),
+    MegatronFlag("--mtp-loss-scaling-factor", {"type": float, "default": 0.2},
+                 "no multi-token-prediction layers: the model is the HF causal LM"),
 ]
 
 MEGATRON_FLAGS = PARALLELISM + TRAINING + MODEL_SHAPE + MOE + INERT
