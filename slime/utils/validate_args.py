@@ -84,7 +84,8 @@ FLAG_RANGES = {
     "moe_router_topk_scaling_factor": POSITIVE, "moe_router_num_groups": AT_LEAST_1,
     "moe_router_group_topk": AT_LEAST_1, "moe_router_bias_update_rate": NON_NEGATIVE,
     "make_vocab_size_divisible_by": AT_LEAST_1, "decoder_first_pipeline_num_layers": NON_NEGATIVE,
-    "decoder_last_pipeline_num_layers": NON_NEGATIVE, "ckpt_step": NON_NEGATIVE,
+    "decoder_last_pipeline_num_layers": NON_NEGATIVE, "ckpt_step": NON_NEGATIVE, "padded_vocab_size": AT_LEAST_1,
+    "distributed_timeout_minutes": AT_LEAST_1, "mtp_num_layers": NON_NEGATIVE, "mtp_loss_scaling_factor": NON_NEGATIVE,
     # data
     "rollout_seed": ANY, "num_rollout": NON_NEGATIVE, "num_epoch": AT_LEAST_1, "start_rollout_id": NON_NEGATIVE,
     # rollout
