@@ -35,6 +35,7 @@ def create_training_models(args, placements, rollout_manager):
     actor = RayTrainGroup(args, placements["actor"], role="actor")
     critic = RayTrainGroup(args, placements["actor"], role="critic") if args.use_critic else None
     start_rollout_id = actor.init(with_ref=args.use_kl_loss or args.kl_coef != 0)
+    ray.get(rollout_manager.set_trainer.remote(actor))  # gives an engine restarted mid-rollout its weights
     if critic is not None:
         critic.init(with_ref=False)
     run_state = load_run_state(args)
@@ -43,13 +44,16 @@ def create_training_models(args, placements, rollout_manager):
     return actor, critic, start_rollout_id
 
 
-def update_weights(args, actor, rollout_manager, engine_urls, rollout_id) -> dict:
+def update_weights(args, actor, rollout_manager, rollout_id) -> dict:
+    # Asked each time: an engine restarted under --use-fault-tolerance has a new URL, and gets this push too.
+    engine_urls = ray.get(rollout_manager.get_engine_urls.remote())
     if not engine_urls:
         return {}
     start = time.perf_counter()
     if args.offload_rollout:
         ray.get(rollout_manager.onload.remote(["weights"]))
     push = actor.update_weights(engine_urls, weight_version=str(rollout_id + 1))
+    ray.get(rollout_manager.weights_pushed.remote(str(rollout_id + 1)))
     if args.offload_train:
         actor.offload()
     if args.offload_rollout:
@@ -91,8 +95,7 @@ def train(args) -> str:
     rollout_manager = create_rollout_manager(args, placements)
     num_rollout = ray.get(rollout_manager.num_rollout.remote())
     actor, critic, start_rollout_id = create_training_models(args, placements, rollout_manager)
-    engine_urls = ray.get(rollout_manager.get_engine_urls.remote())
-    update_weights(args, actor, rollout_manager, engine_urls, start_rollout_id - 1)
+    update_weights(args, actor, rollout_manager, start_rollout_id - 1)
 
     if num_rollout == 0 and args.eval_datasets:
         logger.log(start_rollout_id, ray.get(rollout_manager.eval.remote(start_rollout_id)))
@@ -117,7 +120,7 @@ def train(args) -> str:
         metrics.update(train_on_rollout(args, actor, critic, rollout_id, data_refs))
         if should_save(args, rollout_id, num_rollout):
             save(actor, critic, rollout_manager, rollout_id)
-        metrics.update(update_weights(args, actor, rollout_manager, engine_urls, rollout_id))
+        metrics.update(update_weights(args, actor, rollout_manager, rollout_id))
         metrics.update(periodic_eval(args, rollout_manager, rollout_id))
         metrics["perf/step_time"] = time.perf_counter() - step_start
         logger.log(rollout_id, metrics, print_fn=progress.write)

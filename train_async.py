@@ -29,8 +29,7 @@ def train_async(args) -> str:
     rollout_manager = create_rollout_manager(args, placements)
     num_rollout = ray.get(rollout_manager.num_rollout.remote())
     actor, critic, start_rollout_id = create_training_models(args, placements, rollout_manager)
-    engine_urls = ray.get(rollout_manager.get_engine_urls.remote())
-    update_weights(args, actor, rollout_manager, engine_urls, start_rollout_id - 1)
+    update_weights(args, actor, rollout_manager, start_rollout_id - 1)
 
     pre_train_eval = {}
     if args.eval_datasets and start_rollout_id == 0 and not args.skip_eval_before_train:
@@ -52,7 +51,7 @@ def train_async(args) -> str:
         if (rollout_id + 1) % args.update_weights_interval == 0:
             if in_flight is not None:
                 ray.wait([in_flight])  # never swap weights under a running generation
-            metrics.update(update_weights(args, actor, rollout_manager, engine_urls, rollout_id))
+            metrics.update(update_weights(args, actor, rollout_manager, rollout_id))
         metrics.update(periodic_eval(args, rollout_manager, rollout_id))
         metrics["perf/step_time"] = time.perf_counter() - step_start
         logger.log(rollout_id, metrics, print_fn=progress.write)

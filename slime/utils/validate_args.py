@@ -82,6 +82,9 @@ FLAG_RANGES = {
     "over_sampling_batch_size": AT_LEAST_1, "sglang_router_port": Range(low=1, high=65535),
     "sglang_server_concurrency": AT_LEAST_1, "update_weight_buffer_size": AT_LEAST_1,
     "update_weights_interval": AT_LEAST_1,
+    # fault tolerance
+    "rollout_health_check_interval": POSITIVE, "rollout_health_check_timeout": POSITIVE,
+    "rollout_health_check_first_wait": NON_NEGATIVE, "max_engine_restarts": NON_NEGATIVE,
     # multi-turn
     "max_turns": AT_LEAST_1, "tool_timeout": POSITIVE, "max_tool_response_chars": AT_LEAST_1,
     # reward

@@ -112,8 +112,13 @@ class WeightSender:
         if mode not in UPDATE_MODES:
             raise ValueError(f"unknown weight update mode {mode!r}; choose {' or '.join(UPDATE_MODES)}")
         if self.group is not None and self.rank == 0:
-            _post_all(self.engine_urls, "/destroy_weights_update_group", lambda url: {"group_name": WEIGHT_GROUP_NAME},
-                      self.headers)
+            import httpx
+
+            for url in self.engine_urls:
+                try:
+                    _post(url, "/destroy_weights_update_group", {"group_name": WEIGHT_GROUP_NAME}, self.headers)
+                except (RuntimeError, httpx.HTTPError):
+                    pass  # an engine that failed (and was restarted elsewhere) has no group left to destroy
             dist.destroy_process_group(self.group)
             self.group = None
         self.engine_urls, self.mode = list(engine_urls), mode
