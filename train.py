@@ -19,6 +19,7 @@ from tqdm import tqdm
 from slime.ray.actor_group import RayTrainGroup, train_with_critic
 from slime.ray.placement_group import create_placement_groups, init_ray
 from slime.ray.rollout import RolloutManager
+from slime.ray.run_failures import RUN_FAILURES, failure_message
 from slime.utils.arguments import parse_args
 from slime.utils.checkpoint_state import load_run_state, should_save
 from slime.utils.metrics import MetricsLogger, write_args
@@ -136,7 +137,11 @@ def main(argv=None) -> None:
     except ValueError as exc:
         print(f"train.py: error: {exc}", file=sys.stderr)
         sys.exit(2)
-    output_dir = train(args)
+    try:
+        output_dir = train(args)
+    except RUN_FAILURES as exc:
+        print(f"train.py: error: {failure_message(exc)}", file=sys.stderr)
+        sys.exit(1)
     print(f"run folder: {output_dir}")
 
 

@@ -14,6 +14,7 @@ import ray
 from tqdm import tqdm
 
 from slime.ray.placement_group import create_placement_groups, init_ray
+from slime.ray.run_failures import RUN_FAILURES, failure_message
 from slime.utils.arguments import parse_args
 from slime.utils.checkpoint_state import should_save
 from slime.utils.metrics import MetricsLogger, write_args
@@ -69,7 +70,12 @@ def main(argv=None) -> None:
     except ValueError as exc:
         print(f"train_async.py: error: {exc}", file=sys.stderr)
         sys.exit(2)
-    print(f"run folder: {train_async(args)}")
+    try:
+        output_dir = train_async(args)
+    except RUN_FAILURES as exc:
+        print(f"train_async.py: error: {failure_message(exc)}", file=sys.stderr)
+        sys.exit(1)
+    print(f"run folder: {output_dir}")
 
 
 if __name__ == "__main__":

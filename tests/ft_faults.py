@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
+import os
 import signal
 from pathlib import Path
 
@@ -91,4 +92,12 @@ async def generate(args, sample, sampling_params):
     return await default_generate(args, sample, sampling_params)
 
 
-__all__ = ["generate", "engine_processes", "router_processes", "probe_engines"]
+__all__ = ["generate", "engine_processes", "router_processes", "probe_engines", "kill_rank_1_at_rollout_1"]
+
+
+def kill_rank_1_at_rollout_1(args, rollout_id, step_id, model, optimizer, scheduler):
+    """A `--custom-before-train-step-hook-path` that SIGKILLs train rank 1's own process at rollout 1."""
+    import torch.distributed as dist
+
+    if rollout_id == 1 and dist.get_rank() == 1:
+        os.kill(os.getpid(), signal.SIGKILL)

@@ -84,6 +84,7 @@ class EngineSupervisor:
         self.slots = [EngineSlot(rank, actor, url, log_path=log)
                       for rank, (actor, url, (_, log)) in enumerate(zip(actors, urls, log_paths))]
         self.lock = threading.RLock()
+        self.router_lock = threading.Lock()
         self.fatal: Exception | None = None
         self.trainer = None  # the RayTrainGroup that pushes weights to a restarted engine
         self.weight_version: str | None = None
@@ -160,20 +161,25 @@ class EngineSupervisor:
     # ---- detection -------------------------------------------------------------------------------------------
     def _watch_processes(self) -> None:
         while not self.stopping.wait(PROCESS_POLL_INTERVAL_S):
-            self._check_router()
-            with self.lock:
-                watched = [s for s in self.slots if s.state in ("serving", "pending")]
-            for slot in watched:
-                try:
-                    exit_code, _ = ray.get(slot.actor.exit_status.remote(), timeout=ACTOR_CALL_TIMEOUT_S)
-                except ray.exceptions.RayActorError as exc:
-                    slot.actor_dead = True
-                    self._fail(slot, f"its engine actor process died ({type(exc).__name__})")
-                    continue
-                except ray.exceptions.GetTimeoutError:
-                    continue
-                if exit_code is not None:
-                    self._fail(slot, describe_exit(exit_code))
+            self.poll_processes()
+
+    def poll_processes(self) -> None:
+        """Check now that the router and every engine's server process still run (a failure is handled as the
+        watch would: an error to raise, or a recovery)."""
+        self._check_router()
+        with self.lock:
+            watched = [s for s in self.slots if s.state in ("serving", "pending")]
+        for slot in watched:
+            try:
+                exit_code, _ = ray.get(slot.actor.exit_status.remote(), timeout=ACTOR_CALL_TIMEOUT_S)
+            except ray.exceptions.RayActorError as exc:
+                slot.actor_dead = True
+                self._fail(slot, f"its engine actor process died ({type(exc).__name__})")
+                continue
+            except ray.exceptions.GetTimeoutError:
+                continue
+            if exit_code is not None:
+                self._fail(slot, describe_exit(exit_code))
 
     def _heartbeats(self) -> None:
         interval, timeout = self.args.rollout_health_check_interval, self.args.rollout_health_check_timeout
@@ -207,6 +213,10 @@ class EngineSupervisor:
         return None if response.status_code == 200 else f"GET /health_generate answered {response.status_code}"
 
     def _check_router(self) -> None:
+        with self.router_lock:  # two pollers must not both restart it
+            self._check_router_locked()
+
+    def _check_router_locked(self) -> None:
         if self.router is None or self.router.exit_code() is None:
             return
         exit_code = self.router.exit_code()

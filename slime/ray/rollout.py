@@ -134,9 +134,13 @@ class RolloutManager:
             future = self.rollout_thread.submit(function, *function_args)
             while True:
                 try:
-                    return future.result(timeout=0.2)
+                    result = future.result(timeout=0.2)
+                    break
                 except TimeoutError:
                     self.supervisor.check()
+            self.supervisor.poll_processes()  # an engine that failed as the rollout ended: nothing is trained on
+            self.supervisor.check()
+            return result
         finally:
             self.supervisor.end_rollout()
 
