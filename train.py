@@ -95,8 +95,11 @@ def train(args) -> str:
     logger = MetricsLogger(args)
     rollout_manager = create_rollout_manager(args, placements)
     num_rollout = ray.get(rollout_manager.num_rollout.remote())
-    actor, critic, start_rollout_id = create_training_models(args, placements, rollout_manager)
-    update_weights(args, actor, rollout_manager, start_rollout_id - 1)
+    if args.debug_rollout_only:  # as slime: the engines alone, on the checkpoint's weights; no trainer starts
+        actor, critic, start_rollout_id = None, None, args.start_rollout_id or 0
+    else:
+        actor, critic, start_rollout_id = create_training_models(args, placements, rollout_manager)
+        update_weights(args, actor, rollout_manager, start_rollout_id - 1)
 
     if num_rollout == 0 and args.eval_datasets:
         logger.log(start_rollout_id, ray.get(rollout_manager.eval.remote(start_rollout_id)))

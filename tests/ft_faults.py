@@ -44,7 +44,9 @@ def engine_processes(output_dir: str, rank: int) -> list[psutil.Process]:
 
 
 def router_processes(port: int) -> list[psutil.Process]:
-    return [p for p in _processes(f"--port {port}") if "sglang_router" in " ".join(p.cmdline())]
+    """The process listening on the router's port (the router renames its process, so not by command line)."""
+    return [psutil.Process(c.pid) for c in psutil.net_connections(kind="inet")
+            if c.status == psutil.CONN_LISTEN and c.laddr.port == port and c.pid]
 
 
 def probe_engines(args) -> dict:
@@ -69,7 +71,9 @@ async def _inject(args, fault: dict, call: int) -> None:
         (Path(args.output_dir) / f"probe_{call}.json").write_text(json.dumps(answers))
         return
     if action == "kill_router":
-        for process in router_processes(args.sglang_router_port):
+        processes = router_processes(args.sglang_router_port)
+        assert processes, f"no process listens on the router's port {args.sglang_router_port}"
+        for process in processes:
             process.send_signal(signal.SIGKILL)
         return
     processes = [p for rank in fault["engines"] for p in engine_processes(args.output_dir, rank)]

@@ -85,6 +85,7 @@ class EngineSupervisor:
                       for rank, (actor, url, (_, log)) in enumerate(zip(actors, urls, log_paths))]
         self.lock = threading.RLock()
         self.router_lock = threading.Lock()
+        self.push_lock = threading.Lock()
         self.fatal: Exception | None = None
         self.trainer = None  # the RayTrainGroup that pushes weights to a restarted engine
         self.weight_version: str | None = None
@@ -124,10 +125,11 @@ class EngineSupervisor:
 
     def weights_pushed(self, version: str) -> None:
         """The driver pushed `version` to every live engine: the restarted ones may serve now."""
-        with self.lock:
-            self.weight_version = version
-            pending = [s for s in self.slots if s.state == "pending"]
-        self._join_router(pending)
+        with self.push_lock:
+            with self.lock:
+                self.weight_version = version
+                pending = [s for s in self.slots if s.state == "pending"]
+            self._join_router(pending)
 
     def begin_rollout(self) -> None:
         self.in_rollout = True
@@ -301,16 +303,20 @@ class EngineSupervisor:
     def _deliver_weights(self) -> None:
         """Push the trainer's current weights to the pending engines and let them serve (during a rollout, when
         the driver's next push is too far away)."""
-        with self.lock:
-            pending = [s for s in self.slots if s.state == "pending"]
-        if not pending or self.trainer is None or self.weight_version is None:
-            return
-        if self.args.offload_train:
-            self.trainer.onload()
-        self.trainer.update_weights([s.url for s in pending], weight_version=self.weight_version)
-        if self.args.offload_train:
-            self.trainer.offload()
-        self._join_router(pending)
+        with self.push_lock:  # the recovery thread and a starting rollout may both get here
+            with self.lock:
+                pending = [s for s in self.slots if s.state == "pending"]
+            if not pending:
+                return
+            if self.weight_version is not None:  # else nothing was pushed yet: all engines run the checkpoint's
+                if self.trainer is None:
+                    return  # the driver's next push reaches them (get_engine_urls)
+                if self.args.offload_train:
+                    self.trainer.onload()
+                self.trainer.update_weights([s.url for s in pending], weight_version=self.weight_version)
+                if self.args.offload_train:
+                    self.trainer.offload()
+            self._join_router(pending)
 
     def _join_router(self, slots: list[EngineSlot]) -> None:
         for slot in slots:

@@ -10,6 +10,7 @@ at once instead of when the rollout's requests give up.
 from __future__ import annotations
 
 import copy
+import itertools
 import json
 import time
 from pathlib import Path
@@ -120,6 +121,8 @@ class RolloutManager:
         args = self.args
         if args.num_rollout is not None:
             return args.num_rollout
+        if args.num_epoch is None:  # a replay without --num-rollout replays every saved rollout, from 0 on
+            return next(i for i in itertools.count() if not Path(args.load_debug_rollout_data.format(rollout_id=i)).is_file())
         return args.num_epoch * len(self.data_source) // args.rollout_batch_size
 
     # ---- rollout -------------------------------------------------------------------------------------------
@@ -148,8 +151,11 @@ class RolloutManager:
         """The rollout's samples and the metrics its function returned with them."""
         args = self.args
         if args.load_debug_rollout_data:
-            path = args.load_debug_rollout_data.format(rollout_id=rollout_id)
-            dump = json.loads(Path(path).read_text())
+            path = Path(args.load_debug_rollout_data.format(rollout_id=rollout_id))
+            if not path.is_file():
+                raise FileNotFoundError(f"--load-debug-rollout-data: {path} (rollout {rollout_id}) does not exist; "
+                                        "save it with --save-debug-rollout-data, or lower --num-rollout")
+            dump = json.loads(path.read_text())
             return [Sample.from_dict(d) for d in dump["samples"]], {}
         result, function_metrics = split_rollout_output(
             self._watched(self.generate_rollout, args, rollout_id, self.data_source, False))

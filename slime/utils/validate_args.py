@@ -345,7 +345,24 @@ def _resolve_eval_and_output(args) -> None:
         args.output_dir = os.path.join("runs", time.strftime("%Y%m%d-%H%M%S") + f"-{os.getpid()}")
 
 
+def _resolve_debug(args) -> None:
+    """slime's debug and replay flags (docs/fault-tolerance.md): a replay of saved rollouts needs no engines."""
+    for flag in ("save_debug_rollout_data", "load_debug_rollout_data"):
+        template = getattr(args, flag)
+        _require(template is None or "{rollout_id}" in template,
+                 f"{_flag(flag)} {template}: the path needs a {{rollout_id}} placeholder (one file per rollout), "
+                 "e.g. runs/debug/rollout_{rollout_id}.json")
+    if args.load_debug_rollout_data is not None:
+        args.debug_train_only = True  # as slime: training replays the saved rollouts, no engine starts
+    _require(not (args.debug_rollout_only and args.debug_train_only),
+             "--debug-rollout-only (engines only) and --debug-train-only / --load-debug-rollout-data (trainer only) "
+             "exclude each other")
+    _require(not (args.use_fault_tolerance and args.debug_train_only),
+             "--use-fault-tolerance watches rollout engines; --debug-train-only / --load-debug-rollout-data start none")
+
+
 def validate_args(args) -> None:
+    _resolve_debug(args)
     _check_ranges(args)
     _check_hooks(args)
     _check_paths(args)
