@@ -36,7 +36,10 @@ def ft_argv(task, out: Path, *extra: str) -> list[str]:
             "--no-progress", *extra]
 
 
-FT = ("--use-fault-tolerance", "--rollout-health-check-interval", "1", "--rollout-health-check-timeout", "5")
+# Heartbeats every second; a timeout far above any queueing delay of a loaded CI machine (a death is seen by the
+# process watch, not the heartbeat), except where a hang is the fault.
+FT = ("--use-fault-tolerance", "--rollout-health-check-interval", "1", "--rollout-health-check-timeout", "30")
+FT_HANG = (*FT[:-1], "5")
 
 
 def run_train(argv: list[str], faults: list[dict], out: Path, timeout: float = 600) -> subprocess.CompletedProcess:
@@ -133,7 +136,7 @@ def test_engine_death_without_fault_tolerance_names_the_engine(task, tmp_path):
 @pytest.mark.slow
 def test_hung_engine_is_detected_within_the_timeout_and_replaced(task, tmp_path):
     out = tmp_path / "run"
-    result = run_train(ft_argv(task, out, *FT), [{"at_call": 10, "action": "sigstop", "engines": [1]}], out)
+    result = run_train(ft_argv(task, out, *FT_HANG), [{"at_call": 10, "action": "sigstop", "engines": [1]}], out)
     succeeded(result)
     assert "hung: no answer to GET /health_generate within 5 s" in result.stderr
     check_every_sample_once(out)

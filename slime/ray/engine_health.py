@@ -37,7 +37,7 @@ from slime.ray.engine_failures import (
     restart_budget_error,
     router_died_error,
 )
-from slime.ray.router import deregister_worker, register_worker
+from slime.ray.router import RouterError, deregister_worker, register_worker
 from slime.utils.engine_access import engine_admin_headers
 
 logger = logging.getLogger(__name__)
@@ -96,10 +96,9 @@ class EngineSupervisor:
         self.counters = RecoveryCounters()
         self.restarts: queue.Queue = queue.Queue()
         self.stopping = threading.Event()
-        self.threads = [threading.Thread(target=self._watch_processes, name="slime-engine-watch", daemon=True)]
-        if self.fault_tolerant:
-            self.threads += [threading.Thread(target=self._heartbeats, name="slime-engine-heartbeat", daemon=True),
-                             threading.Thread(target=self._recover, name="slime-engine-recovery", daemon=True)]
+        loops = [self._watch_processes] + ([self._heartbeats, self._recover] if self.fault_tolerant else [])
+        self.threads = [threading.Thread(target=self._guarded, args=(loop,), name=f"slime-engine{loop.__name__}",
+                                         daemon=True) for loop in loops]
         for thread in self.threads:
             thread.start()
 
@@ -161,6 +160,14 @@ class EngineSupervisor:
         self.stopping.set()
 
     # ---- detection -------------------------------------------------------------------------------------------
+    def _guarded(self, loop) -> None:
+        """Run a watch loop; if it breaks, the engines are no longer watched, which ends the run (with why)."""
+        try:
+            loop()
+        except Exception as exc:  # noqa: BLE001 - any error here stops the watch: report it, do not lose it
+            self._set_fatal(EngineFailureError(f"the engine watch ({loop.__name__}) failed: "
+                                               f"{type(exc).__name__}: {exc}"))
+
     def _watch_processes(self) -> None:
         while not self.stopping.wait(PROCESS_POLL_INTERVAL_S):
             self.poll_processes()
@@ -190,9 +197,11 @@ class EngineSupervisor:
                 if self.released_tags or time.monotonic() < self.heartbeat_resume_at:
                     continue
                 with self.lock:
-                    serving = [s for s in self.slots if s.state == "serving"]
-                for slot, answer in zip(serving, pool.map(lambda s: self._heartbeat(s.url, timeout), serving)):
-                    if answer is not None and slot.state == "serving" and not self.released_tags:
+                    serving = [(s, s.url) for s in self.slots if s.state == "serving"]
+                answers = pool.map(lambda pair: self._heartbeat(pair[1], timeout), serving)
+                for (slot, url), answer in zip(serving, answers):
+                    # The same process still serving (not failed and replaced while its heartbeat was out).
+                    if answer is not None and slot.state == "serving" and slot.url == url and not self.released_tags:
                         self._fail(slot, self._exit_reason(slot) or answer)
 
     def _exit_reason(self, slot: EngineSlot) -> str | None:
@@ -254,8 +263,8 @@ class EngineSupervisor:
                        "its requests go to the other engines", slot.rank, slot.url, reason, slot.log_path)
         try:
             deregister_worker(self.router_url, slot.url, api_key=self.args.sglang_api_key)
-        except httpx.HTTPError:
-            pass  # the router is down itself: its restart registers only the serving engines
+        except (httpx.HTTPError, RouterError):
+            pass  # the router is down itself (its restart registers only the serving engines), or dropped it
         try:
             ray.get(slot.actor.kill.remote(), timeout=ACTOR_CALL_TIMEOUT_S)
         except ray.exceptions.RayActorError:
