@@ -24,7 +24,8 @@ from tqdm import tqdm
 
 from slime.rollout.base_types import RolloutFnTrainOutput
 from slime.rollout.dataset import prompt_token_ids, tokenizer_for
-from slime.rollout.http_client import abort_all_requests, request_json, router_url, run
+from slime.rollout.http_client import abort_all_requests, router_url, run
+from slime.rollout.resend import post_generate
 from slime.utils.engine_access import engine_admin_headers, router_headers
 from slime.rollout.rm_hub import async_rm, batched_async_rm
 from slime.utils.misc import load_function
@@ -102,7 +103,8 @@ async def sample_continuation(args, sample: Sample, sampling_params: dict) -> st
     payload = {"input_ids": sample.tokens, "sampling_params": sampling_params, "return_logprob": True}
     timeout = getattr(args, "sglang_router_request_timeout_secs", None) or DEFAULT_REQUEST_TIMEOUT_S
     headers = {**router_headers(args), **({"X-SMG-Routing-Key": sample.session_id} if sample.session_id else {})}
-    output = await request_json("POST", f"{router_url(args)}/generate", payload, timeout=timeout, headers=headers)
+    output = await post_generate(args, f"{router_url(args)}/generate", payload, sample, timeout=timeout,
+                                 headers=headers)
     meta = output.get("meta_info", {})
     logprob_items = meta.get("output_token_logprobs")
     if logprob_items is not None:

@@ -96,6 +96,9 @@ FLAG_RANGES = {
     "over_sampling_batch_size": AT_LEAST_1, "sglang_router_port": Range(low=1, high=65535),
     "sglang_server_concurrency": AT_LEAST_1, "update_weight_buffer_size": AT_LEAST_1,
     "update_weights_interval": AT_LEAST_1,
+    # fault tolerance
+    "rollout_health_check_interval": POSITIVE, "rollout_health_check_timeout": POSITIVE,
+    "rollout_health_check_first_wait": NON_NEGATIVE, "max_engine_restarts": NON_NEGATIVE,
     # multi-turn
     "max_turns": AT_LEAST_1, "tool_timeout": POSITIVE, "max_tool_response_chars": AT_LEAST_1,
     # reward
@@ -318,9 +321,26 @@ def _resolve_eval_and_output(args) -> None:
         args.output_dir = os.path.join("runs", time.strftime("%Y%m%d-%H%M%S") + f"-{os.getpid()}")
 
 
+def _resolve_debug(args) -> None:
+    """slime's debug and replay flags (docs/fault-tolerance.md): a replay of saved rollouts needs no engines."""
+    for flag in ("save_debug_rollout_data", "load_debug_rollout_data"):
+        template = getattr(args, flag)
+        _require(template is None or "{rollout_id}" in template,
+                 f"{_flag(flag)} {template}: the path needs a {{rollout_id}} placeholder (one file per rollout), "
+                 "e.g. runs/debug/rollout_{rollout_id}.json")
+    if args.load_debug_rollout_data is not None:
+        args.debug_train_only = True  # as slime: training replays the saved rollouts, no engine starts
+    _require(not (args.debug_rollout_only and args.debug_train_only),
+             "--debug-rollout-only (engines only) and --debug-train-only / --load-debug-rollout-data (trainer only) "
+             "exclude each other")
+    _require(not (args.use_fault_tolerance and args.debug_train_only),
+             "--use-fault-tolerance watches rollout engines; --debug-train-only / --load-debug-rollout-data start none")
+
+
 def validate_args(args) -> None:
     from slime.utils.validate_megatron_args import validate_megatron_args, validate_megatron_batches
 
+    _resolve_debug(args)
     _check_ranges(args)
     _check_hooks(args)
     _check_paths(args)

@@ -8,7 +8,6 @@ and renamed when complete; `{save}/latest` (the folder's name) is written last.
 from __future__ import annotations
 
 import json
-import os
 import random
 import shutil
 from pathlib import Path
@@ -34,6 +33,8 @@ from slime.utils.checkpoint_state import (
     corrupt_file_error,
     find_checkpoint,
     latest_checkpoint,
+    publish_folder,
+    write_pointer,
 )
 
 __all__ = ["checkpoint_dir", "latest_checkpoint", "resolve_load_dir", "save_checkpoint", "load_training_state"]
@@ -127,12 +128,8 @@ def publish_checkpoint(tmp: Path, final: Path, save_root: str, rank: int) -> Non
     atomic (a crash leaves the previous checkpoint as the latest)."""
     barrier()
     if rank == 0:
-        shutil.rmtree(final, ignore_errors=True)
-        os.replace(tmp, final)
-        pointer = Path(save_root) / "latest"
-        pointer_tmp = pointer.with_name("latest.tmp")
-        pointer_tmp.write_text(final.name)
-        os.replace(pointer_tmp, pointer)
+        publish_folder(tmp, final)  # a kill at any point leaves `latest` naming a complete folder
+        write_pointer(Path(save_root), final.name)
     barrier()
 
 
