@@ -203,13 +203,13 @@ def test_samples_are_filled_from_the_engine_answer(make_args, stack):
             assert sample.weight_versions == [version] == [meta["weight_version"]]
             assert sample.response == answer["text"]
             assert sample.reward == (float(sample.index % 2) if sample.group_index % 2 else 1.0)
-            assert sample.prefix_cache_info["prompt_tokens"] == len(ids)
-            assert 0 <= sample.prefix_cache_info["cached_tokens"] < len(ids)
+            assert sample.prefix_cache_info.total_prompt_tokens == len(ids)
+            assert 0 <= sample.prefix_cache_info.cached_tokens < len(ids)
         metrics = output.metrics
         assert metrics["rollout/num_groups_fetched"] == 2 and metrics["rollout/num_groups_aborted"] == 0
         samples = [s for g in groups for s in g]
         assert metrics["rollout/prefix_cache_hit_rate"] == pytest.approx(
-            sum(s.prefix_cache_info["cached_tokens"] for s in samples)
+            sum(s.prefix_cache_info.cached_tokens for s in samples)
             / sum(len(prompt_ids(stack.model_dir, s.prompt)) for s in samples)
         )
     assert metrics["rollout/prefix_cache_hit_rate"] > 0  # LONG_PROMPT's full blocks were cached by the first rollout

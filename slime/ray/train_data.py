@@ -22,7 +22,7 @@ GROUP_STD_EPS = 1e-6  # as normalize_group_rewards
 
 def post_process_rewards(args, samples: list[Sample]) -> tuple[list[float], list[float]]:
     """Return (raw rewards, the rewards the advantage uses)."""
-    raw = [s.get_reward_value(args) for s in samples]
+    raw = [float(s.get_reward_value(args)) for s in samples]
     if not samples:
         return raw, raw
     # Group statistics count each rollout once: the siblings of a fan-out (one prompt sample that became several
@@ -148,9 +148,9 @@ def rollout_metrics(args, samples: list[Sample], raw_rewards: list[float]) -> di
         "rollout/aborted_ratio": statistics.fmean(float(s.status == Status.ABORTED) for s in samples),
         "rollout/reward_failures": sum(1 for s in samples if "reward_error" in s.metadata),
     }
-    prompt_tokens = sum(s.prefix_cache_info.get("prompt_tokens", 0) for s in samples)
+    prompt_tokens = sum(s.prefix_cache_info.total_prompt_tokens for s in samples)
     if prompt_tokens:
-        cached = sum(s.prefix_cache_info.get("cached_tokens", 0) for s in samples)
+        cached = sum(s.prefix_cache_info.cached_tokens for s in samples)
         metrics["rollout/prefix_cache_hit_rate"] = cached / prompt_tokens
     groups = defaultdict(list)
     for s, r in zip(samples, raw_rewards):

@@ -105,25 +105,12 @@ async def sample_continuation(args, sample: Sample, sampling_params: dict) -> st
     output = await request_json("POST", f"{router_url(args)}/generate", payload, timeout=timeout, headers=headers)
     meta = output.get("meta_info", {})
     logprob_items = meta.get("output_token_logprobs")
-    if logprob_items is not None:
-        token_ids = [int(item[1]) for item in logprob_items]
-        log_probs = [float(item[0]) for item in logprob_items]
-    else:
-        token_ids, log_probs = list(output.get("output_ids", [])), None
-    finish_reason = meta.get("finish_reason")
-    if isinstance(finish_reason, dict):
-        finish_reason = finish_reason.get("type")
+    if logprob_items is None:
+        raise ValueError(f"{router_url(args)}/generate answered without meta_info.output_token_logprobs "
+                         "(return_logprob was requested): not an SGLang-compatible engine?")
     text = output.get("text", "")
-    sample.append_response_tokens(
-        token_ids,
-        log_probs,
-        text=text,
-        finish_reason=finish_reason,
-        weight_version=meta.get("weight_version"),
-    )
-    cache = sample.prefix_cache_info
-    cache["cached_tokens"] = cache.get("cached_tokens", 0) + int(meta.get("cached_tokens", 0) or 0)
-    cache["prompt_tokens"] = cache.get("prompt_tokens", 0) + int(meta.get("prompt_tokens", 0) or 0)
+    sample.append_response_tokens(args, tokens=[int(item[1]) for item in logprob_items],
+                                  log_probs=[float(item[0]) for item in logprob_items], meta_info=meta, text=text)
     return text
 
 
@@ -264,8 +251,8 @@ async def _generate_rollout_async(args, rollout_id: int, data_source) -> tuple[l
         num_returned = len(returnable)
 
     samples = [s for g in accepted for s in g]
-    prompt_tokens = sum(s.prefix_cache_info.get("prompt_tokens", 0) for s in samples)
-    cached_tokens = sum(s.prefix_cache_info.get("cached_tokens", 0) for s in samples)
+    prompt_tokens = sum(s.prefix_cache_info.total_prompt_tokens for s in samples)
+    cached_tokens = sum(s.prefix_cache_info.cached_tokens for s in samples)
     metrics = {
         "rollout/num_groups_fetched": num_groups_fetched,
         "rollout/num_groups_aborted": num_in_flight,
