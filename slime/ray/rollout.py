@@ -74,7 +74,9 @@ class RolloutManager:
                                    f"({exc}); start it or drop the flags to let slime start one") from None
         else:
             self.router = RouterProcess(policy=args.router_policy, api_key=args.sglang_api_key,
-                                        log_path=str(Path(args.output_dir) / "router.log"))
+                                        log_path=str(Path(args.output_dir) / "router.log"),
+                                        request_timeout_secs=args.sglang_router_request_timeout_secs,
+                                        log_level=args.router_log_level, extra_flags=args.router_flags)
             args.sglang_router_ip, args.sglang_router_port = self.router.host, self.router.port
             router_url = self.router.url
         engine_cls = ray.remote(EngineActor)
