@@ -50,9 +50,27 @@ def keep_odd_groups(args, group):
     return group[0].group_index % 2 == 1
 
 
+def tag_sample(args, sample, *, rollout_id=None, evaluation=False):  # --rollout-sample-hook-path (slime's)
+    sample.metadata["hooked"] = (rollout_id, evaluation, sample.reward)
+
+
+async def replace_sample(args, sample, **kwargs):  # a second hook: may return a new Sample
+    sample.metadata["second_hook"] = True
+    return sample
+
+
+def remove_first_sample_of_each_group(args, groups):  # --rollout-sample-filter-path
+    for group in groups:
+        group[0].remove_sample = True
+
+
+def record_all_groups(args, all_groups, data_source):  # --rollout-all-samples-process-path
+    args.seen_group_indices = [g[0].group_index for g in all_groups]
+
+
 async def generate_with_tool_output(args, sample, sampling_params):
     sample = await generate(args, sample, {**sampling_params, "ignore_eos": True})
-    sample.append_response_tokens([11, 12], trainable=False, text="<tool>")
+    sample.append_response_tokens(args, tokens=[11, 12], trainable=False, text="<tool>")
     return sample
 
 
@@ -308,6 +326,20 @@ def test_abort_returns_partial_groups_and_continues_them(make_args, stack, abort
         assert sample.rollout_log_probs[:old_length] == old_log_probs
         assert sample.rollout_log_probs == pytest.approx(full_log_probs, abs=1e-4)
         assert sample.reward is not None and sample.metadata["start_rollout_id"] == 5
+
+
+def test_slime_sample_hooks_filter_and_all_samples_process(make_args):
+    args = make_args([f"{i} + 1" for i in range(8)], dynamic_sampling_filter_path=f"{__name__}.keep_odd_groups",
+                     rollout_sample_hook_path=[f"{__name__}.tag_sample", f"{__name__}.replace_sample"],
+                     rollout_sample_filter_path=f"{__name__}.remove_first_sample_of_each_group",
+                     rollout_all_samples_process_path=f"{__name__}.record_all_groups")
+    groups = generate_rollout(args, 3, RolloutDataSourceWithBuffer(args)).samples
+    assert [g[0].group_index for g in groups] == [1, 3]
+    for group in groups:
+        # hooks ran in order on the generated sample, before its reward, with the rollout id
+        assert all(s.metadata["hooked"] == (3, False, None) and s.metadata["second_hook"] for s in group)
+        assert [s.remove_sample for s in group] == [True, False]
+    assert sorted(args.seen_group_indices) == [0, 1, 2, 3]  # the dropped groups too
 
 
 def test_custom_generate_hook(make_args, stack):

@@ -126,3 +126,19 @@ def test_slime_defaults_and_rules(base, tmp_path):
     assert parse_args(base + ["--use-opd", "--opd-teacher-load", model]).opd_type == "megatron"
     with pytest.raises(ArgumentError, match="--opd-type sglang: teacher log-probs come from the rollout"):
         parse_args(base + ["--use-opd", "--opd-type", "sglang", "--opd-teacher-load", model])
+
+
+def test_wandb_and_tensorboard_flags(base, tmp_path):
+    from slime.utils.metrics import tensorboard_dir, wandb_init_kwargs
+
+    args = parse_args(base + ["--use-wandb", "--wandb-team", "lab", "--wandb-group", "grpo", "--wandb-mode",
+                              "offline", "--wandb-run-id", "abc", "--wandb-key", "secret", "--tb-project-name", "p",
+                              "--tb-experiment-name", "e"])
+    kwargs = wandb_init_kwargs(args, tmp_path)
+    assert kwargs["entity"] == "lab" and kwargs["group"] == "grpo" and kwargs["mode"] == "offline"
+    assert kwargs["id"] == "abc" and kwargs["resume"] == "allow" and kwargs["dir"] == str(tmp_path)
+    assert kwargs["name"].startswith("grpo-") and len(kwargs["name"]) == len("grpo-") + 6
+    assert kwargs["config"]["wandb_key"] == "<redacted>"
+    plain = parse_args(base + ["--wandb-group", "grpo", "--disable-wandb-random-suffix"])
+    assert wandb_init_kwargs(plain, tmp_path)["name"] == "grpo"
+    assert tensorboard_dir(args, tmp_path) == tmp_path / "tensorboard" / "p" / "e"

@@ -140,7 +140,10 @@ class RolloutManager:
         if self.args.rollout_data_postprocess_path:
             load_function(self.args.rollout_data_postprocess_path, "--rollout-data-postprocess-path")(self.args, samples)
         data = samples_to_train_data(self.args, samples)
-        metrics = rollout_metrics(self.args, samples, data["raw_reward"])
+        custom_log = self.args.custom_rollout_log_function_path
+        skip_default = custom_log and load_function(custom_log, "--custom-rollout-log-function-path")(
+            rollout_id, self.args, samples, function_metrics, rollout_time)
+        metrics = {} if skip_default else rollout_metrics(self.args, samples, data["raw_reward"])
         metrics.update(function_metrics)
         metrics["perf/rollout_time"] = rollout_time
         num_tokens = sum(data["response_lengths"])
@@ -158,7 +161,10 @@ class RolloutManager:
         start = time.perf_counter()
         results, metrics = split_rollout_output(
             self.eval_rollout(self.args, rollout_id, self.data_source, evaluation=True))
-        for name, result in results.items():
+        custom_log = self.args.custom_eval_rollout_log_function_path
+        skip_default = custom_log and load_function(custom_log, "--custom-eval-rollout-log-function-path")(
+            rollout_id, self.args, results, metrics)
+        for name, result in ({} if skip_default else results).items():
             metrics.update(eval_metrics(name, result.get("samples", []), result["rewards"],
                                         self.args.n_samples_per_eval_prompt))
         metrics["perf/eval_time"] = time.perf_counter() - start

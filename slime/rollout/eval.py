@@ -72,15 +72,15 @@ async def _eval_dataset(args, dataset: EvalDataset, sampling_params: dict, state
     }
 
 
-async def _eval_rollout_async(args) -> dict:
+async def _eval_rollout_async(args, rollout_id: int) -> dict:
     datasets = _cached_eval_datasets(args)
     if not datasets:
         raise ValueError("evaluation needs --eval-prompt-data (name path [name path ...])")
-    state = GenerateState(args)
+    state = GenerateState(args, rollout_id=rollout_id, evaluation=True)
     sampling_params = build_sampling_params(args, evaluation=True)
     results = await asyncio.gather(*(_eval_dataset(args, d, sampling_params, state) for d in datasets))
     return {dataset.name: result for dataset, result in zip(datasets, results)}
 
 
 def eval_rollout(args, rollout_id: int) -> dict:
-    return run(_eval_rollout_async(args))
+    return run(_eval_rollout_async(args, rollout_id))
