@@ -18,7 +18,8 @@ import pytest
 from slime.engine.http_launch import launch_server
 from slime.ray.router import RouterProcess
 from slime.ray.router import register_worker as router_register_worker
-from slime.rollout import http_client, sglang_rollout
+from slime.rollout import sglang_rollout
+from slime.utils import http_utils
 from slime.rollout.data_source import RolloutDataSourceWithBuffer
 from slime.rollout.dataset import load_tokenizer
 from slime.rollout.sglang_rollout import build_sampling_params, generate, generate_rollout
@@ -384,10 +385,10 @@ def test_exhausted_data_source_is_an_error_not_a_hang(make_args):
 
 
 def test_unreachable_router_gives_a_clear_error(make_args, monkeypatch):
-    monkeypatch.setattr(http_client, "DEFAULT_NUM_RETRIES", 2)
+    monkeypatch.setattr(http_utils, "DEFAULT_NUM_RETRIES", 2)
     port = find_free_port()
     args = make_args(["1 + 2"], rollout_batch_size=1, sglang_router_port=port)
-    with pytest.raises(http_client.EndpointUnreachableError, match=rf"http://127\.0\.0\.1:{port}/generate"):
+    with pytest.raises(http_utils.EndpointUnreachableError, match=rf"http://127\.0\.0\.1:{port}/generate"):
         generate_rollout(args, 0, RolloutDataSourceWithBuffer(args))
 
 
@@ -420,3 +421,32 @@ def test_eval_uses_eval_params_and_returns_per_dataset_results(make_args, tmp_pa
             assert sample.rollout_log_probs == pytest.approx(at_eval, abs=2e-3)
             assert max(abs(a - b) for a, b in zip(at_eval, at_rollout)) > 1e-2
     assert results["b"]["rewards"] == [1.0, 1.0, 1.0, 1.0, 0.0, 1.0]  # reward_by_index on eval indices
+
+
+def test_eval_config_gives_each_dataset_its_own_settings(make_args, tmp_path, stack):
+    """--eval-config (slime's YAML): per-dataset sampling, sample count, row keys and rm_type; defaults fill in."""
+    first, second = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    first.write_text(json.dumps({"input": "1 + 1", "label": "2"}) + "\n")
+    second.write_text(json.dumps({"question": "2 + 2", "answer": "4"}) + "\n")
+    config = tmp_path / "eval.yaml"
+    config.write_text(f"""
+eval:
+  defaults: {{max_response_len: 2, n_samples_per_eval_prompt: 2}}
+  datasets:
+    - {{name: short, path: {first}, temperature: 0.5}}
+    - {{name: long, path: {second}, max_response_len: 4, n_samples_per_eval_prompt: 1, input_key: question,
+       label_key: answer, rm_type: math, metadata_overrides: {{source: b}}}}
+""")
+    args = make_args(["unused"], rollout_temperature=1.0, eval_config=str(config), eval_prompt_data=None,
+                     n_samples_per_eval_prompt=3, custom_rm_path=None, rm_type="math")
+    results = generate_rollout(args, 0, None, evaluation=True)
+    short, long = results["short"]["samples"], results["long"]["samples"]
+    assert len(short) == 2 and len(long) == 1
+    assert all(1 <= s.response_length <= 2 for s in short) and 1 <= long[0].response_length <= 4
+    assert long[0].prompt == "2 + 2" and long[0].label == "4"
+    assert long[0].metadata["rm_type"] == "math" and long[0].metadata["source"] == "b"
+    for sample in short:  # temperature 0.5 reached the engine for this dataset only
+        at_half = reference_log_probs(stack.model_dir, sample.tokens, sample.response_length, 0.5)
+        assert sample.rollout_log_probs == pytest.approx(at_half, abs=2e-3)
+    at_one = reference_log_probs(stack.model_dir, long[0].tokens, long[0].response_length, 1.0)
+    assert long[0].rollout_log_probs == pytest.approx(at_one, abs=2e-3)

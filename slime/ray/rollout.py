@@ -164,9 +164,10 @@ class RolloutManager:
         custom_log = self.args.custom_eval_rollout_log_function_path
         skip_default = custom_log and load_function(custom_log, "--custom-eval-rollout-log-function-path")(
             rollout_id, self.args, results, metrics)
+        samples_per_prompt = {d.name: d.n_samples_per_eval_prompt or 1 for d in self.args.eval_datasets}
         for name, result in ({} if skip_default else results).items():
             metrics.update(eval_metrics(name, result.get("samples", []), result["rewards"],
-                                        self.args.n_samples_per_eval_prompt))
+                                        samples_per_prompt.get(name, self.args.n_samples_per_eval_prompt)))
         metrics["perf/eval_time"] = time.perf_counter() - start
         return metrics
 

@@ -14,7 +14,7 @@ import time
 
 import httpx
 
-from slime.rollout.http_client import worker_urls_from_listing
+from slime.utils.http_utils import worker_urls_from_listing
 from slime.utils.misc import find_free_port
 from slime.utils.parent_death import die_with_parent
 

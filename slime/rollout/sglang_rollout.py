@@ -9,7 +9,7 @@ continued next time. Evaluation (`evaluation=True`) is in eval.py.
 Training returns `RolloutFnTrainOutput(groups, metrics)`: the metrics (drop counts, reward failures, prefix-cache
 hit rate) travel with the samples.
 
-All asyncio runs on one background event loop (`http_client.run`), so synchronous callers can call in.
+All asyncio runs on one background event loop (`http_utils.run`), so synchronous callers can call in.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from tqdm import tqdm
 
 from slime.rollout.base_types import RolloutFnTrainOutput
 from slime.rollout.dataset import prompt_token_ids, tokenizer_for
-from slime.rollout.http_client import abort_all_requests, request_json, router_url, run
+from slime.utils.http_utils import abort_all_requests, request_json, router_url, run
 from slime.utils.engine_access import engine_admin_headers, router_headers
 from slime.rollout.rm_hub import async_rm, batched_async_rm
 from slime.rollout.sample_hooks import apply_rollout_sample_hooks

@@ -90,7 +90,6 @@ REFUSED = {
     "save_debug_train_data": "not implemented",
     "dump_details": "not implemented",
     "balance_data": "not implemented yet",
-    "eval_config": "not implemented yet",
     "eval_max_context_len": "not implemented yet",
     "train_env_vars": "not implemented yet",
 }

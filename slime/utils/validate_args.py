@@ -371,15 +371,20 @@ def _resolve_algorithm(args) -> None:
 
 
 def _resolve_eval_and_output(args) -> None:
-    from slime.rollout.dataset import parse_eval_prompt_data
+    from slime.utils.eval_config import resolve_eval_datasets
 
     try:
-        args.eval_datasets = parse_eval_prompt_data(args.eval_prompt_data)
-    except ValueError as exc:
+        args.eval_datasets = resolve_eval_datasets(args)
+    except (ValueError, TypeError) as exc:
         raise ArgumentError(str(exc)) from None
-    for name, path in args.eval_datasets:
-        _require(Path(path.split("@[")[0]).is_file(), f"--eval-prompt-data {name}: file {path} not found")
-    _require(args.eval_interval is None or args.eval_datasets, "--eval-interval needs --eval-prompt-data")
+    source = "--eval-config" if args.eval_config else "--eval-prompt-data"
+    for dataset in args.eval_datasets:
+        _require(Path(dataset.path.split("@[")[0]).is_file(),
+                 f"{source} {dataset.name}: file {dataset.path} not found")
+    if args.eval_datasets:  # slime's: the flat name/path list of every dataset
+        args.eval_prompt_data = [item for dataset in args.eval_datasets for item in (dataset.name, dataset.path)]
+    _require(args.eval_interval is None or args.eval_datasets,
+             "--eval-interval needs eval datasets (--eval-prompt-data or --eval-config)")
     _require(args.save_interval is None or args.save, "--save-interval needs --save")
     if args.output_dir is None:
         args.output_dir = os.path.join("runs", time.strftime("%Y%m%d-%H%M%S") + f"-{os.getpid()}")
