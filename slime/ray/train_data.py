@@ -17,7 +17,7 @@ from slime.utils.misc import load_function
 from slime.utils.ppo_utils import compute_rloo_advantages, group_mean_std
 from slime.utils.types import Sample, Status
 
-GROUP_NORMALISED_ESTIMATORS = ("grpo", "gspo", "reinforce_plus_plus_baseline")
+GROUP_NORMALISED_ESTIMATORS = ("grpo", "gspo", "cispo", "reinforce_plus_plus_baseline")
 GROUP_STD_EPS = 1e-6  # as normalize_group_rewards
 
 
@@ -51,7 +51,7 @@ def post_process_rewards(args, samples: list[Sample]) -> tuple[list[float], list
     if args.advantage_estimator in GROUP_NORMALISED_ESTIMATORS and args.rewards_normalization:
         means, stds = group_mean_std(rollout_rewards, group_ids)
         centred = rewards - means[of_sample]
-        std_normalize = args.grpo_std_normalization and args.advantage_estimator in ("grpo", "gspo")
+        std_normalize = args.grpo_std_normalization and args.advantage_estimator in ("grpo", "gspo", "cispo")
         return raw, (centred / (stds[of_sample] + GROUP_STD_EPS) if std_normalize else centred).tolist()
     return raw, raw
 

@@ -186,7 +186,7 @@ def add_training_arguments(parser):
 def add_algorithm_arguments(parser):
     g = parser.add_argument_group("algorithm")
     g.add_argument("--advantage-estimator", default="grpo",
-                   choices=["grpo", "gspo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "ppo", "rloo"])
+                   choices=["grpo", "gspo", "cispo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "ppo", "rloo"])
     g.add_argument("--loss-type", choices=["policy_loss", "sft_loss", "custom_loss"], default="policy_loss")
     g.add_argument("--custom-loss-function-path", default=None)
     g.add_argument("--custom-advantage-function-path", default=None)

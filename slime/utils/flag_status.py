@@ -79,8 +79,6 @@ REFUSED = {
     "compute_advantages_and_returns": "not implemented: advantages are always computed (or by "
                                       "--custom-advantage-function-path)",
     "use_rollout_entropy": "not implemented: entropy is recomputed by the trainer",
-    "use_opsm": "not implemented yet (OPSM)",
-    "opsm_delta": "only used by --use-opsm (not implemented yet)",
     "custom_tis_function_path": "not implemented yet: use --use-tis with --tis-mode",
     "custom_pg_loss_reducer_function_path": "not implemented yet: use --loss-agg-mode",
     "enable_mtp_training": "multi-token-prediction layers are a Megatron feature",

@@ -11,6 +11,7 @@ data_parallel_size, ...) are in `validate_megatron_args.py`, run from here.
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from dataclasses import dataclass
@@ -18,6 +19,8 @@ from pathlib import Path
 
 from slime.utils.checkpoint_state import CheckpointError, critic_checkpoint, resume_dir
 from slime.utils.misc import load_function, load_functions
+
+logger = logging.getLogger(__name__)
 
 
 class ArgumentError(ValueError):
@@ -320,6 +323,10 @@ def _resolve_algorithm(args) -> None:
              "--opd-type sglang: teacher log-probs come from the rollout (Sample.teacher_log_probs); drop "
              "--opd-teacher-load or use --opd-type megatron")
     _require(args.opd_type is None or args.use_opd, "--opd-type is only used with --use-opd")
+    if args.advantage_estimator == "cispo" and args.eps_clip < 1.0:  # slime's warning
+        logger.warning("CISPO is canonically single-sided, but --eps-clip=%s keeps the lower clip bound %s active; "
+                       "set --eps-clip 1.0 (and tune --eps-clip-high, e.g. 4.0) for the canonical wide setting",
+                       args.eps_clip, 1.0 - args.eps_clip)
     if args.n_samples_per_prompt == 1:
         args.grpo_std_normalization = False
     args.use_critic = args.advantage_estimator == "ppo"
