@@ -133,7 +133,7 @@ def make_args(tmp_path, stack):
             sglang_router_port=stack.router.port, sglang_server_concurrency=8, rollout_num_engines=1,
             custom_rm_path=f"{__name__}.reward_by_index", rm_type=None, group_rm=False, reward_key=None,
             dynamic_sampling_filter_path=None, partial_rollout=False, mask_offpolicy_in_partial_rollout=False,
-            custom_generate_function_path=None,
+            custom_generate_function_path=None, use_rollout_routing_replay=False,
         )
         args.__dict__.update(overrides)
         return args

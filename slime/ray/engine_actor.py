@@ -33,6 +33,8 @@ def engine_server_command(args, port: int, config_path: Path) -> list[str]:
                "--host", "127.0.0.1", "--port", str(port), "--tp-size", str(args.rollout_num_gpus_per_engine),
                "--enable-memory-saver", "--random-seed", str(args.seed)]
         cmd += sglang_server_flags(args)  # every --sglang-* server flag the run gives, as SGLang's own
+        if args.use_rollout_routing_replay:
+            cmd += ["--enable-return-routed-experts"]
         # SGLang reads its keys from flags only (visible to local users in `ps`); the docs say so.
         for flag, key in (("--api-key", args.sglang_api_key), ("--admin-api-key", args.sglang_admin_api_key)):
             cmd += [flag, key] if key else []

@@ -106,7 +106,23 @@ def samples_to_train_data(args, samples: list[Sample]) -> dict:
         data["weight_versions"] = [s.weight_versions[-1] for s in samples]  # the weights that finished it
     if samples and all(s.teacher_log_probs is not None for s in samples):
         data["teacher_log_probs"] = [list(s.teacher_log_probs) for s in samples]
+    if any(s.rollout_routed_experts is not None for s in samples):
+        data["rollout_routed_experts"] = [_routed_experts_of(s) for s in samples]
     return data
+
+
+def _routed_experts_of(sample: Sample):
+    """R3: the sample's engine routing, one row per position but the last (a clear error names a bad sample)."""
+    routed = sample.rollout_routed_experts
+    name = f"sample {sample.index} (group {sample.group_index})"
+    if routed is None:
+        raise ValueError(f"{name} has no rollout_routed_experts while others of the rollout do (a custom rollout / "
+                         "generate function must keep the engine's meta_info['routed_experts'], see "
+                         "slime.rollout.routed_experts.store_routed_experts)")
+    if routed.ndim != 3 or len(routed) != len(sample.tokens) - 1:
+        raise ValueError(f"{name}: rollout_routed_experts has shape {tuple(routed.shape)}, expected "
+                         f"[len(tokens) - 1 = {len(sample.tokens) - 1}, num_moe_layers, top_k]")
+    return routed
 
 
 def assign_rollout_ids(samples: list[Sample]) -> None:

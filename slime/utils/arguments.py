@@ -26,6 +26,7 @@ from slime.utils.arguments_weight_sync import add_weight_sync_arguments
 from slime.utils.custom_config import apply_custom_config
 from slime.utils.engine_access import add_engine_access_arguments, ensure_admin_key
 from slime.utils.flag_status import check_flag_status
+from slime.utils.moe_arguments import add_moe_arguments
 from slime.utils.validate_args import ArgumentError, validate_args
 
 logger = logging.getLogger(__name__)
@@ -274,6 +275,7 @@ ARGUMENT_GROUPS = [
     add_reward_arguments,
     add_training_arguments,
     add_algorithm_arguments,
+    add_moe_arguments,
     add_eval_arguments,
     add_logging_arguments,
     add_debug_arguments,

@@ -19,6 +19,7 @@ from pathlib import Path
 
 from slime.utils.checkpoint_state import CheckpointError, critic_checkpoint, resume_dir
 from slime.utils.misc import load_function, load_functions
+from slime.utils.moe_arguments import check_moe_args
 
 logger = logging.getLogger(__name__)
 
@@ -117,6 +118,10 @@ FLAG_RANGES = {
     "ref_update_interval": AT_LEAST_1, "entropy_coef": NON_NEGATIVE, "gamma": PROBABILITY, "lambd": PROBABILITY,
     "loss_agg_constant": POSITIVE, "tis_clip": POSITIVE, "tis_clip_low": NON_NEGATIVE,
     "num_critic_only_steps": NON_NEGATIVE, "opd_kl_coef": NON_NEGATIVE,
+    # mixture of experts
+    "num_experts": AT_LEAST_1, "moe_router_topk": AT_LEAST_1, "moe_ffn_hidden_size": AT_LEAST_1,
+    "moe_shared_expert_intermediate_size": AT_LEAST_1, "moe_aux_loss_coeff": NON_NEGATIVE,
+    "moe_z_loss_coeff": NON_NEGATIVE,
     # eval
     "eval_interval": AT_LEAST_1, "n_samples_per_eval_prompt": AT_LEAST_1,
     "eval_temperature": Range(low=0, why="0 = greedy"), "eval_top_p": TOP_P, "eval_top_k": TOP_K, "eval_max_response_len": AT_LEAST_1,
@@ -407,6 +412,7 @@ def validate_args(args) -> None:
     _check_ranges(args)
     _check_hooks(args)
     _check_paths(args)
+    check_moe_args(args, _require)
     _resolve_cluster(args)
     validate_megatron_args(args)
     _resolve_batches(args)

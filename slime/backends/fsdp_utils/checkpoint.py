@@ -21,6 +21,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
+from slime.backends.fsdp_utils.expert_weights import per_expert_tensors
 from slime.backends.fsdp_utils.model import hf_name
 from slime.utils.checkpoint_state import (
     META_FILE,
@@ -104,7 +105,10 @@ def save_checkpoint(save_root: str, rollout_id: int, model, optimizer, scheduler
     barrier()
     torch.save(rng_state(), tmp / "rng" / f"rank_{rank}.pt")
     if rank == 0:
-        tensors = {hf_name(k): v.contiguous() for k, v in model_state.items()}
+        tensors = {}
+        for key, value in model_state.items():
+            for name, tensor in per_expert_tensors(hf_name(key), value):  # MoE experts: the checkpoint's layout
+                tensors[name] = tensor.contiguous() if name == hf_name(key) else tensor.clone()
         if tie_word_embeddings:
             tensors.pop("lm_head.weight", None)
         save_file(tensors, str(tmp / MODEL_FILE), metadata={"format": "pt"})
