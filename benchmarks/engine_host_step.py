@@ -1,6 +1,7 @@
-"""The engine's host-side time per decode step (`bench_engine.py --workload host`): 256 sequences on a tiny CPU
+"""The engine's host-side time per decode step (`bench_engine.py --workload host`): 512 sequences on a tiny CPU
 model whose decode forward and sampler are replaced by trivial functions, so each step's time is scheduling, input
-preparation, output bookkeeping and stop checks. Measures no device work.
+preparation, output bookkeeping and stop checks. Runs the overlapped step loop (the CUDA default) unless told
+otherwise. Measures no device work.
 """
 
 from __future__ import annotations
@@ -15,10 +16,12 @@ import torch
 from benchmarks.engine_checkpoints import TINY_SHAPE, build_checkpoint, make_prompts
 
 
-def bench_host_step(seed: int, num_seqs: int = 256, input_len: int = 256, output_len: int = 512) -> dict:
-    """Host-side ms per decode step: the engine steps 256 sequences on a tiny CPU model whose decode forward (the
-    CUDA-graph path, faked) and sampler return at once, so what is timed is scheduling, input preparation, output
-    bookkeeping and stop checks."""
+def bench_host_step(seed: int, num_seqs: int = 512, input_len: int = 256, output_len: int = 512,
+                    overlap_schedule: bool = True, incremental: bool = False) -> dict:
+    """Host-side ms per decode step: the engine steps `num_seqs` sequences on a tiny CPU model whose decode
+    forward (the CUDA-graph path, faked) and sampler return at once, so what is timed is scheduling, input
+    preparation, output bookkeeping and stop checks. `incremental`: the requests ask for every step's output
+    (streaming consumers); otherwise only for the finished one, as the default rollout's requests do."""
     import slime.engine.model_runner as model_runner_module
     from slime.engine.engine import Engine
     from slime.engine.sampling_params import SamplingParams
@@ -42,12 +45,12 @@ def bench_host_step(seed: int, num_seqs: int = 256, input_len: int = 256, output
         with tempfile.TemporaryDirectory(prefix="bench_engine_host_") as tmp:
             path = build_checkpoint(Path(tmp) / "model", TINY_SHAPE, torch.float32, "cpu", seed)
             engine = Engine(str(path), device="cpu", max_num_seqs=num_seqs, max_model_len=input_len + output_len + 16,
-                            seed=seed)
+                            max_num_batched_tokens=max(8192, num_seqs), seed=seed, overlap_schedule=overlap_schedule)
             engine.model_runner.use_cuda_graphs = True
             engine.model_runner.model.compute_logits = lambda hidden, upcast=True: hidden[:, :8].float()
             params = SamplingParams(temperature=1.0, max_new_tokens=output_len, ignore_eos=True)
             for prompt in make_prompts(num_seqs, input_len, TINY_SHAPE["vocab_size"], seed):
-                engine.add_request(prompt, params)
+                engine.add_request(prompt, params, incremental=incremental)
             step_seconds = []
             while engine.has_unfinished_requests():
                 is_decode = not engine.scheduler.waiting and all(
@@ -63,6 +66,7 @@ def bench_host_step(seed: int, num_seqs: int = 256, input_len: int = 256, output
     return {
         "benchmark": "engine_host_step",
         "num_seqs": num_seqs, "input_len": input_len, "output_len": output_len,
+        "overlap_schedule": overlap_schedule, "incremental": incremental,
         "num_decode_steps": len(step_ms),
         "host_ms_per_step_mean": round(float(step_ms.mean()), 3),
         "host_ms_per_step_median": round(float(np.median(step_ms)), 3),

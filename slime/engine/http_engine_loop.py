@@ -113,7 +113,7 @@ class EngineLoop:
         if rid in self._streams:
             raise ValueError(f"rid {rid!r} is already in flight; rids must be unique")
         try:
-            self.engine.add_request(stream.prompt_token_ids, sampling_params, rid=rid)
+            self.engine.add_request(stream.prompt_token_ids, sampling_params, rid=rid, incremental=stream.incremental)
         except EngineMemoryReleasedError:
             # Released memory refuses new requests; they wait here and enter the engine after the resume.
             self._deferred[rid] = sampling_params
@@ -122,7 +122,9 @@ class EngineLoop:
     def _add_deferred(self) -> None:
         for rid, sampling_params in list(self._deferred.items()):
             try:
-                self.engine.add_request(self._streams[rid].prompt_token_ids, sampling_params, rid=rid)
+                stream = self._streams[rid]
+                self.engine.add_request(stream.prompt_token_ids, sampling_params, rid=rid,
+                                        incremental=stream.incremental)
             except EngineMemoryReleasedError:
                 return
             del self._deferred[rid]
