@@ -167,8 +167,11 @@ class Engine:
             scheduled, launched = in_flight
             ahead = self.scheduler.look_ahead(scheduled) if launched is not None else None
             if ahead:
-                source_rows = [row for row, item in enumerate(scheduled) if item.seq.has_placeholder]
-                input_tokens = launched.tokens[self.model_runner.staging.to_device(np.array(source_rows))]
+                if len(ahead) == len(scheduled):  # every sequence continues: the tokens are the inputs as they are
+                    input_tokens = launched.tokens
+                else:
+                    source_rows = [row for row, item in enumerate(scheduled) if item.seq.has_placeholder]
+                    input_tokens = launched.tokens[self.model_runner.staging.to_device(np.array(source_rows))]
                 self.in_flight = (ahead, self.model_runner.launch(ahead, input_tokens))
             outputs = self._complete(scheduled, launched)
         if self.in_flight is None and self.scheduler.has_unfinished():

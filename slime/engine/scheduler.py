@@ -133,14 +133,15 @@ class Scheduler:
         if num_new_blocks > self.block_manager.num_free_blocks:
             return None
         ahead = []
+        block_manager = self.block_manager
         for seq in continuing:
             num_tokens = len(seq.token_ids)
             seq.num_computed_tokens = num_tokens
             seq.append_placeholder()
-            if num_tokens + 1 > len(seq.block_table) * block_size:
-                self.block_manager.grow(seq, num_tokens + 1)
-            if num_tokens % block_size == 0:  # the real tokens now fill one more block (not the placeholder's)
-                self.block_manager.register_full_blocks(seq, num_tokens)
+            if num_tokens % block_size == 0:  # the real tokens fill one more block; the placeholder needs a new one
+                block_manager.register_full_blocks(seq, num_tokens)
+                if num_tokens + 1 > len(seq.block_table) * block_size:
+                    block_manager.grow(seq, num_tokens + 1)
             ahead.append(ScheduledSequence(seq, num_tokens, 1, True))
         return ahead
 
