@@ -22,6 +22,7 @@ from slime.ray.rollout import RolloutManager
 from slime.utils.arguments import parse_args
 from slime.utils.checkpoint_state import load_run_state, should_save
 from slime.utils.metrics import MetricsLogger, write_args
+from slime.utils.validate_megatron_args import require_train_backend
 
 
 def create_rollout_manager(args, placements):
@@ -130,6 +131,7 @@ def train(args) -> str:
 def main(argv=None) -> None:
     try:
         args = parse_args(argv)
+        require_train_backend(args)
     except ValueError as exc:
         print(f"train.py: error: {exc}", file=sys.stderr)
         sys.exit(2)

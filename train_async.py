@@ -17,6 +17,7 @@ from slime.ray.placement_group import create_placement_groups, init_ray
 from slime.utils.arguments import parse_args
 from slime.utils.checkpoint_state import should_save
 from slime.utils.metrics import MetricsLogger, write_args
+from slime.utils.validate_megatron_args import require_train_backend
 from train import (create_rollout_manager, create_training_models, periodic_eval, save, train_on_rollout,
                    update_weights)
 
@@ -65,6 +66,7 @@ def train_async(args) -> str:
 def main(argv=None) -> None:
     try:
         args = parse_args(argv)
+        require_train_backend(args)
         if args.colocate:
             raise ValueError("--colocate is not supported by train_async.py; use train.py")
     except ValueError as exc:

@@ -4,7 +4,7 @@ model, same samples, same optimizer. Prints a summary card and a JSON last line.
 
     python benchmarks/bench_train.py --model-shape qwen3-0.6b --num-samples 32 --micro-batch-size 8
 
-The train step is slime's `FSDPTrainer.train` with one optimizer step per rollout (its PPO loss reuses the step's
+The train step is slime's `TrainFlow.train` over the FSDP backend with one optimizer step per rollout (its PPO loss reuses the step's
 own log-probs, so no extra old-log-prob pass); the no-grad log-prob pass (`compute_log_probs`, what the reference
 and old-policy passes cost) is timed separately.
 
@@ -76,7 +76,7 @@ def model_flops(num_params, lengths, num_layers, attention_width):
 
 
 def run_slime(checkpoint, tokens, response_lengths, rewards, opts):
-    from slime.backends.fsdp_utils.actor import FSDPTrainer
+    from slime.backends.factory import create_trainer
     from slime.utils.arguments import parse_args
     from slime.utils.misc import find_free_port
 
@@ -90,7 +90,7 @@ def run_slime(checkpoint, tokens, response_lengths, rewards, opts):
     if not opts.reshard_after_forward:
         argv.append("--no-reshard-after-forward")
     args = parse_args(argv)
-    trainer = FSDPTrainer(args, 0, 1, "127.0.0.1", find_free_port())
+    trainer = create_trainer(args, 0, 1, "127.0.0.1", find_free_port())
     trainer.init(with_ref=False)
     data = dict(tokens=tokens, response_lengths=response_lengths, rewards=rewards, raw_reward=rewards,
                 loss_masks=[[1] * r for r in response_lengths], num_steps_per_rollout=1,

@@ -36,8 +36,9 @@ def timed(fn, num_iters):
 
 
 def main():
-    from slime.backends.fsdp_utils.attention import cu_seqlens_of, flash_varlen_causal
-    from slime.backends.fsdp_utils.data import split_micro_batches
+    from slime.backends.fsdp_utils.attention import flash_varlen_causal
+    from slime.backends.packing import cu_seqlens_of
+    from slime.backends.packing import split_micro_batches
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model-shape", choices=sorted(SHAPES), default="qwen3-4b")

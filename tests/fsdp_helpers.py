@@ -99,9 +99,9 @@ def run_distributed(fn, world_size: int, *payload, timeout: float = 300.0) -> li
 
 
 def make_trainer(args, rank: int = 0, world_size: int = 1, port: int | None = None, with_ref: bool = False):
-    from slime.backends.fsdp_utils.actor import FSDPTrainer
+    from slime.backends.factory import create_trainer
 
-    trainer = FSDPTrainer(args, rank, world_size, "127.0.0.1", port or find_free_port())
+    trainer = create_trainer(args, rank, world_size, "127.0.0.1", port or find_free_port())
     trainer.start_rollout_id = trainer.init(with_ref=with_ref)
     return trainer
 
@@ -116,7 +116,7 @@ def capture_grads(trainer) -> list[dict]:
         captured.append({name: (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad).clone()
                          for name, p in trainer.model.named_parameters()})
 
-    trainer.optimizer.register_step_pre_hook(record)
+    trainer.backend.optimizer.register_step_pre_hook(record)
     return captured
 
 

@@ -19,9 +19,9 @@ def tiny_checkpoint(tmp_path_factory):
 
 
 def make_critic(args):
-    from slime.backends.fsdp_utils.critic import FSDPCritic
+    from slime.backends.factory import create_trainer
 
-    critic = FSDPCritic(args, 0, 1, "127.0.0.1", find_free_port())
+    critic = create_trainer(args, 0, 1, "127.0.0.1", find_free_port(), role="critic")
     critic.start_rollout_id = critic.init()
     return critic
 

@@ -5,7 +5,7 @@ import pytest
 import torch
 from fsdp_helpers import make_args, make_train_data, make_trainer
 
-from slime.backends.fsdp_utils.data import pack_samples
+from slime.backends.packing import pack_samples
 from slime.utils.tiny_model import build_tiny_model
 
 CALLS = []

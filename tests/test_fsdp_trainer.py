@@ -1,4 +1,4 @@
-"""FSDPTrainer in one process: loss and gradient independent of the micro-batch split, checkpoint round-trip and
+"""The train flow over the FSDP backend in one process: loss and gradient independent of the micro-batch split, checkpoint round-trip and
 exact resume, GRPO raising the log-prob of a rewarded response."""
 
 import json
@@ -9,7 +9,7 @@ import torch.distributed as dist
 from fsdp_helpers import capture_grads, full_params, make_args, make_train_data, make_trainer
 
 from slime.backends.fsdp_utils.checkpoint import checkpoint_dir
-from slime.backends.fsdp_utils.data import pack_samples
+from slime.backends.packing import pack_samples
 from slime.utils.tiny_model import build_tiny_model
 
 

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 from fsdp_helpers import make_args, make_train_data, make_trainer
 
-from slime.backends.fsdp_utils.data import pack_samples
+from slime.backends.packing import pack_samples
 from slime.utils.misc import find_free_port
 from slime.utils.tiny_model import build_tiny_model
 

@@ -29,7 +29,7 @@ IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
 class EngineWeightReceiver:
-    """The engine side of a weight update (the trainer side is `slime.backends.fsdp_utils.update_weight`)."""
+    """The engine side of a weight update (the trainer side is `slime.backends.weight_sender`)."""
 
     def __init__(self, engine_loop, device: torch.device, weight_dirs: list[Path]):
         self.loop = engine_loop

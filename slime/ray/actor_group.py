@@ -37,21 +37,17 @@ class TrainRayActor:
             import torch
 
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
-        if role == "actor":
-            from slime.backends.fsdp_utils.actor import FSDPTrainer as trainer_cls
-        elif role == "critic":
-            from slime.backends.fsdp_utils.critic import FSDPCritic as trainer_cls
-        else:
-            raise ValueError(f"unknown train group role {role!r}; expected actor or critic")
         if rendezvous_file is not None:  # the trainer then finds its default group made
             import torch.distributed as dist
 
-            from slime.backends.fsdp_utils.actor import PROCESS_GROUP_TIMEOUT
+            from slime.backends.fsdp_utils.backend import PROCESS_GROUP_TIMEOUT
 
             backend = "nccl" if args.device == "cuda" else "gloo"
             dist.init_process_group(backend, init_method=f"file://{rendezvous_file}", rank=rank,
                                     world_size=world_size, timeout=PROCESS_GROUP_TIMEOUT)
-        self.trainer = trainer_cls(args, rank, world_size, master_addr, master_port, role=role)
+        from slime.backends.factory import create_trainer
+
+        self.trainer = create_trainer(args, rank, world_size, master_addr, master_port, role=role)
 
     def call(self, method: str, *args, **kwargs):
         """Any trainer method; ObjectRefs passed as top-level arguments arrive resolved."""

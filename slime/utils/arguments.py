@@ -7,9 +7,13 @@ one place to read them. `parse_args(argv)` returns the validated namespace that 
 from __future__ import annotations
 
 import argparse
+import logging
 
+from slime.backends.megatron_utils.arguments import add_megatron_arguments, inert_flag_notices
 from slime.utils.engine_access import add_engine_access_arguments, ensure_admin_key
 from slime.utils.validate_args import ArgumentError, validate_args
+
+logger = logging.getLogger(__name__)
 
 # --sglang-* flags that mean something to the built-in engine, mapped to its Config fields.
 SGLANG_FLAG_TO_ENGINE_CONFIG = {
@@ -24,31 +28,6 @@ SGLANG_FLAG_TO_ENGINE_CONFIG = {
     "sglang_dtype": ("dtype", str),
     "sglang_num_kvcache_blocks": ("num_kvcache_blocks", int),
 }
-# Model-shape flags of slime's scripts/models/*.sh, checked against the HF config.
-MODEL_FLAGS = {
-    "num_layers": int,
-    "hidden_size": int,
-    "ffn_hidden_size": int,
-    "num_attention_heads": int,
-    "num_query_groups": int,
-    "kv_channels": int,
-    "vocab_size": int,
-    "rotary_base": float,
-    "norm_epsilon": float,
-    "seq_length": int,
-    "max_position_embeddings": int,
-}
-MODEL_SWITCHES = [
-    "group_query_attention",
-    "untie_embeddings_and_output_weights",
-    "disable_bias_linear",
-    "add_qkv_bias",
-    "qk_layernorm",
-    "swiglu",
-    "use_rotary_position_embeddings",
-]
-
-
 def _str2bool(value: str) -> bool:
     lowered = str(value).lower()
     if lowered in ("1", "true", "yes", "on"):
@@ -72,7 +51,10 @@ def add_cluster_arguments(parser):
     g.add_argument("--offload-rollout", action=argparse.BooleanOptionalAction, default=None)
     g.add_argument("--ray-address", default=None, help="join this Ray cluster instead of starting a local one")
     g.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
-    g.add_argument("--train-backend", choices=["fsdp"], default="fsdp")
+    g.add_argument("--train-backend", choices=["fsdp", "megatron"], default=None,
+                   help="fsdp (FSDP2 over the HF model) or megatron (megatron-core: tensor / pipeline / context / "
+                        "expert parallel); default: megatron when a Megatron parallelism flag asks for more than "
+                        "one way (as in slime's recipes), else fsdp")
     g.add_argument("--rollout-backend", choices=["slime", "sglang"], default="slime",
                    help="slime = the built-in engine; sglang = real SGLang servers (must be installed)")
 
@@ -102,13 +84,6 @@ def add_model_arguments(parser):
     g.add_argument("--log-probs-chunk-size", type=int, default=-1,
                    help="tokens per chunk of the log-prob head; <= 0: its default (4096 with the fused GPU kernels, "
                         "1024 otherwise)")
-    for name, kind in MODEL_FLAGS.items():
-        g.add_argument("--" + name.replace("_", "-"), type=kind, default=None)
-    for name in MODEL_SWITCHES:
-        g.add_argument("--" + name.replace("_", "-"), action="store_true", default=None)
-    g.add_argument("--normalization", default=None)
-    g.add_argument("--position-embedding-type", default=None)
-    g.add_argument("--rotary-percent", type=float, default=None)
 
 
 def add_data_arguments(parser):
@@ -203,10 +178,12 @@ def add_training_arguments(parser):
     g.add_argument("--lr", type=float, default=1e-6)
     g.add_argument("--min-lr", type=float, default=0.0)
     g.add_argument("--lr-warmup-iters", type=int, default=0)
-    g.add_argument("--lr-decay-style", choices=["constant", "linear", "cosine"], default="constant")
-    g.add_argument("--weight-decay", type=float, default=0.0)
+    g.add_argument("--lr-decay-style", choices=["constant", "linear", "cosine"], default=None,
+                   help="default: constant (fsdp); linear (megatron, Megatron's)")
+    g.add_argument("--weight-decay", type=float, default=None, help="default: 0 (fsdp); 0.01 (megatron, Megatron's)")
     g.add_argument("--adam-beta1", type=float, default=0.9)
-    g.add_argument("--adam-beta2", type=float, default=0.98)
+    g.add_argument("--adam-beta2", type=float, default=None,
+                   help="default: 0.98 (fsdp); 0.999 (megatron, Megatron's)")
     g.add_argument("--adam-eps", type=float, default=1e-8)
     g.add_argument("--clip-grad", type=float, default=1.0)
     g.add_argument("--seed", type=int, default=1234)
@@ -315,6 +292,7 @@ ARGUMENT_GROUPS = [
     add_logging_arguments,
     add_debug_arguments,
     add_engine_access_arguments,
+    add_megatron_arguments,
 ]
 
 
@@ -375,4 +353,6 @@ def parse_args(argv: list[str] | None = None, add_custom_arguments=None) -> argp
     args.engine_config = engine_config
     validate_args(args)
     ensure_admin_key(args)
+    for notice in inert_flag_notices(args, parser):
+        logger.warning(notice)
     return args

@@ -3,13 +3,14 @@
 Each rule raises `ArgumentError` (a ValueError) that names the flag and says how to fix it. Before anything
 starts: every numeric flag is range-checked (`FLAG_RANGES`), every dotted-path hook (`HOOK_FLAGS`) is imported and
 checked callable, and `--load` must name a complete checkpoint (or nothing, with `--load-if-exists`). Derived fields:
-device, world_size, rollout_num_engines, use_critic, critic_lr, loss_agg_mode, loss_agg_constant, eps_clip_high, global_batch_size / num_steps_per_rollout,
-over_sampling_batch_size, offload_train / offload_rollout, output_dir, eval_datasets.
+device, world_size, rollout_num_engines, use_critic, critic_lr, loss_agg_mode, loss_agg_constant, eps_clip_high,
+global_batch_size / num_steps_per_rollout, over_sampling_batch_size, offload_train / offload_rollout, output_dir,
+eval_datasets. The Megatron flags' rules, the training backend and the parallel layout (train_backend,
+data_parallel_size, ...) are in `validate_megatron_args.py`, run from here.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import time
 from dataclasses import dataclass
@@ -70,8 +71,20 @@ FLAG_RANGES = {
     "save_interval": AT_LEAST_1, "log_probs_chunk_size": ANY,
     "num_layers": AT_LEAST_1, "hidden_size": AT_LEAST_1, "ffn_hidden_size": AT_LEAST_1,
     "num_attention_heads": AT_LEAST_1, "num_query_groups": AT_LEAST_1, "kv_channels": AT_LEAST_1,
-    "vocab_size": AT_LEAST_1, "rotary_base": POSITIVE, "norm_epsilon": POSITIVE, "seq_length": AT_LEAST_1,
+    "vocab_size": AT_LEAST_1, "rotary_base": POSITIVE, "layernorm_epsilon": POSITIVE, "seq_length": AT_LEAST_1,
     "max_position_embeddings": AT_LEAST_1, "rotary_percent": TOP_P,
+    # megatron (slime/backends/megatron_utils/arguments.py)
+    "tensor_model_parallel_size": AT_LEAST_1, "pipeline_model_parallel_size": AT_LEAST_1,
+    "num_layers_per_virtual_pipeline_stage": AT_LEAST_1, "num_virtual_stages_per_pipeline_rank": AT_LEAST_1,
+    "context_parallel_size": AT_LEAST_1, "expert_model_parallel_size": AT_LEAST_1,
+    "expert_tensor_parallel_size": AT_LEAST_1, "recompute_num_layers": AT_LEAST_1, "lr_warmup_fraction": PROBABILITY,
+    "attention_dropout": PROBABILITY, "hidden_dropout": PROBABILITY, "rotary_scaling_factor": POSITIVE,
+    "mscale": POSITIVE, "mscale_all_dim": NON_NEGATIVE, "q_lora_rank": AT_LEAST_1, "kv_lora_rank": AT_LEAST_1,
+    "qk_head_dim": AT_LEAST_1, "qk_pos_emb_head_dim": AT_LEAST_1, "v_head_dim": AT_LEAST_1,
+    "moe_router_topk_scaling_factor": POSITIVE, "moe_router_num_groups": AT_LEAST_1,
+    "moe_router_group_topk": AT_LEAST_1, "moe_router_bias_update_rate": NON_NEGATIVE,
+    "make_vocab_size_divisible_by": AT_LEAST_1, "decoder_first_pipeline_num_layers": NON_NEGATIVE,
+    "decoder_last_pipeline_num_layers": NON_NEGATIVE, "ckpt_step": NON_NEGATIVE,
     # data
     "rollout_seed": ANY, "num_rollout": NON_NEGATIVE, "num_epoch": AT_LEAST_1, "start_rollout_id": NON_NEGATIVE,
     # rollout
@@ -109,20 +122,6 @@ HOOK_FLAGS = (
     "custom_loss_function_path", "custom_advantage_function_path", "custom_init_path",
     "custom_before_log_prob_hook_path", "custom_before_train_step_hook_path", "env_path",
 )
-
-
-# slime model flag -> (HF config attribute, how to compare)
-MODEL_FLAG_TO_HF = {
-    "num_layers": "num_hidden_layers",
-    "hidden_size": "hidden_size",
-    "ffn_hidden_size": "intermediate_size",
-    "num_attention_heads": "num_attention_heads",
-    "num_query_groups": "num_key_value_heads",
-    "kv_channels": "head_dim",
-    "norm_epsilon": "rms_norm_eps",
-    "rotary_base": "rope_theta",
-    "max_position_embeddings": "max_position_embeddings",
-}
 
 
 def _require(condition: bool, message: str) -> None:
@@ -198,31 +197,6 @@ def _check_paths(args) -> None:
         _require(Path(data_path).is_file(), f"--prompt-data {data_path}: file not found")
 
 
-def _check_model_flags(args) -> None:
-    """The model flags of scripts/models/*.sh must agree with the HF config they are run against."""
-    if args.hf_checkpoint is None:
-        return
-    config = json.loads((Path(args.hf_checkpoint) / "config.json").read_text())
-    rope_parameters = config.get("rope_parameters") or {}
-    for flag, hf_key in MODEL_FLAG_TO_HF.items():
-        value = getattr(args, flag, None)
-        if value is None:
-            continue
-        actual = config.get(hf_key, rope_parameters.get(hf_key))
-        if hf_key == "head_dim" and actual is None:
-            actual = config["hidden_size"] // config["num_attention_heads"]
-        _require(actual is not None and float(actual) == float(value),
-                 f"--{flag.replace('_', '-')} {value} does not match {hf_key}={actual} in "
-                 f"{args.hf_checkpoint}/config.json; fix the model preset or the checkpoint")
-    if args.vocab_size is not None:
-        _require(args.vocab_size >= config["vocab_size"],
-                 f"--vocab-size {args.vocab_size} is smaller than the checkpoint's vocab_size {config['vocab_size']}")
-    if args.untie_embeddings_and_output_weights is not None:
-        tied = config.get("tie_word_embeddings", True)
-        _require(tied != args.untie_embeddings_and_output_weights,
-                 f"--untie-embeddings-and-output-weights disagrees with tie_word_embeddings={tied} in the HF config")
-
-
 def _resolve_cluster(args) -> None:
     if args.device == "auto":
         import torch
@@ -266,9 +240,10 @@ def _resolve_batches(args) -> None:
              f"--rollout-batch-size x --n-samples-per-prompt ({samples_per_rollout}) must be a multiple of "
              f"--global-batch-size ({args.global_batch_size})")
     args.num_steps_per_rollout = samples_per_rollout // args.global_batch_size
-    _require(args.global_batch_size % args.world_size == 0,
-             f"--global-batch-size {args.global_batch_size} must divide evenly over {args.world_size} trainer "
-             "processes (--actor-num-nodes x --actor-num-gpus-per-node)")
+    _require(args.global_batch_size % args.data_parallel_size == 0,
+             f"--global-batch-size {args.global_batch_size} must divide evenly over {args.data_parallel_size} "
+             "data-parallel ranks (--actor-num-nodes x --actor-num-gpus-per-node trainer processes over "
+             "--tensor-model-parallel-size x --pipeline-model-parallel-size x --context-parallel-size)")
     if args.use_dynamic_batch_size:
         _require(args.max_tokens_per_gpu is not None, "--use-dynamic-batch-size needs --max-tokens-per-gpu")
     if args.over_sampling_batch_size is None:
@@ -343,12 +318,15 @@ def _resolve_eval_and_output(args) -> None:
 
 
 def validate_args(args) -> None:
+    from slime.utils.validate_megatron_args import validate_megatron_args, validate_megatron_batches
+
     _check_ranges(args)
     _check_hooks(args)
     _check_paths(args)
-    _check_model_flags(args)
     _resolve_cluster(args)
+    validate_megatron_args(args)
     _resolve_batches(args)
+    validate_megatron_batches(args)
     _resolve_algorithm(args)
     _resolve_eval_and_output(args)
     _check_resume(args)

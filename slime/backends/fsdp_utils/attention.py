@@ -101,11 +101,3 @@ def register() -> str:
     AttentionInterface.register(VARLEN, varlen_attention_forward)
     AttentionMaskInterface.register(VARLEN, lambda *args, **kwargs: None)  # no mask: cu_seqlens separates samples
     return VARLEN
-
-
-def cu_seqlens_of(sample_lengths: list[int]) -> torch.Tensor:
-    """[0, l0, l0 + l1, ...] as int32, the kernel's sample boundaries within a packed row."""
-    cumulative = [0]
-    for length in sample_lengths:
-        cumulative.append(cumulative[-1] + length)
-    return torch.tensor(cumulative, dtype=torch.int32)

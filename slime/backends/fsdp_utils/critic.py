@@ -16,12 +16,12 @@ from pathlib import Path
 import torch
 
 from slime.backends.fsdp_utils import checkpoint
-from slime.backends.fsdp_utils.actor import FSDPTrainer
-from slime.backends.fsdp_utils.data import float_tensors, outputs_per_sample
-from slime.backends.fsdp_utils.loss import LossReducer, MicroBatchTensors, value_loss
+from slime.backends.fsdp_utils.backend import FSDPBackend
 from slime.backends.fsdp_utils.model import ShardOptions, attention_implementation, load_hf_model, read_hf_weights
-from slime.backends.fsdp_utils.optimizer import build_optimizer
 from slime.backends.fsdp_utils.value_model import VALUE_HEAD_KEY, build_value_model
+from slime.backends.loss import LossReducer, MicroBatchTensors, value_loss
+from slime.backends.packing import float_tensors, outputs_per_sample
+from slime.backends.train_flow import TrainFlow
 from slime.utils.checkpoint_state import CRITIC_SUBDIR, critic_checkpoint
 from slime.utils.misc import seed_everything
 
@@ -33,34 +33,31 @@ def critic_resume_dir(load: str | None) -> Path | None:
     return None if actor_dir is None else critic_checkpoint(actor_dir)
 
 
-class FSDPCritic(FSDPTrainer):
-    def __init__(self, args, rank: int, world_size: int, master_addr: str, master_port: int, role: str = "critic"):
-        super().__init__(args, rank, world_size, master_addr, master_port, role="critic")
+class FSDPCritic(TrainFlow):
+    """The critic's flow over an FSDPBackend that trains a value model."""
+
+    def __init__(self, args, backend: FSDPBackend, role: str = "critic", master_addr: str = "127.0.0.1"):
+        super().__init__(args, backend, role="critic", master_addr=master_addr)
 
     def init(self, with_ref: bool = False) -> int:
-        args = self.args
+        args, backend = self.args, self.backend
         seed_everything(args.seed)
         self.hooks = {"custom_before_log_prob_hook_path": None, "custom_before_train_step_hook_path": None}
         resume_dir = critic_resume_dir(args.load)
         weights_path = str(resume_dir) if resume_dir is not None else (args.critic_load or args.hf_checkpoint)
         head = read_hf_weights(weights_path).get(VALUE_HEAD_KEY)
         hf_model = load_hf_model(weights_path, attention_implementation(self.device))
-        self.hf_config = hf_model.config
-        self.model = build_value_model(hf_model, self.mesh, ShardOptions.from_args(args, self.device),
-                                       value_head_weight=head)
-        self.model.train()
-        self.optimizer, self.scheduler = build_optimizer(args, self.model.parameters(), lr=args.critic_lr)
+        model = build_value_model(hf_model, backend.mesh, ShardOptions.from_args(args, self.device),
+                                  value_head_weight=head)
+        backend.build_with(model, hf_model.config, lr=args.critic_lr)
         if resume_dir is not None:
-            return checkpoint.load_training_state(resume_dir, self.model, self.optimizer, self.scheduler,
-                                                  self.rank) + 1
+            return backend.load_training_state(resume_dir) + 1
         return getattr(args, "start_rollout_id", None) or 0
 
     @torch.no_grad()
     def compute_values(self, rollout_id: int, data: dict) -> list[torch.Tensor]:
         """Values (CPU, fp32) of every sample's response tokens under the current critic weights."""
-        self.model.eval()
-        by_index = outputs_per_sample(self._schedule(data), self.model.forward_micro_batch, self.device)
-        self.model.train()
+        by_index = outputs_per_sample(self._schedule(data), self.backend.forward_only)
         return [by_index[i] for i in range(len(data["tokens"]))]
 
     def train(self, rollout_id: int, data: dict, values: list[torch.Tensor], returns: list[torch.Tensor]) -> dict:
@@ -74,19 +71,14 @@ class FSDPCritic(FSDPTrainer):
                         for micro_batches in self._schedule(data)]
         return self._summarise(step_metrics, "critic/")
 
-    def _value_loss(self, micro_batch, batch: MicroBatchTensors, reduce: LossReducer):
-        values = self.model.forward_micro_batch(micro_batch.to(self.device))
+    def _value_loss(self, values, batch: MicroBatchTensors, reduce: LossReducer):
         return value_loss(self.args, values, batch, reduce)
 
     def save_model(self, rollout_id: int, run_state: dict | None = None) -> str:
         if not self.args.save:
             raise ValueError("save_model needs --save (the checkpoint root folder)")
-        path = checkpoint.save_checkpoint(
-            os.path.join(self.args.save, CRITIC_SUBDIR), rollout_id, self.model, self.optimizer, self.scheduler,
-            hf_checkpoint=self.args.hf_checkpoint, rank=self.rank, save_optim=not self.args.no_save_optim,
-            tie_word_embeddings=False, run_state=None,
-        )
-        return str(path)
+        return self.backend.save_checkpoint(rollout_id, None, save_root=os.path.join(self.args.save, CRITIC_SUBDIR),
+                                            tie_word_embeddings=False)
 
     def update_weights(self, *args, **kwargs) -> dict:
         raise ValueError("the critic has no weights to push to the rollout engines; push the actor's")

@@ -2,12 +2,12 @@
 the response tokens of a packed micro-batch (never the full logits), sharded with FSDP2.
 
 `build_policy_model` is the one place that applies activation checkpointing and `fully_shard` (per decoder layer,
-then the root). `WeightSnapshot` keeps host copies of this rank's parameter shards under a tag, so a reference
-model lives in host memory and is swapped into the same sharded modules only while its log-probs are computed.
+then the root).
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -17,7 +17,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from slime.backends.fsdp_utils.attention import VARLEN, varlen_supported
 from slime.backends.fsdp_utils.attention import register as register_varlen
-from slime.backends.fsdp_utils.data import PackedMicroBatch
+from slime.backends.packing import PackedMicroBatch
 from slime.backends.fsdp_utils.log_probs import chunked_log_probs_and_entropy
 
 HF_PREFIX = "hf_model."
@@ -162,35 +162,15 @@ def read_hf_weights(path: str) -> dict[str, torch.Tensor]:
     return state
 
 
-class WeightSnapshot:
-    """Host copies of this rank's parameter shards, by tag ("actor", "ref", ...)."""
-
-    def __init__(self, model: nn.Module):
-        self.model = model
-        self.tags: dict[str, dict[str, torch.Tensor]] = {}
-
-    @staticmethod
-    def _local(param: torch.Tensor) -> torch.Tensor:
-        return param.to_local() if isinstance(param, DTensor) else param
-
-    @torch.no_grad()
-    def save(self, tag: str) -> None:
-        reshard(self.model)
-        pin = torch.cuda.is_available()
-        store = self.tags.setdefault(tag, {})
-        for name, param in self.model.named_parameters():
-            local = self._local(param)
-            if name not in store:
-                store[name] = torch.empty(local.shape, dtype=local.dtype, device="cpu", pin_memory=pin)
-            store[name].copy_(local, non_blocking=True)
-        if pin:
-            torch.cuda.synchronize()
-
-    @torch.no_grad()
-    def restore(self, tag: str) -> None:
-        reshard(self.model)
-        store = self.tags[tag]
-        for name, param in self.model.named_parameters():
-            self._local(param).copy_(store[name], non_blocking=True)
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
+def iter_full_parameters(model: torch.nn.Module, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF name, full tensor) per parameter. Collective: every rank must iterate in step."""
+    for name, param in model.named_parameters():
+        local = param.to_local() if isinstance(param, DTensor) else param
+        full = param.full_tensor() if isinstance(param, DTensor) else param
+        if dtype is not None and dtype != full.dtype:
+            full = full.to(dtype)  # a new tensor
+        elif full.untyped_storage().data_ptr() == local.untyped_storage().data_ptr():
+            # One rank: the "gather" aliases the parameter. Sending by handle moves a tensor's storage into shared
+            # memory, which must never happen to a parameter's own storage (FSDP resizes it: segfault).
+            full = full.clone()
+        yield hf_name(name), full.detach()

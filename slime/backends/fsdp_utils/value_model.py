@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from slime.backends.fsdp_utils.data import PackedMicroBatch
+from slime.backends.packing import PackedMicroBatch
 from slime.backends.fsdp_utils.model import ShardOptions, packed_hidden_states, shard_model
 
 VALUE_HEAD_KEY = "value_head.weight"

@@ -1,4 +1,4 @@
-"""Train-data bookkeeping for the FSDP trainer: which samples form each optimizer step, how a step's samples are
+"""Train-data bookkeeping shared by the training backends: which samples form each optimizer step, how a step's samples are
 split into micro-batches, and how a micro-batch is packed into one padding-free row.
 
 Packing: the samples of a micro-batch are concatenated into a single row; `position_ids` restart at 0 for every
@@ -15,7 +15,6 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from slime.backends.fsdp_utils.attention import cu_seqlens_of
 
 
 @dataclass
@@ -51,14 +50,14 @@ def to_device(tensor: torch.Tensor, device) -> torch.Tensor:
     return tensor.pin_memory().to(device, non_blocking=True)
 
 
-def outputs_per_sample(schedule, forward, device) -> dict[int, torch.Tensor]:
-    """Run `forward(micro_batch on device) -> [the micro-batch's response tokens]` over every micro-batch of the
-    schedule; returns {sample index: its slice, on the host}. One copy to the host at the end, not one per
-    micro-batch: each would wait for the GPU and leave it idle while the next micro-batch is queued."""
+def outputs_per_sample(schedule, forward_all) -> dict[int, torch.Tensor]:
+    """Run `forward_all(micro_batches) -> [per micro-batch: a tensor over its response tokens]` over every
+    micro-batch of the schedule; returns {sample index: its slice, on the host}. One copy to the host at the end,
+    not one per micro-batch: each would wait for the GPU and leave it idle while the next micro-batch is queued."""
     micro_batches = [micro_batch for step in schedule for micro_batch in step]
     if not micro_batches:
         return {}
-    outputs = torch.cat([forward(micro_batch.to(device)) for micro_batch in micro_batches]).cpu()
+    outputs = torch.cat(forward_all(micro_batches)).cpu()
     result = {}
     pieces = outputs.split([sum(micro_batch.response_lengths) for micro_batch in micro_batches])
     for micro_batch, piece in zip(micro_batches, pieces):
@@ -146,3 +145,11 @@ def pad_num_micro_batches(bins: list[list[int]], lengths: list[int], target: int
         half = len(largest) // 2
         bins[position:position + 1] = [largest[:half], largest[half:]]
     return bins
+
+
+def cu_seqlens_of(sample_lengths: list[int]) -> torch.Tensor:
+    """[0, l0, l0 + l1, ...] as int32, the sample boundaries within a packed row (varlen attention kernels)."""
+    cumulative = [0]
+    for length in sample_lengths:
+        cumulative.append(cumulative[-1] + length)
+    return torch.tensor(cumulative, dtype=torch.int32)

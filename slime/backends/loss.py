@@ -1,4 +1,4 @@
-"""Per-micro-batch losses of the FSDP trainer: policy (PPO/GRPO family), value (critic), SFT and user-defined.
+"""Per-micro-batch losses of both training backends: policy (PPO/GRPO family), value (critic), SFT and user-defined.
 
 Each function returns this micro-batch's share of the GLOBAL-batch loss plus its metric shares, all reduced with
 `ppo_utils.aggregate_loss` against a denominator fixed for the whole optimizer step, so the sum over any split into

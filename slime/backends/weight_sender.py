@@ -1,7 +1,8 @@
 """Push the trainer's weights into running engines (SGLang-compatible HTTP API).
 
-Every rank takes part in gathering each full parameter (`DTensor.full_tensor()`); rank 0 groups them into buckets
-of about --update-weight-buffer-size bytes under their Hugging Face names and sends each bucket to every engine:
+Backend-neutral: the backend yields (HF name, full tensor) pairs (every rank takes part in its gathers: FSDP's
+`DTensor.full_tensor()`, Megatron's tensor / pipeline / expert parallel gathers); rank 0 groups them into buckets
+of about --update-weight-buffer-size bytes and sends each bucket to every engine:
 - "tensor" mode (same host): POST /update_weights_from_tensor with the bucket serialized by handle (shared memory
   on CPU, CUDA IPC on GPU);
 - "distributed" mode: a one-time process group with the engines (POST /init_weights_update_group), then per bucket
@@ -17,32 +18,16 @@ from __future__ import annotations
 
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
 
-from slime.backends.fsdp_utils.model import hf_name
 from slime.utils.weight_transport import broadcast_named_tensors, init_custom_process_group, serialize_named_tensors
 
 UPDATE_MODES = ("tensor", "distributed")
 HTTP_TIMEOUT_S = 600.0
 WEIGHT_GROUP_NAME = "slime_weight_update"
-
-
-def iter_full_parameters(model: torch.nn.Module, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
-    """(HF name, full tensor) per parameter. Collective: every rank must iterate in step."""
-    for name, param in model.named_parameters():
-        local = param.to_local() if isinstance(param, DTensor) else param
-        full = param.full_tensor() if isinstance(param, DTensor) else param
-        if dtype is not None and dtype != full.dtype:
-            full = full.to(dtype)  # a new tensor
-        elif full.untyped_storage().data_ptr() == local.untyped_storage().data_ptr():
-            # One rank: the "gather" aliases the parameter. Sending by handle moves a tensor's storage into shared
-            # memory, which must never happen to a parameter's own storage (FSDP resizes it: segfault).
-            full = full.clone()
-        yield hf_name(name), full.detach()
 
 
 def iter_buckets(named_tensors, bucket_bytes: int) -> Iterator[tuple[list[tuple[str, torch.Tensor]], bool]]:
@@ -95,12 +80,15 @@ def _post_all(urls: list[str], path: str, payload_for_url, headers: dict | None 
 
 class WeightSender:
     """The trainer side of a weight update (the engine side is `slime.engine.http_weights.EngineWeightReceiver`):
-    sends the weights of `model` to the connected engines; every rank calls `update`, rank 0 talks HTTP with
-    `headers` (the engines' admin key)."""
+    sends the tensors `named_tensors(dtype)` yields to the connected engines; every rank calls `update`, rank 0
+    talks HTTP with `headers` (the engines' admin key). `on_gpu`: where the weights live (the broadcast group's
+    backend follows it)."""
 
-    def __init__(self, model: torch.nn.Module, rank: int, bucket_bytes: int, dtype: torch.dtype | None,
+    def __init__(self, named_tensors: Callable[[torch.dtype | None], Iterator[tuple[str, torch.Tensor]]],
+                 on_gpu: bool, rank: int, bucket_bytes: int, dtype: torch.dtype | None,
                  master_address: str = "127.0.0.1", headers: dict | None = None):
-        self.model, self.rank, self.bucket_bytes, self.dtype = model, rank, bucket_bytes, dtype
+        self.named_tensors, self.on_gpu = named_tensors, on_gpu
+        self.rank, self.bucket_bytes, self.dtype = rank, bucket_bytes, dtype
         self.headers = dict(headers or {})
         self.engines_dtype: torch.dtype | None = None  # what the connected engines report; None: unknown
         self.master_address = master_address
@@ -121,8 +109,7 @@ class WeightSender:
             self.engines_dtype = engines_dtype(self.engine_urls, self.headers)
         if mode == "distributed" and self.rank == 0:
             # The group's backend follows where the trainer's weights live, not whether the host has a GPU.
-            on_gpu = next(self.model.parameters()).device.type == "cuda"
-            self._init_group(backend or ("nccl" if on_gpu else "gloo"))
+            self._init_group(backend or ("nccl" if self.on_gpu else "gloo"))
 
     def _init_group(self, backend: str) -> None:
         from slime.utils.misc import find_free_port
@@ -148,7 +135,7 @@ class WeightSender:
         """Send every parameter; returns {"seconds", "bytes", "num_buckets"}."""
         start = time.perf_counter()
         num_bytes, num_buckets = 0, 0
-        params = iter_full_parameters(self.model, self.push_dtype)
+        params = self.named_tensors(self.push_dtype)
         for bucket, is_last in iter_buckets(params, self.bucket_bytes):
             num_buckets += 1
             num_bytes += sum(t.numel() * t.element_size() for _, t in bucket)

@@ -1,8 +1,10 @@
-"""FSDPTrainer: one training process (one device) of slime's FSDP2 backend. A plain class; the Ray layer wraps
-it as an actor per device. It owns the sharded policy, the optimizer, other weight sets as host shards (reference
-"ref", OPD teacher "teacher", and with --keep-old-actor the last two pushed versions), and turns a rank's
-train-data dict (docs/internals.md) into `num_steps_per_rollout` optimizer steps. With ppo, the advantages come
-from GAE over the critic's values (`train(..., values)`, see critic.py for the critic's own trainer).
+"""TrainFlow: one training process of the policy, the seed's `train` / `train_actor` written once for every
+backend. A plain class; the Ray layer wraps it as an actor per device. It owns the flow: other weight sets as host
+copies (reference "ref", OPD teacher "teacher", and with --keep-old-actor the last two pushed versions) switched
+into the backend's model for forward-only passes; old / ref / teacher log-probs; advantages and returns; the loss
+and its global denominators; `num_steps_per_rollout` optimizer steps; the reference update interval; metrics; the
+weight push. The backend (backend.py: FSDP2 in fsdp_utils, Megatron in megatron_utils) owns the model. With ppo,
+the advantages come from GAE over the critic's values (`train(..., values)`; the critic: fsdp_utils/critic.py).
 
 User hooks (dotted paths): --custom-init-path fn(args) at init; --custom-before-log-prob-hook-path
 fn(args, model, store_prefix) before each forward-only pass ("ref_" for the reference, "teacher_" for the OPD
@@ -16,19 +18,17 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 import time
 from collections import defaultdict
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 from tqdm import tqdm
-from torch.distributed.device_mesh import init_device_mesh
 
-from slime.backends.fsdp_utils import checkpoint
-from slime.backends.fsdp_utils.advantages import compute_advantages
-from slime.backends.fsdp_utils.data import (
+from slime.backends.advantages import compute_advantages
+from slime.backends.backend import TrainBackend
+from slime.backends.loss import LossReducer, MicroBatchTensors, aggregation_mode, get_loss_function
+from slime.backends.packing import (
     float_tensors,
     outputs_per_sample,
     pack_samples,
@@ -37,18 +37,8 @@ from slime.backends.fsdp_utils.data import (
     step_sample_indices,
     to_device,
 )
-from slime.backends.fsdp_utils.loss import LossReducer, MicroBatchTensors, aggregation_mode, get_loss_function
-from slime.backends.fsdp_utils.model import (
-    ShardOptions,
-    WeightSnapshot,
-    attention_implementation,
-    build_policy_model,
-    load_full_weights,
-    load_hf_model,
-    read_hf_weights,
-)
-from slime.backends.fsdp_utils.optimizer import build_optimizer, clip_grad_norm, move_training_state
-from slime.backends.fsdp_utils.update_weight import WeightSender
+from slime.backends.weight_sender import WeightSender
+from slime.backends.weight_snapshot import WeightSnapshot
 from slime.utils.engine_access import engine_admin_headers
 from slime.utils.misc import load_function, seed_everything
 from slime.utils.ppo_utils import apply_opd_advantage, compute_mismatch_metrics, loss_denominator
@@ -65,29 +55,19 @@ def can_reuse_log_probs_in_loss(args, num_steps_per_rollout: int) -> bool:
             and not getattr(args, "use_critic", False))
 
 
-# The default group's timeout, here or where a launcher creates the group first (slime/ray/actor_group.py).
-PROCESS_GROUP_TIMEOUT = timedelta(minutes=30)
-
-
-class FSDPTrainer:
-    def __init__(self, args, rank: int, world_size: int, master_addr: str, master_port: int, role: str = "actor"):
-        self.args, self.rank, self.world_size, self.role = args, rank, world_size, role
-        use_cuda = args.device == "cuda" or (args.device in (None, "auto") and torch.cuda.is_available())
-        if use_cuda:
-            local_rank = int(os.environ.get("LOCAL_RANK", rank % max(torch.cuda.device_count(), 1)))
-            torch.cuda.set_device(local_rank)
-            self.device = torch.device("cuda", local_rank)
-        else:
-            self.device = torch.device("cpu")
-        if not dist.is_initialized():
-            dist.init_process_group("nccl" if use_cuda else "gloo", init_method=f"tcp://{master_addr}:{master_port}",
-                                    rank=rank, world_size=world_size, timeout=PROCESS_GROUP_TIMEOUT)
-        self.mesh = init_device_mesh(self.device.type, (world_size,))
+class TrainFlow:
+    def __init__(self, args, backend: TrainBackend, role: str = "actor", master_addr: str = "127.0.0.1"):
+        self.args, self.backend, self.role = args, backend, role
+        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        self.device = backend.device
         self.master_addr = master_addr
-        self.model = self.optimizer = self.scheduler = None
         self.with_ref = False
         self.last_step_metrics: list[dict] = []  # per optimizer step of the last train() call
         self.pushed_versions: list[str] = []  # --keep-old-actor: weight versions held in self.snapshot
+
+    @property
+    def model(self):
+        return self.backend.model
 
     # ------------------------------------------------------------------------------------------------ setup
     def init(self, with_ref: bool = False) -> int:
@@ -101,17 +81,13 @@ class FSDPTrainer:
                                           args.custom_before_train_step_hook_path))}
         if self.hooks["custom_init_path"]:
             self.hooks["custom_init_path"](args)
-        resume_dir = checkpoint.resolve_load_dir(args.load)  # a complete checkpoint or None (validated at parse time)
+        backend = self.backend
+        resume_dir = backend.resolve_load_dir(args.load)  # a complete checkpoint or None (validated at parse time)
         weights_path = str(resume_dir) if resume_dir is not None else args.hf_checkpoint
         if not weights_path:
             raise ValueError("no model to train: pass --hf-checkpoint (a Hugging Face folder)")
-        hf_model = load_hf_model(weights_path, attention_implementation(self.device))
-        self.hf_config = hf_model.config
-        self.model = build_policy_model(hf_model, self.mesh, ShardOptions.from_args(args, self.device),
-                                        temperature=args.rollout_temperature, chunk_size=args.log_probs_chunk_size)
-        self.model.train()  # from_pretrained returns eval mode; HF activation checkpointing only runs in train mode
-        self.optimizer, self.scheduler = build_optimizer(args, self.model.parameters())
-        self.snapshot = WeightSnapshot(self.model)
+        backend.build_policy(weights_path)
+        self.snapshot = WeightSnapshot(backend.local_weights)
         self.with_ref = bool(with_ref) and bool(args.ref_load)
         # Reference and OPD teacher: other weight sets of the same architecture, kept as host shards.
         extra_weights = {"ref": args.ref_load if self.with_ref else None, "teacher": args.opd_teacher_load}
@@ -119,15 +95,15 @@ class FSDPTrainer:
             self.snapshot.save("actor")
             for tag, path in extra_weights.items():
                 if path:
-                    load_full_weights(self.model, read_hf_weights(path))
+                    backend.load_hf_weights(path)
                     self.snapshot.save(tag)
             self.snapshot.restore("actor")
-        self.weight_updater = WeightSender(self.model, self.rank, args.update_weight_buffer_size, dtype=None,
+        self.weight_updater = WeightSender(backend.hf_weights, self.device.type == "cuda", self.rank,
+                                           args.update_weight_buffer_size, dtype=None,
                                            master_address=self.master_addr, headers=engine_admin_headers(args))
         self.loss_fn = get_loss_function(args)
         if resume_dir is not None:
-            return checkpoint.load_training_state(resume_dir, self.model, self.optimizer, self.scheduler,
-                                                  self.rank) + 1
+            return backend.load_training_state(resume_dir) + 1
         return getattr(args, "start_rollout_id", None) or 0
 
     # -------------------------------------------------------------------------------------------- schedule
@@ -146,20 +122,15 @@ class FSDPTrainer:
                 for bins, count in zip(bins_per_step, counts.tolist())]
 
     def _all_reduce(self, tensor: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
-        if self.world_size > 1:
-            dist.all_reduce(tensor, op=op)
-        return tensor
+        return self.backend.all_reduce(tensor, op)
 
     @torch.no_grad()
     def compute_log_probs(self, schedule, store_prefix: str = "") -> dict[int, torch.Tensor]:
         """Log-probs (CPU, fp32) of every sample's response tokens under the current weights."""
         if self.hooks["custom_before_log_prob_hook_path"]:
             self.hooks["custom_before_log_prob_hook_path"](self.args, self.model, store_prefix)
-        self.model.eval()
-        result = outputs_per_sample(schedule, lambda micro_batch: self.model.forward_micro_batch(micro_batch)[0],
-                                    self.device)
-        self.model.train()
-        return result
+        return outputs_per_sample(schedule, lambda micro_batches: [log_probs for log_probs, _ in
+                                                                    self.backend.forward_only(micro_batches)])
 
     # ---------------------------------------------------------------------------------------------- train
     def _log_probs_with(self, tag: str, schedule, num_samples: int) -> list[torch.Tensor]:
@@ -257,7 +228,7 @@ class FSDPTrainer:
         args = self.args
         start = time.perf_counter()
         schedule, per_sample, metrics = self._prepare(data, values)
-        self._synchronize()
+        self.backend.synchronize()
         prepared = time.perf_counter()
         self.last_returns = per_sample.pop("returns")
         step_metrics = []
@@ -266,20 +237,16 @@ class FSDPTrainer:
         for step_id, micro_batches in enumerate(steps):
             if self.hooks["custom_before_train_step_hook_path"]:
                 self.hooks["custom_before_train_step_hook_path"](args, rollout_id, step_id, self.model,
-                                                                 self.optimizer, self.scheduler)
+                                                                 self.backend.optimizer, self.backend.scheduler)
             step_metrics.append(self._train_step(micro_batches, per_sample, self._policy_loss))
         if self.with_ref and args.ref_update_interval and (rollout_id + 1) % args.ref_update_interval == 0:
             self.snapshot.save("ref")  # the reference follows the actor every --ref-update-interval rollouts
         metrics.update(self._summarise(step_metrics, "train/"))
-        self._synchronize()
+        self.backend.synchronize()
         # log-prob time: the no-grad passes (old / ref / teacher log-probs) and advantages; train: the steps.
         metrics["perf/log_prob_time"] = prepared - start
         metrics["perf/actor_train_time"] = time.perf_counter() - prepared
         return metrics
-
-    def _synchronize(self) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
 
     def _summarise(self, step_metrics: list[dict], prefix: str) -> dict:
         """Mean over the rollout's optimizer steps (the last lr); per-step values stay in last_step_metrics."""
@@ -288,8 +255,8 @@ class FSDPTrainer:
                                else sum(m[key] for m in step_metrics) / len(step_metrics))
                 for key in step_metrics[0]}
 
-    def _policy_loss(self, micro_batch, batch: MicroBatchTensors, reduce: LossReducer):
-        log_probs, entropy = self.model.forward_micro_batch(micro_batch.to(self.device))
+    def _policy_loss(self, outputs, batch: MicroBatchTensors, reduce: LossReducer):
+        log_probs, entropy = outputs
         return self.loss_fn(self.args, log_probs, entropy, batch, reduce)
 
     def _mismatch_metrics(self, old_log_probs, rollout_log_probs, loss_masks) -> dict:
@@ -299,11 +266,12 @@ class FSDPTrainer:
         local.pop("train_rollout_logprob_abs_diff")
         keys = sorted(local)
         values = torch.stack([local[k].float().nan_to_num(0.0) for k in keys]).to(self.device)
-        values = self._all_reduce(values) / self.world_size
+        values = self._all_reduce(values) / self.backend.dp_size
         return {f"train/{k}": float(v) for k, v in zip(keys, values.tolist())}
 
     def _train_step(self, micro_batches, per_sample: dict, compute_loss) -> dict:
-        """One optimizer step; compute_loss(micro_batch, tensors, reduce) -> (loss share, metric shares)."""
+        """One optimizer step; compute_loss(outputs, tensors, reduce) -> (loss share, metric shares), where outputs
+        are the backend's forward of the micro-batch."""
         args = self.args
         mode = aggregation_mode(args)
         step_indices = [i for mb in micro_batches for i in mb.sample_indices]
@@ -313,31 +281,25 @@ class FSDPTrainer:
         denominator = torch.tensor([loss_denominator(mode, step_masks, args.loss_agg_constant, step_shares)],
                                    dtype=torch.float64, device=self.device)
         global_denominator = max(float(self._all_reduce(denominator)), 1.0)
-        self.optimizer.zero_grad(set_to_none=True)
-        sums: dict[str, torch.Tensor] = defaultdict(lambda: torch.zeros((), dtype=torch.float64, device=self.device))
-        for micro_batch in micro_batches:
+        counts = per_sample.get("rollout_token_counts")  # the critic trains per sample
+
+        def loss_of(index: int, outputs):
+            micro_batch = micro_batches[index]
             batch = self._micro_batch_tensors(micro_batch, per_sample)
-            counts = per_sample.get("rollout_token_counts")  # the critic trains per sample
             token_counts = [counts[i] if counts else float(per_sample["loss_masks"][i].sum())
                             for i in micro_batch.sample_indices]
-            reduce = LossReducer(args, batch.loss_masks, global_denominator, token_counts)
-            loss, loss_metrics = compute_loss(micro_batch, batch, reduce)
-            # FSDP averages gradients over ranks; the loss is already a share of the global sum.
-            (loss * self.world_size).backward()
+            return compute_loss(outputs, batch, LossReducer(args, batch.loss_masks, global_denominator, token_counts))
+
+        self.backend.zero_grad()
+        sums: dict[str, torch.Tensor] = defaultdict(lambda: torch.zeros((), dtype=torch.float64, device=self.device))
+        for loss_metrics in self.backend.forward_backward(micro_batches, loss_of):
             for key, value in loss_metrics.items():
                 sums[key] = sums[key] + torch.as_tensor(value, device=self.device).detach().double()
         keys = sorted(sums)
         reduced = self._all_reduce(torch.stack([sums[k] for k in keys])).tolist()
         metrics = dict(zip(keys, reduced))
         max_norm = args.clip_grad if args.clip_grad and args.clip_grad > 0 else math.inf
-        metrics["grad_norm"] = float(clip_grad_norm(self.model.parameters(), max_norm))
-        metrics["lr"] = self.optimizer.param_groups[0]["lr"]
-        if math.isfinite(metrics["grad_norm"]):
-            self.optimizer.step()
-        else:
-            logger.warning("non-finite grad norm %s: optimizer step skipped", metrics["grad_norm"])
-        self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        metrics.update(self.backend.optimizer_step(max_norm))
         return metrics
 
     def _micro_batch_tensors(self, micro_batch, per_sample: dict) -> MicroBatchTensors:
@@ -358,12 +320,7 @@ class FSDPTrainer:
     def save_model(self, rollout_id: int, run_state: dict | None = None) -> str:
         if not self.args.save:
             raise ValueError("save_model needs --save (the checkpoint root folder)")
-        path = checkpoint.save_checkpoint(
-            self.args.save, rollout_id, self.model, self.optimizer, self.scheduler,
-            hf_checkpoint=self.args.hf_checkpoint, rank=self.rank, save_optim=not self.args.no_save_optim,
-            tie_word_embeddings=bool(getattr(self.hf_config, "tie_word_embeddings", False)), run_state=run_state,
-        )
-        return str(path)
+        return self.backend.save_checkpoint(rollout_id, run_state)
 
     def update_weights(self, engine_urls: list[str] | None = None, weight_version=None, mode: str | None = None) -> dict:
         """Push the current weights to the engines (connecting first when `engine_urls` or `mode` changed)."""
@@ -375,16 +332,14 @@ class FSDPTrainer:
             self.snapshot.save(f"pushed:{weight_version}")
             self.pushed_versions = [v for v in self.pushed_versions if v != str(weight_version)] + [str(weight_version)]
             for stale in self.pushed_versions[:-2]:
-                self.snapshot.tags.pop(f"pushed:{stale}")
+                self.snapshot.drop(f"pushed:{stale}")
             self.pushed_versions = self.pushed_versions[-2:]
         return result
 
     # ---------------------------------------------------------------------------------------- offload
     def offload(self) -> None:
         """GPU: move parameters and optimizer state to host memory and release the cache. CPU: nothing to do."""
-        if self.device.type == "cuda":
-            move_training_state(self.model, self.optimizer, "cpu")
+        self.backend.offload()
 
     def onload(self) -> None:
-        if self.device.type == "cuda":
-            move_training_state(self.model, self.optimizer, self.device)
+        self.backend.onload()

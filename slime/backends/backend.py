@@ -1,0 +1,112 @@
+"""TrainBackend: what a training backend (FSDP2, Megatron) provides to the one train flow (train_flow.py).
+
+The flow owns everything that is not backend-specific: which log-prob passes run and with which weights,
+advantages and returns, the loss functions and their global denominators, the reference update interval, the
+metrics. A backend owns the model: how it is built from a Hugging Face folder, how a list of packed micro-batches
+goes forward (only, or with a backward of a loss the flow supplies), one optimizer step, the weight tensors this
+process holds (the flow keeps host copies of them to switch between actor, reference, teacher and old actor), the
+HF-named full weights for the engines, checkpoints, and offload.
+
+Data parallelism: the flow reduces sums and counts over the data-parallel group only (`all_reduce`), since ranks
+that split one model (tensor or pipeline parallel peers) hold the same samples.
+
+Not here: the Ray actor (slime/ray/actor_group.py), the loss math (loss.py, ppo_utils), packing (packing.py).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from slime.backends.packing import PackedMicroBatch
+
+# outputs of one micro-batch's forward: (log_probs, entropy) for a policy, values for a critic
+Outputs = object
+# loss_of(index of the micro-batch in the list, its outputs) -> (this micro-batch's share of the loss, metrics)
+LossOf = Callable[[int, Outputs], tuple[torch.Tensor, dict]]
+
+
+class TrainBackend(ABC):
+    """One training process of a backend. Attributes the flow reads: `device`, `model` (passed to user hooks),
+    `optimizer`, `scheduler`, `hf_config`, `dp_rank`, `dp_size`."""
+
+    device: torch.device
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: object
+    hf_config: object
+    dp_rank: int = 0
+    dp_size: int = 1
+    dp_group = None  # None: the default group
+
+    # ----------------------------------------------------------------------------------------- building
+    @abstractmethod
+    def build_policy(self, weights_path: str) -> None:
+        """Policy model, optimizer and schedule from `weights_path` (an HF folder or this backend's checkpoint)."""
+
+    @abstractmethod
+    def load_hf_weights(self, path: str) -> None:
+        """Overwrite the model's weights with those of an HF folder of the same architecture (ref, teacher)."""
+
+    @abstractmethod
+    def resolve_load_dir(self, load: str | None) -> Path | None:
+        """The complete checkpoint under `--load` to resume from, or None."""
+
+    @abstractmethod
+    def load_training_state(self, resume_dir: Path) -> int:
+        """Optimizer, schedule and RNG state of a checkpoint; returns its rollout id."""
+
+    @abstractmethod
+    def save_checkpoint(self, rollout_id: int, run_state: dict | None) -> str:
+        """Collective: an atomic checkpoint of this rollout under --save (with the driver's `run_state`)."""
+
+    # ---------------------------------------------------------------------------------------- compute
+    @abstractmethod
+    def forward_only(self, micro_batches: list[PackedMicroBatch]) -> list[Outputs]:
+        """No-grad forward of each micro-batch in eval mode; on every rank of the data-parallel replica."""
+
+    @abstractmethod
+    def forward_backward(self, micro_batches: list[PackedMicroBatch], loss_of: LossOf) -> list[dict]:
+        """Forward and backward of each micro-batch's loss (gradients accumulate, averaged over the data-parallel
+        group as the loss is a share of the global sum); the metrics loss_of returned, one dict per micro-batch, on
+        every rank of the replica (a pipeline backend sends the last stage's to the others)."""
+
+    @abstractmethod
+    def optimizer_step(self, max_grad_norm: float) -> dict:
+        """Clip, step (skipped on a non-finite norm), advance the schedule, zero the gradients:
+        {"grad_norm", "lr"}."""
+
+    def zero_grad(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+
+    # ---------------------------------------------------------------------------------------- weights
+    @abstractmethod
+    def local_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """This process's own parameter tensors (shards), in place: the flow copies them to and from the host."""
+
+    @abstractmethod
+    def hf_weights(self, dtype: torch.dtype | None) -> Iterator[tuple[str, torch.Tensor]]:
+        """Collective: (HF name, full tensor) of every weight, on the rank that sends them to the engines (rank 0);
+        other ranks take part in the gathers and may yield nothing or the same. Never a parameter's own storage."""
+
+    # ---------------------------------------------------------------------------------------- memory
+    def offload(self) -> None:
+        """Move parameters and optimizer state to the host (GPU); nothing on the CPU."""
+
+    def onload(self) -> None:
+        """Back to the device after `offload`."""
+
+    # ---------------------------------------------------------------------------------------- collectives
+    def all_reduce(self, tensor: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
+        """In-place reduction over the data-parallel group (a no-op on one replica)."""
+        if self.dp_size > 1:
+            dist.all_reduce(tensor, op=op, group=self.dp_group)
+        return tensor
+
+    def synchronize(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)

@@ -1,0 +1,154 @@
+"""FSDPBackend: the FSDP2 training backend (TrainBackend over a Hugging Face model sharded with `fully_shard`).
+
+Every rank is a data-parallel rank: FSDP shards each parameter over all ranks and averages their gradients, so a
+loss that is a rank's share of the global sum is scaled by the world size before its backward. Checkpoints are HF
+folders (checkpoint.py); the weights pushed to the engines are the gathered full parameters under their HF names.
+
+Not here: the RL flow (slime/backends/train_flow.py), the critic's value model (value_model.py, critic.py).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
+
+from slime.backends.backend import LossOf, TrainBackend
+from slime.backends.fsdp_utils import checkpoint
+from slime.backends.fsdp_utils.model import (
+    ShardOptions,
+    attention_implementation,
+    build_policy_model,
+    iter_full_parameters,
+    load_full_weights,
+    load_hf_model,
+    read_hf_weights,
+    reshard,
+)
+from slime.backends.fsdp_utils.optimizer import build_optimizer, clip_grad_norm, move_training_state
+from slime.backends.packing import PackedMicroBatch
+
+logger = logging.getLogger(__name__)
+
+# The default group's timeout, here or where a launcher creates the group first (slime/ray/actor_group.py).
+PROCESS_GROUP_TIMEOUT = timedelta(minutes=30)
+
+
+def training_device(args, rank: int) -> torch.device:
+    """This rank's GPU when training on CUDA (--device cuda, or auto with a GPU), else the CPU."""
+    if args.device == "cuda" or (args.device in (None, "auto") and torch.cuda.is_available()):
+        local_rank = int(os.environ.get("LOCAL_RANK", rank % max(torch.cuda.device_count(), 1)))
+        torch.cuda.set_device(local_rank)
+        return torch.device("cuda", local_rank)
+    return torch.device("cpu")
+
+
+def init_default_group(device: torch.device, rank: int, world_size: int, master_addr: str, master_port: int) -> None:
+    """The default process group (nccl on GPUs, gloo on the CPU), unless a launcher made it already."""
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
+                                init_method=f"tcp://{master_addr}:{master_port}", rank=rank, world_size=world_size,
+                                timeout=PROCESS_GROUP_TIMEOUT)
+
+
+class FSDPBackend(TrainBackend):
+    def __init__(self, args, rank: int, world_size: int, master_addr: str, master_port: int):
+        self.args, self.rank, self.world_size = args, rank, world_size
+        self.device = training_device(args, rank)
+        init_default_group(self.device, rank, world_size, master_addr, master_port)
+        self.mesh = init_device_mesh(self.device.type, (world_size,))
+        self.dp_rank, self.dp_size = rank, world_size
+        self.model = self.optimizer = self.scheduler = self.hf_config = None
+
+    # ----------------------------------------------------------------------------------------- building
+    def build_policy(self, weights_path: str) -> None:
+        args = self.args
+        hf_model = load_hf_model(weights_path, attention_implementation(self.device))
+        self.hf_config = hf_model.config
+        self.model = build_policy_model(hf_model, self.mesh, ShardOptions.from_args(args, self.device),
+                                        temperature=args.rollout_temperature, chunk_size=args.log_probs_chunk_size)
+        self._finish_build(args.lr)
+
+    def build_with(self, model: torch.nn.Module, hf_config, lr: float) -> None:
+        """Train an already sharded `model` (the critic's value model) with its own learning rate."""
+        self.model, self.hf_config = model, hf_config
+        self._finish_build(lr)
+
+    def _finish_build(self, lr: float) -> None:
+        self.model.train()  # from_pretrained returns eval mode; HF activation checkpointing only runs in train mode
+        self.optimizer, self.scheduler = build_optimizer(self.args, self.model.parameters(), lr=lr)
+
+    def load_hf_weights(self, path: str) -> None:
+        load_full_weights(self.model, read_hf_weights(path))
+
+    def resolve_load_dir(self, load: str | None) -> Path | None:
+        return checkpoint.resolve_load_dir(load)
+
+    def load_training_state(self, resume_dir: Path) -> int:
+        return checkpoint.load_training_state(resume_dir, self.model, self.optimizer, self.scheduler, self.rank)
+
+    def save_checkpoint(self, rollout_id: int, run_state: dict | None, save_root: str | None = None,
+                        tie_word_embeddings: bool | None = None) -> str:
+        args = self.args
+        if tie_word_embeddings is None:
+            tie_word_embeddings = bool(getattr(self.hf_config, "tie_word_embeddings", False))
+        path = checkpoint.save_checkpoint(
+            save_root or args.save, rollout_id, self.model, self.optimizer, self.scheduler,
+            hf_checkpoint=args.hf_checkpoint, rank=self.rank, save_optim=not args.no_save_optim,
+            tie_word_embeddings=tie_word_embeddings, run_state=run_state,
+        )
+        return str(path)
+
+    # ---------------------------------------------------------------------------------------- compute
+    @torch.no_grad()
+    def forward_only(self, micro_batches: list[PackedMicroBatch]) -> list:
+        self.model.eval()
+        try:
+            return [self.model.forward_micro_batch(micro_batch.to(self.device)) for micro_batch in micro_batches]
+        finally:
+            self.model.train()
+
+    def forward_backward(self, micro_batches: list[PackedMicroBatch], loss_of: LossOf) -> list[dict]:
+        metrics = []
+        for index, micro_batch in enumerate(micro_batches):
+            loss, loss_metrics = loss_of(index, self.model.forward_micro_batch(micro_batch.to(self.device)))
+            # FSDP averages gradients over ranks; the loss is already a share of the global sum.
+            (loss * self.world_size).backward()
+            metrics.append(loss_metrics)
+        return metrics
+
+    def optimizer_step(self, max_grad_norm: float) -> dict:
+        grad_norm = float(clip_grad_norm(self.model.parameters(), max_grad_norm))
+        lr = self.optimizer.param_groups[0]["lr"]
+        if math.isfinite(grad_norm):
+            self.optimizer.step()
+        else:
+            logger.warning("non-finite grad norm %s: optimizer step skipped", grad_norm)
+        self.scheduler.step()
+        self.zero_grad()
+        return {"grad_norm": grad_norm, "lr": lr}
+
+    # ---------------------------------------------------------------------------------------- weights
+    def local_weights(self):
+        reshard(self.model)  # the root stays unsharded after a forward: its parameters must be the shards
+        for name, param in self.model.named_parameters():
+            yield name, (param.to_local() if isinstance(param, DTensor) else param)
+
+    def hf_weights(self, dtype: torch.dtype | None):
+        return iter_full_parameters(self.model, dtype)
+
+    # ---------------------------------------------------------------------------------------- memory
+    def offload(self) -> None:
+        if self.device.type == "cuda":
+            move_training_state(self.model, self.optimizer, "cpu")
+
+    def onload(self) -> None:
+        if self.device.type == "cuda":
+            move_training_state(self.model, self.optimizer, self.device)
