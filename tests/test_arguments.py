@@ -73,13 +73,6 @@ def test_megatron_hook_aliases(setup):
     assert args.custom_init_path == init and args.custom_before_train_step_hook_path == step
 
 
-def test_model_preset_matches_config(setup):
-    preset = (REPO / "scripts/models/qwen3-0.6B.sh").read_text()
-    flags = [tok for line in preset.splitlines() if line.startswith("   --") for tok in line.split()]
-    args = parse_args(base(setup, *flags))
-    assert args.num_layers == 28 and args.qk_layernorm
-
-
 @pytest.mark.parametrize("extra, message", [
     (["--global-batch-size", "5"], "--global-batch-size"),
     (["--global-batch-size", "8", "--num-steps-per-rollout", "3"], "--num-steps-per-rollout"),

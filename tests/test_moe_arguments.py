@@ -1,29 +1,20 @@
-"""The MoE flags: slime's Qwen3-30B-A3B and Qwen1.5-MoE presets parse against configs of those shapes, a flag that
-disagrees with the checkpoint (or MoE flags on a dense model) is an error naming it, and R3 turns on the engines'
-return_routed_experts."""
+"""The MoE flags: a flag that disagrees with the checkpoint (or MoE flags on a dense model) is an error naming it,
+Megatron's --moe-layer-freq forms are understood, and R3 turns on the engines' return_routed_experts. (The MoE
+presets parse against their models in test_megatron_arguments.py.)"""
 
 import json
-from pathlib import Path
 
 import pytest
 
 from slime.utils.arguments import parse_args
 from slime.utils.validate_args import ArgumentError
 
-REPO = Path(__file__).resolve().parents[1]
 QWEN3_30B_A3B_CONFIG = {
     "model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"], "num_hidden_layers": 48,
     "hidden_size": 2048, "intermediate_size": 6144, "moe_intermediate_size": 768, "num_experts": 128,
     "num_experts_per_tok": 8, "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": [],
     "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128, "vocab_size": 151936,
     "rope_theta": 1000000, "rms_norm_eps": 1e-6, "tie_word_embeddings": False, "max_position_embeddings": 40960,
-}
-QWEN15_MOE_CONFIG = {
-    "model_type": "qwen2_moe", "architectures": ["Qwen2MoeForCausalLM"], "num_hidden_layers": 24,
-    "hidden_size": 2048, "intermediate_size": 5632, "moe_intermediate_size": 1408, "num_experts": 60,
-    "num_experts_per_tok": 4, "shared_expert_intermediate_size": 5632, "norm_topk_prob": False,
-    "num_attention_heads": 16, "num_key_value_heads": 16, "vocab_size": 151936, "rope_theta": 1000000,
-    "rms_norm_eps": 1e-6, "tie_word_embeddings": False, "max_position_embeddings": 8192,
 }
 DENSE_CONFIG = {"model_type": "qwen3", "num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4,
                 "vocab_size": 512}
@@ -33,8 +24,7 @@ DENSE_CONFIG = {"model_type": "qwen3", "num_hidden_layers": 2, "hidden_size": 64
 def folders(tmp_path_factory):
     root = tmp_path_factory.mktemp("moe_args")
     paths = {}
-    for name, config in (("qwen3_moe", QWEN3_30B_A3B_CONFIG), ("qwen2_moe", QWEN15_MOE_CONFIG),
-                         ("dense", DENSE_CONFIG)):
+    for name, config in (("qwen3_moe", QWEN3_30B_A3B_CONFIG), ("dense", DENSE_CONFIG)):
         (root / name).mkdir()
         (root / name / "config.json").write_text(json.dumps(config))
     (root / "data.jsonl").write_text('{"input": "1+1", "label": "2"}\n')
@@ -48,18 +38,6 @@ def parse(folders, model: str, *extra):
                        *extra])
 
 
-def preset_flags(name: str) -> list[str]:
-    text = (REPO / "scripts/models" / name).read_text()
-    return [token for line in text.splitlines() if line.startswith("   --") for token in line.split()]
-
-
-@pytest.mark.parametrize("preset, model", [("qwen3-30B-A3B.sh", "qwen3_moe"), ("qwen1.5-MoE-A2.7B.sh", "qwen2_moe")])
-def test_presets_parse_against_their_shapes(folders, preset, model):
-    args = parse(folders, model, *preset_flags(preset))
-    assert args.num_experts in (128, 60) and args.moe_aux_loss_coeff == 0
-    assert args.moe_router_load_balancing_type == "aux_loss"
-
-
 @pytest.mark.parametrize("extra, message", [
     (["--moe-router-topk", "4"], "--moe-router-topk 4 does not match the checkpoint's 8"),
     (["--num-experts", "64"], "--num-experts 64 does not match"),
@@ -71,6 +49,11 @@ def test_presets_parse_against_their_shapes(folders, preset, model):
 def test_bad_moe_flags_name_the_flag(folders, extra, message):
     with pytest.raises(ValueError, match=message):
         parse(folders, "qwen3_moe", *extra)
+
+
+@pytest.mark.parametrize("layer_freq", ["1", "([1]*48)", "'([1]*48)'", "[" + ", ".join(["1"] * 48) + "]"])
+def test_megatron_layer_freq_forms(folders, layer_freq):
+    assert parse(folders, "qwen3_moe", "--moe-layer-freq", layer_freq).moe_layer_freq == layer_freq
 
 
 def test_moe_flags_on_a_dense_model_are_errors(folders):

@@ -1,4 +1,5 @@
-# llama3-8B model shape, slime's Megatron-style flags; train.py checks them against --hf-checkpoint's config.json.
+# llama3-8B (Meta-Llama-3-8B) model shape in Megatron's flag names: slime ships llama3.1-8B-Instruct.sh; this is it
+# without the rope scaling. train.py checks the values against --hf-checkpoint's config.json.
 # Usage: source scripts/models/llama3-8B.sh; python train.py "${MODEL_ARGS[@]}" ...
 MODEL_ARGS=(
    --num-layers 32

@@ -1,19 +1,20 @@
-# qwen3-1.7B model shape, slime's Megatron-style flags; train.py checks them against --hf-checkpoint's config.json.
+# qwen3-1.7B model shape: slime's preset (THUDM/slime@624b824 scripts/models/qwen3-1.7B.sh) in Megatron's flag names.
+# train.py checks the values against --hf-checkpoint's config.json; both backends build the model from that file.
 # Usage: source scripts/models/qwen3-1.7B.sh; python train.py "${MODEL_ARGS[@]}" ...
 MODEL_ARGS=(
+   --swiglu
    --num-layers 28
    --hidden-size 2048
    --ffn-hidden-size 6144
    --num-attention-heads 16
    --group-query-attention
    --num-query-groups 8
-   --kv-channels 128
-   --vocab-size 151936
-   --rotary-base 1000000
-   --norm-epsilon 1e-6
-   --normalization RMSNorm
-   --swiglu
-   --disable-bias-linear
    --use-rotary-position-embeddings
+   --disable-bias-linear
+   --normalization "RMSNorm"
+   --norm-epsilon 1e-6
+   --rotary-base "${MODEL_ARGS_ROTARY_BASE:-1000000}"
+   --vocab-size 151936
+   --kv-channels 128
    --qk-layernorm
 )

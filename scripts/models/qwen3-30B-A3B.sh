@@ -1,32 +1,52 @@
-# qwen3-30B-A3B model shape (48 layers, 128 experts, top-8), slime's Megatron-style flags; train.py checks the shape
-# and MoE flags against --hf-checkpoint's config.json. The kernel flags (--moe-grouped-gemm, dispatcher, fusion)
-# select Megatron kernels; the FSDP backend always runs grouped GEMM experts.
+# qwen3-30B-A3B model shape: slime's preset (THUDM/slime@624b824 scripts/models/qwen3-30B-A3B.sh) in Megatron's flag names.
+# train.py checks the values against --hf-checkpoint's config.json; both backends build the model from that file.
 # Usage: source scripts/models/qwen3-30B-A3B.sh; python train.py "${MODEL_ARGS[@]}" ...
+NLAYERS=48
+FIRST_K_DENSE_REPLACE=0
+
+arr=()
+for ((i=0; i<NLAYERS; i++)); do
+  if (( i < FIRST_K_DENSE_REPLACE )); then
+    arr+=(0)
+  else
+    arr+=(1)
+  fi
+done
+
+printf -v MOE_LAYER_FREQ "[%s]" "$(IFS=', '; echo "${arr[*]}")"
+
+
 MODEL_ARGS=(
+   --disable-bias-linear
+   --qk-layernorm
+   --group-query-attention
+   --num-attention-heads 32
+   --num-query-groups 4
+   --kv-channels 128
    --num-layers 48
    --hidden-size 2048
    --ffn-hidden-size 6144
-   --num-attention-heads 32
-   --group-query-attention
-   --num-query-groups 4
-   --kv-channels 128
-   --vocab-size 151936
-   --rotary-base 1000000
-   --norm-epsilon 1e-6
+
    --normalization RMSNorm
+   --position-embedding-type rope
+   --norm-epsilon 1e-6
+   --rotary-percent 1.0
    --swiglu
-   --disable-bias-linear
-   --use-rotary-position-embeddings
-   --qk-layernorm
    --untie-embeddings-and-output-weights
-   --num-experts 128
-   --moe-router-topk 8
+   --vocab-size 151936
+
+   --rotary-base "${MODEL_ARGS_ROTARY_BASE:-1000000}"
+
+   # moe
    --moe-ffn-hidden-size 768
-   --moe-layer-freq ([1]*48)
    --moe-router-score-function softmax
-   --moe-router-dtype fp32
-   --moe-grouped-gemm
    --moe-token-dispatcher-type alltoall
+   --moe-router-topk 8
+   --moe-layer-freq "$MOE_LAYER_FREQ"
+   --num-experts 128
+   --moe-grouped-gemm
+   --moe-token-drop-policy probs
+   --moe-router-dtype fp32
    --moe-permute-fusion
    --moe-aux-loss-coeff 0
 )

@@ -117,7 +117,7 @@ class EngineLoop:
             raise ValueError(f"rid {rid!r} is already in flight; rids must be unique")
         try:
             self.engine.add_request(stream.prompt_token_ids, sampling_params, rid=rid,
-                                    return_routed_experts=stream.return_routed_experts)
+                                    return_routed_experts=stream.return_routed_experts, incremental=stream.incremental)
         except EngineMemoryReleasedError:
             # Released memory refuses new requests; they wait here and enter the engine after the resume.
             self._deferred[rid] = sampling_params
@@ -128,7 +128,8 @@ class EngineLoop:
             try:
                 stream = self._streams[rid]
                 self.engine.add_request(stream.prompt_token_ids, sampling_params, rid=rid,
-                                        return_routed_experts=stream.return_routed_experts)
+                                        return_routed_experts=stream.return_routed_experts,
+                                        incremental=stream.incremental)
             except EngineMemoryReleasedError:
                 return
             del self._deferred[rid]

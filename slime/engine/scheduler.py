@@ -56,6 +56,13 @@ class Scheduler:
         self.running: list[Sequence] = []
 
     def add(self, seq: Sequence) -> None:
+        params = seq.sampling_params
+        limit = self.max_model_len
+        if params.max_new_tokens is not None:
+            limit = min(limit, seq.num_prompt_tokens + params.max_new_tokens)
+        seq.max_num_tokens = limit
+        seq.stop_token_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos
+                                                                  else frozenset(self.eos_token_ids))
         self.waiting.append(seq)
 
     def has_unfinished(self) -> bool:
@@ -111,25 +118,36 @@ class Scheduler:
         """The next decode step of `batch` (a decode step whose tokens are still on the device), scheduled now:
         each sequence that can continue gets a placeholder token and one more KV slot. Sequences that the pending
         token must finish by length are left out. None when the step cannot be scheduled ahead (new requests are
-        waiting, a running sequence sat out, or the cache lacks blocks: preemption needs the real tokens)."""
+        waiting, a running sequence sat out, or the cache lacks blocks: preemption needs the real tokens).
+
+        One pass over the batch of plain attribute work per sequence: this runs every decode step, while the GPU
+        computes the step in flight, and has to stay well under that step's time at 512 sequences."""
         if self.waiting or len(batch) != len(self.running):
             return None
-        if any(item.num_new_tokens != 1 or not item.needs_sample for item in batch):
-            return None
         block_size = self.block_manager.block_size
-        # The pending token brings each sequence to len + 1 tokens; those it ends by length do not continue.
-        continuing = [item.seq for item in batch if self._length_finish_reason(item.seq, len(item.seq) + 1) is None]
-        num_new_blocks = sum(1 for seq in continuing if len(seq) + 1 > len(seq.block_table) * block_size)
+        continuing = []
+        num_new_blocks = 0
+        for item in batch:
+            if item.num_new_tokens != 1 or not item.needs_sample:
+                return None
+            seq = item.seq
+            num_tokens = len(seq.token_ids) + 1  # with the pending token; those it ends by length do not continue
+            if num_tokens < seq.max_num_tokens:
+                continuing.append(seq)
+                num_new_blocks += num_tokens > len(seq.block_table) * block_size
         if num_new_blocks > self.block_manager.num_free_blocks:
             return None
         ahead = []
+        block_manager = self.block_manager
         for seq in continuing:
-            seq.num_computed_tokens = len(seq)
+            num_tokens = len(seq.token_ids)
+            seq.num_computed_tokens = num_tokens
             seq.append_placeholder()
-            if len(seq) > len(seq.block_table) * block_size:
-                self.block_manager.grow(seq, len(seq))
-            self.block_manager.register_full_blocks(seq, len(seq) - 1)  # not the block holding the placeholder
-            ahead.append(ScheduledSequence(seq, len(seq) - 1, 1, True))
+            if num_tokens % block_size == 0:  # the real tokens fill one more block; the placeholder needs a new one
+                block_manager.register_full_blocks(seq, num_tokens)
+                if num_tokens + 1 > len(seq.block_table) * block_size:
+                    block_manager.grow(seq, num_tokens + 1)
+            ahead.append(ScheduledSequence(seq, num_tokens, 1, True))
         return ahead
 
     def preempt(self, seq: Sequence) -> None:
@@ -140,9 +158,13 @@ class Scheduler:
         seq.num_preemptions += 1
         self.waiting.appendleft(seq)
 
-    def postprocess(self, scheduled: list[ScheduledSequence], token_ids: list[int], log_probs: list[float]) -> None:
+    def postprocess(
+        self, scheduled: list[ScheduledSequence], token_ids: list[int], log_probs: list[float]
+    ) -> list[Sequence]:
         """Advance computed counts; append one sampled token (and log-prob) per sequence that needed a sample, in
-        order; finish sequences on EOS / stop_token_ids / max_new_tokens / max_model_len."""
+        order; finish sequences on EOS / stop_token_ids / max_new_tokens / max_model_len. Returns the sequences
+        this step finished."""
+        finished = []
         sampled = iter(zip(token_ids, log_probs))
         for item in scheduled:
             seq = item.seq
@@ -150,13 +172,19 @@ class Scheduler:
                 seq.num_computed_tokens = item.start + item.num_new_tokens
                 continue
             token_id, log_prob = next(sampled)
-            if seq.is_finished:  # overlapped scheduling: it stopped at the step before this one; drop the token
+            if seq.status is SequenceStatus.FINISHED:  # overlapped: it stopped at the step before; drop the token
                 continue
-            seq.num_computed_tokens = max(seq.num_computed_tokens, item.start + item.num_new_tokens)
+            end = item.start + item.num_new_tokens
+            if end > seq.num_computed_tokens:
+                seq.num_computed_tokens = end
             seq.append_token(token_id, log_prob)
-            reason = self.token_finish_reason(seq, token_id)
-            if reason is not None:
-                self.finish(seq, reason)
+            # The full finish rules only for the few tokens that can end the sequence.
+            if token_id in seq.stop_token_ids or len(seq.token_ids) >= seq.max_num_tokens:
+                reason = self.token_finish_reason(seq, token_id)
+                if reason is not None:
+                    self.finish(seq, reason)
+                    finished.append(seq)
+        return finished
 
     def token_finish_reason(self, seq: Sequence, token_id: int) -> dict | None:
         params = seq.sampling_params

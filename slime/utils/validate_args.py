@@ -3,13 +3,15 @@
 Each rule raises `ArgumentError` (a ValueError) that names the flag and says how to fix it. Before anything
 starts: every numeric flag is range-checked (`FLAG_RANGES`), every dotted-path hook (`HOOK_FLAGS`) is imported and
 checked callable, and `--load` must name a complete checkpoint (or nothing, with `--load-if-exists`). Derived fields:
-device, world_size, rollout_num_engines, use_critic, critic_lr, loss_agg_mode, loss_agg_constant, eps_clip_high, global_batch_size / num_steps_per_rollout,
-over_sampling_batch_size, offload_train / offload_rollout, output_dir, eval_datasets.
+device, world_size, rollout_num_engines, use_critic, critic_lr, loss_agg_mode, loss_agg_constant, eps_clip_high,
+global_batch_size / num_steps_per_rollout, over_sampling_batch_size, offload_train / offload_rollout, output_dir,
+eval_datasets. The Megatron flags' rules, the training backend and the parallel layout (train_backend,
+data_parallel_size, ...) are in `validate_megatron_args.py`, run from here.
 """
 
 from __future__ import annotations
 
-import json
+import logging
 import os
 import time
 from dataclasses import dataclass
@@ -18,6 +20,8 @@ from pathlib import Path
 from slime.utils.checkpoint_state import CheckpointError, critic_checkpoint, resume_dir
 from slime.utils.misc import load_function, load_functions
 from slime.utils.moe_arguments import check_moe_args
+
+logger = logging.getLogger(__name__)
 
 
 class ArgumentError(ValueError):
@@ -71,8 +75,21 @@ FLAG_RANGES = {
     "save_interval": AT_LEAST_1, "log_probs_chunk_size": ANY,
     "num_layers": AT_LEAST_1, "hidden_size": AT_LEAST_1, "ffn_hidden_size": AT_LEAST_1,
     "num_attention_heads": AT_LEAST_1, "num_query_groups": AT_LEAST_1, "kv_channels": AT_LEAST_1,
-    "vocab_size": AT_LEAST_1, "rotary_base": POSITIVE, "norm_epsilon": POSITIVE, "seq_length": AT_LEAST_1,
+    "vocab_size": AT_LEAST_1, "rotary_base": POSITIVE, "layernorm_epsilon": POSITIVE, "seq_length": AT_LEAST_1,
     "max_position_embeddings": AT_LEAST_1, "rotary_percent": TOP_P,
+    # megatron (slime/backends/megatron_utils/arguments.py)
+    "tensor_model_parallel_size": AT_LEAST_1, "pipeline_model_parallel_size": AT_LEAST_1,
+    "num_layers_per_virtual_pipeline_stage": AT_LEAST_1, "num_virtual_stages_per_pipeline_rank": AT_LEAST_1,
+    "context_parallel_size": AT_LEAST_1, "expert_model_parallel_size": AT_LEAST_1,
+    "expert_tensor_parallel_size": AT_LEAST_1, "recompute_num_layers": AT_LEAST_1, "lr_warmup_fraction": PROBABILITY,
+    "attention_dropout": PROBABILITY, "hidden_dropout": PROBABILITY, "rotary_scaling_factor": POSITIVE,
+    "mscale": POSITIVE, "mscale_all_dim": NON_NEGATIVE, "q_lora_rank": AT_LEAST_1, "kv_lora_rank": AT_LEAST_1,
+    "qk_head_dim": AT_LEAST_1, "qk_pos_emb_head_dim": AT_LEAST_1, "v_head_dim": AT_LEAST_1,
+    "moe_router_topk_scaling_factor": POSITIVE, "moe_router_num_groups": AT_LEAST_1,
+    "moe_router_group_topk": AT_LEAST_1, "moe_router_bias_update_rate": NON_NEGATIVE,
+    "make_vocab_size_divisible_by": AT_LEAST_1, "decoder_first_pipeline_num_layers": NON_NEGATIVE,
+    "decoder_last_pipeline_num_layers": NON_NEGATIVE, "ckpt_step": NON_NEGATIVE, "padded_vocab_size": AT_LEAST_1,
+    "distributed_timeout_minutes": AT_LEAST_1, "mtp_num_layers": NON_NEGATIVE, "mtp_loss_scaling_factor": NON_NEGATIVE,
     # data
     "rollout_seed": ANY, "num_rollout": NON_NEGATIVE, "num_epoch": AT_LEAST_1, "start_rollout_id": NON_NEGATIVE,
     # rollout
@@ -83,6 +100,9 @@ FLAG_RANGES = {
     "over_sampling_batch_size": AT_LEAST_1, "sglang_router_port": Range(low=1, high=65535),
     "sglang_server_concurrency": AT_LEAST_1, "update_weight_buffer_size": AT_LEAST_1,
     "update_weights_interval": AT_LEAST_1,
+    # fault tolerance
+    "rollout_health_check_interval": POSITIVE, "rollout_health_check_timeout": POSITIVE,
+    "rollout_health_check_first_wait": NON_NEGATIVE, "max_engine_restarts": NON_NEGATIVE,
     # multi-turn
     "max_turns": AT_LEAST_1, "tool_timeout": POSITIVE, "max_tool_response_chars": AT_LEAST_1,
     # reward
@@ -105,7 +125,36 @@ FLAG_RANGES = {
     # eval
     "eval_interval": AT_LEAST_1, "n_samples_per_eval_prompt": AT_LEAST_1,
     "eval_temperature": Range(low=0, why="0 = greedy"), "eval_top_p": TOP_P, "eval_top_k": TOP_K, "eval_max_response_len": AT_LEAST_1,
+    "eval_max_prompt_len": AT_LEAST_1, "eval_min_new_tokens": NON_NEGATIVE, "eval_max_context_len": AT_LEAST_1,
+    # more of slime's flags (arguments_*.py)
+    "sglang_router_request_timeout_secs": POSITIVE, "prefill_num_servers": AT_LEAST_1,
+    "ci_train_rollout_logprob_abs_diff_threshold": NON_NEGATIVE, "data_pad_size_multiplier": AT_LEAST_1,
+    "fetch_trajectory_retry_times": Range(low=0, also=(-1,), why="-1 = forever"),
+    "load_debug_rollout_data_subsample": Range(low=0, high=1, low_open=True),
+    "log_probs_max_tokens_per_gpu": AT_LEAST_1, "megatron_deepgemm_forward_layers": NON_NEGATIVE,
+    "megatron_deepgemm_moe_forward_layers": NON_NEGATIVE, "memory_snapshot_num_steps": AT_LEAST_1,
+    "min_batch_collection_ratio": Range(low=0, high=1, low_open=True), "opd_teacher_ckpt_step": NON_NEGATIVE,
+    "opsm_delta": NON_NEGATIVE, "ref_ckpt_step": NON_NEGATIVE,
 }
+
+
+def _router_flag_ranges() -> dict:
+    """sglang-router's numeric --router-* flags: non-negative, its -1 sentinels and ports as such."""
+    import argparse
+
+    from sglang_router.launch_router import RouterArgs
+
+    parser = argparse.ArgumentParser(add_help=False)
+    RouterArgs.add_cli_args(parser, use_router_prefix=True, exclude_host_port=True)
+    ranges = {}
+    for action in parser._actions:
+        if action.dest.startswith("router_") and action.type in (int, float):
+            ranges[action.dest] = Range(low=1, high=65535) if action.dest.endswith("_port") else \
+                Range(low=0, also=(-1,), why="-1 = no limit") if action.default == -1 else NON_NEGATIVE
+    return ranges
+
+
+FLAG_RANGES.update(_router_flag_ranges())
 
 # Flags naming a user function by dotted path: imported and checked callable before anything starts.
 HOOK_FLAGS = (
@@ -113,21 +162,9 @@ HOOK_FLAGS = (
     "data_source_path", "custom_rm_path", "rollout_data_postprocess_path", "eval_function_path",
     "custom_loss_function_path", "custom_advantage_function_path", "custom_init_path",
     "custom_before_log_prob_hook_path", "custom_before_train_step_hook_path", "env_path",
+    "custom_rollout_log_function_path", "custom_eval_rollout_log_function_path", "custom_reward_post_process_path",
+    "custom_convert_samples_to_train_data_path", "rollout_sample_filter_path", "rollout_all_samples_process_path",
 )
-
-
-# slime model flag -> (HF config attribute, how to compare)
-MODEL_FLAG_TO_HF = {
-    "num_layers": "num_hidden_layers",
-    "hidden_size": "hidden_size",
-    "ffn_hidden_size": "intermediate_size",
-    "num_attention_heads": "num_attention_heads",
-    "num_query_groups": "num_key_value_heads",
-    "kv_channels": "head_dim",
-    "norm_epsilon": "rms_norm_eps",
-    "rotary_base": "rope_theta",
-    "max_position_embeddings": "max_position_embeddings",
-}
 
 
 def _require(condition: bool, message: str) -> None:
@@ -148,8 +185,9 @@ def _check_ranges(args) -> None:
 
 
 def _check_hooks(args) -> None:
-    for dest in HOOK_FLAGS:
-        path = getattr(args, dest)
+    paths = [(dest, getattr(args, dest)) for dest in HOOK_FLAGS]
+    paths += [("rollout_sample_hook_path", path) for path in args.rollout_sample_hook_path]
+    for dest, path in paths:
         if path is not None:
             try:
                 load_function(path, _flag(dest))
@@ -203,31 +241,6 @@ def _check_paths(args) -> None:
         _require(Path(data_path).is_file(), f"--prompt-data {data_path}: file not found")
 
 
-def _check_model_flags(args) -> None:
-    """The model flags of scripts/models/*.sh must agree with the HF config they are run against."""
-    if args.hf_checkpoint is None:
-        return
-    config = json.loads((Path(args.hf_checkpoint) / "config.json").read_text())
-    rope_parameters = config.get("rope_parameters") or {}
-    for flag, hf_key in MODEL_FLAG_TO_HF.items():
-        value = getattr(args, flag, None)
-        if value is None:
-            continue
-        actual = config.get(hf_key, rope_parameters.get(hf_key))
-        if hf_key == "head_dim" and actual is None:
-            actual = config["hidden_size"] // config["num_attention_heads"]
-        _require(actual is not None and float(actual) == float(value),
-                 f"--{flag.replace('_', '-')} {value} does not match {hf_key}={actual} in "
-                 f"{args.hf_checkpoint}/config.json; fix the model preset or the checkpoint")
-    if args.vocab_size is not None:
-        _require(args.vocab_size >= config["vocab_size"],
-                 f"--vocab-size {args.vocab_size} is smaller than the checkpoint's vocab_size {config['vocab_size']}")
-    if args.untie_embeddings_and_output_weights is not None:
-        tied = config.get("tie_word_embeddings", True)
-        _require(tied != args.untie_embeddings_and_output_weights,
-                 f"--untie-embeddings-and-output-weights disagrees with tie_word_embeddings={tied} in the HF config")
-
-
 def _resolve_cluster(args) -> None:
     if args.device == "auto":
         import torch
@@ -237,7 +250,8 @@ def _resolve_cluster(args) -> None:
     if args.colocate:
         args.offload_train = True if args.offload_train is None else args.offload_train
         args.offload_rollout = True if args.offload_rollout is None else args.offload_rollout
-        args.rollout_num_gpus = args.world_size
+        if args.rollout_num_gpus is None:  # slime's rule: an explicit --rollout-num-gpus is kept
+            args.rollout_num_gpus = args.world_size
     else:
         args.offload_train = bool(args.offload_train or args.offload)
         args.offload_rollout = bool(args.offload_rollout or args.offload)
@@ -271,9 +285,10 @@ def _resolve_batches(args) -> None:
              f"--rollout-batch-size x --n-samples-per-prompt ({samples_per_rollout}) must be a multiple of "
              f"--global-batch-size ({args.global_batch_size})")
     args.num_steps_per_rollout = samples_per_rollout // args.global_batch_size
-    _require(args.global_batch_size % args.world_size == 0,
-             f"--global-batch-size {args.global_batch_size} must divide evenly over {args.world_size} trainer "
-             "processes (--actor-num-nodes x --actor-num-gpus-per-node)")
+    _require(args.global_batch_size % args.data_parallel_size == 0,
+             f"--global-batch-size {args.global_batch_size} must divide evenly over {args.data_parallel_size} "
+             "data-parallel ranks (--actor-num-nodes x --actor-num-gpus-per-node trainer processes over "
+             "--tensor-model-parallel-size x --pipeline-model-parallel-size x --context-parallel-size)")
     if args.use_dynamic_batch_size:
         _require(args.max_tokens_per_gpu is not None, "--use-dynamic-batch-size needs --max-tokens-per-gpu")
     if args.over_sampling_batch_size is None:
@@ -309,6 +324,18 @@ def _resolve_algorithm(args) -> None:
              "--use-opd needs teacher log-probs: --opd-teacher-load DIR (the trainer computes them), or a custom "
              "--custom-generate-function-path / --rollout-function-path that sets Sample.teacher_log_probs")
     _require(args.opd_teacher_load is None or args.use_opd, "--opd-teacher-load is only used with --use-opd")
+    if args.use_opd and args.opd_type is None:  # slime requires it; the teacher folder says which one is meant
+        args.opd_type = "megatron" if args.opd_teacher_load else "sglang"
+    _require(args.opd_type != "megatron" or args.opd_teacher_load,
+             "--opd-type megatron: the trainer computes the teacher log-probs, so it needs --opd-teacher-load DIR")
+    _require(args.opd_type != "sglang" or args.opd_teacher_load is None,
+             "--opd-type sglang: teacher log-probs come from the rollout (Sample.teacher_log_probs); drop "
+             "--opd-teacher-load or use --opd-type megatron")
+    _require(args.opd_type is None or args.use_opd, "--opd-type is only used with --use-opd")
+    if args.advantage_estimator == "cispo" and args.eps_clip < 1.0:  # slime's warning
+        logger.warning("CISPO is canonically single-sided, but --eps-clip=%s keeps the lower clip bound %s active; "
+                       "set --eps-clip 1.0 (and tune --eps-clip-high, e.g. 4.0) for the canonical wide setting",
+                       args.eps_clip, 1.0 - args.eps_clip)
     if args.n_samples_per_prompt == 1:
         args.grpo_std_normalization = False
     args.use_critic = args.advantage_estimator == "ppo"
@@ -321,6 +348,8 @@ def _resolve_algorithm(args) -> None:
              f"--calculate-per-token-loss contradicts --loss-agg-mode {args.loss_agg_mode}; pass only one")
     args.calculate_per_token_loss = args.loss_agg_mode == "token_mean"
     if args.loss_agg_mode == "constant" and args.loss_agg_constant is None:
+        _require(args.rollout_max_response_len is not None,
+                 "--loss-agg-mode constant needs --loss-agg-constant or --rollout-max-response-len (its default)")
         args.loss_agg_constant = float(args.rollout_max_response_len)
     _require(args.loss_agg_constant is None or args.loss_agg_mode == "constant",
              "--loss-agg-constant is only used with --loss-agg-mode constant")
@@ -333,28 +362,61 @@ def _resolve_algorithm(args) -> None:
 
 
 def _resolve_eval_and_output(args) -> None:
-    from slime.rollout.dataset import parse_eval_prompt_data
+    from slime.utils.eval_config import resolve_eval_datasets
 
     try:
-        args.eval_datasets = parse_eval_prompt_data(args.eval_prompt_data)
-    except ValueError as exc:
+        args.eval_datasets = resolve_eval_datasets(args)
+    except (ValueError, TypeError) as exc:
         raise ArgumentError(str(exc)) from None
-    for name, path in args.eval_datasets:
-        _require(Path(path.split("@[")[0]).is_file(), f"--eval-prompt-data {name}: file {path} not found")
-    _require(args.eval_interval is None or args.eval_datasets, "--eval-interval needs --eval-prompt-data")
+    source = "--eval-config" if args.eval_config else "--eval-prompt-data"
+    for dataset in args.eval_datasets:
+        _require(Path(dataset.path.split("@[")[0]).is_file(),
+                 f"{source} {dataset.name}: file {dataset.path} not found")
+    if args.eval_datasets:  # slime's: the flat name/path list of every dataset
+        args.eval_prompt_data = [item for dataset in args.eval_datasets for item in (dataset.name, dataset.path)]
+    _require(args.eval_interval is None or args.eval_datasets,
+             "--eval-interval needs eval datasets (--eval-prompt-data or --eval-config)")
     _require(args.save_interval is None or args.save, "--save-interval needs --save")
     if args.output_dir is None:
         args.output_dir = os.path.join("runs", time.strftime("%Y%m%d-%H%M%S") + f"-{os.getpid()}")
 
 
+def _resolve_debug(args) -> None:
+    """slime's debug and replay flags (docs/fault-tolerance.md): a replay of saved rollouts needs no engines."""
+    for flag in ("save_debug_rollout_data", "load_debug_rollout_data"):
+        template = getattr(args, flag)
+        _require(template is None or "{rollout_id}" in template,
+                 f"{_flag(flag)} {template}: the path needs a {{rollout_id}} placeholder (one file per rollout), "
+                 "e.g. runs/debug/rollout_{rollout_id}.json")
+    if args.load_debug_rollout_data is not None:
+        args.debug_train_only = True  # as slime: training replays the saved rollouts, no engine starts
+    _require(not (args.debug_rollout_only and args.debug_train_only),
+             "--debug-rollout-only (engines only) and --debug-train-only / --load-debug-rollout-data (trainer only) "
+             "exclude each other")
+    _require(not (args.use_fault_tolerance and args.debug_train_only),
+             "--use-fault-tolerance watches rollout engines; --debug-train-only / --load-debug-rollout-data start none")
+
+
+# slime's dest names for the trainer hooks, whose flags are aliases of --custom-init-path & co. here.
+SLIME_HOOK_DESTS = {"custom_megatron_init_path": "custom_init_path",
+                    "custom_megatron_before_log_prob_hook_path": "custom_before_log_prob_hook_path",
+                    "custom_megatron_before_train_step_hook_path": "custom_before_train_step_hook_path"}
+
+
 def validate_args(args) -> None:
+    for slime_dest, dest in SLIME_HOOK_DESTS.items():
+        setattr(args, slime_dest, getattr(args, dest))
+    from slime.utils.validate_megatron_args import validate_megatron_args, validate_megatron_batches
+
+    _resolve_debug(args)
     _check_ranges(args)
     _check_hooks(args)
     _check_paths(args)
-    _check_model_flags(args)
     check_moe_args(args, _require)
     _resolve_cluster(args)
+    validate_megatron_args(args)
     _resolve_batches(args)
+    validate_megatron_batches(args)
     _resolve_algorithm(args)
     _resolve_eval_and_output(args)
     _check_resume(args)
