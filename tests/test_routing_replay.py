@@ -137,7 +137,9 @@ def test_routing_replay_trains_on_the_recorded_routing(checkpoints, rollout, rep
     picked, even when the router changed in between; without it the training forward routes anew."""
     _, trainer_checkpoint = checkpoints
     flags = ["--use-routing-replay"] if replay else []
-    args = make_args(trainer_checkpoint, *flags, "--get-mismatch-metrics", "--micro-batch-size", "2",
+    # Dynamic batch size: first-fit bins of at most 40 tokens (the samples are 16-19 tokens long).
+    args = make_args(trainer_checkpoint, *flags, "--get-mismatch-metrics", "--use-dynamic-batch-size",
+                     "--max-tokens-per-gpu", "40",
                      "--lr", "0", "--moe-aux-loss-coeff", "0.01", "--moe-z-loss-coeff", "0.001",
                      "--custom-before-train-step-hook-path", f"{__name__}.swap_tied_experts")
     trainer = make_trainer(args)
@@ -147,6 +149,7 @@ def test_routing_replay_trains_on_the_recorded_routing(checkpoints, rollout, rep
     metrics = trainer.train(0, rollout)
     dist.destroy_process_group()
     old_pass, training = received[:len(received) // 2], received[len(received) // 2:]
+    assert len(old_pass) == 2 * 2  # two micro-batches x two MoE layers
     same = all(torch.equal(a, b) for a, b in zip(old_pass, training))
     assert same == replay
     assert (metrics["train/ppo_kl"] == pytest.approx(0.0, abs=1e-4)) == replay
