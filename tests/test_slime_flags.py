@@ -142,3 +142,16 @@ def test_wandb_and_tensorboard_flags(base, tmp_path):
     plain = parse_args(base + ["--wandb-group", "grpo", "--disable-wandb-random-suffix"])
     assert wandb_init_kwargs(plain, tmp_path)["name"] == "grpo"
     assert tensorboard_dir(args, tmp_path) == tmp_path / "tensorboard" / "p" / "e"
+
+
+def test_train_env_vars_reach_the_train_actors_runtime_env(base):
+    from slime.ray.actor_group import train_actor_options
+    from slime.ray.placement_group import DevicePlacement
+
+    placement = DevicePlacement(pg=None, bundle_indices=[0], use_gpu=False)
+    args = parse_args(base + ["--train-env-vars", '{"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True", "N": 2}'])
+    assert train_actor_options(args, placement, 0)["runtime_env"] == {
+        "env_vars": {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True", "N": "2"}}
+    assert "runtime_env" not in train_actor_options(parse_args(base), placement, 0)
+    with pytest.raises(SystemExit):  # argparse: not a JSON object
+        parse_args(base + ["--train-env-vars", "[1, 2]"])

@@ -89,7 +89,6 @@ REFUSED = {
     "dump_details": "not implemented",
     "balance_data": "not implemented yet",
     "eval_max_context_len": "not implemented yet",
-    "train_env_vars": "not implemented yet",
 }
 
 
