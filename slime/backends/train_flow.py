@@ -167,7 +167,7 @@ class TrainFlow:
         if rollout_log_probs is not None and old_log_probs is not None and not args.use_rollout_logprobs:
             metrics.update(self._mismatch_metrics(old_log_probs, rollout_log_probs, loss_masks))
         advantages = returns = None
-        if args.loss_type != "sft_loss":
+        if args.loss_type != "sft_loss" and args.compute_advantages_and_returns:
             advantages, returns = compute_advantages(args, data["rewards"], loss_masks, old_log_probs, ref_log_probs,
                                                      dict(data), values)
             if args.use_opd:

@@ -76,8 +76,6 @@ REFUSED = {
     "use_stateless_adam": "not implemented",
     "balance_by_flops": "not implemented (--balance-data balances token counts)",
     "log_probs_max_tokens_per_gpu": "not implemented: forward-only passes use --max-tokens-per-gpu",
-    "compute_advantages_and_returns": "not implemented: advantages are always computed (or by "
-                                      "--custom-advantage-function-path)",
     "use_rollout_entropy": "not implemented: entropy is recomputed by the trainer",
     "custom_tis_function_path": "not implemented yet: use --use-tis with --tis-mode",
     "custom_pg_loss_reducer_function_path": "not implemented yet: use --loss-agg-mode",

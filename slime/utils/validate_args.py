@@ -323,6 +323,9 @@ def _resolve_algorithm(args) -> None:
              "--opd-type sglang: teacher log-probs come from the rollout (Sample.teacher_log_probs); drop "
              "--opd-teacher-load or use --opd-type megatron")
     _require(args.opd_type is None or args.use_opd, "--opd-type is only used with --use-opd")
+    _require(args.compute_advantages_and_returns or args.loss_type != "policy_loss",
+             "--disable-compute-advantages-and-returns leaves the policy loss without advantages; use it with "
+             "--loss-type sft_loss or custom_loss")
     if args.advantage_estimator == "cispo" and args.eps_clip < 1.0:  # slime's warning
         logger.warning("CISPO is canonically single-sided, but --eps-clip=%s keeps the lower clip bound %s active; "
                        "set --eps-clip 1.0 (and tune --eps-clip-high, e.g. 4.0) for the canonical wide setting",
