@@ -77,7 +77,6 @@ REFUSED = {
     "balance_by_flops": "not implemented (--balance-data balances token counts)",
     "log_probs_max_tokens_per_gpu": "not implemented: forward-only passes use --max-tokens-per-gpu",
     "use_rollout_entropy": "not implemented: entropy is recomputed by the trainer",
-    "custom_tis_function_path": "not implemented yet: use --use-tis with --tis-mode",
     "custom_pg_loss_reducer_function_path": "not implemented yet: use --loss-agg-mode",
     "enable_mtp_training": "multi-token-prediction layers are a Megatron feature",
     "multimodal_keys": "no multimodal models here",

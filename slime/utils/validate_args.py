@@ -154,6 +154,7 @@ HOOK_FLAGS = (
     "custom_loss_function_path", "custom_advantage_function_path", "custom_init_path",
     "custom_before_log_prob_hook_path", "custom_before_train_step_hook_path", "env_path",
     "custom_rollout_log_function_path", "custom_eval_rollout_log_function_path", "custom_reward_post_process_path",
+    "custom_tis_function_path",
     "custom_convert_samples_to_train_data_path", "rollout_sample_filter_path", "rollout_all_samples_process_path",
 )
 
@@ -348,6 +349,8 @@ def _resolve_algorithm(args) -> None:
     _require(args.loss_agg_constant is None or args.loss_agg_mode == "constant",
              "--loss-agg-constant is only used with --loss-agg-mode constant")
     _require(args.tis_mode == "truncate" or args.use_tis, f"--tis-mode {args.tis_mode} needs --use-tis")
+    _require(args.custom_tis_function_path is None or args.use_tis,
+             "--custom-tis-function-path replaces the TIS weights of --use-tis; pass --use-tis too")
     if args.loss_type == "policy_loss" and not args.debug_rollout_only:
         _require(args.rm_type is not None or args.custom_rm_path is not None
                  or args.rollout_function_path != "slime.rollout.sglang_rollout.generate_rollout",
