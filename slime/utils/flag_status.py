@@ -84,7 +84,6 @@ REFUSED = {
     "load_debug_rollout_data_subsample": "not implemented",
     "save_debug_train_data": "not implemented",
     "dump_details": "not implemented",
-    "eval_max_context_len": "not implemented yet",
 }
 
 

@@ -371,6 +371,8 @@ def _resolve_eval_and_output(args) -> None:
                  f"{source} {dataset.name}: file {dataset.path} not found")
     if args.eval_datasets:  # slime's: the flat name/path list of every dataset
         args.eval_prompt_data = [item for dataset in args.eval_datasets for item in (dataset.name, dataset.path)]
+    if args.eval_max_context_len is None:  # slime's default
+        args.eval_max_context_len = args.rollout_max_context_len
     _require(args.eval_interval is None or args.eval_datasets,
              "--eval-interval needs eval datasets (--eval-prompt-data or --eval-config)")
     _require(args.save_interval is None or args.save, "--save-interval needs --save")
