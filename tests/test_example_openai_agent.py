@@ -55,7 +55,7 @@ def router(task, tmp_path_factory):
 @pytest.fixture(scope="module")
 def args(task, router):
     host, port = router.url.removeprefix("http://").split(":")
-    return types.SimpleNamespace(sglang_router_ip=host, sglang_router_port=int(port), sglang_api_key=ROUTER_KEY,
+    return types.SimpleNamespace(use_fault_tolerance=False, sglang_router_ip=host, sglang_router_port=int(port), sglang_api_key=ROUTER_KEY,
                                  hf_checkpoint=str(task["model"]), max_turns=3, tool_call_parser="qwen")
 
 

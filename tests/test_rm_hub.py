@@ -253,6 +253,25 @@ def test_remote_rm_posts_payload_and_retries(monkeypatch):
     assert received == [{"prompt": "1+1?", "response": "2", "label": "2"}] * 2
 
 
+def test_remote_rm_that_hangs_once_is_retried_within_the_reward_timeout(monkeypatch):
+    monkeypatch.setattr(remote_rm_module, "BACKOFF_BASE_S", 0.01)
+    num_calls = []
+
+    async def handler(request):
+        num_calls.append(1)
+        if len(num_calls) == 1:
+            await asyncio.sleep(3600)  # the first attempt never answers: cut at half the budget, then retried
+        return web.json_response(1.0)
+
+    async def body(url):
+        sample = Sample(prompt="1+1?", response="2", label="2")
+        reward = await rm_hub.async_rm(make_args(rm_type="remote_rm", rm_url=url, reward_timeout=4.0), sample)
+        return reward, sample.metadata.get("reward_error")
+
+    assert asyncio.run(_with_reward_server(handler, body)) == (1.0, None)
+    assert len(num_calls) == 2
+
+
 def test_remote_rm_client_error_is_not_retried(monkeypatch):
     monkeypatch.setattr(remote_rm_module, "BACKOFF_BASE_S", 0.01)
     calls = []

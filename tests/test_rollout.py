@@ -124,7 +124,7 @@ def make_args(tmp_path, stack):
         path = tmp_path / "prompts.jsonl"
         path.write_text("".join(json.dumps({"input": p, "label": "1"}) + "\n" for p in prompts))
         args = SimpleNamespace(
-            prompt_data=str(path), input_key="input", label_key="label", metadata_key="metadata", tool_key="tools",
+            use_fault_tolerance=False, prompt_data=str(path), input_key="input", label_key="label", metadata_key="metadata", tool_key="tools",
             apply_chat_template=False, rollout_max_prompt_len=None, hf_checkpoint=stack.model_dir,
             n_samples_per_prompt=2, rollout_shuffle=False, rollout_seed=42, buffer_filter_path=None,
             rollout_batch_size=2, over_sampling_batch_size=None, rollout_temperature=0.0, rollout_top_p=1.0,
@@ -133,7 +133,7 @@ def make_args(tmp_path, stack):
             sglang_router_port=stack.router.port, sglang_server_concurrency=8, rollout_num_engines=1,
             custom_rm_path=f"{__name__}.reward_by_index", rm_type=None, group_rm=False, reward_key=None,
             dynamic_sampling_filter_path=None, partial_rollout=False, mask_offpolicy_in_partial_rollout=False,
-            custom_generate_function_path=None,
+            custom_generate_function_path=None, use_rollout_routing_replay=False,
         )
         args.__dict__.update(overrides)
         return args

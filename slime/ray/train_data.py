@@ -106,7 +106,23 @@ def samples_to_train_data(args, samples: list[Sample]) -> dict:
         data["weight_versions"] = [s.weight_versions[-1] for s in samples]  # the weights that finished it
     if samples and all(s.teacher_log_probs is not None for s in samples):
         data["teacher_log_probs"] = [list(s.teacher_log_probs) for s in samples]
+    if any(s.rollout_routed_experts is not None for s in samples):
+        data["rollout_routed_experts"] = [_routed_experts_of(s) for s in samples]
     return data
+
+
+def _routed_experts_of(sample: Sample):
+    """R3: the sample's engine routing, one row per position but the last (a clear error names a bad sample)."""
+    routed = sample.rollout_routed_experts
+    name = f"sample {sample.index} (group {sample.group_index})"
+    if routed is None:
+        raise ValueError(f"{name} has no rollout_routed_experts while others of the rollout do (a custom rollout / "
+                         "generate function must keep the engine's meta_info['routed_experts'], see "
+                         "slime.rollout.routed_experts.store_routed_experts)")
+    if routed.ndim != 3 or len(routed) != len(sample.tokens) - 1:
+        raise ValueError(f"{name}: rollout_routed_experts has shape {tuple(routed.shape)}, expected "
+                         f"[len(tokens) - 1 = {len(sample.tokens) - 1}, num_moe_layers, top_k]")
+    return routed
 
 
 def assign_rollout_ids(samples: list[Sample]) -> None:
@@ -134,16 +150,26 @@ def _rollout_sizes(samples: list[Sample]) -> list[int]:
     return [sizes[s.rollout_id] if s.rollout_id is not None else 1 for s in samples]
 
 
+def data_parallel_rank(args, rank: int) -> int:
+    """The data-parallel rank of trainer process `rank`: Megatron's rank order (tensor, context, expert, data,
+    pipeline from fastest to slowest) puts the tensor and context peers of one replica next to each other, and
+    its pipeline stages dp x tp x cp apart; every process of a replica trains on the same data. With the FSDP
+    backend every process is its own data-parallel rank."""
+    replica_width = args.tensor_model_parallel_size * args.context_parallel_size
+    return (rank // replica_width) % args.data_parallel_size
+
+
 def split_train_data(args, data: dict, rollout_id: int) -> tuple[list[dict], int]:
     """Split into one dict per data-parallel rank, step by step, so every rank holds the same number of samples
-    of every optimizer step. Returns (per-rank dicts, number of samples dropped to make the split even)."""
+    of every optimizer step. Returns (per-rank dicts, number of samples dropped to make the split even); the
+    train group hands dict `data_parallel_rank(args, rank)` to process `rank`."""
     num_samples = len(data["tokens"])
-    dp_size = args.world_size
+    dp_size = args.data_parallel_size
     num_steps = args.num_steps_per_rollout
     per_rank_per_step = num_samples // (num_steps * dp_size)
     if per_rank_per_step == 0:
         raise ValueError(f"rollout {rollout_id} produced {num_samples} samples, fewer than "
-                         f"num_steps_per_rollout ({num_steps}) x trainer processes ({dp_size})")
+                         f"num_steps_per_rollout ({num_steps}) x data-parallel ranks ({dp_size})")
     global_batch_size = per_rank_per_step * dp_size
     used = global_batch_size * num_steps
     per_rank = [defaultdict(list) for _ in range(dp_size)]

@@ -25,7 +25,9 @@ from tqdm import tqdm
 
 from slime.rollout.base_types import RolloutFnTrainOutput
 from slime.rollout.dataset import prompt_token_ids, tokenizer_for
-from slime.utils.http_utils import abort_all_requests, request_json, router_url, run
+from slime.rollout.resend import post_generate
+from slime.utils.http_utils import abort_all_requests, router_url, run
+from slime.rollout.routed_experts import routed_experts_request, store_routed_experts
 from slime.utils.engine_access import engine_admin_headers, router_headers
 from slime.rollout.rm_hub import async_rm, batched_async_rm
 from slime.rollout.sample_hooks import apply_rollout_sample_hooks
@@ -121,10 +123,12 @@ async def generate(args, sample: Sample, sampling_params: dict) -> Sample:
 async def sample_continuation(args, sample: Sample, sampling_params: dict) -> str:
     """One POST /generate continuing `sample.tokens`: appends the sampled ids (loss mask 1, the engine's log-probs)
     and the text, sets the status from the finish reason, counts prefix-cache hits; returns the text sampled."""
-    payload = {"input_ids": sample.tokens, "sampling_params": sampling_params, "return_logprob": True}
+    routing = routed_experts_request(args, sample)
+    payload = {"input_ids": sample.tokens, "sampling_params": sampling_params, "return_logprob": True, **routing}
     timeout = getattr(args, "sglang_router_request_timeout_secs", None) or DEFAULT_REQUEST_TIMEOUT_S
     headers = {**router_headers(args), **({"X-SMG-Routing-Key": sample.session_id} if sample.session_id else {})}
-    output = await request_json("POST", f"{router_url(args)}/generate", payload, timeout=timeout, headers=headers)
+    output = await post_generate(args, f"{router_url(args)}/generate", payload, sample, timeout=timeout,
+                                 headers=headers)
     meta = output.get("meta_info", {})
     logprob_items = meta.get("output_token_logprobs")
     if logprob_items is None:
@@ -133,6 +137,7 @@ async def sample_continuation(args, sample: Sample, sampling_params: dict) -> st
     text = output.get("text", "")
     sample.append_response_tokens(args, tokens=[int(item[1]) for item in logprob_items],
                                   log_probs=[float(item[0]) for item in logprob_items], meta_info=meta, text=text)
+    store_routed_experts(args, sample, meta, routing.get("routed_experts_start_len", 0))
     return text
 
 

@@ -27,6 +27,7 @@ from slime.utils.arguments_weight_sync import add_weight_sync_arguments
 from slime.utils.custom_config import apply_custom_config
 from slime.utils.engine_access import add_engine_access_arguments, ensure_admin_key
 from slime.utils.flag_status import check_flag_status
+from slime.utils.moe_arguments import add_moe_arguments
 from slime.utils.validate_args import ArgumentError, validate_args
 
 logger = logging.getLogger(__name__)
@@ -123,6 +124,21 @@ def add_rollout_arguments(parser):
     g.add_argument("--mask-offpolicy-in-partial-rollout", action="store_true")
     g.add_argument("--rollout-data-postprocess-path", default=None)
     g.add_argument("--keep-old-actor", action="store_true")
+
+
+def add_fault_tolerance_arguments(parser):
+    g = parser.add_argument_group("fault tolerance (docs/fault-tolerance.md)")
+    g.add_argument("--use-fault-tolerance", action="store_true",
+                   help="health-check the engines during rollouts; a dead or hung engine leaves the router at once, "
+                        "its requests go to the others, and it restarts with the trainer's current weights")
+    g.add_argument("--rollout-health-check-interval", type=float, default=30.0,
+                   help="seconds between two /health_generate heartbeats of an engine")
+    g.add_argument("--rollout-health-check-timeout", type=float, default=30.0,
+                   help="seconds a heartbeat may take before the engine counts as hung")
+    g.add_argument("--rollout-health-check-first-wait", type=float, default=0.0,
+                   help="seconds before the first heartbeat after the engines resume (warm-up)")
+    g.add_argument("--max-engine-restarts", type=int, default=10,
+                   help="engine restarts a run may use in all; one more failure ends the run with an error")
 
 
 def add_multi_turn_arguments(parser):
@@ -255,10 +271,12 @@ ARGUMENT_GROUPS = [
     add_model_arguments,
     add_data_arguments,
     add_rollout_arguments,
+    add_fault_tolerance_arguments,
     add_multi_turn_arguments,
     add_reward_arguments,
     add_training_arguments,
     add_algorithm_arguments,
+    add_moe_arguments,
     add_eval_arguments,
     add_logging_arguments,
     add_debug_arguments,

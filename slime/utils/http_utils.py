@@ -27,6 +27,7 @@ RETRY_BACKOFF_BASE_S = 0.2
 RETRY_BACKOFF_MAX_S = 4.0
 # Gateway statuses mean "no healthy worker right now" (e.g. an engine restarting), so the request is retried.
 RETRYABLE_STATUS_CODES = (502, 503, 504)
+ABORT_TIMEOUT_S = 10.0
 
 
 class EndpointUnreachableError(ConnectionError):
@@ -35,6 +36,11 @@ class EndpointUnreachableError(ConnectionError):
 
 class HTTPRequestError(RuntimeError):
     """The endpoint answered with an error status that retrying cannot fix (a bad request or an engine bug)."""
+
+    def __init__(self, message: str, status: int | None = None, body: str = ""):
+        super().__init__(message)
+        self.status = status
+        self.body = body
 
 
 _loop: asyncio.AbstractEventLoop | None = None
@@ -130,10 +136,10 @@ async def _request_with_retries(client: aiohttp.ClientSession, method: str, url:
             continue
         text = body.decode("utf-8", errors="replace")
         if status in RETRYABLE_STATUS_CODES:
-            last_error = HTTPRequestError(f"{status}: {text[:200]}")
+            last_error = HTTPRequestError(f"{status}: {text[:200]}", status, text)
             continue
         if status >= 400:
-            raise HTTPRequestError(f"{method} {url} answered {status}: {text[:1000]}")
+            raise HTTPRequestError(f"{method} {url} answered {status}: {text[:1000]}", status, text)
         return json.loads(body) if body else None
     raise EndpointUnreachableError(
         f"could not reach {url} after {num_retries + 1} attempts "
@@ -168,13 +174,21 @@ async def abort_all_requests(base_url: str, router_headers: dict | None = None,
     """Ask every worker behind the router at `base_url` to abort all its requests; returns the worker URLs.
     `router_headers` authenticate to the router, `engine_headers` (the admin key) to the workers.
 
-    Aborted requests answer their pending /generate with finish_reason "abort" and the tokens produced so far.
+    Aborted requests answer their pending /generate with finish_reason "abort" and the tokens produced so far. A
+    worker that cannot be reached in time (a failed engine, not yet out of the router) is skipped with a warning:
+    the engine watch deals with it, and a request it held fails on its own.
     """
     worker_urls = await list_worker_urls(base_url, router_headers)
-    await asyncio.gather(*(
-        request_json("POST", f"{url.rstrip('/')}/abort_request", {"abort_all": True}, headers=engine_headers)
+    answers = await asyncio.gather(*(
+        request_json("POST", f"{url.rstrip('/')}/abort_request", {"abort_all": True}, headers=engine_headers,
+                     timeout=ABORT_TIMEOUT_S, num_retries=1)
         for url in worker_urls
-    ))
+    ), return_exceptions=True)
+    for url, answer in zip(worker_urls, answers):
+        if isinstance(answer, (EndpointUnreachableError, HTTPRequestError)):
+            logger.warning("could not abort the requests of %s: %s", url, answer)
+        elif isinstance(answer, BaseException):
+            raise answer
     return worker_urls
 
 

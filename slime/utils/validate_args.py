@@ -19,6 +19,7 @@ from pathlib import Path
 
 from slime.utils.checkpoint_state import CheckpointError, critic_checkpoint, resume_dir
 from slime.utils.misc import load_function, load_functions
+from slime.utils.moe_arguments import check_moe_args
 
 logger = logging.getLogger(__name__)
 
@@ -87,7 +88,8 @@ FLAG_RANGES = {
     "moe_router_topk_scaling_factor": POSITIVE, "moe_router_num_groups": AT_LEAST_1,
     "moe_router_group_topk": AT_LEAST_1, "moe_router_bias_update_rate": NON_NEGATIVE,
     "make_vocab_size_divisible_by": AT_LEAST_1, "decoder_first_pipeline_num_layers": NON_NEGATIVE,
-    "decoder_last_pipeline_num_layers": NON_NEGATIVE, "ckpt_step": NON_NEGATIVE,
+    "decoder_last_pipeline_num_layers": NON_NEGATIVE, "ckpt_step": NON_NEGATIVE, "padded_vocab_size": AT_LEAST_1,
+    "distributed_timeout_minutes": AT_LEAST_1, "mtp_num_layers": NON_NEGATIVE, "mtp_loss_scaling_factor": NON_NEGATIVE,
     # data
     "rollout_seed": ANY, "num_rollout": NON_NEGATIVE, "num_epoch": AT_LEAST_1, "start_rollout_id": NON_NEGATIVE,
     # rollout
@@ -98,6 +100,9 @@ FLAG_RANGES = {
     "over_sampling_batch_size": AT_LEAST_1, "sglang_router_port": Range(low=1, high=65535),
     "sglang_server_concurrency": AT_LEAST_1, "update_weight_buffer_size": AT_LEAST_1,
     "update_weights_interval": AT_LEAST_1,
+    # fault tolerance
+    "rollout_health_check_interval": POSITIVE, "rollout_health_check_timeout": POSITIVE,
+    "rollout_health_check_first_wait": NON_NEGATIVE, "max_engine_restarts": NON_NEGATIVE,
     # multi-turn
     "max_turns": AT_LEAST_1, "tool_timeout": POSITIVE, "max_tool_response_chars": AT_LEAST_1,
     # reward
@@ -113,6 +118,10 @@ FLAG_RANGES = {
     "ref_update_interval": AT_LEAST_1, "entropy_coef": NON_NEGATIVE, "gamma": PROBABILITY, "lambd": PROBABILITY,
     "loss_agg_constant": POSITIVE, "tis_clip": POSITIVE, "tis_clip_low": NON_NEGATIVE,
     "num_critic_only_steps": NON_NEGATIVE, "opd_kl_coef": NON_NEGATIVE,
+    # mixture of experts
+    "num_experts": AT_LEAST_1, "moe_router_topk": AT_LEAST_1, "moe_ffn_hidden_size": AT_LEAST_1,
+    "moe_shared_expert_intermediate_size": AT_LEAST_1, "moe_aux_loss_coeff": NON_NEGATIVE,
+    "moe_z_loss_coeff": NON_NEGATIVE,
     # eval
     "eval_interval": AT_LEAST_1, "n_samples_per_eval_prompt": AT_LEAST_1,
     "eval_temperature": Range(low=0, why="0 = greedy"), "eval_top_p": TOP_P, "eval_top_k": TOP_K, "eval_max_response_len": AT_LEAST_1,
@@ -380,6 +389,22 @@ def _resolve_eval_and_output(args) -> None:
         args.output_dir = os.path.join("runs", time.strftime("%Y%m%d-%H%M%S") + f"-{os.getpid()}")
 
 
+def _resolve_debug(args) -> None:
+    """slime's debug and replay flags (docs/fault-tolerance.md): a replay of saved rollouts needs no engines."""
+    for flag in ("save_debug_rollout_data", "load_debug_rollout_data"):
+        template = getattr(args, flag)
+        _require(template is None or "{rollout_id}" in template,
+                 f"{_flag(flag)} {template}: the path needs a {{rollout_id}} placeholder (one file per rollout), "
+                 "e.g. runs/debug/rollout_{rollout_id}.json")
+    if args.load_debug_rollout_data is not None:
+        args.debug_train_only = True  # as slime: training replays the saved rollouts, no engine starts
+    _require(not (args.debug_rollout_only and args.debug_train_only),
+             "--debug-rollout-only (engines only) and --debug-train-only / --load-debug-rollout-data (trainer only) "
+             "exclude each other")
+    _require(not (args.use_fault_tolerance and args.debug_train_only),
+             "--use-fault-tolerance watches rollout engines; --debug-train-only / --load-debug-rollout-data start none")
+
+
 # slime's dest names for the trainer hooks, whose flags are aliases of --custom-init-path & co. here.
 SLIME_HOOK_DESTS = {"custom_megatron_init_path": "custom_init_path",
                     "custom_megatron_before_log_prob_hook_path": "custom_before_log_prob_hook_path",
@@ -391,9 +416,11 @@ def validate_args(args) -> None:
         setattr(args, slime_dest, getattr(args, dest))
     from slime.utils.validate_megatron_args import validate_megatron_args, validate_megatron_batches
 
+    _resolve_debug(args)
     _check_ranges(args)
     _check_hooks(args)
     _check_paths(args)
+    check_moe_args(args, _require)
     _resolve_cluster(args)
     validate_megatron_args(args)
     _resolve_batches(args)

@@ -85,7 +85,8 @@ async def _builtin_reward(args, sample: Sample, rm_type: str):
     if rm_type == "gpqa":
         return compute_gpqa_reward(response, label, sample.metadata)
     if rm_type == "remote_rm":
-        return await request_remote_reward(args.rm_url, {"prompt": sample.prompt, "response": response, "label": label})
+        payload = {"prompt": sample.prompt, "response": response, "label": label}
+        return await request_remote_reward(args.rm_url, payload, budget_s=args.reward_timeout)
     return float(random.randint(0, 1))  # "random"
 
 
