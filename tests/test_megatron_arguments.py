@@ -74,9 +74,6 @@ MOE_TRAINER_FLAGS = {"--num-experts", "--moe-router-topk", "--moe-ffn-hidden-siz
                      "--moe-grouped-gemm", "--moe-token-dispatcher-type", "--moe-permute-fusion"}
 # slime flags (not Megatron's) of the stock recipes that this parser does not take yet; branch compat owns them.
 SLIME_FLAG_GAPS = {
-    "--balance-data": "slime's data-parallel balancing flag",
-    "--disable-compute-advantages-and-returns": "slime's SFT switch",
-    "--sglang-cuda-graph-bs": "--sglang-* pass-through of SGLang's own flags",
     "--rollout-num-gpus-per-engine": "values > 1 need --rollout-backend sglang (the built-in engine runs one device)",
     "--load": "a --load folder holding no checkpoint yet: slime starts from the HF weights, here it is an error "
               "unless --load-if-exists",
