@@ -36,7 +36,6 @@ def test_tp2_grpo_run_syncs_weights_and_saves_torch_dist(task, tmp_path):
     assert [r["rollout_id"] for r in rows] == [0, 1]
     for row in rows:
         assert row["train/train_rollout_logprob_abs_diff"] < 1e-3  # engine == trainer after every weight push
-        assert row["train/grad_norm"] > 0
     assert "eval/arith" in rows[1]
     meta = json.loads((tmp_path / "ckpt" / "rollout_1" / "meta.json").read_text())
     assert meta["format"] == "torch_dist" and meta["rollout_id"] == 1
@@ -51,6 +50,7 @@ def _sft_argv(task, out, num_rollout: int, save, *extra):
             "--save-debug-rollout-data", str(out / "rollout_{rollout_id}.json"), *extra]
 
 
+@pytest.mark.slow  # three train.py runs (~5 min on 2 cores); the backend-level resume is test_megatron_backend's
 def test_tp2_resume_from_torch_dist_continues_exactly(task, tmp_path):
     run_train(_sft_argv(task, tmp_path / "full", 3, tmp_path / "ckpt_full"))
     run_train(_sft_argv(task, tmp_path / "part1", 2, tmp_path / "ckpt_part"))
