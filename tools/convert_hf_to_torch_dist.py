@@ -42,22 +42,25 @@ def parse_args(argv=None):
 
 
 def main(argv=None) -> None:
+    import torch
     from transformers import AutoConfig
 
     from slime.backends.megatron_utils.checkpoint import save_weights
     from slime.backends.megatron_utils.cpu_shim import apply_cpu_shim
     from slime.backends.megatron_utils.hf_weights import load_hf_weights
     from slime.backends.megatron_utils.model import build_gpt_model
-    from slime.backends.megatron_utils.parallel import init_distributed, init_model_parallel
+    from slime.backends.fsdp_utils.backend import init_default_group
+    from slime.backends.megatron_utils.parallel import init_model_parallel
     from slime.utils.misc import find_free_port
 
     args = parse_args(argv)
+    cpu = torch.device("cpu")  # conversion copies tensors: the host is enough and works everywhere
     apply_cpu_shim()
-    init_distributed(int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1)),
-                     os.environ.get("MASTER_ADDR", "127.0.0.1"), int(os.environ.get("MASTER_PORT", find_free_port())))
-    init_model_parallel(args)
+    init_default_group(cpu, int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1)),
+                       os.environ.get("MASTER_ADDR", "127.0.0.1"), int(os.environ.get("MASTER_PORT", find_free_port())))
+    init_model_parallel(args, cpu)
     hf_config = AutoConfig.from_pretrained(args.hf_checkpoint)
-    chunks = [build_gpt_model(args, hf_config)]
+    chunks = [build_gpt_model(args, hf_config, cpu)]
     load_hf_weights(chunks, args.hf_checkpoint, hf_config)
     folder = save_weights(args.save, chunks, args.hf_checkpoint)
     if int(os.environ.get("RANK", 0)) == 0:

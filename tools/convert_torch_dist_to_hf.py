@@ -31,13 +31,15 @@ def parse_args(argv=None):
 
 
 def main(argv=None) -> None:
+    import torch
     from transformers import AutoConfig
 
     from slime.backends.megatron_utils.checkpoint import load_model_weights
     from slime.backends.megatron_utils.cpu_shim import apply_cpu_shim
     from slime.backends.megatron_utils.hf_weights import save_hf_checkpoint
     from slime.backends.megatron_utils.model import build_gpt_model
-    from slime.backends.megatron_utils.parallel import init_distributed, init_model_parallel
+    from slime.backends.fsdp_utils.backend import init_default_group
+    from slime.backends.megatron_utils.parallel import init_model_parallel
     from slime.utils.misc import find_free_port
 
     opts = parse_args(argv)
@@ -47,11 +49,12 @@ def main(argv=None) -> None:
         virtual_pipeline_model_parallel_size=None, context_parallel_size=1, expert_model_parallel_size=1,
         expert_tensor_parallel_size=1, sequence_parallel=False, recompute_granularity=None, recompute_method=None,
         recompute_num_layers=None, bf16=False, seed=0)
+    cpu = torch.device("cpu")  # conversion copies tensors: the host is enough and works everywhere
     apply_cpu_shim()
-    init_distributed(0, 1, "127.0.0.1", find_free_port())
-    init_model_parallel(layout)
+    init_default_group(cpu, 0, 1, "127.0.0.1", find_free_port())
+    init_model_parallel(layout, cpu)
     hf_config = AutoConfig.from_pretrained(source)
-    chunks = [build_gpt_model(layout, hf_config)]
+    chunks = [build_gpt_model(layout, hf_config, cpu)]
     load_model_weights(opts.input_dir, chunks)
     save_hf_checkpoint(chunks, hf_config, opts.output_dir, source)
     print(f"wrote {opts.output_dir}")

@@ -56,9 +56,10 @@ class MegatronBackend(TrainBackend):
                              "gradient sums and the weight export cover TP / PP / DP); use 1")
         self.args, self.rank, self.world_size = args, rank, world_size
         self.device = training_device(args, rank)
-        apply_cpu_shim()
+        if self.device.type == "cpu":
+            apply_cpu_shim()
         init_default_group(self.device, rank, world_size, master_addr, master_port)
-        init_model_parallel(args)
+        init_model_parallel(args, self.device)
         self.dp_rank = parallel_state.get_data_parallel_rank(with_context_parallel=True)
         self.dp_size = parallel_state.get_data_parallel_world_size(with_context_parallel=True)
         self.dp_group = parallel_state.get_data_parallel_group(with_context_parallel=True)
@@ -71,7 +72,7 @@ class MegatronBackend(TrainBackend):
 
         args = self.args
         self.hf_config = AutoConfig.from_pretrained(args.hf_checkpoint)
-        self.model_chunks = [build_gpt_model(args, self.hf_config)]
+        self.model_chunks = [build_gpt_model(args, self.hf_config, self.device)]
         self.model = self.model_chunks[0]
         self._load_weights(weights_path)
         params = [param for chunk in self.model_chunks for param in chunk.parameters()]

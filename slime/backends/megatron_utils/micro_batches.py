@@ -1,7 +1,7 @@
 """Packed micro-batches through megatron-core's pipeline schedules (`get_forward_backward_func`): forward-only
 passes for log-probs / entropy, and forward + backward of a loss.
 
-A micro-batch is the project's `PackedMicroBatch` (slime/backends/fsdp_utils/data.py: samples concatenated into
+A micro-batch is the project's `PackedMicroBatch` (slime/backends/packing.py: samples concatenated into
 one row, positions restarting per sample, `logit_index` / `target_ids` of the response tokens); here it becomes
 Megatron's THD input: `input_ids` / `position_ids` [1, T] and `PackedSeqParams(qkv_format="thd", cu_seqlens)`.
 With sequence parallelism the row is padded to a multiple of the TP size by a padding segment of its own (pad id
@@ -9,7 +9,8 @@ With sequence parallelism the row is padded to a multiple of the TP size by a pa
 entropy, loss metrics) is broadcast from there to every stage. The loss is computed per micro-batch as the
 caller's share of the global loss (no division by the number of micro-batches: `calculate_per_token_loss`).
 
-Not the micro-batch schedule (data.py decides which samples form each micro-batch) and not the loss math.
+Not the micro-batch schedule (the train flow and packing.py decide which samples form each micro-batch) and not
+the loss math (the flow's `loss_of`).
 """
 
 from __future__ import annotations

@@ -24,8 +24,8 @@ SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "llama", "qwen3_moe")
 VOCAB_PAD_MULTIPLE = 128  # Megatron's --make-vocab-size-divisible-by default, times the TP size
 
 
-def transformer_engine_available() -> bool:
-    return torch.cuda.is_available() and importlib.util.find_spec("transformer_engine") is not None
+def transformer_engine_available(device: torch.device) -> bool:
+    return device.type == "cuda" and importlib.util.find_spec("transformer_engine") is not None
 
 
 def padded_vocab_size(vocab_size: int, tp_size: int) -> int:
@@ -33,7 +33,7 @@ def padded_vocab_size(vocab_size: int, tp_size: int) -> int:
     return -(-vocab_size // multiple) * multiple
 
 
-def transformer_config(args, hf_config):
+def transformer_config(args, hf_config, device: torch.device):
     """megatron-core `TransformerConfig` for the HF config and the parallelism flags."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
@@ -41,7 +41,7 @@ def transformer_config(args, hf_config):
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise ValueError(f"--train-backend megatron supports model_type {', '.join(SUPPORTED_MODEL_TYPES)}; "
                          f"{args.hf_checkpoint} is {model_type!r} (use --train-backend fsdp for it)")
-    on_gpu = torch.cuda.is_available()
+    on_gpu = device.type == "cuda"
     use_bf16 = bool(args.bf16) and on_gpu
     head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
     moe = {}
@@ -55,7 +55,7 @@ def transformer_config(args, hf_config):
             moe_router_pre_softmax=not hf_config.norm_topk_prob,
             moe_router_load_balancing_type="none",
             moe_aux_loss_coeff=0.0,
-            moe_grouped_gemm=transformer_engine_available(),
+            moe_grouped_gemm=transformer_engine_available(device),
             moe_router_dtype="fp32",
         )
         if hf_config.decoder_sparse_step != 1 or hf_config.mlp_only_layers:
@@ -108,8 +108,8 @@ def transformer_config(args, hf_config):
     )
 
 
-def layer_spec(config):
-    if transformer_engine_available():
+def layer_spec(config, device: torch.device):
+    if transformer_engine_available(device):
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
 
         return get_gpt_layer_with_transformer_engine_spec(
@@ -128,19 +128,19 @@ def layer_spec(config):
     return spec
 
 
-def build_gpt_model(args, hf_config, vp_stage: int | None = None):
-    """This pipeline stage's GPTModel (model chunk `vp_stage` with virtual pipeline stages)."""
+def build_gpt_model(args, hf_config, device: torch.device, vp_stage: int | None = None):
+    """This pipeline stage's GPTModel on `device` (model chunk `vp_stage` with virtual pipeline stages)."""
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
 
-    config = transformer_config(args, hf_config)
+    config = transformer_config(args, hf_config, device)
     rope = hf_config.rope_parameters or {}
     if rope.get("rope_type", "default") != "default":
         raise ValueError(f"rope_parameters {rope} of {args.hf_checkpoint}: --train-backend megatron supports plain "
                          "RoPE only (rope_type 'default')")
     model = GPTModel(
         config=config,
-        transformer_layer_spec=layer_spec(config),
+        transformer_layer_spec=layer_spec(config, device),
         vocab_size=padded_vocab_size(hf_config.vocab_size, args.tensor_model_parallel_size),
         max_sequence_length=hf_config.max_position_embeddings,
         pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
@@ -150,6 +150,4 @@ def build_gpt_model(args, hf_config, vp_stage: int | None = None):
         rotary_base=int(rope["rope_theta"]),
         vp_stage=vp_stage,
     )
-    if torch.cuda.is_available():
-        model.cuda(torch.cuda.current_device())
-    return model
+    return model.to(device)
