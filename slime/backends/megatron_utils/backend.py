@@ -109,7 +109,8 @@ class MegatronBackend(TrainBackend):
     # ---------------------------------------------------------------------------------------- compute
     def _run(self, micro_batches, loss_of=None):
         return run_micro_batches(self.model_chunks, micro_batches, temperature=self.args.rollout_temperature,
-                                 vocab_size=self.hf_config.vocab_size, device=self.device, loss_of=loss_of)
+                                 vocab_size=self.hf_config.vocab_size, device=self.device,
+                                 chunk_size=self.args.log_probs_chunk_size, loss_of=loss_of)
 
     @torch.no_grad()
     def forward_only(self, micro_batches: list[PackedMicroBatch]) -> list:

@@ -8,7 +8,9 @@ grouped GEMM needs the grouped_gemm CUDA package or TE, neither installable on t
 dtype: fp32 on the CPU (bf16 there is ~13x slower); on the GPU bf16 parameters with `--bf16` (the optimizer keeps
 fp32 main params), else fp32.
 
-Not the weights: the model is randomly initialised here; hf_mapping/ fills it from a checkpoint.
+At TP = 1 the last stage returns its final hidden states instead of logits (log_probs.py computes the log-probs
+from them in chunks). Not the weights: the model is randomly initialised here; hf_mapping/ fills it from a
+checkpoint.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from slime.backends.megatron_utils.attention import PackedCoreAttention
+from slime.backends.megatron_utils.log_probs import return_hidden_states
 
 SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "llama", "qwen3_moe")
 VOCAB_PAD_MULTIPLE = 128  # Megatron's --make-vocab-size-divisible-by default, times the TP size
@@ -150,4 +153,6 @@ def build_gpt_model(args, hf_config, device: torch.device, vp_stage: int | None 
         rotary_base=int(rope["rope_theta"]),
         vp_stage=vp_stage,
     )
+    if model.post_process and args.tensor_model_parallel_size == 1:
+        return_hidden_states(model)  # the log-prob head works from hidden states (log_probs.py)
     return model.to(device)
