@@ -57,6 +57,9 @@ class MegatronBackend(TrainBackend):
         self.args, self.rank, self.world_size = args, rank, world_size
         self.device = training_device(args, rank)
         if self.device.type == "cpu":
+            if args.sequence_parallel:
+                raise ValueError("--sequence-parallel runs on GPUs only with --train-backend megatron (megatron-core's "
+                                 "sequence-parallel collectives allocate on CUDA); drop it for a CPU run")
             apply_cpu_shim()
         init_default_group(self.device, rank, world_size, master_addr, master_port)
         init_model_parallel(args, self.device)

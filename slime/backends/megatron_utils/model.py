@@ -2,7 +2,8 @@
 Llama 3 (dense) and Qwen3-MoE (MoE layers).
 
 Layer spec: Transformer Engine's when TE is importable (its attention core takes packed THD batches), otherwise
-megatron-core's local spec with `PackedCoreAttention` in place of the local core (which refuses packed batches).
+megatron-core's local spec with `PackedCoreAttention` in place of the local core (which refuses packed batches)
+and norm.py's RMSNorm (which, unlike the local one, allows sequence parallelism).
 MoE experts: TE's grouped experts with the TE spec; with the local spec `SequentialMLP` (one MLP per local expert:
 grouped GEMM needs the grouped_gemm CUDA package or TE, neither installable on the CPU machines).
 dtype: fp32 on the CPU (bf16 there is ~13x slower); on the GPU bf16 parameters with `--bf16` (the optimizer keeps
@@ -22,6 +23,7 @@ import torch.nn.functional as F
 
 from slime.backends.megatron_utils.attention import PackedCoreAttention
 from slime.backends.megatron_utils.log_probs import return_hidden_states
+from slime.backends.megatron_utils.norm import RMSNorm
 
 SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "llama", "qwen3_moe")
 VOCAB_PAD_MULTIPLE = 128  # Megatron's --make-vocab-size-divisible-by default, times the TP size
@@ -111,7 +113,17 @@ def transformer_config(args, hf_config, device: torch.device):
     )
 
 
-def layer_spec(config, device: torch.device):
+def block_spec(config, device: torch.device, vp_stage: int | None):
+    """The decoder of this pipeline stage: its layers' spec and the final norm."""
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
+
+    if transformer_engine_available(device):
+        return _layer_spec(config, device)
+    return TransformerBlockSubmodules(layer_specs=[_layer_spec(config, device)] *
+                                      get_num_layers_to_build(config, vp_stage=vp_stage), layer_norm=RMSNorm)
+
+
+def _layer_spec(config, device: torch.device):
     if transformer_engine_available(device):
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
 
@@ -128,6 +140,10 @@ def layer_spec(config, device: torch.device):
     spec = get_gpt_layer_local_spec(num_experts=config.num_moe_experts, moe_grouped_gemm=False,
                                     qk_layernorm=config.qk_layernorm, normalization="RMSNorm")
     spec.submodules.self_attention.submodules.core_attention = PackedCoreAttention
+    spec.submodules.input_layernorm = spec.submodules.pre_mlp_layernorm = RMSNorm  # sequence parallel allowed
+    attention = spec.submodules.self_attention.submodules
+    if config.qk_layernorm:  # their gradients are summed over TP in any case (grads.py)
+        attention.q_layernorm = attention.k_layernorm = RMSNorm
     return spec
 
 
@@ -143,7 +159,7 @@ def build_gpt_model(args, hf_config, device: torch.device, vp_stage: int | None 
                          "RoPE only (rope_type 'default')")
     model = GPTModel(
         config=config,
-        transformer_layer_spec=layer_spec(config, device),
+        transformer_layer_spec=block_spec(config, device, vp_stage),
         vocab_size=padded_vocab_size(hf_config.vocab_size, args.tensor_model_parallel_size),
         max_sequence_length=hf_config.max_position_embeddings,
         pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
