@@ -53,6 +53,13 @@ run_step() {
     engine_gpu_tests) python3 -m pytest -q tests/test_engine_triton.py tests/test_engine_overlap.py tests/test_host_staging.py tests/test_engine_cuda.py tests/test_engine_server_gpu.py ;;
     train_06b_32k_rc) python3 benchmarks/bench_train.py --model-shape qwen3-0.6b --max-tokens-per-gpu 32768 --recompute-activations --compile-model --skip-baseline ;;
     grpo_smoke) grpo colocated ;;
+    # The RL-speed issue: host work per decode step (CPU, device faked) on this host, W1 and the 135M shape at
+    # batch 512 (W5) with HF's ratio, and the GRPO loop against its standalone floors.
+    engine_speed) python3 benchmarks/bench_engine.py --workload host &&
+                  python3 benchmarks/bench_engine.py --preset qwen3-0.6b --workload w1,w5 ;;
+    loop_bench) python3 benchmarks/bench_loop.py /tmp/loop_bench; local rc=$?
+                cp /tmp/loop_bench/loop/metrics.jsonl $OUT/loop_metrics.jsonl
+                cat /tmp/loop_bench/loop/engine_*.log 2>/dev/null | grep -i "captured" | tail -5; return $rc ;;
     grpo_compiled) grpo colocated --train-args=--compile-model ;;
     # --train-backend megatron (TP=1) beside the FSDP backend and the transformers baseline, then a colocated GRPO run.
     megatron_gpu_tests) python3 -m pytest -q tests/test_megatron_model.py tests/test_megatron_backend.py -k "not tp2" ;;

@@ -116,7 +116,8 @@ def test_rollout_and_eval_metrics():
 
 
 def test_metrics_logger_writes_jsonl_tensorboard_and_plot(tmp_path):
-    args = SimpleNamespace(output_dir=str(tmp_path), use_tensorboard=True, use_wandb=False)
+    args = SimpleNamespace(output_dir=str(tmp_path), use_tensorboard=True, use_wandb=False, tb_project_name=None,
+                           tb_experiment_name=None)
     logger = MetricsLogger(args)
     lines = []
     for i in range(3):

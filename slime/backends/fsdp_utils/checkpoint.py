@@ -8,7 +8,6 @@ and renamed when complete; `{save}/latest` (the folder's name) is written last.
 from __future__ import annotations
 
 import json
-import os
 import random
 import shutil
 from pathlib import Path
@@ -22,6 +21,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
+from slime.backends.fsdp_utils.expert_weights import per_expert_tensors
 from slime.backends.fsdp_utils.model import hf_name
 from slime.utils.checkpoint_state import (
     META_FILE,
@@ -34,6 +34,8 @@ from slime.utils.checkpoint_state import (
     corrupt_file_error,
     find_checkpoint,
     latest_checkpoint,
+    publish_folder,
+    write_pointer,
 )
 
 __all__ = ["checkpoint_dir", "latest_checkpoint", "resolve_load_dir", "save_checkpoint", "load_training_state"]
@@ -103,7 +105,10 @@ def save_checkpoint(save_root: str, rollout_id: int, model, optimizer, scheduler
     barrier()
     torch.save(rng_state(), tmp / "rng" / f"rank_{rank}.pt")
     if rank == 0:
-        tensors = {hf_name(k): v.contiguous() for k, v in model_state.items()}
+        tensors = {}
+        for key, value in model_state.items():
+            for name, tensor in per_expert_tensors(hf_name(key), value):  # MoE experts: the checkpoint's layout
+                tensors[name] = tensor.contiguous() if name == hf_name(key) else tensor.clone()
         if tie_word_embeddings:
             tensors.pop("lm_head.weight", None)
         save_file(tensors, str(tmp / MODEL_FILE), metadata={"format": "pt"})
@@ -127,12 +132,8 @@ def publish_checkpoint(tmp: Path, final: Path, save_root: str, rank: int) -> Non
     atomic (a crash leaves the previous checkpoint as the latest)."""
     barrier()
     if rank == 0:
-        shutil.rmtree(final, ignore_errors=True)
-        os.replace(tmp, final)
-        pointer = Path(save_root) / "latest"
-        pointer_tmp = pointer.with_name("latest.tmp")
-        pointer_tmp.write_text(final.name)
-        os.replace(pointer_tmp, pointer)
+        publish_folder(tmp, final)  # a kill at any point leaves `latest` naming a complete folder
+        write_pointer(Path(save_root), final.name)
     barrier()
 
 
