@@ -8,6 +8,7 @@ import torch
 
 from fsdp_helpers import make_args
 
+
 def make_megatron_args(hf_checkpoint, *extra, world_size=1, tp: int = 1, pp: int = 1):
     """Parsed args of --train-backend megatron with the given tensor / pipeline parallel sizes."""
     return make_args(hf_checkpoint, "--train-backend", "megatron", "--tensor-model-parallel-size", tp,

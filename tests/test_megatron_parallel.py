@@ -9,7 +9,6 @@ import torch
 
 from fsdp_helpers import make_train_data, run_distributed
 from megatron_helpers import build_megatron, hf_named_grads, make_megatron_args, policy_loss_function, step_denominator
-from slime.utils.misc import find_free_port
 
 pytest.importorskip("megatron.core")
 

@@ -5,8 +5,8 @@ Folder: `{save}/rollout_{id}/` (the project's layout, so the driver's `--load` c
 work for both backends; slime's Megatron writes `iter_{id:07d}/`): `torch_dist/` (model weights and, unless
 --no-save-optim, AdamW's exp_avg / exp_avg_sq as sharded tensors laid out like their parameters),
 `scheduler.pt`, `rng/rank_{r}.pt`, `meta.json` (rollout id, format, the files a resume reads), the driver's
-`run_state.json`, and the HF config and tokenizer files of --hf-checkpoint. Written under a temporary name, renamed when complete, `{save}/latest` last
-(fsdp_utils/checkpoint.py's `publish_checkpoint`). Iteration = rollout id.
+`run_state.json`, and the HF config and tokenizer files of --hf-checkpoint. Written under a temporary name, renamed
+when complete, `{save}/latest` last (fsdp_utils/checkpoint.py's `publish_checkpoint`). Iteration = rollout id.
 
 Not the HF export (hf_weights.py writes --save-hf folders).
 """

@@ -1,9 +1,9 @@
 """Megatron model chunks <-> HF checkpoints: fill a rank's chunks from an HF safetensors folder (each rank reads only
-the tensors its shards need), and produce the full HF-named weights from the sharded model (for --save-hf,
-conversion and weight sync).
+the tensors its shards need), and produce the full HF-named weights from the sharded model (for weight sync and
+tools/convert_torch_dist_to_hf.py).
 
-Not the bucketing or the transport to engines (slime/backends/fsdp_utils/update_weight.py does that for both
-backends) and not Megatron's own checkpoint format (checkpoint.py).
+Not the bucketing or the transport to engines (slime/backends/weight_sender.py does that for both backends) and
+not Megatron's own checkpoint format (checkpoint.py).
 """
 
 from __future__ import annotations

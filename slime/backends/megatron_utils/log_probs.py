@@ -5,10 +5,10 @@
   (slime/backends/fsdp_utils/log_probs.py: the fused Triton kernels on CUDA, the chunked torch path elsewhere), so
   no [tokens, vocabulary] logits exist at once, as in the FSDP backend;
 - TP > 1: from vocab-parallel logits, each tensor-parallel rank holding the logits of its slice of the (padded)
-  vocabulary, [N, V / tp]; the full-vocabulary logits are never gathered. Three all-reduces over the TP group (max, sum of exp, target logit and the entropy's
-sum of p * z): `reduce_from_tensor_model_parallel_region` sums forward and passes the gradient through unchanged,
-which is the gradient of a sum whose result every TP rank then uses identically. Columns past the real
-vocabulary (Megatron's padding) are excluded from the softmax.
+  vocabulary, [N, V / tp]; the full-vocabulary logits are never gathered. All-reduces over the TP group (max, sum
+  of exp, target logit and the entropy's sum of p * z): `reduce_from_tensor_model_parallel_region` sums forward
+  and passes the gradient through unchanged, which is the gradient of a sum whose result every TP rank then uses
+  identically. Columns past the real vocabulary (Megatron's padding) are excluded from the softmax.
 
 Not the loss: the caller's `loss_of` turns these into its share of the loss.
 """
