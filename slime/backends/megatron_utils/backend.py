@@ -11,7 +11,7 @@ Optimizer: AdamW over this rank's parameter shards with the FSDP backend's sched
 the parameters are (over TP / PP / EP), and replicated over data parallelism (megatron-core's
 DistributedOptimizer needs its CUDA-only DDP buffers).
 
-Checkpoints: torch_dist (checkpoint.py); weights for the engines: HF-named full tensors gathered to rank 0
+Checkpoints: torch_dist (checkpoint.py), and with --save-hf also an HF folder; weights for the engines: HF-named full tensors gathered to rank 0
 (hf_weights.py), sent by the shared WeightSender.
 
 Not here: the RL flow (slime/backends/train_flow.py).
@@ -32,7 +32,7 @@ from slime.backends.fsdp_utils.optimizer import build_optimizer
 from slime.backends.megatron_utils import checkpoint
 from slime.backends.megatron_utils.cpu_shim import apply_cpu_shim
 from slime.backends.megatron_utils.grads import clip_grad_norm, finalize_grads
-from slime.backends.megatron_utils.hf_weights import load_hf_weights, model_hf_weights
+from slime.backends.megatron_utils.hf_weights import load_hf_weights, model_hf_weights, save_hf_checkpoint
 from slime.backends.megatron_utils.micro_batches import run_micro_batches
 from slime.backends.megatron_utils.model import build_gpt_model
 from slime.backends.megatron_utils.parallel import init_model_parallel
@@ -107,6 +107,9 @@ class MegatronBackend(TrainBackend):
         path = checkpoint.save_checkpoint(args.save, rollout_id, self.model_chunks, self.optimizer, self.scheduler,
                                           save_optim=not args.no_save_optim, run_state=run_state,
                                           hf_checkpoint=args.hf_checkpoint)
+        if args.save_hf:  # slime's template: the rollout id fills {rollout_id}
+            save_hf_checkpoint(self.model_chunks, self.hf_config, args.save_hf.format(rollout_id=rollout_id),
+                               args.hf_checkpoint)
         return str(path)
 
     # ---------------------------------------------------------------------------------------- compute

@@ -8,7 +8,7 @@ work for both backends; slime's Megatron writes `iter_{id:07d}/`): `torch_dist/`
 `run_state.json`, and the HF config and tokenizer files of --hf-checkpoint. Written under a temporary name, renamed
 when complete, `{save}/latest` last (fsdp_utils/checkpoint.py's `publish_checkpoint`). Iteration = rollout id.
 
-Not the HF export (hf_weights.py writes --save-hf folders).
+Not the HF export (hf_weights.py writes the --save-hf folders).
 """
 
 from __future__ import annotations
