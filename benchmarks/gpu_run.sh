@@ -67,6 +67,12 @@ run_step() {
     moe_grpo_r3) grpo colocated --shape qwen3-30b-a3b-8l --num-rollout 3 "--train-args=--use-rollout-routing-replay --get-mismatch-metrics" ;;
     moe_grpo_free) grpo colocated --shape qwen3-30b-a3b-8l --num-rollout 3 --train-args=--get-mismatch-metrics ;;
     grpo_compiled) grpo colocated --train-args=--compile-model ;;
+    # --train-backend megatron (TP=1) beside the FSDP backend and the transformers baseline, then a colocated GRPO run.
+    megatron_gpu_tests) python3 -m pytest -q tests/test_megatron_model.py tests/test_megatron_backend.py -k "not tp2" ;;
+    train_06b_megatron) python3 benchmarks/bench_train.py --backend megatron --model-shape qwen3-0.6b --micro-batch-size 4 ;;
+    train_17b_megatron) python3 benchmarks/bench_train.py --backend megatron --model-shape qwen3-1.7b --micro-batch-size 2 ;;
+    train_4b_megatron) python3 benchmarks/bench_train.py --backend megatron --model-shape qwen3-4b --micro-batch-size 2 ;;
+    grpo_megatron) grpo colocated --train-args=--train-backend=megatron ;;
     # Two GPUs (nvidia-h200-x2): the multi-GPU issue's runs.
     multi_gpu_tests) python3 -m pytest -q tests/test_fsdp_multi_gpu.py tests/test_fsdp_weight_push.py ;;
     grpo_disagg) grpo disaggregated ;;

@@ -71,7 +71,6 @@ REFUSED = {
     "opd_teacher_ckpt_step": "picks a Megatron checkpoint step; --opd-teacher-load names a Hugging Face folder here",
     "only_train_params_name_list": "parameter freezing is not implemented",
     "freeze_params_name_list": "parameter freezing is not implemented",
-    "save_hf": "not implemented; --save writes Hugging Face safetensors already (rollout_<id>/model)",
     "reset_optimizer_states": "not implemented",
     "use_stateless_adam": "not implemented",
     "balance_by_flops": "not implemented (--balance-data balances token counts)",
