@@ -28,7 +28,7 @@ import torch
 from slime.backends.backend import LossOf, TrainBackend
 from slime.backends.fsdp_utils.backend import init_default_group, training_device
 from slime.backends.fsdp_utils.checkpoint import resolve_load_dir
-from slime.backends.fsdp_utils.optimizer import build_optimizer
+from slime.backends.fsdp_utils.optimizer import build_optimizer, move_training_state
 from slime.backends.megatron_utils import checkpoint
 from slime.backends.megatron_utils.cpu_shim import apply_cpu_shim
 from slime.backends.megatron_utils.grads import clip_grad_norm, finalize_grads
@@ -150,3 +150,14 @@ class MegatronBackend(TrainBackend):
 
     def hf_weights(self, dtype: torch.dtype | None):
         return model_hf_weights(self.model_chunks, self.hf_config, dtype)
+
+    # ---------------------------------------------------------------------------------------- memory
+    def offload(self) -> None:
+        """Colocated GPU runs: parameters and optimizer state to host memory while the engines generate (one model
+        chunk: virtual pipeline stages are refused)."""
+        if self.device.type == "cuda":
+            move_training_state(self.model, self.optimizer, "cpu")
+
+    def onload(self) -> None:
+        if self.device.type == "cuda":
+            move_training_state(self.model, self.optimizer, self.device)
