@@ -30,8 +30,11 @@ ANSWER_PATTERN = r"(?i)Answer\s*:\s*([^\n]+)"
 def last_boxed_only_string(string: str) -> str | None:
     """The last `\\boxed{...}` of `string` (braces balanced), or None (none, or cut off inside it)."""
     start = string.rfind("\\boxed{")
-    if start < 0:
-        return None
+    return None if start < 0 else through_balanced_brace(string, start)
+
+
+def through_balanced_brace(string: str, start: int) -> str | None:
+    """`string[start:]` up to the brace that closes its first `{`, or None when it is never closed."""
     depth = 0
     for i in range(start, len(string)):
         if string[i] == "{":

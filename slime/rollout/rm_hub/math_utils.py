@@ -15,6 +15,8 @@ import sympy
 from pylatexenc import latex2text
 from sympy.parsing import sympy_parser
 
+from slime.rollout.rm_hub.math_dapo_utils import through_balanced_brace
+
 BAD_SUBSTRINGS = ["^{", "^("]
 BAD_REGEXES = [r"\^[0-9]+\^", r"\^[0-9][0-9]+"]
 TUPLE_CHARS = "()[]"
@@ -251,15 +253,7 @@ def last_boxed_only_string(string: str) -> str | None:
         start = string.rfind("\\fbox")
         if start < 0:
             return None
-    depth = 0
-    for i in range(start, len(string)):
-        if string[i] == "{":
-            depth += 1
-        elif string[i] == "}":
-            depth -= 1
-            if depth == 0:
-                return string[start:i + 1]
-    return None
+    return through_balanced_brace(string, start)
 
 
 def remove_boxed(s: str | None) -> str | None:
