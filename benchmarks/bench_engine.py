@@ -152,7 +152,7 @@ def bench_engine(model_path: Path, workload: Workload, args, measure_weights_and
     for prompt, max_new_tokens in zip(workload.prompts, workload.max_new_tokens):
         params = SamplingParams(temperature=workload.temperature, top_p=1.0, top_k=-1,
                                 max_new_tokens=max_new_tokens, ignore_eos=workload.ignore_eos)
-        engine.add_request(prompt, params)
+        engine.add_request(prompt, params, incremental=False)  # as the server's non-streaming requests
     synchronize(args.device)
     gc.collect()
     gc.freeze()  # as the engine server does after start-up (slime.utils.misc.freeze_startup_objects)
