@@ -90,6 +90,7 @@ class ModelRunner:
         max_model_len = config.max_model_len or model_config.max_position_embeddings
         self.max_num_blocks_per_seq = min(-(-max_model_len // self.block_size), self.num_kvcache_blocks)
         self.decode_graphs: DecodeGraphs | None = None
+        self.captured_decode_graphs = False  # the first DecodeGraphs captures every bucket; later ones lazily
         self.decode_rows = DecodeRows(model_config.vocab_size)
         attention_works = self.device.type == "cuda" and triton_attention_works(self.device)
         self.set_use_triton(attention_works, fused=attention_works and triton_fused_kernels_work(self.device))
@@ -269,8 +270,10 @@ class ModelRunner:
             return None
         if self.decode_graphs is None:
             self.decode_graphs = DecodeGraphs(
-                self.model, self.config.max_num_seqs, self.max_num_blocks_per_seq, self.scratch_slot, self.staging
+                self.model, self.config.max_num_seqs, self.max_num_blocks_per_seq, self.scratch_slot, self.staging,
+                capture_all=not self.captured_decode_graphs,
             )
+            self.captured_decode_graphs = True
         if len(scheduled) > self.decode_graphs.max_batch_size:
             return None
         self.decode_rows.update([item.seq for item in scheduled])
