@@ -23,8 +23,9 @@ Workloads (`--preset qwen3-0.6b` sizes; `--preset tiny` runs small variants of e
     w4  W1 on the Qwen3-8B shape, engine only.
     w5  SmolLM-135M's shape (a Llama, 134.5M parameters), 512 prompts x 256 tokens, 256 out, T=1, EOS ignored: the
         small-model, large-batch case where the host's work per step is most of a step; vs HF generate.
-    host  not in `all`: 256 sequences x 256 in x 512 out on a tiny CPU model with the decode forward and the sampler
-        replaced by trivial functions, so each step's time is the engine's host-side (Python) work.
+    host  not in `all`: 512 sequences x 256 in x 512 out on a tiny CPU model with the decode forward and the sampler
+        replaced by trivial functions, so each step's time is the engine's host-side (Python) work (the overlapped
+        loop unless --no-overlap-schedule; wall and CPU time per decode step).
 
 MBU (model bandwidth utilisation) = bytes that must be read / run time / peak bandwidth (4.25 TB/s, H200 HBM3e):
     bytes = num_forward_steps * weight_bytes + sum over requests of sum_{k=1}^{O-1} (P + k) * kv_bytes_per_token
