@@ -94,9 +94,9 @@ def parse_args(argv=None):
                         help="the engine's overlapped scheduling (next decode step launched before the last one's "
                              "tokens reach the host); default: the engine's (on for CUDA)")
     parser.add_argument("--skip-hf", action="store_true", help="measure the engine only (no ratio) on every workload")
-    parser.add_argument("--hf-workloads", default="w1,w5",
+    parser.add_argument("--hf-workloads", default="w1",
                         help="comma-separated workloads on which HF generate is measured too, when they run "
-                             "(default w1,w5)")
+                             "(default w1)")
     parser.add_argument("--peak-bandwidth-tb-s", type=float, default=PEAK_BANDWIDTH_TB_S)
     parser.add_argument("--trace-steps", type=int, default=0,
                         help="diagnosis: profile the first N steps of each timed run (host calls and GPU kernels) and "
@@ -266,9 +266,10 @@ def run_workloads(names: list[str], args) -> dict:
                 vocab_size = json.loads((checkpoints[key] / "config.json").read_text())["vocab_size"]
                 workload.prompts = make_prompts(args.num_prompts, args.input_len, vocab_size, args.seed)
             if key not in checkpoints:
-                for old in list(checkpoints.values()):  # W4's 8B checkpoint comes last: drop the others' files
+                for old_key, old in list(checkpoints.items()):  # e.g. W4's 8B checkpoint: drop the others' files
                     if Path(tmp) in old.parents:
                         _remove_tree(old)
+                        del checkpoints[old_key]  # a later workload of that shape builds it again
                 started = time.perf_counter()
                 build_device = args.device if args.device == "cuda" else "cpu"
                 checkpoints[key] = build_checkpoint(Path(tmp) / f"model_{name}", workload.shape,
