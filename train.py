@@ -19,6 +19,7 @@ from tqdm import tqdm
 from slime.ray.actor_group import RayTrainGroup, train_with_critic
 from slime.ray.placement_group import create_placement_groups, init_ray
 from slime.ray.rollout import RolloutManager
+from slime.ray.run_failures import RUN_FAILURES, failure_message
 from slime.utils.arguments import parse_args
 from slime.utils.checkpoint_state import load_run_state, should_save
 from slime.utils.metrics import MetricsLogger, write_args
@@ -36,6 +37,7 @@ def create_training_models(args, placements, rollout_manager):
     actor = RayTrainGroup(args, placements["actor"], role="actor")
     critic = RayTrainGroup(args, placements["actor"], role="critic") if args.use_critic else None
     start_rollout_id = actor.init(with_ref=args.use_kl_loss or args.kl_coef != 0)
+    ray.get(rollout_manager.set_trainer.remote(actor))  # gives an engine restarted mid-rollout its weights
     if critic is not None:
         critic.init(with_ref=False)
     run_state = load_run_state(args)
@@ -44,13 +46,16 @@ def create_training_models(args, placements, rollout_manager):
     return actor, critic, start_rollout_id
 
 
-def update_weights(args, actor, rollout_manager, engine_urls, rollout_id) -> dict:
+def update_weights(args, actor, rollout_manager, rollout_id) -> dict:
+    # Asked each time: an engine restarted under --use-fault-tolerance has a new URL, and gets this push too.
+    engine_urls = ray.get(rollout_manager.get_engine_urls.remote())
     if not engine_urls:
         return {}
     start = time.perf_counter()
     if args.offload_rollout:
         ray.get(rollout_manager.onload.remote(["weights"]))
     push = actor.update_weights(engine_urls, weight_version=str(rollout_id + 1))
+    ray.get(rollout_manager.weights_pushed.remote(str(rollout_id + 1)))
     if args.offload_train:
         actor.offload()
     if args.offload_rollout:
@@ -91,9 +96,11 @@ def train(args) -> str:
     logger = MetricsLogger(args)
     rollout_manager = create_rollout_manager(args, placements)
     num_rollout = ray.get(rollout_manager.num_rollout.remote())
-    actor, critic, start_rollout_id = create_training_models(args, placements, rollout_manager)
-    engine_urls = ray.get(rollout_manager.get_engine_urls.remote())
-    update_weights(args, actor, rollout_manager, engine_urls, start_rollout_id - 1)
+    if args.debug_rollout_only:  # as slime: the engines alone, on the checkpoint's weights; no trainer starts
+        actor, critic, start_rollout_id = None, None, args.start_rollout_id or 0
+    else:
+        actor, critic, start_rollout_id = create_training_models(args, placements, rollout_manager)
+        update_weights(args, actor, rollout_manager, start_rollout_id - 1)
 
     if num_rollout == 0 and args.eval_datasets:
         logger.log(start_rollout_id, ray.get(rollout_manager.eval.remote(start_rollout_id)))
@@ -122,7 +129,7 @@ def train(args) -> str:
         metrics.update(train_on_rollout(args, actor, critic, rollout_id, data_refs))
         if should_save(args, rollout_id, num_rollout):
             save(actor, critic, rollout_manager, rollout_id)
-        metrics.update(update_weights(args, actor, rollout_manager, engine_urls, rollout_id))
+        metrics.update(update_weights(args, actor, rollout_manager, rollout_id))
         metrics.update(periodic_eval(args, rollout_manager, rollout_id))
         metrics["perf/step_time"] = time.perf_counter() - step_start
         logger.log(rollout_id, metrics, print_fn=progress.write)
@@ -139,7 +146,11 @@ def main(argv=None) -> None:
     except ValueError as exc:
         print(f"train.py: error: {exc}", file=sys.stderr)
         sys.exit(2)
-    output_dir = train(args)
+    try:
+        output_dir = train(args)
+    except RUN_FAILURES as exc:
+        print(f"train.py: error: {failure_message(exc)}", file=sys.stderr)
+        sys.exit(1)
     print(f"run folder: {output_dir}")
 
 

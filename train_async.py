@@ -14,6 +14,7 @@ import ray
 from tqdm import tqdm
 
 from slime.ray.placement_group import create_placement_groups, init_ray
+from slime.ray.run_failures import RUN_FAILURES, failure_message
 from slime.utils.arguments import parse_args
 from slime.utils.checkpoint_state import should_save
 from slime.utils.metrics import MetricsLogger, write_args
@@ -30,8 +31,7 @@ def train_async(args) -> str:
     rollout_manager = create_rollout_manager(args, placements)
     num_rollout = ray.get(rollout_manager.num_rollout.remote())
     actor, critic, start_rollout_id = create_training_models(args, placements, rollout_manager)
-    engine_urls = ray.get(rollout_manager.get_engine_urls.remote())
-    update_weights(args, actor, rollout_manager, engine_urls, start_rollout_id - 1)
+    update_weights(args, actor, rollout_manager, start_rollout_id - 1)
 
     pre_train_eval = {}
     if args.eval_datasets and start_rollout_id == 0 and not args.skip_eval_before_train:
@@ -53,7 +53,7 @@ def train_async(args) -> str:
         if (rollout_id + 1) % args.update_weights_interval == 0:
             if in_flight is not None:
                 ray.wait([in_flight])  # never swap weights under a running generation
-            metrics.update(update_weights(args, actor, rollout_manager, engine_urls, rollout_id))
+            metrics.update(update_weights(args, actor, rollout_manager, rollout_id))
         metrics.update(periodic_eval(args, rollout_manager, rollout_id))
         metrics["perf/step_time"] = time.perf_counter() - step_start
         logger.log(rollout_id, metrics, print_fn=progress.write)
@@ -72,7 +72,12 @@ def main(argv=None) -> None:
     except ValueError as exc:
         print(f"train_async.py: error: {exc}", file=sys.stderr)
         sys.exit(2)
-    print(f"run folder: {train_async(args)}")
+    try:
+        output_dir = train_async(args)
+    except RUN_FAILURES as exc:
+        print(f"train_async.py: error: {failure_message(exc)}", file=sys.stderr)
+        sys.exit(1)
+    print(f"run folder: {output_dir}")
 
 
 if __name__ == "__main__":

@@ -28,7 +28,7 @@ from examples.openai_agent.task import CONDITIONS, build_task
 from slime.engine.http_launch import launch_server
 from slime.ray.router import RouterProcess, register_worker
 from slime.rollout.dataset import PromptFormat, load_prompt_samples
-from slime.rollout.http_client import run
+from slime.utils.http_utils import run
 from slime.utils.types import FINISH_REASON_TO_STATUS, Sample
 
 REPO = Path(__file__).resolve().parents[1]
@@ -55,7 +55,7 @@ def router(task, tmp_path_factory):
 @pytest.fixture(scope="module")
 def args(task, router):
     host, port = router.url.removeprefix("http://").split(":")
-    return types.SimpleNamespace(sglang_router_ip=host, sglang_router_port=int(port), sglang_api_key=ROUTER_KEY,
+    return types.SimpleNamespace(use_fault_tolerance=False, sglang_router_ip=host, sglang_router_port=int(port), sglang_api_key=ROUTER_KEY,
                                  hf_checkpoint=str(task["model"]), max_turns=3, tool_call_parser="qwen")
 
 

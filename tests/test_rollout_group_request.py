@@ -14,7 +14,8 @@ from slime.utils.types import Sample
 @pytest.fixture(scope="module")
 def args(tmp_path_factory):
     path = build_tiny_model(tmp_path_factory.mktemp("tiny"), arch="qwen3")
-    return SimpleNamespace(hf_checkpoint=str(path), custom_generate_function_path=None, max_turns=None)
+    return SimpleNamespace(hf_checkpoint=str(path), custom_generate_function_path=None, max_turns=None,
+                           rollout_sample_hook_path=None, use_rollout_routing_replay=False)
 
 
 def group(prompt="What is 2 + 2?", size=4):
@@ -31,7 +32,7 @@ def test_fresh_copies_of_one_prompt_go_as_one_request(args):
 
 
 @pytest.mark.parametrize("case", ["single", "hook", "multi_turn", "started", "per_sample_hook", "finished",
-                                  "different_prompts"])
+                                  "different_prompts", "sample_hooks", "routing_replay"])
 def test_other_groups_go_sample_by_sample(args, case):
     samples, run_args = group(), args
     if case == "single":
@@ -48,4 +49,8 @@ def test_other_groups_go_sample_by_sample(args, case):
         samples[3].status = Sample.Status.COMPLETED
     elif case == "different_prompts":
         samples[0].prompt = "What is 3 + 3?"
+    elif case == "sample_hooks":
+        run_args = SimpleNamespace(**{**vars(args), "rollout_sample_hook_path": ["my.hook"]})
+    elif case == "routing_replay":
+        run_args = SimpleNamespace(**{**vars(args), "use_rollout_routing_replay": True})
     assert group_prompt_ids(run_args, samples) is None

@@ -8,6 +8,8 @@ of about --update-weight-buffer-size bytes and sends each bucket to every engine
 - "distributed" mode: a one-time process group with the engines (POST /init_weights_update_group), then per bucket
   POST /update_weights_from_distributed {names, dtypes, shapes} while rank 0 broadcasts the tensors.
 Every bucket but the last sends flush_cache false; the last sends flush_cache true and the weight version.
+In tensor mode an engine that cannot be reached (its process died) is skipped for the rest of the push and named in
+the result (`unreachable_engines`); the engine watch restarts it (docs/fault-tolerance.md).
 
 Tensors travel in the engines' dtype when every engine reports the same one in GET /get_server_info (bf16 engines
 get half the bytes of the fp32 master weights, rounded as the engine would round them itself); otherwise in the
@@ -65,8 +67,11 @@ def engines_dtype(urls: list[str], headers: dict | None = None) -> torch.dtype |
 
     names = set()
     for url in urls:
-        response = httpx.get(url.rstrip("/") + "/get_server_info", headers=headers, timeout=HTTP_TIMEOUT_S,
-                             trust_env=False)
+        try:
+            response = httpx.get(url.rstrip("/") + "/get_server_info", headers=headers, timeout=HTTP_TIMEOUT_S,
+                                 trust_env=False)
+        except httpx.TransportError:
+            continue  # a lost engine has no say (and the push skips it)
         names.add(response.json().get("dtype") if response.status_code == 200 else None)
     (name,) = names if len(names) == 1 else (None,)
     dtype = getattr(torch, name, None) if isinstance(name, str) else None
@@ -76,6 +81,23 @@ def engines_dtype(urls: list[str], headers: dict | None = None) -> torch.dtype |
 def _post_all(urls: list[str], path: str, payload_for_url, headers: dict | None = None) -> list:
     with ThreadPoolExecutor(max_workers=max(1, len(urls))) as pool:
         return list(pool.map(lambda url: _post(url, path, payload_for_url(url), headers), urls))
+
+
+def _post_each_reachable(urls: list[str], path: str, payload_for_url, headers: dict | None = None) -> list[str]:
+    """Like _post_all, but an engine that cannot be reached (its process is gone) is skipped, not an error: the
+    others still get the whole push, and the engine watch restarts the lost one (docs/fault-tolerance.md).
+    Returns the URLs that could not be reached."""
+    import httpx
+
+    def post(url: str) -> str | None:
+        try:
+            _post(url, path, payload_for_url(url), headers)
+        except httpx.TransportError:
+            return url
+        return None
+
+    with ThreadPoolExecutor(max_workers=max(1, len(urls))) as pool:
+        return [url for url in pool.map(post, urls) if url is not None]
 
 
 class WeightSender:
@@ -93,6 +115,7 @@ class WeightSender:
         self.engines_dtype: torch.dtype | None = None  # what the connected engines report; None: unknown
         self.master_address = master_address
         self.engine_urls: list[str] = []
+        self.unreachable_urls: list[str] = []  # of the current push (tensor mode)
         self.mode = "tensor"
         self.group = None
 
@@ -100,8 +123,13 @@ class WeightSender:
         if mode not in UPDATE_MODES:
             raise ValueError(f"unknown weight update mode {mode!r}; choose {' or '.join(UPDATE_MODES)}")
         if self.group is not None and self.rank == 0:
-            _post_all(self.engine_urls, "/destroy_weights_update_group", lambda url: {"group_name": WEIGHT_GROUP_NAME},
-                      self.headers)
+            import httpx
+
+            for url in self.engine_urls:
+                try:
+                    _post(url, "/destroy_weights_update_group", {"group_name": WEIGHT_GROUP_NAME}, self.headers)
+                except (RuntimeError, httpx.HTTPError):
+                    pass  # an engine that failed (and was restarted elsewhere) has no group left to destroy
             dist.destroy_process_group(self.group)
             self.group = None
         self.engine_urls, self.mode = list(engine_urls), mode
@@ -135,6 +163,7 @@ class WeightSender:
         """Send every parameter; returns {"seconds", "bytes", "num_buckets"}."""
         start = time.perf_counter()
         num_bytes, num_buckets = 0, 0
+        self.unreachable_urls = []
         params = self.named_tensors(self.push_dtype)
         for bucket, is_last in iter_buckets(params, self.bucket_bytes):
             num_buckets += 1
@@ -143,7 +172,8 @@ class WeightSender:
                 self._send(bucket, is_last, weight_version)
         if dist.is_initialized():
             dist.barrier()
-        return {"seconds": time.perf_counter() - start, "bytes": num_bytes, "num_buckets": num_buckets}
+        return {"seconds": time.perf_counter() - start, "bytes": num_bytes, "num_buckets": num_buckets,
+                "unreachable_engines": list(self.unreachable_urls)}
 
     def _send(self, bucket, is_last: bool, weight_version) -> None:
         flush = {"flush_cache": is_last}
@@ -151,9 +181,10 @@ class WeightSender:
             flush["weight_version"] = str(weight_version)
         if self.mode == "tensor":
             # Serialize per engine: each serialized handle must be opened exactly once.
-            _post_all(self.engine_urls, "/update_weights_from_tensor",
-                      lambda url: {"serialized_named_tensors": [serialize_named_tensors(bucket)], **flush},
-                      self.headers)
+            reachable = [url for url in self.engine_urls if url not in self.unreachable_urls]
+            self.unreachable_urls += _post_each_reachable(
+                reachable, "/update_weights_from_tensor",
+                lambda url: {"serialized_named_tensors": [serialize_named_tensors(bucket)], **flush}, self.headers)
             return
         payload = {
             "names": [name for name, _ in bucket],

@@ -62,6 +62,7 @@ class Engine:
             self.config.max_num_batched_tokens,
             self.max_model_len,
             self.eos_token_ids,
+            on_finish=self._read_routed_experts,
         )
         self.model_runner.warm_up(self.config.max_num_batched_tokens, self.config.max_num_seqs)
         self.rng = random.Random(self.config.seed)
@@ -95,12 +96,19 @@ class Engine:
     # ---- requests -----------------------------------------------------------------------------------------------
 
     def add_request(
-        self, prompt_token_ids: list[int], sampling_params=None, rid: str | None = None, incremental: bool = True
+        self, prompt_token_ids: list[int], sampling_params=None, rid: str | None = None, incremental: bool = True,
+        return_routed_experts: bool = False,
     ) -> str:
         """Queue a request; returns its rid. `incremental`: `step()` reports it after every token it gets; False:
-        only its finished output (a consumer that waits for the end then costs the engine nothing per step)."""
+        only its finished output (a consumer that waits for the end then costs the engine nothing per step).
+        With `return_routed_experts` its finished output carries the MoE routing of every position but the last
+        (needs the engine's enable_return_routed_experts)."""
         self._check_resident("add a request")
         params = _as_sampling_params(sampling_params)
+        if return_routed_experts and not self.config.enable_return_routed_experts:
+            raise ValueError("return_routed_experts needs an engine started with enable_return_routed_experts "
+                             "(the server flag --enable-return-routed-experts; slime sets it for "
+                             "--use-rollout-routing-replay)")
         if not isinstance(prompt_token_ids, (list, tuple)) or not prompt_token_ids:
             raise ValueError("prompt_token_ids must be a non-empty list of token ids")
         vocab_size = self.model_config.vocab_size
@@ -116,6 +124,7 @@ class Engine:
             raise ValueError(f"rid {rid!r} is already in use by an unfinished request")
         seed = params.sampling_seed if params.sampling_seed is not None else self.rng.getrandbits(32)
         seq = Sequence(rid, list(prompt_token_ids), params, seed % 2**32)
+        seq.return_routed_experts = return_routed_experts
         if params.max_new_tokens == 0:
             seq.status, seq.finish_reason = SequenceStatus.FINISHED, {"type": "length", "length": 0}
             self.pending_outputs.append(self._output(seq))
@@ -221,6 +230,13 @@ class Engine:
         outputs = [self._output(seq) for seq in running]
         return outputs + [self._output(seq, text) for seq, text in zip(finished, final_texts(self.tokenizer, finished))]
 
+    def _read_routed_experts(self, seq: Sequence) -> None:
+        """At finish, while `seq` holds its blocks: the routing of positions [0, len - 1) (the last token never went
+        through the model); an abort mid-prefill has only its computed positions."""
+        if seq.return_routed_experts:
+            num_positions = min(len(seq) - 1, seq.num_computed_tokens)
+            seq.routed_experts = self.model_runner.read_routed_experts(seq.block_table, num_positions)
+
     def _output(self, seq: Sequence, text: str | None = None) -> RequestOutput:
         """O(1) for a running sequence (a snapshot, sliced when read); the final text of a finished one (`text` if
         the caller decoded it already)."""
@@ -242,6 +258,7 @@ class Engine:
             num_cached_tokens=seq.num_cached_tokens,
             weight_version=self.weight_version,
             detokenize=detokenize,
+            routed_experts=seq.routed_experts,
         )
 
     def generate(self, prompts_or_token_ids, sampling_params=None) -> list[dict]:

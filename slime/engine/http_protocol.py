@@ -7,6 +7,7 @@ raises `RequestError` (a ValueError) whose message names the offending field; th
 
 from __future__ import annotations
 
+import base64
 import dataclasses
 from dataclasses import dataclass
 from typing import Callable
@@ -25,6 +26,8 @@ GENERATE_FIELDS = frozenset(
         "return_text_in_logprobs",
         "logprob_start_len",
         "top_logprobs_num",
+        "return_routed_experts",
+        "routed_experts_start_len",
         # Added by sglang-router when it re-serializes a request; no effect on generation.
         "model",
         "log_metrics",
@@ -53,6 +56,9 @@ class GenerateRequest:
     return_logprob: bool
     return_text_in_logprobs: bool
     stream: bool
+    # SGLang's: the routing of positions [routed_experts_start_len, len(tokens) - 1) in meta_info["routed_experts"].
+    return_routed_experts: bool = False
+    routed_experts_start_len: int = 0
 
 
 def parse_generate_request(
@@ -73,6 +79,12 @@ def parse_generate_request(
     return_logprob = _bool_field(body, "return_logprob", False)
     return_text_in_logprobs = _bool_field(body, "return_text_in_logprobs", False)
     stream = _bool_field(body, "stream", False)
+    return_routed_experts = _bool_field(body, "return_routed_experts", False)
+    routed_experts_start_len = body.get("routed_experts_start_len") or 0
+    if not isinstance(routed_experts_start_len, int) or isinstance(routed_experts_start_len, bool) or (
+        routed_experts_start_len < 0
+    ):
+        raise RequestError(f"'routed_experts_start_len' must be an int >= 0, got {routed_experts_start_len!r}")
     if body.get("logprob_start_len", -1) != -1:
         raise RequestError("logprob_start_len must be -1: the built-in engine returns output-token log-probs only")
     if body.get("top_logprobs_num", 0) not in (0, None):
@@ -101,16 +113,22 @@ def parse_generate_request(
                 "(the prompt must leave room for at least one generated token)"
             )
     num_prompts = len(prompts)
+    too_long = [len(prompt) for prompt in prompts if len(prompt) < routed_experts_start_len]
+    if too_long:
+        raise RequestError(f"'routed_experts_start_len' ({routed_experts_start_len}) exceeds the prompt's "
+                           f"{too_long[0]} tokens: it must be in [0, prompt length]")
     raw_params, num_samples = _pop_parallel_sample_num(body.get("sampling_params"))
     sampling_params = _parse_sampling_params(raw_params, num_prompts, is_batch)
     if num_samples > 1:
-        return _parallel_samples(body, prompts, sampling_params, num_samples, return_logprob,
-                                 return_text_in_logprobs, stream)
-    rids = _parse_rids(body.get("rid"), num_prompts, is_batch)
-    if stream and is_batch:
-        raise RequestError("'stream' is supported for a single prompt only; send one request per prompt")
-    items = [GenerateItem(list(p), s, r) for p, s, r in zip(prompts, sampling_params, rids)]
-    return GenerateRequest(items, is_batch, return_logprob, return_text_in_logprobs, stream)
+        items = _parallel_samples(body, prompts, sampling_params, num_samples, stream)
+        is_batch = True  # SGLang answers a list, even for one prompt
+    else:
+        rids = _parse_rids(body.get("rid"), num_prompts, is_batch)
+        if stream and is_batch:
+            raise RequestError("'stream' is supported for a single prompt only; send one request per prompt")
+        items = [GenerateItem(list(p), s, r) for p, s, r in zip(prompts, sampling_params, rids)]
+    return GenerateRequest(items, is_batch, return_logprob, return_text_in_logprobs, stream, return_routed_experts,
+                           routed_experts_start_len)
 
 
 def _pop_parallel_sample_num(raw):
@@ -128,11 +146,10 @@ def _pop_parallel_sample_num(raw):
     return (stripped if isinstance(raw, list) else stripped[0]), num_samples
 
 
-def _parallel_samples(body, prompts, sampling_params, num_samples: int, return_logprob: bool,
-                      return_text_in_logprobs: bool, stream: bool) -> GenerateRequest:
-    """n samples of each prompt as n engine requests, prompt-major (SGLang's order; the response is a list even for
-    one prompt). The copies share the prompt's KV blocks through the prefix cache. With a sampling_seed s, sample
-    j draws with seed s + j, so the n samples differ but stay reproducible."""
+def _parallel_samples(body, prompts, sampling_params, num_samples: int, stream: bool) -> list[GenerateItem]:
+    """n samples of each prompt as n engine requests, prompt-major (SGLang's order). The copies share the prompt's
+    KV blocks through the prefix cache. With a sampling_seed s, sample j draws with seed s + j, so the n samples
+    differ but stay reproducible."""
     if stream:
         raise RequestError("'stream' is not supported with sampling_params.n > 1; send n streaming requests")
     if body.get("rid") is not None:
@@ -143,7 +160,7 @@ def _parallel_samples(body, prompts, sampling_params, num_samples: int, return_l
         for j in range(num_samples):
             seed = None if params.sampling_seed is None else params.sampling_seed + j
             items.append(GenerateItem(list(prompt), dataclasses.replace(params, sampling_seed=seed), None))
-    return GenerateRequest(items, True, return_logprob, return_text_in_logprobs, stream)
+    return items
 
 
 def _bool_field(body: dict, name: str, default: bool) -> bool:
@@ -193,11 +210,14 @@ def _parse_rids(raw, num_prompts: int, is_batch: bool) -> list[str | None]:
     return rids
 
 
-def generate_response(output, return_logprob: bool, token_texts: list[str] | None = None) -> dict:
+def generate_response(output, return_logprob: bool, token_texts: list[str] | None = None,
+                      routed_experts_start_len: int = 0) -> dict:
     """SGLang's /generate response for one request from an engine RequestOutput (cumulative so far).
 
     `token_texts` (one string per output token) fills the third slot of each log-prob entry when the client asked
-    for return_text_in_logprobs; SGLang puts null there otherwise.
+    for return_text_in_logprobs; SGLang puts null there otherwise. A finished output with routed experts gets
+    meta_info["routed_experts"]: its rows from `routed_experts_start_len` on, int32 bytes in base64 (SGLang's
+    wire form), and meta_info["routed_experts_start_len"].
     """
     output_ids = list(output.output_token_ids)
     meta_info = {
@@ -214,6 +234,10 @@ def generate_response(output, return_logprob: bool, token_texts: list[str] | Non
             [float(log_prob), int(token_id), text]
             for log_prob, token_id, text in zip(output.output_log_probs, output_ids, texts)
         ]
+    if output.finished and output.routed_experts is not None:
+        rows = output.routed_experts[routed_experts_start_len:]
+        meta_info["routed_experts"] = base64.b64encode(rows.astype("<i4", copy=False).tobytes()).decode("ascii")
+        meta_info["routed_experts_start_len"] = routed_experts_start_len
     return {"text": output.text, "output_ids": output_ids, "meta_info": meta_info}
 
 

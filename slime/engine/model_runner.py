@@ -20,7 +20,7 @@ from slime.engine.config import Config
 from slime.engine.cuda_graph import DecodeGraphs
 from slime.engine.decode_rows import DecodeRows, sampling_values
 from slime.engine.host_staging import HostStaging
-from slime.engine.kernel_checks import triton_attention_works, triton_fused_kernels_work
+from slime.engine.kernel_checks import grouped_mm_works, triton_attention_works, triton_fused_kernels_work
 from slime.engine.layers.attention import AttentionMetadata
 from slime.engine.models import DecoderForCausalLM, ModelConfig
 from slime.engine.models.weight_loader import load_checkpoint
@@ -80,7 +80,10 @@ class ModelRunner:
         finally:
             torch.set_default_dtype(default_dtype)
         self.model.eval()
+        if config.enable_return_routed_experts and not model_config.is_moe:
+            raise ValueError(f"enable_return_routed_experts: {model_config.model_type} is not a mixture-of-experts model")
         load_checkpoint(self.model, config.model)
+        self.routed_experts: torch.Tensor | None = None
         # Released weights: their host copy (on CUDA, pinned buffers kept for the next release too).
         self.cpu_weights: dict[str, torch.Tensor] | None = None
         self.weights_released = False
@@ -93,15 +96,20 @@ class ModelRunner:
         self.captured_decode_graphs = False  # the first DecodeGraphs captures every bucket; later ones lazily
         self.decode_rows = DecodeRows(model_config.vocab_size)
         attention_works = self.device.type == "cuda" and triton_attention_works(self.device)
-        self.set_use_triton(attention_works, fused=attention_works and triton_fused_kernels_work(self.device))
+        grouped_mm = grouped_mm_works(self.device, self.dtype) if model_config.is_moe else True
+        for block in self.model.moe_blocks():
+            block.experts.use_grouped_mm = grouped_mm
+        # The per-expert fallback reads group sizes on the host, which a CUDA graph cannot capture.
+        self.set_use_triton(attention_works, fused=attention_works and triton_fused_kernels_work(self.device),
+                            cuda_graphs=grouped_mm)
         self.allocate_kv_cache()
 
-    def set_use_triton(self, enabled: bool, fused: bool | None = None) -> None:
-        """Triton attention (and, unless enforce_eager, decode CUDA graphs) on or off, and the fused elementwise
-        kernels (default: same as `enabled`); off = the pure-torch path. The runner turns each on only after its
-        self-check passed on this machine."""
+    def set_use_triton(self, enabled: bool, fused: bool | None = None, cuda_graphs: bool = True) -> None:
+        """Triton attention (and, unless enforce_eager or `cuda_graphs` is False, decode CUDA graphs) on or off,
+        and the fused elementwise kernels (default: same as `enabled`); off = the pure-torch path. The runner turns
+        each on only after its self-check passed on this machine."""
         self.use_triton = enabled
-        self.use_cuda_graphs = enabled and not self.config.enforce_eager
+        self.use_cuda_graphs = enabled and cuda_graphs and not self.config.enforce_eager
         self.decode_graphs = None
         self.model.set_use_triton(enabled if fused is None else fused)
 
@@ -111,7 +119,9 @@ class ModelRunner:
     def bytes_per_block(self) -> int:
         c = self.model_config
         element_size = torch.empty((), dtype=self.dtype).element_size()
-        return 2 * c.num_hidden_layers * self.block_size * c.num_key_value_heads * c.head_dim * element_size
+        kv_bytes = 2 * c.num_hidden_layers * self.block_size * c.num_key_value_heads * c.head_dim * element_size
+        routing_bytes = len(c.moe_layers) * c.num_experts_per_tok * 4 * self.block_size
+        return kv_bytes + (routing_bytes if self.config.enable_return_routed_experts else 0)
 
     def _num_blocks_from_memory(self) -> int:
         if self.device.type == "cuda":
@@ -142,6 +152,13 @@ class ModelRunner:
             # Zeros, not empty: masked-out slots enter SDPA multiplied by 0, and NaN garbage would survive that.
             attn.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
             attn.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        if self.config.enable_return_routed_experts:
+            # Indexed by cache slot like the K/V, so prefix-cache hits keep the routing of the tokens they skip.
+            blocks = self.model.moe_blocks()
+            self.routed_experts = torch.full((shape[0] * self.block_size, len(blocks), c.num_experts_per_tok), -1,
+                                             dtype=torch.int32, device=self.device)
+            for index, block in enumerate(blocks):
+                block.routed_experts_cache = self.routed_experts[:, index]
 
     def free_kv_cache(self) -> None:
         self.decode_graphs = None  # they hold the cache's addresses
@@ -149,7 +166,18 @@ class ModelRunner:
         for attn in self.model.attention_layers():
             attn.k_cache = torch.empty(0, device=self.device)
             attn.v_cache = torch.empty(0, device=self.device)
+        for block in self.model.moe_blocks():
+            block.routed_experts_cache = None
+        self.routed_experts = None
         self._empty_device_cache()
+
+    def read_routed_experts(self, block_table: list[int], num_positions: int) -> np.ndarray:
+        """The routing recorded for positions [0, num_positions) of a sequence holding `block_table`:
+        [num_positions, num_moe_layers, top_k] int32 (one host sync)."""
+        positions = np.arange(num_positions)
+        slots = np.asarray(block_table, dtype=np.int64)[positions // self.block_size] * self.block_size
+        slots += positions % self.block_size
+        return self.routed_experts[self.staging.to_device(slots)].cpu().numpy()
 
     def release_weights(self) -> None:
         """Move parameter storage to a CPU copy and free the device storage (on CPU the copy is the storage).

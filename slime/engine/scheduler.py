@@ -11,6 +11,7 @@ sample or check stop strings (the engine does), it only applies token-level stop
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from slime.engine.block_manager import BlockManager
@@ -41,7 +42,11 @@ class Scheduler:
         max_num_batched_tokens: int,
         max_model_len: int,
         eos_token_ids: set[int],
+        on_finish: Callable[[Sequence], None] | None = None,
     ):
+        """`on_finish(seq)` runs when a sequence finishes, while it still holds its blocks (the engine reads
+        per-slot state such as routed experts there)."""
+        self.on_finish = on_finish
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -206,6 +211,8 @@ class Scheduler:
             self.running.remove(seq)
         elif seq.status == SequenceStatus.WAITING:
             self.waiting.remove(seq)
+        if self.on_finish is not None:
+            self.on_finish(seq)
         self.block_manager.free(seq)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = finish_reason

@@ -19,6 +19,8 @@ from pathlib import Path
 import ray
 
 from slime.ray.placement_group import TRAIN_ACTOR_FRACTION, DevicePlacement
+from slime.ray.train_data import data_parallel_rank
+from slime.ray.train_failures import get_from_ranks
 from slime.utils.misc import find_free_port
 
 logger = logging.getLogger(__name__)
@@ -86,18 +88,27 @@ class RayTrainGroup:
         ]
 
     def _all(self, method: str, *args, **kwargs) -> list:
-        return ray.get([actor.call.remote(method, *args, **kwargs) for actor in self.actors])
+        return self.get([actor.call.remote(method, *args, **kwargs) for actor in self.actors])
+
+    def get(self, refs: list) -> list:
+        """The ranks' results; a dead rank raises TrainActorDiedError naming it and the checkpoint to --load."""
+        return get_from_ranks(refs, self.actors, self.role, self.args.save)
 
     def init(self, with_ref: bool) -> int:
         """Build models and optimizer on every rank; returns the rollout id to start from."""
         return self._all("init", with_ref)[0]
 
+    def rank_data(self, data_refs: list) -> list:
+        """Per process, the data of its data-parallel rank (tensor / pipeline peers share one)."""
+        return [data_refs[data_parallel_rank(self.args, rank)] for rank in range(len(self.actors))]
+
     def async_train(self, rollout_id: int, data_refs: list) -> list:
         # Each rank gets its own ObjectRef as a top-level argument, so Ray hands it the dict directly.
-        return [actor.call.remote("train", rollout_id, ref) for actor, ref in zip(self.actors, data_refs)]
+        return [actor.call.remote("train", rollout_id, ref)
+                for actor, ref in zip(self.actors, self.rank_data(data_refs))]
 
     def train(self, rollout_id: int, data_refs: list) -> dict:
-        return ray.get(self.async_train(rollout_id, data_refs))[0]
+        return self.get(self.async_train(rollout_id, data_refs))[0]
 
     def save_model(self, rollout_id: int, run_state: dict | None = None) -> None:
         self._all("save_model", rollout_id, run_state)
@@ -122,7 +133,6 @@ def train_with_critic(args, actor: RayTrainGroup, critic: RayTrainGroup, rollout
              for a, ref, values in zip(actor.actors, data_refs, value_refs)]
     critic_refs = [c.call.remote("train", rollout_id, ref, values, returns)
                    for c, ref, values, (_, returns) in zip(critic.actors, data_refs, value_refs, pairs)]
-    metrics = ray.get(pairs[0][0])
-    ray.get([metric_ref for metric_ref, _ in pairs[1:]])
-    metrics.update(ray.get(critic_refs)[0])
+    metrics = actor.get([metric_ref for metric_ref, _ in pairs])[0]
+    metrics.update(critic.get(critic_refs)[0])
     return metrics

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from slime.engine.http_launch import launch_process
 from slime.engine.server_config import write_config_file
+from slime.utils.arguments_sglang import sglang_server_flags
 from slime.utils.misc import find_free_port
 
 
@@ -31,8 +32,9 @@ def engine_server_command(args, port: int, config_path: Path) -> list[str]:
         cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", args.hf_checkpoint,
                "--host", "127.0.0.1", "--port", str(port), "--tp-size", str(args.rollout_num_gpus_per_engine),
                "--enable-memory-saver", "--random-seed", str(args.seed)]
-        if "gpu_memory_utilization" in args.engine_config:
-            cmd += ["--mem-fraction-static", str(args.engine_config["gpu_memory_utilization"])]
+        cmd += sglang_server_flags(args)  # every --sglang-* server flag the run gives, as SGLang's own
+        if args.use_rollout_routing_replay:
+            cmd += ["--enable-return-routed-experts"]
         # SGLang reads its keys from flags only (visible to local users in `ps`); the docs say so.
         for flag, key in (("--api-key", args.sglang_api_key), ("--admin-api-key", args.sglang_admin_api_key)):
             cmd += [flag, key] if key else []
@@ -51,10 +53,15 @@ class EngineActor:
         self.args = args
         self.rank = rank
         self.server = None
+        self.num_starts = 0
 
     def start(self, timeout: float = 600.0) -> str:
+        """Start the server on a fresh port and return its URL. A restart (after `kill`) logs to
+        engine_<rank>.restart_<n>.log, so the log of the process that failed stays for its error message."""
         port = find_free_port()
-        log_path = Path(self.args.output_dir) / f"engine_{self.rank}.log"
+        suffix = f".restart_{self.num_starts}" if self.num_starts else ""
+        self.num_starts += 1
+        log_path = Path(self.args.output_dir) / f"engine_{self.rank}{suffix}.log"
         log_path.parent.mkdir(parents=True, exist_ok=True)
         # Sync training leaves the cores to the engine while it generates.
         env = {"OMP_NUM_THREADS": str(os.cpu_count() or 1)} if self.args.device == "cpu" else {}
@@ -68,6 +75,16 @@ class EngineActor:
 
     def is_alive(self) -> bool:
         return self.server is not None and self.server.process.poll() is None
+
+    def exit_status(self) -> tuple[int | None, str]:
+        """(the server's exit code, negative for the signal that ended it, or None while it runs; its log file)."""
+        return self.server.process.poll(), str(self.server.log_path)
+
+    def kill(self) -> None:
+        """SIGKILL the server (a hung one, e.g. stopped by SIGSTOP, ignores SIGTERM) and reap it."""
+        if self.server is not None and self.server.process.poll() is None:
+            self.server.process.kill()
+            self.server.process.wait()
 
     def shutdown(self) -> None:
         if self.server is not None:

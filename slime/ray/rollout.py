@@ -2,12 +2,15 @@
 functions, and turns each rollout's Samples into per-rank train data in the Ray object store.
 
 What it is not: it never trains and never holds model weights; the trainer pushes weights to the engine URLs it
-hands out.
+hands out. Engine and router failures are watched (and, under --use-fault-tolerance, recovered) by its
+EngineSupervisor (engine_health.py); a rollout runs on a thread of its own, so a failure that ends the run ends it
+at once instead of when the rollout's requests give up.
 """
 
 from __future__ import annotations
 
 import copy
+import itertools
 import json
 import time
 from pathlib import Path
@@ -16,6 +19,7 @@ import httpx
 import ray
 
 from slime.ray.engine_actor import EngineActor
+from slime.ray.engine_health import EngineSupervisor
 from slime.ray.placement_group import ENGINE_ACTOR_FRACTION
 from slime.ray.router import RouterProcess, list_workers, register_worker
 from slime.ray.train_data import assign_rollout_ids, rollout_metrics, samples_to_train_data, split_train_data
@@ -23,6 +27,7 @@ from slime.rollout.base_types import split_rollout_output
 from slime.rollout.data_source import create_data_source
 from slime.rollout.eval import compute_pass_at_k
 from slime.rollout.rm_hub.math_verify_pool import shutdown_pool as shutdown_reward_workers
+from slime.rollout.rm_hub.reward_threads import DaemonThreadPool
 from slime.utils.engine_access import engine_admin_headers, router_headers
 from slime.utils.misc import load_function
 from slime.utils.types import Sample
@@ -58,10 +63,17 @@ class RolloutManager:
                                           "--eval-function-path")
         self.state_before_rollout: dict[int, dict] = {}
         self.router = None
-        self.engines = []
-        self.engine_urls = []
+        self.supervisor = None
+        self.rollout_thread = DaemonThreadPool(max_workers=1, thread_name_prefix="slime-rollout-fn")
         if not args.debug_train_only:
             self._start_engines(placement)
+
+    def _new_router(self) -> RouterProcess:
+        args = self.args
+        return RouterProcess(port=args.sglang_router_port, policy=args.router_policy, api_key=args.sglang_api_key,
+                             log_path=str(Path(args.output_dir) / "router.log"), retries=not args.use_fault_tolerance,
+                             request_timeout_secs=args.sglang_router_request_timeout_secs,
+                             log_level=args.router_log_level, extra_flags=args.router_flags)
 
     def _start_engines(self, placement) -> None:
         args = self.args
@@ -73,24 +85,36 @@ class RolloutManager:
                 raise RuntimeError(f"--sglang-router-ip/--sglang-router-port: no router answers at {router_url} "
                                    f"({exc}); start it or drop the flags to let slime start one") from None
         else:
-            self.router = RouterProcess(policy=args.router_policy, api_key=args.sglang_api_key,
-                                        log_path=str(Path(args.output_dir) / "router.log"))
+            self.router = self._new_router()
             args.sglang_router_ip, args.sglang_router_port = self.router.host, self.router.port
             router_url = self.router.url
         engine_cls = ray.remote(EngineActor)
-        self.engines = [
-            engine_cls.options(scheduling_strategy=placement.strategy(i),
-                               **placement.resources(ENGINE_ACTOR_FRACTION)).remote(args, i)
-            for i in range(args.rollout_num_engines)
-        ]
-        self.engine_urls = ray.get([engine.start.remote() for engine in self.engines])
-        for url in self.engine_urls:
+
+        def new_actor(rank: int):
+            return engine_cls.options(scheduling_strategy=placement.strategy(rank),
+                                      **placement.resources(ENGINE_ACTOR_FRACTION)).remote(args, rank)
+
+        engines = [new_actor(rank) for rank in range(args.rollout_num_engines)]
+        engine_urls = ray.get([engine.start.remote() for engine in engines])
+        for url in engine_urls:
             register_worker(router_url, url, api_key=args.sglang_api_key)
-        self.router_url = router_url
+        self.supervisor = EngineSupervisor(args, engines, engine_urls, router_url, router=self.router,
+                                           new_router=self._new_router, new_actor=new_actor)
 
     # ---- queries -------------------------------------------------------------------------------------------
     def get_engine_urls(self) -> list[str]:
-        return list(self.engine_urls)
+        """Every engine the trainer's weight push must reach (after any restart in progress has finished)."""
+        return self.supervisor.urls_for_weight_push() if self.supervisor else []
+
+    def weights_pushed(self, weight_version: str) -> None:
+        """The driver pushed `weight_version` to every engine of `get_engine_urls()`."""
+        if self.supervisor:
+            self.supervisor.weights_pushed(weight_version)
+
+    def set_trainer(self, trainer) -> None:
+        """The RayTrainGroup that gives an engine restarted during a rollout its weights."""
+        if self.supervisor:
+            self.supervisor.set_trainer(trainer)
 
     def get_router_address(self) -> tuple[str, int]:
         return self.args.sglang_router_ip, self.args.sglang_router_port
@@ -99,27 +123,44 @@ class RolloutManager:
         args = self.args
         if args.num_rollout is not None:
             return args.num_rollout
+        if args.num_epoch is None:  # a replay without --num-rollout replays every saved rollout, from 0 on
+            return next(i for i in itertools.count() if not Path(args.load_debug_rollout_data.format(rollout_id=i)).is_file())
         return args.num_epoch * len(self.data_source) // args.rollout_batch_size
 
     # ---- rollout -------------------------------------------------------------------------------------------
-    def _check_engines_alive(self) -> None:
-        if not self.engines:
-            return
-        alive = ray.get([engine.is_alive.remote() for engine in self.engines])
-        dead = [url for url, ok in zip(self.engine_urls, alive) if not ok]
-        if dead:
-            raise RuntimeError(f"rollout engine(s) died: {dead}; see engine_*.log in {self.args.output_dir}")
+    def _watched(self, function, *function_args):
+        """`function(*function_args)` on the rollout thread, while the supervisor watches the engines: an engine
+        failure that ends the run raises here at once."""
+        if self.supervisor is None:
+            return function(*function_args)
+        self.supervisor.check()
+        self.supervisor.begin_rollout()
+        try:
+            future = self.rollout_thread.submit(function, *function_args)
+            while True:
+                try:
+                    result = future.result(timeout=0.2)
+                    break
+                except TimeoutError:
+                    self.supervisor.check()
+            self.supervisor.poll_processes()  # an engine that failed as the rollout ended: nothing is trained on
+            self.supervisor.check()
+            return result
+        finally:
+            self.supervisor.end_rollout()
 
     def _rollout_samples(self, rollout_id: int) -> tuple[list[Sample], dict]:
         """The rollout's samples and the metrics its function returned with them."""
         args = self.args
         if args.load_debug_rollout_data:
-            path = args.load_debug_rollout_data.format(rollout_id=rollout_id)
-            dump = json.loads(Path(path).read_text())
+            path = Path(args.load_debug_rollout_data.format(rollout_id=rollout_id))
+            if not path.is_file():
+                raise FileNotFoundError(f"--load-debug-rollout-data: {path} (rollout {rollout_id}) does not exist; "
+                                        "save it with --save-debug-rollout-data, or lower --num-rollout")
+            dump = json.loads(path.read_text())
             return [Sample.from_dict(d) for d in dump["samples"]], {}
-        self._check_engines_alive()
         result, function_metrics = split_rollout_output(
-            self.generate_rollout(args, rollout_id, self.data_source, evaluation=False))
+            self._watched(self.generate_rollout, args, rollout_id, self.data_source, False))
         samples = _flatten(result)
         samples.sort(key=lambda s: (s.index if s.index is not None else 0))
         if args.save_debug_rollout_data:
@@ -138,11 +179,17 @@ class RolloutManager:
         if self.args.rollout_data_postprocess_path:
             load_function(self.args.rollout_data_postprocess_path, "--rollout-data-postprocess-path")(self.args, samples)
         data = samples_to_train_data(self.args, samples)
-        metrics = rollout_metrics(self.args, samples, data["raw_reward"])
+        custom_log = self.args.custom_rollout_log_function_path
+        skip_default = custom_log and load_function(custom_log, "--custom-rollout-log-function-path")(
+            rollout_id, self.args, samples, function_metrics, rollout_time)
+        metrics = {} if skip_default else rollout_metrics(self.args, samples, data["raw_reward"])
         metrics.update(function_metrics)
         metrics["perf/rollout_time"] = rollout_time
         num_tokens = sum(data["response_lengths"])
         metrics["perf/rollout_tokens_per_sec"] = num_tokens / max(rollout_time, 1e-9)
+        if self.supervisor is not None:
+            metrics.update(self.supervisor.pop_metrics())
+            metrics["rollout/samples_resent"] = sum(bool(s.metadata.get("num_resends")) for s in samples)
         if self.args.debug_rollout_only:
             return [], metrics
         per_rank, num_dropped = split_train_data(self.args, data, rollout_id)
@@ -152,29 +199,37 @@ class RolloutManager:
     def eval(self, rollout_id: int) -> dict:
         if not self.args.eval_datasets:
             return {}
-        self._check_engines_alive()
         start = time.perf_counter()
         results, metrics = split_rollout_output(
-            self.eval_rollout(self.args, rollout_id, self.data_source, evaluation=True))
-        for name, result in results.items():
+            self._watched(self.eval_rollout, self.args, rollout_id, self.data_source, True))
+        custom_log = self.args.custom_eval_rollout_log_function_path
+        skip_default = custom_log and load_function(custom_log, "--custom-eval-rollout-log-function-path")(
+            rollout_id, self.args, results, metrics)
+        samples_per_prompt = {d.name: d.n_samples_per_eval_prompt or 1 for d in self.args.eval_datasets}
+        for name, result in ({} if skip_default else results).items():
             metrics.update(eval_metrics(name, result.get("samples", []), result["rewards"],
-                                        self.args.n_samples_per_eval_prompt))
+                                        samples_per_prompt.get(name, self.args.n_samples_per_eval_prompt)))
         metrics["perf/eval_time"] = time.perf_counter() - start
         return metrics
 
     # ---- memory and state ----------------------------------------------------------------------------------
     def _post_all(self, path: str, payload: dict) -> None:
-        for url in self.engine_urls:
+        for url in self.supervisor.live_urls() if self.supervisor else []:
             response = httpx.post(f"{url}{path}", json=payload, headers=engine_admin_headers(self.args), timeout=300.0,
                                   trust_env=False)
             if response.status_code != 200:
                 raise RuntimeError(f"{url}{path} failed: {response.status_code} {response.text}")
 
     def offload(self) -> None:
-        self._post_all("/release_memory_occupation", {"tags": ["weights", "kv_cache", "cuda_graph"]})
+        tags = ["weights", "kv_cache", "cuda_graph"]
+        if self.supervisor:
+            self.supervisor.memory_released(tags)  # first: no heartbeat reaches an engine in the middle
+        self._post_all("/release_memory_occupation", {"tags": tags})
 
     def onload(self, tags: list[str]) -> None:
         self._post_all("/resume_memory_occupation", {"tags": tags})
+        if self.supervisor:
+            self.supervisor.memory_resumed(tags)
 
     def data_source_state(self, next_rollout_id: int) -> dict:
         """The state from which a resumed run regenerates exactly the data of `next_rollout_id` onwards (the
@@ -186,7 +241,9 @@ class RolloutManager:
 
     def dispose(self) -> None:
         shutdown_reward_workers()
-        if self.engines:
-            ray.get([engine.shutdown.remote() for engine in self.engines])
-        if self.router is not None:
-            self.router.shutdown()
+        if self.supervisor is not None:
+            self.supervisor.shutdown()
+            ray.get([slot.actor.shutdown.remote() for slot in self.supervisor.slots if not slot.actor_dead])
+        router = self.supervisor.router if self.supervisor is not None else self.router
+        if router is not None:
+            router.shutdown()

@@ -1,7 +1,10 @@
 """The real sglang-router as a child process (it dies with its owner), and worker registration with it.
 
 The router spreads `/generate` requests over the engines; the rollout only ever talks to the router. Registration
-uses the router's `POST /workers` API and waits until the worker is listed (the router probes its health first).
+uses the router's `POST /workers` API and waits until the worker is listed (the router probes its health first);
+`DELETE /workers/{id}` takes one out. Under `--use-fault-tolerance` the router neither retries a failed request on
+another worker nor opens circuit breakers: slime's rollout re-sends the request itself (and counts it), and slime's
+health checks decide which engines serve.
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ import time
 
 import httpx
 
-from slime.rollout.http_client import worker_urls_from_listing
+from slime.utils.http_utils import worker_urls_from_listing
 from slime.utils.misc import find_free_port
 from slime.utils.parent_death import die_with_parent
 
@@ -25,23 +28,27 @@ class RouterError(RuntimeError):
 
 class RouterProcess:
     def __init__(self, host: str = "127.0.0.1", port: int | None = None, policy: str = "cache_aware",
-                 request_timeout_secs: int = 14400, api_key: str | None = None, log_path: str | None = None):
+                 request_timeout_secs: int = 14400, api_key: str | None = None, log_path: str | None = None,
+                 retries: bool = True, log_level: str = "warn", extra_flags: list[str] | None = None):
+        """`extra_flags`: more of sglang-router's own flags (the run's --router-* flags, `router_cli_flags`);
+        `retries` False (fault tolerance): a failed request comes back to the rollout, which re-sends it itself."""
         self.host = host
         self.port = port or find_free_port(host)
         self.url = f"http://{host}:{self.port}"
         cmd = [
             sys.executable, "-m", "sglang_router.launch_router",
             "--host", host, "--port", str(self.port), "--policy", policy,
-            "--log-level", "warn", "--request-timeout-secs", str(request_timeout_secs),
-            "--prometheus-host", host, "--prometheus-port", str(find_free_port(host)),
+            "--log-level", log_level, "--request-timeout-secs", str(request_timeout_secs),
+            "--prometheus-host", host, "--prometheus-port", str(find_free_port(host)), *(extra_flags or []),
         ]
+        cmd += [] if retries else ["--disable-retries", "--disable-circuit-breaker"]
         # With a key the router requires it from its clients and sends it to the engines (sglang-router 0.3.2).
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         cmd += ["--api-key", api_key] if api_key else []
         # Its log goes to a file, never to a pipe: nobody reads a pipe during a run, and a full one stalls the router.
         if log_path:
             Path(log_path).parent.mkdir(parents=True, exist_ok=True)
-        self.log_file = open(log_path, "w+b") if log_path else tempfile.TemporaryFile()
+        self.log_file = open(log_path, "a+b") if log_path else tempfile.TemporaryFile()
         self.process = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=self.log_file,
                                         preexec_fn=die_with_parent())
         self._wait_ready()
@@ -62,6 +69,10 @@ class RouterProcess:
             time.sleep(0.2)
         self.shutdown()
         raise RouterError(f"sglang-router at {self.url} did not become ready within {timeout:.0f} s")
+
+    def exit_code(self) -> int | None:
+        """None while the router runs; its exit code (negative: the signal that killed it) once it has ended."""
+        return self.process.poll()
 
     def shutdown(self) -> None:
         if self.process.poll() is None:
@@ -93,3 +104,20 @@ def register_worker(router_url: str, worker_url: str, timeout: float = 120.0, ap
             return
         time.sleep(0.2)
     raise RouterError(f"router {router_url} did not list worker {worker_url} within {timeout:.0f} s")
+
+
+def deregister_worker(router_url: str, worker_url: str, api_key: str | None = None) -> bool:
+    """Take `worker_url` out of the router at once (new requests stop going to it); False when it was not listed."""
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    response = httpx.get(f"{router_url}/workers", headers=headers, timeout=10.0, trust_env=False)
+    response.raise_for_status()
+    ids = [w["id"] for w in response.json().get("workers", []) if isinstance(w, dict) and w.get("url") == worker_url]
+    for worker_id in ids:
+        answer = httpx.delete(f"{router_url}/workers/{worker_id}", headers=headers, timeout=10.0, trust_env=False)
+        if answer.status_code not in (200, 202, 204, 404):
+            raise RouterError(f"router {router_url} refused to remove worker {worker_url}: "
+                              f"{answer.status_code} {answer.text}")
+    deadline = time.monotonic() + 10.0  # the removal is queued: wait until the router no longer lists it
+    while ids and worker_url in list_workers(router_url, headers) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return bool(ids)

@@ -10,8 +10,12 @@ process starts.
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import json
+import os
 import re
+import shutil
 import struct
 import zipfile
 from pathlib import Path
@@ -26,6 +30,50 @@ _FOLDER_RE = re.compile(r"^rollout_(\d+)$")
 
 class CheckpointError(ValueError):
     """A `--load` folder that cannot be resumed from."""
+
+
+_RENAME_EXCHANGE = 2  # linux/fs.h
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap two paths in one atomic step (Linux renameat2 RENAME_EXCHANGE); False where that is not available."""
+    libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+    renameat2 = getattr(libc, "renameat2", None)
+    if renameat2 is None:
+        return False
+    at_fdcwd = -100
+    if renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    errno = ctypes.get_errno()
+    if errno in (38, 22, 95):  # ENOSYS, EINVAL, EOPNOTSUPP: the kernel or file system cannot exchange
+        return False
+    raise OSError(errno, os.strerror(errno), str(a))
+
+
+def publish_folder(tmp: Path, final: Path) -> None:
+    """Move the complete folder `tmp` to `final` so that a kill at any moment leaves `final` either the old
+    complete folder or the new one, never missing or half-written: when `final` exists the two are exchanged
+    atomically and the old one (now at `tmp`) removed. (Where the exchange is not available, `final` is missing
+    between two renames for an instant.)"""
+    if final.exists():
+        if _exchange(tmp, final):
+            shutil.rmtree(tmp)
+            return
+        stale = final.with_name(final.name + ".stale.tmp")
+        shutil.rmtree(stale, ignore_errors=True)
+        os.replace(final, stale)
+        os.replace(tmp, final)
+        shutil.rmtree(stale)
+        return
+    os.replace(tmp, final)
+
+
+def write_pointer(root: Path, folder_name: str) -> None:
+    """Point `{root}/latest` at `folder_name` atomically (write a temporary file, rename it over)."""
+    pointer = Path(root) / "latest"
+    pointer_tmp = pointer.with_name("latest.tmp")
+    pointer_tmp.write_text(folder_name)
+    os.replace(pointer_tmp, pointer)
 
 
 def checkpoint_dir(root: str | Path, rollout_id: int) -> Path:

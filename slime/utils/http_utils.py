@@ -1,11 +1,12 @@
-"""Async HTTP plumbing for rollouts: one background event loop, one shared aiohttp session, router helpers.
+"""Async HTTP for rollouts (slime's `slime.utils.http_utils`): one background event loop, one shared aiohttp
+session, JSON requests with retries, router helpers, and slime's `post` / `get` for generate functions.
 
 Rollout code is asyncio; its callers (Ray actor methods, train.py) are synchronous. `run(coro)` executes a
 coroutine on a single daemon event-loop thread and blocks for the result, so every request of every rollout
 shares one loop and one connection pool. Not a general HTTP library: only what talking to an sglang-router and
 SGLang-compatible engines needs (POST/GET JSON with retries on connection errors, abort every worker). aiohttp
-rather than httpx: on a 2-core machine 256 concurrent /generate round trips took 0.18-0.31 s with aiohttp and
-0.9-1.3 s through httpx's connection pool.
+for the async paths (httpx serves the blocking calls elsewhere): on a 2-core machine 256 concurrent /generate round
+trips took 0.18-0.31 s with aiohttp and 0.9-1.3 s through httpx's connection pool.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ RETRY_BACKOFF_BASE_S = 0.2
 RETRY_BACKOFF_MAX_S = 4.0
 # Gateway statuses mean "no healthy worker right now" (e.g. an engine restarting), so the request is retried.
 RETRYABLE_STATUS_CODES = (502, 503, 504)
+ABORT_TIMEOUT_S = 10.0
 
 
 class EndpointUnreachableError(ConnectionError):
@@ -34,6 +36,11 @@ class EndpointUnreachableError(ConnectionError):
 
 class HTTPRequestError(RuntimeError):
     """The endpoint answered with an error status that retrying cannot fix (a bad request or an engine bug)."""
+
+    def __init__(self, message: str, status: int | None = None, body: str = ""):
+        super().__init__(message)
+        self.status = status
+        self.body = body
 
 
 _loop: asyncio.AbstractEventLoop | None = None
@@ -129,10 +136,10 @@ async def _request_with_retries(client: aiohttp.ClientSession, method: str, url:
             continue
         text = body.decode("utf-8", errors="replace")
         if status in RETRYABLE_STATUS_CODES:
-            last_error = HTTPRequestError(f"{status}: {text[:200]}")
+            last_error = HTTPRequestError(f"{status}: {text[:200]}", status, text)
             continue
         if status >= 400:
-            raise HTTPRequestError(f"{method} {url} answered {status}: {text[:1000]}")
+            raise HTTPRequestError(f"{method} {url} answered {status}: {text[:1000]}", status, text)
         return json.loads(body) if body else None
     raise EndpointUnreachableError(
         f"could not reach {url} after {num_retries + 1} attempts "
@@ -167,11 +174,30 @@ async def abort_all_requests(base_url: str, router_headers: dict | None = None,
     """Ask every worker behind the router at `base_url` to abort all its requests; returns the worker URLs.
     `router_headers` authenticate to the router, `engine_headers` (the admin key) to the workers.
 
-    Aborted requests answer their pending /generate with finish_reason "abort" and the tokens produced so far.
+    Aborted requests answer their pending /generate with finish_reason "abort" and the tokens produced so far. A
+    worker that cannot be reached in time (a failed engine, not yet out of the router) is skipped with a warning:
+    the engine watch deals with it, and a request it held fails on its own.
     """
     worker_urls = await list_worker_urls(base_url, router_headers)
-    await asyncio.gather(*(
-        request_json("POST", f"{url.rstrip('/')}/abort_request", {"abort_all": True}, headers=engine_headers)
+    answers = await asyncio.gather(*(
+        request_json("POST", f"{url.rstrip('/')}/abort_request", {"abort_all": True}, headers=engine_headers,
+                     timeout=ABORT_TIMEOUT_S, num_retries=1)
         for url in worker_urls
-    ))
+    ), return_exceptions=True)
+    for url, answer in zip(worker_urls, answers):
+        if isinstance(answer, (EndpointUnreachableError, HTTPRequestError)):
+            logger.warning("could not abort the requests of %s: %s", url, answer)
+        elif isinstance(answer, BaseException):
+            raise answer
     return worker_urls
+
+
+async def post(url: str, payload: dict | None, max_retries: int = 60, headers: dict | None = None) -> Any:
+    """slime's `http_utils.post`: POST JSON, retried (connection errors, 502/503/504) up to `max_retries` times,
+    returning the decoded answer. Generate functions call it on the rollout's loop."""
+    return await request_json("POST", url, payload or {}, num_retries=max_retries, headers=headers)
+
+
+async def get(url: str) -> Any:
+    """slime's `http_utils.get`: GET and decode the JSON answer."""
+    return await request_json("GET", url)
