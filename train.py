@@ -116,10 +116,14 @@ def train(args) -> str:
         if args.debug_rollout_only:
             logger.log(rollout_id, metrics, print_fn=progress.write)
             continue
+        hand_over_start = time.perf_counter()
         if args.offload_rollout:
             ray.get(rollout_manager.offload.remote())
         if args.offload_train:
             actor.onload()
+        # Colocated: the engines release their memory, the trainer takes its own back (update_weights_time times
+        # the way back).
+        metrics["perf/hand_over_to_train_time"] = time.perf_counter() - hand_over_start
 
         metrics.update(train_on_rollout(args, actor, critic, rollout_id, data_refs))
         if should_save(args, rollout_id, num_rollout):

@@ -23,8 +23,9 @@ Workloads (`--preset qwen3-0.6b` sizes; `--preset tiny` runs small variants of e
     w4  W1 on the Qwen3-8B shape, engine only.
     w5  SmolLM-135M's shape (a Llama, 134.5M parameters), 512 prompts x 256 tokens, 256 out, T=1, EOS ignored: the
         small-model, large-batch case where the host's work per step is most of a step; vs HF generate.
-    host  not in `all`: 256 sequences x 256 in x 512 out on a tiny CPU model with the decode forward and the sampler
-        replaced by trivial functions, so each step's time is the engine's host-side (Python) work.
+    host  not in `all`: 512 sequences x 256 in x 512 out on a tiny CPU model with the decode forward and the sampler
+        replaced by trivial functions, so each step's time is the engine's host-side (Python) work (the overlapped
+        loop unless --no-overlap-schedule; wall and CPU time per decode step).
 
 MBU (model bandwidth utilisation) = bytes that must be read / run time / peak bandwidth (4.25 TB/s, H200 HBM3e):
     bytes = num_forward_steps * weight_bytes + sum over requests of sum_{k=1}^{O-1} (P + k) * kv_bytes_per_token
@@ -93,9 +94,9 @@ def parse_args(argv=None):
                         help="the engine's overlapped scheduling (next decode step launched before the last one's "
                              "tokens reach the host); default: the engine's (on for CUDA)")
     parser.add_argument("--skip-hf", action="store_true", help="measure the engine only (no ratio) on every workload")
-    parser.add_argument("--hf-workloads", default="w1,w5",
+    parser.add_argument("--hf-workloads", default="w1",
                         help="comma-separated workloads on which HF generate is measured too, when they run "
-                             "(default w1,w5)")
+                             "(default w1)")
     parser.add_argument("--peak-bandwidth-tb-s", type=float, default=PEAK_BANDWIDTH_TB_S)
     parser.add_argument("--trace-steps", type=int, default=0,
                         help="diagnosis: profile the first N steps of each timed run (host calls and GPU kernels) and "
@@ -152,7 +153,7 @@ def bench_engine(model_path: Path, workload: Workload, args, measure_weights_and
     for prompt, max_new_tokens in zip(workload.prompts, workload.max_new_tokens):
         params = SamplingParams(temperature=workload.temperature, top_p=1.0, top_k=-1,
                                 max_new_tokens=max_new_tokens, ignore_eos=workload.ignore_eos)
-        engine.add_request(prompt, params)
+        engine.add_request(prompt, params, incremental=False)  # as the server's non-streaming requests
     synchronize(args.device)
     gc.collect()
     gc.freeze()  # as the engine server does after start-up (slime.utils.misc.freeze_startup_objects)
@@ -265,9 +266,10 @@ def run_workloads(names: list[str], args) -> dict:
                 vocab_size = json.loads((checkpoints[key] / "config.json").read_text())["vocab_size"]
                 workload.prompts = make_prompts(args.num_prompts, args.input_len, vocab_size, args.seed)
             if key not in checkpoints:
-                for old in list(checkpoints.values()):  # W4's 8B checkpoint comes last: drop the others' files
+                for old_key, old in list(checkpoints.items()):  # e.g. W4's 8B checkpoint: drop the others' files
                     if Path(tmp) in old.parents:
                         _remove_tree(old)
+                        del checkpoints[old_key]  # a later workload of that shape builds it again
                 started = time.perf_counter()
                 build_device = args.device if args.device == "cuda" else "cpu"
                 checkpoints[key] = build_checkpoint(Path(tmp) / f"model_{name}", workload.shape,

@@ -5,8 +5,8 @@ default), then, in the same call, each phase's standalone floor on the same work
   samples of each rollout (its prompt ids, each sample's response length, EOS ignored, same temperature);
 - log-prob and train: train.py again with `--debug-train-only` on the loop's own rollouts (saved with
   `--save-debug-rollout-data`): no engine, no weight sync, no memory hand-over;
-- weight sync and the colocated hand-over (engine release / resume, trainer offload / onload, the part of a step no
-  phase timer covers): floor 0, pure loop overhead.
+- the colocated hand-over (`perf/hand_over_to_train_time`: engine release, trainer onload; `update_weights_time`:
+  engine resume, weight push, trainer offload) and whatever no phase timer covers: floor 0, pure loop overhead.
 
 Prints, per phase, the loop's median over the steady rollouts (rollout 0 is warm-up), the floor's, and their ratio,
 then `loop step / sum of floors` and the rollout phase's throughput as a fraction of the engine's; JSON last line.
@@ -29,7 +29,8 @@ sys.path.insert(0, str(REPO))
 
 from benchmarks.gpu_grpo_smoke import make_parser, read_metrics, train_command  # noqa: E402
 
-TIMED_PHASES = ["perf/rollout_time", "perf/log_prob_time", "perf/actor_train_time", "perf/update_weights_time"]
+TIMED_PHASES = ["perf/rollout_time", "perf/hand_over_to_train_time", "perf/log_prob_time", "perf/actor_train_time",
+                "perf/update_weights_time"]
 
 
 def engine_floor(model_path: str, rollout_files: list[Path], device: str, temperature: float) -> list[dict]:
@@ -92,11 +93,11 @@ def main() -> int:
     engine_tok_s = statistics.median(r["output_tokens"] / r["seconds"] for r in engine)
 
     loop = {key: steady(loop_rows, key) for key in TIMED_PHASES + ["perf/step_time", "perf/rollout_tokens_per_sec"]}
-    loop["hand-over (step - timed phases)"] = loop["perf/step_time"] - sum(loop[key] for key in TIMED_PHASES)
-    floors = {"perf/rollout_time": engine_seconds,
+    loop["rest of the step (not in a phase timer)"] = loop["perf/step_time"] - sum(loop[key] for key in TIMED_PHASES)
+    floors = {"perf/rollout_time": engine_seconds, "perf/hand_over_to_train_time": 0.0,
               "perf/log_prob_time": steady(train_rows, "perf/log_prob_time") if train_rc == 0 else float("nan"),
               "perf/actor_train_time": steady(train_rows, "perf/actor_train_time") if train_rc == 0 else float("nan"),
-              "perf/update_weights_time": 0.0, "hand-over (step - timed phases)": 0.0}
+              "perf/update_weights_time": 0.0, "rest of the step (not in a phase timer)": 0.0}
     floor_step = sum(floors.values())
     print(f"\n| phase (median of rollouts {steady_ids[0]}-{steady_ids[-1]}) | loop s | floor s | loop / floor |")
     print("|---|---|---|---|")

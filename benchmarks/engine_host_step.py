@@ -27,7 +27,7 @@ def bench_host_step(seed: int, num_seqs: int = 512, input_len: int = 256, output
     from slime.engine.sampling_params import SamplingParams
 
     class InstantDecodeGraphs:
-        def __init__(self, model, max_num_seqs, *_):
+        def __init__(self, model, max_num_seqs, *_, **__):
             self.max_batch_size = max_num_seqs
             self.hidden = torch.zeros(max_num_seqs, model.config.hidden_size)
 

@@ -44,8 +44,8 @@ PLACEMENTS = {  # the issues' runs: one GPU colocated; two GPUs disaggregated or
     "disaggregated": ["--actor-num-gpus-per-node", "1", "--rollout-num-gpus", "1"],
     "colocated-2": ["--colocate", "--actor-num-gpus-per-node", "2"],
 }
-PHASES = ["perf/rollout_time", "perf/log_prob_time", "perf/actor_train_time", "perf/update_weights_time",
-          "perf/weight_push_time", "perf/step_time"]
+PHASES = ["perf/rollout_time", "perf/hand_over_to_train_time", "perf/log_prob_time", "perf/actor_train_time",
+          "perf/update_weights_time", "perf/weight_push_time", "perf/step_time"]
 EXTRA = ["perf/weight_push_gb_per_s", "perf/rollout_tokens_per_sec", "train/train_rollout_logprob_abs_diff",
          "rollout/response_len/mean"]
 MOE = ["train/router_agreement", "train/router_agreement_layer_min", "train/mismatch_ratio_p1",

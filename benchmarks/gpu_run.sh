@@ -56,7 +56,7 @@ run_step() {
     # The RL-speed issue: host work per decode step (CPU, device faked) on this host, W1 and the 135M shape at
     # batch 512 (W5) with HF's ratio, and the GRPO loop against its standalone floors.
     engine_speed) python3 benchmarks/bench_engine.py --workload host &&
-                  python3 benchmarks/bench_engine.py --preset qwen3-0.6b --workload w1,w5 ;;
+                  python3 benchmarks/bench_engine.py --preset qwen3-0.6b --workload w1,w5 --hf-workloads w1,w5 ;;
     loop_bench) python3 benchmarks/bench_loop.py /tmp/loop_bench; local rc=$?
                 cp /tmp/loop_bench/loop/metrics.jsonl $OUT/loop_metrics.jsonl
                 cat /tmp/loop_bench/loop/engine_*.log 2>/dev/null | grep -i "captured" | tail -5; return $rc ;;

@@ -54,7 +54,7 @@ def profile_mode(model_path: str, prompts, args, overlap: bool) -> dict:
     params = SamplingParams(temperature=1.0, max_new_tokens=args.output_len, ignore_eos=True)
     engine.generate(prompts[:4], SamplingParams(temperature=1.0, max_new_tokens=4, ignore_eos=True))
     for prompt in prompts:
-        engine.add_request(prompt, params)
+        engine.add_request(prompt, params, incremental=False)
     torch.cuda.synchronize()
     started = time.perf_counter()
     prefill_steps = []

@@ -87,3 +87,32 @@ def test_rows_kept_across_steps_equal_rows_built_from_scratch(seed, look_ahead):
             batch = None
     assert num_added == 40 and not scheduler.has_unfinished()
     assert num_checked > 50
+
+
+def test_decode_sampling_from_kept_rows_equals_prepare_sampling():
+    """The sampling tensors of a decode step built from DecodeRows equal those built from the sequences, banned
+    stop tokens under min_new_tokens included (a few rows still under it, mixed temperatures and filters)."""
+    import torch
+
+    from slime.engine.host_staging import HostStaging
+    from slime.engine.sampling_inputs import decode_sampling, prepare_sampling
+    from slime.engine.scheduler import ScheduledSequence
+
+    rng = random.Random(0)
+    seqs = [random_request(rng, i) for i in range(12)]
+    for seq in seqs:
+        seq.block_table = [rng.randrange(24) for _ in range(-(-len(seq) // 4))]
+        for _ in range(rng.randint(0, 3)):  # some rows have generated tokens, some are still under min_new_tokens
+            seq.append_token(rng.randrange(4, VOCAB), -1.0)
+    batch = [ScheduledSequence(seq, len(seq) - 1, 1, True) for seq in seqs]
+    rows = DecodeRows(VOCAB)
+    rows.update(seqs)
+    staging = HostStaging(torch.device("cpu"))
+    positions = np.array([item.start for item in batch])
+    got = decode_sampling(rows, positions, staging, {EOS})
+    expected = prepare_sampling(batch, VOCAB, staging, {EOS})
+    assert expected.banned_rows.numel() > 0  # the min_new_tokens path is exercised
+    for name in ("temperatures", "top_ks", "top_ps", "min_ps", "seeds", "steps", "banned_rows", "banned_token_ids"):
+        torch.testing.assert_close(getattr(got, name), getattr(expected, name), rtol=0, atol=0, msg=name)
+    for name in ("needs_filtering", "all_greedy", "any_greedy"):
+        assert getattr(got, name) == getattr(expected, name), name

@@ -18,7 +18,7 @@ def test_tiny_workloads_run_end_to_end(capsys):
     result = bench_engine.main(["--workload", "all"])
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1]) == json.loads(json.dumps(result))
     workloads = result["workloads"]
-    assert list(workloads) == ["w1", "w2", "w3", "w4"]
+    assert list(workloads) == ["w1", "w2", "w3", "w4", "w5"]
     assert not [name for name, summary in workloads.items() if "warning" in summary]
 
     w1 = workloads["w1"]
@@ -49,6 +49,9 @@ def test_tiny_workloads_run_end_to_end(capsys):
 
     assert workloads["w4"]["engine_output_tokens"] == 16 * 64
     assert workloads["w4"]["weight_gb"] > w1["weight_gb"]
+    # W5: twice W1's batch on W1's tiny shape (its checkpoint rebuilt after W4 dropped it), engine only by default.
+    assert workloads["w5"]["num_requests"] == 32 and workloads["w5"]["engine_output_tokens"] == 32 * 64
+    assert workloads["w5"]["weight_gb"] == w1["weight_gb"] and workloads["w5"]["hf_output_tok_s"] is None
 
 
 def test_host_step_benchmark_times_every_decode_step():

@@ -79,6 +79,27 @@ def test_generate_text_and_batches(client, reference_engine):
     assert texts[0]["output_ids"] == by_text["output_ids"] and texts[1]["meta_info"]["completion_tokens"] == 3
 
 
+def test_parallel_sampling_n_is_n_requests_sharing_the_prompt(client, reference_engine):
+    """SGLang's sampling_params.n: a list of n results per prompt, prompt-major, sample j seeded sampling_seed + j
+    (the same tokens as n single requests with those seeds); the copies after the first hit the prefix cache."""
+    client.post("/flush_cache")
+    prompts = [list(range(3, 40)), list(range(50, 90))]  # over two 16-token blocks each
+    params = {"temperature": 1.0, "max_new_tokens": 6, "ignore_eos": True, "sampling_seed": 7}
+    results = generate(client, input_ids=prompts, sampling_params={**params, "n": 3}, return_logprob=True)
+    assert isinstance(results, list) and len(results) == 6
+    expected = reference_engine.generate([p for p in prompts for _ in range(3)],
+                                         [{**params, "sampling_seed": 7 + j} for _ in prompts for j in range(3)])
+    assert [r["output_ids"] for r in results] == [e["output_ids"] for e in expected]
+    for result, e in zip(results, expected):
+        assert [entry[0] for entry in result["meta_info"]["output_token_logprobs"]] == pytest.approx(
+            e["output_log_probs"], abs=1e-5)
+    assert len({tuple(r["output_ids"]) for r in results[:3]}) == 3  # n different samples of one prompt
+    assert len({r["meta_info"]["id"] for r in results}) == 6
+    assert sum(r["meta_info"]["cached_tokens"] for r in results) >= 4 * 32  # copies 2 and 3 of each prompt
+    single = generate(client, input_ids=prompts[0], sampling_params={**params, "n": 2})
+    assert isinstance(single, list) and [r["output_ids"] for r in single] == [e["output_ids"] for e in expected[:2]]
+
+
 def test_stop_token_ids_finish_with_matched_token(client):
     first = generate(client, input_ids=[3, 4, 5], sampling_params=GREEDY)["output_ids"]
     stopped = generate(client, input_ids=[3, 4, 5], sampling_params={**GREEDY, "stop_token_ids": [first[2]]})
@@ -277,6 +298,10 @@ def test_release_and_resume_memory(client, server):
         ("/generate", {"input_ids": []}, "input_ids"),
         ("/generate", {"input_ids": [1], "bogus": 1}, "bogus"),
         ("/generate", {"input_ids": [[1], [2]], "stream": True}, "stream"),
+        ("/generate", {"input_ids": [1, 2], "sampling_params": {"n": 0}}, "sampling_params.n"),
+        ("/generate", {"input_ids": [[1], [2]], "sampling_params": [{"n": 2}, {"n": 3}]}, "sampling_params.n"),
+        ("/generate", {"input_ids": [1, 2], "sampling_params": {"n": 2}, "rid": "r"}, "rid"),
+        ("/generate", {"input_ids": [1, 2], "sampling_params": {"n": 2}, "stream": True}, "stream"),
         ("/abort_request", {}, "rid"),
         ("/pause_generation", {"mode": "sideways"}, "mode"),
         ("/release_memory_occupation", {"tags": ["gpu"]}, "tags"),

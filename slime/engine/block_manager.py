@@ -8,6 +8,8 @@ Plain Python, no torch: it only hands out block ids; the model runner owns the t
 
 from __future__ import annotations
 
+from collections import OrderedDict
+
 from slime.engine.sequence import Sequence
 
 
@@ -31,8 +33,10 @@ class BlockManager:
             raise ValueError(f"num_blocks ({num_blocks}) and block_size ({block_size}) must be >= 1")
         self.block_size = block_size
         self.blocks = [Block(i) for i in range(num_blocks)]
-        # Insertion-ordered set: least recently freed first, so cached blocks survive as long as possible.
-        self.free_block_ids: dict[int, None] = dict.fromkeys(range(num_blocks))
+        # Insertion-ordered set: least recently freed first, so cached blocks survive as long as possible. An
+        # OrderedDict, not a dict: taking the first key of a dict scans the slots of every key deleted from its front
+        # so far, which made a decode step where 512 sequences each grow a block take ~8 ms instead of ~0.3 ms.
+        self.free_block_ids: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self.hash_to_block_id: dict[int, int] = {}
 
     @property
@@ -85,8 +89,7 @@ class BlockManager:
     def grow(self, seq: Sequence, num_tokens: int) -> None:
         """Append fresh blocks until `seq` has room for `num_tokens` tokens."""
         for _ in range(self.num_blocks_for(num_tokens) - len(seq.block_table)):
-            block_id = next(iter(self.free_block_ids))
-            del self.free_block_ids[block_id]
+            block_id, _ = self.free_block_ids.popitem(last=False)
             block = self.blocks[block_id]
             self._forget_hash(block)
             block.ref_count = 1

@@ -2,10 +2,13 @@
 sizes, replayed with static input buffers so a decode step costs a few copies and one graph launch instead of
 hundreds of kernel launches from Python.
 
-A batch of n sequences runs in the smallest captured bucket >= n; the padded rows write their K/V to a scratch
-cache slot that no sequence owns and attend nothing (seq_len 0). Graphs bake in the addresses of the weights and the
-KV cache: the model runner drops them whenever either is freed and captures again on the next decode step. Not
-used for prefill, on CPU, with enforce_eager, or beyond the largest bucket (the eager path runs those).
+A batch of n sequences runs in the smallest bucket >= n; the padded rows write their K/V to a scratch cache slot
+that no sequence owns and attend nothing (seq_len 0). Graphs bake in the addresses of the weights and the KV cache:
+the model runner drops them whenever either is freed and builds a new DecodeGraphs on the next decode step. The
+first one captures every bucket up front (kernel compilation happens at start-up, not mid-run); later ones, after a
+release / resume of memory (colocated RL: once per rollout), capture a bucket when a batch first needs it, since
+re-capturing all of them took 0.55-0.73 s per rollout on an H200 while a rollout uses a few. Not used for prefill,
+on CPU, with enforce_eager, or beyond the largest bucket (the eager path runs those).
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ def bucket_batch_sizes(max_num_seqs: int) -> list[int]:
 
 class DecodeGraphs:
     def __init__(self, model: nn.Module, max_num_seqs: int, max_num_blocks_per_seq: int, scratch_slot: int,
-                 staging: HostStaging):
+                 staging: HostStaging, capture_all: bool = True):
         self.model = model
         self.staging = staging
         self.batch_sizes = bucket_batch_sizes(max_num_seqs)
@@ -47,7 +50,9 @@ class DecodeGraphs:
         self.query_start_loc = torch.arange(max_batch_size + 1, dtype=torch.int32, device=device)
         self.hidden = torch.zeros(max_batch_size, hidden_size, dtype=dtype, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self._capture()
+        self.pool = None  # one memory pool for every bucket's graph: they never run at the same time
+        if capture_all:
+            self._capture_all()
 
     @property
     def max_batch_size(self) -> int:
@@ -66,22 +71,27 @@ class DecodeGraphs:
         meta = self._metadata(batch_size)
         self.hidden[:batch_size] = self.model(self.input_ids[:batch_size], self.positions[:batch_size], meta)
 
-    def _capture(self) -> None:
-        """Capture every bucket, largest first (the smaller graphs reuse its memory pool). Runs at start-up and again
-        after each release of the weights or KV cache (colocated RL: once per rollout); its time is logged."""
+    def _capture_all(self) -> None:
+        """Capture every bucket, largest first (the smaller graphs reuse its memory pool); its time is logged."""
         started = time.perf_counter()
-        self.slot_mapping.fill_(self.scratch_slot)
-        pool = None
         for batch_size in reversed(self.batch_sizes):
-            self._forward(batch_size)  # warm-up: Triton compilation, cuBLAS workspaces
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                self._forward(batch_size)
-            pool = graph.pool() if pool is None else pool
-            self.graphs[batch_size] = graph
+            self._capture(batch_size)
         torch.cuda.synchronize()
         logger.info("captured %d decode CUDA graphs (batch sizes up to %d) in %.2f s", len(self.graphs),
                     self.batch_sizes[-1], time.perf_counter() - started)
+
+    def _capture(self, batch_size: int) -> None:
+        """Capture one bucket. Its warm-up forward writes K/V only to the scratch slot (the slots it reads are those
+        of the last replay or zeros) and its hidden rows are overwritten by the replay that follows."""
+        saved_slots = self.slot_mapping[:batch_size].clone()
+        self.slot_mapping[:batch_size].fill_(self.scratch_slot)
+        self._forward(batch_size)  # warm-up: Triton compilation, cuBLAS workspaces
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            self._forward(batch_size)
+        self.pool = graph.pool() if self.pool is None else self.pool
+        self.graphs[batch_size] = graph
+        self.slot_mapping[:batch_size].copy_(saved_slots)
 
     def run(self, token_inputs: np.ndarray, block_tables: np.ndarray,
             input_tokens: torch.Tensor | None = None) -> torch.Tensor:
@@ -97,5 +107,7 @@ class DecodeGraphs:
         self.staging.copy_(self.block_tables[:num_seqs, :width], block_tables)
         if input_tokens is not None:
             self.input_ids[:num_seqs].copy_(input_tokens)
+        if batch_size not in self.graphs:
+            self._capture(batch_size)
         self.graphs[batch_size].replay()
         return self.hidden[:num_seqs]

@@ -72,6 +72,9 @@ class Engine:
         self.watched: dict[str, bool] = {}
         self.pending_outputs: list[RequestOutput] = []
         self.in_flight = None  # overlapped scheduling: (scheduled batch, its LaunchedStep)
+        # Batches launched so far: a step that reports nothing (no request finished, none streams) but launched a
+        # batch still made progress.
+        self.num_launched_steps = 0
         self.released_tags: set[str] = set()
         self.weight_version = "0"
         self.num_weight_updates = 0
@@ -165,6 +168,7 @@ class Engine:
             return outputs
         scheduled = self.scheduler.schedule()
         assert scheduled, "scheduler made no progress with unfinished requests"
+        self.num_launched_steps += 1
         return outputs + self._complete(scheduled, self.model_runner.launch(scheduled))
 
     def _overlapped_step(self) -> list[RequestOutput]:
@@ -182,11 +186,13 @@ class Engine:
                     source_rows = [row for row, item in enumerate(scheduled) if item.seq.has_placeholder]
                     input_tokens = launched.tokens[self.model_runner.staging.to_device(np.array(source_rows))]
                 self.in_flight = (ahead, self.model_runner.launch(ahead, input_tokens))
+                self.num_launched_steps += 1
             outputs = self._complete(scheduled, launched)
         if self.in_flight is None and self.scheduler.has_unfinished():
             scheduled = self.scheduler.schedule()
             assert scheduled, "scheduler made no progress with unfinished requests"
             self.in_flight = (scheduled, self.model_runner.launch(scheduled))
+            self.num_launched_steps += 1
         return outputs
 
     def _drain(self) -> None:

@@ -201,15 +201,18 @@ class EngineLoop:
             if self._deferred and not self._holds:
                 self._add_deferred()
             if not self._holds and self.engine.has_unfinished_requests():
+                num_launched_before = self.engine.num_launched_steps
                 try:
                     outputs = self.engine.step()
                 except Exception as error:  # a failed step must not kill the server: fail its requests instead
                     self._fail_all(error)
                     continue
                 self._dispatch(outputs)
-                # Chunked prefills legitimately report nothing for a few steps; a long run of empty steps means the
-                # engine cannot progress right now, so back off instead of spinning a core.
-                num_empty_steps = 0 if outputs else num_empty_steps + 1
+                # Steps of requests that only report their end return nothing while they run; a long run of steps
+                # that neither report nor launch a batch means the engine cannot progress right now, so back off
+                # instead of spinning a core.
+                progressed = outputs or self.engine.num_launched_steps != num_launched_before
+                num_empty_steps = 0 if progressed else num_empty_steps + 1
                 if num_empty_steps >= MAX_EMPTY_STEPS_BEFORE_BACKOFF:
                     self._wake.wait(IDLE_WAIT_S)
             else:

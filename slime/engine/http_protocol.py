@@ -8,6 +8,7 @@ raises `RequestError` (a ValueError) whose message names the offending field; th
 from __future__ import annotations
 
 import base64
+import dataclasses
 from dataclasses import dataclass
 from typing import Callable
 
@@ -113,17 +114,54 @@ def parse_generate_request(
                 "(the prompt must leave room for at least one generated token)"
             )
     num_prompts = len(prompts)
-    sampling_params = _parse_sampling_params(body.get("sampling_params"), num_prompts, is_batch)
-    rids = _parse_rids(body.get("rid"), num_prompts, is_batch)
-    if stream and is_batch:
-        raise RequestError("'stream' is supported for a single prompt only; send one request per prompt")
     too_long = [len(prompt) for prompt in prompts if len(prompt) < routed_experts_start_len]
     if too_long:
         raise RequestError(f"'routed_experts_start_len' ({routed_experts_start_len}) exceeds the prompt's "
                            f"{too_long[0]} tokens: it must be in [0, prompt length]")
-    items = [GenerateItem(list(p), s, r) for p, s, r in zip(prompts, sampling_params, rids)]
+    raw_params, num_samples = _pop_parallel_sample_num(body.get("sampling_params"))
+    sampling_params = _parse_sampling_params(raw_params, num_prompts, is_batch)
+    if num_samples > 1:
+        items = _parallel_samples(body, prompts, sampling_params, num_samples, stream)
+        is_batch = True  # SGLang answers a list, even for one prompt
+    else:
+        rids = _parse_rids(body.get("rid"), num_prompts, is_batch)
+        if stream and is_batch:
+            raise RequestError("'stream' is supported for a single prompt only; send one request per prompt")
+        items = [GenerateItem(list(p), s, r) for p, s, r in zip(prompts, sampling_params, rids)]
     return GenerateRequest(items, is_batch, return_logprob, return_text_in_logprobs, stream, return_routed_experts,
                            routed_experts_start_len)
+
+
+def _pop_parallel_sample_num(raw):
+    """SGLang's parallel sampling: `sampling_params.n` (the same in every entry of a list) is a request-level
+    count, not a sampling parameter. Returns the sampling params without it, and n."""
+    entries = raw if isinstance(raw, list) else [raw]
+    counts = {entry.get("n", 1) if isinstance(entry, dict) else 1 for entry in entries}
+    if len(counts) > 1:
+        raise RequestError(f"'sampling_params.n' must be the same for every prompt, got {sorted(map(str, counts))}")
+    (num_samples,) = counts
+    if not isinstance(num_samples, int) or isinstance(num_samples, bool) or num_samples < 1:
+        raise RequestError(f"'sampling_params.n' must be an integer >= 1, got {num_samples!r}")
+    stripped = [{k: v for k, v in entry.items() if k != "n"} if isinstance(entry, dict) else entry
+                for entry in entries]
+    return (stripped if isinstance(raw, list) else stripped[0]), num_samples
+
+
+def _parallel_samples(body, prompts, sampling_params, num_samples: int, stream: bool) -> list[GenerateItem]:
+    """n samples of each prompt as n engine requests, prompt-major (SGLang's order). The copies share the prompt's
+    KV blocks through the prefix cache. With a sampling_seed s, sample j draws with seed s + j, so the n samples
+    differ but stay reproducible."""
+    if stream:
+        raise RequestError("'stream' is not supported with sampling_params.n > 1; send n streaming requests")
+    if body.get("rid") is not None:
+        raise RequestError("'rid' is not supported with sampling_params.n > 1: each sample gets its own id "
+                           "(meta_info.id); leave rid unset")
+    items = []
+    for prompt, params in zip(prompts, sampling_params):
+        for j in range(num_samples):
+            seed = None if params.sampling_seed is None else params.sampling_seed + j
+            items.append(GenerateItem(list(prompt), dataclasses.replace(params, sampling_seed=seed), None))
+    return items
 
 
 def _bool_field(body: dict, name: str, default: bool) -> bool:

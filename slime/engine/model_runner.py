@@ -18,13 +18,14 @@ import torch
 
 from slime.engine.config import Config
 from slime.engine.cuda_graph import DecodeGraphs
-from slime.engine.decode_rows import DecodeRows, sampling_values
+from slime.engine.decode_rows import DecodeRows
 from slime.engine.host_staging import HostStaging
 from slime.engine.kernel_checks import grouped_mm_works, triton_attention_works, triton_fused_kernels_work
 from slime.engine.layers.attention import AttentionMetadata
 from slime.engine.models import DecoderForCausalLM, ModelConfig
 from slime.engine.models.weight_loader import load_checkpoint
-from slime.engine.sampler import SamplingBatch, sample
+from slime.engine.sampler import sample
+from slime.engine.sampling_inputs import decode_sampling, prepare_sampling
 from slime.engine.sampling_params import SamplingParams
 from slime.engine.scheduler import ScheduledSequence
 from slime.engine.sequence import Sequence
@@ -94,6 +95,7 @@ class ModelRunner:
         max_model_len = config.max_model_len or model_config.max_position_embeddings
         self.max_num_blocks_per_seq = min(-(-max_model_len // self.block_size), self.num_kvcache_blocks)
         self.decode_graphs: DecodeGraphs | None = None
+        self.captured_decode_graphs = False  # the first DecodeGraphs captures every bucket; later ones lazily
         self.decode_rows = DecodeRows(model_config.vocab_size)
         attention_works = self.device.type == "cuda" and triton_attention_works(self.device)
         grouped_mm = grouped_mm_works(self.device, self.dtype) if model_config.is_moe else True
@@ -249,14 +251,14 @@ class ModelRunner:
         if positions is not None:  # every row samples; the rows' arrays come from self.decode_rows
             sample_rows = scheduled
             # Built first: its host-to-device copies would otherwise wait behind the forward pass.
-            sampling = self._decode_sampling(positions)
+            sampling = decode_sampling(self.decode_rows, positions, self.staging, self.eos_token_ids)
             hidden = self._forward_decode_graph(scheduled, positions, input_tokens)
         else:
             self.decode_rows.clear()
             sample_rows = [row for row, item in enumerate(scheduled) if item.needs_sample]
             vocab_size = self.model_config.vocab_size
             sampled = [scheduled[row] for row in sample_rows]
-            sampling = self.prepare_sampling(sampled, vocab_size) if sample_rows else None
+            sampling = prepare_sampling(sampled, vocab_size, self.staging, self.eos_token_ids) if sample_rows else None
             input_ids, positions, meta, logits_indices = self.prepare_inputs(scheduled)
             if input_tokens is not None:
                 assert input_ids.shape == input_tokens.shape, "input_tokens needs a decode batch"
@@ -298,8 +300,10 @@ class ModelRunner:
             return None
         if self.decode_graphs is None:
             self.decode_graphs = DecodeGraphs(
-                self.model, self.config.max_num_seqs, self.max_num_blocks_per_seq, self.scratch_slot, self.staging
+                self.model, self.config.max_num_seqs, self.max_num_blocks_per_seq, self.scratch_slot, self.staging,
+                capture_all=not self.captured_decode_graphs,
             )
+            self.captured_decode_graphs = True
         if len(scheduled) > self.decode_graphs.max_batch_size:
             return None
         self.decode_rows.update([item.seq for item in scheduled])
@@ -327,23 +331,6 @@ class ModelRunner:
         )
         token_inputs[3] = positions + 1
         return self.decode_graphs.run(token_inputs, block_tables, input_tokens)
-
-    def _decode_sampling(self, positions: np.ndarray) -> SamplingBatch:
-        """prepare_sampling for a decode-graph batch, from the rows' cached sampling values."""
-        rows = self.decode_rows
-        steps = positions + 1 - rows.num_prompt_tokens  # tokens generated so far, the one being computed included
-        banned_rows, banned_token_ids = [], []
-        if (steps < rows.min_new_tokens).any():
-            banned_rows, banned_token_ids = self._banned_stop_tokens(
-                list(zip(range(len(rows.seqs)), [seq.sampling_params for seq in rows.seqs], steps.tolist()))
-            )
-        temperatures = rows.float_params[0]
-        return self._sampling_batch(
-            rows.float_params, rows.top_ks, rows.seeds, steps, banned_rows, banned_token_ids,
-            needs_filtering=bool(rows.needs_filtering.any()),
-            all_greedy=not temperatures.any(),
-            any_greedy=not temperatures.all(),
-        )
 
     def prepare_inputs(self, scheduled: list[ScheduledSequence]):
         """(input_ids, positions, AttentionMetadata, logits_indices) on the device; the metadata is filled for the
@@ -397,73 +384,6 @@ class ModelRunner:
             attn_mask=to_device(attn_mask),
         )
         return input_ids_t, positions_t, meta, logits_indices_t
-
-    def prepare_sampling(self, sampled: list[ScheduledSequence], vocab_size: int) -> SamplingBatch:
-        """Per-row sampling tensors, sent in two host-to-device copies (int64 and float32 rows). Each distinct
-        SamplingParams object is read once per step (a batch usually shares one)."""
-        num_rows = len(sampled)
-        seqs = [item.seq for item in sampled]
-        params_of_rows = [seq.sampling_params for seq in seqs]
-        distinct = {id(params): params for params in params_of_rows}
-        values = {key: sampling_values(params, vocab_size) for key, params in distinct.items()}
-        if len(values) == 1:
-            (only,) = values.values()
-            float_columns = np.broadcast_to(np.array(only[:3], dtype=np.float32)[:, None], (3, num_rows))
-            top_ks = np.full(num_rows, only[3], dtype=np.int64)
-        else:
-            rows = [values[id(params)] for params in params_of_rows]
-            float_columns = np.array([row[:3] for row in rows], dtype=np.float32).T
-            top_ks = np.fromiter((row[3] for row in rows), dtype=np.int64, count=num_rows)
-        seeds = np.fromiter((seq.seed for seq in seqs), dtype=np.int64, count=num_rows)
-        steps = np.fromiter(
-            (len(seq.token_ids) - seq.num_prompt_tokens for seq in seqs), dtype=np.int64, count=num_rows
-        )
-        banned_rows, banned_token_ids = [], []
-        if any(params.min_new_tokens > 0 for params in distinct.values()):
-            banned_rows, banned_token_ids = self._banned_stop_tokens(
-                list(zip(range(num_rows), params_of_rows, steps.tolist()))
-            )
-        return self._sampling_batch(
-            float_columns, top_ks, seeds, steps, banned_rows, banned_token_ids,
-            needs_filtering=any(value[4] for value in values.values()),
-            all_greedy=not any(value[0] for value in values.values()),
-            any_greedy=any(value[0] == 0 for value in values.values()),
-        )
-
-    def _banned_stop_tokens(self, rows) -> tuple[list[int], list[int]]:
-        """(row, token) pairs masked out of sampling: the stop tokens of each (row, params, step) whose step is
-        still under its min_new_tokens."""
-        vocab_size = self.model_config.vocab_size
-        banned_rows, banned_token_ids = [], []
-        for row, params, step in rows:
-            if step < params.min_new_tokens:
-                stop_ids = set(params.stop_token_ids)
-                if not params.ignore_eos:
-                    stop_ids |= self.eos_token_ids
-                for token_id in sorted(t for t in stop_ids if t < vocab_size):
-                    banned_rows.append(row)
-                    banned_token_ids.append(token_id)
-        return banned_rows, banned_token_ids
-
-    def _sampling_batch(self, float_columns, top_ks, seeds, steps, banned_rows, banned_token_ids,
-                        **flags) -> SamplingBatch:
-        int_tensors = self.staging.to_device_packed(
-            [top_ks, seeds, steps, np.array(banned_rows, dtype=np.int64), np.array(banned_token_ids, dtype=np.int64)],
-            np.int64,
-        )
-        temperatures, top_ps, min_ps = self.staging.to_device_packed(list(float_columns), np.float32)
-        return SamplingBatch(
-            temperatures=temperatures,
-            top_ks=int_tensors[0],
-            top_ps=top_ps,
-            min_ps=min_ps,
-            seeds=int_tensors[1],
-            steps=int_tensors[2],
-            banned_rows=int_tensors[3],
-            banned_token_ids=int_tensors[4],
-            **flags,
-        )
-
 
 _start = attrgetter("start")
 

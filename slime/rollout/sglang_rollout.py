@@ -125,10 +125,21 @@ async def sample_continuation(args, sample: Sample, sampling_params: dict) -> st
     and the text, sets the status from the finish reason, counts prefix-cache hits; returns the text sampled."""
     routing = routed_experts_request(args, sample)
     payload = {"input_ids": sample.tokens, "sampling_params": sampling_params, "return_logprob": True, **routing}
+    output = await _post_generate(args, payload, sample)
+    return _append_output(args, sample, output, routing.get("routed_experts_start_len", 0))
+
+
+async def _post_generate(args, payload: dict, sample: Sample):
+    """POST /generate through the router, routed by the sample's session; under fault tolerance re-sent (counted
+    on `sample`) while its engine is recovered."""
     timeout = getattr(args, "sglang_router_request_timeout_secs", None) or DEFAULT_REQUEST_TIMEOUT_S
     headers = {**router_headers(args), **({"X-SMG-Routing-Key": sample.session_id} if sample.session_id else {})}
-    output = await post_generate(args, f"{router_url(args)}/generate", payload, sample, timeout=timeout,
-                                 headers=headers)
+    return await post_generate(args, f"{router_url(args)}/generate", payload, sample, timeout=timeout,
+                               headers=headers)
+
+
+def _append_output(args, sample: Sample, output: dict, routed_experts_start_len: int) -> str:
+    """Apply one /generate result to `sample` (see sample_continuation); returns the text sampled."""
     meta = output.get("meta_info", {})
     logprob_items = meta.get("output_token_logprobs")
     if logprob_items is None:
@@ -137,9 +148,53 @@ async def sample_continuation(args, sample: Sample, sampling_params: dict) -> st
     text = output.get("text", "")
     sample.append_response_tokens(args, tokens=[int(item[1]) for item in logprob_items],
                                   log_probs=[float(item[0]) for item in logprob_items], meta_info=meta, text=text)
-    start_len = meta.get("routed_experts_start_len", routing.get("routed_experts_start_len", 0))
-    store_routed_experts(args, sample, meta, start_len)
+    # The engine echoes the start it used (sglang-router 0.3.2 drops the field from the request).
+    store_routed_experts(args, sample, meta, meta.get("routed_experts_start_len", routed_experts_start_len))
     return text
+
+
+def group_prompt_ids(args, group: list[Sample]) -> list[int] | None:
+    """The prompt ids of a group that one /generate with sampling_params.n can sample: fresh samples of one prompt
+    that the default generate function would sample one by one (no generate hook, one turn, nothing generated yet,
+    no per-sample hooks after generation, no routing replay). None when the group must go sample by sample."""
+    if len(group) < 2 or getattr(args, "custom_generate_function_path", None) or (getattr(args, "max_turns", None)
+                                                                                  or 1) > 1:
+        return None
+    if getattr(args, "rollout_sample_hook_path", None) or getattr(args, "use_rollout_routing_replay", False):
+        return None
+    if any(s.generate_function_path or s.tokens or s.response_length or s.status != Sample.Status.PENDING
+           for s in group):
+        return None
+    tokenizer = tokenizer_for(args)
+    if tokenizer is None:
+        raise ValueError("the default rollout needs --hf-checkpoint: its tokenizer turns prompts into token ids")
+    prompts = [prompt_token_ids(tokenizer, s) for s in group]
+    return prompts[0] if all(p == prompts[0] for p in prompts) else None
+
+
+async def generate_group_in_one_request(args, group: list[Sample], prompt_ids: list[int], sampling_params: dict,
+                                        state: GenerateState) -> None:
+    """The group's n samples from one /generate with SGLang's sampling_params.n (one HTTP round trip and one
+    response instead of n; the engine admits the copies together, so they share the prompt's KV blocks)."""
+    async with state.semaphore:
+        if state.aborted:
+            for sample in group:
+                sample.status = Sample.Status.ABORTED
+            return
+        for sample in group:
+            sample.tokens = list(prompt_ids)
+        payload = {"input_ids": prompt_ids, "sampling_params": {**sampling_params, "n": len(group)},
+                   "return_logprob": True}
+        outputs = await _post_generate(args, payload, group[0])
+    if not isinstance(outputs, list) or len(outputs) != len(group):
+        raise RuntimeError(f"/generate with sampling_params.n={len(group)} answered {type(outputs).__name__} "
+                           f"of {len(outputs) if isinstance(outputs, list) else 1} result(s); the engine must "
+                           "support SGLang's parallel sampling")
+    num_resends = group[0].metadata.get("num_resends")  # a re-sent request re-sends every sample of the group
+    for sample, output in zip(group, outputs):
+        if num_resends:
+            sample.metadata["num_resends"] = num_resends
+        _append_output(args, sample, output, routed_experts_start_len=0)
 
 
 def _flatten(items) -> list[Sample]:
@@ -197,8 +252,14 @@ async def generate_group(args, group: list[Sample], sampling_params: dict, state
     for sample in group:
         sample.session_id = sample.session_id or session_id
     group_rm = bool(getattr(args, "group_rm", False))
-    results = await asyncio.gather(*(generate_and_rm(args, s, sampling_params, state, group_rm) for s in group))
-    group = _flatten(results)
+    prompt_ids = group_prompt_ids(args, group)
+    if prompt_ids is not None:
+        await generate_group_in_one_request(args, group, prompt_ids, sampling_params, state)
+        if not group_rm and _is_scorable(group):
+            await _score(args, group, state, batched=False)
+    else:
+        results = await asyncio.gather(*(generate_and_rm(args, s, sampling_params, state, group_rm) for s in group))
+        group = _flatten(results)
     if group_rm and _is_scorable(group):
         await _score(args, group, state, batched=True)
     return group
