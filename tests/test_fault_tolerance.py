@@ -189,3 +189,18 @@ def test_dead_train_actor_names_its_rank_and_the_checkpoint_to_load(task, tmp_pa
     error = error_line(result)
     assert error.startswith("train.py: error: train actor rank 1 of the actor group died")
     assert f"resume with --load {save} (its latest complete checkpoint is {save / 'rollout_0'})" in error
+
+
+@pytest.mark.gpu
+def test_colocated_engine_killed_mid_rollout_recovers_on_gpu(task, tmp_path):
+    """One GPU shared by the trainer and its one engine (--colocate): the engine dies mid-rollout, no engine is left,
+    the requests wait for its restart, which releases and resumes memory like the engine it replaces."""
+    out = tmp_path / "run"
+    result = run_train(ft_argv(task, out, *FT, "--colocate"),
+                       [{"at_call": 10, "action": "sigkill", "engines": [0], "pause_s": 1.0}], out)
+    succeeded(result)
+    check_every_sample_once(out)
+    rows = metrics(out)
+    assert rows[1]["rollout/engine_failures"] == 1 and sum(r["rollout/engine_restarts"] for r in rows) == 1
+    for row in rows:
+        assert row["train/train_rollout_logprob_abs_diff"] < 1e-2
