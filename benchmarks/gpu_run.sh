@@ -52,7 +52,7 @@ run_step() {
     overlap_tests) python3 -m pytest -q -m gpu tests/test_engine_overlap.py tests/test_host_staging.py tests/test_engine_cuda.py ;;
     engine_gpu_tests) python3 -m pytest -q tests/test_engine_triton.py tests/test_engine_overlap.py tests/test_host_staging.py tests/test_engine_cuda.py tests/test_engine_server_gpu.py ;;
     train_06b_32k_rc) python3 benchmarks/bench_train.py --model-shape qwen3-0.6b --max-tokens-per-gpu 32768 --recompute-activations --compile-model --skip-baseline ;;
-    ft_gpu_tests) python3 -m pytest -q -m gpu tests/test_fault_tolerance.py ;;  # a colocated engine killed mid-rollout
+    ft_colocated) SLIME_RUN_SLOW=1 python3 -m pytest -q tests/test_fault_tolerance.py -k colocated ;;  # engine killed mid-rollout
     grpo_smoke) grpo colocated ;;
     grpo_compiled) grpo colocated --train-args=--compile-model ;;
     # Two GPUs (nvidia-h200-x2): the multi-GPU issue's runs.

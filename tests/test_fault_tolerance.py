@@ -191,10 +191,11 @@ def test_dead_train_actor_names_its_rank_and_the_checkpoint_to_load(task, tmp_pa
     assert f"resume with --load {save} (its latest complete checkpoint is {save / 'rollout_0'})" in error
 
 
-@pytest.mark.gpu
-def test_colocated_engine_killed_mid_rollout_recovers_on_gpu(task, tmp_path):
-    """One GPU shared by the trainer and its one engine (--colocate): the engine dies mid-rollout, no engine is left,
-    the requests wait for its restart, which releases and resumes memory like the engine it replaces."""
+@pytest.mark.slow
+def test_colocated_engine_killed_mid_rollout_recovers(task, tmp_path):
+    """One device shared by the trainer and its one engine (--colocate; on a GPU host the GPU: gpu_run.sh step
+    ft_colocated): the engine dies mid-rollout, no engine is left, the requests wait for its restart, which then
+    releases and resumes memory with the others' rhythm."""
     out = tmp_path / "run"
     result = run_train(ft_argv(task, out, *FT, "--colocate"),
                        [{"at_call": 10, "action": "sigkill", "engines": [0], "pause_s": 1.0}], out)
