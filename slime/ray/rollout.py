@@ -104,10 +104,10 @@ class RolloutManager:
         """Every engine the trainer's weight push must reach (after any restart in progress has finished)."""
         return self.supervisor.urls_for_weight_push() if self.supervisor else []
 
-    def weights_pushed(self, weight_version: str) -> None:
-        """The driver pushed `weight_version` to every engine of `get_engine_urls()`."""
+    def weights_pushed(self, weight_version: str, engine_urls: list[str]) -> None:
+        """The driver pushed `weight_version` to `engine_urls` (what `get_engine_urls()` answered)."""
         if self.supervisor:
-            self.supervisor.weights_pushed(weight_version)
+            self.supervisor.weights_pushed(weight_version, engine_urls)
 
     def set_trainer(self, trainer) -> None:
         """The RayTrainGroup that gives an engine restarted during a rollout its weights."""
