@@ -205,3 +205,19 @@ def test_colocated_engine_killed_mid_rollout_recovers(task, tmp_path):
     assert rows[1]["rollout/engine_failures"] == 1 and sum(r["rollout/engine_restarts"] for r in rows) == 1
     for row in rows:
         assert row["train/train_rollout_logprob_abs_diff"] < 1e-2
+
+
+@pytest.mark.slow
+def test_colocated_engine_killed_while_its_memory_is_released_recovers(task, tmp_path):
+    """Killed during training, when the engines have given their memory to the trainer: its replacement starts,
+    releases its memory like the others, and gets weights and memory back with them before the next rollout."""
+    out = tmp_path / "run"
+    result = run_train(ft_argv(task, out, *FT, "--colocate", "--custom-before-train-step-hook-path",
+                               "tests.ft_faults.kill_engine_0_at_rollout_1"), [], out)
+    succeeded(result)
+    check_every_sample_once(out)
+    rows = metrics(out)
+    assert sum(r["rollout/engine_failures"] for r in rows) == sum(r["rollout/engine_restarts"] for r in rows) == 1
+    assert rows[2]["rollout/engine_restarts"] == 1  # recovered between rollouts 1 and 2
+    for row in rows:
+        assert row["train/train_rollout_logprob_abs_diff"] < 1e-2
