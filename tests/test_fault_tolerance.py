@@ -176,6 +176,7 @@ def test_failures_past_the_restart_budget_end_the_run(task, tmp_path):
     assert error.startswith("train.py: error: rollout engine") and "all 1 engine restarts of --max-engine-restarts" in error
 
 
+@pytest.mark.slow
 def test_dead_train_actor_names_its_rank_and_the_checkpoint_to_load(task, tmp_path):
     out, save = tmp_path / "run", tmp_path / "ckpt"
     argv = ["--hf-checkpoint", str(task["model"]), "--prompt-data", str(task["sft"]), "--input-key", "messages",

@@ -122,7 +122,8 @@ class RolloutManager:
         if args.num_rollout is not None:
             return args.num_rollout
         if args.num_epoch is None:  # a replay without --num-rollout replays every saved rollout, from 0 on
-            return next(i for i in itertools.count() if not Path(args.load_debug_rollout_data.format(rollout_id=i)).is_file())
+            saved = (Path(args.load_debug_rollout_data.format(rollout_id=i)) for i in itertools.count())
+            return next(i for i, path in enumerate(saved) if not path.is_file())
         return args.num_epoch * len(self.data_source) // args.rollout_batch_size
 
     # ---- rollout -------------------------------------------------------------------------------------------
