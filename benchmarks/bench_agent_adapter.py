@@ -51,7 +51,7 @@ async def run_sessions(model_dir: str, router_url: str, opts) -> dict:
 
     from slime.agent.adapters import OpenAIAdapter
     from slime.agent.adapters import common as adapter_common
-    from slime.rollout.http_client import request_json
+    from slime.utils.http_utils import request_json
     from slime.utils.misc import find_free_port
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
@@ -125,7 +125,7 @@ def main() -> None:
 
     from slime.engine.http_launch import launch_server
     from slime.ray.router import RouterProcess, register_worker
-    from slime.rollout.http_client import run
+    from slime.utils.http_utils import run
 
     root = Path(tempfile.mkdtemp(prefix="bench_agent_adapter_"))
     model_dir = build_model(opts.shape, opts.device, root)

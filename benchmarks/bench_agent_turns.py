@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from slime.engine.http_launch import launch_server  # noqa: E402
 from slime.ray.router import RouterProcess, register_worker  # noqa: E402
 from slime.rollout import multi_turn  # noqa: E402
-from slime.rollout.http_client import run  # noqa: E402
+from slime.utils.http_utils import run  # noqa: E402
 from slime.utils.tiny_model import build_tiny_model  # noqa: E402
 from slime.utils.tool_parsers import ParsedTurn, ToolCall  # noqa: E402
 from slime.utils.types import Sample  # noqa: E402

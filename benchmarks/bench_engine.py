@@ -21,6 +21,8 @@ Workloads (`--preset qwen3-0.6b` sizes; `--preset tiny` runs small variants of e
         honoured), temperature 1; also the prefix-cache hit rate (cached prompt tokens / prompt tokens; ideal 7/8,
         at most 7/8 * block-aligned prefix, since a prompt's last partial block and last token are recomputed).
     w4  W1 on the Qwen3-8B shape, engine only.
+    w5  SmolLM-135M's shape (a Llama, 134.5M parameters), 512 prompts x 256 tokens, 256 out, T=1, EOS ignored: the
+        small-model, large-batch case where the host's work per step is most of a step; vs HF generate.
     host  not in `all`: 256 sequences x 256 in x 512 out on a tiny CPU model with the decode forward and the sampler
         replaced by trivial functions, so each step's time is the engine's host-side (Python) work.
 
@@ -65,7 +67,7 @@ from benchmarks.gpu_trace import StepTracer, gc_pauses  # noqa: E402
 
 PEAK_BANDWIDTH_TB_S = 4.25  # H200 HBM3e
 HF_W2_REFERENCE_TOK_S = 635.0  # transformers generate on W2, same H200, measured in an earlier session (FACTS)
-WORKLOADS = ("w1", "w2", "w3", "w4")
+WORKLOADS = ("w1", "w2", "w3", "w4", "w5")
 
 PRESETS = {
     "tiny": dict(num_prompts=16, input_len=32, output_len=64, device="cpu", dtype="float32"),
@@ -78,7 +80,8 @@ PRESETS = {
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--preset", choices=sorted(PRESETS), default="tiny")
-    parser.add_argument("--workload", choices=[*WORKLOADS, "all", "host"], default="w1")
+    parser.add_argument("--workload", default="w1",
+                        help=f"one of {', '.join(WORKLOADS)}, a comma-separated list of them, 'all' or 'host'")
     parser.add_argument("--num-prompts", type=int, default=None, help="W1 / W4 only")
     parser.add_argument("--input-len", type=int, default=None, help="W1 / W4 only")
     parser.add_argument("--output-len", type=int, default=None, help="W1 / W4 only")
@@ -90,8 +93,9 @@ def parse_args(argv=None):
                         help="the engine's overlapped scheduling (next decode step launched before the last one's "
                              "tokens reach the host); default: the engine's (on for CUDA)")
     parser.add_argument("--skip-hf", action="store_true", help="measure the engine only (no ratio) on every workload")
-    parser.add_argument("--hf-workloads", default="w1",
-                        help="comma-separated workloads on which HF generate is measured too (default w1)")
+    parser.add_argument("--hf-workloads", default="w1,w5",
+                        help="comma-separated workloads on which HF generate is measured too, when they run "
+                             "(default w1,w5)")
     parser.add_argument("--peak-bandwidth-tb-s", type=float, default=PEAK_BANDWIDTH_TB_S)
     parser.add_argument("--trace-steps", type=int, default=0,
                         help="diagnosis: profile the first N steps of each timed run (host calls and GPU kernels) and "
@@ -103,6 +107,12 @@ def parse_args(argv=None):
     for name in ("num_prompts", "input_len", "output_len"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.workload not in ("all", "host"):
+        names = [name.strip() for name in args.workload.split(",") if name.strip()]
+        if not names or set(names) - set(WORKLOADS):
+            raise ValueError(f"--workload {args.workload!r}: use one of {', '.join(WORKLOADS)}, a comma-separated "
+                             "list of them, 'all' or 'host'")
+        args.workload = ",".join(names)
     hf_workloads = {name.strip() for name in args.hf_workloads.split(",") if name.strip()}
     if hf_workloads - set(WORKLOADS):
         raise ValueError(f"--hf-workloads: unknown workload(s) {sorted(hf_workloads - set(WORKLOADS))}")
@@ -370,13 +380,14 @@ def main(argv=None) -> dict:
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
     }
     if args.workload == "host":
-        result = {**bench_host_step(args.seed), **common, "device": "cpu (device work faked)"}
+        result = {**bench_host_step(args.seed, overlap_schedule=args.overlap_schedule is not False), **common, "device": "cpu (device work faked)"}
         print(f"host-side time per decode step, {result['num_seqs']} seqs: mean {result['host_ms_per_step_mean']} ms, "
               f"median {result['host_ms_per_step_median']} ms (first 64 steps {result['host_ms_per_step_first_64']}"
-              f" ms, last 64 {result['host_ms_per_step_last_64']} ms)")
+              f" ms, last 64 {result['host_ms_per_step_last_64']} ms); CPU time median "
+              f"{result['host_cpu_ms_per_step_median']} ms, mean {result['host_cpu_ms_per_step_mean']} ms")
         print(json.dumps(result))
         return result
-    names = list(WORKLOADS) if args.workload == "all" else [args.workload]
+    names = list(WORKLOADS) if args.workload == "all" else args.workload.split(",")
     results = run_workloads(names, args)
     result = {"benchmark": "engine_vs_hf_generate", **common, "model": str(args.model_path or args.preset)}
     if "w1" in results:  # the W1 fields at the top level, as before workloads existed

@@ -1,6 +1,6 @@
-"""The engine benchmark's models, built offline: the model shapes (Qwen3-0.6B, Qwen3-8B and tiny CPU variants),
-random-weight checkpoints written straight from device tensors as sharded safetensors with a word-level tokenizer
-that covers the whole vocabulary, and random prompts. Used by bench_engine.py and profile_engine.py; nothing here
+"""The engine benchmark's models, built offline: the model shapes (Qwen3-0.6B, Qwen3-8B, SmolLM-135M and tiny CPU
+variants), random-weight checkpoints written straight from device tensors as sharded safetensors with a word-level
+tokenizer that covers the whole vocabulary, and random prompts. Used by bench_engine.py and profile_engine.py; nothing here
 measures anything.
 """
 
@@ -33,6 +33,22 @@ QWEN3_8B_SHAPE = dict(
     num_attention_heads=32,
     tie_word_embeddings=False,
 )
+# SmolLM-135M's shape (a Llama: 30 layers, hidden 576, GQA 9/3, 49,152 embedding rows, tied): 134.5M parameters,
+# the under-0.2B model of the engine-speed issue's small-model workload.
+SMOLLM_135M_SHAPE = dict(
+    model_type="llama",
+    vocab_size=49152,
+    hidden_size=576,
+    intermediate_size=1536,
+    num_hidden_layers=30,
+    num_attention_heads=9,
+    num_key_value_heads=3,
+    head_dim=64,
+    max_position_embeddings=8192,
+    rms_norm_eps=1e-5,
+    rope_theta=100000.0,
+    tie_word_embeddings=True,
+)
 TINY_SHAPE = dict(
     QWEN3_06B_SHAPE,
     vocab_size=512,
@@ -53,14 +69,18 @@ def build_checkpoint(
     """config.json, a word-level tokenizer and random weights as safetensors shards (written straight from
     `device` tensors of `dtype`; norms are ones, everything else N(0, 0.02))."""
     from safetensors.torch import save_file
-    from transformers import Qwen3Config
+    from transformers import LlamaConfig, Qwen3Config
+
+    CONFIG_CLASSES = {"qwen3": (Qwen3Config, "Qwen3ForCausalLM"), "llama": (LlamaConfig, "LlamaForCausalLM")}
 
     from slime.engine.models import DecoderForCausalLM, load_model_config
     from slime.engine.models.weight_loader import named_weight_shapes
 
     tokenizer = build_word_level_tokenizer(out_dir, shape["vocab_size"])
-    config = Qwen3Config(**shape, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
-                         bos_token_id=None, architectures=["Qwen3ForCausalLM"], dtype=str(dtype).split(".")[-1])
+    shape = dict(shape)
+    config_class, architecture = CONFIG_CLASSES[shape.pop("model_type", "qwen3")]
+    config = config_class(**shape, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+                          bos_token_id=None, architectures=[architecture], dtype=str(dtype).split(".")[-1])
     config.save_pretrained(out_dir)
     with torch.device("meta"):
         shapes = named_weight_shapes(DecoderForCausalLM(load_model_config(out_dir)))

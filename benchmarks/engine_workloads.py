@@ -1,6 +1,7 @@
-"""The engine benchmark's workloads (the engine-speed issue's W1-W4) as prompts and per-request output lengths:
-W1 / W4 fixed lengths at T=1 (W4 on the 8B shape), W2 nano-vllm's random lengths at T=0.6, W3 GRPO groups of
-identical prompts. `--preset tiny` gives small variants of each for the CPU."""
+"""The engine benchmark's workloads (the engine-speed issue's W1-W4, the RL-speed issue's W5) as prompts and
+per-request output lengths: W1 / W4 fixed lengths at T=1 (W4 on the 8B shape), W2 nano-vllm's random lengths at
+T=0.6, W3 GRPO groups of identical prompts, W5 W1's lengths at batch 512 on a 135M-parameter shape (where the host's
+work per step matters most). `--preset tiny` gives small variants of each for the CPU."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from dataclasses import dataclass
 from benchmarks.engine_checkpoints import (
     QWEN3_06B_SHAPE,
     QWEN3_8B_SHAPE,
+    SMOLLM_135M_SHAPE,
     TINY_LARGE_SHAPE,
     TINY_SHAPE,
     make_prompts,
@@ -35,6 +37,12 @@ class Workload:
 def make_workload(name: str, args) -> Workload:
     tiny = args.preset == "tiny"
     small_shape = TINY_SHAPE if tiny else QWEN3_06B_SHAPE
+    if name == "w5":
+        shape = TINY_SHAPE if tiny else SMOLLM_135M_SHAPE
+        num_prompts = 2 * args.num_prompts
+        prompts = make_prompts(num_prompts, args.input_len, shape["vocab_size"], args.seed + 1)
+        title = f"W5 (135M shape): {num_prompts} x {args.input_len} in, {args.output_len} out, T=1"
+        return Workload(name, title, shape, prompts, [args.output_len] * num_prompts, 1.0, True)
     if name in ("w1", "w4"):
         shape = small_shape if name == "w1" else (TINY_LARGE_SHAPE if tiny else QWEN3_8B_SHAPE)
         prompts = make_prompts(args.num_prompts, args.input_len, shape["vocab_size"], args.seed)

@@ -42,7 +42,7 @@ EXTRA = ["perf/weight_push_gb_per_s", "perf/rollout_tokens_per_sec", "train/trai
          "rollout/response_len/mean"]
 
 
-def main() -> int:
+def make_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("out_dir", type=Path)
     parser.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-0.6b")
@@ -53,11 +53,13 @@ def main() -> int:
     parser.add_argument("--placement", choices=sorted(PLACEMENTS), default="colocated")
     parser.add_argument("--async", dest="use_async", action="store_true", help="run train_async.py")
     parser.add_argument("--train-args", default="", help="more train.py flags, e.g. '--compile-model'")
-    args = parser.parse_args()
-    out = args.out_dir
-    out.mkdir(parents=True, exist_ok=True)
+    return parser
+
+
+def train_command(args, run_dir: Path) -> tuple[list[str], dict]:
+    """The train.py (or train_async.py) command of the smoke run writing to `run_dir`, and the task's paths."""
     task_mod.MODEL_SHAPE = SHAPES[args.shape]
-    paths = task_mod.build_task(out / "task")
+    paths = task_mod.build_task(args.out_dir / "task")
     on_gpu = args.shape != "tiny"
     driver = "train_async.py" if args.use_async else "train.py"
     cmd = [sys.executable, str(REPO / driver), "--hf-checkpoint", str(paths["model"]),
@@ -68,11 +70,23 @@ def main() -> int:
            "--rollout-max-response-len", str(args.max_response_len), *PLACEMENTS[args.placement],
            "--use-kl-loss", "--kl-loss-coef", "0.001",
            "--use-dynamic-batch-size", "--max-tokens-per-gpu", "16384" if on_gpu else "2048",
-           "--lr", "1e-6", "--output-dir", str(out / "run"), "--no-progress", *args.train_args.split()]
+           "--lr", "1e-6", "--output-dir", str(run_dir), "--no-progress", *args.train_args.split()]
+    return cmd, paths
+
+
+def read_metrics(run_dir: Path) -> list[dict]:
+    metrics_file = run_dir / "metrics.jsonl"
+    return [json.loads(line) for line in metrics_file.read_text().splitlines()] if metrics_file.exists() else []
+
+
+def main() -> int:
+    args = make_parser().parse_args()
+    out = args.out_dir
+    out.mkdir(parents=True, exist_ok=True)
+    cmd, _ = train_command(args, out / "run")
     print(" ".join(cmd), flush=True)
     rc = subprocess.run(cmd, cwd=REPO).returncode
-    metrics_file = out / "run" / "metrics.jsonl"
-    rows = [json.loads(line) for line in metrics_file.read_text().splitlines()] if metrics_file.exists() else []
+    rows = read_metrics(out / "run")
     keys = PHASES + EXTRA
     print("rollout | " + " | ".join(k.split("/", 1)[1] for k in keys))
     for row in rows:

@@ -54,6 +54,13 @@ run_step() {
     train_06b_32k_rc) python3 benchmarks/bench_train.py --model-shape qwen3-0.6b --max-tokens-per-gpu 32768 --recompute-activations --compile-model --skip-baseline ;;
     ft_colocated) SLIME_RUN_SLOW=1 python3 -m pytest -q tests/test_fault_tolerance.py -k colocated ;;  # engine killed mid-rollout
     grpo_smoke) grpo colocated ;;
+    # The RL-speed issue: host work per decode step (CPU, device faked) on this host, W1 and the 135M shape at
+    # batch 512 (W5) with HF's ratio, and the GRPO loop against its standalone floors.
+    engine_speed) python3 benchmarks/bench_engine.py --workload host &&
+                  python3 benchmarks/bench_engine.py --preset qwen3-0.6b --workload w1,w5 ;;
+    loop_bench) python3 benchmarks/bench_loop.py /tmp/loop_bench; local rc=$?
+                cp /tmp/loop_bench/loop/metrics.jsonl $OUT/loop_metrics.jsonl
+                cat /tmp/loop_bench/loop/engine_*.log 2>/dev/null | grep -i "captured" | tail -5; return $rc ;;
     grpo_compiled) grpo colocated --train-args=--compile-model ;;
     # Two GPUs (nvidia-h200-x2): the multi-GPU issue's runs.
     multi_gpu_tests) python3 -m pytest -q tests/test_fsdp_multi_gpu.py tests/test_fsdp_weight_push.py ;;

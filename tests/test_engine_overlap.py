@@ -178,3 +178,21 @@ def test_overlap_flag_is_validated_and_defaults_by_device(path):
     assert Engine(path, device="cpu", overlap_schedule=True).config.overlap_schedule is True
     if torch.cuda.is_available():
         assert Engine(path, device="cuda", num_kvcache_blocks=64).config.overlap_schedule is True
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_non_incremental_requests_report_only_their_finished_output(path, overlap):
+    """A request added with incremental=False appears in step() outputs once, finished, with the same tokens, text
+    and finish reason (stop tokens and stop strings included) as the same request reported after every token."""
+    prompts, params = requests()
+    reference = run(path, overlap, prompts, params)
+    engine = Engine(path, device="cpu", overlap_schedule=overlap)
+    rids = [engine.add_request(p, q, incremental=i % 2 == 0) for i, (p, q) in enumerate(zip(prompts, params))]
+    reports = {rid: [] for rid in rids}
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            reports[output.rid].append(output)
+    for i, (rid, expected) in enumerate(zip(rids, reference)):
+        assert reports[rid][-1].finished and not any(o.finished for o in reports[rid][:-1])
+        assert len(reports[rid]) == (len(expected["output_ids"]) if i % 2 == 0 else 1)
+        assert_same([reports[rid][-1].to_dict()], [expected])

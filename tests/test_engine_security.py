@@ -162,7 +162,7 @@ def test_rollout_and_router_carry_the_keys(server):
     from types import SimpleNamespace
 
     from slime.ray.router import RouterProcess, register_worker
-    from slime.rollout.http_client import HTTPRequestError, abort_all_requests, request_json, run
+    from slime.utils.http_utils import HTTPRequestError, abort_all_requests, request_json, run
     from slime.utils.engine_access import engine_admin_headers, router_headers
 
     args = SimpleNamespace(sglang_api_key=API_KEY, sglang_admin_api_key=ADMIN_KEY)

@@ -38,7 +38,7 @@ class FakeEngine:
     def _record(self):
         self.calling_threads.add(threading.current_thread().name)
 
-    def add_request(self, prompt, params, rid):
+    def add_request(self, prompt, params, rid, incremental=True):  # reports every step either way
         self._record()
         if rid in self.requests:
             raise ValueError(f"rid {rid!r} is already in use")

@@ -28,7 +28,7 @@ from examples.openai_agent.task import CONDITIONS, build_task
 from slime.engine.http_launch import launch_server
 from slime.ray.router import RouterProcess, register_worker
 from slime.rollout.dataset import PromptFormat, load_prompt_samples
-from slime.rollout.http_client import run
+from slime.utils.http_utils import run
 from slime.utils.types import FINISH_REASON_TO_STATUS, Sample
 
 REPO = Path(__file__).resolve().parents[1]

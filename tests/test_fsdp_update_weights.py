@@ -1,5 +1,6 @@
 """Weight push from the FSDP trainer into a running engine server (tensor handles and gloo broadcast): after
-training changes the weights, the engine's log-probs of its own sampled tokens equal the trainer's."""
+training changes the weights, the engine's log-probs of its own sampled tokens equal the trainer's. Dense Qwen3 and
+Qwen3-MoE (stacked expert tensors leave the trainer under the checkpoint's per-expert names)."""
 
 import subprocess
 import sys
@@ -18,12 +19,13 @@ from slime.utils.tiny_model import build_tiny_model
 pytest.importorskip("slime.engine.server")
 
 
-@pytest.fixture(params=[[]], ids=["fp32"])
+@pytest.fixture(params=[("qwen3", []), ("qwen3_moe", [])], ids=["fp32", "moe_fp32"])
 def engine(tmp_path, request):
-    checkpoint = build_tiny_model(tmp_path / "tiny", arch="qwen3", seed=6)
+    arch, extra_args = request.param
+    checkpoint = build_tiny_model(tmp_path / "tiny", arch=arch, seed=6)
     port = find_free_port()
     process = subprocess.Popen([sys.executable, "-m", "slime.engine.server", "--model-path", str(checkpoint),
-                                "--port", str(port), *request.param],
+                                "--port", str(port), *extra_args],
                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     url = f"http://127.0.0.1:{port}"
     deadline = time.time() + 120
@@ -83,6 +85,7 @@ def test_pushed_weights_reproduce_trainer_log_probs(engine):
     assert (torch.tensor(stale) - torch.tensor(before)).abs().max() > 1e-3 or stale_output != output_ids
 
 
+@pytest.mark.parametrize("engine", [("qwen3", [])], ids=["fp32"], indirect=True)
 def test_an_engine_lost_during_a_push_is_skipped_and_the_others_get_it_all(engine):
     checkpoint, url = engine
     trainer = make_trainer(make_args(checkpoint, "--lr", "3e-2", "--micro-batch-size", "4",
@@ -98,7 +101,7 @@ def test_an_engine_lost_during_a_push_is_skipped_and_the_others_get_it_all(engin
                                rtol=0, atol=1e-4)
 
 
-@pytest.mark.parametrize("engine", [["--dtype", "bfloat16"]], ids=["bf16"], indirect=True)
+@pytest.mark.parametrize("engine", [("qwen3", ["--dtype", "bfloat16"])], ids=["bf16"], indirect=True)
 def test_weights_travel_in_the_engines_dtype(engine):
     """A bf16 engine gets bf16 tensors (half the bytes of the fp32 master weights), rounded exactly as the engine
     rounds fp32 tensors itself: the same log-probs, to the bit, as after an fp32 push of the same weights."""

@@ -18,7 +18,7 @@ from slime.engine.http_launch import launch_server
 from slime.ray.router import RouterProcess, register_worker
 from slime.rollout import multi_turn
 from slime.rollout.dataset import load_tokenizer
-from slime.rollout.http_client import run
+from slime.utils.http_utils import run
 from slime.rollout.sglang_rollout import GenerateState, generate_and_rm
 from slime.ray.train_data import multi_turn_metrics
 from slime.utils.tool_parsers import ParsedTurn, ToolCall
@@ -107,7 +107,7 @@ def make_args(stack, **overrides):
         tool_call_parser=f"{__name__}.calls_lookup", tool_timeout=0.5, max_tool_response_chars=4096,
         tool_response_template=None, env_path=None, rollout_max_context_len=None, custom_rm_path=None, rm_type=None,
         partial_rollout=False, mask_offpolicy_in_partial_rollout=False, custom_generate_function_path=None,
-        sglang_server_concurrency=4, rollout_num_engines=1, group_rm=False,
+        sglang_server_concurrency=4, rollout_num_engines=1, group_rm=False, use_rollout_routing_replay=False,
     )
     args.__dict__.update(overrides)
     params = {"temperature": 1.0, "max_new_tokens": 200, "no_stop_trim": True,

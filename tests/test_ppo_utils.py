@@ -30,10 +30,10 @@ def ref_kl(lp, ref, kind, ratio=None):
             v = d * d / 2
         else:
             v = math.exp(-d) - 1 + d
-            if kind == "low_var_kl":
-                v = min(max(v, -10.0), 10.0)
         if ratio is not None:
             v *= float(ratio[i])
+        if kind == "low_var_kl":  # slime clamps the product (after the importance ratio)
+            v = min(max(v, -10.0), 10.0)
         out.append(v)
     return torch.tensor(out, dtype=torch.float64)
 
@@ -51,6 +51,14 @@ def test_low_var_kl_is_clamped_and_k3_is_not():
     lp, ref = torch.tensor([-20.0]), torch.tensor([0.0])
     assert pu.compute_approx_kl(lp, ref, "low_var_kl").item() == 10.0
     assert pu.compute_approx_kl(lp, ref, "k3").item() > 1e8
+
+
+def test_low_var_kl_clamps_after_the_importance_ratio():
+    """slime's order (regression: the clamp used to come before the ratio, letting 4 x 10 = 40 through)."""
+    lp, ref, ratio = torch.tensor([-20.0, 1.0]), torch.tensor([0.0, 0.0]), torch.tensor([4.0, 0.5])
+    kl = pu.compute_approx_kl(lp, ref, "low_var_kl", ratio)
+    assert kl[0].item() == 10.0
+    assert kl[1].item() == pytest.approx(0.5 * (math.exp(-1.0) - 1 + 1.0))
 
 
 def test_unknown_kl_type_lists_valid_ones():

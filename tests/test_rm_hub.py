@@ -14,7 +14,7 @@ from slime.rollout import rm_hub
 from slime.rollout.rm_hub import remote_rm as remote_rm_module
 from slime.rollout.rm_hub.answer_parsing import last_boxed_content, normalize_final_answer
 from slime.rollout.rm_hub.f1 import f1_score
-from slime.rollout.rm_hub.gpqa import extract_choice_letter
+from slime.rollout.rm_hub.gpqa import DEFAULT_VALID_LETTERS, _extract_letter_from_response
 from slime.utils.misc import find_free_port
 from slime.utils.types import Sample
 
@@ -94,8 +94,8 @@ def test_boxed_prefix_extracts_first():
 
 
 def test_f1_reward():
-    assert f1_score("the cat sat", "cat sat down") == pytest.approx(0.8)  # p = 1, r = 2/3
-    assert f1_score("Yes.", "yes") == 1.0 and f1_score("yes it is", "yes") == 0.0
+    assert f1_score("the cat sat", "cat sat down") == pytest.approx((0.8, 1.0, 2 / 3))  # slime's (f1, p, r)
+    assert f1_score("Yes.", "yes")[0] == 1.0 and f1_score("yes it is", "yes") == (0, 0, 0)
     assert reward("f1", "<think>no idea</think>The Eiffel Tower", ["eiffel tower", "tour eiffel"]) == 1.0
     assert reward("f1", "London", "Paris") == 0.0
 
@@ -105,8 +105,8 @@ def test_gpqa_reward():
     assert reward("gpqa", r"\boxed{B}", "7 eV", metadata={"choices": ["1 eV", "7 eV", "9 eV"]}) == 1.0
     assert reward("gpqa", "<think>A looks right</think>The answer is D", "D") == 1.0
     assert reward("gpqa", "The answer is (A)", "B") == 0.0
-    assert extract_choice_letter("I think it is\nB.\n") == "B"
-    assert extract_choice_letter("nothing here") is None
+    assert _extract_letter_from_response("I think it is\nB.\n", DEFAULT_VALID_LETTERS) == "B"  # slime's scorer
+    assert _extract_letter_from_response("nothing here", DEFAULT_VALID_LETTERS) is None
 
 
 def test_random_reward_and_type_validation():

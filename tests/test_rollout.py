@@ -18,7 +18,8 @@ import pytest
 from slime.engine.http_launch import launch_server
 from slime.ray.router import RouterProcess
 from slime.ray.router import register_worker as router_register_worker
-from slime.rollout import http_client, sglang_rollout
+from slime.rollout import sglang_rollout
+from slime.utils import http_utils
 from slime.rollout.data_source import RolloutDataSourceWithBuffer
 from slime.rollout.dataset import load_tokenizer
 from slime.rollout.sglang_rollout import build_sampling_params, generate, generate_rollout
@@ -50,9 +51,27 @@ def keep_odd_groups(args, group):
     return group[0].group_index % 2 == 1
 
 
+def tag_sample(args, sample, *, rollout_id=None, evaluation=False):  # --rollout-sample-hook-path (slime's)
+    sample.metadata["hooked"] = (rollout_id, evaluation, sample.reward)
+
+
+async def replace_sample(args, sample, **kwargs):  # a second hook: may return a new Sample
+    sample.metadata["second_hook"] = True
+    return sample
+
+
+def remove_first_sample_of_each_group(args, groups):  # --rollout-sample-filter-path
+    for group in groups:
+        group[0].remove_sample = True
+
+
+def record_all_groups(args, all_groups, data_source):  # --rollout-all-samples-process-path
+    args.seen_group_indices = [g[0].group_index for g in all_groups]
+
+
 async def generate_with_tool_output(args, sample, sampling_params):
     sample = await generate(args, sample, {**sampling_params, "ignore_eos": True})
-    sample.append_response_tokens([11, 12], trainable=False, text="<tool>")
+    sample.append_response_tokens(args, tokens=[11, 12], trainable=False, text="<tool>")
     return sample
 
 
@@ -114,7 +133,7 @@ def make_args(tmp_path, stack):
             sglang_router_port=stack.router.port, sglang_server_concurrency=8, rollout_num_engines=1,
             custom_rm_path=f"{__name__}.reward_by_index", rm_type=None, group_rm=False, reward_key=None,
             dynamic_sampling_filter_path=None, partial_rollout=False, mask_offpolicy_in_partial_rollout=False,
-            custom_generate_function_path=None,
+            custom_generate_function_path=None, use_rollout_routing_replay=False,
         )
         args.__dict__.update(overrides)
         return args
@@ -203,13 +222,13 @@ def test_samples_are_filled_from_the_engine_answer(make_args, stack):
             assert sample.weight_versions == [version] == [meta["weight_version"]]
             assert sample.response == answer["text"]
             assert sample.reward == (float(sample.index % 2) if sample.group_index % 2 else 1.0)
-            assert sample.prefix_cache_info["prompt_tokens"] == len(ids)
-            assert 0 <= sample.prefix_cache_info["cached_tokens"] < len(ids)
+            assert sample.prefix_cache_info.total_prompt_tokens == len(ids)
+            assert 0 <= sample.prefix_cache_info.cached_tokens < len(ids)
         metrics = output.metrics
         assert metrics["rollout/num_groups_fetched"] == 2 and metrics["rollout/num_groups_aborted"] == 0
         samples = [s for g in groups for s in g]
         assert metrics["rollout/prefix_cache_hit_rate"] == pytest.approx(
-            sum(s.prefix_cache_info["cached_tokens"] for s in samples)
+            sum(s.prefix_cache_info.cached_tokens for s in samples)
             / sum(len(prompt_ids(stack.model_dir, s.prompt)) for s in samples)
         )
     assert metrics["rollout/prefix_cache_hit_rate"] > 0  # LONG_PROMPT's full blocks were cached by the first rollout
@@ -310,6 +329,20 @@ def test_abort_returns_partial_groups_and_continues_them(make_args, stack, abort
         assert sample.reward is not None and sample.metadata["start_rollout_id"] == 5
 
 
+def test_slime_sample_hooks_filter_and_all_samples_process(make_args):
+    args = make_args([f"{i} + 1" for i in range(8)], dynamic_sampling_filter_path=f"{__name__}.keep_odd_groups",
+                     rollout_sample_hook_path=[f"{__name__}.tag_sample", f"{__name__}.replace_sample"],
+                     rollout_sample_filter_path=f"{__name__}.remove_first_sample_of_each_group",
+                     rollout_all_samples_process_path=f"{__name__}.record_all_groups")
+    groups = generate_rollout(args, 3, RolloutDataSourceWithBuffer(args)).samples
+    assert [g[0].group_index for g in groups] == [1, 3]
+    for group in groups:
+        # hooks ran in order on the generated sample, before its reward, with the rollout id
+        assert all(s.metadata["hooked"] == (3, False, None) and s.metadata["second_hook"] for s in group)
+        assert [s.remove_sample for s in group] == [True, False]
+    assert sorted(args.seen_group_indices) == [0, 1, 2, 3]  # the dropped groups too
+
+
 def test_custom_generate_hook(make_args, stack):
     args = make_args(["1 + 2"], rollout_batch_size=1,
                      custom_generate_function_path=f"{__name__}.generate_with_tool_output")
@@ -352,10 +385,10 @@ def test_exhausted_data_source_is_an_error_not_a_hang(make_args):
 
 
 def test_unreachable_router_gives_a_clear_error(make_args, monkeypatch):
-    monkeypatch.setattr(http_client, "DEFAULT_NUM_RETRIES", 2)
+    monkeypatch.setattr(http_utils, "DEFAULT_NUM_RETRIES", 2)
     port = find_free_port()
     args = make_args(["1 + 2"], rollout_batch_size=1, sglang_router_port=port)
-    with pytest.raises(http_client.EndpointUnreachableError, match=rf"http://127\.0\.0\.1:{port}/generate"):
+    with pytest.raises(http_utils.EndpointUnreachableError, match=rf"http://127\.0\.0\.1:{port}/generate"):
         generate_rollout(args, 0, RolloutDataSourceWithBuffer(args))
 
 
@@ -388,3 +421,32 @@ def test_eval_uses_eval_params_and_returns_per_dataset_results(make_args, tmp_pa
             assert sample.rollout_log_probs == pytest.approx(at_eval, abs=2e-3)
             assert max(abs(a - b) for a, b in zip(at_eval, at_rollout)) > 1e-2
     assert results["b"]["rewards"] == [1.0, 1.0, 1.0, 1.0, 0.0, 1.0]  # reward_by_index on eval indices
+
+
+def test_eval_config_gives_each_dataset_its_own_settings(make_args, tmp_path, stack):
+    """--eval-config (slime's YAML): per-dataset sampling, sample count, row keys and rm_type; defaults fill in."""
+    first, second = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    first.write_text(json.dumps({"input": "1 + 1", "label": "2"}) + "\n")
+    second.write_text(json.dumps({"question": "2 + 2", "answer": "4"}) + "\n")
+    config = tmp_path / "eval.yaml"
+    config.write_text(f"""
+eval:
+  defaults: {{max_response_len: 2, n_samples_per_eval_prompt: 2}}
+  datasets:
+    - {{name: short, path: {first}, temperature: 0.5}}
+    - {{name: long, path: {second}, max_response_len: 4, n_samples_per_eval_prompt: 1, input_key: question,
+       label_key: answer, rm_type: math, metadata_overrides: {{source: b}}}}
+""")
+    args = make_args(["unused"], rollout_temperature=1.0, eval_config=str(config), eval_prompt_data=None,
+                     n_samples_per_eval_prompt=3, custom_rm_path=None, rm_type="math")
+    results = generate_rollout(args, 0, None, evaluation=True)
+    short, long = results["short"]["samples"], results["long"]["samples"]
+    assert len(short) == 2 and len(long) == 1
+    assert all(1 <= s.response_length <= 2 for s in short) and 1 <= long[0].response_length <= 4
+    assert long[0].prompt == "2 + 2" and long[0].label == "4"
+    assert long[0].metadata["rm_type"] == "math" and long[0].metadata["source"] == "b"
+    for sample in short:  # temperature 0.5 reached the engine for this dataset only
+        at_half = reference_log_probs(stack.model_dir, sample.tokens, sample.response_length, 0.5)
+        assert sample.rollout_log_probs == pytest.approx(at_half, abs=2e-3)
+    at_one = reference_log_probs(stack.model_dir, long[0].tokens, long[0].response_length, 1.0)
+    assert long[0].rollout_log_probs == pytest.approx(at_one, abs=2e-3)

@@ -8,14 +8,20 @@ from types import SimpleNamespace
 import pytest
 
 from slime.ray.rollout import eval_metrics
-from slime.ray.train_data import post_process_rewards, rollout_metrics, samples_to_train_data, split_train_data
+from slime.ray.train_data import (
+    data_parallel_rank,
+    post_process_rewards,
+    rollout_metrics,
+    samples_to_train_data,
+    split_train_data,
+)
 from slime.utils.metrics import MetricsLogger
 from slime.utils.types import Sample, Status
 
 
 def make_args(**overrides):
     args = dict(advantage_estimator="grpo", rewards_normalization=True, grpo_std_normalization=True,
-                reward_key=None, world_size=2, num_steps_per_rollout=2)
+                reward_key=None, world_size=2, data_parallel_size=2, num_steps_per_rollout=2)
     args.update(overrides)
     return SimpleNamespace(**args)
 
@@ -110,7 +116,8 @@ def test_rollout_and_eval_metrics():
 
 
 def test_metrics_logger_writes_jsonl_tensorboard_and_plot(tmp_path):
-    args = SimpleNamespace(output_dir=str(tmp_path), use_tensorboard=True, use_wandb=False)
+    args = SimpleNamespace(output_dir=str(tmp_path), use_tensorboard=True, use_wandb=False, tb_project_name=None,
+                           tb_experiment_name=None)
     logger = MetricsLogger(args)
     lines = []
     for i in range(3):
@@ -123,3 +130,15 @@ def test_metrics_logger_writes_jsonl_tensorboard_and_plot(tmp_path):
     assert "reward=0.2" in lines[2] and "eval/arith=0.500" in lines[2]
     assert (tmp_path / "curves.png").stat().st_size > 10_000
     assert any((tmp_path / "tensorboard").iterdir())
+
+
+@pytest.mark.parametrize("tp, pp, dp, expected", [
+    (1, 1, 4, [0, 1, 2, 3]),  # FSDP, or Megatron data parallel only
+    (2, 1, 2, [0, 0, 1, 1]),  # tensor peers share a replica's data
+    (1, 2, 2, [0, 1, 0, 1]),  # pipeline stages sit dp x tp apart (Megatron's tp-cp-ep-dp-pp order)
+    (2, 2, 1, [0, 0, 0, 0]),
+])
+def test_tensor_and_pipeline_peers_get_their_replicas_data(tp, pp, dp, expected):
+    args = SimpleNamespace(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, context_parallel_size=1,
+                           data_parallel_size=dp)
+    assert [data_parallel_rank(args, rank) for rank in range(tp * pp * dp)] == expected

@@ -3,7 +3,7 @@ official `openai` client (agent.py) through slime's `OpenAIAdapter`, without cha
 
 Per process (the RolloutManager's), once: an `OpenAIAdapter` over the run's router (`--sglang-router-ip/port`, its
 API key, `--tool-call-parser`, a turn cap of `--max-turns`) is served on 127.0.0.1 on a free port by an aiohttp
-AppRunner on the rollout's event loop (`slime.rollout.http_client`); a lock makes the lazy start safe from any
+AppRunner on the rollout's event loop (`slime.utils.http_utils`); a lock makes the lazy start safe from any
 thread and any number of concurrent samples. Episodes run on that loop too (a call from another loop is handed
 over to it), so the adapter and the agents' shared connection pool never cross loops. Per sample:
 
@@ -44,7 +44,7 @@ from aiohttp import web
 from examples.openai_agent.agent import GET_WEATHER, AgentResult, WeatherService, run_agent
 from slime.agent.adapters import OpenAIAdapter
 from slime.rollout.dataset import tokenizer_for
-from slime.rollout.http_client import get_event_loop, router_url
+from slime.utils.http_utils import get_event_loop, router_url
 from slime.utils.engine_access import router_headers
 from slime.utils.types import Sample
 

@@ -17,7 +17,7 @@ from slime.utils.ppo_utils import (
     reinforce_plus_plus_token_rewards,
 )
 
-BROADCAST_ESTIMATORS = ("grpo", "gspo", "rloo")
+BROADCAST_ESTIMATORS = ("grpo", "gspo", "cispo", "rloo")
 REWARD_KL_ESTIMATORS = ("reinforce_plus_plus", "reinforce_plus_plus_baseline", "ppo")
 
 

@@ -15,6 +15,7 @@ Not here: the Ray actor (slime/ray/actor_group.py), the loss math (loss.py, ppo_
 
 from __future__ import annotations
 
+import contextlib
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -23,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from slime.backends.packing import PackedMicroBatch
+from slime.backends.routing_replay import RoutingReplay
 
 # outputs of one micro-batch's forward: (log_probs, entropy) for a policy, values for a critic
 Outputs = object
@@ -32,7 +34,9 @@ LossOf = Callable[[int, Outputs], tuple[torch.Tensor, dict]]
 
 class TrainBackend(ABC):
     """One training process of a backend. Attributes the flow reads: `device`, `model` (passed to user hooks),
-    `optimizer`, `scheduler`, `hf_config`, `dp_rank`, `dp_size`."""
+    `optimizer`, `scheduler`, `hf_config`, `dp_rank`, `dp_size`, `routing_replay` (the RoutingReplay an MoE
+    policy's routers consult, None for a dense model or a backend without replay; the backend runs each
+    micro-batch's forward and backward inside `routing_of(micro_batch)`)."""
 
     device: torch.device
     model: torch.nn.Module
@@ -42,6 +46,13 @@ class TrainBackend(ABC):
     dp_rank: int = 0
     dp_size: int = 1
     dp_group = None  # None: the default group
+    routing_replay: RoutingReplay | None = None
+
+    def routing_of(self, micro_batch: PackedMicroBatch):
+        """The context of one micro-batch's forward (and backward) for routing replay."""
+        if self.routing_replay is None:
+            return contextlib.nullcontext()
+        return self.routing_replay.micro_batch(micro_batch.routed_experts)
 
     # ----------------------------------------------------------------------------------------- building
     @abstractmethod

@@ -14,7 +14,9 @@ import torch
 from slime.utils.ppo_utils import (
     aggregate_loss,
     compute_approx_kl,
+    compute_cispo_loss,
     compute_gspo_kl,
+    compute_opsm_mask,
     compute_policy_loss,
     compute_tis_weights,
     compute_value_loss,
@@ -55,14 +57,27 @@ class LossReducer:
 
 
 def policy_loss(args, log_probs, entropy, batch: MicroBatchTensors, reduce: LossReducer):
-    """PPO-clip (or GSPO) surrogate + optional KL loss to the reference - entropy bonus, with optional TIS."""
+    """PPO-clip (GSPO, CISPO) surrogate + optional KL loss to the reference - entropy bonus, with optional OPSM
+    and TIS."""
     old_log_probs = batch.old_log_probs if batch.old_log_probs is not None else log_probs.detach()
     ppo_kl = old_log_probs - log_probs
+    metrics = {}
+    if args.use_opsm:  # from the token-level drift, before GSPO turns it into a sequence mean
+        lengths = _lengths(batch)
+        opsm_mask, opsm_clipfrac = compute_opsm_mask(
+            args, list(torch.split(log_probs.detach(), lengths)), list(torch.split(old_log_probs, lengths)),
+            list(torch.split(batch.advantages, lengths)), batch.loss_masks)
+        metrics["opsm_clipfrac"] = opsm_clipfrac.detach()
     if args.advantage_estimator == "gspo":
         ppo_kl = torch.cat(compute_gspo_kl(list(torch.split(ppo_kl, _lengths(batch))), batch.loss_masks))
-    pg_losses, clipfrac = compute_policy_loss(ppo_kl, batch.advantages, args.eps_clip, args.eps_clip_high,
-                                              args.eps_clip_c)
-    metrics = {}
+    if args.advantage_estimator == "cispo":
+        pg_losses, clipfrac = compute_cispo_loss(ppo_kl, log_probs, batch.advantages, args.eps_clip,
+                                                 args.eps_clip_high)
+    else:
+        pg_losses, clipfrac = compute_policy_loss(ppo_kl, batch.advantages, args.eps_clip, args.eps_clip_high,
+                                                  args.eps_clip_c)
+    if args.use_opsm:
+        pg_losses = pg_losses * opsm_mask
     if args.use_tis:
         # Per-sample pieces: mask_sequence needs each sequence's boundaries.
         lengths = _lengths(batch)

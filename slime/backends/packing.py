@@ -27,6 +27,8 @@ class PackedMicroBatch:
     response_lengths: list[int]
     cu_seqlens: torch.Tensor  # [num_samples + 1] int32: where each sample starts in the row (varlen attention)
     max_seqlen: int
+    # MoE routing to replay, [num_tokens, num_moe_layers, top_k] (routing_replay.py), or None
+    routed_experts: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -37,6 +39,7 @@ class PackedMicroBatch:
             to_device(self.input_ids, device), to_device(self.position_ids, device),
             to_device(self.logit_index, device), to_device(self.target_ids, device), self.sample_indices,
             self.response_lengths, to_device(self.cu_seqlens, device), self.max_seqlen,
+            None if self.routed_experts is None else to_device(self.routed_experts, device),
         )
 
 

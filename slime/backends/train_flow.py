@@ -37,6 +37,13 @@ from slime.backends.packing import (
     step_sample_indices,
     to_device,
 )
+from slime.backends.routing_replay import (
+    ReplayStage,
+    agreement_metrics,
+    attach_records,
+    attach_rollout_routing,
+    log_prob_stage,
+)
 from slime.backends.weight_sender import WeightSender
 from slime.backends.weight_snapshot import WeightSnapshot
 from slime.utils.engine_access import engine_admin_headers
@@ -87,6 +94,9 @@ class TrainFlow:
         if not weights_path:
             raise ValueError("no model to train: pass --hf-checkpoint (a Hugging Face folder)")
         backend.build_policy(weights_path)
+        if (args.use_routing_replay or args.use_rollout_routing_replay) and backend.routing_replay is None:
+            raise ValueError("--use-routing-replay / --use-rollout-routing-replay: this policy has no MoE router "
+                             f"the {type(backend).__name__} can replay (a dense model?)")
         self.snapshot = WeightSnapshot(backend.local_weights)
         self.with_ref = bool(with_ref) and bool(args.ref_load)
         # Reference and OPD teacher: other weight sets of the same architecture, kept as host shards.
@@ -129,8 +139,18 @@ class TrainFlow:
         """Log-probs (CPU, fp32) of every sample's response tokens under the current weights."""
         if self.hooks["custom_before_log_prob_hook_path"]:
             self.hooks["custom_before_log_prob_hook_path"](self.args, self.model, store_prefix)
-        return outputs_per_sample(schedule, lambda micro_batches: [log_probs for log_probs, _ in
-                                                                    self.backend.forward_only(micro_batches)])
+        replay = self.backend.routing_replay
+        if replay is not None:
+            replay.stage = log_prob_stage(self.args, store_prefix)
+        try:
+            by_index = outputs_per_sample(schedule, lambda micro_batches: [log_probs for log_probs, _ in
+                                                                            self.backend.forward_only(micro_batches)])
+        finally:
+            if replay is not None:
+                if replay.stage is ReplayStage.RECORD:
+                    attach_records(schedule, replay.take_records())
+                replay.stage = ReplayStage.FALLTHROUGH
+        return by_index
 
     # ---------------------------------------------------------------------------------------------- train
     def _log_probs_with(self, tag: str, schedule, num_samples: int) -> list[torch.Tensor]:
@@ -146,6 +166,8 @@ class TrainFlow:
         args = self.args
         num_samples = len(data["tokens"])
         schedule = self._schedule(data)
+        if args.use_rollout_routing_replay:
+            attach_rollout_routing(schedule, data, self.backend.routing_replay)
         loss_masks = float_tensors(data["loss_masks"])
         rollout_log_probs = (float_tensors(data["rollout_log_probs"])
                              if data.get("rollout_log_probs") else None)
@@ -163,7 +185,7 @@ class TrainFlow:
             old_log_probs = [old[i] for i in range(num_samples)]
         else:
             old_log_probs = None
-        metrics = {}
+        metrics = self._router_agreement_metrics()
         if rollout_log_probs is not None and old_log_probs is not None and not args.use_rollout_logprobs:
             metrics.update(self._mismatch_metrics(old_log_probs, rollout_log_probs, loss_masks))
         advantages = returns = None
@@ -212,6 +234,13 @@ class TrainFlow:
                              "custom rollout / generate function set Sample.teacher_log_probs")
         return float_tensors(data["teacher_log_probs"])
 
+    def _router_agreement_metrics(self) -> dict:
+        """R3: how often the trainer's free routing matched the engine's in the old-policy pass, over all ranks."""
+        replay = self.backend.routing_replay
+        if replay is None or not self.args.use_rollout_routing_replay:
+            return {}
+        return agreement_metrics(self._all_reduce(replay.take_agreement().to(self.device)).cpu())
+
     def _global_masked_mean(self, values: list[torch.Tensor], masks: list[torch.Tensor]) -> float:
         sums = torch.tensor([float(sum((v * m).sum() for v, m in zip(values, masks))),
                              float(sum(m.sum() for m in masks))], dtype=torch.float64, device=self.device)
@@ -234,11 +263,18 @@ class TrainFlow:
         step_metrics = []
         steps = tqdm(schedule, desc=f"train {rollout_id}", unit="step", leave=False,
                      disable=self.rank != 0 or bool(getattr(args, "no_progress", False)) or len(schedule) < 2)
-        for step_id, micro_batches in enumerate(steps):
-            if self.hooks["custom_before_train_step_hook_path"]:
-                self.hooks["custom_before_train_step_hook_path"](args, rollout_id, step_id, self.model,
-                                                                 self.backend.optimizer, self.backend.scheduler)
-            step_metrics.append(self._train_step(micro_batches, per_sample, self._policy_loss))
+        replay = self.backend.routing_replay
+        if replay is not None and all(mb.routed_experts is not None for step in schedule for mb in step):
+            replay.stage = ReplayStage.REPLAY_BACKWARD  # R3, or the routing recorded in the old-policy pass
+        try:
+            for step_id, micro_batches in enumerate(steps):
+                if self.hooks["custom_before_train_step_hook_path"]:
+                    self.hooks["custom_before_train_step_hook_path"](args, rollout_id, step_id, self.model,
+                                                                     self.backend.optimizer, self.backend.scheduler)
+                step_metrics.append(self._train_step(micro_batches, per_sample, self._policy_loss))
+        finally:
+            if replay is not None:
+                replay.stage = ReplayStage.FALLTHROUGH
         if self.with_ref and args.ref_update_interval and (rollout_id + 1) % args.ref_update_interval == 0:
             self.snapshot.save("ref")  # the reference follows the actor every --ref-update-interval rollouts
         metrics.update(self._summarise(step_metrics, "train/"))

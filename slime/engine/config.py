@@ -36,6 +36,9 @@ class Config:
         Same tokens as without it; a request that stops at step N has its step N+1 token dropped. None (default)
         = on for CUDA, off on the CPU (where the forward runs on the host thread and nothing can overlap). On an
         H200 it turned 48% GPU idle time per decode step into 12% (benchmarks/RESULTS.md).
+    enable_return_routed_experts: record the experts every MoE layer routes each token to (int32, one row per KV
+        cache slot, ~num_moe_layers * top_k * 4 bytes per token), so /generate can answer return_routed_experts
+        (SGLang's server flag of the same name). MoE checkpoints only.
     """
 
     model: str
@@ -50,6 +53,7 @@ class Config:
     device: str = "auto"
     seed: int = 0
     overlap_schedule: bool | None = None
+    enable_return_routed_experts: bool = False
 
     def __post_init__(self):
         if not isinstance(self.model, str) or not self.model:
@@ -61,8 +65,9 @@ class Config:
                 _require_positive_int(name, getattr(self, name))
         if not isinstance(self.gpu_memory_utilization, (int, float)) or not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
-        if not isinstance(self.enforce_eager, bool):
-            raise ValueError(f"enforce_eager must be a bool, got {self.enforce_eager!r}")
+        for name in ("enforce_eager", "enable_return_routed_experts"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if self.overlap_schedule is not None and not isinstance(self.overlap_schedule, bool):
             raise ValueError(f"overlap_schedule must be a bool or None (on for CUDA), got {self.overlap_schedule!r}")
         if self.dtype not in DTYPES:

@@ -62,10 +62,14 @@ class Engine:
             self.config.max_num_batched_tokens,
             self.max_model_len,
             self.eos_token_ids,
+            on_finish=self._read_routed_experts,
         )
         self.model_runner.warm_up(self.config.max_num_batched_tokens, self.config.max_num_seqs)
         self.rng = random.Random(self.config.seed)
         self.requests: dict[str, Sequence] = {}
+        # Unfinished requests a step looks at one by one (rid -> reported after every token): the incremental
+        # ones and those with stop strings to check. The others cost a step only the scheduler's bookkeeping.
+        self.watched: dict[str, bool] = {}
         self.pending_outputs: list[RequestOutput] = []
         self.in_flight = None  # overlapped scheduling: (scheduled batch, its LaunchedStep)
         self.released_tags: set[str] = set()
@@ -88,9 +92,20 @@ class Engine:
 
     # ---- requests -----------------------------------------------------------------------------------------------
 
-    def add_request(self, prompt_token_ids: list[int], sampling_params=None, rid: str | None = None) -> str:
+    def add_request(
+        self, prompt_token_ids: list[int], sampling_params=None, rid: str | None = None, incremental: bool = True,
+        return_routed_experts: bool = False,
+    ) -> str:
+        """Queue a request; returns its rid. `incremental`: `step()` reports it after every token it gets; False:
+        only its finished output (a consumer that waits for the end then costs the engine nothing per step).
+        With `return_routed_experts` its finished output carries the MoE routing of every position but the last
+        (needs the engine's enable_return_routed_experts)."""
         self._check_resident("add a request")
         params = _as_sampling_params(sampling_params)
+        if return_routed_experts and not self.config.enable_return_routed_experts:
+            raise ValueError("return_routed_experts needs an engine started with enable_return_routed_experts "
+                             "(the server flag --enable-return-routed-experts; slime sets it for "
+                             "--use-rollout-routing-replay)")
         if not isinstance(prompt_token_ids, (list, tuple)) or not prompt_token_ids:
             raise ValueError("prompt_token_ids must be a non-empty list of token ids")
         vocab_size = self.model_config.vocab_size
@@ -106,11 +121,14 @@ class Engine:
             raise ValueError(f"rid {rid!r} is already in use by an unfinished request")
         seed = params.sampling_seed if params.sampling_seed is not None else self.rng.getrandbits(32)
         seq = Sequence(rid, list(prompt_token_ids), params, seed % 2**32)
+        seq.return_routed_experts = return_routed_experts
         if params.max_new_tokens == 0:
             seq.status, seq.finish_reason = SequenceStatus.FINISHED, {"type": "length", "length": 0}
             self.pending_outputs.append(self._output(seq))
             return rid
         self.requests[rid] = seq
+        if incremental or params.stop:
+            self.watched[rid] = incremental
         self.scheduler.add(seq)
         return rid
 
@@ -124,6 +142,7 @@ class Engine:
         seq = self.requests.pop(rid, None)
         if seq is None:
             return None
+        self.watched.pop(rid, None)
         self.pending_outputs = [output for output in self.pending_outputs if output.rid != rid]
         self.scheduler.abort(seq)
         return self._output(seq)
@@ -157,8 +176,11 @@ class Engine:
             scheduled, launched = in_flight
             ahead = self.scheduler.look_ahead(scheduled) if launched is not None else None
             if ahead:
-                source_rows = [row for row, item in enumerate(scheduled) if item.seq.has_placeholder]
-                input_tokens = launched.tokens[self.model_runner.staging.to_device(np.array(source_rows))]
+                if len(ahead) == len(scheduled):  # every sequence continues: the tokens are the inputs as they are
+                    input_tokens = launched.tokens
+                else:
+                    source_rows = [row for row, item in enumerate(scheduled) if item.seq.has_placeholder]
+                    input_tokens = launched.tokens[self.model_runner.staging.to_device(np.array(source_rows))]
                 self.in_flight = (ahead, self.model_runner.launch(ahead, input_tokens))
             outputs = self._complete(scheduled, launched)
         if self.in_flight is None and self.scheduler.has_unfinished():
@@ -174,24 +196,40 @@ class Engine:
             self.pending_outputs.extend(self._complete(scheduled, launched))
 
     def _complete(self, scheduled, launched) -> list[RequestOutput]:
-        """Wait for a launched step's tokens, apply them and the stop rules; the outputs of its requests."""
+        """Wait for a launched step's tokens, apply them and the stop rules; the outputs of its finished requests
+        and of its watched (incremental) ones that got a token."""
         token_ids, log_probs = self.model_runner.collect(launched)
-        self.scheduler.postprocess(scheduled, token_ids, log_probs)
-        progressed = []
-        for item in scheduled:
-            seq = item.seq
-            if not item.needs_sample or self.requests.get(seq.rid) is not seq:  # or it finished a step earlier
-                continue
-            if seq.status is not SequenceStatus.FINISHED and seq.sampling_params.stop:
-                stop = find_new_stop(self.tokenizer, seq.output_token_ids, seq.sampling_params)
-                if stop is not None:
-                    self.scheduler.finish(seq, {"type": "stop", "matched": stop})
-            if seq.status is SequenceStatus.FINISHED:
-                self.requests.pop(seq.rid, None)
-            progressed.append(seq)
-        finished = [seq for seq in progressed if seq.status is SequenceStatus.FINISHED]
-        texts = dict(zip((seq.rid for seq in finished), final_texts(self.tokenizer, finished)))
-        return [self._output(seq, texts.get(seq.rid)) for seq in progressed]
+        finished = self.scheduler.postprocess(scheduled, token_ids, log_probs)
+        running = []
+        if self.watched:
+            watched = self.watched
+            for item in scheduled:
+                seq = item.seq
+                if not item.needs_sample or seq.status is SequenceStatus.FINISHED:
+                    continue
+                incremental = watched.get(seq.rid)
+                if incremental is None:
+                    continue
+                if seq.sampling_params.stop:
+                    stop = find_new_stop(self.tokenizer, seq.output_token_ids, seq.sampling_params)
+                    if stop is not None:
+                        self.scheduler.finish(seq, {"type": "stop", "matched": stop})
+                        finished.append(seq)
+                        continue
+                if incremental:
+                    running.append(seq)
+        for seq in finished:
+            self.requests.pop(seq.rid, None)
+            self.watched.pop(seq.rid, None)
+        outputs = [self._output(seq) for seq in running]
+        return outputs + [self._output(seq, text) for seq, text in zip(finished, final_texts(self.tokenizer, finished))]
+
+    def _read_routed_experts(self, seq: Sequence) -> None:
+        """At finish, while `seq` holds its blocks: the routing of positions [0, len - 1) (the last token never went
+        through the model); an abort mid-prefill has only its computed positions."""
+        if seq.return_routed_experts:
+            num_positions = min(len(seq) - 1, seq.num_computed_tokens)
+            seq.routed_experts = self.model_runner.read_routed_experts(seq.block_table, num_positions)
 
     def _output(self, seq: Sequence, text: str | None = None) -> RequestOutput:
         """O(1) for a running sequence (a snapshot, sliced when read); the final text of a finished one (`text` if
@@ -214,6 +252,7 @@ class Engine:
             num_cached_tokens=seq.num_cached_tokens,
             weight_version=self.weight_version,
             detokenize=detokenize,
+            routed_experts=seq.routed_experts,
         )
 
     def generate(self, prompts_or_token_ids, sampling_params=None) -> list[dict]:
@@ -237,7 +276,7 @@ class Engine:
         try:
             for prompt, params in zip(prompts_or_token_ids, params_list):
                 token_ids = self.tokenizer(prompt)["input_ids"] if isinstance(prompt, str) else prompt
-                rids.append(self.add_request(token_ids, params))
+                rids.append(self.add_request(token_ids, params, incremental=False))
             while not results.keys() >= set(rids):
                 for output in self.step():
                     if output.finished:

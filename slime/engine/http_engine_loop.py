@@ -36,6 +36,7 @@ class _Stream:
     outputs: asyncio.Queue
     prompt_token_ids: list[int]
     incremental: bool = True  # False: the consumer only wants the finished output
+    return_routed_experts: bool = False
     latest: object | None = None
     finished: bool = False
 
@@ -84,7 +85,8 @@ class EngineLoop:
 
     # ---- requests --------------------------------------------------------------------------------------------
     async def generate(
-        self, prompt_token_ids: list[int], sampling_params, rid: str | None = None, incremental: bool = True
+        self, prompt_token_ids: list[int], sampling_params, rid: str | None = None, incremental: bool = True,
+        return_routed_experts: bool = False,
     ) -> AsyncIterator:
         """Add a request and yield its RequestOutputs (cumulative) until the finished one; with incremental=False
         only the finished one (a non-streaming consumer then costs one hand-over, not one per token).
@@ -92,7 +94,8 @@ class EngineLoop:
         If the consumer stops early (client gone, task cancelled), the request is aborted in the engine.
         """
         rid = rid or uuid.uuid4().hex
-        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue(), list(prompt_token_ids), incremental)
+        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue(), list(prompt_token_ids), incremental,
+                         return_routed_experts=return_routed_experts)
         try:
             await self.call(self._add, rid, stream, sampling_params)
         except ValueError as error:  # the engine rejected the request (e.g. a rid already in flight)
@@ -113,7 +116,8 @@ class EngineLoop:
         if rid in self._streams:
             raise ValueError(f"rid {rid!r} is already in flight; rids must be unique")
         try:
-            self.engine.add_request(stream.prompt_token_ids, sampling_params, rid=rid)
+            self.engine.add_request(stream.prompt_token_ids, sampling_params, rid=rid,
+                                    return_routed_experts=stream.return_routed_experts, incremental=stream.incremental)
         except EngineMemoryReleasedError:
             # Released memory refuses new requests; they wait here and enter the engine after the resume.
             self._deferred[rid] = sampling_params
@@ -122,7 +126,10 @@ class EngineLoop:
     def _add_deferred(self) -> None:
         for rid, sampling_params in list(self._deferred.items()):
             try:
-                self.engine.add_request(self._streams[rid].prompt_token_ids, sampling_params, rid=rid)
+                stream = self._streams[rid]
+                self.engine.add_request(stream.prompt_token_ids, sampling_params, rid=rid,
+                                        return_routed_experts=stream.return_routed_experts,
+                                        incremental=stream.incremental)
             except EngineMemoryReleasedError:
                 return
             del self._deferred[rid]

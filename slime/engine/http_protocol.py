@@ -7,6 +7,7 @@ raises `RequestError` (a ValueError) whose message names the offending field; th
 
 from __future__ import annotations
 
+import base64
 from dataclasses import dataclass
 from typing import Callable
 
@@ -24,6 +25,8 @@ GENERATE_FIELDS = frozenset(
         "return_text_in_logprobs",
         "logprob_start_len",
         "top_logprobs_num",
+        "return_routed_experts",
+        "routed_experts_start_len",
         # Added by sglang-router when it re-serializes a request; no effect on generation.
         "model",
         "log_metrics",
@@ -52,6 +55,9 @@ class GenerateRequest:
     return_logprob: bool
     return_text_in_logprobs: bool
     stream: bool
+    # SGLang's: the routing of positions [routed_experts_start_len, len(tokens) - 1) in meta_info["routed_experts"].
+    return_routed_experts: bool = False
+    routed_experts_start_len: int = 0
 
 
 def parse_generate_request(
@@ -72,6 +78,12 @@ def parse_generate_request(
     return_logprob = _bool_field(body, "return_logprob", False)
     return_text_in_logprobs = _bool_field(body, "return_text_in_logprobs", False)
     stream = _bool_field(body, "stream", False)
+    return_routed_experts = _bool_field(body, "return_routed_experts", False)
+    routed_experts_start_len = body.get("routed_experts_start_len") or 0
+    if not isinstance(routed_experts_start_len, int) or isinstance(routed_experts_start_len, bool) or (
+        routed_experts_start_len < 0
+    ):
+        raise RequestError(f"'routed_experts_start_len' must be an int >= 0, got {routed_experts_start_len!r}")
     if body.get("logprob_start_len", -1) != -1:
         raise RequestError("logprob_start_len must be -1: the built-in engine returns output-token log-probs only")
     if body.get("top_logprobs_num", 0) not in (0, None):
@@ -104,8 +116,13 @@ def parse_generate_request(
     rids = _parse_rids(body.get("rid"), num_prompts, is_batch)
     if stream and is_batch:
         raise RequestError("'stream' is supported for a single prompt only; send one request per prompt")
+    too_long = [len(prompt) for prompt in prompts if len(prompt) < routed_experts_start_len]
+    if too_long:
+        raise RequestError(f"'routed_experts_start_len' ({routed_experts_start_len}) exceeds the prompt's "
+                           f"{too_long[0]} tokens: it must be in [0, prompt length]")
     items = [GenerateItem(list(p), s, r) for p, s, r in zip(prompts, sampling_params, rids)]
-    return GenerateRequest(items, is_batch, return_logprob, return_text_in_logprobs, stream)
+    return GenerateRequest(items, is_batch, return_logprob, return_text_in_logprobs, stream, return_routed_experts,
+                           routed_experts_start_len)
 
 
 def _bool_field(body: dict, name: str, default: bool) -> bool:
@@ -155,11 +172,14 @@ def _parse_rids(raw, num_prompts: int, is_batch: bool) -> list[str | None]:
     return rids
 
 
-def generate_response(output, return_logprob: bool, token_texts: list[str] | None = None) -> dict:
+def generate_response(output, return_logprob: bool, token_texts: list[str] | None = None,
+                      routed_experts_start_len: int = 0) -> dict:
     """SGLang's /generate response for one request from an engine RequestOutput (cumulative so far).
 
     `token_texts` (one string per output token) fills the third slot of each log-prob entry when the client asked
-    for return_text_in_logprobs; SGLang puts null there otherwise.
+    for return_text_in_logprobs; SGLang puts null there otherwise. A finished output with routed experts gets
+    meta_info["routed_experts"]: its rows from `routed_experts_start_len` on, int32 bytes in base64 (SGLang's
+    wire form), and meta_info["routed_experts_start_len"].
     """
     output_ids = list(output.output_token_ids)
     meta_info = {
@@ -176,6 +196,10 @@ def generate_response(output, return_logprob: bool, token_texts: list[str] | Non
             [float(log_prob), int(token_id), text]
             for log_prob, token_id, text in zip(output.output_log_probs, output_ids, texts)
         ]
+    if output.finished and output.routed_experts is not None:
+        rows = output.routed_experts[routed_experts_start_len:]
+        meta_info["routed_experts"] = base64.b64encode(rows.astype("<i4", copy=False).tobytes()).decode("ascii")
+        meta_info["routed_experts_start_len"] = routed_experts_start_len
     return {"text": output.text, "output_ids": output_ids, "meta_info": meta_info}
 
 

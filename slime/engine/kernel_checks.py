@@ -1,6 +1,6 @@
-"""Start-up self-checks of the engine's Triton kernels on this machine: each kernel family must import, compile and
-match its torch reference on a small case before the model runner uses it; any failure (no triton, a compile
-error, a wrong result) warns and keeps the torch path. Not a test suite: tests/test_engine_triton.py checks the
+"""Start-up self-checks of the engine's Triton kernels (and of torch's grouped_mm for MoE experts) on this machine:
+each kernel family must import, compile and match its torch reference on a small case before the model runner uses
+it; any failure (no triton, a compile error, a wrong result) warns and keeps the torch path. Not a test suite: tests/test_engine_triton.py checks the
 kernels themselves.
 """
 
@@ -88,4 +88,31 @@ def triton_fused_kernels_work(device: torch.device) -> bool:
         return True
     except Exception as error:
         warnings.warn(f"fused Triton kernels unavailable ({type(error).__name__}: {error}); using torch modules")
+        return False
+
+
+def grouped_mm_works(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether torch's grouped_mm runs here in `dtype` and matches one matmul per expert (empty groups included);
+    if not, warn: the MoE experts then run one matmul per expert, and decode CUDA graphs are off."""
+    try:
+        from slime.engine.layers.moe import GroupedExperts
+
+        generator = torch.Generator(device=device).manual_seed(0)
+        experts = GroupedExperts(4, 64, 32).to(device=device, dtype=dtype)
+        with torch.no_grad():
+            experts.gate_up_proj.normal_(generator=generator)
+            experts.down_proj.normal_(generator=generator)
+            hidden = torch.randn(16, 64, device=device, dtype=dtype, generator=generator)
+            expert_ids = torch.tensor([[0, 3], [3, 1]] * 8, device=device)
+            weights = torch.rand(16, 2, device=device, dtype=dtype, generator=generator)
+            experts.use_grouped_mm = True
+            got = experts(hidden, expert_ids, weights)
+            experts.use_grouped_mm = False
+            expected = experts(hidden, expert_ids, weights)
+        tolerance = 1e-4 if dtype == torch.float32 else 5e-2
+        torch.testing.assert_close(got, expected, atol=tolerance * expected.abs().max().item(), rtol=tolerance)
+        return True
+    except Exception as error:
+        warnings.warn(f"torch grouped_mm unavailable for {dtype} on {device} ({type(error).__name__}: {error}); "
+                      "MoE experts run one matmul per expert")
         return False

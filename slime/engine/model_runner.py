@@ -11,14 +11,16 @@ from __future__ import annotations
 import itertools
 import os
 from dataclasses import dataclass
+from operator import attrgetter
 
 import numpy as np
 import torch
 
 from slime.engine.config import Config
 from slime.engine.cuda_graph import DecodeGraphs
+from slime.engine.decode_rows import DecodeRows, sampling_values
 from slime.engine.host_staging import HostStaging
-from slime.engine.kernel_checks import triton_attention_works, triton_fused_kernels_work
+from slime.engine.kernel_checks import grouped_mm_works, triton_attention_works, triton_fused_kernels_work
 from slime.engine.layers.attention import AttentionMetadata
 from slime.engine.models import DecoderForCausalLM, ModelConfig
 from slime.engine.models.weight_loader import load_checkpoint
@@ -78,24 +80,35 @@ class ModelRunner:
         finally:
             torch.set_default_dtype(default_dtype)
         self.model.eval()
+        if config.enable_return_routed_experts and not model_config.is_moe:
+            raise ValueError(f"enable_return_routed_experts: {model_config.model_type} is not a mixture-of-experts model")
         load_checkpoint(self.model, config.model)
+        self.routed_experts: torch.Tensor | None = None
+        # Released weights: their host copy (on CUDA, pinned buffers kept for the next release too).
         self.cpu_weights: dict[str, torch.Tensor] | None = None
+        self.weights_released = False
         self.num_kvcache_blocks = config.num_kvcache_blocks or self._num_blocks_from_memory()
         # One extra cache block past those the block manager hands out: CUDA-graph padding rows write there.
         self.scratch_slot = self.num_kvcache_blocks * self.block_size
         max_model_len = config.max_model_len or model_config.max_position_embeddings
         self.max_num_blocks_per_seq = min(-(-max_model_len // self.block_size), self.num_kvcache_blocks)
         self.decode_graphs: DecodeGraphs | None = None
+        self.decode_rows = DecodeRows(model_config.vocab_size)
         attention_works = self.device.type == "cuda" and triton_attention_works(self.device)
-        self.set_use_triton(attention_works, fused=attention_works and triton_fused_kernels_work(self.device))
+        grouped_mm = grouped_mm_works(self.device, self.dtype) if model_config.is_moe else True
+        for block in self.model.moe_blocks():
+            block.experts.use_grouped_mm = grouped_mm
+        # The per-expert fallback reads group sizes on the host, which a CUDA graph cannot capture.
+        self.set_use_triton(attention_works, fused=attention_works and triton_fused_kernels_work(self.device),
+                            cuda_graphs=grouped_mm)
         self.allocate_kv_cache()
 
-    def set_use_triton(self, enabled: bool, fused: bool | None = None) -> None:
-        """Triton attention (and, unless enforce_eager, decode CUDA graphs) on or off, and the fused elementwise
-        kernels (default: same as `enabled`); off = the pure-torch path. The runner turns each on only after its
-        self-check passed on this machine."""
+    def set_use_triton(self, enabled: bool, fused: bool | None = None, cuda_graphs: bool = True) -> None:
+        """Triton attention (and, unless enforce_eager or `cuda_graphs` is False, decode CUDA graphs) on or off,
+        and the fused elementwise kernels (default: same as `enabled`); off = the pure-torch path. The runner turns
+        each on only after its self-check passed on this machine."""
         self.use_triton = enabled
-        self.use_cuda_graphs = enabled and not self.config.enforce_eager
+        self.use_cuda_graphs = enabled and cuda_graphs and not self.config.enforce_eager
         self.decode_graphs = None
         self.model.set_use_triton(enabled if fused is None else fused)
 
@@ -105,7 +118,9 @@ class ModelRunner:
     def bytes_per_block(self) -> int:
         c = self.model_config
         element_size = torch.empty((), dtype=self.dtype).element_size()
-        return 2 * c.num_hidden_layers * self.block_size * c.num_key_value_heads * c.head_dim * element_size
+        kv_bytes = 2 * c.num_hidden_layers * self.block_size * c.num_key_value_heads * c.head_dim * element_size
+        routing_bytes = len(c.moe_layers) * c.num_experts_per_tok * 4 * self.block_size
+        return kv_bytes + (routing_bytes if self.config.enable_return_routed_experts else 0)
 
     def _num_blocks_from_memory(self) -> int:
         if self.device.type == "cuda":
@@ -136,37 +151,69 @@ class ModelRunner:
             # Zeros, not empty: masked-out slots enter SDPA multiplied by 0, and NaN garbage would survive that.
             attn.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
             attn.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        if self.config.enable_return_routed_experts:
+            # Indexed by cache slot like the K/V, so prefix-cache hits keep the routing of the tokens they skip.
+            blocks = self.model.moe_blocks()
+            self.routed_experts = torch.full((shape[0] * self.block_size, len(blocks), c.num_experts_per_tok), -1,
+                                             dtype=torch.int32, device=self.device)
+            for index, block in enumerate(blocks):
+                block.routed_experts_cache = self.routed_experts[:, index]
 
     def free_kv_cache(self) -> None:
         self.decode_graphs = None  # they hold the cache's addresses
+        self.decode_rows.clear()
         for attn in self.model.attention_layers():
             attn.k_cache = torch.empty(0, device=self.device)
             attn.v_cache = torch.empty(0, device=self.device)
+        for block in self.model.moe_blocks():
+            block.routed_experts_cache = None
+        self.routed_experts = None
         self._empty_device_cache()
 
+    def read_routed_experts(self, block_table: list[int], num_positions: int) -> np.ndarray:
+        """The routing recorded for positions [0, num_positions) of a sequence holding `block_table`:
+        [num_positions, num_moe_layers, top_k] int32 (one host sync)."""
+        positions = np.arange(num_positions)
+        slots = np.asarray(block_table, dtype=np.int64)[positions // self.block_size] * self.block_size
+        slots += positions % self.block_size
+        return self.routed_experts[self.staging.to_device(slots)].cpu().numpy()
+
     def release_weights(self) -> None:
-        """Move parameter storage to a CPU copy and free the device storage (on CPU the copy is the storage)."""
-        if self.cpu_weights is not None:
+        """Move parameter storage to a CPU copy and free the device storage (on CPU the copy is the storage).
+
+        On CUDA the copy goes to pinned host buffers allocated at the first release and reused by every later one:
+        pinning a model's worth of host memory took most of a release (0.7-1.1 s for 1.2 GB on an H200 host), the
+        copy itself tens of milliseconds; a colocated RL run releases once per rollout."""
+        if self.weights_released:
             return
         self.decode_graphs = None  # they hold the weights' addresses
-        self.cpu_weights = {}
         on_cuda = self.device.type == "cuda"
+        if self.cpu_weights is None or not on_cuda:
+            self.cpu_weights = {}
         for name, param in self.model.named_parameters():
-            # From CUDA, non_blocking copies land in pinned memory: several times faster both ways, one sync.
-            self.cpu_weights[name] = param.data.to("cpu", copy=on_cuda, non_blocking=on_cuda)
+            if not on_cuda:
+                self.cpu_weights[name] = param.data
+            else:
+                buffer = self.cpu_weights.get(name)
+                if buffer is None or buffer.shape != param.shape or buffer.dtype != param.dtype:
+                    buffer = self.cpu_weights[name] = torch.empty(param.shape, dtype=param.dtype, pin_memory=True)
+                buffer.copy_(param.data, non_blocking=True)
             param.data = torch.empty(0, dtype=param.dtype, device=self.device)
         if on_cuda:
             torch.cuda.synchronize(self.device)
+        self.weights_released = True
         self._empty_device_cache()
 
     def resume_weights(self) -> None:
-        if self.cpu_weights is None:
+        if not self.weights_released:
             return
         for name, param in self.model.named_parameters():
             param.data = self.cpu_weights[name].to(self.device, non_blocking=True)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        self.cpu_weights = None
+        else:
+            self.cpu_weights = None  # on the CPU they are the parameters' storage again
+        self.weights_released = False
 
     def _empty_device_cache(self) -> None:
         if self.device.type == "cuda":
@@ -197,14 +244,18 @@ class ModelRunner:
         LaunchedStep of the rows that sample, or None if none does. `input_tokens` ([len(scheduled)],
         on the device) replaces the input token of every row of a decode batch: tokens sampled by the previous
         step that the host has not seen yet (overlapped scheduling)."""
-        sample_rows = [row for row, item in enumerate(scheduled) if item.needs_sample]
-        vocab_size = self.model_config.vocab_size
-        # Built first: its host-to-device copies would otherwise wait behind the forward pass.
-        sampling = self.prepare_sampling([scheduled[row] for row in sample_rows], vocab_size) if sample_rows else None
-        hidden = self._forward_decode_graph(scheduled, input_tokens)
-        if hidden is not None:
-            hidden = hidden[sample_rows] if len(sample_rows) < len(scheduled) else hidden
+        positions = self._decode_graph_positions(scheduled)
+        if positions is not None:  # every row samples; the rows' arrays come from self.decode_rows
+            sample_rows = scheduled
+            # Built first: its host-to-device copies would otherwise wait behind the forward pass.
+            sampling = self._decode_sampling(positions)
+            hidden = self._forward_decode_graph(scheduled, positions, input_tokens)
         else:
+            self.decode_rows.clear()
+            sample_rows = [row for row, item in enumerate(scheduled) if item.needs_sample]
+            vocab_size = self.model_config.vocab_size
+            sampled = [scheduled[row] for row in sample_rows]
+            sampling = self.prepare_sampling(sampled, vocab_size) if sample_rows else None
             input_ids, positions, meta, logits_indices = self.prepare_inputs(scheduled)
             if input_tokens is not None:
                 assert input_ids.shape == input_tokens.shape, "input_tokens needs a decode batch"
@@ -237,12 +288,12 @@ class ModelRunner:
         input_ids, positions, meta, _ = self.prepare_inputs(scheduled)
         return self.model.compute_logits(self.model(input_ids, positions, meta))
 
-    def _forward_decode_graph(self, scheduled: list[ScheduledSequence],
-                              input_tokens: torch.Tensor | None = None) -> torch.Tensor | None:
-        """Hidden states of a decode batch through a CUDA graph; None when the batch must run eagerly."""
-        if not self.use_cuda_graphs or len(scheduled) > self.config.max_num_seqs:
+    def _decode_graph_positions(self, scheduled: list[ScheduledSequence]) -> np.ndarray | None:
+        """For a decode batch that runs through a CUDA graph (one token per row, every row samples): each row's
+        position, with self.decode_rows updated to its rows; None when the batch must run eagerly."""
+        if not self.use_cuda_graphs or not scheduled or len(scheduled) > self.config.max_num_seqs:
             return None
-        if any(item.num_new_tokens != 1 for item in scheduled):
+        if any(item.num_new_tokens != 1 or not item.needs_sample for item in scheduled):
             return None
         if self.decode_graphs is None:
             self.decode_graphs = DecodeGraphs(
@@ -250,15 +301,24 @@ class ModelRunner:
             )
         if len(scheduled) > self.decode_graphs.max_batch_size:
             return None
-        block_tables = _padded_block_tables([item.seq.block_table for item in scheduled])
-        if block_tables.shape[1] > self.max_num_blocks_per_seq:
+        self.decode_rows.update([item.seq for item in scheduled])
+        if self.decode_rows.block_tables.shape[1] > self.max_num_blocks_per_seq:
             return None
+        return np.fromiter(map(_start, scheduled), dtype=np.int64, count=len(scheduled))
+
+    def _forward_decode_graph(self, scheduled: list[ScheduledSequence], positions: np.ndarray,
+                              input_tokens: torch.Tensor | None) -> torch.Tensor:
+        """Hidden states of a decode batch through a CUDA graph. With `input_tokens` (on the device) the host's
+        token ids are not read: they are placeholders of tokens still on the device."""
         num_seqs = len(scheduled)
-        positions = np.fromiter((item.start for item in scheduled), dtype=np.int64, count=num_seqs)
+        block_tables = self.decode_rows.block_tables
         token_inputs = np.empty((4, num_seqs), dtype=np.int64)
-        token_inputs[0] = np.fromiter(
-            (item.seq.token_ids[item.start] for item in scheduled), dtype=np.int64, count=num_seqs
-        )
+        if input_tokens is None:
+            token_inputs[0] = np.fromiter(
+                (item.seq.token_ids[item.start] for item in scheduled), dtype=np.int64, count=num_seqs
+            )
+        else:
+            token_inputs[0] = 0
         token_inputs[1] = positions
         token_inputs[2] = (
             block_tables[np.arange(num_seqs), positions // self.block_size].astype(np.int64) * self.block_size
@@ -266,6 +326,23 @@ class ModelRunner:
         )
         token_inputs[3] = positions + 1
         return self.decode_graphs.run(token_inputs, block_tables, input_tokens)
+
+    def _decode_sampling(self, positions: np.ndarray) -> SamplingBatch:
+        """prepare_sampling for a decode-graph batch, from the rows' cached sampling values."""
+        rows = self.decode_rows
+        steps = positions + 1 - rows.num_prompt_tokens  # tokens generated so far, the one being computed included
+        banned_rows, banned_token_ids = [], []
+        if (steps < rows.min_new_tokens).any():
+            banned_rows, banned_token_ids = self._banned_stop_tokens(
+                list(zip(range(len(rows.seqs)), [seq.sampling_params for seq in rows.seqs], steps.tolist()))
+            )
+        temperatures = rows.float_params[0]
+        return self._sampling_batch(
+            rows.float_params, rows.top_ks, rows.seeds, steps, banned_rows, banned_token_ids,
+            needs_filtering=bool(rows.needs_filtering.any()),
+            all_greedy=not temperatures.any(),
+            any_greedy=not temperatures.all(),
+        )
 
     def prepare_inputs(self, scheduled: list[ScheduledSequence]):
         """(input_ids, positions, AttentionMetadata, logits_indices) on the device; the metadata is filled for the
@@ -327,7 +404,7 @@ class ModelRunner:
         seqs = [item.seq for item in sampled]
         params_of_rows = [seq.sampling_params for seq in seqs]
         distinct = {id(params): params for params in params_of_rows}
-        values = {key: _sampling_values(params, vocab_size) for key, params in distinct.items()}
+        values = {key: sampling_values(params, vocab_size) for key, params in distinct.items()}
         if len(values) == 1:
             (only,) = values.values()
             float_columns = np.broadcast_to(np.array(only[:3], dtype=np.float32)[:, None], (3, num_rows))
@@ -342,14 +419,33 @@ class ModelRunner:
         )
         banned_rows, banned_token_ids = [], []
         if any(params.min_new_tokens > 0 for params in distinct.values()):
-            for row, (params, step) in enumerate(zip(params_of_rows, steps.tolist())):
-                if step < params.min_new_tokens:
-                    stop_ids = set(params.stop_token_ids)
-                    if not params.ignore_eos:
-                        stop_ids |= self.eos_token_ids
-                    for token_id in sorted(t for t in stop_ids if t < vocab_size):
-                        banned_rows.append(row)
-                        banned_token_ids.append(token_id)
+            banned_rows, banned_token_ids = self._banned_stop_tokens(
+                list(zip(range(num_rows), params_of_rows, steps.tolist()))
+            )
+        return self._sampling_batch(
+            float_columns, top_ks, seeds, steps, banned_rows, banned_token_ids,
+            needs_filtering=any(value[4] for value in values.values()),
+            all_greedy=not any(value[0] for value in values.values()),
+            any_greedy=any(value[0] == 0 for value in values.values()),
+        )
+
+    def _banned_stop_tokens(self, rows) -> tuple[list[int], list[int]]:
+        """(row, token) pairs masked out of sampling: the stop tokens of each (row, params, step) whose step is
+        still under its min_new_tokens."""
+        vocab_size = self.model_config.vocab_size
+        banned_rows, banned_token_ids = [], []
+        for row, params, step in rows:
+            if step < params.min_new_tokens:
+                stop_ids = set(params.stop_token_ids)
+                if not params.ignore_eos:
+                    stop_ids |= self.eos_token_ids
+                for token_id in sorted(t for t in stop_ids if t < vocab_size):
+                    banned_rows.append(row)
+                    banned_token_ids.append(token_id)
+        return banned_rows, banned_token_ids
+
+    def _sampling_batch(self, float_columns, top_ks, seeds, steps, banned_rows, banned_token_ids,
+                        **flags) -> SamplingBatch:
         int_tensors = self.staging.to_device_packed(
             [top_ks, seeds, steps, np.array(banned_rows, dtype=np.int64), np.array(banned_token_ids, dtype=np.int64)],
             np.int64,
@@ -364,18 +460,11 @@ class ModelRunner:
             steps=int_tensors[2],
             banned_rows=int_tensors[3],
             banned_token_ids=int_tensors[4],
-            needs_filtering=any(value[4] for value in values.values()),
-            all_greedy=not any(value[0] for value in values.values()),
-            any_greedy=any(value[0] == 0 for value in values.values()),
+            **flags,
         )
 
 
-def _sampling_values(params, vocab_size: int) -> tuple[float, float, float, int, bool]:
-    """(temperature, top_p, min_p, top_k, needs_filtering) of one SamplingParams as the sampler takes them."""
-    top_k = vocab_size if params.top_k == -1 else params.top_k
-    top_p = params.top_p if params.top_p < 1.0 else 2.0  # 2.0: never cut by float round-off
-    needs_filtering = params.top_k != -1 or params.top_p < 1.0 or params.min_p > 0.0
-    return params.temperature, top_p, params.min_p, top_k, needs_filtering
+_start = attrgetter("start")
 
 
 def _padded_block_tables(tables: list[list[int]]) -> np.ndarray:

@@ -15,10 +15,13 @@ from collections.abc import Callable
 class RequestOutput:
     """rid, prompt_token_ids, output_token_ids, output_log_probs (one per output token, under logits / T), text,
     finished, finish_reason ({"type": "stop"|"length"|"abort", plus "matched" | "length" | "message"} or None while
-    running), num_cached_tokens (prompt tokens served by the prefix cache), weight_version."""
+    running), num_cached_tokens (prompt tokens served by the prefix cache), weight_version, routed_experts (a finished
+    request's MoE routing [len(tokens) - 1, num_moe_layers, top_k] int32 numpy array when it asked for it, else
+    None)."""
 
     __slots__ = (
-        "rid", "finished", "finish_reason", "num_cached_tokens", "weight_version", "_text", "_detokenize",
+        "rid", "finished", "finish_reason", "num_cached_tokens", "weight_version", "routed_experts", "_text",
+        "_detokenize",
         "_prompt_token_ids", "_output_token_ids", "_output_log_probs", "_sequence_token_ids", "_sequence_log_probs",
         "_num_prompt_tokens", "_num_tokens",
     )  # fmt: skip
@@ -35,6 +38,7 @@ class RequestOutput:
         num_cached_tokens: int = 0,
         weight_version: str = "0",
         detokenize: Callable[[list[int]], str] | None = None,
+        routed_experts=None,
     ):
         """A snapshot of a sequence in O(1): `token_ids` (prompt + output) and `log_probs` (one per output token)
         must only ever be appended to afterwards; the lists are sliced at their current lengths when first read."""
@@ -52,6 +56,7 @@ class RequestOutput:
         self.finish_reason = finish_reason
         self.num_cached_tokens = num_cached_tokens
         self.weight_version = weight_version
+        self.routed_experts = routed_experts
 
     @property
     def prompt_token_ids(self) -> list[int]:
@@ -104,4 +109,5 @@ class RequestOutput:
             "completion_tokens": self.num_completion_tokens,
             "cached_tokens": self.num_cached_tokens,
             "weight_version": self.weight_version,
+            **({"routed_experts": self.routed_experts} if self.routed_experts is not None else {}),
         }

@@ -11,6 +11,7 @@ sample or check stop strings (the engine does), it only applies token-level stop
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from slime.engine.block_manager import BlockManager
@@ -41,7 +42,11 @@ class Scheduler:
         max_num_batched_tokens: int,
         max_model_len: int,
         eos_token_ids: set[int],
+        on_finish: Callable[[Sequence], None] | None = None,
     ):
+        """`on_finish(seq)` runs when a sequence finishes, while it still holds its blocks (the engine reads
+        per-slot state such as routed experts there)."""
+        self.on_finish = on_finish
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -51,6 +56,13 @@ class Scheduler:
         self.running: list[Sequence] = []
 
     def add(self, seq: Sequence) -> None:
+        params = seq.sampling_params
+        limit = self.max_model_len
+        if params.max_new_tokens is not None:
+            limit = min(limit, seq.num_prompt_tokens + params.max_new_tokens)
+        seq.max_num_tokens = limit
+        seq.stop_token_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos
+                                                                  else frozenset(self.eos_token_ids))
         self.waiting.append(seq)
 
     def has_unfinished(self) -> bool:
@@ -106,25 +118,36 @@ class Scheduler:
         """The next decode step of `batch` (a decode step whose tokens are still on the device), scheduled now:
         each sequence that can continue gets a placeholder token and one more KV slot. Sequences that the pending
         token must finish by length are left out. None when the step cannot be scheduled ahead (new requests are
-        waiting, a running sequence sat out, or the cache lacks blocks: preemption needs the real tokens)."""
+        waiting, a running sequence sat out, or the cache lacks blocks: preemption needs the real tokens).
+
+        One pass over the batch of plain attribute work per sequence: this runs every decode step, while the GPU
+        computes the step in flight, and has to stay well under that step's time at 512 sequences."""
         if self.waiting or len(batch) != len(self.running):
             return None
-        if any(item.num_new_tokens != 1 or not item.needs_sample for item in batch):
-            return None
         block_size = self.block_manager.block_size
-        # The pending token brings each sequence to len + 1 tokens; those it ends by length do not continue.
-        continuing = [item.seq for item in batch if self._length_finish_reason(item.seq, len(item.seq) + 1) is None]
-        num_new_blocks = sum(1 for seq in continuing if len(seq) + 1 > len(seq.block_table) * block_size)
+        continuing = []
+        num_new_blocks = 0
+        for item in batch:
+            if item.num_new_tokens != 1 or not item.needs_sample:
+                return None
+            seq = item.seq
+            num_tokens = len(seq.token_ids) + 1  # with the pending token; those it ends by length do not continue
+            if num_tokens < seq.max_num_tokens:
+                continuing.append(seq)
+                num_new_blocks += num_tokens > len(seq.block_table) * block_size
         if num_new_blocks > self.block_manager.num_free_blocks:
             return None
         ahead = []
+        block_manager = self.block_manager
         for seq in continuing:
-            seq.num_computed_tokens = len(seq)
+            num_tokens = len(seq.token_ids)
+            seq.num_computed_tokens = num_tokens
             seq.append_placeholder()
-            if len(seq) > len(seq.block_table) * block_size:
-                self.block_manager.grow(seq, len(seq))
-            self.block_manager.register_full_blocks(seq, len(seq) - 1)  # not the block holding the placeholder
-            ahead.append(ScheduledSequence(seq, len(seq) - 1, 1, True))
+            if num_tokens % block_size == 0:  # the real tokens fill one more block; the placeholder needs a new one
+                block_manager.register_full_blocks(seq, num_tokens)
+                if num_tokens + 1 > len(seq.block_table) * block_size:
+                    block_manager.grow(seq, num_tokens + 1)
+            ahead.append(ScheduledSequence(seq, num_tokens, 1, True))
         return ahead
 
     def preempt(self, seq: Sequence) -> None:
@@ -135,9 +158,13 @@ class Scheduler:
         seq.num_preemptions += 1
         self.waiting.appendleft(seq)
 
-    def postprocess(self, scheduled: list[ScheduledSequence], token_ids: list[int], log_probs: list[float]) -> None:
+    def postprocess(
+        self, scheduled: list[ScheduledSequence], token_ids: list[int], log_probs: list[float]
+    ) -> list[Sequence]:
         """Advance computed counts; append one sampled token (and log-prob) per sequence that needed a sample, in
-        order; finish sequences on EOS / stop_token_ids / max_new_tokens / max_model_len."""
+        order; finish sequences on EOS / stop_token_ids / max_new_tokens / max_model_len. Returns the sequences
+        this step finished."""
+        finished = []
         sampled = iter(zip(token_ids, log_probs))
         for item in scheduled:
             seq = item.seq
@@ -145,13 +172,19 @@ class Scheduler:
                 seq.num_computed_tokens = item.start + item.num_new_tokens
                 continue
             token_id, log_prob = next(sampled)
-            if seq.is_finished:  # overlapped scheduling: it stopped at the step before this one; drop the token
+            if seq.status is SequenceStatus.FINISHED:  # overlapped: it stopped at the step before; drop the token
                 continue
-            seq.num_computed_tokens = max(seq.num_computed_tokens, item.start + item.num_new_tokens)
+            end = item.start + item.num_new_tokens
+            if end > seq.num_computed_tokens:
+                seq.num_computed_tokens = end
             seq.append_token(token_id, log_prob)
-            reason = self.token_finish_reason(seq, token_id)
-            if reason is not None:
-                self.finish(seq, reason)
+            # The full finish rules only for the few tokens that can end the sequence.
+            if token_id in seq.stop_token_ids or len(seq.token_ids) >= seq.max_num_tokens:
+                reason = self.token_finish_reason(seq, token_id)
+                if reason is not None:
+                    self.finish(seq, reason)
+                    finished.append(seq)
+        return finished
 
     def token_finish_reason(self, seq: Sequence, token_id: int) -> dict | None:
         params = seq.sampling_params
@@ -178,6 +211,8 @@ class Scheduler:
             self.running.remove(seq)
         elif seq.status == SequenceStatus.WAITING:
             self.waiting.remove(seq)
+        if self.on_finish is not None:
+            self.on_finish(seq)
         self.block_manager.free(seq)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = finish_reason

@@ -39,6 +39,14 @@ class Sequence:
         self.num_preemptions = 0
         # Overlapped scheduling: the last token is still being sampled on the device (its slot holds PLACEHOLDER).
         self.has_placeholder = False
+        # MoE routing of every computed position, read from the cache slots when the sequence finishes
+        # ([num_positions, num_moe_layers, top_k] int32 array; None unless return_routed_experts).
+        self.return_routed_experts = False
+        self.routed_experts = None
+        # Set by Scheduler.add, so a step checks each token in O(1): the length at which max_new_tokens or
+        # max_model_len ends the sequence, and the token ids that may stop it (stop_token_ids, EOS unless ignored).
+        self.max_num_tokens = 0
+        self.stop_token_ids: frozenset[int] = frozenset()
 
     def __len__(self) -> int:
         return len(self.token_ids)

@@ -108,11 +108,12 @@ def _register_generate_routes(app: FastAPI, state: ServerState) -> None:
 
         def render(output):
             texts = state.token_texts(output.output_token_ids) if parsed.return_text_in_logprobs else None
-            return generate_response(output, parsed.return_logprob, texts)
+            return generate_response(output, parsed.return_logprob, texts, parsed.routed_experts_start_len)
 
         if parsed.stream:
             item = parsed.items[0]
-            outputs = state.engine_loop.generate(item.prompt_token_ids, item.sampling_params, item.rid)
+            outputs = state.engine_loop.generate(item.prompt_token_ids, item.sampling_params, item.rid,
+                                                 return_routed_experts=parsed.return_routed_experts)
             first = await outputs.__anext__()  # a rejected request (e.g. duplicate rid) is a 400, not a broken stream
 
             async def events():
@@ -126,7 +127,8 @@ def _register_generate_routes(app: FastAPI, state: ServerState) -> None:
         async def run_one(item):
             final = None
             outputs = state.engine_loop.generate(
-                item.prompt_token_ids, item.sampling_params, item.rid, incremental=False
+                item.prompt_token_ids, item.sampling_params, item.rid, incremental=False,
+                return_routed_experts=parsed.return_routed_experts,
             )
             async for output in outputs:
                 final = output

@@ -19,6 +19,7 @@ from pathlib import Path
 import ray
 
 from slime.ray.placement_group import TRAIN_ACTOR_FRACTION, DevicePlacement
+from slime.ray.train_data import data_parallel_rank
 from slime.ray.train_failures import get_from_ranks
 from slime.utils.misc import find_free_port
 
@@ -97,9 +98,14 @@ class RayTrainGroup:
         """Build models and optimizer on every rank; returns the rollout id to start from."""
         return self._all("init", with_ref)[0]
 
+    def rank_data(self, data_refs: list) -> list:
+        """Per process, the data of its data-parallel rank (tensor / pipeline peers share one)."""
+        return [data_refs[data_parallel_rank(self.args, rank)] for rank in range(len(self.actors))]
+
     def async_train(self, rollout_id: int, data_refs: list) -> list:
         # Each rank gets its own ObjectRef as a top-level argument, so Ray hands it the dict directly.
-        return [actor.call.remote("train", rollout_id, ref) for actor, ref in zip(self.actors, data_refs)]
+        return [actor.call.remote("train", rollout_id, ref)
+                for actor, ref in zip(self.actors, self.rank_data(data_refs))]
 
     def train(self, rollout_id: int, data_refs: list) -> dict:
         return self.get(self.async_train(rollout_id, data_refs))[0]

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from slime.engine.http_launch import launch_process
 from slime.engine.server_config import write_config_file
+from slime.utils.arguments_sglang import sglang_server_flags
 from slime.utils.misc import find_free_port
 
 
@@ -31,8 +32,9 @@ def engine_server_command(args, port: int, config_path: Path) -> list[str]:
         cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", args.hf_checkpoint,
                "--host", "127.0.0.1", "--port", str(port), "--tp-size", str(args.rollout_num_gpus_per_engine),
                "--enable-memory-saver", "--random-seed", str(args.seed)]
-        if "gpu_memory_utilization" in args.engine_config:
-            cmd += ["--mem-fraction-static", str(args.engine_config["gpu_memory_utilization"])]
+        cmd += sglang_server_flags(args)  # every --sglang-* server flag the run gives, as SGLang's own
+        if args.use_rollout_routing_replay:
+            cmd += ["--enable-return-routed-experts"]
         # SGLang reads its keys from flags only (visible to local users in `ps`); the docs say so.
         for flag, key in (("--api-key", args.sglang_api_key), ("--admin-api-key", args.sglang_admin_api_key)):
             cmd += [flag, key] if key else []

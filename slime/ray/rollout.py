@@ -71,7 +71,9 @@ class RolloutManager:
     def _new_router(self) -> RouterProcess:
         args = self.args
         return RouterProcess(port=args.sglang_router_port, policy=args.router_policy, api_key=args.sglang_api_key,
-                             log_path=str(Path(args.output_dir) / "router.log"), retries=not args.use_fault_tolerance)
+                             log_path=str(Path(args.output_dir) / "router.log"), retries=not args.use_fault_tolerance,
+                             request_timeout_secs=args.sglang_router_request_timeout_secs,
+                             log_level=args.router_log_level, extra_flags=args.router_flags)
 
     def _start_engines(self, placement) -> None:
         args = self.args
@@ -178,7 +180,10 @@ class RolloutManager:
         if self.args.rollout_data_postprocess_path:
             load_function(self.args.rollout_data_postprocess_path, "--rollout-data-postprocess-path")(self.args, samples)
         data = samples_to_train_data(self.args, samples)
-        metrics = rollout_metrics(self.args, samples, data["raw_reward"])
+        custom_log = self.args.custom_rollout_log_function_path
+        skip_default = custom_log and load_function(custom_log, "--custom-rollout-log-function-path")(
+            rollout_id, self.args, samples, function_metrics, rollout_time)
+        metrics = {} if skip_default else rollout_metrics(self.args, samples, data["raw_reward"])
         metrics.update(function_metrics)
         metrics["perf/rollout_time"] = rollout_time
         num_tokens = sum(data["response_lengths"])
@@ -198,9 +203,13 @@ class RolloutManager:
         start = time.perf_counter()
         results, metrics = split_rollout_output(
             self._watched(self.eval_rollout, self.args, rollout_id, self.data_source, True))
-        for name, result in results.items():
+        custom_log = self.args.custom_eval_rollout_log_function_path
+        skip_default = custom_log and load_function(custom_log, "--custom-eval-rollout-log-function-path")(
+            rollout_id, self.args, results, metrics)
+        samples_per_prompt = {d.name: d.n_samples_per_eval_prompt or 1 for d in self.args.eval_datasets}
+        for name, result in ({} if skip_default else results).items():
             metrics.update(eval_metrics(name, result.get("samples", []), result["rewards"],
-                                        self.args.n_samples_per_eval_prompt))
+                                        samples_per_prompt.get(name, self.args.n_samples_per_eval_prompt)))
         metrics["perf/eval_time"] = time.perf_counter() - start
         return metrics
 

@@ -17,7 +17,7 @@ import time
 
 import httpx
 
-from slime.rollout.http_client import worker_urls_from_listing
+from slime.utils.http_utils import worker_urls_from_listing
 from slime.utils.misc import find_free_port
 from slime.utils.parent_death import die_with_parent
 
@@ -29,15 +29,17 @@ class RouterError(RuntimeError):
 class RouterProcess:
     def __init__(self, host: str = "127.0.0.1", port: int | None = None, policy: str = "cache_aware",
                  request_timeout_secs: int = 14400, api_key: str | None = None, log_path: str | None = None,
-                 retries: bool = True):
+                 retries: bool = True, log_level: str = "warn", extra_flags: list[str] | None = None):
+        """`extra_flags`: more of sglang-router's own flags (the run's --router-* flags, `router_cli_flags`);
+        `retries` False (fault tolerance): a failed request comes back to the rollout, which re-sends it itself."""
         self.host = host
         self.port = port or find_free_port(host)
         self.url = f"http://{host}:{self.port}"
         cmd = [
             sys.executable, "-m", "sglang_router.launch_router",
             "--host", host, "--port", str(self.port), "--policy", policy,
-            "--log-level", "warn", "--request-timeout-secs", str(request_timeout_secs),
-            "--prometheus-host", host, "--prometheus-port", str(find_free_port(host)),
+            "--log-level", log_level, "--request-timeout-secs", str(request_timeout_secs),
+            "--prometheus-host", host, "--prometheus-port", str(find_free_port(host)), *(extra_flags or []),
         ]
         cmd += [] if retries else ["--disable-retries", "--disable-circuit-breaker"]
         # With a key the router requires it from its clients and sends it to the engines (sglang-router 0.3.2).

@@ -13,16 +13,24 @@ from collections import defaultdict
 
 import torch
 
+from slime.utils.misc import load_function
 from slime.utils.ppo_utils import compute_rloo_advantages, group_mean_std
 from slime.utils.types import Sample, Status
 
-GROUP_NORMALISED_ESTIMATORS = ("grpo", "gspo", "reinforce_plus_plus_baseline")
+GROUP_NORMALISED_ESTIMATORS = ("grpo", "gspo", "cispo", "reinforce_plus_plus_baseline")
 GROUP_STD_EPS = 1e-6  # as normalize_group_rewards
 
 
 def post_process_rewards(args, samples: list[Sample]) -> tuple[list[float], list[float]]:
-    """Return (raw rewards, the rewards the advantage uses)."""
-    raw = [s.get_reward_value(args) for s in samples]
+    """Return (raw rewards, the rewards the advantage uses); `--custom-reward-post-process-path` replaces this."""
+    if getattr(args, "custom_reward_post_process_path", None):
+        raw, rewards = load_function(args.custom_reward_post_process_path,
+                                     "--custom-reward-post-process-path")(args, samples)
+        if len(raw) != len(samples) or len(rewards) != len(samples):
+            raise ValueError(f"--custom-reward-post-process-path: returned {len(raw)} raw rewards and {len(rewards)} "
+                             f"rewards for {len(samples)} samples")
+        return [float(r) for r in raw], [float(r) for r in rewards]
+    raw = [float(s.get_reward_value(args)) for s in samples]
     if not samples:
         return raw, raw
     # Group statistics count each rollout once: the siblings of a fan-out (one prompt sample that became several
@@ -43,7 +51,7 @@ def post_process_rewards(args, samples: list[Sample]) -> tuple[list[float], list
     if args.advantage_estimator in GROUP_NORMALISED_ESTIMATORS and args.rewards_normalization:
         means, stds = group_mean_std(rollout_rewards, group_ids)
         centred = rewards - means[of_sample]
-        std_normalize = args.grpo_std_normalization and args.advantage_estimator in ("grpo", "gspo")
+        std_normalize = args.grpo_std_normalization and args.advantage_estimator in ("grpo", "gspo", "cispo")
         return raw, (centred / (stds[of_sample] + GROUP_STD_EPS) if std_normalize else centred).tolist()
     return raw, raw
 
@@ -52,7 +60,25 @@ def _group_of(sample: Sample) -> int:
     return sample.group_index if sample.group_index is not None else -1
 
 
+CONVERTED_KEYS = ("tokens", "response_lengths", "loss_masks", "rewards", "raw_reward")  # a custom conversion's
+
+
 def samples_to_train_data(args, samples: list[Sample]) -> dict:
+    """The per-sample lists the trainer reads; `--custom-convert-samples-to-train-data-path` may build them
+    (`fn(args, samples) -> dict` with at least CONVERTED_KEYS; the per-rollout sums are filled in when absent)."""
+    if getattr(args, "custom_convert_samples_to_train_data_path", None):
+        data = load_function(args.custom_convert_samples_to_train_data_path,
+                             "--custom-convert-samples-to-train-data-path")(args, samples)
+        missing = [key for key in CONVERTED_KEYS if key not in data]
+        if missing:
+            raise ValueError(f"--custom-convert-samples-to-train-data-path: the train data lacks {missing}")
+        data.setdefault("group_indices", [s.group_index for s in samples])
+        data.setdefault("sample_indices", [s.index for s in samples])
+        data.setdefault("truncated", [int(s.status == Status.TRUNCATED) for s in samples])
+        data.setdefault("rollout_ids", [s.rollout_id for s in samples])
+        data.setdefault("rollout_mask_sums", _rollout_mask_sums(samples, data["loss_masks"]))
+        data.setdefault("rollout_num_samples", _rollout_sizes(samples))
+        return data
     raw, rewards = post_process_rewards(args, samples)
     loss_masks = []
     for s in samples:
@@ -80,7 +106,23 @@ def samples_to_train_data(args, samples: list[Sample]) -> dict:
         data["weight_versions"] = [s.weight_versions[-1] for s in samples]  # the weights that finished it
     if samples and all(s.teacher_log_probs is not None for s in samples):
         data["teacher_log_probs"] = [list(s.teacher_log_probs) for s in samples]
+    if any(s.rollout_routed_experts is not None for s in samples):
+        data["rollout_routed_experts"] = [_routed_experts_of(s) for s in samples]
     return data
+
+
+def _routed_experts_of(sample: Sample):
+    """R3: the sample's engine routing, one row per position but the last (a clear error names a bad sample)."""
+    routed = sample.rollout_routed_experts
+    name = f"sample {sample.index} (group {sample.group_index})"
+    if routed is None:
+        raise ValueError(f"{name} has no rollout_routed_experts while others of the rollout do (a custom rollout / "
+                         "generate function must keep the engine's meta_info['routed_experts'], see "
+                         "slime.rollout.routed_experts.store_routed_experts)")
+    if routed.ndim != 3 or len(routed) != len(sample.tokens) - 1:
+        raise ValueError(f"{name}: rollout_routed_experts has shape {tuple(routed.shape)}, expected "
+                         f"[len(tokens) - 1 = {len(sample.tokens) - 1}, num_moe_layers, top_k]")
+    return routed
 
 
 def assign_rollout_ids(samples: list[Sample]) -> None:
@@ -108,16 +150,26 @@ def _rollout_sizes(samples: list[Sample]) -> list[int]:
     return [sizes[s.rollout_id] if s.rollout_id is not None else 1 for s in samples]
 
 
+def data_parallel_rank(args, rank: int) -> int:
+    """The data-parallel rank of trainer process `rank`: Megatron's rank order (tensor, context, expert, data,
+    pipeline from fastest to slowest) puts the tensor and context peers of one replica next to each other, and
+    its pipeline stages dp x tp x cp apart; every process of a replica trains on the same data. With the FSDP
+    backend every process is its own data-parallel rank."""
+    replica_width = args.tensor_model_parallel_size * args.context_parallel_size
+    return (rank // replica_width) % args.data_parallel_size
+
+
 def split_train_data(args, data: dict, rollout_id: int) -> tuple[list[dict], int]:
     """Split into one dict per data-parallel rank, step by step, so every rank holds the same number of samples
-    of every optimizer step. Returns (per-rank dicts, number of samples dropped to make the split even)."""
+    of every optimizer step. Returns (per-rank dicts, number of samples dropped to make the split even); the
+    train group hands dict `data_parallel_rank(args, rank)` to process `rank`."""
     num_samples = len(data["tokens"])
-    dp_size = args.world_size
+    dp_size = args.data_parallel_size
     num_steps = args.num_steps_per_rollout
     per_rank_per_step = num_samples // (num_steps * dp_size)
     if per_rank_per_step == 0:
         raise ValueError(f"rollout {rollout_id} produced {num_samples} samples, fewer than "
-                         f"num_steps_per_rollout ({num_steps}) x trainer processes ({dp_size})")
+                         f"num_steps_per_rollout ({num_steps}) x data-parallel ranks ({dp_size})")
     global_batch_size = per_rank_per_step * dp_size
     used = global_batch_size * num_steps
     per_rank = [defaultdict(list) for _ in range(dp_size)]
@@ -148,15 +200,40 @@ def rollout_metrics(args, samples: list[Sample], raw_rewards: list[float]) -> di
         "rollout/aborted_ratio": statistics.fmean(float(s.status == Status.ABORTED) for s in samples),
         "rollout/reward_failures": sum(1 for s in samples if "reward_error" in s.metadata),
     }
-    prompt_tokens = sum(s.prefix_cache_info.get("prompt_tokens", 0) for s in samples)
+    prompt_tokens = sum(s.prefix_cache_info.total_prompt_tokens for s in samples)
     if prompt_tokens:
-        cached = sum(s.prefix_cache_info.get("cached_tokens", 0) for s in samples)
+        cached = sum(s.prefix_cache_info.cached_tokens for s in samples)
         metrics["rollout/prefix_cache_hit_rate"] = cached / prompt_tokens
     groups = defaultdict(list)
     for s, r in zip(samples, raw_rewards):
         groups[s.group_index].append(r)
     metrics["rollout/zero_std_groups"] = sum(1 for g in groups.values() if len(g) > 1 and max(g) == min(g))
     metrics.update(multi_turn_metrics(samples))
+    metrics.update(optional_rollout_metrics(args, samples, raw_rewards, list(groups.values())))
+    return metrics
+
+
+def optional_rollout_metrics(args, samples: list[Sample], raw_rewards: list[float], groups: list[list[float]]) -> dict:
+    """--log-passrate (pass@2^k over each group, a reward > 0 counts as passed), --log-reward-category KEY (mean
+    reward per value of metadata[KEY]), --log-correct-samples (response length of the samples with reward > 0)."""
+    from slime.rollout.eval import compute_pass_at_k
+
+    metrics = {}
+    if getattr(args, "log_passrate", False) and groups:
+        k = 1
+        while k <= min(len(g) for g in groups):
+            metrics[f"rollout/pass@{k}"] = compute_pass_at_k(groups, k)
+            k *= 2
+    if getattr(args, "log_reward_category", None):
+        by_category = defaultdict(list)
+        for s, r in zip(samples, raw_rewards):
+            by_category[str(s.metadata.get(args.log_reward_category))].append(r)
+        metrics.update({f"rollout/reward_category/{c}": statistics.fmean(v) for c, v in sorted(by_category.items())})
+    if getattr(args, "log_correct_samples", False):
+        correct = [s.response_length for s, r in zip(samples, raw_rewards) if r > 0]
+        metrics["rollout/correct_samples"] = len(correct)
+        if correct:
+            metrics["rollout/correct_response_len/mean"] = statistics.fmean(correct)
     return metrics
 
 

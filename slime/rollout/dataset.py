@@ -8,6 +8,7 @@ Not here: epochs, shuffling and the buffer (data_source.py), or any tokenization
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import logging
@@ -17,6 +18,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from slime.rollout.rm_hub import reward_uses_labels
+from slime.utils.eval_config import EvalDatasetConfig, resolve_eval_datasets
 from slime.utils.types import Sample
 
 logger = logging.getLogger(__name__)
@@ -215,26 +217,25 @@ class EvalDataset:
     name: str
     path: str
     samples: list[Sample]
-
-
-def parse_eval_prompt_data(value) -> list[tuple[str, str]]:
-    """`--eval-prompt-data name path [name path ...]` -> [(name, path)]; a single path is named "eval"."""
-    if not value:
-        return []
-    items = [value] if isinstance(value, str) else list(value)
-    if len(items) == 1:
-        return [("eval", items[0])]
-    if len(items) % 2:
-        raise ValueError(f"--eval-prompt-data takes pairs 'name path [name path ...]', got {items}")
-    return [(items[i], items[i + 1]) for i in range(0, len(items), 2)]
+    config: EvalDatasetConfig
 
 
 def load_eval_datasets(args) -> list[EvalDataset]:
-    """The datasets of `--eval-prompt-data`, rows read with the `--eval-*-key` flags (falling back to rollout's)."""
-    fmt = PromptFormat.from_args(args, prefix="eval_")
+    """The eval datasets (`args.eval_datasets`, resolved from --eval-config / --eval-prompt-data), each read with
+    its own keys; each sample carries its dataset's rm_type / metadata overrides, reward and generate function."""
+    configs = args.eval_datasets if hasattr(args, "eval_datasets") else resolve_eval_datasets(args)
+    base = PromptFormat.from_args(args, prefix="eval_")
     tokenizer = tokenizer_for(args)
     datasets = []
-    for name, path in parse_eval_prompt_data(getattr(args, "eval_prompt_data", None)):
-        samples, _ = load_prompt_samples(path, fmt, tokenizer)
-        datasets.append(EvalDataset(name=name, path=path, samples=samples))
+    for config in configs:
+        fmt = dataclasses.replace(base, input_key=config.input_key or "input", label_key=config.label_key,
+                                  metadata_key=config.metadata_key, tool_key=config.tool_key,
+                                  apply_chat_template=bool(config.apply_chat_template),
+                                  apply_chat_template_kwargs=config.apply_chat_template_kwargs or {})
+        samples, _ = load_prompt_samples(config.path, fmt, tokenizer)
+        for sample in samples:
+            sample.metadata = config.inject_metadata(sample.metadata)
+            sample.custom_rm_path = config.custom_rm_path
+            sample.generate_function_path = config.custom_generate_function_path
+        datasets.append(EvalDataset(name=config.name, path=config.path, samples=samples, config=config))
     return datasets

@@ -1,8 +1,8 @@
 """Evaluation rollouts of the default rollout function, and the pass@k estimator.
 
-`eval_rollout(args, rollout_id)` generates `--n-samples-per-eval-prompt` responses for every prompt of every
-`--eval-prompt-data` dataset with the eval sampling params (`--eval-temperature`, `--eval-top-p`, `--eval-top-k`,
-`--eval-max-response-len`, each falling back to its `--rollout-*` flag), scores them, and returns
+`eval_rollout(args, rollout_id)` generates n responses for every prompt of every eval dataset (`--eval-config` or
+`--eval-prompt-data`, slime.utils.eval_config) with that dataset's settings (its own, else `eval.defaults`, else
+`--eval-*`, else `--rollout-*`), scores them, and returns
 `{name: {"rewards": [...], "truncated": [...], "samples": [...]}}`, samples ordered by prompt then sample, so
 `rewards[i * n : (i + 1) * n]` are the n rewards of prompt i (what `compute_pass_at_k` takes).
 """
@@ -14,8 +14,9 @@ import copy
 import math
 
 from slime.rollout.dataset import EvalDataset, load_eval_datasets
-from slime.rollout.http_client import run
 from slime.rollout.sglang_rollout import GenerateState, build_sampling_params, generate_group
+from slime.utils.eval_config import EvalDatasetConfig, resolve_eval_datasets
+from slime.utils.http_utils import run
 from slime.utils.types import Sample
 
 _dataset_cache: dict[tuple, list[EvalDataset]] = {}
@@ -46,15 +47,26 @@ def _eval_reward_value(args, sample: Sample) -> float:
 
 
 def _cached_eval_datasets(args) -> list[EvalDataset]:
-    data = getattr(args, "eval_prompt_data", None)
-    key = (tuple(data) if isinstance(data, list) else data, getattr(args, "hf_checkpoint", None))
+    configs = args.eval_datasets if hasattr(args, "eval_datasets") else resolve_eval_datasets(args)
+    key = (tuple(repr(c) for c in configs), getattr(args, "hf_checkpoint", None))
     if key not in _dataset_cache:
         _dataset_cache[key] = load_eval_datasets(args)
     return _dataset_cache[key]
 
 
-async def _eval_dataset(args, dataset: EvalDataset, sampling_params: dict, state: GenerateState) -> dict:
-    n = int(getattr(args, "n_samples_per_eval_prompt", 1) or 1)
+def dataset_sampling_params(args, config: EvalDatasetConfig) -> dict:
+    """The eval sampling params with the dataset's own settings (already resolved against the flags)."""
+    params = build_sampling_params(args, evaluation=True)
+    params.update({"temperature": config.temperature, "top_p": config.top_p, "top_k": config.top_k,
+                   "max_new_tokens": config.max_response_len, "stop": config.stop,
+                   "stop_token_ids": config.stop_token_ids, "min_new_tokens": config.min_new_tokens,
+                   "skip_special_tokens": config.skip_special_tokens, "no_stop_trim": config.no_stop_trim})
+    return {key: value for key, value in params.items() if value is not None}
+
+
+async def _eval_dataset(args, dataset: EvalDataset, state: GenerateState) -> dict:
+    sampling_params = dataset_sampling_params(args, dataset.config)
+    n = int(dataset.config.n_samples_per_eval_prompt or 1)
     groups = []
     for prompt_index, prompt in enumerate(dataset.samples):
         group = []
@@ -72,15 +84,14 @@ async def _eval_dataset(args, dataset: EvalDataset, sampling_params: dict, state
     }
 
 
-async def _eval_rollout_async(args) -> dict:
+async def _eval_rollout_async(args, rollout_id: int) -> dict:
     datasets = _cached_eval_datasets(args)
     if not datasets:
         raise ValueError("evaluation needs --eval-prompt-data (name path [name path ...])")
-    state = GenerateState(args)
-    sampling_params = build_sampling_params(args, evaluation=True)
-    results = await asyncio.gather(*(_eval_dataset(args, d, sampling_params, state) for d in datasets))
+    state = GenerateState(args, rollout_id=rollout_id, evaluation=True)
+    results = await asyncio.gather(*(_eval_dataset(args, d, state) for d in datasets))
     return {dataset.name: result for dataset, result in zip(datasets, results)}
 
 
 def eval_rollout(args, rollout_id: int) -> dict:
-    return run(_eval_rollout_async(args))
+    return run(_eval_rollout_async(args, rollout_id))

@@ -141,7 +141,7 @@ async def generate(args, sample: Sample, sampling_params: dict, evaluation: bool
         if max_context is not None and len(sample.tokens) + len(between_ids) >= max_context:
             sample.status, state["cut_by_context"] = Sample.Status.TRUNCATED, True
             break
-        sample.append_response_tokens(between_ids, trainable=False, text=between)
+        sample.append_response_tokens(args, tokens=between_ids, trainable=False, text=between)
         if not isinstance(new_messages, str):
             state["history"].extend(new_messages)
         else:

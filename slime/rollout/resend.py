@@ -17,7 +17,7 @@ import asyncio
 import logging
 import time
 
-from slime.rollout.http_client import EndpointUnreachableError, HTTPRequestError, request_json
+from slime.utils.http_utils import EndpointUnreachableError, HTTPRequestError, request_json
 from slime.utils.types import Sample
 
 logger = logging.getLogger(__name__)

@@ -9,7 +9,7 @@ continued next time. Evaluation (`evaluation=True`) is in eval.py.
 Training returns `RolloutFnTrainOutput(groups, metrics)`: the metrics (drop counts, reward failures, prefix-cache
 hit rate) travel with the samples.
 
-All asyncio runs on one background event loop (`http_client.run`), so synchronous callers can call in.
+All asyncio runs on one background event loop (`http_utils.run`), so synchronous callers can call in.
 """
 
 from __future__ import annotations
@@ -24,10 +24,12 @@ from tqdm import tqdm
 
 from slime.rollout.base_types import RolloutFnTrainOutput
 from slime.rollout.dataset import prompt_token_ids, tokenizer_for
-from slime.rollout.http_client import abort_all_requests, router_url, run
 from slime.rollout.resend import post_generate
+from slime.utils.http_utils import abort_all_requests, router_url, run
+from slime.rollout.routed_experts import routed_experts_request, store_routed_experts
 from slime.utils.engine_access import engine_admin_headers, router_headers
 from slime.rollout.rm_hub import async_rm, batched_async_rm
+from slime.rollout.sample_hooks import apply_rollout_sample_hooks
 from slime.utils.misc import load_function
 from slime.utils.types import Sample
 
@@ -56,6 +58,7 @@ def build_sampling_params(args, evaluation: bool = False) -> dict:
         "max_new_tokens": pick("max_response_len"),
         "stop": pick("stop"),
         "stop_token_ids": pick("stop_token_ids"),
+        "min_new_tokens": pick("min_new_tokens"),
         "skip_special_tokens": bool(getattr(args, "rollout_skip_special_tokens", False)),
         "no_stop_trim": True,
     }
@@ -65,15 +68,29 @@ def build_sampling_params(args, evaluation: bool = False) -> dict:
 
 
 class GenerateState:
-    """Per-call state shared by all requests of one rollout: the concurrency limit and the abort flag."""
+    """Per-call state shared by all requests of one rollout (slime's `GenerateState`, which generate functions
+    build from args for its tokenizer and sampling params): the concurrency limit, the abort flag, which rollout
+    this is (for the sample hooks), the tokenizer and the default sampling params."""
 
-    def __init__(self, args):
+    def __init__(self, args, rollout_id: int | None = None, evaluation: bool = False):
+        self.args = args
         num_engines = max(1, int(getattr(args, "rollout_num_engines", 1) or 1))
         self.concurrency = int(getattr(args, "sglang_server_concurrency", 512)) * num_engines
         self.semaphore = asyncio.Semaphore(self.concurrency)
         self.aborted = False
         self.url = router_url(args)
         self.num_reward_failures = 0
+        self.rollout_id = rollout_id
+        self.evaluation = evaluation
+        self.processor = None  # no multimodal models here
+
+    @functools.cached_property
+    def tokenizer(self):
+        return tokenizer_for(self.args)
+
+    @functools.cached_property
+    def sampling_params(self) -> dict:
+        return build_sampling_params(self.args, evaluation=self.evaluation)
 
 
 async def generate(args, sample: Sample, sampling_params: dict) -> Sample:
@@ -100,32 +117,21 @@ async def generate(args, sample: Sample, sampling_params: dict) -> Sample:
 async def sample_continuation(args, sample: Sample, sampling_params: dict) -> str:
     """One POST /generate continuing `sample.tokens`: appends the sampled ids (loss mask 1, the engine's log-probs)
     and the text, sets the status from the finish reason, counts prefix-cache hits; returns the text sampled."""
-    payload = {"input_ids": sample.tokens, "sampling_params": sampling_params, "return_logprob": True}
+    routing = routed_experts_request(args, sample)
+    payload = {"input_ids": sample.tokens, "sampling_params": sampling_params, "return_logprob": True, **routing}
     timeout = getattr(args, "sglang_router_request_timeout_secs", None) or DEFAULT_REQUEST_TIMEOUT_S
     headers = {**router_headers(args), **({"X-SMG-Routing-Key": sample.session_id} if sample.session_id else {})}
     output = await post_generate(args, f"{router_url(args)}/generate", payload, sample, timeout=timeout,
                                  headers=headers)
     meta = output.get("meta_info", {})
     logprob_items = meta.get("output_token_logprobs")
-    if logprob_items is not None:
-        token_ids = [int(item[1]) for item in logprob_items]
-        log_probs = [float(item[0]) for item in logprob_items]
-    else:
-        token_ids, log_probs = list(output.get("output_ids", [])), None
-    finish_reason = meta.get("finish_reason")
-    if isinstance(finish_reason, dict):
-        finish_reason = finish_reason.get("type")
+    if logprob_items is None:
+        raise ValueError(f"{router_url(args)}/generate answered without meta_info.output_token_logprobs "
+                         "(return_logprob was requested): not an SGLang-compatible engine?")
     text = output.get("text", "")
-    sample.append_response_tokens(
-        token_ids,
-        log_probs,
-        text=text,
-        finish_reason=finish_reason,
-        weight_version=meta.get("weight_version"),
-    )
-    cache = sample.prefix_cache_info
-    cache["cached_tokens"] = cache.get("cached_tokens", 0) + int(meta.get("cached_tokens", 0) or 0)
-    cache["prompt_tokens"] = cache.get("prompt_tokens", 0) + int(meta.get("prompt_tokens", 0) or 0)
+    sample.append_response_tokens(args, tokens=[int(item[1]) for item in logprob_items],
+                                  log_probs=[float(item[0]) for item in logprob_items], meta_info=meta, text=text)
+    store_routed_experts(args, sample, meta, routing.get("routed_experts_start_len", 0))
     return text
 
 
@@ -164,6 +170,8 @@ async def generate_and_rm(args, sample: Sample, sampling_params: dict, state: Ge
                 hook_path = MULTI_TURN_GENERATE
             generate_fn = _load_hook(hook_path, "--custom-generate-function-path") if hook_path else generate
             sample = await generate_fn(args, sample, dict(sampling_params))  # a copy: hooks may edit theirs
+        sample = await apply_rollout_sample_hooks(args, sample, rollout_id=state.rollout_id,
+                                                  evaluation=state.evaluation)
     samples = sample if isinstance(sample, list) else [sample]
     if len(samples) > 1 and any(s.rollout_id is None for s in samples):
         shared = next((s.rollout_id for s in samples if s.rollout_id is not None), None)
@@ -197,7 +205,7 @@ def _filter_verdict(output) -> tuple[bool, str, bool]:
 
 
 async def _generate_rollout_async(args, rollout_id: int, data_source) -> tuple[list[list[Sample]], dict]:
-    state = GenerateState(args)
+    state = GenerateState(args, rollout_id=rollout_id)
     sampling_params = build_sampling_params(args)
     target = int(args.rollout_batch_size)
     over_sampling = int(getattr(args, "over_sampling_batch_size", None) or target)
@@ -206,6 +214,7 @@ async def _generate_rollout_async(args, rollout_id: int, data_source) -> tuple[l
 
     accepted: list[list[Sample]] = []
     leftovers: list[list[Sample]] = []
+    returned: list[list[Sample]] = []  # every group that came back: accepted, dropped or unfinished
     drop_counts: collections.Counter = collections.Counter()
     num_groups_fetched = num_kept_when_insufficient = 0
     pending: set[asyncio.Task] = set()
@@ -227,6 +236,7 @@ async def _generate_rollout_async(args, rollout_id: int, data_source) -> tuple[l
             done = sorted(done, key=lambda t: t.result()[0].index)  # deterministic among simultaneous finishes
             for position, task in enumerate(done):
                 group = task.result()
+                returned.append(group)
                 if not _is_scorable(group):  # aborted on the engine side (e.g. a weight update): try again later
                     leftovers.append(group)
                     continue
@@ -246,7 +256,9 @@ async def _generate_rollout_async(args, rollout_id: int, data_source) -> tuple[l
         if pending:
             state.aborted = True  # requests still waiting for the semaphore will not be sent
             await abort_all_requests(state.url, router_headers(args), engine_admin_headers(args))
-            leftovers += await asyncio.gather(*pending)
+            unfinished = await asyncio.gather(*pending)
+            leftovers += unfinished
+            returned += unfinished
             pending = set()
     finally:
         progress.close()
@@ -265,9 +277,15 @@ async def _generate_rollout_async(args, rollout_id: int, data_source) -> tuple[l
         data_source.add_samples(returnable)
         num_returned = len(returnable)
 
+    if getattr(args, "rollout_sample_filter_path", None):  # marks Sample.remove_sample on what not to train on
+        _load_hook(args.rollout_sample_filter_path, "--rollout-sample-filter-path")(args, accepted)
+    if getattr(args, "rollout_all_samples_process_path", None):
+        _load_hook(args.rollout_all_samples_process_path, "--rollout-all-samples-process-path")(
+            args, sorted(returned, key=lambda g: g[0].index), data_source)
+
     samples = [s for g in accepted for s in g]
-    prompt_tokens = sum(s.prefix_cache_info.get("prompt_tokens", 0) for s in samples)
-    cached_tokens = sum(s.prefix_cache_info.get("cached_tokens", 0) for s in samples)
+    prompt_tokens = sum(s.prefix_cache_info.total_prompt_tokens for s in samples)
+    cached_tokens = sum(s.prefix_cache_info.cached_tokens for s in samples)
     metrics = {
         "rollout/num_groups_fetched": num_groups_fetched,
         "rollout/num_groups_aborted": num_in_flight,

@@ -10,31 +10,26 @@ import argparse
 import logging
 
 from slime.backends.megatron_utils.arguments import add_megatron_arguments, inert_flag_notices
+from slime.utils.arguments_debug import add_debug_arguments
+from slime.utils.arguments_hooks import add_hook_arguments
+from slime.utils.arguments_logging import add_logging_arguments
+from slime.utils.arguments_rollout_extra import add_rollout_extra_arguments
+from slime.utils.arguments_sglang import (
+    add_router_arguments,
+    add_sglang_arguments,
+    closest_flag_error,
+    engine_config_from_sglang_flags,
+    router_cli_flags,
+)
+from slime.utils.arguments_training_extra import add_training_extra_arguments
+from slime.utils.arguments_weight_sync import add_weight_sync_arguments
+from slime.utils.custom_config import apply_custom_config
 from slime.utils.engine_access import add_engine_access_arguments, ensure_admin_key
+from slime.utils.flag_status import check_flag_status
+from slime.utils.moe_arguments import add_moe_arguments
 from slime.utils.validate_args import ArgumentError, validate_args
 
 logger = logging.getLogger(__name__)
-
-# --sglang-* flags that mean something to the built-in engine, mapped to its Config fields.
-SGLANG_FLAG_TO_ENGINE_CONFIG = {
-    "sglang_mem_fraction_static": ("gpu_memory_utilization", float),
-    "sglang_context_length": ("max_model_len", int),
-    "sglang_max_running_requests": ("max_num_seqs", int),
-    "sglang_chunked_prefill_size": ("max_num_batched_tokens", int),
-    "sglang_max_prefill_tokens": ("max_num_batched_tokens", int),
-    "sglang_page_size": ("kvcache_block_size", int),
-    "sglang_disable_cuda_graph": ("enforce_eager", bool),
-    "sglang_disable_overlap_schedule": ("overlap_schedule", "negated bool"),
-    "sglang_dtype": ("dtype", str),
-    "sglang_num_kvcache_blocks": ("num_kvcache_blocks", int),
-}
-def _str2bool(value: str) -> bool:
-    lowered = str(value).lower()
-    if lowered in ("1", "true", "yes", "on"):
-        return True
-    if lowered in ("0", "false", "no", "off"):
-        return False
-    raise argparse.ArgumentTypeError(f"expected true/false, got {value!r}")
 
 
 def add_cluster_arguments(parser):
@@ -113,7 +108,8 @@ def add_rollout_arguments(parser):
     g.add_argument("--rollout-temperature", type=float, default=1.0)
     g.add_argument("--rollout-top-p", type=float, default=1.0)
     g.add_argument("--rollout-top-k", type=int, default=-1)
-    g.add_argument("--rollout-max-response-len", type=int, default=1024)
+    g.add_argument("--rollout-max-response-len", type=int, default=None,
+                   help="max new tokens per sample (required by the default rollout)")
     g.add_argument("--rollout-max-prompt-len", type=int, default=None)
     g.add_argument("--rollout-max-context-len", type=int, default=None)
     g.add_argument("--rollout-stop", nargs="*", default=None)
@@ -126,12 +122,6 @@ def add_rollout_arguments(parser):
     g.add_argument("--partial-rollout", action="store_true")
     g.add_argument("--mask-offpolicy-in-partial-rollout", action="store_true")
     g.add_argument("--rollout-data-postprocess-path", default=None)
-    g.add_argument("--sglang-router-ip", default=None)
-    g.add_argument("--sglang-router-port", type=int, default=None)
-    g.add_argument("--sglang-server-concurrency", type=int, default=512)
-    g.add_argument("--router-policy", default="cache_aware")
-    g.add_argument("--update-weight-buffer-size", type=int, default=512 * 1024**2)
-    g.add_argument("--update-weights-interval", type=int, default=1)
     g.add_argument("--keep-old-actor", action="store_true")
 
 
@@ -212,7 +202,7 @@ def add_training_arguments(parser):
 def add_algorithm_arguments(parser):
     g = parser.add_argument_group("algorithm")
     g.add_argument("--advantage-estimator", default="grpo",
-                   choices=["grpo", "gspo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "ppo", "rloo"])
+                   choices=["grpo", "gspo", "cispo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "ppo", "rloo"])
     g.add_argument("--loss-type", choices=["policy_loss", "sft_loss", "custom_loss"], default="policy_loss")
     g.add_argument("--custom-loss-function-path", default=None)
     g.add_argument("--custom-advantage-function-path", default=None)
@@ -275,25 +265,6 @@ def add_eval_arguments(parser):
     g.add_argument("--skip-eval-before-train", action="store_true")
 
 
-def add_logging_arguments(parser):
-    g = parser.add_argument_group("logging")
-    g.add_argument("--output-dir", default=None, help="run folder (default: a fresh folder under ./runs/)")
-    g.add_argument("--use-tensorboard", action="store_true")
-    g.add_argument("--use-wandb", action="store_true")
-    g.add_argument("--wandb-project", default=None)
-    g.add_argument("--wandb-group", default=None)
-    g.add_argument("--no-progress", action="store_true", help="hide progress bars")
-
-
-def add_debug_arguments(parser):
-    g = parser.add_argument_group("debug")
-    g.add_argument("--debug-rollout-only", action="store_true")
-    g.add_argument("--debug-train-only", action="store_true")
-    g.add_argument("--save-debug-rollout-data", default=None)
-    g.add_argument("--load-debug-rollout-data", default=None)
-    g.add_argument("--check-weight-update-equal", action="store_true")
-
-
 ARGUMENT_GROUPS = [
     add_cluster_arguments,
     add_model_arguments,
@@ -304,10 +275,17 @@ ARGUMENT_GROUPS = [
     add_reward_arguments,
     add_training_arguments,
     add_algorithm_arguments,
+    add_moe_arguments,
     add_eval_arguments,
     add_logging_arguments,
     add_debug_arguments,
     add_engine_access_arguments,
+    add_weight_sync_arguments,
+    add_hook_arguments,
+    add_training_extra_arguments,
+    add_rollout_extra_arguments,
+    add_sglang_arguments,
+    add_router_arguments,
     add_megatron_arguments,
 ]
 
@@ -323,52 +301,23 @@ def build_parser(add_custom_arguments=None) -> argparse.ArgumentParser:
     return parser
 
 
-def _parse_sglang_flags(unknown: list[str]) -> tuple[dict, list[str]]:
-    """Split `--sglang-*` flags off the unparsed ones and map them onto engine Config fields."""
-    engine_config, leftover = {}, []
-    i = 0
-    while i < len(unknown):
-        token = unknown[i]
-        if not token.startswith("--sglang-"):
-            leftover.append(token)
-            i += 1
-            continue
-        flag, _, inline_value = token.partition("=")
-        dest = flag[2:].replace("-", "_")
-        if dest not in SGLANG_FLAG_TO_ENGINE_CONFIG:
-            known = ", ".join("--" + k.replace("_", "-") for k in SGLANG_FLAG_TO_ENGINE_CONFIG)
-            raise ArgumentError(f"{flag} has no meaning for the built-in engine; supported --sglang-* flags: {known}")
-        field, kind = SGLANG_FLAG_TO_ENGINE_CONFIG[dest]
-        negate = kind == "negated bool"  # --sglang-disable-X sets X to False
-        kind = bool if negate else kind
-        if kind is bool and not inline_value:
-            engine_config[field] = not negate
-            i += 1
-            continue
-        value = inline_value
-        if not value:
-            if i + 1 >= len(unknown):
-                raise ArgumentError(f"{flag} needs a value")
-            value = unknown[i + 1]
-            i += 1
-        try:
-            engine_config[field] = _str2bool(value) != negate if kind is bool else kind(value)
-        except (ValueError, argparse.ArgumentTypeError):
-            raise ArgumentError(f"{flag}: expected {kind.__name__}, got {value!r}") from None
-        i += 1
-    return engine_config, leftover
-
-
 def parse_args(argv: list[str] | None = None, add_custom_arguments=None) -> argparse.Namespace:
     """Parse and validate; raises ArgumentError (a ValueError) naming the flag on any mistake."""
     parser = build_parser(add_custom_arguments)
     args, unknown = parser.parse_known_args(argv)
-    engine_config, leftover = _parse_sglang_flags(unknown)
-    if leftover:
-        raise ArgumentError(f"unknown argument(s): {' '.join(leftover)} (see `python train.py --help`)")
-    args.engine_config = engine_config
+    if unknown:
+        raise ArgumentError(closest_flag_error(next(t for t in unknown if t.startswith("-")) if any(
+            t.startswith("-") for t in unknown) else unknown[0], parser))
+    defaults = {action.dest: action.default for action in parser._actions}
+    check_flag_status(args, defaults)
+    args.engine_config, unused_sglang_flags = engine_config_from_sglang_flags(args)
+    if unused_sglang_flags and args.rollout_backend == "slime":
+        logger.warning("the built-in engine has no use for these SGLang flags (they reach SGLang with "
+                       "--rollout-backend sglang): %s", ", ".join(unused_sglang_flags))
+    args.router_flags = router_cli_flags(args, defaults)
     validate_args(args)
     ensure_admin_key(args)
+    apply_custom_config(args)
     for notice in inert_flag_notices(args, parser):
         logger.warning(notice)
     return args

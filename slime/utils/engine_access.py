@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import secrets
 
-SECRET_ARGS = ("sglang_api_key", "sglang_admin_api_key")
+SECRET_ARGS = ("sglang_api_key", "sglang_admin_api_key", "wandb_key")
 REDACTED = "<redacted>"
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import secrets
 from pathlib import Path
 
 from slime.utils.engine_access import redacted
@@ -44,6 +45,28 @@ def _finite_scalars(metrics: dict) -> dict:
     return out
 
 
+def tensorboard_dir(args, output_dir: Path) -> Path:
+    """<run folder>/tensorboard[/--tb-project-name[/--tb-experiment-name]]."""
+    path = output_dir / "tensorboard"
+    for part in (args.tb_project_name, args.tb_experiment_name):
+        if part:
+            path = path / part
+    return path
+
+
+def wandb_init_kwargs(args, output_dir: Path) -> dict:
+    """wandb.init's arguments from slime's --wandb-* flags (keys redacted from the logged config)."""
+    name = None
+    if args.wandb_group:
+        name = args.wandb_group + (f"-{secrets.token_hex(3)}" if args.wandb_random_suffix else "")
+    kwargs = {"project": args.wandb_project or "slime", "entity": args.wandb_team, "group": args.wandb_group,
+              "name": name, "mode": args.wandb_mode, "dir": args.wandb_dir or str(output_dir),
+              "config": redacted(vars(args))}
+    if args.wandb_run_id:
+        kwargs.update(id=args.wandb_run_id, resume="allow")
+    return kwargs
+
+
 class MetricsLogger:
     def __init__(self, args):
         self.output_dir = Path(args.output_dir)
@@ -54,13 +77,14 @@ class MetricsLogger:
         if args.use_tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
-            self.tb_writer = SummaryWriter(log_dir=str(self.output_dir / "tensorboard"))
+            self.tb_writer = SummaryWriter(log_dir=str(tensorboard_dir(args, self.output_dir)))
         self.wandb = None
         if args.use_wandb:
             import wandb
 
-            wandb.init(project=args.wandb_project or "slime", group=args.wandb_group, config=vars(args),
-                       dir=str(self.output_dir))
+            if args.wandb_key or args.wandb_host:
+                wandb.login(key=args.wandb_key, host=args.wandb_host)
+            wandb.init(**wandb_init_kwargs(args, self.output_dir))
             self.wandb = wandb
 
     def log(self, rollout_id: int, metrics: dict, print_fn=print) -> None:

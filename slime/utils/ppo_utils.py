@@ -39,29 +39,56 @@ _SCAN_CHUNK_SIZE = 128
 
 def compute_approx_kl(
     log_probs: torch.Tensor,
-    ref_log_probs: torch.Tensor,
-    kl_type: str,
+    log_probs_base: torch.Tensor,
+    kl_loss_type: str,
     importance_ratio: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Per-token KL estimate with d = log_probs - ref_log_probs.
+    """Per-token KL estimate with d = log_probs - log_probs_base (slime's signature).
 
-    k1 = d; k2 = d^2 / 2; k3 = low_var_kl = exp(-d) - 1 + d, and low_var_kl is additionally clamped to [-10, 10].
-    With `importance_ratio` (= exp(log_probs - old_log_probs), `--use-unbiased-kl`) the estimate is multiplied by it.
+    k1 = d; k2 = d^2 / 2; k3 = low_var_kl = exp(-d) - 1 + d. With `importance_ratio` (= exp(log_probs -
+    old_log_probs), `--use-unbiased-kl`) the estimate is multiplied by it; low_var_kl is then clamped to [-10, 10]
+    (slime's order: the clamp bounds the product the loss sees, not the factor before it).
     """
-    if kl_type not in KL_TYPES:
-        raise ValueError(f"unknown kl_type {kl_type!r} (--kl-loss-type); valid: {', '.join(KL_TYPES)}")
-    log_ratio = log_probs - ref_log_probs
-    if kl_type == "k1":
+    if kl_loss_type not in KL_TYPES:
+        raise ValueError(f"unknown kl_type {kl_loss_type!r} (--kl-loss-type); valid: {', '.join(KL_TYPES)}")
+    log_ratio = log_probs - log_probs_base
+    if kl_loss_type == "k1":
         kl = log_ratio
-    elif kl_type == "k2":
+    elif kl_loss_type == "k2":
         kl = log_ratio.square() / 2.0
     else:
         kl = torch.exp(-log_ratio) - 1.0 + log_ratio
-        if kl_type == "low_var_kl":
-            kl = kl.clamp(min=-10.0, max=10.0)
     if importance_ratio is not None:
         kl = kl * importance_ratio
+    if kl_loss_type == "low_var_kl":
+        kl = kl.clamp(min=-10.0, max=10.0)
     return kl
+
+
+def compute_opsm_mask(args, full_log_probs: list[torch.Tensor], full_old_log_probs: list[torch.Tensor],
+                      advantages: list[torch.Tensor], loss_masks: list[torch.Tensor]
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Off-policy sequence masking (OPSM, slime's `--use-opsm`): a token is masked (0) when its advantage is
+    negative and its sequence drifted from the old policy by more than `args.opsm_delta` (the masked token mean of
+    old - new log-probs). Returns (the concatenated per-token mask, the sum over sequences of the masked share)."""
+    masks, clipfrac = [], torch.zeros((), device=advantages[0].device)
+    for log_probs, old_log_probs, advantage, loss_mask in zip(full_log_probs, full_old_log_probs, advantages,
+                                                              loss_masks, strict=True):
+        seq_kl = ((old_log_probs - log_probs) * loss_mask).sum() / loss_mask.sum().clamp(min=1)
+        masked = ((advantage < 0) & (seq_kl > args.opsm_delta)).float()
+        clipfrac = clipfrac + masked.sum() / loss_mask.sum().clamp(min=1)
+        masks.append(1.0 - masked)
+    return torch.cat(masks), clipfrac
+
+
+def compute_cispo_loss(ppo_kl: torch.Tensor, log_probs: torch.Tensor, advantages: torch.Tensor, eps_clip: float,
+                       eps_clip_high: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """CISPO (MiniMax-M1, arXiv 2506.13585): -sg(clip(ratio, 1 - eps_clip, 1 + eps_clip_high)) * A * log_probs,
+    ratio = exp(-ppo_kl). The clipped ratio is a constant, so every token (clipped or not) passes gradient through
+    its log-prob. Returns (pg_losses, clipfrac = float(ratio was clipped))."""
+    ratio = torch.exp(-ppo_kl)
+    clipped = ratio.clamp(min=1.0 - eps_clip, max=1.0 + eps_clip_high)
+    return -clipped.detach() * advantages * log_probs, (clipped != ratio).to(log_probs.dtype)
 
 
 def compute_policy_loss(

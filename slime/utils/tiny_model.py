@@ -1,5 +1,5 @@
 """Build tiny Hugging Face checkpoints offline: a byte-level BPE tokenizer with a chat template and a small
-random-init Qwen2 / Qwen3 / Llama model saved as safetensors.
+random-init Qwen2 / Qwen3 / Llama, or mixture-of-experts Qwen3-MoE / Qwen2-MoE, model saved as safetensors.
 
 Used by the quickstart and by tests; nothing here downloads anything. Not a model zoo: sizes are for CPU runs.
 """
@@ -66,9 +66,17 @@ def build_tokenizer(out_dir: str | Path, corpus: list[str] | None = None, vocab_
     return fast
 
 
+TINY_MOE_SHAPES = {
+    "qwen3_moe": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True),
+    "qwen2_moe": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=False,
+                      shared_expert_intermediate_size=64),
+}
+
+
 def tiny_config(arch: str = "qwen3", vocab_size: int = 512, **overrides):
-    """A small transformers config of the given architecture (qwen2, qwen3, llama)."""
-    from transformers import LlamaConfig, Qwen2Config, Qwen3Config
+    """A small transformers config of the given architecture (qwen2, qwen3, llama, qwen3_moe, qwen2_moe). The MoE
+    ones have 8 experts, 2 per token, experts of intermediate size 32 (Qwen2-MoE: plus a shared expert of 64)."""
+    from transformers import LlamaConfig, Qwen2Config, Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig
 
     common = dict(
         vocab_size=vocab_size,
@@ -84,7 +92,14 @@ def tiny_config(arch: str = "qwen3", vocab_size: int = 512, **overrides):
         eos_token_id=2,
         pad_token_id=0,
     )
+    if arch in TINY_MOE_SHAPES:
+        common.update(TINY_MOE_SHAPES[arch])
     common.update(overrides)
+    if arch == "qwen3_moe":
+        common.setdefault("head_dim", common["hidden_size"] // common["num_attention_heads"])
+        return Qwen3MoeConfig(**common)
+    if arch == "qwen2_moe":
+        return Qwen2MoeConfig(**common)
     if arch == "qwen3":
         common.setdefault("head_dim", common["hidden_size"] // common["num_attention_heads"])
         return Qwen3Config(**common)
@@ -93,7 +108,7 @@ def tiny_config(arch: str = "qwen3", vocab_size: int = 512, **overrides):
     if arch == "llama":
         common.setdefault("head_dim", common["hidden_size"] // common["num_attention_heads"])
         return LlamaConfig(**common)
-    raise ValueError(f"unknown tiny architecture {arch!r}; choose qwen2, qwen3 or llama")
+    raise ValueError(f"unknown tiny architecture {arch!r}; choose qwen2, qwen3, llama, qwen3_moe or qwen2_moe")
 
 
 def build_tiny_model(

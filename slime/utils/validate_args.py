@@ -11,6 +11,7 @@ data_parallel_size, ...) are in `validate_megatron_args.py`, run from here.
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from dataclasses import dataclass
@@ -18,6 +19,9 @@ from pathlib import Path
 
 from slime.utils.checkpoint_state import CheckpointError, critic_checkpoint, resume_dir
 from slime.utils.misc import load_function, load_functions
+from slime.utils.moe_arguments import check_moe_args
+
+logger = logging.getLogger(__name__)
 
 
 class ArgumentError(ValueError):
@@ -84,7 +88,8 @@ FLAG_RANGES = {
     "moe_router_topk_scaling_factor": POSITIVE, "moe_router_num_groups": AT_LEAST_1,
     "moe_router_group_topk": AT_LEAST_1, "moe_router_bias_update_rate": NON_NEGATIVE,
     "make_vocab_size_divisible_by": AT_LEAST_1, "decoder_first_pipeline_num_layers": NON_NEGATIVE,
-    "decoder_last_pipeline_num_layers": NON_NEGATIVE, "ckpt_step": NON_NEGATIVE,
+    "decoder_last_pipeline_num_layers": NON_NEGATIVE, "ckpt_step": NON_NEGATIVE, "padded_vocab_size": AT_LEAST_1,
+    "distributed_timeout_minutes": AT_LEAST_1, "mtp_num_layers": NON_NEGATIVE, "mtp_loss_scaling_factor": NON_NEGATIVE,
     # data
     "rollout_seed": ANY, "num_rollout": NON_NEGATIVE, "num_epoch": AT_LEAST_1, "start_rollout_id": NON_NEGATIVE,
     # rollout
@@ -113,10 +118,43 @@ FLAG_RANGES = {
     "ref_update_interval": AT_LEAST_1, "entropy_coef": NON_NEGATIVE, "gamma": PROBABILITY, "lambd": PROBABILITY,
     "loss_agg_constant": POSITIVE, "tis_clip": POSITIVE, "tis_clip_low": NON_NEGATIVE,
     "num_critic_only_steps": NON_NEGATIVE, "opd_kl_coef": NON_NEGATIVE,
+    # mixture of experts
+    "num_experts": AT_LEAST_1, "moe_router_topk": AT_LEAST_1, "moe_ffn_hidden_size": AT_LEAST_1,
+    "moe_shared_expert_intermediate_size": AT_LEAST_1, "moe_aux_loss_coeff": NON_NEGATIVE,
+    "moe_z_loss_coeff": NON_NEGATIVE,
     # eval
     "eval_interval": AT_LEAST_1, "n_samples_per_eval_prompt": AT_LEAST_1,
     "eval_temperature": Range(low=0, why="0 = greedy"), "eval_top_p": TOP_P, "eval_top_k": TOP_K, "eval_max_response_len": AT_LEAST_1,
+    "eval_max_prompt_len": AT_LEAST_1, "eval_min_new_tokens": NON_NEGATIVE, "eval_max_context_len": AT_LEAST_1,
+    # more of slime's flags (arguments_*.py)
+    "sglang_router_request_timeout_secs": POSITIVE, "prefill_num_servers": AT_LEAST_1,
+    "ci_train_rollout_logprob_abs_diff_threshold": NON_NEGATIVE, "data_pad_size_multiplier": AT_LEAST_1,
+    "fetch_trajectory_retry_times": Range(low=0, also=(-1,), why="-1 = forever"),
+    "load_debug_rollout_data_subsample": Range(low=0, high=1, low_open=True),
+    "log_probs_max_tokens_per_gpu": AT_LEAST_1, "megatron_deepgemm_forward_layers": NON_NEGATIVE,
+    "megatron_deepgemm_moe_forward_layers": NON_NEGATIVE, "memory_snapshot_num_steps": AT_LEAST_1,
+    "min_batch_collection_ratio": Range(low=0, high=1, low_open=True), "opd_teacher_ckpt_step": NON_NEGATIVE,
+    "opsm_delta": NON_NEGATIVE, "ref_ckpt_step": NON_NEGATIVE,
 }
+
+
+def _router_flag_ranges() -> dict:
+    """sglang-router's numeric --router-* flags: non-negative, its -1 sentinels and ports as such."""
+    import argparse
+
+    from sglang_router.launch_router import RouterArgs
+
+    parser = argparse.ArgumentParser(add_help=False)
+    RouterArgs.add_cli_args(parser, use_router_prefix=True, exclude_host_port=True)
+    ranges = {}
+    for action in parser._actions:
+        if action.dest.startswith("router_") and action.type in (int, float):
+            ranges[action.dest] = Range(low=1, high=65535) if action.dest.endswith("_port") else \
+                Range(low=0, also=(-1,), why="-1 = no limit") if action.default == -1 else NON_NEGATIVE
+    return ranges
+
+
+FLAG_RANGES.update(_router_flag_ranges())
 
 # Flags naming a user function by dotted path: imported and checked callable before anything starts.
 HOOK_FLAGS = (
@@ -124,6 +162,8 @@ HOOK_FLAGS = (
     "data_source_path", "custom_rm_path", "rollout_data_postprocess_path", "eval_function_path",
     "custom_loss_function_path", "custom_advantage_function_path", "custom_init_path",
     "custom_before_log_prob_hook_path", "custom_before_train_step_hook_path", "env_path",
+    "custom_rollout_log_function_path", "custom_eval_rollout_log_function_path", "custom_reward_post_process_path",
+    "custom_convert_samples_to_train_data_path", "rollout_sample_filter_path", "rollout_all_samples_process_path",
 )
 
 
@@ -145,8 +185,9 @@ def _check_ranges(args) -> None:
 
 
 def _check_hooks(args) -> None:
-    for dest in HOOK_FLAGS:
-        path = getattr(args, dest)
+    paths = [(dest, getattr(args, dest)) for dest in HOOK_FLAGS]
+    paths += [("rollout_sample_hook_path", path) for path in args.rollout_sample_hook_path]
+    for dest, path in paths:
         if path is not None:
             try:
                 load_function(path, _flag(dest))
@@ -209,7 +250,8 @@ def _resolve_cluster(args) -> None:
     if args.colocate:
         args.offload_train = True if args.offload_train is None else args.offload_train
         args.offload_rollout = True if args.offload_rollout is None else args.offload_rollout
-        args.rollout_num_gpus = args.world_size
+        if args.rollout_num_gpus is None:  # slime's rule: an explicit --rollout-num-gpus is kept
+            args.rollout_num_gpus = args.world_size
     else:
         args.offload_train = bool(args.offload_train or args.offload)
         args.offload_rollout = bool(args.offload_rollout or args.offload)
@@ -282,6 +324,18 @@ def _resolve_algorithm(args) -> None:
              "--use-opd needs teacher log-probs: --opd-teacher-load DIR (the trainer computes them), or a custom "
              "--custom-generate-function-path / --rollout-function-path that sets Sample.teacher_log_probs")
     _require(args.opd_teacher_load is None or args.use_opd, "--opd-teacher-load is only used with --use-opd")
+    if args.use_opd and args.opd_type is None:  # slime requires it; the teacher folder says which one is meant
+        args.opd_type = "megatron" if args.opd_teacher_load else "sglang"
+    _require(args.opd_type != "megatron" or args.opd_teacher_load,
+             "--opd-type megatron: the trainer computes the teacher log-probs, so it needs --opd-teacher-load DIR")
+    _require(args.opd_type != "sglang" or args.opd_teacher_load is None,
+             "--opd-type sglang: teacher log-probs come from the rollout (Sample.teacher_log_probs); drop "
+             "--opd-teacher-load or use --opd-type megatron")
+    _require(args.opd_type is None or args.use_opd, "--opd-type is only used with --use-opd")
+    if args.advantage_estimator == "cispo" and args.eps_clip < 1.0:  # slime's warning
+        logger.warning("CISPO is canonically single-sided, but --eps-clip=%s keeps the lower clip bound %s active; "
+                       "set --eps-clip 1.0 (and tune --eps-clip-high, e.g. 4.0) for the canonical wide setting",
+                       args.eps_clip, 1.0 - args.eps_clip)
     if args.n_samples_per_prompt == 1:
         args.grpo_std_normalization = False
     args.use_critic = args.advantage_estimator == "ppo"
@@ -294,6 +348,8 @@ def _resolve_algorithm(args) -> None:
              f"--calculate-per-token-loss contradicts --loss-agg-mode {args.loss_agg_mode}; pass only one")
     args.calculate_per_token_loss = args.loss_agg_mode == "token_mean"
     if args.loss_agg_mode == "constant" and args.loss_agg_constant is None:
+        _require(args.rollout_max_response_len is not None,
+                 "--loss-agg-mode constant needs --loss-agg-constant or --rollout-max-response-len (its default)")
         args.loss_agg_constant = float(args.rollout_max_response_len)
     _require(args.loss_agg_constant is None or args.loss_agg_mode == "constant",
              "--loss-agg-constant is only used with --loss-agg-mode constant")
@@ -306,15 +362,20 @@ def _resolve_algorithm(args) -> None:
 
 
 def _resolve_eval_and_output(args) -> None:
-    from slime.rollout.dataset import parse_eval_prompt_data
+    from slime.utils.eval_config import resolve_eval_datasets
 
     try:
-        args.eval_datasets = parse_eval_prompt_data(args.eval_prompt_data)
-    except ValueError as exc:
+        args.eval_datasets = resolve_eval_datasets(args)
+    except (ValueError, TypeError) as exc:
         raise ArgumentError(str(exc)) from None
-    for name, path in args.eval_datasets:
-        _require(Path(path.split("@[")[0]).is_file(), f"--eval-prompt-data {name}: file {path} not found")
-    _require(args.eval_interval is None or args.eval_datasets, "--eval-interval needs --eval-prompt-data")
+    source = "--eval-config" if args.eval_config else "--eval-prompt-data"
+    for dataset in args.eval_datasets:
+        _require(Path(dataset.path.split("@[")[0]).is_file(),
+                 f"{source} {dataset.name}: file {dataset.path} not found")
+    if args.eval_datasets:  # slime's: the flat name/path list of every dataset
+        args.eval_prompt_data = [item for dataset in args.eval_datasets for item in (dataset.name, dataset.path)]
+    _require(args.eval_interval is None or args.eval_datasets,
+             "--eval-interval needs eval datasets (--eval-prompt-data or --eval-config)")
     _require(args.save_interval is None or args.save, "--save-interval needs --save")
     if args.output_dir is None:
         args.output_dir = os.path.join("runs", time.strftime("%Y%m%d-%H%M%S") + f"-{os.getpid()}")
@@ -336,13 +397,22 @@ def _resolve_debug(args) -> None:
              "--use-fault-tolerance watches rollout engines; --debug-train-only / --load-debug-rollout-data start none")
 
 
+# slime's dest names for the trainer hooks, whose flags are aliases of --custom-init-path & co. here.
+SLIME_HOOK_DESTS = {"custom_megatron_init_path": "custom_init_path",
+                    "custom_megatron_before_log_prob_hook_path": "custom_before_log_prob_hook_path",
+                    "custom_megatron_before_train_step_hook_path": "custom_before_train_step_hook_path"}
+
+
 def validate_args(args) -> None:
+    for slime_dest, dest in SLIME_HOOK_DESTS.items():
+        setattr(args, slime_dest, getattr(args, dest))
     from slime.utils.validate_megatron_args import validate_megatron_args, validate_megatron_batches
 
     _resolve_debug(args)
     _check_ranges(args)
     _check_hooks(args)
     _check_paths(args)
+    check_moe_args(args, _require)
     _resolve_cluster(args)
     validate_megatron_args(args)
     _resolve_batches(args)

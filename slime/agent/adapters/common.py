@@ -26,7 +26,7 @@ from aiohttp import web
 
 from slime.agent.adapters.reasoning import get_reasoning_parser
 from slime.agent.trajectory import DEFAULT_FORK_THRESHOLD_TOKENS, TrajectoryManager, TurnRecord
-from slime.rollout.http_client import EndpointUnreachableError, HTTPRequestError, request_json
+from slime.utils.http_utils import EndpointUnreachableError, HTTPRequestError, request_json
 from slime.utils.tool_parsers import ToolCall, get_parser, stop_strings_for
 
 ROUTING_KEY_HEADER = "X-SMG-Routing-Key"

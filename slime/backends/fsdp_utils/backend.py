@@ -1,7 +1,9 @@
 """FSDPBackend: the FSDP2 training backend (TrainBackend over a Hugging Face model sharded with `fully_shard`).
 
 Every rank is a data-parallel rank: FSDP shards each parameter over all ranks and averages their gradients, so a
-loss that is a rank's share of the global sum is scaled by the world size before its backward. Checkpoints are HF
+loss that is a rank's share of the global sum is scaled by the world size before its backward. MoE models: the
+routers consult the routing replay object (moe_router.py) and the router losses (--moe-aux-loss-coeff,
+--moe-z-loss-coeff) join each micro-batch's loss as its share of the step's mean. Checkpoints are HF
 folders (checkpoint.py); the weights pushed to the engines are the gathered full parameters under their HF names.
 
 Not here: the RL flow (slime/backends/train_flow.py), the critic's value model (value_model.py, critic.py).
@@ -32,7 +34,9 @@ from slime.backends.fsdp_utils.model import (
     read_hf_weights,
     reshard,
 )
+from slime.backends.fsdp_utils.moe_router import install_routers
 from slime.backends.fsdp_utils.optimizer import build_optimizer, clip_grad_norm, move_training_state
+from slime.backends.moe_aux_loss import router_losses
 from slime.backends.packing import PackedMicroBatch
 
 logger = logging.getLogger(__name__)
@@ -66,12 +70,14 @@ class FSDPBackend(TrainBackend):
         self.mesh = init_device_mesh(self.device.type, (world_size,))
         self.dp_rank, self.dp_size = rank, world_size
         self.model = self.optimizer = self.scheduler = self.hf_config = None
+        self.router_trace = None
 
     # ----------------------------------------------------------------------------------------- building
     def build_policy(self, weights_path: str) -> None:
         args = self.args
         hf_model = load_hf_model(weights_path, attention_implementation(self.device))
         self.hf_config = hf_model.config
+        self.routing_replay, self.router_trace = install_routers(hf_model, args.moe_router_dtype) or (None, None)
         self.model = build_policy_model(hf_model, self.mesh, ShardOptions.from_args(args, self.device),
                                         temperature=args.rollout_temperature, chunk_size=args.log_probs_chunk_size)
         self._finish_build(args.lr)
@@ -111,18 +117,41 @@ class FSDPBackend(TrainBackend):
     def forward_only(self, micro_batches: list[PackedMicroBatch]) -> list:
         self.model.eval()
         try:
-            return [self.model.forward_micro_batch(micro_batch.to(self.device)) for micro_batch in micro_batches]
+            outputs = []
+            for micro_batch in micro_batches:
+                micro_batch = micro_batch.to(self.device)
+                with self.routing_of(micro_batch):
+                    outputs.append(self.model.forward_micro_batch(micro_batch))
+            return outputs
         finally:
             self.model.train()
 
     def forward_backward(self, micro_batches: list[PackedMicroBatch], loss_of: LossOf) -> list[dict]:
         metrics = []
         for index, micro_batch in enumerate(micro_batches):
-            loss, loss_metrics = loss_of(index, self.model.forward_micro_batch(micro_batch.to(self.device)))
-            # FSDP averages gradients over ranks; the loss is already a share of the global sum.
-            (loss * self.world_size).backward()
+            micro_batch = micro_batch.to(self.device)
+            with self.routing_of(micro_batch):  # the backward's recompute replays the same routing
+                if self.router_trace is not None:
+                    self.router_trace.start()
+                loss, loss_metrics = loss_of(index, self.model.forward_micro_batch(micro_batch))
+                if self.router_trace is not None:
+                    loss, loss_metrics = self._add_router_losses(loss, loss_metrics, micro_batches[index],
+                                                                 len(micro_batches))
+                # FSDP averages gradients over ranks; the loss is already a share of the global sum.
+                (loss * self.world_size).backward()
             metrics.append(loss_metrics)
         return metrics
+
+    def _add_router_losses(self, loss, loss_metrics: dict, micro_batch: PackedMicroBatch, num_micro_batches: int):
+        """Router losses and load metric of one micro-batch as its share of the mean over the step's micro-batches
+        and the ranks (the flow sums metric shares over both)."""
+        layers = self.router_trace.stop()
+        sample_lengths = micro_batch.cu_seqlens.diff().tolist()  # the host copy: no device sync
+        extra, router_metrics = router_losses(self.args, layers, self.routing_replay.num_experts, sample_lengths)
+        share = 1.0 / (num_micro_batches * self.world_size)
+        if extra is not None:
+            loss = loss + extra * share
+        return loss, {**loss_metrics, **{key: value * share for key, value in router_metrics.items()}}
 
     def optimizer_step(self, max_grad_norm: float) -> dict:
         grad_norm = float(clip_grad_norm(self.model.parameters(), max_grad_norm))

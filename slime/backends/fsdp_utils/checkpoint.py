@@ -21,6 +21,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
+from slime.backends.fsdp_utils.expert_weights import per_expert_tensors
 from slime.backends.fsdp_utils.model import hf_name
 from slime.utils.checkpoint_state import (
     META_FILE,
@@ -43,7 +44,7 @@ HF_EXTRA_FILES = ("config.json", "generation_config.json", "tokenizer.json", "to
                   "special_tokens_map.json", "vocab.json", "merges.txt", "chat_template.jinja", "tokenizer.model")
 
 
-def _barrier():
+def barrier():
     if dist.is_initialized():
         dist.barrier()
 
@@ -58,7 +59,7 @@ def resolve_load_dir(load: str | None) -> Path | None:
     return folder
 
 
-def _torch_load(ckpt: Path, path: Path):
+def torch_load(ckpt: Path, path: Path):
     """torch.load of a file of checkpoint `ckpt`; any failure is reported as a truncated or corrupt file, named,
     with the previous checkpoint to resume from."""
     try:
@@ -67,7 +68,7 @@ def _torch_load(ckpt: Path, path: Path):
         raise corrupt_file_error(ckpt, path, exc) from exc
 
 
-def _rng_state() -> dict:
+def rng_state() -> dict:
     import numpy as np
 
     state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
@@ -76,7 +77,7 @@ def _rng_state() -> dict:
     return state
 
 
-def _set_rng_state(state: dict) -> None:
+def set_rng_state(state: dict) -> None:
     import numpy as np
 
     random.setstate(state["python"])
@@ -101,10 +102,13 @@ def save_checkpoint(save_root: str, rollout_id: int, model, optimizer, scheduler
     if rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)
         (tmp / "rng").mkdir(parents=True)
-    _barrier()
-    torch.save(_rng_state(), tmp / "rng" / f"rank_{rank}.pt")
+    barrier()
+    torch.save(rng_state(), tmp / "rng" / f"rank_{rank}.pt")
     if rank == 0:
-        tensors = {hf_name(k): v.contiguous() for k, v in model_state.items()}
+        tensors = {}
+        for key, value in model_state.items():
+            for name, tensor in per_expert_tensors(hf_name(key), value):  # MoE experts: the checkpoint's layout
+                tensors[name] = tensor.contiguous() if name == hf_name(key) else tensor.clone()
         if tie_word_embeddings:
             tensors.pop("lm_head.weight", None)
         save_file(tensors, str(tmp / MODEL_FILE), metadata={"format": "pt"})
@@ -119,12 +123,18 @@ def save_checkpoint(save_root: str, rollout_id: int, model, optimizer, scheduler
                                                  "files": files}))
         if run_state is not None:
             (tmp / RUN_STATE_FILE).write_text(json.dumps(run_state))
-    _barrier()
+    publish_checkpoint(tmp, final, save_root, rank)
+    return final
+
+
+def publish_checkpoint(tmp: Path, final: Path, save_root: str, rank: int) -> None:
+    """Collective, after every rank wrote its part of `tmp`: rename it to `final`, then point `latest` at it, both
+    atomic (a crash leaves the previous checkpoint as the latest)."""
+    barrier()
     if rank == 0:
         publish_folder(tmp, final)  # a kill at any point leaves `latest` naming a complete folder
         write_pointer(Path(save_root), final.name)
-    _barrier()
-    return final
+    barrier()
 
 
 def load_training_state(ckpt: Path, model, optimizer, scheduler, rank: int) -> int:
@@ -132,11 +142,11 @@ def load_training_state(ckpt: Path, model, optimizer, scheduler, rank: int) -> i
     Returns the saved rollout id. A file that fails to load raises CheckpointError naming it."""
     meta = json.loads((ckpt / META_FILE).read_text())
     if OPTIMIZER_FILE in meta["files"]:
-        state = _torch_load(ckpt, ckpt / OPTIMIZER_FILE)
+        state = torch_load(ckpt, ckpt / OPTIMIZER_FILE)
         set_optimizer_state_dict(model, optimizer, state["optimizer"],
                                  options=StateDictOptions(full_state_dict=True))
         scheduler.load_state_dict(state["scheduler"])
     rng_file = ckpt / "rng" / f"rank_{rank}.pt"
     if rng_file.is_file():  # a resume on more ranks than were saved: the new ranks keep their seeded state
-        _set_rng_state(_torch_load(ckpt, rng_file))
+        set_rng_state(torch_load(ckpt, rng_file))
     return int(meta["rollout_id"])

@@ -16,6 +16,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from slime.backends.fsdp_utils.attention import VARLEN, varlen_supported
+from slime.backends.fsdp_utils.expert_weights import per_expert_tensors, stacked_tensor
 from slime.backends.fsdp_utils.attention import register as register_varlen
 from slime.backends.packing import PackedMicroBatch
 from slime.backends.fsdp_utils.log_probs import chunked_log_probs_and_entropy
@@ -134,12 +135,15 @@ def load_full_weights(model: nn.Module, full_state: dict[str, torch.Tensor]) -> 
     reshard(model)
     for name, param in model.named_parameters():
         key = hf_name(name)
-        if key not in full_state:
+        full = full_state.get(key)
+        if full is None:
+            full = stacked_tensor(key, full_state)  # MoE experts: the checkpoint has one tensor per expert
+        if full is None:
             if key == "lm_head.weight" and "model.embed_tokens.weight" in full_state:
-                key = "model.embed_tokens.weight"
+                full = full_state["model.embed_tokens.weight"]
             else:
                 raise ValueError(f"checkpoint has no tensor for parameter {key!r}")
-        full = full_state[key].to(device=param.device, dtype=param.dtype)
+        full = full.to(device=param.device, dtype=param.dtype)
         if isinstance(param, DTensor):
             local = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None).to_local()
             param.to_local().copy_(local)
@@ -163,7 +167,8 @@ def read_hf_weights(path: str) -> dict[str, torch.Tensor]:
 
 
 def iter_full_parameters(model: torch.nn.Module, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
-    """(HF name, full tensor) per parameter. Collective: every rank must iterate in step."""
+    """(HF checkpoint name, full tensor) per parameter, stacked MoE experts as one tensor per expert and projection.
+    Collective: every rank must iterate in step."""
     for name, param in model.named_parameters():
         local = param.to_local() if isinstance(param, DTensor) else param
         full = param.full_tensor() if isinstance(param, DTensor) else param
@@ -173,4 +178,4 @@ def iter_full_parameters(model: torch.nn.Module, dtype: torch.dtype | None = Non
             # One rank: the "gather" aliases the parameter. Sending by handle moves a tensor's storage into shared
             # memory, which must never happen to a parameter's own storage (FSDP resizes it: segfault).
             full = full.clone()
-        yield hf_name(name), full.detach()
+        yield from per_expert_tensors(hf_name(name), full.detach())  # MoE experts: the checkpoint's names

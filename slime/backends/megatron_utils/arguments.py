@@ -1,14 +1,14 @@
 """Megatron-LM's command-line flags, as slime's recipes pass them: names, dests and defaults of megatron-core
-0.16.1's `megatron/training/arguments.py` (plus the two layer-norm switches of slime's patched Megatron).
+0.16.1's `megatron/training/arguments.py` (plus three switches of slime's patched Megatron).
 
 `add_megatron_arguments(parser)` registers them; `slime.utils.arguments` calls it once. PARALLELISM and TRAINING
 flags are applied (their rules live in `slime.utils.validate_megatron_args`). MODEL_SHAPE flags describe the
 architecture, which both backends build from `--hf-checkpoint`'s config.json: those config.json states too are
 checked against it. Every other flag carries the reason it changes nothing here (`inert_because`: the INERT and MOE
 groups, the architecture switches), and a run that sets one is told once at start-up (`inert_flag_notices`).
-Megatron's MoE shape, router and load-balancing flags are slime/utils/moe_arguments.py's, not this module's. The Megatron flags
-the project already had under the same name (`--micro-batch-size`, `--lr`, `--clip-grad`, ...) stay in
-`slime.utils.arguments`. docs/megatron-flags.md is the table of all of them.
+Megatron's MoE shape, router and load-balancing flags are slime/utils/moe_arguments.py's, not this module's; the
+Megatron flags the project already had under the same name (`--micro-batch-size`, `--lr`, `--clip-grad`, ...) stay
+in `slime.utils.arguments`. docs/megatron-flags.md is the table of all of them.
 
 This module parses nothing itself and imports nothing of megatron-core: the FSDP backend uses the same flags.
 """
@@ -93,7 +93,8 @@ MODEL_SHAPE = [
     _switch("--qk-layernorm", _ARCHITECTURE),
     _switch("--use-rotary-position-embeddings", _ARCHITECTURE),
     MegatronFlag("--position-embedding-type",
-                 {"choices": ["learned_absolute", "rope", "mrope", "relative", "none"], "default": None}, _ARCHITECTURE),
+                 {"choices": ["learned_absolute", "rope", "mrope", "relative", "none"], "default": None},
+                 _ARCHITECTURE),
     _switch("--no-position-embedding", _ARCHITECTURE, dest="add_position_embedding", action="store_false"),
     _switch("--rotary-interleaved", _ARCHITECTURE),
     _switch("--post-self-attn-layernorm", _ARCHITECTURE),
@@ -166,6 +167,19 @@ INERT = [
     _switch("--no-load-optim", "--load resumes the optimizer state with the weights", default=None),
     _switch("--no-load-rng", "--load resumes the random state with the weights", default=None),
     _switch("--finetune", "--load resumes a run; start a new one from an HF folder with --hf-checkpoint"),
+    # Megatron flags whose defaults slime's arguments.py resets (slime's values here)
+    MegatronFlag("--padded-vocab-size", {"type": int, "default": None},
+                 "vocabulary padding is internal to the Megatron model; the HF-named weights keep the HF vocab"),
+    MegatronFlag("--distributed-backend", {"choices": ["nccl", "gloo"], "default": "nccl"},
+                 "the trainers use NCCL between GPUs and gloo on the CPU"),
+    MegatronFlag("--distributed-timeout-minutes", {"type": int, "default": 10},
+                 "the trainers' process groups time out after 30 minutes"),
+    _switch("--async-save", "checkpoints are written before the next rollout, atomically"),
+    _switch("--record-memory-history", "no CUDA memory-history recording here"),
+    MegatronFlag("--mtp-num-layers", {"type": int, "default": None},
+                 "no multi-token-prediction layers: the model is the HF causal LM"),
+    MegatronFlag("--mtp-loss-scaling-factor", {"type": float, "default": 0.2},
+                 "no multi-token-prediction layers: the model is the HF causal LM"),
 ]
 
 MEGATRON_FLAGS = PARALLELISM + TRAINING + MODEL_SHAPE + MOE + INERT

@@ -1,5 +1,6 @@
-"""Dense pre-norm decoder-only transformer covering Qwen2/Qwen2.5 (qkv bias), Qwen3 (per-head q/k RMSNorm) and
-Llama 3 (llama3 RoPE scaling): the three differ only in the flags of `ModelConfig`.
+"""Pre-norm decoder-only transformer covering Qwen2/Qwen2.5 (qkv bias), Qwen3 (per-head q/k RMSNorm), Llama 3
+(llama3 RoPE scaling) and the mixture-of-experts Qwen3-MoE / Qwen2-MoE (sparse feed-forward blocks in the layers
+`ModelConfig.moe_layers` names, `moe_block.py`): they differ only in the flags of `ModelConfig`.
 
 Module names follow Hugging Face's (model.layers.N.self_attn..., lm_head) except that q/k/v are fused into
 `qkv_proj` and gate/up into `gate_up_proj`; `weight_loader.py` is the one place that maps HF names onto them.
@@ -12,11 +13,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from slime.engine.layers.activation import SiluAndMul
 from slime.engine.layers.attention import AttentionMetadata, PagedAttention
 from slime.engine.layers.rmsnorm import RMSNorm, torch_rms_norm
 from slime.engine.layers.rotary import RotaryEmbedding
+from slime.engine.models.dense_mlp import DenseMLP
 from slime.engine.models.model_config import ModelConfig
+from slime.engine.models.moe_block import SparseMoeBlock
 
 
 class DecoderAttention(nn.Module):
@@ -62,24 +64,14 @@ class DecoderAttention(nn.Module):
         return self.o_proj(self.attn(q, k, v, meta))
 
 
-class DecoderMLP(nn.Module):
-    def __init__(self, config: ModelConfig):
-        super().__init__()
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
-        self.act = SiluAndMul()
-
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_up_proj(hidden)))
-
-
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding):
+    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding, layer_index: int):
         super().__init__()
+        self.is_sparse = layer_index in config.moe_layers
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = DecoderAttention(config, rotary)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = DecoderMLP(config)
+        self.mlp = SparseMoeBlock(config) if self.is_sparse else DenseMLP(config.hidden_size, config.intermediate_size)
 
     def forward(
         self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None, meta: AttentionMetadata
@@ -92,7 +84,7 @@ class DecoderLayer(nn.Module):
         else:
             normed, residual = self.input_layernorm.add_and_norm(hidden, residual)
         normed, residual = self.post_attention_layernorm.add_and_norm(self.self_attn(positions, normed, meta), residual)
-        return self.mlp(normed), residual
+        return (self.mlp(normed, meta.slot_mapping) if self.is_sparse else self.mlp(normed)), residual
 
 
 class DecoderModel(nn.Module):
@@ -102,7 +94,7 @@ class DecoderModel(nn.Module):
         self.rotary = RotaryEmbedding(
             config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling
         )
-        self.layers = nn.ModuleList(DecoderLayer(config, self.rotary) for _ in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(DecoderLayer(config, self.rotary, index) for index in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
@@ -140,3 +132,7 @@ class DecoderForCausalLM(nn.Module):
 
     def attention_layers(self) -> list[PagedAttention]:
         return [layer.self_attn.attn for layer in self.model.layers]
+
+    def moe_blocks(self) -> list[SparseMoeBlock]:
+        """The sparse blocks in layer order (empty for a dense model): index i is routed-experts layer i."""
+        return [layer.mlp for layer in self.model.layers if layer.is_sparse]

@@ -10,12 +10,17 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from slime.utils.moe_config import moe_layer_indices
+
 # model_type -> (HF architecture class name, has qkv bias by default, has per-head q/k RMSNorm)
 SUPPORTED_MODEL_TYPES = {
     "qwen2": ("Qwen2ForCausalLM", True, False),
     "qwen3": ("Qwen3ForCausalLM", False, True),
     "llama": ("LlamaForCausalLM", False, False),
+    "qwen3_moe": ("Qwen3MoeForCausalLM", False, True),
+    "qwen2_moe": ("Qwen2MoeForCausalLM", True, False),
 }
+MOE_MODEL_TYPES = ("qwen3_moe", "qwen2_moe")
 
 
 @dataclass
@@ -38,6 +43,17 @@ class ModelConfig:
     tie_word_embeddings: bool
     torch_dtype: str | None
     eos_token_ids: list[int]
+    # Mixture of experts (Qwen3-MoE, Qwen2-MoE); zeros and () for dense models.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    shared_expert_intermediate_size: int = 0  # Qwen2-MoE's shared expert; 0 = none
+    moe_layers: tuple[int, ...] = ()  # indices of the layers whose feed-forward is sparse
+
+    @property
+    def is_moe(self) -> bool:
+        return bool(self.moe_layers)
 
 
 def supported_description() -> str:
@@ -86,10 +102,28 @@ def parse_model_config(raw: dict) -> ModelConfig:
         max_position_embeddings=raw.get("max_position_embeddings", 4096),
         rope_theta=rope.get("rope_theta", raw.get("rope_theta", 10000.0)),
         rope_scaling=rope if rope_type == "llama3" else None,
-        qkv_bias=default_bias or raw.get("attention_bias", False),
+        qkv_bias=raw.get("qkv_bias", default_bias) or raw.get("attention_bias", False),
         o_proj_bias=not default_bias and raw.get("attention_bias", False),
         qk_norm=qk_norm,
         tie_word_embeddings=raw.get("tie_word_embeddings", False),
         torch_dtype=raw.get("torch_dtype") or raw.get("dtype"),
         eos_token_ids=[] if eos is None else ([eos] if isinstance(eos, int) else list(eos)),
+        **(_moe_fields(raw) if model_type in MOE_MODEL_TYPES else {}),
+    )
+
+
+def _moe_fields(raw: dict) -> dict:
+    """The MoE fields of a Qwen3-MoE / Qwen2-MoE config.json (transformers 5 writes num_local_experts)."""
+    num_experts = raw.get("num_experts", raw.get("num_local_experts"))
+    if not num_experts or not raw.get("num_experts_per_tok"):
+        raise ValueError(f"config of a {raw['model_type']} model needs num_experts and num_experts_per_tok")
+    if raw["num_experts_per_tok"] > num_experts:
+        raise ValueError(f"num_experts_per_tok={raw['num_experts_per_tok']} exceeds num_experts={num_experts}")
+    return dict(
+        num_experts=num_experts,
+        num_experts_per_tok=raw["num_experts_per_tok"],
+        moe_intermediate_size=raw["moe_intermediate_size"],
+        norm_topk_prob=raw.get("norm_topk_prob", False),
+        shared_expert_intermediate_size=raw.get("shared_expert_intermediate_size", 0) or 0,
+        moe_layers=moe_layer_indices(raw),
     )

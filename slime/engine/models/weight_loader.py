@@ -2,13 +2,15 @@
 checkpoints from disk (one or many *.safetensors, with or without model.safetensors.index.json).
 
 `load_weights` accepts any subset of a model's HF-named weights (a trainer may push them in buckets) and raises a
-ValueError naming the weight for an unknown name or a wrong shape. It does not decide dtype or device: tensors are
+ValueError naming the weight for an unknown name or a wrong shape. MoE experts use the HF checkpoint's per-expert
+names (`mlp.experts.<e>.gate_proj.weight` ...), which load into slices of the stacked expert tensors. It does not decide dtype or device: tensors are
 copied into the existing parameters.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
@@ -23,28 +25,49 @@ PACKED_MODULES = {
     "gate_proj": ("gate_up_proj", 0),
     "up_proj": ("gate_up_proj", 1),
 }
+# HF checkpoint name of one expert's projection -> (stacked parameter, which half of gate_up_proj or None)
+EXPERT_WEIGHT = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<expert>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$")
+EXPERT_SLICES = {"gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1), "down_proj": ("down_proj", None)}
 # Buffers some older checkpoints carry; they are recomputed, never loaded.
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
-def _slice_sizes(model: nn.Module) -> dict[str, list[int]]:
+def _slice_sizes(model: nn.Module, fused: str, param: torch.Tensor) -> list[int]:
+    if fused == "gate_up_proj":  # dense MLPs and the shared expert: two equal halves
+        return [param.shape[0] // 2] * 2
     config = model.config
     q_size = config.num_attention_heads * config.head_dim
     kv_size = config.num_key_value_heads * config.head_dim
-    return {"qkv_proj": [q_size, kv_size, kv_size], "gate_up_proj": [config.intermediate_size] * 2}
+    return [q_size, kv_size, kv_size]
+
+
+def _expert_target(model: nn.Module, params: dict[str, nn.Parameter], name: str, match: re.Match) -> torch.Tensor:
+    stacked_name, half = EXPERT_SLICES[match["proj"]]
+    param = params.get(f"{match['prefix']}.{stacked_name}")
+    expert = int(match["expert"])
+    if param is None or expert >= param.shape[0]:
+        raise ValueError(f"unknown weight {name!r} for this {model.config.model_type} model")
+    target = param.data[expert]
+    if half is None:
+        return target
+    size = target.shape[0] // 2
+    return target.narrow(0, half * size, size)
 
 
 def _target(model: nn.Module, params: dict[str, nn.Parameter], name: str) -> torch.Tensor:
     """The parameter tensor (or slice of a fused one) that HF weight `name` loads into."""
     if name == "lm_head.weight" and model.config.tie_word_embeddings:
         name = "model.embed_tokens.weight"
+    expert = EXPERT_WEIGHT.match(name)
+    if expert:
+        return _expert_target(model, params, name, expert)
     parts = name.split(".")
     if len(parts) >= 2 and parts[-2] in PACKED_MODULES:
         fused, index = PACKED_MODULES[parts[-2]]
         param = params.get(".".join(parts[:-2] + [fused, parts[-1]]))
         if param is None:
             raise ValueError(f"unknown weight {name!r} for this {model.config.model_type} model")
-        sizes = _slice_sizes(model)[fused]
+        sizes = _slice_sizes(model, fused, param)
         return param.data.narrow(0, sum(sizes[:index]), sizes[index])
     if name not in params:
         raise ValueError(f"unknown weight {name!r} for this {model.config.model_type} model")
@@ -72,17 +95,30 @@ def named_weight_shapes(model: nn.Module) -> dict[str, tuple[tuple[int, ...], to
     fused_to_hf: dict[str, list[str]] = {}
     for hf_name, (fused, index) in PACKED_MODULES.items():
         fused_to_hf.setdefault(fused, [None, None, None])[index] = hf_name
-    sizes = _slice_sizes(model)
     shapes = {}
     for name, param in model.named_parameters():
         parts = name.split(".")
-        if len(parts) >= 2 and parts[-2] in fused_to_hf:
-            for index, size in enumerate(sizes[parts[-2]]):
+        if len(parts) >= 2 and parts[-2] == "experts":
+            shapes.update(_expert_shapes(name, param))
+        elif len(parts) >= 2 and parts[-2] in fused_to_hf:
+            for index, size in enumerate(_slice_sizes(model, parts[-2], param)):
                 hf_name = ".".join(parts[:-2] + [fused_to_hf[parts[-2]][index], parts[-1]])
                 shapes[hf_name] = ((size, *param.shape[1:]), param.dtype)
         else:
             shapes[name] = (tuple(param.shape), param.dtype)
     return shapes
+
+
+def _expert_shapes(name: str, param: torch.Tensor) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """The per-expert checkpoint names of a stacked expert parameter (`...experts.gate_up_proj` or `down_proj`)."""
+    prefix, stacked_name = name.rsplit(".", 1)
+    num_experts, rows, columns = param.shape
+    projections = ("gate_proj", "up_proj") if stacked_name == "gate_up_proj" else ("down_proj",)
+    row_count = rows // len(projections)
+    return {
+        f"{prefix}.{expert}.{projection}.weight": ((row_count, columns), param.dtype)
+        for expert in range(num_experts) for projection in projections
+    }
 
 
 def checkpoint_files(model_path: str | Path) -> list[Path]:

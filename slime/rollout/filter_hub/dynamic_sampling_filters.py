@@ -12,7 +12,7 @@ MIN_REWARD_STD = 1e-6
 
 def _zero_std_reason(args, samples: list[Sample]) -> str | None:
     """None if the group's rewards vary (unbiased std > 1e-6), else "zero_std_<reward>"."""
-    rewards = [sample.get_reward_value(args) for sample in samples]
+    rewards = [float(sample.get_reward_value(args)) for sample in samples]
     if len(rewards) >= 2 and statistics.stdev(rewards) > MIN_REWARD_STD:
         return None
     return f"zero_std_{round(rewards[0], 1)}" if rewards else "zero_std_empty"

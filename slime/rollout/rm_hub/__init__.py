@@ -22,7 +22,7 @@ import random
 
 from slime.rollout.rm_hub.answer_parsing import last_boxed_content
 from slime.rollout.rm_hub.f1 import f1_reward
-from slime.rollout.rm_hub.gpqa import gpqa_reward
+from slime.rollout.rm_hub.gpqa import compute_gpqa_reward
 from slime.rollout.rm_hub.math_rewards import dapo_reward, deepscaler_reward, math_reward
 from slime.rollout.rm_hub.remote_rm import request_remote_reward
 from slime.rollout.rm_hub.reward_threads import DaemonThreadPool
@@ -83,7 +83,7 @@ async def _builtin_reward(args, sample: Sample, rm_type: str):
     if rm_type == "f1":
         return f1_reward(response, label)
     if rm_type == "gpqa":
-        return gpqa_reward(response, label, sample.metadata)
+        return compute_gpqa_reward(response, label, sample.metadata)
     if rm_type == "remote_rm":
         payload = {"prompt": sample.prompt, "response": response, "label": label}
         return await request_remote_reward(args.rm_url, payload, budget_s=args.reward_timeout)

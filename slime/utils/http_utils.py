@@ -1,11 +1,12 @@
-"""Async HTTP plumbing for rollouts: one background event loop, one shared aiohttp session, router helpers.
+"""Async HTTP for rollouts (slime's `slime.utils.http_utils`): one background event loop, one shared aiohttp
+session, JSON requests with retries, router helpers, and slime's `post` / `get` for generate functions.
 
 Rollout code is asyncio; its callers (Ray actor methods, train.py) are synchronous. `run(coro)` executes a
 coroutine on a single daemon event-loop thread and blocks for the result, so every request of every rollout
 shares one loop and one connection pool. Not a general HTTP library: only what talking to an sglang-router and
 SGLang-compatible engines needs (POST/GET JSON with retries on connection errors, abort every worker). aiohttp
-rather than httpx: on a 2-core machine 256 concurrent /generate round trips took 0.18-0.31 s with aiohttp and
-0.9-1.3 s through httpx's connection pool.
+for the async paths (httpx serves the blocking calls elsewhere): on a 2-core machine 256 concurrent /generate round
+trips took 0.18-0.31 s with aiohttp and 0.9-1.3 s through httpx's connection pool.
 """
 
 from __future__ import annotations
@@ -189,3 +190,14 @@ async def abort_all_requests(base_url: str, router_headers: dict | None = None,
         elif isinstance(answer, BaseException):
             raise answer
     return worker_urls
+
+
+async def post(url: str, payload: dict | None, max_retries: int = 60, headers: dict | None = None) -> Any:
+    """slime's `http_utils.post`: POST JSON, retried (connection errors, 502/503/504) up to `max_retries` times,
+    returning the decoded answer. Generate functions call it on the rollout's loop."""
+    return await request_json("POST", url, payload or {}, num_retries=max_retries, headers=headers)
+
+
+async def get(url: str) -> Any:
+    """slime's `http_utils.get`: GET and decode the JSON answer."""
+    return await request_json("GET", url)

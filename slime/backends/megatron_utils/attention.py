@@ -1,0 +1,49 @@
+"""The attention core for Megatron's local layer spec over packed THD micro-batches: causal attention within each
+sample of a packed row, never across samples.
+
+megatron-core's local `DotProductAttention` refuses packed sequences (`packed_seq_params` must be None) and
+materialises [batch, heads, T, T] scores; Transformer Engine's core (the TE spec) handles THD itself. This module
+takes the place of the local core: on a GPU with FlashAttention it runs the project's varlen kernel
+(slime/backends/fsdp_utils/attention.py, grouped K/V read directly); elsewhere torch's sdpa, one sample at a time
+(exact, no [T, T] mask over the whole row). Input as Megatron's `Attention` hands it over for qkv_format "thd":
+query [T, heads, D], key / value [T, kv_heads, D] (this rank's heads); output [T, heads * D].
+
+Not context parallel (CP needs the TE core) and no attention dropout (RL training runs without it).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from megatron.core.transformer.module import MegatronModule
+
+from slime.backends.fsdp_utils.attention import flash_varlen_causal, varlen_supported
+
+
+class PackedCoreAttention(MegatronModule):
+    def __init__(self, config, layer_number, attn_mask_type, attention_type, attention_dropout=None,
+                 softmax_scale=None, cp_comm_type=None, pg_collection=None):
+        super().__init__(config=config)
+        assert config.context_parallel_size == 1, "context parallelism needs Transformer Engine's attention core"
+        self.softmax_scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(config.kv_channels)
+
+    def forward(self, query, key, value, attention_mask=None, attn_mask_type=None, attention_bias=None,
+                packed_seq_params=None):
+        assert packed_seq_params is not None and packed_seq_params.qkv_format == "thd", \
+            "the Megatron backend feeds packed THD micro-batches only"
+        cu_seqlens = packed_seq_params.cu_seqlens_q
+        if varlen_supported(query.device):
+            out, _ = flash_varlen_causal(query.contiguous(), key.contiguous(), value.contiguous(), cu_seqlens,
+                                         int(packed_seq_params.max_seqlen_q), self.softmax_scale)
+        else:
+            out = torch.cat([self._sample_attention(query[start:end], key[start:end], value[start:end])
+                             for start, end in zip(cu_seqlens[:-1].tolist(), cu_seqlens[1:].tolist())])
+        return out.reshape(out.shape[0], -1)
+
+    def _sample_attention(self, query, key, value):
+        q, k, v = (t.transpose(0, 1)[None] for t in (query, key, value))  # [1, heads, t, D]
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.softmax_scale,
+                                             enable_gqa=q.shape[1] != k.shape[1])
+        return out[0].transpose(0, 1)

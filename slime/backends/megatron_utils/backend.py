@@ -1,0 +1,144 @@
+"""MegatronBackend: the megatron-core training backend (TrainBackend over a `GPTModel` with tensor, pipeline and
+expert parallelism).
+
+Ranks: tensor / pipeline peers of one model replica receive the same samples (the flow and the Ray data split
+see only the data-parallel rank and size); each data-parallel replica gets its slice. The loss a micro-batch
+returns is its share of the global loss, so gradients are summed over data parallelism (grads.py). Outputs of the
+forward live on the last pipeline stage and are broadcast to the others (micro_batches.py).
+
+Optimizer: AdamW over this rank's parameter shards with the FSDP backend's schedule
+(slime/backends/fsdp_utils/optimizer.py), so both backends step identically; the optimizer state is sharded as
+the parameters are (over TP / PP / EP), and replicated over data parallelism (megatron-core's
+DistributedOptimizer needs its CUDA-only DDP buffers).
+
+Checkpoints: torch_dist (checkpoint.py); weights for the engines: HF-named full tensors gathered to rank 0
+(hf_weights.py), sent by the shared WeightSender.
+
+Not here: the RL flow (slime/backends/train_flow.py).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from pathlib import Path
+
+import torch
+
+from slime.backends.backend import LossOf, TrainBackend
+from slime.backends.fsdp_utils.backend import init_default_group, training_device
+from slime.backends.fsdp_utils.checkpoint import resolve_load_dir
+from slime.backends.fsdp_utils.optimizer import build_optimizer
+from slime.backends.megatron_utils import checkpoint
+from slime.backends.megatron_utils.cpu_shim import apply_cpu_shim
+from slime.backends.megatron_utils.grads import clip_grad_norm, finalize_grads
+from slime.backends.megatron_utils.hf_weights import load_hf_weights, model_hf_weights
+from slime.backends.megatron_utils.micro_batches import run_micro_batches
+from slime.backends.megatron_utils.model import build_gpt_model
+from slime.backends.megatron_utils.parallel import init_model_parallel
+from slime.backends.packing import PackedMicroBatch
+
+logger = logging.getLogger(__name__)
+
+
+class MegatronBackend(TrainBackend):
+    def __init__(self, args, rank: int, world_size: int, master_addr: str, master_port: int):
+        from megatron.core import parallel_state
+
+        if args.virtual_pipeline_model_parallel_size:
+            raise ValueError("--train-backend megatron: virtual pipeline stages (--num-layers-per-virtual-pipeline-"
+                             "stage / --num-virtual-stages-per-pipeline-rank) are not supported yet; drop the flag")
+        if args.context_parallel_size > 1:
+            raise ValueError("--train-backend megatron: --context-parallel-size > 1 needs Transformer Engine's "
+                             "attention core, which this backend does not use yet; use 1")
+        if args.expert_model_parallel_size > 1:
+            raise ValueError("--train-backend megatron: --expert-model-parallel-size > 1 is not supported yet (the "
+                             "gradient sums and the weight export cover TP / PP / DP); use 1")
+        self.args, self.rank, self.world_size = args, rank, world_size
+        self.device = training_device(args, rank)
+        apply_cpu_shim()
+        init_default_group(self.device, rank, world_size, master_addr, master_port)
+        init_model_parallel(args)
+        self.dp_rank = parallel_state.get_data_parallel_rank(with_context_parallel=True)
+        self.dp_size = parallel_state.get_data_parallel_world_size(with_context_parallel=True)
+        self.dp_group = parallel_state.get_data_parallel_group(with_context_parallel=True)
+        self.model_chunks = []
+        self.model = self.optimizer = self.scheduler = self.hf_config = None
+
+    # ----------------------------------------------------------------------------------------- building
+    def build_policy(self, weights_path: str) -> None:
+        from transformers import AutoConfig
+
+        args = self.args
+        self.hf_config = AutoConfig.from_pretrained(args.hf_checkpoint)
+        self.model_chunks = [build_gpt_model(args, self.hf_config)]
+        self.model = self.model_chunks[0]
+        self._load_weights(weights_path)
+        params = [param for chunk in self.model_chunks for param in chunk.parameters()]
+        self.optimizer, self.scheduler = build_optimizer(args, params)
+
+    def _load_weights(self, path: str) -> None:
+        if checkpoint.is_torch_dist_checkpoint(path):
+            checkpoint.load_model_weights(path, self.model_chunks)
+        else:
+            load_hf_weights(self.model_chunks, path, self.hf_config)
+
+    def load_hf_weights(self, path: str) -> None:
+        """--ref-load / --opd-teacher-load: an HF folder or a torch_dist checkpoint of this backend."""
+        self._load_weights(path)
+
+    def resolve_load_dir(self, load: str | None) -> Path | None:
+        folder = resolve_load_dir(load)
+        if folder is not None and not checkpoint.is_torch_dist_checkpoint(folder):
+            raise ValueError(f"--load {load}: {folder} is not a checkpoint of --train-backend megatron (torch_dist); "
+                             "convert an HF folder with tools/convert_hf_to_torch_dist.py, or pass it as "
+                             "--hf-checkpoint")
+        return folder
+
+    def load_training_state(self, resume_dir: Path) -> int:
+        return checkpoint.load_training_state(resume_dir, self.model_chunks, self.optimizer, self.scheduler)
+
+    def save_checkpoint(self, rollout_id: int, run_state: dict | None) -> str:
+        args = self.args
+        path = checkpoint.save_checkpoint(args.save, rollout_id, self.model_chunks, self.optimizer, self.scheduler,
+                                          save_optim=not args.no_save_optim, run_state=run_state,
+                                          hf_checkpoint=args.hf_checkpoint)
+        return str(path)
+
+    # ---------------------------------------------------------------------------------------- compute
+    def _run(self, micro_batches, loss_of=None):
+        return run_micro_batches(self.model_chunks, micro_batches, temperature=self.args.rollout_temperature,
+                                 vocab_size=self.hf_config.vocab_size, device=self.device, loss_of=loss_of)
+
+    @torch.no_grad()
+    def forward_only(self, micro_batches: list[PackedMicroBatch]) -> list:
+        try:
+            return self._run(micro_batches)
+        finally:
+            for chunk in self.model_chunks:
+                chunk.train()
+
+    def forward_backward(self, micro_batches: list[PackedMicroBatch], loss_of: LossOf) -> list[dict]:
+        metrics = self._run(micro_batches, loss_of)
+        finalize_grads(self.model_chunks)
+        return metrics
+
+    def optimizer_step(self, max_grad_norm: float) -> dict:
+        grad_norm = clip_grad_norm(self.model_chunks, max_grad_norm)
+        lr = self.optimizer.param_groups[0]["lr"]
+        if math.isfinite(grad_norm):
+            self.optimizer.step()
+        else:
+            logger.warning("non-finite grad norm %s: optimizer step skipped", grad_norm)
+        self.scheduler.step()
+        self.zero_grad()
+        return {"grad_norm": grad_norm, "lr": lr}
+
+    # ---------------------------------------------------------------------------------------- weights
+    def local_weights(self):
+        for index, chunk in enumerate(self.model_chunks):
+            for name, param in chunk.named_parameters():
+                yield f"{index}.{name}", param
+
+    def hf_weights(self, dtype: torch.dtype | None):
+        return model_hf_weights(self.model_chunks, self.hf_config, dtype)

@@ -1,0 +1,146 @@
+"""Megatron backend checkpoints in megatron-core's torch_dist format (`dist_checkpointing`), so they reshard:
+a checkpoint saved at TP=2 loads at TP=1 (or any other TP / PP layout), the optimizer state with it.
+
+Folder: `{save}/rollout_{id}/` (the project's layout, so the driver's `--load` checks and the data-source run state
+work for both backends; slime's Megatron writes `iter_{id:07d}/`): `torch_dist/` (model weights and, unless
+--no-save-optim, AdamW's exp_avg / exp_avg_sq as sharded tensors laid out like their parameters),
+`scheduler.pt`, `rng/rank_{r}.pt`, `meta.json` (rollout id, format, the files a resume reads) and the driver's
+`run_state.json`. Written under a temporary name, renamed when complete, `{save}/latest` last
+(fsdp_utils/checkpoint.py's `publish_checkpoint`). Iteration = rollout id.
+
+Not the HF export (hf_weights.py writes --save-hf folders).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from slime.backends.fsdp_utils.checkpoint import barrier, publish_checkpoint, rng_state, set_rng_state, torch_load
+from slime.utils.checkpoint_state import META_FILE, RUN_STATE_FILE, CheckpointError, checkpoint_dir
+
+FORMAT = "torch_dist"
+TORCH_DIST_DIR = "torch_dist"
+SCHEDULER_FILE = "scheduler.pt"
+
+
+def is_torch_dist_checkpoint(path: str | Path) -> bool:
+    meta = Path(path) / META_FILE
+    return meta.is_file() and json.loads(meta.read_text()).get("format") == FORMAT
+
+
+def _model_sharded_state_dict(model_chunks) -> dict:
+    if len(model_chunks) == 1:
+        return {"model": model_chunks[0].sharded_state_dict()}
+    return {f"model{i}": chunk.sharded_state_dict() for i, chunk in enumerate(model_chunks)}
+
+
+def _parameters(optimizer) -> list[torch.nn.Parameter]:
+    return [param for group in optimizer.param_groups for param in group["params"]]
+
+
+def _optimizer_sharded_state_dict(optimizer, model_sharded: dict) -> dict:
+    """AdamW's state with each moment a sharded tensor laid out like its parameter; the step (the same for every
+    parameter) saved once, as megatron-core's own optimizers do."""
+    from megatron.core.dist_checkpointing.optimizer import (
+        get_param_id_to_sharded_param_map,
+        optim_state_to_sharding_state,
+    )
+
+    state_dict = optimizer.state_dict()
+    steps = {float(param_state["step"]) for param_state in state_dict["state"].values()}
+    assert len(steps) <= 1, f"AdamW steps differ across parameters: {steps}"
+    id_to_sharded = get_param_id_to_sharded_param_map(model_sharded, _parameters(optimizer))
+    optim_state_to_sharding_state(state_dict, id_to_sharded, exclude_keys="step")
+    if steps:
+        state_dict["state"]["common_step"] = torch.tensor(steps.pop())
+    return state_dict
+
+
+def _init_optimizer_state(optimizer) -> None:
+    """Create AdamW's state (zero moments) without changing any parameter: a step at lr 0 over zero gradients."""
+    params = _parameters(optimizer)
+    for param in params:
+        param.grad = torch.zeros_like(param)
+    lrs = [group["lr"] for group in optimizer.param_groups]
+    for group in optimizer.param_groups:
+        group["lr"] = 0.0
+    optimizer.step()
+    for group, lr in zip(optimizer.param_groups, lrs):
+        group["lr"] = lr
+    optimizer.zero_grad(set_to_none=True)
+
+
+def save_checkpoint(save_root: str, rollout_id: int, model_chunks, optimizer, scheduler, *, save_optim: bool,
+                    run_state: dict | None, hf_checkpoint: str) -> Path:
+    """Collective: every rank calls it. Returns the final folder."""
+    from megatron.core import dist_checkpointing
+
+    rank = dist.get_rank()
+    final = checkpoint_dir(save_root, rollout_id)
+    tmp = final.with_name(final.name + ".tmp")
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        (tmp / "rng").mkdir(parents=True)
+        (tmp / TORCH_DIST_DIR).mkdir()
+    barrier()
+    sharded = _model_sharded_state_dict(model_chunks)
+    if save_optim:
+        sharded["optimizer"] = _optimizer_sharded_state_dict(optimizer, sharded)
+    dist_checkpointing.save(sharded, str(tmp / TORCH_DIST_DIR))
+    torch.save(rng_state(), tmp / "rng" / f"rank_{rank}.pt")
+    if rank == 0:
+        torch.save(scheduler.state_dict(), tmp / SCHEDULER_FILE)
+        files = [f"{TORCH_DIST_DIR}/metadata.json", SCHEDULER_FILE,
+                 *(f"rng/rank_{r}.pt" for r in range(dist.get_world_size()))]
+        if run_state is not None:
+            (tmp / RUN_STATE_FILE).write_text(json.dumps(run_state))
+            files.append(RUN_STATE_FILE)
+        (tmp / META_FILE).write_text(json.dumps({"rollout_id": rollout_id, "format": FORMAT, "files": files,
+                                                 "optimizer": save_optim, "hf_checkpoint": str(hf_checkpoint)}))
+    publish_checkpoint(tmp, final, save_root, rank)
+    return final
+
+
+def load_model_weights(ckpt: str | Path, model_chunks) -> None:
+    """Collective: the model weights of a torch_dist checkpoint, resharded to this run's layout."""
+    from megatron.core import dist_checkpointing
+
+    ckpt = Path(ckpt)
+    if not is_torch_dist_checkpoint(ckpt):
+        raise CheckpointError(f"{ckpt} is not a Megatron torch_dist checkpoint (its {META_FILE} does not say "
+                              f"format {FORMAT!r}); pass an HF folder or a --save folder of --train-backend megatron")
+    loaded = dist_checkpointing.load(_model_sharded_state_dict(model_chunks), str(ckpt / TORCH_DIST_DIR))
+    _load_into_chunks(model_chunks, loaded)
+
+
+def _load_into_chunks(model_chunks, loaded: dict) -> None:
+    for i, chunk in enumerate(model_chunks):
+        state = loaded["model"] if len(model_chunks) == 1 else loaded[f"model{i}"]
+        chunk.load_state_dict(state, strict=False)
+
+
+def load_training_state(ckpt: Path, model_chunks, optimizer, scheduler) -> int:
+    """Collective: optimizer (when saved), schedule and this rank's RNG. Returns the saved rollout id."""
+    from megatron.core import dist_checkpointing
+
+    meta = json.loads((ckpt / META_FILE).read_text())
+    if meta["optimizer"]:
+        _init_optimizer_state(optimizer)
+        sharded = _model_sharded_state_dict(model_chunks)
+        template = {"optimizer": _optimizer_sharded_state_dict(optimizer, sharded)}
+        state = dist_checkpointing.load(template, str(ckpt / TORCH_DIST_DIR))["optimizer"]
+        step = state["state"].pop("common_step", None)
+        if step is not None:
+            for param_state in state["state"].values():
+                param_state["step"] = step.clone()
+        optimizer.load_state_dict(state)
+    scheduler.load_state_dict(torch_load(ckpt, ckpt / SCHEDULER_FILE))
+    rng_file = ckpt / "rng" / f"rank_{dist.get_rank()}.pt"
+    if rng_file.is_file():  # a resume on more ranks than were saved: the new ranks keep their seeded state
+        set_rng_state(torch_load(ckpt, rng_file))
+    return int(meta["rollout_id"])

@@ -1,0 +1,152 @@
+"""Make megatron-core's forward and backward run on a CPU (gloo, fp32): the CPU tests and CI use it.
+
+megatron-core 0.16.1 assumes CUDA in three places of the model's forward and backward (slime-spec §13):
+- `RotaryEmbedding.get_emb` moves `inv_freq` to `torch.cuda.current_device()` at the first forward;
+- `transformer.utils.get_default_causal_mask` (also imported by name into `fusions.fused_softmax`) allocates on
+  "cuda";
+- `tensor_parallel.random.CudaRNGStatesTracker.fork` swaps the CUDA RNG state around dropout and initialisation
+  (here a null context: the CPU runs use no dropout and initialise weights with `use_cpu_initialization`).
+Two more appear past the plain forward and backward: the pipeline schedules (`get_forward_backward_func`, also at
+PP=1) and p2p communication allocate token counters and shape messages with `device="cuda"` /
+`torch.cuda.current_device()` (those two modules get a `torch` whose CUDA device is the CPU, `_CpuDeviceTorch`;
+every other attribute is torch's own), and with PP > 1 and tied embeddings
+`LanguageModule.setup_embeddings_and_output_layer` moves the last stage's copy of the embedding to CUDA before
+the all-reduce that makes both copies equal (here the all-reduce runs on the CPU). dist_checkpointing's
+saver synchronises CUDA before writing and reduces its success flags on "cuda" (those two modules get the same
+`torch`). MoE layers: the router moves its
+weight to `torch.cuda.current_device()` at its first forward (the router module gets the same `torch`), and the
+alltoall token dispatcher creates a CUDA stream for its device-to-host copies of the routing counts and synchronises on it; on
+the CPU the counts are host tensors already (no stream, no copy). `apply_cpu_shim()` is applied
+explicitly by the backend before it builds a model, not at import: importing this package must not change
+megatron-core for a GPU process that shares the interpreter. On a machine with CUDA it does nothing.
+
+Not a device abstraction: anything else that needs CUDA (Transformer Engine, fused kernels) stays unsupported on
+the CPU, and the backend does not ask for it there.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+_applied = False
+
+
+def _cpu_causal_mask(sq: int) -> torch.Tensor:
+    return torch.triu(torch.ones(sq, sq, dtype=torch.bool), diagonal=1)
+
+
+class _CpuCuda:
+    """`torch.cuda` as the schedules use it, with the CPU as the current device."""
+
+    @staticmethod
+    def current_device() -> str:
+        return "cpu"
+
+    @staticmethod
+    def synchronize(device=None) -> None:
+        return None
+
+    def __getattr__(self, name):
+        return getattr(torch.cuda, name)
+
+
+def _on_cpu(function):
+    def wrapped(*args, device=None, **kwargs):
+        if device is not None and torch.device(device).type == "cuda":
+            device = "cpu"
+        return function(*args, device=device, **kwargs)
+
+    return wrapped
+
+
+class _CpuDeviceTorch:
+    """torch, as seen by the pipeline schedules and p2p communication on the CPU: allocations on "cuda" land on the
+    CPU. Only the names those modules call are wrapped; the rest are torch's."""
+
+    cuda = _CpuCuda()
+    zeros = staticmethod(_on_cpu(torch.zeros))
+    empty = staticmethod(_on_cpu(torch.empty))
+    ones = staticmethod(_on_cpu(torch.ones))
+    tensor = staticmethod(_on_cpu(torch.tensor))
+
+    def __getattr__(self, name):
+        return getattr(torch, name)
+
+
+class _UninitializedDistributed:
+    @staticmethod
+    def is_initialized() -> bool:
+        return False
+
+    def __getattr__(self, name):
+        return getattr(torch.distributed, name)
+
+
+class _TorchWithoutDistributed:
+    distributed = _UninitializedDistributed()
+
+    def __getattr__(self, name):
+        return getattr(torch, name)
+
+
+def _cpu_setup_embeddings(language_module, original):
+    """The original with torch.distributed looking uninitialised (skips its CUDA move and all-reduce), then the
+    all-reduce on the CPU."""
+
+    def setup_embeddings_and_output_layer(self) -> None:
+        language_module.torch = _TorchWithoutDistributed()
+        printed = getattr(language_module.LanguageModule, "embedding_warning_printed", False)
+        language_module.LanguageModule.embedding_warning_printed = True  # the warning would be wrong here
+        try:
+            original(self)
+        finally:
+            language_module.torch = torch
+            language_module.LanguageModule.embedding_warning_printed = printed
+        if torch.distributed.is_initialized() and self.share_embeddings_and_output_weights \
+                and self.config.pipeline_model_parallel_size > 1 and self._is_in_embd_group():
+            torch.distributed.all_reduce(self.shared_embedding_or_output_weight().data, group=self.embd_group)
+
+    return setup_embeddings_and_output_layer
+
+
+def apply_cpu_shim() -> bool:
+    """Patch the three CUDA assumptions when CUDA is absent; idempotent. Returns whether the shim is active."""
+    global _applied
+    if torch.cuda.is_available():
+        return False
+    if _applied:
+        return True
+    from megatron.core.fusions import fused_softmax
+    from megatron.core.models.common.language_module import language_module
+    from megatron.core.pipeline_parallel import p2p_communication, schedules
+    from megatron.core.dist_checkpointing.strategies import filesystem_async, state_dict_saver
+    from megatron.core.transformer.moe import router
+    from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+    from megatron.core.tensor_parallel import random as tp_random
+    from megatron.core.transformer import utils as transformer_utils
+
+    def get_emb_on_cpu(self, max_seq_len: int, offset: int = 0) -> torch.Tensor:
+        # RotaryEmbedding.get_emb without its move of inv_freq to the current CUDA device.
+        freqs = self.get_freqs_non_repeated(max_seq_len, offset)
+        if self.rotary_interleaved:
+            emb = torch.stack((freqs.view(-1, 1), freqs.view(-1, 1)), dim=-1).view(freqs.shape[0], -1)
+        else:
+            emb = torch.cat((freqs, freqs), dim=-1)
+        return emb[:, None, None, :]
+
+    RotaryEmbedding.get_emb = get_emb_on_cpu
+    transformer_utils.get_default_causal_mask = _cpu_causal_mask
+    fused_softmax.get_default_causal_mask = _cpu_causal_mask
+    tp_random.CudaRNGStatesTracker.fork = lambda self, name=None: contextlib.nullcontext()
+    for module in (schedules, p2p_communication, router, filesystem_async, state_dict_saver):
+        module.torch = _CpuDeviceTorch()
+    MoEAlltoAllTokenDispatcher.cuda_dtoh_stream = "cpu: no stream"  # set, so no CUDA stream is created
+    MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize = \
+        lambda self, point, tokens_per_expert=None: tokens_per_expert
+    language_module.LanguageModule.setup_embeddings_and_output_layer = _cpu_setup_embeddings(
+        language_module, language_module.LanguageModule.setup_embeddings_and_output_layer)
+    _applied = True
+    return True

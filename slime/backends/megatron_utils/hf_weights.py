@@ -1,0 +1,121 @@
+"""Megatron model chunks <-> HF checkpoints: fill a rank's chunks from an HF safetensors folder (each rank reads only
+the tensors its shards need), and produce the full HF-named weights from the sharded model (for --save-hf,
+conversion and weight sync).
+
+Not the bucketing or the transport to engines (slime/backends/fsdp_utils/update_weight.py does that for both
+backends) and not Megatron's own checkpoint format (checkpoint.py).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Iterator
+
+import torch
+import torch.distributed as dist
+
+from slime.backends.megatron_utils import tp_shards
+from slime.backends.megatron_utils.hf_mapping import mapping_for
+from slime.backends.megatron_utils.names import named_global_parameters
+from slime.engine.models.weight_loader import checkpoint_files
+
+
+class LazyHFCheckpoint:
+    """`read(hf_name)` of an HF safetensors folder, opening each file once."""
+
+    def __init__(self, path: str | Path):
+        from safetensors import safe_open
+
+        self.path = str(path)
+        self._handles = {}
+        self._file_of = {}
+        for file in checkpoint_files(path):
+            handle = safe_open(str(file), framework="pt")
+            self._handles[file] = handle
+            self._file_of.update((name, file) for name in handle.keys())
+
+    def read(self, hf_name: str) -> torch.Tensor:
+        if hf_name not in self._file_of:
+            raise ValueError(f"HF checkpoint {self.path!r} lacks weight {hf_name!r}")
+        return self._handles[self._file_of[hf_name]].get_tensor(hf_name)
+
+
+@torch.no_grad()
+def load_hf_weights(model_chunks, hf_checkpoint: str | Path, hf_config) -> None:
+    """Copy an HF checkpoint into this rank's (possibly TP / PP / EP sharded) model chunks."""
+    mapping = mapping_for(hf_config)
+    checkpoint = LazyHFCheckpoint(hf_checkpoint)
+    padded_vocab = model_chunks[0].vocab_size
+    for name, param in named_global_parameters(model_chunks):
+        full = mapping.to_megatron(name, checkpoint.read, hf_config, padded_vocab)
+        shard = tp_shards.shard_of(full, name, param)
+        if shard.shape != param.shape:
+            raise ValueError(f"HF checkpoint {str(hf_checkpoint)!r}: {name} has shape {tuple(shard.shape)} after "
+                             f"conversion, the model expects {tuple(param.shape)} (config.json does not match the "
+                             "weights?)")
+        param.copy_(shard)
+
+
+def iter_hf_weights(model_chunks, hf_config) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF name, full tensor) of this rank's pipeline stage and experts, gathered over tensor parallelism.
+    Collective over the TP group: every rank of it must iterate in step. The tensors may alias parameters at TP=1
+    (callers that hand them away copy them)."""
+    mapping = mapping_for(hf_config)
+    for name, param in named_global_parameters(model_chunks):
+        yield from mapping.to_hf(name, tp_shards.full_tensor(name, param), hf_config)
+
+
+def model_hf_weights(model_chunks, hf_config, dtype: torch.dtype | None = None
+                     ) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF name, full tensor) of the whole model on global rank 0, pipeline stage by stage (copies, in `dtype`
+    when given); other ranks take part in the gathers and yield nothing. Collective over all ranks: within each
+    stage of the first data-parallel replica the TP peers gather, and the stage's TP rank 0 sends each tensor to
+    rank 0 (a name message, then the tensor); other replicas hold the same weights and sit out."""
+    from megatron.core import parallel_state
+
+    if parallel_state.get_data_parallel_rank(with_context_parallel=True) != 0:
+        return
+    rank = dist.get_rank()
+    is_stage_sender = parallel_state.get_tensor_model_parallel_rank() == 0
+    pp_size = parallel_state.get_pipeline_model_parallel_world_size()
+    my_stage = parallel_state.get_pipeline_model_parallel_rank()
+    pp_group = parallel_state.get_pipeline_model_parallel_group()
+    for stage in range(pp_size):
+        sender = dist.get_global_rank(pp_group, stage)  # the stage's rank in rank 0's pipeline (its TP rank 0)
+        if stage == my_stage:
+            for hf_name, tensor in iter_hf_weights(model_chunks, hf_config):
+                tensor = tensor.to(dtype or tensor.dtype, copy=True)
+                if rank == 0:
+                    yield hf_name, tensor
+                elif is_stage_sender:
+                    dist.send_object_list([(hf_name, tensor.shape, tensor.dtype)], dst=0)
+                    dist.send(tensor, dst=0)
+            if is_stage_sender and rank != 0:
+                dist.send_object_list([None], dst=0)
+        elif rank == 0:
+            while True:
+                header = [None]
+                dist.recv_object_list(header, src=sender)
+                if header[0] is None:
+                    break
+                hf_name, shape, tensor_dtype = header[0]
+                tensor = torch.empty(shape, dtype=tensor_dtype, device=next(model_chunks[0].parameters()).device)
+                dist.recv(tensor, src=sender)
+                yield hf_name, tensor
+
+
+def save_hf_checkpoint(model_chunks, hf_config, out_dir: str | Path, source_checkpoint: str | Path) -> None:
+    """Write an HF safetensors folder (weights, config and tokenizer files of `source_checkpoint`); collective."""
+    from safetensors.torch import save_file
+
+    state = {name: tensor.cpu() for name, tensor in model_hf_weights(model_chunks, hf_config)}
+    if dist.get_rank() != 0:
+        return
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    save_file({name: tensor.contiguous() for name, tensor in state.items()}, str(out_dir / "model.safetensors"),
+              metadata={"format": "pt"})
+    source = Path(source_checkpoint)
+    for file in source.iterdir():
+        if file.is_file() and not file.name.endswith(".safetensors") and file.name != "model.safetensors.index.json":
+            (out_dir / file.name).write_bytes(file.read_bytes())

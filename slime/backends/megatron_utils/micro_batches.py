@@ -1,0 +1,112 @@
+"""Packed micro-batches through megatron-core's pipeline schedules (`get_forward_backward_func`): forward-only
+passes for log-probs / entropy, and forward + backward of a loss.
+
+A micro-batch is the project's `PackedMicroBatch` (slime/backends/fsdp_utils/data.py: samples concatenated into
+one row, positions restarting per sample, `logit_index` / `target_ids` of the response tokens); here it becomes
+Megatron's THD input: `input_ids` / `position_ids` [1, T] and `PackedSeqParams(qkv_format="thd", cu_seqlens)`.
+With sequence parallelism the row is padded to a multiple of the TP size by a padding segment of its own (pad id
+0), so no real token attends to it. Outputs live on the last pipeline stage; what the caller needs (log-probs,
+entropy, loss metrics) is broadcast from there to every stage. The loss is computed per micro-batch as the
+caller's share of the global loss (no division by the number of micro-batches: `calculate_per_token_loss`).
+
+Not the micro-batch schedule (data.py decides which samples form each micro-batch) and not the loss math.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import partial
+
+import torch
+import torch.distributed as dist
+
+from slime.backends.backend import LossOf
+from slime.backends.packing import PackedMicroBatch, to_device
+from slime.backends.megatron_utils.log_probs import vocab_parallel_log_probs_and_entropy
+
+
+@dataclass
+class ThdInput:
+    input_ids: torch.Tensor  # [1, T]
+    position_ids: torch.Tensor  # [1, T]
+    packed_seq_params: object
+
+
+def thd_input(micro_batch: PackedMicroBatch, device, pad_multiple: int) -> ThdInput:
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    input_ids, position_ids, cu_seqlens = micro_batch.input_ids, micro_batch.position_ids, micro_batch.cu_seqlens
+    max_seqlen = micro_batch.max_seqlen
+    padding = -micro_batch.num_tokens % pad_multiple
+    if padding:
+        input_ids = torch.cat([input_ids, input_ids.new_zeros(1, padding)], dim=1)
+        position_ids = torch.cat([position_ids, torch.arange(padding, dtype=position_ids.dtype)[None]], dim=1)
+        cu_seqlens = torch.cat([cu_seqlens, cu_seqlens[-1:] + padding])
+        max_seqlen = max(max_seqlen, padding)
+    cu_seqlens = to_device(cu_seqlens.to(torch.int32), device)
+    params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu_seqlens, cu_seqlens_kv=cu_seqlens,
+                             max_seqlen_q=max_seqlen, max_seqlen_kv=max_seqlen)
+    return ThdInput(to_device(input_ids, device), to_device(position_ids, device), params)
+
+
+def _pad_multiple(config) -> int:
+    return config.tensor_model_parallel_size if config.sequence_parallel else 1
+
+
+def _broadcast_from_last_stage(value):
+    from megatron.core import parallel_state
+
+    if parallel_state.get_pipeline_model_parallel_world_size() == 1:
+        return value
+    group = parallel_state.get_pipeline_model_parallel_group()
+    last = dist.get_global_rank(group, dist.get_world_size(group) - 1)
+    holder = [value]
+    dist.broadcast_object_list(holder, src=last, group=group)
+    return holder[0]
+
+
+def run_micro_batches(model_chunks, micro_batches: list[PackedMicroBatch], *, temperature: float, vocab_size: int,
+                      device, loss_of: LossOf | None = None):
+    """Forward-only (loss_of None): per micro-batch (log_probs, entropy) host tensors of its response tokens, on
+    every rank. Otherwise forward + backward of `loss_of(index of the micro-batch, (log_probs, entropy)) -> (loss,
+    metrics)` (gradients accumulate in .grad); returns the per-micro-batch metric dicts (floats), on every rank."""
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    if not micro_batches:
+        return []
+    forward_only = loss_of is None
+    config = model_chunks[0].config
+    pad_multiple = _pad_multiple(config)
+    outputs = []
+
+    def loss_func(index: int, micro_batch: PackedMicroBatch, logits: torch.Tensor):
+        rows = logits[0].index_select(0, to_device(micro_batch.logit_index, logits.device))
+        log_probs, entropy = vocab_parallel_log_probs_and_entropy(
+            rows, to_device(micro_batch.target_ids, logits.device), temperature, vocab_size)
+        if forward_only:
+            outputs.append((log_probs.detach().cpu(), entropy.detach().cpu()))
+            return log_probs.sum() * 0.0, torch.tensor(1), {}
+        loss, metrics = loss_of(index, (log_probs, entropy))
+        outputs.append({key: float(value) for key, value in metrics.items()})
+        return loss, torch.tensor(1), {}
+
+    def forward_step(data_iterator, model):
+        index, micro_batch = next(data_iterator)
+        inputs = thd_input(micro_batch, device, pad_multiple)
+        output = model(inputs.input_ids, inputs.position_ids, None, packed_seq_params=inputs.packed_seq_params)
+        return output, partial(loss_func, index, micro_batch)
+
+    for chunk in model_chunks:
+        chunk.train(not forward_only)
+    context = torch.no_grad() if forward_only else torch.enable_grad()
+    with context:
+        get_forward_backward_func()(
+            forward_step_func=forward_step,
+            data_iterator=iter(enumerate(micro_batches)),
+            model=model_chunks if len(model_chunks) > 1 else model_chunks[0],
+            num_microbatches=len(micro_batches),
+            seq_length=max(mb.num_tokens + pad_multiple for mb in micro_batches),
+            micro_batch_size=1,
+            forward_only=forward_only,
+        )
+    return _broadcast_from_last_stage(outputs)

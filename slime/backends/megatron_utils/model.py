@@ -1,0 +1,155 @@
+"""A megatron-core `GPTModel` built from a Hugging Face config: Qwen2 / Qwen2.5 (QKV bias), Qwen3 (q/k RMSNorm),
+Llama 3 (dense) and Qwen3-MoE (MoE layers).
+
+Layer spec: Transformer Engine's when TE is importable (its attention core takes packed THD batches), otherwise
+megatron-core's local spec with `PackedCoreAttention` in place of the local core (which refuses packed batches).
+MoE experts: TE's grouped experts with the TE spec; with the local spec `SequentialMLP` (one MLP per local expert:
+grouped GEMM needs the grouped_gemm CUDA package or TE, neither installable on the CPU machines).
+dtype: fp32 on the CPU (bf16 there is ~13x slower); on the GPU bf16 parameters with `--bf16` (the optimizer keeps
+fp32 main params), else fp32.
+
+Not the weights: the model is randomly initialised here; hf_mapping/ fills it from a checkpoint.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import torch
+import torch.nn.functional as F
+
+from slime.backends.megatron_utils.attention import PackedCoreAttention
+
+SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "llama", "qwen3_moe")
+VOCAB_PAD_MULTIPLE = 128  # Megatron's --make-vocab-size-divisible-by default, times the TP size
+
+
+def transformer_engine_available() -> bool:
+    return torch.cuda.is_available() and importlib.util.find_spec("transformer_engine") is not None
+
+
+def padded_vocab_size(vocab_size: int, tp_size: int) -> int:
+    multiple = VOCAB_PAD_MULTIPLE * tp_size
+    return -(-vocab_size // multiple) * multiple
+
+
+def transformer_config(args, hf_config):
+    """megatron-core `TransformerConfig` for the HF config and the parallelism flags."""
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    model_type = hf_config.model_type
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(f"--train-backend megatron supports model_type {', '.join(SUPPORTED_MODEL_TYPES)}; "
+                         f"{args.hf_checkpoint} is {model_type!r} (use --train-backend fsdp for it)")
+    on_gpu = torch.cuda.is_available()
+    use_bf16 = bool(args.bf16) and on_gpu
+    head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
+    moe = {}
+    if model_type == "qwen3_moe":
+        moe = dict(
+            num_moe_experts=hf_config.num_experts,
+            moe_router_topk=hf_config.num_experts_per_tok,
+            moe_ffn_hidden_size=hf_config.moe_intermediate_size,
+            # Qwen3-MoE: softmax over all experts, top-k, renormalised when norm_topk_prob; Megatron's top-k of
+            # the logits then softmax over the k equals the renormalised form.
+            moe_router_pre_softmax=not hf_config.norm_topk_prob,
+            moe_router_load_balancing_type="none",
+            moe_aux_loss_coeff=0.0,
+            moe_grouped_gemm=transformer_engine_available(),
+            moe_router_dtype="fp32",
+        )
+        if hf_config.decoder_sparse_step != 1 or hf_config.mlp_only_layers:
+            raise ValueError("Qwen3-MoE with dense layers (mlp_only_layers / decoder_sparse_step != 1) is not "
+                             "supported by --train-backend megatron")
+    return TransformerConfig(
+        num_layers=hf_config.num_hidden_layers,
+        hidden_size=hf_config.hidden_size,
+        ffn_hidden_size=hf_config.intermediate_size,
+        num_attention_heads=hf_config.num_attention_heads,
+        num_query_groups=hf_config.num_key_value_heads,
+        kv_channels=head_dim,
+        normalization="RMSNorm",
+        layernorm_epsilon=hf_config.rms_norm_eps,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=model_type == "qwen2" or bool(getattr(hf_config, "attention_bias", False)),
+        qk_layernorm=model_type in ("qwen3", "qwen3_moe"),
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        tensor_model_parallel_size=args.tensor_model_parallel_size,
+        pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+        virtual_pipeline_model_parallel_size=args.virtual_pipeline_model_parallel_size,
+        context_parallel_size=args.context_parallel_size,
+        expert_model_parallel_size=args.expert_model_parallel_size,
+        expert_tensor_parallel_size=args.expert_tensor_parallel_size,
+        sequence_parallel=args.sequence_parallel,
+        recompute_granularity=args.recompute_granularity,
+        recompute_method=args.recompute_method,
+        recompute_num_layers=args.recompute_num_layers,
+        variable_seq_lengths=True,
+        # The loss function returns its share of the global loss: the schedules must not divide it again.
+        calculate_per_token_loss=True,
+        use_cpu_initialization=not on_gpu,
+        perform_initialization=True,
+        params_dtype=torch.bfloat16 if use_bf16 else torch.float32,
+        bf16=use_bf16,
+        pipeline_dtype=torch.bfloat16 if use_bf16 else torch.float32,
+        gradient_accumulation_fusion=False,
+        bias_dropout_fusion=False,
+        apply_rope_fusion=False,
+        masked_softmax_fusion=False,
+        persist_layer_norm=False,
+        deallocate_pipeline_outputs=False,
+        init_method_std=getattr(hf_config, "initializer_range", 0.02),
+        # allgather (the default) refuses variable sequence lengths; alltoall serves dense models as a no-op.
+        moe_token_dispatcher_type="alltoall",
+        **moe,
+    )
+
+
+def layer_spec(config):
+    if transformer_engine_available():
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
+
+        return get_gpt_layer_with_transformer_engine_spec(
+            num_experts=config.num_moe_experts, moe_grouped_gemm=config.moe_grouped_gemm,
+            qk_layernorm=config.qk_layernorm)
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.moe import moe_utils
+
+    if config.num_moe_experts and not hasattr(moe_utils, "te_general_gemm"):
+        # megatron-core 0.16.1 without Transformer Engine leaves this name undefined, and the router's gating
+        # linear tests it against None: None is the fallback to torch's matmul it intends.
+        moe_utils.te_general_gemm = None
+    spec = get_gpt_layer_local_spec(num_experts=config.num_moe_experts, moe_grouped_gemm=False,
+                                    qk_layernorm=config.qk_layernorm, normalization="RMSNorm")
+    spec.submodules.self_attention.submodules.core_attention = PackedCoreAttention
+    return spec
+
+
+def build_gpt_model(args, hf_config, vp_stage: int | None = None):
+    """This pipeline stage's GPTModel (model chunk `vp_stage` with virtual pipeline stages)."""
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt import GPTModel
+
+    config = transformer_config(args, hf_config)
+    rope = hf_config.rope_parameters or {}
+    if rope.get("rope_type", "default") != "default":
+        raise ValueError(f"rope_parameters {rope} of {args.hf_checkpoint}: --train-backend megatron supports plain "
+                         "RoPE only (rope_type 'default')")
+    model = GPTModel(
+        config=config,
+        transformer_layer_spec=layer_spec(config),
+        vocab_size=padded_vocab_size(hf_config.vocab_size, args.tensor_model_parallel_size),
+        max_sequence_length=hf_config.max_position_embeddings,
+        pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
+        post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
+        share_embeddings_and_output_weights=bool(hf_config.tie_word_embeddings),
+        position_embedding_type="rope",
+        rotary_base=int(rope["rope_theta"]),
+        vp_stage=vp_stage,
+    )
+    if torch.cuda.is_available():
+        model.cuda(torch.cuda.current_device())
+    return model

@@ -1,0 +1,165 @@
+"""Routing replay for MoE policies: which experts the trainer's routers pick in each pass (slime's stages).
+
+- `fallthrough`: route freely (the reference and teacher passes; every pass without replay).
+- `record` (--use-routing-replay, old-policy pass): route freely and keep the picks of every micro-batch, so the
+  training forward and backward can replay them (`take_records`).
+- `replay_forward` (R3, old-policy pass) and `replay_backward` (training forward and its recompute in the
+  backward): use the micro-batch's given routing, from the rollout engine (R3) or from the record.
+
+A backend-neutral object: the model's routers call `select(layer, probs)` for the expert ids (the routing weights
+are then the router's own probabilities at those ids, so the router still learns); the backend wraps each
+micro-batch's forward (and backward) in `micro_batch(routing)`. Routing rows are per packed token
+[num_tokens, num_moe_layers, top_k]; a row of -1 routes freely (the last token of a sample, which predicts nothing
+and that the engine never forwarded). While replaying it also measures the router agreement: per MoE layer, the
+fraction of replayed tokens whose free top-k set equals the replayed one (in the replay_forward pass). Not the router itself (each backend
+patches its model's, e.g. fsdp_utils/moe_router.py) and not the load-balancing loss (moe_aux_loss.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+
+import numpy as np
+import torch
+
+
+class ReplayStage(str, enum.Enum):
+    FALLTHROUGH = "fallthrough"
+    RECORD = "record"
+    REPLAY_FORWARD = "replay_forward"
+    REPLAY_BACKWARD = "replay_backward"
+
+
+FREE_ROW = -1  # a routing row that the router fills itself
+
+
+class RoutingReplay:
+    def __init__(self, num_layers: int, top_k: int, num_experts: int):
+        self.num_layers, self.top_k, self.num_experts = num_layers, top_k, num_experts
+        self.stage = ReplayStage.FALLTHROUGH
+        self._routing: torch.Tensor | None = None  # the micro-batch in flight's [num_tokens, layers, top_k]
+        self._picks: list[torch.Tensor | None] = [None] * num_layers
+        self._records: list[torch.Tensor] = []
+        self._agreement = torch.zeros(num_layers, 2, dtype=torch.float64)  # per layer: agreeing, replayed tokens
+
+    @property
+    def replaying(self) -> bool:
+        return self.stage in (ReplayStage.REPLAY_FORWARD, ReplayStage.REPLAY_BACKWARD)
+
+    @contextlib.contextmanager
+    def micro_batch(self, routing: torch.Tensor | None):
+        """Around one micro-batch's forward (and backward): the routing to replay, [num_tokens, layers, top_k]."""
+        if self.replaying and routing is None:
+            raise ValueError(f"routing replay ({self.stage.value}): this micro-batch carries no routing record")
+        self._routing = routing
+        try:
+            yield
+            if self.stage is ReplayStage.RECORD:
+                missing = [layer for layer, picks in enumerate(self._picks) if picks is None]
+                assert not missing, f"MoE layers {missing} did not route this micro-batch"
+                self._records.append(torch.stack(self._picks, dim=1).cpu())
+        finally:
+            self._routing = None
+            self._picks = [None] * self.num_layers
+
+    def select(self, layer: int, probs: torch.Tensor) -> torch.Tensor:
+        """Expert ids [num_tokens, top_k] for `probs` [num_tokens, num_experts] of MoE layer `layer`."""
+        free = torch.topk(probs, self.top_k, dim=-1).indices
+        if self.stage is ReplayStage.RECORD:
+            self._picks[layer] = free.detach()
+        if not self.replaying:
+            return free
+        routing = self._routing[:, layer].to(free.device)
+        if routing.shape != free.shape:
+            raise ValueError(f"routing replay: the record has {tuple(routing.shape)} ids at MoE layer {layer}, "
+                             f"the micro-batch routes {tuple(free.shape)}")
+        replayed = routing[:, 0] != FREE_ROW
+        if self.stage is ReplayStage.REPLAY_FORWARD:  # once per token (a backward's recompute would count twice)
+            with torch.no_grad():
+                same = (free.sort(dim=-1).values == routing.sort(dim=-1).values).all(dim=-1) & replayed
+                self._agreement = self._agreement.to(free.device)  # summed on the device: no sync per layer
+                self._agreement[layer, 0] += same.sum()
+                self._agreement[layer, 1] += replayed.sum()
+        return torch.where(replayed[:, None], routing.long(), free)
+
+    def take_records(self) -> list[torch.Tensor]:
+        """The picks of every micro-batch since the last call (record stage), in forward order."""
+        records, self._records = self._records, []
+        return records
+
+    def take_agreement(self) -> torch.Tensor:
+        """Per MoE layer (agreeing tokens, replayed tokens) since the last call, float64 [num_layers, 2]."""
+        agreement, self._agreement = self._agreement, torch.zeros_like(self._agreement)
+        return agreement.cpu()
+
+
+def pack_routing(records: list, sample_lengths: list[int], sample_names: list[str], num_layers: int, top_k: int,
+                 num_experts: int) -> torch.Tensor:
+    """One micro-batch's routing [sum(sample_lengths), num_layers, top_k] int32 from per-sample records (one row per
+    token but the last, the engine's layout; the last row routes freely). A missing record, a wrong shape or an
+    expert id out of range is a ValueError naming the sample."""
+    rows = []
+    for record, length, name in zip(records, sample_lengths, sample_names):
+        if record is None:
+            raise ValueError(f"routing replay: {name} has no routing record (rollout_routed_experts)")
+        record = np.asarray(record)
+        if record.shape != (length - 1, num_layers, top_k):
+            raise ValueError(f"routing replay: {name}'s routing record has shape {record.shape}, expected "
+                             f"{(length - 1, num_layers, top_k)} (len(tokens) - 1, MoE layers, top-k)")
+        if record.size and (record.min() < 0 or record.max() >= num_experts):
+            raise ValueError(f"routing replay: {name}'s routing record holds expert ids outside [0, {num_experts})")
+        rows += [record.astype(np.int32, copy=False), np.full((1, num_layers, top_k), FREE_ROW, dtype=np.int32)]
+    return torch.from_numpy(np.concatenate(rows))
+
+
+def agreement_metrics(agreement: torch.Tensor) -> dict:
+    """Router agreement engine vs trainer from `take_agreement` (summed over ranks): the overall fraction of
+    tokens whose top-k set matches, and quantiles of the per-layer fractions."""
+    counts = agreement[agreement[:, 1] > 0]
+    if not len(counts):
+        return {}
+    per_layer = counts[:, 0] / counts[:, 1]
+    quantiles = torch.quantile(per_layer, torch.tensor([0.0, 0.1, 0.5], dtype=per_layer.dtype))
+    return {
+        "train/router_agreement": float(counts[:, 0].sum() / counts[:, 1].sum()),
+        "train/router_agreement_layer_min": float(quantiles[0]),
+        "train/router_agreement_layer_p10": float(quantiles[1]),
+        "train/router_agreement_layer_p50": float(quantiles[2]),
+    }
+
+
+def log_prob_stage(args, store_prefix: str) -> ReplayStage:
+    """The stage of a forward-only pass (TrainFlow.compute_log_probs' store_prefix): the policy's old log-probs
+    ("", or "pushed:<version>_" with --keep-old-actor) replay the rollout's routing with R3 and record it with
+    --use-routing-replay (the plain old-policy pass only); the reference and teacher route freely."""
+    if store_prefix in ("ref_", "teacher_"):
+        return ReplayStage.FALLTHROUGH
+    if args.use_rollout_routing_replay:
+        return ReplayStage.REPLAY_FORWARD
+    if args.use_routing_replay and store_prefix == "":
+        return ReplayStage.RECORD
+    return ReplayStage.FALLTHROUGH
+
+
+def attach_rollout_routing(schedule, data: dict, replay: RoutingReplay) -> None:
+    """R3: give every packed micro-batch of the schedule the engine's routing of its samples."""
+    records = data.get("rollout_routed_experts")
+    if records is None:
+        raise ValueError("--use-rollout-routing-replay: the train data has no rollout_routed_experts (the rollout "
+                         "must ask the engines for return_routed_experts; the default rollout does)")
+    names = data.get("sample_indices") or list(range(len(records)))
+    for micro_batch in (micro_batch for step in schedule for micro_batch in step):
+        indices = micro_batch.sample_indices
+        micro_batch.routed_experts = pack_routing(
+            [records[i] for i in indices], [len(data["tokens"][i]) for i in indices],
+            [f"sample {names[i]}" for i in indices], replay.num_layers, replay.top_k, replay.num_experts)
+
+
+def attach_records(schedule, records: list[torch.Tensor]) -> None:
+    """--use-routing-replay: the old-policy pass's picks (one per micro-batch, in forward order) become the routing
+    that the training forward and backward of the same micro-batch replay."""
+    micro_batches = [micro_batch for step in schedule for micro_batch in step]
+    assert len(records) == len(micro_batches), f"{len(records)} routing records for {len(micro_batches)} micro-batches"
+    for micro_batch, record in zip(micro_batches, records):
+        micro_batch.routed_experts = record

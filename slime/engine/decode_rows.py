@@ -1,0 +1,100 @@
+"""The per-row host arrays of a decode batch (padded block tables, sampling seeds and parameters, prompt lengths),
+kept from one decode step to the next so that a steady decode step does not rebuild them from every sequence's
+Python lists: rows of sequences that left are dropped, a sequence that joined gets its row built once, and a row's
+block table is rewritten only when it grew a block.
+
+Numpy, no torch. Valid across consecutive decode steps only: the model runner clears it when a step runs eagerly
+(prefill) and when the KV cache is freed. Between two consecutive decode steps a sequence cannot be preempted and
+readmitted with a new block table of the same length (the scheduler never readmits in the step that preempted, so
+the sequence is absent from one of the two batches and its row is dropped). Not the step's per-token inputs
+(positions, slots, token ids: those change every step and the model runner computes them).
+"""
+
+from __future__ import annotations
+
+import itertools
+from operator import attrgetter
+
+import numpy as np
+
+from slime.engine.sequence import Sequence
+
+_block_table = attrgetter("block_table")
+
+
+def sampling_values(params, vocab_size: int) -> tuple[float, float, float, int, bool]:
+    """(temperature, top_p, min_p, top_k, needs_filtering) of one SamplingParams as the sampler takes them."""
+    top_k = vocab_size if params.top_k == -1 else params.top_k
+    top_p = params.top_p if params.top_p < 1.0 else 2.0  # 2.0: never cut by float round-off
+    needs_filtering = params.top_k != -1 or params.top_p < 1.0 or params.min_p > 0.0
+    return params.temperature, top_p, params.min_p, top_k, needs_filtering
+
+
+class DecodeRows:
+    def __init__(self, vocab_size: int):
+        self.vocab_size = vocab_size
+        self.clear()
+
+    def clear(self) -> None:
+        self.seqs: list[Sequence] = []  # strong references: the ids in _row_of stay unique while cached
+        self._row_of: dict[int, int] = {}
+        self._allocate(0, 1)
+
+    def _allocate(self, num_rows: int, width: int) -> None:
+        self.block_tables = np.zeros((num_rows, width), dtype=np.int32)
+        self.num_blocks = np.zeros(num_rows, dtype=np.int64)
+        self.seeds = np.zeros(num_rows, dtype=np.int64)
+        self.num_prompt_tokens = np.zeros(num_rows, dtype=np.int64)
+        self.float_params = np.zeros((3, num_rows), dtype=np.float32)  # temperature, top_p, min_p
+        self.top_ks = np.zeros(num_rows, dtype=np.int64)
+        self.needs_filtering = np.zeros(num_rows, dtype=bool)
+        self.min_new_tokens = np.zeros(num_rows, dtype=np.int64)
+
+    def _take(self, rows: np.ndarray, width: int) -> None:
+        """Keep rows `rows` of every array, in that order; block tables padded to `width` columns."""
+        tables = self.block_tables
+        if width > tables.shape[1]:
+            tables = np.pad(tables, ((0, 0), (0, width - tables.shape[1])))
+        self.block_tables = tables[rows]
+        self.seeds = self.seeds[rows]
+        self.num_prompt_tokens = self.num_prompt_tokens[rows]
+        self.float_params = self.float_params[:, rows]
+        self.top_ks = self.top_ks[rows]
+        self.needs_filtering = self.needs_filtering[rows]
+        self.min_new_tokens = self.min_new_tokens[rows]
+
+    def update(self, seqs: list[Sequence]) -> None:
+        """Make row i describe seqs[i]."""
+        num_rows = len(seqs)
+        old_rows = np.fromiter(map(self._row_of.get, map(id, seqs), itertools.repeat(-1)), dtype=np.int64,
+                               count=num_rows)
+        num_blocks = np.fromiter(map(len, map(_block_table, seqs)), dtype=np.int64, count=num_rows)
+        joined = old_rows < 0
+        if joined.all():
+            self._allocate(num_rows, int(num_blocks.max()))
+            stale = range(num_rows)
+        else:
+            old_rows[joined] = 0  # any row: rewritten below
+            grew = num_blocks != self.num_blocks[old_rows]
+            self._take(old_rows, max(int(num_blocks.max()), self.block_tables.shape[1]))
+            stale = np.flatnonzero(joined | grew).tolist()
+        for row in stale:
+            seq = seqs[row]
+            table = seq.block_table
+            self.block_tables[row, : len(table)] = table
+            self.block_tables[row, len(table) :] = 0
+            if joined[row]:
+                self._fill_request_row(row, seq)
+        self.num_blocks = num_blocks
+        self.seqs = seqs
+        self._row_of = dict(zip(map(id, seqs), range(num_rows)))
+
+    def _fill_request_row(self, row: int, seq: Sequence) -> None:
+        params = seq.sampling_params
+        temperature, top_p, min_p, top_k, needs_filtering = sampling_values(params, self.vocab_size)
+        self.seeds[row] = seq.seed
+        self.num_prompt_tokens[row] = seq.num_prompt_tokens
+        self.float_params[:, row] = (temperature, top_p, min_p)
+        self.top_ks[row] = top_k
+        self.needs_filtering[row] = needs_filtering
+        self.min_new_tokens[row] = params.min_new_tokens

@@ -1,0 +1,72 @@
+"""Mixture-of-experts feed-forward for the engine: a top-k softmax router (`select_experts`) and the routed experts
+(`GroupedExperts`), computed with the token-expert pairs sorted by expert so every expert's tokens are one
+contiguous group.
+
+The groups run as one `torch.nn.functional.grouped_mm` per projection when this torch has it (CPU and CUDA;
+static shapes, so decode CUDA graphs capture it: the group offsets are computed on the device, never read on the
+host); otherwise as one matmul per expert over its slice. Either way no Python loop over tokens. Expert weights are
+stored as transformers 5 stores them in memory: `gate_up_proj` [num_experts, 2 * intermediate, hidden] (gate rows
+first) and `down_proj` [num_experts, hidden, intermediate]. Not the router's parameters or the shared expert
+(`models/moe_block.py`), not weight-name mapping (`models/weight_loader.py`).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from slime.engine.layers.activation import SiluAndMul
+
+
+def select_experts(router_logits: torch.Tensor, top_k: int, norm_topk_prob: bool):
+    """(weights [num_tokens, top_k] in the logits' dtype, expert ids [num_tokens, top_k]) of a softmax router:
+    softmax in float32 over all experts, the top_k largest, renormalized to sum 1 when `norm_topk_prob` (Qwen3-MoE,
+    Qwen2-MoE's convention)."""
+    probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
+    weights, expert_ids = torch.topk(probs, top_k, dim=-1)
+    if norm_topk_prob:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights.to(router_logits.dtype), expert_ids
+
+
+def grouped_mm_available() -> bool:
+    return hasattr(F, "grouped_mm")
+
+
+class GroupedExperts(nn.Module):
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int):
+        super().__init__()
+        self.num_experts = num_experts
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
+        self.act = SiluAndMul()
+        # Set by the model runner after checking grouped_mm works for this device and dtype.
+        self.use_grouped_mm = grouped_mm_available()
+
+    def forward(self, hidden: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """hidden [num_tokens, hidden]; expert_ids, weights [num_tokens, top_k] -> [num_tokens, hidden]."""
+        num_tokens, top_k = expert_ids.shape
+        flat_ids = expert_ids.reshape(-1)
+        sorted_ids, order = torch.sort(flat_ids)
+        grouped_hidden = hidden[order // top_k]
+        # ends[e] = number of pairs routed to experts <= e: the groups' end offsets, computed on the device.
+        expert_range = torch.arange(self.num_experts, device=hidden.device)
+        ends = torch.searchsorted(sorted_ids, expert_range, right=True).to(torch.int32)
+        intermediate = self.act(self._grouped_linear(grouped_hidden, self.gate_up_proj, ends))
+        out = self._grouped_linear(intermediate, self.down_proj, ends)
+        out = out * weights.reshape(-1)[order].unsqueeze(-1)
+        unsorted = torch.empty_like(out).index_copy_(0, order, out)
+        return unsorted.view(num_tokens, top_k, -1).sum(dim=1)
+
+    def _grouped_linear(self, grouped: torch.Tensor, weight: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+        """grouped [num_pairs, in] sorted by expert; weight [num_experts, out, in] -> [num_pairs, out]."""
+        if self.use_grouped_mm:
+            return F.grouped_mm(grouped, weight.transpose(-2, -1), offs=ends)
+        out = grouped.new_empty(grouped.shape[0], weight.shape[1])
+        start = 0
+        for expert, end in enumerate(ends.tolist()):
+            if end > start:
+                out[start:end] = grouped[start:end] @ weight[expert].T
+            start = end
+        return out

@@ -1,0 +1,156 @@
+"""`--sglang-*` and `--router-*` flags as slime passes them through.
+
+Every flag of SGLang's server (`ServerArgs`, snapshot in `sglang_server_flags.json`, less the ones slime sets itself)
+is accepted as `--sglang-<flag>` with dest `sglang_<dest>` and default None (= not given: SGLang's own default
+applies). With `--rollout-backend sglang` every given one goes to the SGLang server (`sglang_server_flags`). With the
+built-in engine a flag that has a meaning maps onto the engine's Config (`SGLANG_FLAG_TO_ENGINE_CONFIG`); the others
+are accepted and reported once at start-up. A `--sglang-*` flag SGLang does not have is an error naming the closest
+spelling. `--router-*` flags are sglang-router's own (`RouterArgs.add_cli_args(use_router_prefix=True)`) and go to
+the router process (`router_cli_flags`), with slime's defaults for the balance thresholds and the log level.
+"""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import json
+from pathlib import Path
+
+from sglang_router.launch_router import RouterArgs
+
+SNAPSHOT = json.loads((Path(__file__).with_name("sglang_server_flags.json")).read_text())
+SGLANG_SERVER_FLAGS = SNAPSHOT["flags"]
+
+# --sglang-* flags that mean something to the built-in engine -> (Config field, type).
+SGLANG_FLAG_TO_ENGINE_CONFIG = {
+    "sglang_mem_fraction_static": ("gpu_memory_utilization", float),
+    "sglang_context_length": ("max_model_len", int),
+    "sglang_max_running_requests": ("max_num_seqs", int),
+    "sglang_chunked_prefill_size": ("max_num_batched_tokens", int),
+    "sglang_max_prefill_tokens": ("max_num_batched_tokens", int),
+    "sglang_page_size": ("kvcache_block_size", int),
+    "sglang_disable_cuda_graph": ("enforce_eager", bool),
+    "sglang_disable_overlap_schedule": ("overlap_schedule", "negated bool"),
+    "sglang_dtype": ("dtype", str),
+}
+# Flags of slime's own with the sglang prefix, and flags registered elsewhere (slime.utils.engine_access).
+SLIME_SGLANG_FLAGS = ("--sglang-router-ip", "--sglang-router-port", "--sglang-router-request-timeout-secs",
+                      "--sglang-server-concurrency", "--sglang-config")
+ROUTER_DEFAULTS = {"router_balance_abs_threshold": 10, "router_balance_rel_threshold": 1.2, "router_log_level": "warn"}
+# Set by the router launcher itself (slime.ray.router), not passed through.
+ROUTER_OWNED = ("router_policy", "router_log_level", "router_request_timeout_secs", "router_prometheus_host",
+                "router_prometheus_port", "router_api_key")
+
+
+def _str2bool(value: str) -> bool:
+    lowered = str(value).lower()
+    if lowered in ("1", "true", "yes", "on"):
+        return True
+    if lowered in ("0", "false", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true/false, got {value!r}")
+
+
+def add_sglang_arguments(parser) -> None:
+    g = parser.add_argument_group("sglang (slime's own --sglang-* flags, then SGLang's server flags)")
+    g.add_argument("--sglang-router-ip", default=None)
+    g.add_argument("--sglang-router-port", type=int, default=None)
+    g.add_argument("--sglang-router-request-timeout-secs", type=int, default=14400)
+    g.add_argument("--sglang-server-concurrency", type=int, default=512, help="in-flight requests per engine")
+    g.add_argument("--sglang-config", default=None)
+    g.add_argument("--prefill-num-servers", type=int, default=None)
+    for spec in SGLANG_SERVER_FLAGS:
+        flags = ["--sglang-" + flag[2:] for flag in spec["flags"]]
+        flags = [flag for flag in flags if flag not in parser._option_string_actions]
+        if not flags:
+            continue
+        dest = "sglang_" + spec["dest"]
+        if spec["takes_value"]:
+            g.add_argument(*flags, dest=dest, default=None, nargs=spec["nargs"], choices=spec["choices"],
+                           help=argparse.SUPPRESS)
+        else:  # a switch; `--flag=false` also works
+            g.add_argument(*flags, dest=dest, default=None, nargs="?", const=True, type=_str2bool,
+                           help=argparse.SUPPRESS)
+
+
+def add_router_arguments(parser) -> None:
+    router = argparse.ArgumentParser(add_help=False)
+    RouterArgs.add_cli_args(router, use_router_prefix=True, exclude_host_port=True)
+    g = parser.add_argument_group("router (sglang-router's --router-* flags)")
+    for action in router._actions:
+        if action.option_strings and action.dest.startswith("router_"):
+            g._add_action(action)
+    parser.set_defaults(**ROUTER_DEFAULTS)
+
+
+def closest_flag_error(token: str, parser) -> str:
+    """The message for an unknown flag: the closest spellings among the parser's flags."""
+    flag = token.split("=", 1)[0]
+    pool = [option for option in parser._option_string_actions if option.startswith("--")]
+    if flag.startswith("--sglang-"):
+        pool = [option for option in pool if option.startswith("--sglang-")]
+        what = f"{flag} is not a flag of SGLang's server (sglang 0.5.15) nor of slime"
+    elif flag.startswith("--router-"):
+        pool = [option for option in pool if option.startswith("--router-")]
+        what = f"{flag} is not a flag of sglang-router"
+    else:
+        what = f"unknown argument {flag}"
+    matches = difflib.get_close_matches(flag, pool, n=3, cutoff=0.6)
+    return what + (f"; did you mean {' or '.join(matches)}?" if matches else " (see `python train.py --help`)")
+
+
+def given_sglang_flags(args) -> dict:
+    """{dest: value} of the SGLang server flags this run gives (not None)."""
+    dests = {"sglang_" + spec["dest"] for spec in SGLANG_SERVER_FLAGS}
+    return {dest: getattr(args, dest) for dest in sorted(dests) if getattr(args, dest, None) is not None}
+
+
+def engine_config_from_sglang_flags(args) -> tuple[dict, list[str]]:
+    """(built-in engine Config fields from the given --sglang-* flags, the given flags it has no use for)."""
+    from slime.utils.validate_args import ArgumentError
+
+    config, unused = {}, []
+    for dest, value in given_sglang_flags(args).items():
+        if dest not in SGLANG_FLAG_TO_ENGINE_CONFIG:
+            unused.append("--" + dest.replace("_", "-"))
+            continue
+        field, kind = SGLANG_FLAG_TO_ENGINE_CONFIG[dest]
+        try:
+            config[field] = (not value) if kind == "negated bool" else kind(value)
+        except ValueError:
+            raise ArgumentError(f"--{dest.replace('_', '-')} {value!r}: expected {kind.__name__}") from None
+    return config, unused
+
+
+def sglang_server_flags(args) -> list[str]:
+    """The given --sglang-* server flags as SGLang's own command-line flags (for --rollout-backend sglang)."""
+    by_dest = {}
+    for spec in SGLANG_SERVER_FLAGS:  # a dest some deprecated aliases share: its own flag is the canonical one
+        canonical = spec["flags"][0] == "--" + spec["dest"].replace("_", "-")
+        if canonical or "sglang_" + spec["dest"] not in by_dest:
+            by_dest["sglang_" + spec["dest"]] = spec
+    command = []
+    for dest, value in given_sglang_flags(args).items():
+        spec = by_dest[dest]
+        if not spec["takes_value"]:
+            command += [spec["flags"][0]] if value else []
+        else:
+            command += [spec["flags"][0], *(str(v) for v in (value if isinstance(value, list) else [value]))]
+    return command
+
+
+def router_cli_flags(args, parser_defaults: dict) -> list[str]:
+    """The --router-* flags this run changes from sglang-router's defaults, as the router's own flags."""
+    router = argparse.ArgumentParser(add_help=False)
+    RouterArgs.add_cli_args(router, use_router_prefix=False, exclude_host_port=True)
+    by_dest = {"router_" + action.dest: action for action in router._actions if action.option_strings}
+    command = []
+    for dest, action in by_dest.items():
+        value = getattr(args, dest, None)
+        if dest in ROUTER_OWNED or value == parser_defaults.get(dest) and dest not in ROUTER_DEFAULTS:
+            continue
+        if action.nargs == 0:
+            command += [action.option_strings[0]] if value else []
+        elif value is not None:
+            command += [action.option_strings[0], *(str(v) for v in (value if isinstance(value, list) else [value]))]
+    return command

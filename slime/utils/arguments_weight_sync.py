@@ -1,0 +1,47 @@
+"""slime's weight-sync, external-engine and placement flags: how new weights reach the engines
+(`--update-weight-transport nccl|disk`), engines started outside this run (`--rollout-external-engine-addrs`),
+how rollout data reaches the trainer, and the train processes' environment.
+
+Registration only; `validate_args` checks the combinations and `flag_status` lists what cannot apply here.
+"""
+
+from __future__ import annotations
+
+import json
+
+
+def _json_object(value: str) -> dict:
+    try:
+        parsed = json.loads(value)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"not JSON: {exc}") from None
+    if not isinstance(parsed, dict):
+        raise ValueError(f"expected a JSON object, got {value!r}")
+    return parsed
+
+
+def add_weight_sync_arguments(parser):
+    g = parser.add_argument_group("weight sync and engines")
+    g.add_argument("--update-weight-buffer-size", type=int, default=512 * 1024**2)
+    g.add_argument("--update-weights-interval", type=int, default=1)
+    g.add_argument("--update-weight-mode", choices=["full", "delta"], default="full")
+    g.add_argument("--update-weight-transport", choices=["nccl", "disk"], default="nccl",
+                   help="nccl: the trainer sends the weights to the engines (NCCL between GPUs, tensors over HTTP "
+                        "on the CPU); disk: it writes a Hugging Face checkpoint under --update-weight-disk-dir and "
+                        "each engine reloads it (POST /update_weights_from_disk)")
+    g.add_argument("--update-weight-disk-dir", default=None,
+                   help="folder shared by trainer and engines for --update-weight-transport disk")
+    g.add_argument("--update-weight-disk-keep-files", action="store_true",
+                   help="keep every checkpoint written for disk weight sync (default: only the latest)")
+    g.add_argument("--update-weight-delta-encoding", choices=["xor", "overwrite"], default="xor")
+    g.add_argument("--update-weight-delta-checksum", choices=["xxh3-128", "blake3", "adler32"], default="xxh3-128")
+    g.add_argument("--update-weight-local-checkpoint-dir", default=None)
+    g.add_argument("--custom-update-weight-post-write-path", default=None, metavar="MODULE.FN")
+    g.add_argument("--rollout-external-engine-addrs", nargs="+", default=None, metavar="HOST:PORT",
+                   help="engines started outside this run: registered with the router instead of starting engines")
+    g.add_argument("--rollout-data-transport", choices=["object-store", "nixl"], default="object-store")
+    g.add_argument("--release-train", action="store_true")
+    g.add_argument("--train-env-vars", type=_json_object, default={},
+                   help='JSON object of extra environment variables for the train processes, e.g. '
+                        '\'{"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}\'')
+    g.add_argument("--qwen-gdn-backend", choices=["fla", "flashqla"], default="fla")

@@ -1,0 +1,132 @@
+"""Which of slime's flags cannot act here, and what a run that sets one is told.
+
+Two kinds, each with the reason (docs/slime-flags.md lists every slime flag with its status):
+- `INERT`: accepted, no effect here (a Megatron or CUDA-vendor switch, slime's own CI checks, a value only a
+  plugin reads). A run that sets one to anything but its default gets one warning at start-up naming them all.
+- `REFUSED`: a feature of slime this project does not have (yet); setting the flag to anything but its default is
+  an error naming the flag and why, so a run never silently does less than it was asked to.
+Not the flags' definitions (the `arguments*.py` modules) nor the rules between flags (`validate_args.py`).
+"""
+
+from __future__ import annotations
+
+import logging
+
+logger = logging.getLogger(__name__)
+
+_MEGATRON_ONLY = "a Megatron-backend feature (this trainer is FSDP over Hugging Face models)"
+_CUDA_TOOLING = "CUDA memory / profiler tooling of slime's Megatron actor"
+_SLIME_CI = "slime's own CI assertions (this project's tests check train/rollout agreement themselves)"
+_ROLLOUT_BUFFER = "read only by rollout functions that talk to slime's external rollout buffer (args keeps it)"
+
+INERT = {
+    "model_name": "picks slime's Megatron -> HF weight converter; the FSDP trainer's weights are HF-named already",
+    "recompute_loss_function": "Megatron recomputes the loss to save memory; the log-prob head here is chunked",
+    "freeze_indexer": "DSA (GLM-5 sparse attention) models only",
+    "allgather_cp": "DSA (GLM-5 sparse attention) models only; no context parallelism here",
+    "qwen_gdn_backend": "kernel choice for Qwen linear-attention (GDN) layers; no such model here",
+    "data_pad_size_multiplier": "Megatron pads packed micro-batches; varlen packing here needs no padding",
+    "loss_mask_type": "the SFT rollout finds assistant tokens from the tokenizer's own chat template, any model",
+    "megatron_deepgemm_forward_layers": "DeepGEMM FP8 forward of Megatron layers",
+    "megatron_deepgemm_forward_modules": "DeepGEMM FP8 forward of Megatron layers",
+    "megatron_deepgemm_moe_forward_layers": "DeepGEMM FP8 forward of Megatron layers",
+    "megatron_deepgemm_moe_forward_modules": "DeepGEMM FP8 forward of Megatron layers",
+    "memory_snapshot_dir": _CUDA_TOOLING,
+    "memory_snapshot_num_steps": _CUDA_TOOLING,
+    "memory_recorder": _CUDA_TOOLING,
+    "profile_target": _CUDA_TOOLING,
+    "ci_test": _SLIME_CI,
+    "ci_disable_kl_checker": _SLIME_CI,
+    "ci_train_rollout_logprob_abs_diff_threshold": _SLIME_CI,
+    "ci_save_grad_norm": _SLIME_CI,
+    "ci_load_grad_norm": _SLIME_CI,
+    "http_proxy": "engine and router traffic is never proxied (loopback); plugins may read args.http_proxy",
+    "use_distributed_post": "requests are sent from the rollout process's one HTTP client, not spread over Ray "
+                            "actors per node",
+    "rollout_buffer_url": _ROLLOUT_BUFFER,
+    "fetch_trajectory_retry_times": _ROLLOUT_BUFFER,
+    "min_batch_collection_ratio": _ROLLOUT_BUFFER,
+    "rollout_task_type": _ROLLOUT_BUFFER,
+    "wandb_always_use_train_step": "metrics are logged once per rollout, against the rollout id",
+    "log_multi_turn": "multi-turn metrics are always logged",
+}
+
+REFUSED = {
+    "update_weight_mode": "delta weight sync is not implemented; use --update-weight-mode full",
+    "update_weight_delta_encoding": "only used by --update-weight-mode delta (not implemented)",
+    "update_weight_delta_checksum": "only used by --update-weight-mode delta (not implemented)",
+    "update_weight_local_checkpoint_dir": "only used by --update-weight-mode delta (not implemented)",
+    "update_weight_transport": "disk weight sync is not implemented; the trainer sends weights to the engines "
+                               "directly (--update-weight-transport nccl)",
+    "update_weight_disk_dir": "only used by --update-weight-transport disk (not implemented)",
+    "update_weight_disk_keep_files": "only used by --update-weight-transport disk (not implemented)",
+    "custom_update_weight_post_write_path": "only used by --update-weight-transport disk (not implemented)",
+    "rollout_external_engine_addrs": "external engines are not supported; use --sglang-router-ip/--sglang-router-port "
+                                     "to share a router that already lists them",
+    "rollout_data_transport": "only the Ray object store carries rollout data (nixl is not supported)",
+    "release_train": _MEGATRON_ONLY,
+    "custom_model_provider_path": _MEGATRON_ONLY,
+    "megatron_config_path": _MEGATRON_ONLY,
+    "ref_ckpt_step": "picks a Megatron checkpoint step; --ref-load names a Hugging Face folder here",
+    "opd_teacher_ckpt_step": "picks a Megatron checkpoint step; --opd-teacher-load names a Hugging Face folder here",
+    "only_train_params_name_list": "parameter freezing is not implemented",
+    "freeze_params_name_list": "parameter freezing is not implemented",
+    "save_hf": "not implemented; --save writes Hugging Face safetensors already (rollout_<id>/model)",
+    "reset_optimizer_states": "not implemented",
+    "use_stateless_adam": "not implemented",
+    "balance_by_flops": "not implemented (--balance-data balances token counts)",
+    "log_probs_max_tokens_per_gpu": "not implemented: forward-only passes use --max-tokens-per-gpu",
+    "compute_advantages_and_returns": "not implemented: advantages are always computed (or by "
+                                      "--custom-advantage-function-path)",
+    "use_rollout_entropy": "not implemented: entropy is recomputed by the trainer",
+    "custom_tis_function_path": "not implemented yet: use --use-tis with --tis-mode",
+    "custom_pg_loss_reducer_function_path": "not implemented yet: use --loss-agg-mode",
+    "enable_mtp_training": "multi-token-prediction layers are a Megatron feature",
+    "multimodal_keys": "no multimodal models here",
+    "load_forge_rollout_data": "not implemented",
+    "load_debug_rollout_data_subsample": "not implemented",
+    "save_debug_train_data": "not implemented",
+    "dump_details": "not implemented",
+    "balance_data": "not implemented yet",
+    "eval_max_context_len": "not implemented yet",
+    "train_env_vars": "not implemented yet",
+}
+
+
+def _flag(dest: str) -> str:
+    return "--" + dest.replace("_", "-")
+
+
+def check_flag_status(args, defaults: dict) -> list[str]:
+    """Raise ValueError for a REFUSED flag set to anything but its default; return the INERT flags that are set
+    (and warn about them once)."""
+    from slime.utils.validate_args import ArgumentError
+
+    for dest, why in REFUSED.items():
+        if getattr(args, dest) != defaults[dest]:
+            raise ArgumentError(f"{_flag(dest)} {getattr(args, dest)!r}: {why}")
+    inert = [dest for dest in INERT if getattr(args, dest) != defaults[dest]]
+    if inert:
+        logger.warning("these slime flags have no effect here (docs/slime-flags.md says why): %s",
+                       ", ".join(_flag(dest) for dest in inert))
+    return inert
+
+# slime flags defined by other parts of this project (so not in the modules next to this one).
+_MEGATRON_FLAGS = "a Megatron flag whose default slime resets: slime/backends/megatron_utils/arguments.py"
+_FAULT_TOLERANCE = "fault tolerance: its flags live with the RolloutManager's engine health checks"
+_ROUTING_REPLAY = "MoE routing replay (R3): its flags live with the MoE trainer support"
+DEFINED_ELSEWHERE = {
+    "padded_vocab_size": _MEGATRON_FLAGS, "distributed_backend": _MEGATRON_FLAGS,
+    "distributed_timeout_minutes": _MEGATRON_FLAGS, "async_save": _MEGATRON_FLAGS,
+    "record_memory_history": _MEGATRON_FLAGS, "mtp_num_layers": _MEGATRON_FLAGS,
+    "mtp_loss_scaling_factor": _MEGATRON_FLAGS,
+    "use_fault_tolerance": _FAULT_TOLERANCE, "rollout_health_check_interval": _FAULT_TOLERANCE,
+    "rollout_health_check_timeout": _FAULT_TOLERANCE, "rollout_health_check_first_wait": _FAULT_TOLERANCE,
+    "use_routing_replay": _ROUTING_REPLAY, "use_rollout_routing_replay": _ROUTING_REPLAY,
+}
+
+# Defaults that differ from slime's on purpose.
+DEFAULTS_CHANGED = {
+    "train_backend": "fsdp (slime's only backend is megatron; --train-backend megatron where Megatron is installed)",
+    "actor_num_gpus_per_node": "1: one trainer process, so that a run on a laptop or one GPU needs no flag (slime: 8)",
+}

@@ -1,0 +1,75 @@
+"""Shared helpers for the Megatron backend tests: args of --train-backend megatron, a model built and
+filled from an HF checkpoint in the calling process, full gradients under HF names, and a policy-loss step that
+mirrors the FSDP trainer's (the same loss functions and global denominator)."""
+
+from __future__ import annotations
+
+import torch
+
+from fsdp_helpers import make_args
+
+def make_megatron_args(hf_checkpoint, *extra, world_size=1, tp: int = 1, pp: int = 1):
+    """Parsed args of --train-backend megatron with the given tensor / pipeline parallel sizes."""
+    return make_args(hf_checkpoint, "--train-backend", "megatron", "--tensor-model-parallel-size", tp,
+                     "--pipeline-model-parallel-size", pp, *extra, world_size=world_size)
+
+
+def build_megatron(args, rank: int, world_size: int, port: int):
+    """(model chunks, hf config) of this rank, weights from args.hf_checkpoint."""
+    from transformers import AutoConfig
+
+    from slime.backends.megatron_utils.cpu_shim import apply_cpu_shim
+    from slime.backends.megatron_utils.hf_weights import load_hf_weights
+    from slime.backends.megatron_utils.model import build_gpt_model
+    from slime.backends.megatron_utils.parallel import init_distributed, init_model_parallel
+
+    apply_cpu_shim()
+    init_distributed(rank, world_size, "127.0.0.1", port)
+    init_model_parallel(args)
+    hf_config = AutoConfig.from_pretrained(args.hf_checkpoint)
+    torch.manual_seed(0)
+    chunks = [build_gpt_model(args, hf_config)]
+    load_hf_weights(chunks, args.hf_checkpoint, hf_config)
+    return chunks, hf_config
+
+
+def hf_named_grads(chunks, hf_config) -> dict[str, torch.Tensor]:
+    """This rank's pipeline stage's full gradients under HF names (TP shards gathered)."""
+    from slime.backends.megatron_utils import tp_shards
+    from slime.backends.megatron_utils.hf_mapping import mapping_for
+    from slime.backends.megatron_utils.names import named_global_parameters
+
+    mapping = mapping_for(hf_config)
+    grads = {}
+    for name, param in named_global_parameters(chunks):
+        full = tp_shards.full_tensor(name, param, param.grad)
+        grads.update((hf, t.clone()) for hf, t in mapping.to_hf(name, full, hf_config))
+    return grads
+
+
+def step_denominator(args, micro_batches, per_sample) -> float:
+    from slime.backends.loss import aggregation_mode
+    from slime.utils.ppo_utils import loss_denominator
+
+    masks = [per_sample["loss_masks"][i] for mb in micro_batches for i in mb.sample_indices]
+    return max(float(loss_denominator(aggregation_mode(args), masks, args.loss_agg_constant, None)), 1.0)
+
+
+def policy_loss_function(args, micro_batches, per_sample, denominator):
+    """loss_function(micro_batch, log_probs, entropy) of the FSDP trainer's policy loss."""
+    from slime.backends.loss import LossReducer, MicroBatchTensors, get_loss_function
+
+    loss_fn = get_loss_function(args)
+
+    def compute(index, outputs):
+        log_probs, entropy = outputs
+        indices = micro_batches[index].sample_indices
+        batch = MicroBatchTensors(
+            loss_masks=[per_sample["loss_masks"][i] for i in indices],
+            advantages=torch.cat([per_sample["advantages"][i] for i in indices]),
+            old_log_probs=torch.cat([per_sample["old_log_probs"][i] for i in indices]))
+        reduce = LossReducer(args, batch.loss_masks, denominator,
+                             [float(per_sample["loss_masks"][i].sum()) for i in indices])
+        return loss_fn(args, log_probs, entropy, batch, reduce)
+
+    return compute

@@ -1,0 +1,55 @@
+"""slime's loss variants through the training backends' policy loss (slime.backends.loss): CISPO (the
+estimator) and OPSM (--use-opsm), each against its closed form on a micro-batch of two sequences."""
+
+from types import SimpleNamespace
+
+import torch
+
+from slime.backends.loss import LossReducer, MicroBatchTensors, policy_loss
+
+
+def args_for(**overrides):
+    args = SimpleNamespace(advantage_estimator="grpo", eps_clip=0.2, eps_clip_high=0.28, eps_clip_c=None,
+                           use_tis=False, entropy_coef=0.0, use_kl_loss=False, use_opsm=False, opsm_delta=1e-4,
+                           loss_agg_mode="token_mean")
+    args.__dict__.update(overrides)
+    return args
+
+
+def batch_and_log_probs():
+    old = torch.tensor([-1.0, -2.0, -0.5, -1.5, -1.0], dtype=torch.float64)
+    new = torch.tensor([-0.2, -2.0, -0.5, -0.5, -3.0], dtype=torch.float64, requires_grad=True)
+    masks = [torch.ones(2, dtype=torch.float64), torch.ones(3, dtype=torch.float64)]
+    advantages = torch.tensor([1.0, 1.0, -1.0, -1.0, -1.0], dtype=torch.float64)
+    return MicroBatchTensors(loss_masks=masks, advantages=advantages, old_log_probs=old), new
+
+
+def run(args, batch, log_probs):
+    reduce = LossReducer(args, batch.loss_masks, global_denominator=5.0)
+    return policy_loss(args, log_probs, torch.zeros_like(log_probs), batch, reduce)
+
+
+def test_cispo_loss_is_the_clipped_ratio_times_advantage_times_log_prob():
+    batch, log_probs = batch_and_log_probs()
+    args = args_for(advantage_estimator="cispo", eps_clip=1.0, eps_clip_high=0.5)
+    loss, metrics = run(args, batch, log_probs)
+    ratio = torch.exp(log_probs.detach() - batch.old_log_probs).clamp(0.0, 1.5)
+    expected = (-ratio * batch.advantages * log_probs.detach()).sum() / 5.0
+    torch.testing.assert_close(loss.detach(), expected)
+    loss.backward()  # gradient -sg(ratio) * A / 5 on every token, clipped ones included
+    torch.testing.assert_close(log_probs.grad, -ratio * batch.advantages / 5.0)
+    assert metrics["pg_clipfrac"].item() == 2 / 5  # token 0 (ratio e^0.8) and token 3 (e^1.0) hit 1.5
+
+
+def test_opsm_masks_negative_advantage_tokens_of_drifted_sequences():
+    batch, log_probs = batch_and_log_probs()
+    plain, _ = run(args_for(), batch, log_probs)
+    masked, metrics = run(args_for(use_opsm=True, opsm_delta=0.1), batch, log_probs)
+    # sequence 2 drifted (mean old - new = (0 - 1 + 2) / 3 > 0.1) and its advantages are negative: its tokens drop
+    ratio = torch.exp(log_probs.detach() - batch.old_log_probs)
+    unclipped = -batch.advantages * ratio
+    clipped = -batch.advantages * ratio.clamp(0.8, 1.28)
+    per_token = torch.maximum(unclipped, clipped)
+    torch.testing.assert_close(masked.detach(), per_token[:2].sum() / 5.0)
+    torch.testing.assert_close(plain.detach(), per_token.sum() / 5.0)
+    assert metrics["opsm_clipfrac"].item() == 1.0  # one sequence, all of its 3 tokens

@@ -1,0 +1,87 @@
+"""slime's own example generate functions, copied unchanged into tests/data/slime_examples/ (THUDM/slime 624b824a),
+run one rollout against the built-in engine through this package's default rollout, with the local services
+they need started here (a BM25 retrieval server on loopback for search-r1)."""
+
+import json
+import threading
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from examples.search_r1.retrieval_server import BM25Index, make_server
+from slime.rollout.data_source import RolloutDataSourceWithBuffer
+from slime.rollout.sglang_rollout import generate_rollout
+from slime.utils.http_utils import run
+
+EXAMPLES = Path(__file__).parent / "data" / "slime_examples"
+CORPUS = ['"Zorvia"\nZorvia is a small island nation; its capital is Quellport.',
+          '"Brindle"\nBrindle is a river town known for its glass bridges.']
+
+
+@pytest.fixture(scope="module")
+def retrieval_url():
+    server = make_server(BM25Index(CORPUS), port=0)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{server.server_address[1]}/retrieve"
+    server.shutdown()
+    server.server_close()
+
+
+def rollout_args(tmp_path, server, tiny_qwen3, rows, **overrides):
+    path = tmp_path / "prompts.jsonl"
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    host, port = server.url.removeprefix("http://").split(":")
+    args = SimpleNamespace(
+        prompt_data=str(path), input_key="input", label_key="label", metadata_key="metadata", tool_key="tools",
+        apply_chat_template=False, rollout_max_prompt_len=None, hf_checkpoint=str(tiny_qwen3),
+        n_samples_per_prompt=2, rollout_shuffle=False, rollout_seed=42, buffer_filter_path=None,
+        rollout_batch_size=1, over_sampling_batch_size=None, rollout_temperature=1.0, rollout_top_p=1.0,
+        rollout_top_k=-1, rollout_max_response_len=12, rollout_stop=None, rollout_stop_token_ids=None,
+        rollout_skip_special_tokens=False, sglang_router_ip=host, sglang_router_port=int(port),
+        sglang_server_concurrency=8, rollout_num_engines=1, rm_type=None, group_rm=False, reward_key=None,
+        dynamic_sampling_filter_path=None, partial_rollout=False, mask_offpolicy_in_partial_rollout=False,
+    )
+    args.__dict__.update(overrides)
+    return args
+
+
+def check_trajectory(sample):
+    """tokens = prompt + response; log-probs only (and all) where the policy sampled; observations masked out."""
+    assert len(sample.tokens) == sample.prompt_length + sample.response_length
+    assert len(sample.loss_mask) == len(sample.rollout_log_probs) == sample.response_length > 0
+    for mask, log_prob in zip(sample.loss_mask, sample.rollout_log_probs):
+        assert (log_prob == 0.0) if mask == 0 else (log_prob < 0.0 or log_prob == pytest.approx(0.0, abs=1e-3))
+    assert sample.status in (sample.Status.COMPLETED, sample.Status.TRUNCATED)
+
+
+def test_search_r1_generate_and_reward_unchanged(tmp_path, server, tiny_qwen3, retrieval_url, monkeypatch):
+    monkeypatch.syspath_prepend(str(EXAMPLES / "search-r1"))
+    import generate_with_search
+
+    # The example's configuration block, set as its README says (the local retriever's URL).
+    monkeypatch.setitem(generate_with_search.SEARCH_R1_CONFIGS["local"], "search_url", retrieval_url)
+    observation, done = run(generate_with_search.execute_predictions("<search>capital of Zorvia</search>"))
+    assert not done and observation.startswith("\n\n<information>Doc 1(Title: \"Zorvia\")")
+    assert "Quellport" in observation.split("Doc 2")[0]  # the matching fact ranks first
+
+    args = rollout_args(tmp_path, server, tiny_qwen3,
+                        [{"input": "Question: what is the capital of Zorvia?\n", "label": {"ground_truth":
+                                                                                         {"target": ["Quellport"]}}}],
+                        custom_generate_function_path="generate_with_search.generate",
+                        custom_rm_path="generate_with_search.reward_func",
+                        # every token stops a turn: each of the example's two turns samples one token
+                        rollout_stop_token_ids=list(range(vocab_size(tiny_qwen3))))
+    (group,) = generate_rollout(args, 0, RolloutDataSourceWithBuffer(args)).samples
+    assert len(group) == 2
+    for sample in group:
+        check_trajectory(sample)
+        assert sample.reward in (0, 0.2, 1)  # format score, or EM
+        # the random tiny model writes no valid action: the example appends its "invalid action" observation
+        # (loss mask 0) after each of its two sampled turns
+        assert sample.loss_mask[0] == 1 and sample.loss_mask.count(1) == 2 and sample.loss_mask[-1] == 0
+        assert "My previous action is invalid" in sample.response
+
+
+def vocab_size(model_dir) -> int:
+    return json.loads((Path(model_dir) / "config.json").read_text())["vocab_size"]
