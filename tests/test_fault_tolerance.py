@@ -222,3 +222,24 @@ def test_colocated_engine_killed_while_its_memory_is_released_recovers(task, tmp
     assert rows[2]["rollout/engine_restarts"] == 1  # recovered between rollouts 1 and 2
     for row in rows:
         assert row["train/train_rollout_logprob_abs_diff"] < 1e-2
+
+
+@pytest.mark.slow
+def test_saved_rollouts_replay_without_engines(task, tmp_path):
+    """The way to reproduce a training failure: --debug-rollout-only --save-debug-rollout-data (engines, no trainer),
+    then --load-debug-rollout-data (trainer, no engine) trains on exactly the saved samples."""
+    dumps = tmp_path / "dumps"
+    rollout = ft_argv(task, tmp_path / "rollout_run", "--debug-rollout-only", "--num-rollout", "2")
+    rollout[rollout.index("--save-debug-rollout-data") + 1] = str(dumps / "rollout_{rollout_id}.json")
+    succeeded(run_train(rollout, [], tmp_path / "rollout_run"))
+    replay = ["--hf-checkpoint", str(task["model"]), "--custom-rm-path", "tests.e2e_rewards.response_hash_parity",
+              "--rollout-batch-size", str(BATCH), "--n-samples-per-prompt", str(N_SAMPLES), "--lr", "1e-3",
+              "--load-debug-rollout-data", str(dumps / "rollout_{rollout_id}.json"),
+              "--output-dir", str(tmp_path / "replay_run"), "--no-progress"]  # no --num-rollout: every saved one
+    succeeded(run_train(replay, [], tmp_path / "replay_run"))
+    generated, replayed = metrics(tmp_path / "rollout_run"), metrics(tmp_path / "replay_run")
+    assert [r["rollout_id"] for r in replayed] == [0, 1]
+    assert not any("train/loss" in r for r in generated) and all("train/loss" in r for r in replayed)
+    for g, r in zip(generated, replayed):
+        assert r["rollout/raw_reward"] == g["rollout/raw_reward"] and r["rollout/num_samples"] == BATCH * N_SAMPLES
+    assert not (tmp_path / "replay_run" / "engine_0.log").exists()
