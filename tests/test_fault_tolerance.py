@@ -27,7 +27,8 @@ def task(tmp_path_factory):
 
 def ft_argv(task, out: Path, *extra: str) -> list[str]:
     return ["--hf-checkpoint", str(task["model"]), "--prompt-data", str(task["train"]), "--input-key", "prompt",
-            "--label-key", "label", "--apply-chat-template", "--custom-rm-path", "tests.e2e_rewards.response_hash_parity",
+            "--label-key", "label", "--apply-chat-template",
+            "--custom-rm-path", "tests.e2e_rewards.response_hash_parity",
             "--rollout-batch-size", str(BATCH), "--n-samples-per-prompt", str(N_SAMPLES), "--num-rollout", "3",
             "--rollout-max-response-len", "8", "--actor-num-gpus-per-node", "1", "--rollout-num-gpus", "2",
             "--router-policy", "round_robin", "--lr", "1e-3",
@@ -173,7 +174,8 @@ def test_failures_past_the_restart_budget_end_the_run(task, tmp_path):
                        [{"at_call": 10, "action": "sigkill", "engines": [0, 1]}], out)
     assert result.returncode == 1
     error = error_line(result)
-    assert error.startswith("train.py: error: rollout engine") and "all 1 engine restarts of --max-engine-restarts" in error
+    assert error.startswith("train.py: error: rollout engine")
+    assert "all 1 engine restarts of --max-engine-restarts" in error
 
 
 @pytest.mark.slow

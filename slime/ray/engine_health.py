@@ -234,7 +234,8 @@ class EngineSupervisor:
         if not self.fault_tolerant:
             self._set_fatal(router_died_error(exit_code, str(self.args.output_dir) + "/router.log"))
             return
-        logger.warning("fault tolerance: the sglang-router %s; restarting it on the same port", describe_exit(exit_code))
+        logger.warning("fault tolerance: the sglang-router %s; restarting it on the same port",
+                       describe_exit(exit_code))
         self.router.shutdown()
         self.router = self.new_router()
         with self.lock:
