@@ -4,6 +4,9 @@ model, same samples, same optimizer. Prints a summary card and a JSON last line.
 
     python benchmarks/bench_train.py --model-shape qwen3-0.6b --num-samples 32 --micro-batch-size 8
 
+`--backend megatron` also times the Megatron backend (TP=1, same samples and budget) before the FSDP backend and
+reports its MFU as a ratio of FSDP's.
+
 The train step is slime's `TrainFlow.train` over the FSDP backend with one optimizer step per rollout (its PPO loss reuses the step's
 own log-probs, so no extra old-log-prob pass); the no-grad log-prob pass (`compute_log_probs`, what the reference
 and old-policy passes cost) is timed separately.
@@ -36,6 +39,11 @@ SHAPES = {
                        num_key_value_heads=8, head_dim=128, vocab_size=151936),
     "qwen3-4b": dict(hidden_size=2560, intermediate_size=9728, num_hidden_layers=36, num_attention_heads=32,
                      num_key_value_heads=8, head_dim=128, vocab_size=151936),
+    # Qwen3-30B-A3B's layer shapes, 8 of its 48 layers, 64 of its 128 experts (benchmarks/engine_checkpoints.py)
+    "qwen3-30b-a3b-8l": dict(arch="qwen3_moe", hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
+                             num_experts=64, num_experts_per_tok=8, norm_topk_prob=True, num_hidden_layers=8,
+                             num_attention_heads=32, num_key_value_heads=4, head_dim=128, vocab_size=151936,
+                             tie_word_embeddings=False),
     "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2, head_dim=16, vocab_size=512),
 }
@@ -48,7 +56,8 @@ def build_checkpoint(shape: str, out_dir: Path) -> Path:
 
     overrides = dict(SHAPES[shape])
     vocab_size = overrides.pop("vocab_size")
-    config = tiny_config("qwen3", vocab_size=vocab_size, max_position_embeddings=8192, **overrides)
+    arch = overrides.pop("arch", "qwen3")
+    config = tiny_config(arch, vocab_size=vocab_size, max_position_embeddings=8192, **overrides)
     torch.manual_seed(0)
     with torch.device("cuda"):  # random bf16 weights built on the GPU: seconds, even for 4B
         model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
@@ -69,25 +78,33 @@ def make_samples(num_samples, prompt_length, min_response, max_response, vocab_s
     return tokens, response_lengths, rewards
 
 
+def active_params(num_params: int, shape: dict) -> int:
+    """Parameters one token goes through: an MoE layer's unselected experts do no work."""
+    if "num_experts" not in shape:
+        return num_params
+    unused = shape["num_experts"] - shape["num_experts_per_tok"]
+    return num_params - shape["num_hidden_layers"] * unused * 3 * shape["hidden_size"] * shape["moe_intermediate_size"]
+
+
 def model_flops(num_params, lengths, num_layers, attention_width):
     dense = 6 * num_params * sum(lengths)
     attention = sum(6 * num_layers * length * length * attention_width for length in lengths)  # causal: half of 12
     return dense + attention
 
 
-def run_slime(checkpoint, tokens, response_lengths, rewards, opts):
+def run_slime(checkpoint, tokens, response_lengths, rewards, opts, backend: str = "fsdp"):
     from slime.backends.factory import create_trainer
     from slime.utils.arguments import parse_args
     from slime.utils.misc import find_free_port
 
     argv = ["--hf-checkpoint", str(checkpoint), "--rollout-batch-size", str(len(tokens)), "--num-rollout", "10",
             "--rm-type", "math", "--device", "cuda", "--lr", "1e-6", "--use-dynamic-batch-size",
-            "--max-tokens-per-gpu", str(opts.max_tokens_per_gpu)]
+            "--max-tokens-per-gpu", str(opts.max_tokens_per_gpu), "--train-backend", backend]
     if opts.recompute_activations:
         argv.append("--recompute-activations")
     if opts.compile_model:
         argv.append("--compile-model")
-    if not opts.reshard_after_forward:
+    if not opts.reshard_after_forward and backend == "fsdp":
         argv.append("--no-reshard-after-forward")
     args = parse_args(argv)
     trainer = create_trainer(args, 0, 1, "127.0.0.1", find_free_port())
@@ -127,6 +144,21 @@ def run_slime(checkpoint, tokens, response_lengths, rewards, opts):
     retries = torch.cuda.memory_stats().get("num_alloc_retries", 0)
     print(f"slime: allocator retries (cache flushed to satisfy a cudaMalloc) so far: {retries}")
     return seconds, log_prob_seconds, torch.cuda.max_memory_allocated(), num_params
+
+
+def release_trainer():
+    """Free one backend's trainer before the next builds: its process groups (and Megatron's) and the cache."""
+    import gc
+
+    import torch.distributed as dist
+
+    from slime.backends.megatron_utils.parallel import destroy_model_parallel
+
+    destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    gc.collect()
+    torch.cuda.empty_cache()
 
 
 def run_baseline(checkpoint, tokens, response_lengths, rewards, opts):
@@ -203,6 +235,8 @@ def main():
     parser.add_argument("--compile-model", action="store_true", help="slime's --compile-model")
     parser.add_argument("--reshard-after-forward", action=argparse.BooleanOptionalAction, default=True,
                         help="slime's --[no-]reshard-after-forward")
+    parser.add_argument("--backend", choices=["fsdp", "megatron"], default="fsdp",
+                        help="megatron: the Megatron backend (TP=1) first, then the FSDP backend, in the same run")
     parser.add_argument("--num-iters", type=int, default=3)
     parser.add_argument("--skip-baseline", action="store_true")
     parser.add_argument("--profile", action="store_true", help="print the GPU kernels of one slime step first")
@@ -216,13 +250,17 @@ def main():
     lengths = [len(t) for t in tokens]
     with tempfile.TemporaryDirectory() as tmp:
         checkpoint = build_checkpoint(opts.model_shape, Path(tmp))
+        megatron = None
+        if opts.backend == "megatron":
+            megatron = run_slime(checkpoint, tokens, response_lengths, rewards, opts, "megatron")
+            release_trainer()
         slime_s, log_prob_s, slime_mem, num_params = run_slime(checkpoint, tokens, response_lengths, rewards, opts)
         torch.cuda.empty_cache()
         base_s, base_mem = (None, None) if opts.skip_baseline else run_baseline_that_fits(
             checkpoint, tokens, response_lengths, rewards, opts)
 
     width = shape["num_attention_heads"] * shape["head_dim"]
-    flops = model_flops(num_params, lengths, shape["num_hidden_layers"], width)
+    flops = model_flops(active_params(num_params, shape), lengths, shape["num_hidden_layers"], width)
     log_prob_flops = flops / 3  # forward only: a third of forward + backward
     result = {
         "bench": "train_step", "model_shape": opts.model_shape, "num_params": num_params,
@@ -235,6 +273,12 @@ def main():
         "log_prob_seconds": log_prob_s, "log_prob_tokens_per_s": sum(lengths) / log_prob_s,
         "log_prob_mfu": log_prob_flops / log_prob_s / PEAK_FLOPS, "log_prob_over_train_speed": slime_s / log_prob_s,
     }
+    if megatron is not None:
+        megatron_s, megatron_log_prob_s, megatron_mem, _ = megatron
+        result.update(megatron_seconds=megatron_s, megatron_tokens_per_s=sum(lengths) / megatron_s,
+                      megatron_mfu=flops / megatron_s / PEAK_FLOPS, megatron_peak_memory_gb=megatron_mem / 2**30,
+                      megatron_log_prob_tokens_per_s=sum(lengths) / megatron_log_prob_s,
+                      megatron_over_fsdp_mfu=slime_s / megatron_s)
     if base_s is not None:
         result.update(baseline_seconds=base_s, baseline_tokens_per_s=sum(lengths) / base_s,
                       baseline_mfu=flops / base_s / PEAK_FLOPS, baseline_peak_memory_gb=base_mem / 2**30,
@@ -245,6 +289,9 @@ def main():
           f"peak {result['slime_peak_memory_gb']:.1f} GiB")
     print(f"slime log-prob : {result['log_prob_tokens_per_s']:>10.0f} tok/s  MFU {result['log_prob_mfu']:.1%}  "
           f"({result['log_prob_over_train_speed']:.2f}x the train step's tok/s)")
+    if megatron is not None:
+        print(f"slime megatron : {result['megatron_tokens_per_s']:>10.0f} tok/s  MFU {result['megatron_mfu']:.1%}  "
+              f"peak {result['megatron_peak_memory_gb']:.1f} GiB  ({result['megatron_over_fsdp_mfu']:.2f}x FSDP's MFU)")
     if base_s is not None:
         print(f"HF padded      : {result['baseline_tokens_per_s']:>10.0f} tok/s  MFU {result['baseline_mfu']:.1%}  "
               f"peak {result['baseline_peak_memory_gb']:.1f} GiB")

@@ -8,6 +8,7 @@ import torch
 
 from fsdp_helpers import make_args
 
+
 def make_megatron_args(hf_checkpoint, *extra, world_size=1, tp: int = 1, pp: int = 1):
     """Parsed args of --train-backend megatron with the given tensor / pipeline parallel sizes."""
     return make_args(hf_checkpoint, "--train-backend", "megatron", "--tensor-model-parallel-size", tp,
@@ -21,14 +22,16 @@ def build_megatron(args, rank: int, world_size: int, port: int):
     from slime.backends.megatron_utils.cpu_shim import apply_cpu_shim
     from slime.backends.megatron_utils.hf_weights import load_hf_weights
     from slime.backends.megatron_utils.model import build_gpt_model
-    from slime.backends.megatron_utils.parallel import init_distributed, init_model_parallel
+    from slime.backends.fsdp_utils.backend import init_default_group
+    from slime.backends.megatron_utils.parallel import init_model_parallel
 
+    cpu = torch.device("cpu")
     apply_cpu_shim()
-    init_distributed(rank, world_size, "127.0.0.1", port)
-    init_model_parallel(args)
+    init_default_group(cpu, rank, world_size, "127.0.0.1", port)
+    init_model_parallel(args, cpu)
     hf_config = AutoConfig.from_pretrained(args.hf_checkpoint)
     torch.manual_seed(0)
-    chunks = [build_gpt_model(args, hf_config)]
+    chunks = [build_gpt_model(args, hf_config, cpu)]
     load_hf_weights(chunks, args.hf_checkpoint, hf_config)
     return chunks, hf_config
 

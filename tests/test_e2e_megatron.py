@@ -1,7 +1,7 @@
 """train.py end to end with --train-backend megatron --tensor-model-parallel-size 2 on the CPU (two gloo trainer
 processes forming one tensor-parallel replica, real Ray, the built-in engine behind the real router): GRPO with
 weight sync (the engine's log-probs equal the trainer's after every push), eval, a torch_dist checkpoint; a resumed
-SFT run continues exactly where the first one stopped; and (slow) the quickstart task's held-out accuracy rises."""
+SFT run continues exactly where the first one stopped (slow); the quickstart's held-out accuracy rises (slow)."""
 
 import json
 
@@ -36,7 +36,6 @@ def test_tp2_grpo_run_syncs_weights_and_saves_torch_dist(task, tmp_path):
     assert [r["rollout_id"] for r in rows] == [0, 1]
     for row in rows:
         assert row["train/train_rollout_logprob_abs_diff"] < 1e-3  # engine == trainer after every weight push
-        assert row["train/grad_norm"] > 0
     assert "eval/arith" in rows[1]
     meta = json.loads((tmp_path / "ckpt" / "rollout_1" / "meta.json").read_text())
     assert meta["format"] == "torch_dist" and meta["rollout_id"] == 1
@@ -51,6 +50,7 @@ def _sft_argv(task, out, num_rollout: int, save, *extra):
             "--save-debug-rollout-data", str(out / "rollout_{rollout_id}.json"), *extra]
 
 
+@pytest.mark.slow  # three train.py runs (~5 min on 2 cores); the backend-level resume is test_megatron_backend's
 def test_tp2_resume_from_torch_dist_continues_exactly(task, tmp_path):
     run_train(_sft_argv(task, tmp_path / "full", 3, tmp_path / "ckpt_full"))
     run_train(_sft_argv(task, tmp_path / "part1", 2, tmp_path / "ckpt_part"))
@@ -61,3 +61,19 @@ def test_tp2_resume_from_torch_dist_continues_exactly(task, tmp_path):
     assert [s["tokens"] for s in dump("full")] == [s["tokens"] for s in dump("part2")]
     assert resumed[0]["train/loss"] == pytest.approx(full[2]["train/loss"], rel=1e-5)
     assert resumed[0]["train/grad_norm"] == pytest.approx(full[2]["train/grad_norm"], rel=1e-4)
+
+
+@pytest.mark.slow  # the quickstart (SFT warm start, then GRPO) with two TP=2 trainer processes: minutes
+def test_quickstart_with_megatron_tp2_raises_held_out_accuracy(tmp_path):
+    import subprocess
+    import sys
+
+    from test_e2e_train import REPO
+
+    result = subprocess.run(
+        [sys.executable, str(REPO / "examples/quickstart/run.py"), "--out-dir", str(tmp_path), "--num-rollout", "20",
+         "--train-args", "--train-backend megatron --tensor-model-parallel-size 2"],
+        cwd=REPO, capture_output=True, text=True, timeout=3600)
+    assert result.returncode == 0, result.stderr[-6000:]
+    summary = json.loads(result.stdout.strip().splitlines()[-1])
+    assert summary["eval_accuracy_after_rl"] > summary["eval_accuracy_before_rl"]

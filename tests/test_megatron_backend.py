@@ -73,8 +73,9 @@ def test_tp1_train_steps_equal_fsdp(tiny_checkpoint):
 def _train_save_train(rank, world_size, port, checkpoint, save, data, parallel):
     from safetensors.torch import load_file
 
-    trainer = make_trainer(make_megatron_args(checkpoint, *ALGORITHM, "--save", save, world_size=world_size,
-                                              **parallel), rank, world_size, port)
+    trainer = make_trainer(make_megatron_args(checkpoint, *ALGORITHM, "--save", save, "--save-hf",
+                                              f"{save}_hf/step_{{rollout_id}}", world_size=world_size, **parallel),
+                           rank, world_size, port)
     exported = dict(trainer.backend.hf_weights(None))
     if rank == 0:
         original = load_file(str(checkpoint / "model.safetensors"))
@@ -102,9 +103,20 @@ def test_torch_dist_checkpoint_saved_at_tp2_resumes_at_tp1(tiny_checkpoint, tmp_
     meta = json.loads((save / "rollout_0" / "meta.json").read_text())
     assert meta["format"] == "torch_dist" and meta["rollout_id"] == 0
     assert (save / "latest").read_text().strip() == "rollout_0"
+    from safetensors.torch import load_file
+
+    saved_hf = load_file(str(tmp_path / "save_hf" / "step_0" / "model.safetensors"))  # --save-hf at rollout 0
+    assert set(saved_hf) == set(expected) and (tmp_path / "save_hf" / "step_0" / "config.json").is_file()
     start, metrics, params = run_distributed(_resume, 1, tiny_checkpoint, save, data)[0]
     assert start == 1
     for key in ("train/loss", "train/pg_loss", "train/grad_norm", "train/lr"):
         assert metrics[key] == pytest.approx(uninterrupted[key], rel=1e-5, abs=1e-7), key
     for name, value in params.items():
         torch.testing.assert_close(value, expected[name], rtol=0, atol=1e-5, msg=name)
+
+
+def test_save_hf_is_for_the_megatron_backend(tiny_checkpoint):
+    from slime.utils.validate_args import ArgumentError
+
+    with pytest.raises(ArgumentError, match="--save-hf: the FSDP backend's --save folders are Hugging Face"):
+        make_args(tiny_checkpoint, "--save-hf", "/tmp/unused_{rollout_id}")

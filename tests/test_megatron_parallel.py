@@ -1,6 +1,6 @@
-"""Megatron backend over 2 gloo processes: TP=2 and PP=2 give the same log-probs, loss and gradients as TP=1 on
-the same packed batch; TP=2 logits equal the HF transformers forward; the TP=1 gradient equals the FSDP
-trainer's."""
+"""Megatron backend over 2 gloo processes: TP=2 and PP=2 give the same
+log-probs, entropy, loss and gradients as TP=1 on the same packed batch (TP=1 takes the hidden-state log-prob
+head, TP=2 the vocab-parallel one)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,6 @@ import torch
 
 from fsdp_helpers import make_train_data, run_distributed
 from megatron_helpers import build_megatron, hf_named_grads, make_megatron_args, policy_loss_function, step_denominator
-from slime.utils.misc import find_free_port
 
 pytest.importorskip("megatron.core")
 
@@ -18,7 +17,7 @@ pytest.importorskip("megatron.core")
 def tiny_checkpoint(tmp_path_factory):
     from slime.utils.tiny_model import build_tiny_model
 
-    # 3 layers: PP=2 splits them unevenly is not allowed by Megatron; 4 keeps both stages busy.
+    # 4 layers: two per pipeline stage.
     return build_tiny_model(tmp_path_factory.mktemp("tiny_mcore"), arch="qwen3", num_hidden_layers=4)
 
 

@@ -3,6 +3,7 @@ model with SFT through train.py, then train it with GRPO through train.py (real 
 processes) and report held-out accuracy before and after RL.
 
     python examples/quickstart/run.py [--out-dir runs/quickstart] [--num-rollout 12]
+    python examples/quickstart/run.py --train-args "--train-backend megatron --tensor-model-parallel-size 2"
 
 The last stdout line is JSON: {"eval_accuracy_before_rl", "eval_accuracy_after_rl", "run_dir"}.
 """
@@ -43,11 +44,15 @@ def main() -> None:
     parser.add_argument("--num-rollout", type=int, default=40, help="GRPO rollouts")
     parser.add_argument("--grpo-lr", type=float, default=5e-4)
     parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--train-args", default="",
+                        help="more train.py flags for both phases, e.g. '--train-backend megatron "
+                             "--tensor-model-parallel-size 2'")
     opts = parser.parse_args()
 
     run_dir = Path(opts.out_dir or REPO_ROOT / "runs" / f"quickstart-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
     paths = build_task(run_dir / "task", seed=opts.seed)
-    common = ["--actor-num-gpus-per-node", "2", "--seed", str(opts.seed), "--micro-batch-size", "8"]
+    common = ["--actor-num-gpus-per-node", "2", "--seed", str(opts.seed), "--micro-batch-size", "8",
+              *opts.train_args.split()]
 
     run_train(common + [
         "--hf-checkpoint", str(paths["model"]), "--prompt-data", str(paths["sft"]), "--input-key", "messages",

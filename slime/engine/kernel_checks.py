@@ -1,7 +1,7 @@
 """Start-up self-checks of the engine's Triton kernels (and of torch's grouped_mm for MoE experts) on this machine:
 each kernel family must import, compile and match its torch reference on a small case before the model runner uses
-it; any failure (no triton, a compile error, a wrong result) warns and keeps the torch path. Not a test suite: tests/test_engine_triton.py checks the
-kernels themselves.
+it; any failure (no triton, a compile error, a wrong result) warns and keeps the torch path. Not a test suite:
+tests/test_engine_triton.py checks the kernels themselves.
 """
 
 from __future__ import annotations
@@ -93,7 +93,8 @@ def triton_fused_kernels_work(device: torch.device) -> bool:
 
 def grouped_mm_works(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether torch's grouped_mm runs here in `dtype` and matches one matmul per expert (empty groups included);
-    if not, warn: the MoE experts then run one matmul per expert, and decode CUDA graphs are off."""
+    on CUDA also under CUDA graph capture, as decode steps replay graphs. If not, warn: the MoE experts then run
+    one matmul per expert, and decode CUDA graphs are off."""
     try:
         from slime.engine.layers.moe import GroupedExperts
 
@@ -111,8 +112,31 @@ def grouped_mm_works(device: torch.device, dtype: torch.dtype) -> bool:
             expected = experts(hidden, expert_ids, weights)
         tolerance = 1e-4 if dtype == torch.float32 else 5e-2
         torch.testing.assert_close(got, expected, atol=tolerance * expected.abs().max().item(), rtol=tolerance)
+        if device.type == "cuda":  # decode steps replay CUDA graphs: the kernel must also run under capture
+            experts.use_grouped_mm = True
+            captured = _captured_output(lambda: experts(hidden, expert_ids, weights), device)
+            torch.testing.assert_close(captured, expected, atol=tolerance * expected.abs().max().item(),
+                                       rtol=tolerance)
         return True
     except Exception as error:
         warnings.warn(f"torch grouped_mm unavailable for {dtype} on {device} ({type(error).__name__}: {error}); "
                       "MoE experts run one matmul per expert")
         return False
+
+
+@torch.no_grad()
+def _captured_output(function, device: torch.device) -> torch.Tensor:
+    """`function()`'s output computed by replaying a CUDA graph of it (warmed up on a side stream first, as
+    capture requires). Raises where the function cannot be captured: some grouped_mm dtypes copy group offsets to
+    the host, which capture refuses."""
+    stream = torch.cuda.Stream(device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(stream):
+        function()
+    torch.cuda.current_stream(device).wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        output = function()
+    graph.replay()
+    torch.cuda.synchronize(device)
+    return output.clone()

@@ -71,15 +71,11 @@ REFUSED = {
     "opd_teacher_ckpt_step": "picks a Megatron checkpoint step; --opd-teacher-load names a Hugging Face folder here",
     "only_train_params_name_list": "parameter freezing is not implemented",
     "freeze_params_name_list": "parameter freezing is not implemented",
-    "save_hf": "not implemented; --save writes Hugging Face safetensors already (rollout_<id>/model)",
     "reset_optimizer_states": "not implemented",
     "use_stateless_adam": "not implemented",
     "balance_by_flops": "not implemented (--balance-data balances token counts)",
     "log_probs_max_tokens_per_gpu": "not implemented: forward-only passes use --max-tokens-per-gpu",
-    "compute_advantages_and_returns": "not implemented: advantages are always computed (or by "
-                                      "--custom-advantage-function-path)",
     "use_rollout_entropy": "not implemented: entropy is recomputed by the trainer",
-    "custom_tis_function_path": "not implemented yet: use --use-tis with --tis-mode",
     "custom_pg_loss_reducer_function_path": "not implemented yet: use --loss-agg-mode",
     "enable_mtp_training": "multi-token-prediction layers are a Megatron feature",
     "multimodal_keys": "no multimodal models here",
@@ -87,9 +83,6 @@ REFUSED = {
     "load_debug_rollout_data_subsample": "not implemented",
     "save_debug_train_data": "not implemented",
     "dump_details": "not implemented",
-    "balance_data": "not implemented yet",
-    "eval_max_context_len": "not implemented yet",
-    "train_env_vars": "not implemented yet",
 }
 
 

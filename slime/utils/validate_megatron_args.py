@@ -239,6 +239,9 @@ def _resolve_precision(args) -> None:
 def validate_megatron_args(args) -> None:
     config = hf_text_config(args)
     _resolve_backend(args)
+    _require(args.save_hf is None or args.train_backend == "megatron",
+             "--save-hf: the FSDP backend's --save folders are Hugging Face checkpoints already (rollout_<id>/); "
+             "drop it, or train with --train-backend megatron (torch_dist checkpoints)")
     _check_model_shape(args, config)
     _resolve_layout(args, config)
     _resolve_recompute(args, args.num_layers or config.get("num_hidden_layers"))

@@ -11,7 +11,7 @@ Optimizer: AdamW over this rank's parameter shards with the FSDP backend's sched
 the parameters are (over TP / PP / EP), and replicated over data parallelism (megatron-core's
 DistributedOptimizer needs its CUDA-only DDP buffers).
 
-Checkpoints: torch_dist (checkpoint.py); weights for the engines: HF-named full tensors gathered to rank 0
+Checkpoints: torch_dist (checkpoint.py), and with --save-hf also an HF folder; weights for the engines: HF-named full tensors gathered to rank 0
 (hf_weights.py), sent by the shared WeightSender.
 
 Not here: the RL flow (slime/backends/train_flow.py).
@@ -28,11 +28,11 @@ import torch
 from slime.backends.backend import LossOf, TrainBackend
 from slime.backends.fsdp_utils.backend import init_default_group, training_device
 from slime.backends.fsdp_utils.checkpoint import resolve_load_dir
-from slime.backends.fsdp_utils.optimizer import build_optimizer
+from slime.backends.fsdp_utils.optimizer import build_optimizer, move_training_state
 from slime.backends.megatron_utils import checkpoint
 from slime.backends.megatron_utils.cpu_shim import apply_cpu_shim
 from slime.backends.megatron_utils.grads import clip_grad_norm, finalize_grads
-from slime.backends.megatron_utils.hf_weights import load_hf_weights, model_hf_weights
+from slime.backends.megatron_utils.hf_weights import load_hf_weights, model_hf_weights, save_hf_checkpoint
 from slime.backends.megatron_utils.micro_batches import run_micro_batches
 from slime.backends.megatron_utils.model import build_gpt_model
 from slime.backends.megatron_utils.parallel import init_model_parallel
@@ -56,9 +56,13 @@ class MegatronBackend(TrainBackend):
                              "gradient sums and the weight export cover TP / PP / DP); use 1")
         self.args, self.rank, self.world_size = args, rank, world_size
         self.device = training_device(args, rank)
-        apply_cpu_shim()
+        if self.device.type == "cpu":
+            if args.sequence_parallel:
+                raise ValueError("--sequence-parallel runs on GPUs only with --train-backend megatron (megatron-core's "
+                                 "sequence-parallel collectives allocate on CUDA); drop it for a CPU run")
+            apply_cpu_shim()
         init_default_group(self.device, rank, world_size, master_addr, master_port)
-        init_model_parallel(args)
+        init_model_parallel(args, self.device)
         self.dp_rank = parallel_state.get_data_parallel_rank(with_context_parallel=True)
         self.dp_size = parallel_state.get_data_parallel_world_size(with_context_parallel=True)
         self.dp_group = parallel_state.get_data_parallel_group(with_context_parallel=True)
@@ -71,7 +75,7 @@ class MegatronBackend(TrainBackend):
 
         args = self.args
         self.hf_config = AutoConfig.from_pretrained(args.hf_checkpoint)
-        self.model_chunks = [build_gpt_model(args, self.hf_config)]
+        self.model_chunks = [build_gpt_model(args, self.hf_config, self.device)]
         self.model = self.model_chunks[0]
         self._load_weights(weights_path)
         params = [param for chunk in self.model_chunks for param in chunk.parameters()]
@@ -103,12 +107,16 @@ class MegatronBackend(TrainBackend):
         path = checkpoint.save_checkpoint(args.save, rollout_id, self.model_chunks, self.optimizer, self.scheduler,
                                           save_optim=not args.no_save_optim, run_state=run_state,
                                           hf_checkpoint=args.hf_checkpoint)
+        if args.save_hf:  # slime's template: the rollout id fills {rollout_id}
+            save_hf_checkpoint(self.model_chunks, self.hf_config, args.save_hf.format(rollout_id=rollout_id),
+                               args.hf_checkpoint)
         return str(path)
 
     # ---------------------------------------------------------------------------------------- compute
     def _run(self, micro_batches, loss_of=None):
         return run_micro_batches(self.model_chunks, micro_batches, temperature=self.args.rollout_temperature,
-                                 vocab_size=self.hf_config.vocab_size, device=self.device, loss_of=loss_of)
+                                 vocab_size=self.hf_config.vocab_size, device=self.device,
+                                 chunk_size=self.args.log_probs_chunk_size, loss_of=loss_of)
 
     @torch.no_grad()
     def forward_only(self, micro_batches: list[PackedMicroBatch]) -> list:
@@ -142,3 +150,14 @@ class MegatronBackend(TrainBackend):
 
     def hf_weights(self, dtype: torch.dtype | None):
         return model_hf_weights(self.model_chunks, self.hf_config, dtype)
+
+    # ---------------------------------------------------------------------------------------- memory
+    def offload(self) -> None:
+        """Colocated GPU runs: parameters and optimizer state to host memory while the engines generate (one model
+        chunk: virtual pipeline stages are refused)."""
+        if self.device.type == "cuda":
+            move_training_state(self.model, self.optimizer, "cpu")
+
+    def onload(self) -> None:
+        if self.device.type == "cuda":
+            move_training_state(self.model, self.optimizer, self.device)

@@ -4,11 +4,11 @@ a checkpoint saved at TP=2 loads at TP=1 (or any other TP / PP layout), the opti
 Folder: `{save}/rollout_{id}/` (the project's layout, so the driver's `--load` checks and the data-source run state
 work for both backends; slime's Megatron writes `iter_{id:07d}/`): `torch_dist/` (model weights and, unless
 --no-save-optim, AdamW's exp_avg / exp_avg_sq as sharded tensors laid out like their parameters),
-`scheduler.pt`, `rng/rank_{r}.pt`, `meta.json` (rollout id, format, the files a resume reads) and the driver's
-`run_state.json`. Written under a temporary name, renamed when complete, `{save}/latest` last
-(fsdp_utils/checkpoint.py's `publish_checkpoint`). Iteration = rollout id.
+`scheduler.pt`, `rng/rank_{r}.pt`, `meta.json` (rollout id, format, the files a resume reads), the driver's
+`run_state.json`, and the HF config and tokenizer files of --hf-checkpoint. Written under a temporary name, renamed
+when complete, `{save}/latest` last (fsdp_utils/checkpoint.py's `publish_checkpoint`). Iteration = rollout id.
 
-Not the HF export (hf_weights.py writes --save-hf folders).
+Not the HF export (hf_weights.py writes the --save-hf folders).
 """
 
 from __future__ import annotations
@@ -20,7 +20,14 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from slime.backends.fsdp_utils.checkpoint import barrier, publish_checkpoint, rng_state, set_rng_state, torch_load
+from slime.backends.fsdp_utils.checkpoint import (
+    HF_EXTRA_FILES,
+    barrier,
+    publish_checkpoint,
+    rng_state,
+    set_rng_state,
+    torch_load,
+)
 from slime.utils.checkpoint_state import META_FILE, RUN_STATE_FILE, CheckpointError, checkpoint_dir
 
 FORMAT = "torch_dist"
@@ -75,35 +82,66 @@ def _init_optimizer_state(optimizer) -> None:
     optimizer.zero_grad(set_to_none=True)
 
 
-def save_checkpoint(save_root: str, rollout_id: int, model_chunks, optimizer, scheduler, *, save_optim: bool,
-                    run_state: dict | None, hf_checkpoint: str) -> Path:
-    """Collective: every rank calls it. Returns the final folder."""
+def _write_torch_dist(tmp: Path, model_chunks, optimizer, hf_checkpoint: str) -> None:
+    """Collective: `tmp/torch_dist/` (model, and the optimizer unless None), this rank's RNG state, and on rank 0
+    the HF config and tokenizer files (so the folder also names its architecture, e.g. for --ref-load)."""
     from megatron.core import dist_checkpointing
 
     rank = dist.get_rank()
-    final = checkpoint_dir(save_root, rollout_id)
-    tmp = final.with_name(final.name + ".tmp")
     if rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)
         (tmp / "rng").mkdir(parents=True)
         (tmp / TORCH_DIST_DIR).mkdir()
+        for name in HF_EXTRA_FILES:
+            if (Path(hf_checkpoint) / name).is_file():
+                shutil.copy2(Path(hf_checkpoint) / name, tmp / name)
     barrier()
     sharded = _model_sharded_state_dict(model_chunks)
-    if save_optim:
+    if optimizer is not None:
         sharded["optimizer"] = _optimizer_sharded_state_dict(optimizer, sharded)
     dist_checkpointing.save(sharded, str(tmp / TORCH_DIST_DIR))
     torch.save(rng_state(), tmp / "rng" / f"rank_{rank}.pt")
+
+
+def _write_meta(folder: Path, rollout_id: int, files: list[str], *, optimizer: bool, hf_checkpoint: str) -> None:
+    files = [f"{TORCH_DIST_DIR}/metadata.json", "config.json", *files,
+             *(f"rng/rank_{r}.pt" for r in range(dist.get_world_size()))]
+    (folder / META_FILE).write_text(json.dumps({"rollout_id": rollout_id, "format": FORMAT, "files": files,
+                                                "optimizer": optimizer, "hf_checkpoint": str(hf_checkpoint)}))
+
+
+def save_checkpoint(save_root: str, rollout_id: int, model_chunks, optimizer, scheduler, *, save_optim: bool,
+                    run_state: dict | None, hf_checkpoint: str) -> Path:
+    """Collective: every rank calls it. Returns the final folder."""
+    rank = dist.get_rank()
+    final = checkpoint_dir(save_root, rollout_id)
+    tmp = final.with_name(final.name + ".tmp")
+    _write_torch_dist(tmp, model_chunks, optimizer if save_optim else None, hf_checkpoint)
     if rank == 0:
         torch.save(scheduler.state_dict(), tmp / SCHEDULER_FILE)
-        files = [f"{TORCH_DIST_DIR}/metadata.json", SCHEDULER_FILE,
-                 *(f"rng/rank_{r}.pt" for r in range(dist.get_world_size()))]
+        files = [SCHEDULER_FILE]
         if run_state is not None:
             (tmp / RUN_STATE_FILE).write_text(json.dumps(run_state))
             files.append(RUN_STATE_FILE)
-        (tmp / META_FILE).write_text(json.dumps({"rollout_id": rollout_id, "format": FORMAT, "files": files,
-                                                 "optimizer": save_optim, "hf_checkpoint": str(hf_checkpoint)}))
+        _write_meta(tmp, rollout_id, files, optimizer=save_optim, hf_checkpoint=hf_checkpoint)
     publish_checkpoint(tmp, final, save_root, rank)
     return final
+
+
+def save_weights(folder: str | Path, model_chunks, hf_checkpoint: str) -> Path:
+    """Collective: a weights-only torch_dist folder (tools/convert_hf_to_torch_dist.py): loadable as
+    --ref-load / --opd-teacher-load and by tools/convert_torch_dist_to_hf.py, not resumable (no run state)."""
+    folder = Path(folder)
+    tmp = folder.with_name(folder.name + ".tmp")
+    _write_torch_dist(tmp, model_chunks, None, hf_checkpoint)
+    if dist.get_rank() == 0:
+        _write_meta(tmp, 0, [], optimizer=False, hf_checkpoint=hf_checkpoint)
+    barrier()
+    if dist.get_rank() == 0:
+        shutil.rmtree(folder, ignore_errors=True)
+        tmp.rename(folder)
+    barrier()
+    return folder
 
 
 def load_model_weights(ckpt: str | Path, model_chunks) -> None:

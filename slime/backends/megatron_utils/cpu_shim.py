@@ -1,4 +1,4 @@
-"""Make megatron-core's forward and backward run on a CPU (gloo, fp32): the CPU tests and CI use it.
+"""Make megatron-core run on a CPU (gloo, fp32): the CPU tests and CI train with it.
 
 megatron-core 0.16.1 assumes CUDA in three places of the model's forward and backward (slime-spec §13):
 - `RotaryEmbedding.get_emb` moves `inv_freq` to `torch.cuda.current_device()` at the first forward;
@@ -6,19 +6,19 @@ megatron-core 0.16.1 assumes CUDA in three places of the model's forward and bac
   "cuda";
 - `tensor_parallel.random.CudaRNGStatesTracker.fork` swaps the CUDA RNG state around dropout and initialisation
   (here a null context: the CPU runs use no dropout and initialise weights with `use_cpu_initialization`).
-Two more appear past the plain forward and backward: the pipeline schedules (`get_forward_backward_func`, also at
-PP=1) and p2p communication allocate token counters and shape messages with `device="cuda"` /
-`torch.cuda.current_device()` (those two modules get a `torch` whose CUDA device is the CPU, `_CpuDeviceTorch`;
-every other attribute is torch's own), and with PP > 1 and tied embeddings
-`LanguageModule.setup_embeddings_and_output_layer` moves the last stage's copy of the embedding to CUDA before
-the all-reduce that makes both copies equal (here the all-reduce runs on the CPU). dist_checkpointing's
-saver synchronises CUDA before writing and reduces its success flags on "cuda" (those two modules get the same
-`torch`). MoE layers: the router moves its
-weight to `torch.cuda.current_device()` at its first forward (the router module gets the same `torch`), and the
-alltoall token dispatcher creates a CUDA stream for its device-to-host copies of the routing counts and synchronises on it; on
-the CPU the counts are host tensors already (no stream, no copy). `apply_cpu_shim()` is applied
-explicitly by the backend before it builds a model, not at import: importing this package must not change
-megatron-core for a GPU process that shares the interpreter. On a machine with CUDA it does nothing.
+More appear past the plain forward and backward; the modules involved get a `torch` whose CUDA device is the CPU
+(`_CpuDeviceTorch`; every other attribute is torch's own):
+- the pipeline schedules (`get_forward_backward_func`, also at PP=1) and p2p communication allocate token counters
+  and shape messages with `device="cuda"` / `torch.cuda.current_device()`;
+- dist_checkpointing's saver synchronises CUDA before writing and reduces its success flags on "cuda";
+- the MoE router moves its weight to `torch.cuda.current_device()` at its first forward.
+And two are replaced: with PP > 1 and tied embeddings `LanguageModule.setup_embeddings_and_output_layer` moves the
+last stage's copy of the embedding to CUDA before the all-reduce that makes both copies equal (here the all-reduce
+runs on the CPU); the alltoall MoE token dispatcher creates a CUDA stream for its device-to-host copies of the
+routing counts (on the CPU they are host tensors already: no stream, no copy).
+
+`apply_cpu_shim()` is applied explicitly by the backend when its device is the CPU, not at import: importing this
+package must not change megatron-core for a process that trains on a GPU.
 
 Not a device abstraction: anything else that needs CUDA (Transformer Engine, fused kernels) stays unsupported on
 the CPU, and the backend does not ask for it there.
@@ -111,13 +111,11 @@ def _cpu_setup_embeddings(language_module, original):
     return setup_embeddings_and_output_layer
 
 
-def apply_cpu_shim() -> bool:
-    """Patch the three CUDA assumptions when CUDA is absent; idempotent. Returns whether the shim is active."""
+def apply_cpu_shim() -> None:
+    """Patch megatron-core's CUDA assumptions for a process that trains on the CPU; idempotent."""
     global _applied
-    if torch.cuda.is_available():
-        return False
     if _applied:
-        return True
+        return
     from megatron.core.fusions import fused_softmax
     from megatron.core.models.common.language_module import language_module
     from megatron.core.pipeline_parallel import p2p_communication, schedules
@@ -149,4 +147,3 @@ def apply_cpu_shim() -> bool:
     language_module.LanguageModule.setup_embeddings_and_output_layer = _cpu_setup_embeddings(
         language_module, language_module.LanguageModule.setup_embeddings_and_output_layer)
     _applied = True
-    return True

@@ -1,19 +1,21 @@
 """Megatron model chunks <-> HF checkpoints: fill a rank's chunks from an HF safetensors folder (each rank reads only
-the tensors its shards need), and produce the full HF-named weights from the sharded model (for --save-hf,
-conversion and weight sync).
+the tensors its shards need), and produce the full HF-named weights from the sharded model (for weight sync and
+tools/convert_torch_dist_to_hf.py).
 
-Not the bucketing or the transport to engines (slime/backends/fsdp_utils/update_weight.py does that for both
-backends) and not Megatron's own checkpoint format (checkpoint.py).
+Not the bucketing or the transport to engines (slime/backends/weight_sender.py does that for both backends) and
+not Megatron's own checkpoint format (checkpoint.py).
 """
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 from typing import Iterator
 
 import torch
 import torch.distributed as dist
 
+from slime.backends.fsdp_utils.checkpoint import HF_EXTRA_FILES
 from slime.backends.megatron_utils import tp_shards
 from slime.backends.megatron_utils.hf_mapping import mapping_for
 from slime.backends.megatron_utils.names import named_global_parameters
@@ -115,7 +117,6 @@ def save_hf_checkpoint(model_chunks, hf_config, out_dir: str | Path, source_chec
     out_dir.mkdir(parents=True, exist_ok=True)
     save_file({name: tensor.contiguous() for name, tensor in state.items()}, str(out_dir / "model.safetensors"),
               metadata={"format": "pt"})
-    source = Path(source_checkpoint)
-    for file in source.iterdir():
-        if file.is_file() and not file.name.endswith(".safetensors") and file.name != "model.safetensors.index.json":
-            (out_dir / file.name).write_bytes(file.read_bytes())
+    for name in HF_EXTRA_FILES:
+        if (Path(source_checkpoint) / name).is_file():
+            shutil.copy2(Path(source_checkpoint) / name, out_dir / name)

@@ -1,7 +1,7 @@
 """Packed micro-batches through megatron-core's pipeline schedules (`get_forward_backward_func`): forward-only
 passes for log-probs / entropy, and forward + backward of a loss.
 
-A micro-batch is the project's `PackedMicroBatch` (slime/backends/fsdp_utils/data.py: samples concatenated into
+A micro-batch is the project's `PackedMicroBatch` (slime/backends/packing.py: samples concatenated into
 one row, positions restarting per sample, `logit_index` / `target_ids` of the response tokens); here it becomes
 Megatron's THD input: `input_ids` / `position_ids` [1, T] and `PackedSeqParams(qkv_format="thd", cu_seqlens)`.
 With sequence parallelism the row is padded to a multiple of the TP size by a padding segment of its own (pad id
@@ -9,7 +9,8 @@ With sequence parallelism the row is padded to a multiple of the TP size by a pa
 entropy, loss metrics) is broadcast from there to every stage. The loss is computed per micro-batch as the
 caller's share of the global loss (no division by the number of micro-batches: `calculate_per_token_loss`).
 
-Not the micro-batch schedule (data.py decides which samples form each micro-batch) and not the loss math.
+Not the micro-batch schedule (the train flow and packing.py decide which samples form each micro-batch) and not
+the loss math (the flow's `loss_of`).
 """
 
 from __future__ import annotations
@@ -22,7 +23,10 @@ import torch.distributed as dist
 
 from slime.backends.backend import LossOf
 from slime.backends.packing import PackedMicroBatch, to_device
-from slime.backends.megatron_utils.log_probs import vocab_parallel_log_probs_and_entropy
+from slime.backends.megatron_utils.log_probs import (
+    hidden_state_log_probs_and_entropy,
+    vocab_parallel_log_probs_and_entropy,
+)
 
 
 @dataclass
@@ -66,7 +70,7 @@ def _broadcast_from_last_stage(value):
 
 
 def run_micro_batches(model_chunks, micro_batches: list[PackedMicroBatch], *, temperature: float, vocab_size: int,
-                      device, loss_of: LossOf | None = None):
+                      device, chunk_size: int | None = None, loss_of: LossOf | None = None):
     """Forward-only (loss_of None): per micro-batch (log_probs, entropy) host tensors of its response tokens, on
     every rank. Otherwise forward + backward of `loss_of(index of the micro-batch, (log_probs, entropy)) -> (loss,
     metrics)` (gradients accumulate in .grad); returns the per-micro-batch metric dicts (floats), on every rank."""
@@ -77,12 +81,18 @@ def run_micro_batches(model_chunks, micro_batches: list[PackedMicroBatch], *, te
     forward_only = loss_of is None
     config = model_chunks[0].config
     pad_multiple = _pad_multiple(config)
+    last_chunk = model_chunks[-1]
+    from_hidden_states = config.tensor_model_parallel_size == 1  # model.py: the output layer passes them through
     outputs = []
 
-    def loss_func(index: int, micro_batch: PackedMicroBatch, logits: torch.Tensor):
-        rows = logits[0].index_select(0, to_device(micro_batch.logit_index, logits.device))
-        log_probs, entropy = vocab_parallel_log_probs_and_entropy(
-            rows, to_device(micro_batch.target_ids, logits.device), temperature, vocab_size)
+    def loss_func(index: int, micro_batch: PackedMicroBatch, output: torch.Tensor):
+        rows = output[0].index_select(0, to_device(micro_batch.logit_index, output.device))
+        target_ids = to_device(micro_batch.target_ids, output.device)
+        if from_hidden_states:
+            log_probs, entropy = hidden_state_log_probs_and_entropy(last_chunk, rows, target_ids, temperature,
+                                                                    vocab_size, chunk_size)
+        else:
+            log_probs, entropy = vocab_parallel_log_probs_and_entropy(rows, target_ids, temperature, vocab_size)
         if forward_only:
             outputs.append((log_probs.detach().cpu(), entropy.detach().cpu()))
             return log_probs.sum() * 0.0, torch.tensor(1), {}

@@ -2,13 +2,16 @@
 Llama 3 (dense) and Qwen3-MoE (MoE layers).
 
 Layer spec: Transformer Engine's when TE is importable (its attention core takes packed THD batches), otherwise
-megatron-core's local spec with `PackedCoreAttention` in place of the local core (which refuses packed batches).
+megatron-core's local spec with `PackedCoreAttention` in place of the local core (which refuses packed batches)
+and norm.py's RMSNorm (which, unlike the local one, allows sequence parallelism).
 MoE experts: TE's grouped experts with the TE spec; with the local spec `SequentialMLP` (one MLP per local expert:
 grouped GEMM needs the grouped_gemm CUDA package or TE, neither installable on the CPU machines).
 dtype: fp32 on the CPU (bf16 there is ~13x slower); on the GPU bf16 parameters with `--bf16` (the optimizer keeps
 fp32 main params), else fp32.
 
-Not the weights: the model is randomly initialised here; hf_mapping/ fills it from a checkpoint.
+At TP = 1 the last stage returns its final hidden states instead of logits (log_probs.py computes the log-probs
+from them in chunks). Not the weights: the model is randomly initialised here; hf_mapping/ fills it from a
+checkpoint.
 """
 
 from __future__ import annotations
@@ -19,13 +22,15 @@ import torch
 import torch.nn.functional as F
 
 from slime.backends.megatron_utils.attention import PackedCoreAttention
+from slime.backends.megatron_utils.log_probs import return_hidden_states
+from slime.backends.megatron_utils.norm import RMSNorm
 
 SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "llama", "qwen3_moe")
 VOCAB_PAD_MULTIPLE = 128  # Megatron's --make-vocab-size-divisible-by default, times the TP size
 
 
-def transformer_engine_available() -> bool:
-    return torch.cuda.is_available() and importlib.util.find_spec("transformer_engine") is not None
+def transformer_engine_available(device: torch.device) -> bool:
+    return device.type == "cuda" and importlib.util.find_spec("transformer_engine") is not None
 
 
 def padded_vocab_size(vocab_size: int, tp_size: int) -> int:
@@ -33,7 +38,7 @@ def padded_vocab_size(vocab_size: int, tp_size: int) -> int:
     return -(-vocab_size // multiple) * multiple
 
 
-def transformer_config(args, hf_config):
+def transformer_config(args, hf_config, device: torch.device):
     """megatron-core `TransformerConfig` for the HF config and the parallelism flags."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
@@ -41,7 +46,7 @@ def transformer_config(args, hf_config):
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise ValueError(f"--train-backend megatron supports model_type {', '.join(SUPPORTED_MODEL_TYPES)}; "
                          f"{args.hf_checkpoint} is {model_type!r} (use --train-backend fsdp for it)")
-    on_gpu = torch.cuda.is_available()
+    on_gpu = device.type == "cuda"
     use_bf16 = bool(args.bf16) and on_gpu
     head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
     moe = {}
@@ -55,7 +60,7 @@ def transformer_config(args, hf_config):
             moe_router_pre_softmax=not hf_config.norm_topk_prob,
             moe_router_load_balancing_type="none",
             moe_aux_loss_coeff=0.0,
-            moe_grouped_gemm=transformer_engine_available(),
+            moe_grouped_gemm=transformer_engine_available(device),
             moe_router_dtype="fp32",
         )
         if hf_config.decoder_sparse_step != 1 or hf_config.mlp_only_layers:
@@ -108,8 +113,18 @@ def transformer_config(args, hf_config):
     )
 
 
-def layer_spec(config):
-    if transformer_engine_available():
+def block_spec(config, device: torch.device, vp_stage: int | None):
+    """The decoder of this pipeline stage: its layers' spec and the final norm."""
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
+
+    if transformer_engine_available(device):
+        return _layer_spec(config, device)
+    return TransformerBlockSubmodules(layer_specs=[_layer_spec(config, device)] *
+                                      get_num_layers_to_build(config, vp_stage=vp_stage), layer_norm=RMSNorm)
+
+
+def _layer_spec(config, device: torch.device):
+    if transformer_engine_available(device):
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
 
         return get_gpt_layer_with_transformer_engine_spec(
@@ -125,22 +140,26 @@ def layer_spec(config):
     spec = get_gpt_layer_local_spec(num_experts=config.num_moe_experts, moe_grouped_gemm=False,
                                     qk_layernorm=config.qk_layernorm, normalization="RMSNorm")
     spec.submodules.self_attention.submodules.core_attention = PackedCoreAttention
+    spec.submodules.input_layernorm = spec.submodules.pre_mlp_layernorm = RMSNorm  # sequence parallel allowed
+    attention = spec.submodules.self_attention.submodules
+    if config.qk_layernorm:  # their gradients are summed over TP in any case (grads.py)
+        attention.q_layernorm = attention.k_layernorm = RMSNorm
     return spec
 
 
-def build_gpt_model(args, hf_config, vp_stage: int | None = None):
-    """This pipeline stage's GPTModel (model chunk `vp_stage` with virtual pipeline stages)."""
+def build_gpt_model(args, hf_config, device: torch.device, vp_stage: int | None = None):
+    """This pipeline stage's GPTModel on `device` (model chunk `vp_stage` with virtual pipeline stages)."""
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
 
-    config = transformer_config(args, hf_config)
+    config = transformer_config(args, hf_config, device)
     rope = hf_config.rope_parameters or {}
     if rope.get("rope_type", "default") != "default":
         raise ValueError(f"rope_parameters {rope} of {args.hf_checkpoint}: --train-backend megatron supports plain "
                          "RoPE only (rope_type 'default')")
     model = GPTModel(
         config=config,
-        transformer_layer_spec=layer_spec(config),
+        transformer_layer_spec=block_spec(config, device, vp_stage),
         vocab_size=padded_vocab_size(hf_config.vocab_size, args.tensor_model_parallel_size),
         max_sequence_length=hf_config.max_position_embeddings,
         pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
@@ -150,6 +169,6 @@ def build_gpt_model(args, hf_config, vp_stage: int | None = None):
         rotary_base=int(rope["rope_theta"]),
         vp_stage=vp_stage,
     )
-    if torch.cuda.is_available():
-        model.cuda(torch.cuda.current_device())
-    return model
+    if model.post_process and args.tensor_model_parallel_size == 1:
+        return_hidden_states(model)  # the log-prob head works from hidden states (log_probs.py)
+    return model.to(device)

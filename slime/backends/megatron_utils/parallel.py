@@ -1,5 +1,5 @@
-"""Process groups for the Megatron backend: torch.distributed (gloo on the CPU, NCCL on the GPU) and
-megatron-core's model-parallel state (tensor, pipeline, context, expert, data parallel) over it.
+"""megatron-core's model-parallel state (tensor, pipeline, context, expert, data parallel groups) over the default
+process group (gloo on the CPU, NCCL on GPUs: fsdp_utils/backend.py's init_default_group starts it).
 
 Not the data split: which samples each data-parallel rank trains on is decided by the Ray side
 (slime/ray/train_data.py); this module only says which ranks are peers.
@@ -7,28 +7,10 @@ Not the data split: which samples each data-parallel rank trains on is decided b
 
 from __future__ import annotations
 
-import datetime
-import os
-
 import torch
-import torch.distributed as dist
 
 
-def init_distributed(rank: int, world_size: int, master_addr: str, master_port: int) -> torch.device:
-    """Start the default process group (if not yet started) and return this rank's device."""
-    if torch.cuda.is_available():
-        local_rank = int(os.environ.get("LOCAL_RANK", 0))
-        torch.cuda.set_device(local_rank)
-        device, backend = torch.device("cuda", local_rank), "nccl"
-    else:
-        device, backend = torch.device("cpu"), "gloo"
-    if not dist.is_initialized():
-        dist.init_process_group(backend, init_method=f"tcp://{master_addr}:{master_port}", rank=rank,
-                                world_size=world_size, timeout=datetime.timedelta(minutes=30))
-    return device
-
-
-def init_model_parallel(args) -> None:
+def init_model_parallel(args, device: torch.device) -> None:
     """`parallel_state.initialize_model_parallel` from the Megatron parallelism flags; gloo groups are created
     too (the distributed optimizer and dist_checkpointing use them on the CPU)."""
     from megatron.core import parallel_state
@@ -46,7 +28,7 @@ def init_model_parallel(args) -> None:
     )
     from megatron.core.tensor_parallel import random as tp_random
 
-    if torch.cuda.is_available():
+    if device.type == "cuda":  # the CUDA RNG tracker (the CPU has none: cpu_shim.py)
         tp_random.model_parallel_cuda_manual_seed(args.seed)
 
 

@@ -2,8 +2,8 @@
 tensors (tensor-parallel shards concatenated, see tp_shards.py) under *global* names (layer and expert numbers of
 the whole model, see names.py), so it knows nothing of parallelism:
 
-- `to_megatron(name, read_hf, hf_config) -> Tensor`: the full Megatron tensor `name`, built from the HF tensors
-  that `read_hf(hf_name)` returns;
+- `to_megatron(name, read_hf, hf_config, padded_vocab) -> Tensor`: the full Megatron tensor `name`, built from the
+  HF tensors that `read_hf(hf_name)` returns (embedding rows padded to `padded_vocab`);
 - `to_hf(name, tensor, hf_config) -> list[(hf_name, Tensor)]`: the HF tensors of one full Megatron tensor.
 """
 

@@ -1,0 +1,64 @@
+"""Convert a Megatron torch_dist folder (a --save checkpoint of --train-backend megatron, `{save}/rollout_{id}`, or
+the output of tools/convert_hf_to_torch_dist.py) into a Hugging Face safetensors folder (slime's tool of the same
+name). One process: the checkpoint is resharded to TP = PP = 1 on load, whatever layout wrote it.
+
+    python tools/convert_torch_dist_to_hf.py --input-dir /ckpt/rollout_99 --output-dir /models/step99_hf \\
+        [--origin-hf-dir /models/Qwen3-4B]
+
+--origin-hf-dir gives config.json and the tokenizer (default: the folder's own copies).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--input-dir", required=True, help="the torch_dist folder (holds meta.json and torch_dist/)")
+    parser.add_argument("--output-dir", required=True, help="the HF folder to write")
+    parser.add_argument("--origin-hf-dir", default=None, help="config.json and tokenizer source (default: input)")
+    parser.add_argument("-f", "--force", action="store_true", help="overwrite a non-empty --output-dir")
+    args = parser.parse_args(argv)
+    output = Path(args.output_dir)
+    if output.exists() and any(output.iterdir()) and not args.force:
+        parser.error(f"--output-dir {output} is not empty; pass -f to overwrite")
+    return args
+
+
+def main(argv=None) -> None:
+    import torch
+    from transformers import AutoConfig
+
+    from slime.backends.megatron_utils.checkpoint import load_model_weights
+    from slime.backends.megatron_utils.cpu_shim import apply_cpu_shim
+    from slime.backends.megatron_utils.hf_weights import save_hf_checkpoint
+    from slime.backends.megatron_utils.model import build_gpt_model
+    from slime.backends.fsdp_utils.backend import init_default_group
+    from slime.backends.megatron_utils.parallel import init_model_parallel
+    from slime.utils.misc import find_free_port
+
+    opts = parse_args(argv)
+    source = Path(opts.origin_hf_dir or opts.input_dir)
+    layout = argparse.Namespace(
+        hf_checkpoint=str(source), tensor_model_parallel_size=1, pipeline_model_parallel_size=1,
+        virtual_pipeline_model_parallel_size=None, context_parallel_size=1, expert_model_parallel_size=1,
+        expert_tensor_parallel_size=1, sequence_parallel=False, recompute_granularity=None, recompute_method=None,
+        recompute_num_layers=None, bf16=False, seed=0)
+    cpu = torch.device("cpu")  # conversion copies tensors: the host is enough and works everywhere
+    apply_cpu_shim()
+    init_default_group(cpu, 0, 1, "127.0.0.1", find_free_port())
+    init_model_parallel(layout, cpu)
+    hf_config = AutoConfig.from_pretrained(source)
+    chunks = [build_gpt_model(layout, hf_config, cpu)]
+    load_model_weights(opts.input_dir, chunks)
+    save_hf_checkpoint(chunks, hf_config, opts.output_dir, source)
+    print(f"wrote {opts.output_dir}")
+
+
+if __name__ == "__main__":
+    main()
