@@ -54,7 +54,7 @@ def update_weights(args, actor, rollout_manager, rollout_id) -> dict:
     if args.offload_rollout:
         ray.get(rollout_manager.onload.remote(["weights"]))
     push = actor.update_weights(engine_urls, weight_version=str(rollout_id + 1))
-    ray.get(rollout_manager.weights_pushed.remote(str(rollout_id + 1)))
+    ray.get(rollout_manager.weights_pushed.remote(str(rollout_id + 1), engine_urls))
     if args.offload_train:
         actor.offload()
     if args.offload_rollout:

@@ -29,7 +29,7 @@ sys.path.insert(0, str(REPO))
 
 from examples.quickstart.task import build_task  # noqa: E402
 
-BATCH, N_SAMPLES = 8, 4
+BATCH, N_SAMPLES = 8, 4  # 32 samples a rollout
 
 
 def tree_rss_mb(pid: int) -> float:

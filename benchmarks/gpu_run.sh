@@ -52,6 +52,7 @@ run_step() {
     overlap_tests) python3 -m pytest -q -m gpu tests/test_engine_overlap.py tests/test_host_staging.py tests/test_engine_cuda.py ;;
     engine_gpu_tests) python3 -m pytest -q tests/test_engine_triton.py tests/test_engine_overlap.py tests/test_host_staging.py tests/test_engine_cuda.py tests/test_engine_server_gpu.py ;;
     train_06b_32k_rc) python3 benchmarks/bench_train.py --model-shape qwen3-0.6b --max-tokens-per-gpu 32768 --recompute-activations --compile-model --skip-baseline ;;
+    ft_colocated) SLIME_RUN_SLOW=1 python3 -m pytest -q tests/test_fault_tolerance.py -k colocated ;;  # engine killed mid-rollout
     grpo_smoke) grpo colocated ;;
     # The RL-speed issue: host work per decode step (CPU, device faked) on this host, W1 and the 135M shape at
     # batch 512 (W5) with HF's ratio, and the GRPO loop against its standalone floors.

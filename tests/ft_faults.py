@@ -96,7 +96,8 @@ async def generate(args, sample, sampling_params):
     return await default_generate(args, sample, sampling_params)
 
 
-__all__ = ["generate", "engine_processes", "router_processes", "probe_engines", "kill_rank_1_at_rollout_1"]
+__all__ = ["generate", "engine_processes", "router_processes", "probe_engines", "kill_rank_1_at_rollout_1",
+           "kill_engine_0_at_rollout_1"]
 
 
 def kill_rank_1_at_rollout_1(args, rollout_id, step_id, model, optimizer, scheduler):
@@ -105,3 +106,13 @@ def kill_rank_1_at_rollout_1(args, rollout_id, step_id, model, optimizer, schedu
 
     if rollout_id == 1 and dist.get_rank() == 1:
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+def kill_engine_0_at_rollout_1(args, rollout_id, step_id, model, optimizer, scheduler):
+    """A `--custom-before-train-step-hook-path` that SIGKILLs engine 0's server while the trainer trains on
+    rollout 1 (in a colocated run the engines' memory is released then)."""
+    import torch.distributed as dist
+
+    if rollout_id == 1 and step_id == 0 and dist.get_rank() == 0:
+        for process in engine_processes(args.output_dir, 0):
+            process.send_signal(signal.SIGKILL)

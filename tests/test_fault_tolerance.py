@@ -27,7 +27,8 @@ def task(tmp_path_factory):
 
 def ft_argv(task, out: Path, *extra: str) -> list[str]:
     return ["--hf-checkpoint", str(task["model"]), "--prompt-data", str(task["train"]), "--input-key", "prompt",
-            "--label-key", "label", "--apply-chat-template", "--custom-rm-path", "tests.e2e_rewards.response_hash_parity",
+            "--label-key", "label", "--apply-chat-template",
+            "--custom-rm-path", "tests.e2e_rewards.response_hash_parity",
             "--rollout-batch-size", str(BATCH), "--n-samples-per-prompt", str(N_SAMPLES), "--num-rollout", "3",
             "--rollout-max-response-len", "8", "--actor-num-gpus-per-node", "1", "--rollout-num-gpus", "2",
             "--router-policy", "round_robin", "--lr", "1e-3",
@@ -173,9 +174,11 @@ def test_failures_past_the_restart_budget_end_the_run(task, tmp_path):
                        [{"at_call": 10, "action": "sigkill", "engines": [0, 1]}], out)
     assert result.returncode == 1
     error = error_line(result)
-    assert error.startswith("train.py: error: rollout engine") and "all 1 engine restarts of --max-engine-restarts" in error
+    assert error.startswith("train.py: error: rollout engine")
+    assert "all 1 engine restarts of --max-engine-restarts" in error
 
 
+@pytest.mark.slow
 def test_dead_train_actor_names_its_rank_and_the_checkpoint_to_load(task, tmp_path):
     out, save = tmp_path / "run", tmp_path / "ckpt"
     argv = ["--hf-checkpoint", str(task["model"]), "--prompt-data", str(task["sft"]), "--input-key", "messages",
@@ -189,3 +192,56 @@ def test_dead_train_actor_names_its_rank_and_the_checkpoint_to_load(task, tmp_pa
     error = error_line(result)
     assert error.startswith("train.py: error: train actor rank 1 of the actor group died")
     assert f"resume with --load {save} (its latest complete checkpoint is {save / 'rollout_0'})" in error
+
+
+@pytest.mark.slow
+def test_colocated_engine_killed_mid_rollout_recovers(task, tmp_path):
+    """One device shared by the trainer and its one engine (--colocate; on a GPU host the GPU: gpu_run.sh step
+    ft_colocated): the engine dies mid-rollout, no engine is left, the requests wait for its restart, which then
+    releases and resumes memory with the others' rhythm."""
+    out = tmp_path / "run"
+    result = run_train(ft_argv(task, out, *FT, "--colocate"),
+                       [{"at_call": 10, "action": "sigkill", "engines": [0], "pause_s": 1.0}], out)
+    succeeded(result)
+    check_every_sample_once(out)
+    rows = metrics(out)
+    assert rows[1]["rollout/engine_failures"] == 1 and sum(r["rollout/engine_restarts"] for r in rows) == 1
+    for row in rows:
+        assert row["train/train_rollout_logprob_abs_diff"] < 1e-2
+
+
+@pytest.mark.slow
+def test_colocated_engine_killed_while_its_memory_is_released_recovers(task, tmp_path):
+    """Killed during training, when the engines have given their memory to the trainer: its replacement starts,
+    releases its memory like the others, and gets weights and memory back with them before the next rollout."""
+    out = tmp_path / "run"
+    result = run_train(ft_argv(task, out, *FT, "--colocate", "--custom-before-train-step-hook-path",
+                               "tests.ft_faults.kill_engine_0_at_rollout_1"), [], out)
+    succeeded(result)
+    check_every_sample_once(out)
+    rows = metrics(out)
+    assert sum(r["rollout/engine_failures"] for r in rows) == sum(r["rollout/engine_restarts"] for r in rows) == 1
+    assert rows[2]["rollout/engine_restarts"] == 1  # recovered between rollouts 1 and 2
+    for row in rows:
+        assert row["train/train_rollout_logprob_abs_diff"] < 1e-2
+
+
+@pytest.mark.slow
+def test_saved_rollouts_replay_without_engines(task, tmp_path):
+    """The way to reproduce a training failure: --debug-rollout-only --save-debug-rollout-data (engines, no trainer),
+    then --load-debug-rollout-data (trainer, no engine) trains on exactly the saved samples."""
+    dumps = tmp_path / "dumps"
+    rollout = ft_argv(task, tmp_path / "rollout_run", "--debug-rollout-only", "--num-rollout", "2")
+    rollout[rollout.index("--save-debug-rollout-data") + 1] = str(dumps / "rollout_{rollout_id}.json")
+    succeeded(run_train(rollout, [], tmp_path / "rollout_run"))
+    replay = ["--hf-checkpoint", str(task["model"]), "--custom-rm-path", "tests.e2e_rewards.response_hash_parity",
+              "--rollout-batch-size", str(BATCH), "--n-samples-per-prompt", str(N_SAMPLES), "--lr", "1e-3",
+              "--load-debug-rollout-data", str(dumps / "rollout_{rollout_id}.json"),
+              "--output-dir", str(tmp_path / "replay_run"), "--no-progress"]  # no --num-rollout: every saved one
+    succeeded(run_train(replay, [], tmp_path / "replay_run"))
+    generated, replayed = metrics(tmp_path / "rollout_run"), metrics(tmp_path / "replay_run")
+    assert [r["rollout_id"] for r in replayed] == [0, 1]
+    assert not any("train/loss" in r for r in generated) and all("train/loss" in r for r in replayed)
+    for g, r in zip(generated, replayed):
+        assert r["rollout/raw_reward"] == g["rollout/raw_reward"] and r["rollout/num_samples"] == BATCH * N_SAMPLES
+    assert not (tmp_path / "replay_run" / "engine_0.log").exists()

@@ -73,9 +73,6 @@ class EngineActor:
             raise EngineStartError(f"engine {self.rank} did not start (log {log_path}): {exc}") from None
         return self.server.url
 
-    def is_alive(self) -> bool:
-        return self.server is not None and self.server.process.poll() is None
-
     def exit_status(self) -> tuple[int | None, str]:
         """(the server's exit code, negative for the signal that ended it, or None while it runs; its log file)."""
         return self.server.process.poll(), str(self.server.log_path)

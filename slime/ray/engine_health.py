@@ -24,7 +24,7 @@ import queue
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import httpx
 import ray
@@ -66,7 +66,6 @@ class RecoveryCounters:
     engine_restarts: int = 0
     router_restarts: int = 0
     recovery_seconds: float = 0.0
-    reasons: list[str] = field(default_factory=list)
 
 
 class EngineSupervisor:
@@ -122,12 +121,13 @@ class EngineSupervisor:
         self.check()
         return self.live_urls()
 
-    def weights_pushed(self, version: str) -> None:
-        """The driver pushed `version` to every live engine: the restarted ones may serve now."""
+    def weights_pushed(self, version: str, urls: list[str]) -> None:
+        """The driver pushed `version` to `urls`: the restarted engines among them may serve now (one restarted
+        during the push gets its weights when the next rollout begins)."""
         with self.push_lock:
             with self.lock:
                 self.weight_version = version
-                pending = [s for s in self.slots if s.state == "pending"]
+                pending = [s for s in self.slots if s.state == "pending" and s.url in urls]
             self._join_router(pending)
 
     def begin_rollout(self) -> None:
@@ -234,7 +234,8 @@ class EngineSupervisor:
         if not self.fault_tolerant:
             self._set_fatal(router_died_error(exit_code, str(self.args.output_dir) + "/router.log"))
             return
-        logger.warning("fault tolerance: the sglang-router %s; restarting it on the same port", describe_exit(exit_code))
+        logger.warning("fault tolerance: the sglang-router %s; restarting it on the same port",
+                       describe_exit(exit_code))
         self.router.shutdown()
         self.router = self.new_router()
         with self.lock:

@@ -106,10 +106,10 @@ class RolloutManager:
         """Every engine the trainer's weight push must reach (after any restart in progress has finished)."""
         return self.supervisor.urls_for_weight_push() if self.supervisor else []
 
-    def weights_pushed(self, weight_version: str) -> None:
-        """The driver pushed `weight_version` to every engine of `get_engine_urls()`."""
+    def weights_pushed(self, weight_version: str, engine_urls: list[str]) -> None:
+        """The driver pushed `weight_version` to `engine_urls` (what `get_engine_urls()` answered)."""
         if self.supervisor:
-            self.supervisor.weights_pushed(weight_version)
+            self.supervisor.weights_pushed(weight_version, engine_urls)
 
     def set_trainer(self, trainer) -> None:
         """The RayTrainGroup that gives an engine restarted during a rollout its weights."""
@@ -124,7 +124,8 @@ class RolloutManager:
         if args.num_rollout is not None:
             return args.num_rollout
         if args.num_epoch is None:  # a replay without --num-rollout replays every saved rollout, from 0 on
-            return next(i for i in itertools.count() if not Path(args.load_debug_rollout_data.format(rollout_id=i)).is_file())
+            saved = (Path(args.load_debug_rollout_data.format(rollout_id=i)) for i in itertools.count())
+            return next(i for i, path in enumerate(saved) if not path.is_file())
         return args.num_epoch * len(self.data_source) // args.rollout_batch_size
 
     # ---- rollout -------------------------------------------------------------------------------------------
