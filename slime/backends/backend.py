@@ -16,6 +16,8 @@ Not here: the Ray actor (slime/ray/actor_group.py), the loss math (loss.py, ppo_
 from __future__ import annotations
 
 import contextlib
+import logging
+import math
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -25,6 +27,8 @@ import torch.distributed as dist
 
 from slime.backends.packing import PackedMicroBatch
 from slime.backends.routing_replay import RoutingReplay
+
+logger = logging.getLogger(__name__)
 
 # outputs of one micro-batch's forward: (log_probs, entropy) for a policy, values for a critic
 Outputs = object
@@ -87,9 +91,22 @@ class TrainBackend(ABC):
         every rank of the replica (a pipeline backend sends the last stage's to the others)."""
 
     @abstractmethod
+    def clip_grad_norm(self, max_grad_norm: float) -> float:
+        """The global L2 norm of the gradients (over every shard of the model), clipped in place to
+        `max_grad_norm` when that is finite."""
+
     def optimizer_step(self, max_grad_norm: float) -> dict:
         """Clip, step (skipped on a non-finite norm), advance the schedule, zero the gradients:
         {"grad_norm", "lr"}."""
+        grad_norm = self.clip_grad_norm(max_grad_norm)
+        lr = self.optimizer.param_groups[0]["lr"]
+        if math.isfinite(grad_norm):
+            self.optimizer.step()
+        else:
+            logger.warning("non-finite grad norm %s: optimizer step skipped", grad_norm)
+        self.scheduler.step()
+        self.zero_grad()
+        return {"grad_norm": grad_norm, "lr": lr}
 
     def zero_grad(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)

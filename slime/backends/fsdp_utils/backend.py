@@ -12,7 +12,6 @@ Not here: the RL flow (slime/backends/train_flow.py), the critic's value model (
 from __future__ import annotations
 
 import logging
-import math
 import os
 from datetime import timedelta
 from pathlib import Path
@@ -153,16 +152,8 @@ class FSDPBackend(TrainBackend):
             loss = loss + extra * share
         return loss, {**loss_metrics, **{key: value * share for key, value in router_metrics.items()}}
 
-    def optimizer_step(self, max_grad_norm: float) -> dict:
-        grad_norm = float(clip_grad_norm(self.model.parameters(), max_grad_norm))
-        lr = self.optimizer.param_groups[0]["lr"]
-        if math.isfinite(grad_norm):
-            self.optimizer.step()
-        else:
-            logger.warning("non-finite grad norm %s: optimizer step skipped", grad_norm)
-        self.scheduler.step()
-        self.zero_grad()
-        return {"grad_norm": grad_norm, "lr": lr}
+    def clip_grad_norm(self, max_grad_norm: float) -> float:
+        return float(clip_grad_norm(self.model.parameters(), max_grad_norm))
 
     # ---------------------------------------------------------------------------------------- weights
     def local_weights(self):

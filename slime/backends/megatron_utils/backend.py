@@ -20,7 +20,6 @@ Not here: the RL flow (slime/backends/train_flow.py).
 from __future__ import annotations
 
 import logging
-import math
 from pathlib import Path
 
 import torch
@@ -131,16 +130,8 @@ class MegatronBackend(TrainBackend):
         finalize_grads(self.model_chunks)
         return metrics
 
-    def optimizer_step(self, max_grad_norm: float) -> dict:
-        grad_norm = clip_grad_norm(self.model_chunks, max_grad_norm)
-        lr = self.optimizer.param_groups[0]["lr"]
-        if math.isfinite(grad_norm):
-            self.optimizer.step()
-        else:
-            logger.warning("non-finite grad norm %s: optimizer step skipped", grad_norm)
-        self.scheduler.step()
-        self.zero_grad()
-        return {"grad_norm": grad_norm, "lr": lr}
+    def clip_grad_norm(self, max_grad_norm: float) -> float:
+        return clip_grad_norm(self.model_chunks, max_grad_norm)
 
     # ---------------------------------------------------------------------------------------- weights
     def local_weights(self):
