@@ -19,7 +19,6 @@ Not here: the RL flow (slime/backends/train_flow.py).
 
 from __future__ import annotations
 
-import logging
 from pathlib import Path
 
 import torch
@@ -37,7 +36,6 @@ from slime.backends.megatron_utils.model import build_gpt_model
 from slime.backends.megatron_utils.parallel import init_model_parallel
 from slime.backends.packing import PackedMicroBatch
 
-logger = logging.getLogger(__name__)
 
 
 class MegatronBackend(TrainBackend):
