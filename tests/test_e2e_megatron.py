@@ -72,7 +72,7 @@ def test_quickstart_with_megatron_tp2_raises_held_out_accuracy(tmp_path):
 
     result = subprocess.run(
         [sys.executable, str(REPO / "examples/quickstart/run.py"), "--out-dir", str(tmp_path), "--num-rollout", "20",
-         "--train-args", "--train-backend megatron --tensor-model-parallel-size 2"],
+         "--train-backend", "megatron", "--tensor-model-parallel-size", "2"],
         cwd=REPO, capture_output=True, text=True, timeout=3600)
     assert result.returncode == 0, result.stderr[-6000:]
     summary = json.loads(result.stdout.strip().splitlines()[-1])
