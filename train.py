@@ -27,10 +27,9 @@ from slime.utils.validate_megatron_args import require_train_backend
 
 
 def create_rollout_manager(args, placements):
-    manager = ray.remote(RolloutManager).options(num_cpus=1).remote(args, placements["rollout"])
-    # The manager knows the router address once it has started the router; the trainer and rollout need it.
-    args.sglang_router_ip, args.sglang_router_port = ray.get(manager.get_router_address.remote())
-    return manager
+    # The router address stays the manager's (its own args, where rollout plugins read it; get_router_address
+    # gives it to whoever asks): the trainer talks to the engines, never to the router.
+    return ray.remote(RolloutManager).options(num_cpus=1).remote(args, placements["rollout"])
 
 
 def create_training_models(args, placements, rollout_manager):

@@ -39,6 +39,11 @@ SHAPES = {
                        num_key_value_heads=8, head_dim=128, vocab_size=151936),
     "qwen3-4b": dict(hidden_size=2560, intermediate_size=9728, num_hidden_layers=36, num_attention_heads=32,
                      num_key_value_heads=8, head_dim=128, vocab_size=151936),
+    # Qwen3-30B-A3B's layer shapes, 8 of its 48 layers, 64 of its 128 experts (benchmarks/engine_checkpoints.py)
+    "qwen3-30b-a3b-8l": dict(arch="qwen3_moe", hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
+                             num_experts=64, num_experts_per_tok=8, norm_topk_prob=True, num_hidden_layers=8,
+                             num_attention_heads=32, num_key_value_heads=4, head_dim=128, vocab_size=151936,
+                             tie_word_embeddings=False),
     "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2, head_dim=16, vocab_size=512),
 }
@@ -51,7 +56,8 @@ def build_checkpoint(shape: str, out_dir: Path) -> Path:
 
     overrides = dict(SHAPES[shape])
     vocab_size = overrides.pop("vocab_size")
-    config = tiny_config("qwen3", vocab_size=vocab_size, max_position_embeddings=8192, **overrides)
+    arch = overrides.pop("arch", "qwen3")
+    config = tiny_config(arch, vocab_size=vocab_size, max_position_embeddings=8192, **overrides)
     torch.manual_seed(0)
     with torch.device("cuda"):  # random bf16 weights built on the GPU: seconds, even for 4B
         model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
@@ -70,6 +76,14 @@ def make_samples(num_samples, prompt_length, min_response, max_response, vocab_s
         response_lengths.append(response_length)
     rewards = [rng.choice([-1.0, 1.0]) for _ in range(num_samples)]
     return tokens, response_lengths, rewards
+
+
+def active_params(num_params: int, shape: dict) -> int:
+    """Parameters one token goes through: an MoE layer's unselected experts do no work."""
+    if "num_experts" not in shape:
+        return num_params
+    unused = shape["num_experts"] - shape["num_experts_per_tok"]
+    return num_params - shape["num_hidden_layers"] * unused * 3 * shape["hidden_size"] * shape["moe_intermediate_size"]
 
 
 def model_flops(num_params, lengths, num_layers, attention_width):
@@ -246,7 +260,7 @@ def main():
             checkpoint, tokens, response_lengths, rewards, opts)
 
     width = shape["num_attention_heads"] * shape["head_dim"]
-    flops = model_flops(num_params, lengths, shape["num_hidden_layers"], width)
+    flops = model_flops(active_params(num_params, shape), lengths, shape["num_hidden_layers"], width)
     log_prob_flops = flops / 3  # forward only: a third of forward + backward
     result = {
         "bench": "train_step", "model_shape": opts.model_shape, "num_params": num_params,

@@ -1,6 +1,7 @@
-"""The engine benchmark's models, built offline: the model shapes (Qwen3-0.6B, Qwen3-8B, SmolLM-135M and tiny CPU
-variants), random-weight checkpoints written straight from device tensors as sharded safetensors with a word-level
-tokenizer that covers the whole vocabulary, and random prompts. Used by bench_engine.py and profile_engine.py; nothing here
+"""The engine benchmark's models, built offline: the model shapes (Qwen3-0.6B, Qwen3-8B, SmolLM-135M, a
+Qwen3-30B-A3B-layer MoE with 8 of its 48 layers and 64 of its 128 experts, and tiny CPU variants), random-weight
+checkpoints written straight from device tensors as sharded safetensors with a word-level tokenizer that covers the
+whole vocabulary, and random prompts. Used by bench_engine.py and profile_engine.py; nothing here
 measures anything.
 """
 
@@ -60,6 +61,24 @@ TINY_SHAPE = dict(
     head_dim=16,
     max_position_embeddings=4096,
 )
+# Qwen3-30B-A3B's layer shapes (hidden 2048, 32 x 128 query heads, 4 KV heads, experts of 768, top-8 of softmax
+# routing, normalized) with 8 layers and 64 experts: 3.2B parameters (0.9B active per token), so training fits one
+# H200 next to a colocated engine.
+QWEN3_30B_A3B_8L_SHAPE = dict(
+    QWEN3_06B_SHAPE,
+    model_type="qwen3_moe",
+    hidden_size=2048,
+    intermediate_size=6144,
+    moe_intermediate_size=768,
+    num_experts=64,
+    num_experts_per_tok=8,
+    norm_topk_prob=True,
+    num_hidden_layers=8,
+    num_attention_heads=32,
+    num_key_value_heads=4,
+    tie_word_embeddings=False,
+)
+SHAPES = {"qwen3-0.6b": QWEN3_06B_SHAPE, "qwen3-8b": QWEN3_8B_SHAPE, "qwen3-30b-a3b-8l": QWEN3_30B_A3B_8L_SHAPE}
 TINY_LARGE_SHAPE = dict(TINY_SHAPE, hidden_size=128, intermediate_size=256, num_hidden_layers=4, head_dim=32,
                         tie_word_embeddings=False)
 
@@ -69,9 +88,10 @@ def build_checkpoint(
     """config.json, a word-level tokenizer and random weights as safetensors shards (written straight from
     `device` tensors of `dtype`; norms are ones, everything else N(0, 0.02))."""
     from safetensors.torch import save_file
-    from transformers import LlamaConfig, Qwen3Config
+    from transformers import LlamaConfig, Qwen3Config, Qwen3MoeConfig
 
-    CONFIG_CLASSES = {"qwen3": (Qwen3Config, "Qwen3ForCausalLM"), "llama": (LlamaConfig, "LlamaForCausalLM")}
+    CONFIG_CLASSES = {"qwen3": (Qwen3Config, "Qwen3ForCausalLM"), "llama": (LlamaConfig, "LlamaForCausalLM"),
+                      "qwen3_moe": (Qwen3MoeConfig, "Qwen3MoeForCausalLM")}
 
     from slime.engine.models import DecoderForCausalLM, load_model_config
     from slime.engine.models.weight_loader import named_weight_shapes
@@ -135,3 +155,16 @@ def make_prompts(num_prompts: int, input_len: int, vocab_size: int, seed: int) -
     generator = torch.Generator().manual_seed(seed)
     # Ids from 3 upward: never a special token, so no prompt contains EOS.
     return torch.randint(3, vocab_size, (num_prompts, input_len), generator=generator).tolist()
+
+
+if __name__ == "__main__":
+    import argparse
+
+    parser = argparse.ArgumentParser(description="build a random-weight benchmark checkpoint of a named shape")
+    parser.add_argument("shape", choices=sorted(SHAPES))
+    parser.add_argument("out_dir", type=Path)
+    parser.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
+    cli = parser.parse_args()
+    build_checkpoint(cli.out_dir, SHAPES[cli.shape], getattr(torch, cli.dtype),
+                     "cuda" if torch.cuda.is_available() else "cpu", seed=0)
+    print(cli.out_dir)

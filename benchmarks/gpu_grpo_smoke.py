@@ -7,6 +7,8 @@ last line.
     python benchmarks/gpu_grpo_smoke.py OUT_DIR --placement disaggregated   # trainer GPU 0, engine GPU 1 (NCCL push)
     python benchmarks/gpu_grpo_smoke.py OUT_DIR --placement colocated-2     # FSDP2 over 2 GPUs, 2 engines
     python benchmarks/gpu_grpo_smoke.py OUT_DIR --placement disaggregated --async   # train_async.py
+    python benchmarks/gpu_grpo_smoke.py OUT_DIR --shape qwen3-30b-a3b-8l \
+        --train-args='--use-rollout-routing-replay --get-mismatch-metrics'   # MoE with R3 (without: no flag)
 
 The qwen3-0.6b shape is Qwen3-0.6B's (28 layers, hidden 1024, 151,936 embedding rows) with random weights and the
 quickstart's small tokenizer (ids past it decode to nothing), so nothing is downloaded; rewards are ~0, which
@@ -29,7 +31,13 @@ import examples.quickstart.task as task_mod  # noqa: E402
 SHAPES = {
     "qwen3-0.6b": dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
                        num_key_value_heads=8, head_dim=128, max_position_embeddings=4096, embedding_size=151936),
+    # Qwen3-30B-A3B's layer shapes with 8 layers and 64 experts (benchmarks/engine_checkpoints.py); R3 runs on it
+    "qwen3-30b-a3b-8l": dict(arch="qwen3_moe", hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
+                             num_experts=64, num_experts_per_tok=8, norm_topk_prob=True, num_hidden_layers=8,
+                             num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+                             max_position_embeddings=4096, embedding_size=151936, tie_word_embeddings=False),
     "tiny": dict(task_mod.MODEL_SHAPE),
+    "tiny-moe": dict(task_mod.MODEL_SHAPE, arch="qwen3_moe"),
 }
 PLACEMENTS = {  # the issues' runs: one GPU colocated; two GPUs disaggregated or colocated with FSDP2 over both
     "colocated": ["--colocate", "--actor-num-gpus-per-node", "1"],
@@ -40,6 +48,8 @@ PHASES = ["perf/rollout_time", "perf/log_prob_time", "perf/actor_train_time", "p
           "perf/weight_push_time", "perf/step_time"]
 EXTRA = ["perf/weight_push_gb_per_s", "perf/rollout_tokens_per_sec", "train/train_rollout_logprob_abs_diff",
          "rollout/response_len/mean"]
+MOE = ["train/router_agreement", "train/router_agreement_layer_min", "train/mismatch_ratio_p1",
+       "train/mismatch_ratio_p99", "train/mismatch_ratio_outside_clip_frac", "train/moe_load_imbalance"]
 
 
 def make_parser() -> argparse.ArgumentParser:
@@ -60,7 +70,7 @@ def train_command(args, run_dir: Path) -> tuple[list[str], dict]:
     """The train.py (or train_async.py) command of the smoke run writing to `run_dir`, and the task's paths."""
     task_mod.MODEL_SHAPE = SHAPES[args.shape]
     paths = task_mod.build_task(args.out_dir / "task")
-    on_gpu = args.shape != "tiny"
+    on_gpu = not args.shape.startswith("tiny")
     driver = "train_async.py" if args.use_async else "train.py"
     cmd = [sys.executable, str(REPO / driver), "--hf-checkpoint", str(paths["model"]),
            "--ref-load", str(paths["model"]), "--prompt-data", str(paths["train"]), "--input-key", "prompt",
@@ -87,7 +97,7 @@ def main() -> int:
     print(" ".join(cmd), flush=True)
     rc = subprocess.run(cmd, cwd=REPO).returncode
     rows = read_metrics(out / "run")
-    keys = PHASES + EXTRA
+    keys = PHASES + EXTRA + (MOE if "arch" in SHAPES[args.shape] else [])
     print("rollout | " + " | ".join(k.split("/", 1)[1] for k in keys))
     for row in rows:
         print(f"{row['rollout_id']} | " + " | ".join(f"{row.get(k, float('nan')):.4g}" for k in keys))

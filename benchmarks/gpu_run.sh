@@ -60,6 +60,12 @@ run_step() {
     loop_bench) python3 benchmarks/bench_loop.py /tmp/loop_bench; local rc=$?
                 cp /tmp/loop_bench/loop/metrics.jsonl $OUT/loop_metrics.jsonl
                 cat /tmp/loop_bench/loop/engine_*.log 2>/dev/null | grep -i "captured" | tail -5; return $rc ;;
+    # MoE (issue 16): Qwen3-30B-A3B's layer shapes, 8 layers, 64 experts, top-8 (3.2B params, 0.9B active).
+    moe_gpu_tests) python3 -m pytest -q tests/test_engine_moe_cuda.py tests/test_engine_moe.py ;;
+    moe_engine) python3 benchmarks/engine_checkpoints.py qwen3-30b-a3b-8l /tmp/moe_ckpt && python3 benchmarks/bench_engine.py --preset qwen3-0.6b --model-path /tmp/moe_ckpt ;;
+    moe_train) python3 benchmarks/bench_train.py --model-shape qwen3-30b-a3b-8l --micro-batch-size 2 ;;
+    moe_grpo_r3) grpo colocated --shape qwen3-30b-a3b-8l --num-rollout 3 "--train-args=--use-rollout-routing-replay --get-mismatch-metrics" ;;
+    moe_grpo_free) grpo colocated --shape qwen3-30b-a3b-8l --num-rollout 3 --train-args=--get-mismatch-metrics ;;
     grpo_compiled) grpo colocated --train-args=--compile-model ;;
     # --train-backend megatron (TP=1) beside the FSDP backend and the transformers baseline, then a colocated GRPO run.
     megatron_gpu_tests) python3 -m pytest -q tests/test_megatron_model.py tests/test_megatron_backend.py -k "not tp2" ;;

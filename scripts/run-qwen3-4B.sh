@@ -4,7 +4,7 @@
 #   paths are variables (MODEL_DIR, DATA_DIR, SAVE_DIR); no process-killing preamble and no `ray job submit`
 #   (train.py starts its own Ray, or joins one with --ray-address); --ref-load is the HF folder; one engine per
 #   GPU (--rollout-num-gpus-per-engine 1: the built-in engine does not shard a model; slime uses 2 with SGLang);
-#   --load-if-exists lets a first run start with nothing in SAVE_DIR; no --balance-data (not a flag here yet).
+#   --load-if-exists lets a first run start with nothing in SAVE_DIR.
 # Usage: MODEL_DIR=/data/models DATA_DIR=/data SAVE_DIR=/ckpt bash scripts/run-qwen3-4B.sh
 
 set -ex
@@ -51,6 +51,7 @@ ROLLOUT_ARGS=(
    --rollout-temperature 1
 
    --global-batch-size 256
+   --balance-data
 )
 
 EVAL_ARGS=(

@@ -8,7 +8,8 @@ from slime.rollout.data_source import (
     RolloutDataSourceWithBuffer,
     create_data_source,
 )
-from slime.rollout.dataset import load_eval_datasets, parse_path_spec
+from slime.rollout.dataset import load_eval_datasets
+from slime.utils.data import parse_path_spec
 from slime.utils.eval_config import parse_eval_prompt_data
 from slime.utils.types import Sample
 

@@ -1,7 +1,7 @@
-"""The engine's own Qwen2 / Qwen3 / Llama / Qwen3-MoE / Qwen2-MoE implementations against transformers on the same tiny checkpoints:
-logits of a prefill, of a chunked prefill and of incremental decode through the paged KV cache (fp32, < 1e-4),
-greedy continuation identical to `generate(do_sample=False)` for 64 tokens, sharded checkpoints, unsupported
-architectures."""
+"""The engine's own Qwen2 / Qwen3 / Llama / Qwen3-MoE / Qwen2-MoE implementations against transformers on the same
+tiny checkpoints: logits of a prefill, of a chunked prefill and of incremental decode through the paged KV cache
+(fp32, < 1e-4), greedy continuation identical to `generate(do_sample=False)` for 64 tokens, sharded checkpoints,
+unsupported architectures."""
 
 import json
 

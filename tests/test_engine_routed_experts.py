@@ -80,8 +80,11 @@ def test_http_routed_experts_wire_format_and_start_len(moe_checkpoint, tmp_path)
             prompt = [11, 23, 5, 8, 42, 17, 99]
             body = {"input_ids": prompt, "sampling_params": GREEDY, "return_routed_experts": True}
             meta = client.post("/generate", json=body).json()["meta_info"]
+            # Not asked (sglang-router drops the field): an engine started with the flag answers with the routing.
             plain = client.post("/generate", json={"input_ids": prompt, "sampling_params": GREEDY}).json()
-            assert "routed_experts" not in plain["meta_info"]
+            assert plain["meta_info"]["routed_experts"] == meta["routed_experts"]
+            refused = client.post("/generate", json={**body, "return_routed_experts": False}).json()
+            assert "routed_experts" not in refused["meta_info"]
             tokens = prompt + plain["output_ids"]
             rows = np.frombuffer(base64.b64decode(meta["routed_experts"]), dtype=np.int32).reshape(-1, 2, 2)
             assert rows.shape[0] == len(tokens) - 1 and meta["routed_experts_start_len"] == 0

@@ -10,7 +10,7 @@ from slime.backends.loss import LossReducer, MicroBatchTensors, policy_loss
 
 def args_for(**overrides):
     args = SimpleNamespace(advantage_estimator="grpo", eps_clip=0.2, eps_clip_high=0.28, eps_clip_c=None,
-                           use_tis=False, entropy_coef=0.0, use_kl_loss=False, use_opsm=False, opsm_delta=1e-4,
+                           use_tis=False, custom_tis_function_path=None, entropy_coef=0.0, use_kl_loss=False, use_opsm=False, opsm_delta=1e-4,
                            loss_agg_mode="token_mean")
     args.__dict__.update(overrides)
     return args
@@ -53,3 +53,25 @@ def test_opsm_masks_negative_advantage_tokens_of_drifted_sequences():
     torch.testing.assert_close(masked.detach(), per_token[:2].sum() / 5.0)
     torch.testing.assert_close(plain.detach(), per_token.sum() / 5.0)
     assert metrics["opsm_clipfrac"].item() == 1.0  # one sequence, all of its 3 tokens
+
+
+def halve_and_reject_second(args, *, pg_loss, train_log_probs, rollout_log_probs, loss_masks, total_lengths,
+                            response_lengths):  # slime's --custom-tis-function-path signature
+    assert [len(x) for x in train_log_probs] == [len(x) for x in rollout_log_probs] == response_lengths == [2, 3]
+    assert total_lengths == [7, 9]
+    masks = [loss_masks[0], torch.zeros_like(loss_masks[1])]
+    return pg_loss * 0.5, masks, {"tis_seen": torch.ones_like(pg_loss)}
+
+
+def test_custom_tis_hook_rescales_and_its_masks_set_the_reduction():
+    batch, log_probs = batch_and_log_probs()
+    batch.rollout_log_probs = batch.old_log_probs - 0.1
+    batch.total_lengths = [7, 9]
+    plain, _ = run(args_for(), batch, log_probs)
+    args = args_for(use_tis=True, custom_tis_function_path=f"{__name__}.halve_and_reject_second")
+    loss, metrics = run(args, batch, log_probs)
+    ratio = torch.exp(log_probs.detach() - batch.old_log_probs)
+    per_token = torch.maximum(-batch.advantages * ratio, -batch.advantages * ratio.clamp(0.8, 1.28))
+    torch.testing.assert_close(loss.detach(), 0.5 * per_token[:2].sum() / 5.0)
+    torch.testing.assert_close(plain.detach(), per_token.sum() / 5.0)
+    assert metrics["tis_seen"].item() == 1.0  # the hook's metrics, reduced over the original masks (5 / 5)

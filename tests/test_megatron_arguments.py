@@ -46,6 +46,10 @@ HF_CONFIGS = {
     "qwen3-30B-A3B": {**_QWEN3, **_shape(48, 2048, 6144, 32, 4, False), "model_type": "qwen3_moe",
                       "num_experts": 128, "num_experts_per_tok": 8, "moe_intermediate_size": 768,
                       "decoder_sparse_step": 1, "mlp_only_layers": [], "norm_topk_prob": True},
+    "qwen1.5-MoE-A2.7B": {**_QWEN2, **_shape(24, 2048, 5632, 16, 16, False), "model_type": "qwen2_moe",
+                          "max_position_embeddings": 8192, "num_experts": 60, "num_experts_per_tok": 4,
+                          "moe_intermediate_size": 1408, "shared_expert_intermediate_size": 5632,
+                          "decoder_sparse_step": 1, "mlp_only_layers": [], "norm_topk_prob": False},
     "qwen2.5-0.5B": {**_QWEN2, **_shape(24, 896, 4864, 14, 2, True)},
     "qwen2.5-1.5B": {**_QWEN2, **_shape(28, 1536, 8960, 12, 2, True), "rope_theta": 10000,  # Qwen2.5-Math-1.5B
                      "max_position_embeddings": 4096},
@@ -70,9 +74,6 @@ MOE_TRAINER_FLAGS = {"--num-experts", "--moe-router-topk", "--moe-ffn-hidden-siz
                      "--moe-grouped-gemm", "--moe-token-dispatcher-type", "--moe-permute-fusion"}
 # slime flags (not Megatron's) of the stock recipes that this parser does not take yet; branch compat owns them.
 SLIME_FLAG_GAPS = {
-    "--balance-data": "slime's data-parallel balancing flag",
-    "--disable-compute-advantages-and-returns": "slime's SFT switch",
-    "--sglang-cuda-graph-bs": "--sglang-* pass-through of SGLang's own flags",
     "--rollout-num-gpus-per-engine": "values > 1 need --rollout-backend sglang (the built-in engine runs one device)",
     "--load": "a --load folder holding no checkpoint yet: slime starts from the HF weights, here it is an error "
               "unless --load-if-exists",

@@ -1,18 +1,22 @@
 """A rollout function's result: typed (`RolloutFnTrainOutput` / `RolloutFnEvalOutput`, slime's names) with its
-metrics as values, or the legacy bare list / dict."""
+metrics as values, or the legacy bare list / dict, which slime's `call_rollout_fn` types."""
 
-from slime.rollout.base_types import RolloutFnEvalOutput, RolloutFnTrainOutput, split_rollout_output
+from slime.rollout.base_types import RolloutFnEvalOutput, RolloutFnTrainOutput, call_rollout_fn
+
+GROUPS = [["s0", "s1"], ["s2", "s3"]]
+DATA = {"arith": {"rewards": [1.0], "truncated": [False], "samples": ["s"]}}
+
+
+def rollout(args, rollout_id, data_source, evaluation=False):
+    return RolloutFnEvalOutput(DATA, {"eval/y": 2.0}) if evaluation else RolloutFnTrainOutput(GROUPS, {"x": 1.0})
+
+
+def legacy_rollout(args, rollout_id, data_source, evaluation=False):
+    return DATA if evaluation else GROUPS
 
 
 def test_typed_and_legacy_results():
-    groups = [["s0", "s1"], ["s2", "s3"]]
-    assert split_rollout_output(RolloutFnTrainOutput(groups, {"rollout/x": 1.0})) == (groups, {"rollout/x": 1.0})
-    assert split_rollout_output(RolloutFnTrainOutput(groups)) == (groups, {})
-    assert split_rollout_output(groups) == (groups, {})
-    data = {"arith": {"rewards": [1.0], "truncated": [False], "samples": ["s"]}}
-    assert split_rollout_output(RolloutFnEvalOutput(data, {"eval/y": 2.0})) == (data, {"eval/y": 2.0})
-    assert split_rollout_output(data) == (data, {})
-    metrics = {"rollout/x": 1.0}
-    _, returned = split_rollout_output(RolloutFnTrainOutput(groups, metrics))
-    returned["rollout/z"] = 3.0
-    assert metrics == {"rollout/x": 1.0}  # the caller gets its own copy
+    assert call_rollout_fn(rollout, None, 0, None, evaluation=False) == RolloutFnTrainOutput(GROUPS, {"x": 1.0})
+    assert call_rollout_fn(rollout, None, 0, None, evaluation=True) == RolloutFnEvalOutput(DATA, {"eval/y": 2.0})
+    assert call_rollout_fn(legacy_rollout, None, 0, None, evaluation=False) == RolloutFnTrainOutput(GROUPS)
+    assert call_rollout_fn(legacy_rollout, None, 0, None, evaluation=True) == RolloutFnEvalOutput(DATA)

@@ -15,7 +15,7 @@ import torch.distributed as dist
 from fsdp_helpers import make_args, make_trainer
 from safetensors.torch import load_file, save_file
 
-from slime.backends.moe_aux_loss import load_balancing_loss, z_loss
+from slime.backends.moe_aux_loss import load_balancing_loss, sequence_load_balancing_loss, z_loss
 from slime.backends.routing_replay import RoutingReplay, ReplayStage, pack_routing
 from slime.engine.engine import Engine
 from slime.utils.tiny_model import build_tiny_model
@@ -77,15 +77,17 @@ def rollout(checkpoints):
 
 
 def _old_log_probs(checkpoint, data, *flags):
-    """Per-sample old log-probs, the metrics of the preparation pass, and the expert ids the experts received."""
-    args = make_args(checkpoint, "--get-mismatch-metrics", "--micro-batch-size", "3", *flags)
-    trainer = make_trainer(args)
+    """Per-sample old and reference log-probs, the metrics of the preparation pass, and the expert ids the experts
+    received (the reference is the same checkpoint, loaded from its per-expert tensors into the stacked ones)."""
+    args = make_args(checkpoint, "--get-mismatch-metrics", "--micro-batch-size", "3", "--use-kl-loss",
+                     "--ref-load", checkpoint, *flags)
+    trainer = make_trainer(args, with_ref=True)
     received = []
     for layer in trainer.model.hf_model.get_decoder().layers:
         layer.mlp.experts.register_forward_pre_hook(lambda _m, inputs: received.append(inputs[1].clone()))
     schedule, per_sample, metrics = trainer._prepare(data)
     dist.destroy_process_group()
-    return per_sample["old_log_probs"], metrics, received
+    return per_sample["old_log_probs"], per_sample["ref_log_probs"], metrics, received
 
 
 def _max_mismatch(old_log_probs, data) -> float:
@@ -95,12 +97,17 @@ def _max_mismatch(old_log_probs, data) -> float:
 
 def test_r3_reproduces_engine_routing_and_log_probs_free_routing_does_not(checkpoints, rollout):
     _, trainer_checkpoint = checkpoints
-    free, free_metrics, _ = _old_log_probs(trainer_checkpoint, rollout)
-    replayed, metrics, received = _old_log_probs(trainer_checkpoint, rollout, "--use-rollout-routing-replay")
+    free, _, free_metrics, _ = _old_log_probs(trainer_checkpoint, rollout)
+    replayed, reference, metrics, received = _old_log_probs(trainer_checkpoint, rollout,
+                                                            "--use-rollout-routing-replay")
+    # The reference pass routes freely (fallthrough) even with R3: it equals the free old-policy pass.
+    for ref, old in zip(reference, free):
+        torch.testing.assert_close(ref, old, rtol=0, atol=1e-6)
     # Micro-batches of samples [0, 1, 2] and [3]; per micro-batch each layer's experts saw the packed tokens.
     engine_rows = [np.concatenate([rollout["rollout_routed_experts"][i] for i in batch]) for batch in ([0, 1, 2], [3])]
     num_layers = engine_rows[0].shape[1]
     last_rows = [np.cumsum([len(rollout["tokens"][i]) for i in batch]) - 1 for batch in ([0, 1, 2], [3])]
+    received = received[len(received) // 2:]  # the reference pass first, then the old-policy pass
     for index, ids in enumerate(received):
         batch, layer = divmod(index, num_layers)
         ids = np.delete(ids.numpy(), last_rows[batch], axis=0)  # a sample's last token routes freely
@@ -130,7 +137,9 @@ def test_routing_replay_trains_on_the_recorded_routing(checkpoints, rollout, rep
     picked, even when the router changed in between; without it the training forward routes anew."""
     _, trainer_checkpoint = checkpoints
     flags = ["--use-routing-replay"] if replay else []
-    args = make_args(trainer_checkpoint, *flags, "--get-mismatch-metrics", "--micro-batch-size", "2",
+    # Dynamic batch size: first-fit bins of at most 40 tokens (the samples are 16-19 tokens long).
+    args = make_args(trainer_checkpoint, *flags, "--get-mismatch-metrics", "--use-dynamic-batch-size",
+                     "--max-tokens-per-gpu", "40",
                      "--lr", "0", "--moe-aux-loss-coeff", "0.01", "--moe-z-loss-coeff", "0.001",
                      "--custom-before-train-step-hook-path", f"{__name__}.swap_tied_experts")
     trainer = make_trainer(args)
@@ -140,6 +149,7 @@ def test_routing_replay_trains_on_the_recorded_routing(checkpoints, rollout, rep
     metrics = trainer.train(0, rollout)
     dist.destroy_process_group()
     old_pass, training = received[:len(received) // 2], received[len(received) // 2:]
+    assert len(old_pass) == 2 * 2  # two micro-batches x two MoE layers
     same = all(torch.equal(a, b) for a, b in zip(old_pass, training))
     assert same == replay
     assert (metrics["train/ppo_kl"] == pytest.approx(0.0, abs=1e-4)) == replay
@@ -181,3 +191,7 @@ def test_load_balancing_loss_matches_its_definition_and_transformers():
     hf = load_balancing_loss_func((logits,), NUM_EXPERTS, TOP_K)
     torch.testing.assert_close(load_balancing_loss(probs, ids, NUM_EXPERTS) * TOP_K, hf)
     torch.testing.assert_close(z_loss(logits), (torch.logsumexp(logits, -1) ** 2).mean())
+    # seq_aux_loss: the loss of each sample of the packed row, averaged.
+    per_sample = (load_balancing_loss(probs[:4], ids[:4], NUM_EXPERTS) + load_balancing_loss(probs[4:], ids[4:],
+                                                                                          NUM_EXPERTS)) / 2
+    torch.testing.assert_close(sequence_load_balancing_loss(probs, ids, NUM_EXPERTS, [4, 6]), per_sample)

@@ -85,3 +85,46 @@ def test_search_r1_generate_and_reward_unchanged(tmp_path, server, tiny_qwen3, r
 
 def vocab_size(model_dir) -> int:
     return json.loads((Path(model_dir) / "config.json").read_text())["vocab_size"]
+
+
+def test_retool_generate_and_reward_unchanged(tmp_path, server, tiny_qwen3, monkeypatch):
+    monkeypatch.syspath_prepend(str(EXAMPLES / "retool"))
+    import generate_with_retool
+
+    observation, done = run(generate_with_retool.execute_predictions("<code>print(6 * 7)</code>"))
+    assert not done and observation == "\n\n<interpreter>\nOutput:\n42\n</interpreter>\n\n"  # its sandbox ran it
+
+    args = rollout_args(tmp_path, server, tiny_qwen3, [{"input": "What is 6 times 7?", "label": "42"}],
+                        custom_generate_function_path="generate_with_retool.generate",
+                        custom_rm_path="generate_with_retool.reward_func", reward_key="score",
+                        rollout_max_context_len=1024, rollout_stop_token_ids=list(range(vocab_size(tiny_qwen3))))
+    monkeypatch.setitem(generate_with_retool.TOOL_CONFIGS, "max_turns", 3)  # its config block, set by the user
+    (group,) = generate_rollout(args, 0, RolloutDataSourceWithBuffer(args)).samples
+    for sample in group:
+        check_trajectory(sample)
+        assert 1 <= sample.loss_mask.count(1) <= 3 and sample.loss_mask[0] == 1  # one-token turns (max_turns 3)
+        assert sample.reward["score"] <= -0.6 and sample.reward["acc"] is False  # dapo strict box + tool shaping
+        assert sample.tool_call_count == 0 and sample.payload_has_system
+
+
+def test_multi_agent_generate_unchanged(tmp_path, server, tiny_qwen3, monkeypatch):
+    monkeypatch.syspath_prepend(str(EXAMPLES))
+    from multi_agent import rollout_with_multi_agents
+
+    # Its config block names its agent system by its place in slime's tree; here the copy's place.
+    monkeypatch.setitem(rollout_with_multi_agents.MULTI_AGENT_CONFIGS, "custom_multi_agent_function_path",
+                        "multi_agent.agent_system.run_agent_system")
+    monkeypatch.setitem(rollout_with_multi_agents.MULTI_AGENT_CONFIGS, "num_parallel", 2)
+    args = rollout_args(tmp_path, server, tiny_qwen3, [{"input": "What is 6 times 7?", "label": "42"}],
+                        custom_generate_function_path="multi_agent.rollout_with_multi_agents."
+                                                      "generate_with_multi_agents",
+                        rm_type="math", custom_rm_path=None, rollout_max_context_len=1024)
+    (group,) = generate_rollout(args, 0, RolloutDataSourceWithBuffer(args)).samples
+    # each of the 2 prompt samples became its solver agents' samples (no "</think>" from the tiny model, so no
+    # rewriter round), siblings of one rollout, each scored by --rm-type math and weighted for a wrong answer
+    assert len(group) == 4
+    assert len({s.rollout_id for s in group}) == 2
+    for sample in group:
+        check_trajectory(sample)
+        assert sample.loss_mask == [1] * sample.response_length
+        assert sample.reward == 0.0 * rollout_with_multi_agents.MULTI_AGENT_CONFIGS["incorrect_reward_weight"]

@@ -80,7 +80,8 @@ def test_inert_and_unmapped_sglang_flags_are_reported_once(base, caplog):
     assert sum("--sglang-cuda-graph-max-bs" in w and "--sglang-enable-deterministic-inference" in w
                for w in warnings) == 1
     assert args.engine_config == {"gpu_memory_utilization": 0.5}  # the one with a meaning here
-    assert args.sglang_cuda_graph_max_bs_decode == "8" and args.sglang_enable_deterministic_inference is True
+    assert args.sglang_cuda_graph_max_bs_decode == 8 and args.sglang_enable_deterministic_inference is True
+    assert args.sglang_mem_fraction_static == 0.5  # typed as SGLang types it
 
 
 def test_sglang_backend_gets_every_given_sglang_flag(base):
@@ -112,6 +113,7 @@ def test_slime_defaults_and_rules(base, tmp_path):
     args = parse_args(base)
     assert args.rollout_max_response_len is None and args.apply_chat_template_kwargs == {}
     assert args.router_balance_abs_threshold == 10 and args.sglang_router_request_timeout_secs == 14400
+    assert parse_args(base + ["--rollout-max-context-len", "100"]).eval_max_context_len == 100  # slime's default
     colocated = parse_args(base + ["--colocate", "--rollout-num-gpus", "1"])
     assert colocated.rollout_num_gpus == 1 and colocated.offload_train and colocated.offload_rollout
     config = tmp_path / "custom.yaml"
@@ -142,3 +144,16 @@ def test_wandb_and_tensorboard_flags(base, tmp_path):
     plain = parse_args(base + ["--wandb-group", "grpo", "--disable-wandb-random-suffix"])
     assert wandb_init_kwargs(plain, tmp_path)["name"] == "grpo"
     assert tensorboard_dir(args, tmp_path) == tmp_path / "tensorboard" / "p" / "e"
+
+
+def test_train_env_vars_reach_the_train_actors_runtime_env(base):
+    from slime.ray.actor_group import train_actor_options
+    from slime.ray.placement_group import DevicePlacement
+
+    placement = DevicePlacement(pg=None, bundle_indices=[0], use_gpu=False)
+    args = parse_args(base + ["--train-env-vars", '{"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True", "N": 2}'])
+    assert train_actor_options(args, placement, 0)["runtime_env"] == {
+        "env_vars": {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True", "N": "2"}}
+    assert "runtime_env" not in train_actor_options(parse_args(base), placement, 0)
+    with pytest.raises(ArgumentError, match="--train-env-vars"):  # not a JSON object
+        parse_args(base + ["--train-env-vars", "[1, 2]"])

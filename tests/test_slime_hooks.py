@@ -69,3 +69,19 @@ def test_optional_rollout_logs():
     assert metrics["rollout/correct_samples"] == 3
     assert metrics["rollout/correct_response_len/mean"] == pytest.approx((2 + 2 + 3) / 3)
     assert not any("pass@" in k or "category" in k for k in rollout_metrics(args_with(), samples(), [1, 0, 1, 1]))
+
+
+def test_balance_data_evens_the_token_counts_of_the_ranks():
+    from slime.ray.train_data import split_train_data
+
+    lengths = [100, 1, 90, 2, 80, 3, 70, 4]  # one step; unbalanced, rank 0 would get the four long ones
+    data = {"tokens": [[0] * n for n in lengths], "sample_indices": list(range(8))}
+    args = SimpleNamespace(data_parallel_size=2, num_steps_per_rollout=1, balance_data=False)
+    plain, _ = split_train_data(args, data, 0)
+    args.balance_data = True
+    balanced, dropped = split_train_data(args, data, 0)
+    sums = lambda parts: [sum(len(t) for t in p["tokens"]) for p in parts]  # noqa: E731
+    assert sums(plain) == [100 + 1 + 90 + 2, 80 + 3 + 70 + 4]  # contiguous halves
+    assert max(sums(balanced)) - min(sums(balanced)) <= 2 and dropped == 0
+    assert [len(p["tokens"]) for p in balanced] == [4, 4]
+    assert sorted(i for p in balanced for i in p["sample_indices"]) == list(range(8))

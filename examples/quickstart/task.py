@@ -48,6 +48,7 @@ def build_task(out_dir: str | Path, seed: int = 0, num_eval: int = 20) -> dict[s
     write_jsonl(paths["eval"], prompt_rows(eval_problems))
 
     corpus = [q + " \\boxed{" + a + "}" for q, a in problems] + ["user assistant system -"]
-    paths["model"] = build_tiny_model(out_dir / "model", arch="qwen3", corpus=corpus, vocab_size=300, seed=seed,
-                                      **MODEL_SHAPE)
+    shape = dict(MODEL_SHAPE)  # an "arch" entry (benchmarks: "qwen3_moe") picks another architecture
+    paths["model"] = build_tiny_model(out_dir / "model", arch=shape.pop("arch", "qwen3"), corpus=corpus,
+                                      vocab_size=300, seed=seed, **shape)
     return paths

@@ -34,6 +34,7 @@ class MicroBatchTensors:
     rollout_log_probs: torch.Tensor | None = None
     old_values: torch.Tensor | None = None  # critic: values before this rollout's updates
     returns: torch.Tensor | None = None  # critic: value targets
+    total_lengths: list[int] | None = None  # prompt + response tokens per sample (slime's custom TIS hook gets them)
 
 
 def aggregation_mode(args) -> str:
@@ -78,7 +79,10 @@ def policy_loss(args, log_probs, entropy, batch: MicroBatchTensors, reduce: Loss
                                                   args.eps_clip_c)
     if args.use_opsm:
         pg_losses = pg_losses * opsm_mask
-    if args.use_tis:
+    if args.use_tis and args.custom_tis_function_path:
+        pg_losses, reduce, tis_metrics = _custom_tis(args, pg_losses, old_log_probs, batch, reduce)
+        metrics.update(tis_metrics)
+    elif args.use_tis:
         # Per-sample pieces: mask_sequence needs each sequence's boundaries.
         lengths = _lengths(batch)
         weights, _ = compute_tis_weights(
@@ -109,6 +113,22 @@ def policy_loss(args, log_probs, entropy, batch: MicroBatchTensors, reduce: Loss
     if batch.rollout_log_probs is not None:
         metrics["train_rollout_logprob_abs_diff"] = reduce((old_log_probs.detach() - batch.rollout_log_probs).abs())
     return loss, metrics
+
+
+def _custom_tis(args, pg_losses, old_log_probs, batch: MicroBatchTensors, reduce: LossReducer):
+    """slime's --custom-tis-function-path: fn(args, *, pg_loss, train_log_probs, rollout_log_probs, loss_masks,
+    total_lengths, response_lengths) -> (pg_loss, loss_masks, metrics). The rest of the loss is reduced over the
+    masks it returns (a rejected token leaves the denominators, as in slime); its metrics over the original ones."""
+    from slime.utils.misc import load_function
+
+    lengths = _lengths(batch)
+    hook = load_function(args.custom_tis_function_path, "--custom-tis-function-path")
+    pg_losses, loss_masks, hook_metrics = hook(
+        args, pg_loss=pg_losses, train_log_probs=list(torch.split(old_log_probs, lengths)),
+        rollout_log_probs=list(torch.split(batch.rollout_log_probs, lengths)), loss_masks=batch.loss_masks,
+        total_lengths=batch.total_lengths, response_lengths=lengths)
+    metrics = {key: reduce(value.detach()) for key, value in (hook_metrics or {}).items()}
+    return pg_losses, LossReducer(args, list(loss_masks), reduce.global_denominator), metrics
 
 
 def value_loss(args, values, batch: MicroBatchTensors, reduce: LossReducer):

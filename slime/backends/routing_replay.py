@@ -11,8 +11,9 @@ are then the router's own probabilities at those ids, so the router still learns
 micro-batch's forward (and backward) in `micro_batch(routing)`. Routing rows are per packed token
 [num_tokens, num_moe_layers, top_k]; a row of -1 routes freely (the last token of a sample, which predicts nothing
 and that the engine never forwarded). While replaying it also measures the router agreement: per MoE layer, the
-fraction of replayed tokens whose free top-k set equals the replayed one (in the replay_forward pass). Not the router itself (each backend
-patches its model's, e.g. fsdp_utils/moe_router.py) and not the load-balancing loss (moe_aux_loss.py).
+fraction of replayed tokens whose free top-k set equals the replayed one (in the replay_forward pass).
+Not the router itself (each backend patches its model's, e.g. fsdp_utils/moe_router.py) and not the load-balancing
+loss (moe_aux_loss.py).
 """
 
 from __future__ import annotations
@@ -58,7 +59,7 @@ class RoutingReplay:
             if self.stage is ReplayStage.RECORD:
                 missing = [layer for layer, picks in enumerate(self._picks) if picks is None]
                 assert not missing, f"MoE layers {missing} did not route this micro-batch"
-                self._records.append(torch.stack(self._picks, dim=1).cpu())
+                self._records.append(torch.stack(self._picks, dim=1))  # stays on the device: no sync
         finally:
             self._routing = None
             self._picks = [None] * self.num_layers

@@ -189,7 +189,7 @@ class TrainFlow:
         if rollout_log_probs is not None and old_log_probs is not None and not args.use_rollout_logprobs:
             metrics.update(self._mismatch_metrics(old_log_probs, rollout_log_probs, loss_masks))
         advantages = returns = None
-        if args.loss_type != "sft_loss":
+        if args.loss_type != "sft_loss" and args.compute_advantages_and_returns:
             advantages, returns = compute_advantages(args, data["rewards"], loss_masks, old_log_probs, ref_log_probs,
                                                      dict(data), values)
             if args.use_opd:
@@ -202,6 +202,7 @@ class TrainFlow:
         rollout_token_counts = data.get("rollout_mask_sums") or [float(m.sum()) for m in loss_masks]
         rollout_sizes = data.get("rollout_num_samples") or [1] * len(loss_masks)
         per_sample = dict(loss_masks=loss_masks, advantages=advantages, old_log_probs=old_log_probs,
+                          total_lengths=[len(tokens) for tokens in data["tokens"]],
                           ref_log_probs=ref_log_probs, rollout_log_probs=rollout_log_probs, returns=returns,
                           rollout_token_counts=[float(c) for c in rollout_token_counts],
                           rollout_shares=[1.0 / n for n in rollout_sizes])
@@ -350,6 +351,7 @@ class TrainFlow:
             advantages=flat("advantages"), old_log_probs=flat("old_log_probs"),
             ref_log_probs=flat("ref_log_probs"), rollout_log_probs=flat("rollout_log_probs"),
             old_values=flat("old_values"), returns=flat("returns"),
+            total_lengths=[per_sample["total_lengths"][i] for i in micro_batch.sample_indices],
         )
 
     # ------------------------------------------------------------------------------- checkpoint / weights

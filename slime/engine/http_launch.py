@@ -10,8 +10,9 @@ import os
 import subprocess
 import sys
 import time
-import urllib.request
 from pathlib import Path
+
+import httpx
 
 from slime.utils.misc import find_free_port
 from slime.utils.parent_death import die_with_parent
@@ -72,16 +73,14 @@ def launch_process(command: list[str], url: str, log_path: str | Path | None = N
     if log_path:
         log_file.close()
     server = ServerProcess(process, url, log_path)
-    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # an http_proxy must not capture loopback
     deadline = time.monotonic() + startup_timeout_s
     while time.monotonic() < deadline:
         if process.poll() is not None:
             raise RuntimeError(f"engine server exited with code {process.returncode}:\n{server.log_tail()}")
-        try:
-            with opener.open(server.url + "/health", timeout=2) as response:
-                if response.status == 200:
-                    return server
-        except OSError:
+        try:  # trust_env=False: an http_proxy must not capture loopback
+            if httpx.get(server.url + "/health", timeout=2.0, trust_env=False).status_code == 200:
+                return server
+        except httpx.HTTPError:
             pass
         time.sleep(0.2)
     server.stop()

@@ -55,8 +55,9 @@ class GenerateRequest:
     return_logprob: bool
     return_text_in_logprobs: bool
     stream: bool
-    # SGLang's: the routing of positions [routed_experts_start_len, len(tokens) - 1) in meta_info["routed_experts"].
-    return_routed_experts: bool = False
+    # SGLang's: the routing of positions [routed_experts_start_len, len(tokens) - 1) in meta_info["routed_experts"];
+    # None = not given (the server decides, see server.py).
+    return_routed_experts: bool | None = None
     routed_experts_start_len: int = 0
 
 
@@ -78,7 +79,7 @@ def parse_generate_request(
     return_logprob = _bool_field(body, "return_logprob", False)
     return_text_in_logprobs = _bool_field(body, "return_text_in_logprobs", False)
     stream = _bool_field(body, "stream", False)
-    return_routed_experts = _bool_field(body, "return_routed_experts", False)
+    return_routed_experts = _bool_field(body, "return_routed_experts", None)
     routed_experts_start_len = body.get("routed_experts_start_len") or 0
     if not isinstance(routed_experts_start_len, int) or isinstance(routed_experts_start_len, bool) or (
         routed_experts_start_len < 0

@@ -81,7 +81,8 @@ class ModelRunner:
             torch.set_default_dtype(default_dtype)
         self.model.eval()
         if config.enable_return_routed_experts and not model_config.is_moe:
-            raise ValueError(f"enable_return_routed_experts: {model_config.model_type} is not a mixture-of-experts model")
+            raise ValueError(f"enable_return_routed_experts: {model_config.model_type} is not a mixture-of-experts "
+                             "model")
         load_checkpoint(self.model, config.model)
         self.routed_experts: torch.Tensor | None = None
         # Released weights: their host copy (on CUDA, pinned buffers kept for the next release too).

@@ -105,6 +105,11 @@ def _register_generate_routes(app: FastAPI, state: ServerState) -> None:
         parse = (parse_generate_request, body, state.tokenize, state.vocab_size, state.max_model_len)
         # Tokenizing text (up to the body limit, megabytes) runs off the event loop, so /health keeps answering.
         parsed = await asyncio.to_thread(*parse) if isinstance(body, dict) and "text" in body else parse[0](*parse[1:])
+        # sglang-router (0.3.2) drops request fields it does not know, return_routed_experts among them: an engine
+        # started with enable_return_routed_experts answers every request that does not say false with its routing.
+        return_routed_experts = parsed.return_routed_experts
+        if return_routed_experts is None:
+            return_routed_experts = state.engine.config.enable_return_routed_experts
 
         def render(output):
             texts = state.token_texts(output.output_token_ids) if parsed.return_text_in_logprobs else None
@@ -113,7 +118,7 @@ def _register_generate_routes(app: FastAPI, state: ServerState) -> None:
         if parsed.stream:
             item = parsed.items[0]
             outputs = state.engine_loop.generate(item.prompt_token_ids, item.sampling_params, item.rid,
-                                                 return_routed_experts=parsed.return_routed_experts)
+                                                 return_routed_experts=return_routed_experts)
             first = await outputs.__anext__()  # a rejected request (e.g. duplicate rid) is a 400, not a broken stream
 
             async def events():
@@ -128,7 +133,7 @@ def _register_generate_routes(app: FastAPI, state: ServerState) -> None:
             final = None
             outputs = state.engine_loop.generate(
                 item.prompt_token_ids, item.sampling_params, item.rid, incremental=False,
-                return_routed_experts=parsed.return_routed_experts,
+                return_routed_experts=return_routed_experts,
             )
             async for output in outputs:
                 final = output

@@ -64,6 +64,14 @@ class TrainRayActor:
         return metrics, self.trainer.last_returns
 
 
+def train_actor_options(args, placement, rank: int) -> dict:
+    """Ray options of train rank `rank`: its bundle, its resources, and --train-env-vars in its environment."""
+    options = {"scheduling_strategy": placement.strategy(rank), **placement.resources(TRAIN_ACTOR_FRACTION)}
+    if args.train_env_vars:
+        options["runtime_env"] = {"env_vars": {str(k): str(v) for k, v in args.train_env_vars.items()}}
+    return options
+
+
 class RayTrainGroup:
     def __init__(self, args, placement: DevicePlacement, role: str = "actor"):
         self.args = args
@@ -81,8 +89,7 @@ class RayTrainGroup:
                            "(docs/security.md)")
         actor_cls = ray.remote(TrainRayActor)
         self.actors = [
-            actor_cls.options(scheduling_strategy=placement.strategy(rank),
-                              **placement.resources(TRAIN_ACTOR_FRACTION)).remote(
+            actor_cls.options(**train_actor_options(args, placement, rank)).remote(
                 args, rank, world_size, master_addr, master_port, role, rendezvous_file)
             for rank in range(world_size)
         ]

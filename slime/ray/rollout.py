@@ -23,7 +23,7 @@ from slime.ray.engine_health import EngineSupervisor
 from slime.ray.placement_group import ENGINE_ACTOR_FRACTION
 from slime.ray.router import RouterProcess, list_workers, register_worker
 from slime.ray.train_data import assign_rollout_ids, rollout_metrics, samples_to_train_data, split_train_data
-from slime.rollout.base_types import split_rollout_output
+from slime.rollout.base_types import call_rollout_fn
 from slime.rollout.data_source import create_data_source
 from slime.rollout.eval import compute_pass_at_k
 from slime.rollout.rm_hub.math_verify_pool import shutdown_pool as shutdown_reward_workers
@@ -159,8 +159,9 @@ class RolloutManager:
                                         "save it with --save-debug-rollout-data, or lower --num-rollout")
             dump = json.loads(path.read_text())
             return [Sample.from_dict(d) for d in dump["samples"]], {}
-        result, function_metrics = split_rollout_output(
-            self._watched(self.generate_rollout, args, rollout_id, self.data_source, False))
+        output = self._watched(lambda: call_rollout_fn(self.generate_rollout, args, rollout_id, self.data_source,
+                                                       evaluation=False))
+        result, function_metrics = output.samples, dict(output.metrics or {})
         samples = _flatten(result)
         samples.sort(key=lambda s: (s.index if s.index is not None else 0))
         if args.save_debug_rollout_data:
@@ -200,8 +201,9 @@ class RolloutManager:
         if not self.args.eval_datasets:
             return {}
         start = time.perf_counter()
-        results, metrics = split_rollout_output(
-            self._watched(self.eval_rollout, self.args, rollout_id, self.data_source, True))
+        output = self._watched(lambda: call_rollout_fn(self.eval_rollout, self.args, rollout_id, self.data_source,
+                                                       evaluation=True))
+        results, metrics = output.data, dict(output.metrics or {})
         custom_log = self.args.custom_eval_rollout_log_function_path
         skip_default = custom_log and load_function(custom_log, "--custom-eval-rollout-log-function-path")(
             rollout_id, self.args, results, metrics)

@@ -174,16 +174,34 @@ def split_train_data(args, data: dict, rollout_id: int) -> tuple[list[dict], int
     used = global_batch_size * num_steps
     per_rank = [defaultdict(list) for _ in range(dp_size)]
     for step in range(num_steps):
-        for rank in range(dp_size):
-            start = step * global_batch_size + rank * per_rank_per_step
+        step_indices = list(range(step * global_batch_size, (step + 1) * global_batch_size))
+        if getattr(args, "balance_data", False):
+            lengths = [len(data["tokens"][i]) for i in step_indices]
+            ranks = balanced_equal_partition(lengths, dp_size)
+        else:
+            ranks = [list(range(r * per_rank_per_step, (r + 1) * per_rank_per_step)) for r in range(dp_size)]
+        for rank, members in enumerate(ranks):
             for key, values in data.items():
-                per_rank[rank][key].extend(values[start:start + per_rank_per_step])
+                per_rank[rank][key].extend(values[step_indices[i]] for i in members)
     out = []
     for rank_data in per_rank:
         rank_data = dict(rank_data)
         rank_data.update(rollout_id=rollout_id, num_steps_per_rollout=num_steps, global_batch_size=global_batch_size)
         out.append(rank_data)
     return out, num_samples - used
+
+
+def balanced_equal_partition(lengths: list[int], num_parts: int) -> list[list[int]]:
+    """--balance-data: split indices into `num_parts` equal-size parts with token sums as even as possible
+    (largest first, each to the part with the smallest sum that still has room); each part in index order."""
+    size = len(lengths) // num_parts
+    parts: list[list[int]] = [[] for _ in range(num_parts)]
+    sums = [0] * num_parts
+    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        part = min((p for p in range(num_parts) if len(parts[p]) < size), key=lambda p: (sums[p], p))
+        parts[part].append(i)
+        sums[part] += lengths[i]
+    return [sorted(part) for part in parts]
 
 
 def rollout_metrics(args, samples: list[Sample], raw_rewards: list[float]) -> dict:

@@ -3,7 +3,7 @@
 Training: `RolloutFnTrainOutput(samples, metrics)`, samples a list of groups (each a list of Samples) or a flat
 list; evaluation: `RolloutFnEvalOutput(data, metrics)`, data {dataset name: {"rewards", "truncated", "samples"}}.
 Metrics (`rollout/...` or `eval/...` keys) travel with the result as values, so the caller needs nothing from the
-function's module. Legacy functions that return the bare list or dict are accepted (`split_rollout_output`).
+function's module. Legacy functions that return the bare list or dict are accepted (`call_rollout_fn`).
 """
 
 from __future__ import annotations
@@ -24,10 +24,9 @@ class RolloutFnEvalOutput:
     metrics: dict[str, Any] | None = None
 
 
-def split_rollout_output(result) -> tuple[Any, dict[str, Any]]:
-    """(samples or eval data, metrics) of any rollout function's return value, typed or legacy."""
-    if isinstance(result, RolloutFnTrainOutput):
-        return result.samples, dict(result.metrics or {})
-    if isinstance(result, RolloutFnEvalOutput):
-        return result.data, dict(result.metrics or {})
-    return result, {}
+def call_rollout_fn(fn, *args, evaluation: bool, **kwargs) -> RolloutFnTrainOutput | RolloutFnEvalOutput:
+    """Call a rollout function (slime's `call_rollout_fn`); a legacy bare list / dict comes back typed."""
+    output = fn(*args, **kwargs, evaluation=evaluation)
+    if not isinstance(output, (RolloutFnTrainOutput, RolloutFnEvalOutput)):
+        output = RolloutFnEvalOutput(data=output) if evaluation else RolloutFnTrainOutput(samples=output)
+    return output

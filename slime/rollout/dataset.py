@@ -12,18 +12,15 @@ import dataclasses
 import functools
 import json
 import logging
-import re
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 from slime.rollout.rm_hub import reward_uses_labels
+from slime.utils.data import parse_path_spec, read_rows
 from slime.utils.eval_config import EvalDatasetConfig, resolve_eval_datasets
 from slime.utils.types import Sample
 
 logger = logging.getLogger(__name__)
-
-_SLICE_RE = re.compile(r"^(?P<path>.+)@\[(?P<start>-?\d*):(?P<end>-?\d*)\]$")
 
 
 @functools.lru_cache(maxsize=8)
@@ -32,42 +29,6 @@ def load_tokenizer(path: str):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(path, trust_remote_code=True)
-
-
-def parse_path_spec(spec: str) -> tuple[str, int | None, int | None]:
-    """`data.jsonl@[10:20]` -> ("data.jsonl", 10, 20); a plain path -> (path, None, None). Python slice semantics."""
-    match = _SLICE_RE.match(spec)
-    if not match:
-        return spec, None, None
-    start, end = match["start"], match["end"]
-    return match["path"], int(start) if start else None, int(end) if end else None
-
-
-def read_rows(path: str) -> Iterator[tuple[str, dict]]:
-    """Yield (location, row) for every row of a .jsonl or .parquet file; location is "file:line" for error messages."""
-    file = Path(path)
-    if not file.exists():
-        raise ValueError(f"prompt data file {path!r} does not exist")
-    if file.suffix == ".parquet":
-        import pyarrow.parquet as pq
-
-        for row_number, row in enumerate(pq.read_table(file).to_pylist()):
-            yield f"{path}:row {row_number}", row
-        return
-    if file.suffix not in (".jsonl", ".json"):
-        raise ValueError(f"prompt data file {path!r}: unsupported format; use .jsonl or .parquet")
-    with file.open(encoding="utf-8") as handle:
-        for line_number, line in enumerate(handle, start=1):
-            if not line.strip():
-                continue
-            location = f"{path}:{line_number}"
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"{location}: malformed JSON row ({exc.msg} at column {exc.colno})") from None
-            if not isinstance(row, dict):
-                raise ValueError(f"{location}: each row must be a JSON object, got {type(row).__name__}")
-            yield location, row
 
 
 def _maybe_json(value: Any, location: str, key: str) -> Any:

@@ -105,7 +105,8 @@ async def generate(args, sample: Sample, sampling_params: dict, evaluation: bool
         sample.loss_mask = [0] * sample.response_length  # resumed: what was sampled came from older weights
     stops = list(sampling_params.get("stop") or []) + stop_strings_for(parser, schemas)
     max_turns = int(getattr(args, "max_turns", None) or 1)
-    max_context = getattr(args, "rollout_max_context_len", None) or _model_max_len(args.hf_checkpoint)
+    context_flag = "eval_max_context_len" if evaluation else "rollout_max_context_len"
+    max_context = getattr(args, context_flag, None) or _model_max_len(args.hf_checkpoint)
     timeout_s = getattr(args, "tool_timeout", None) or DEFAULT_TOOL_TIMEOUT_S
     max_chars = getattr(args, "max_tool_response_chars", None) or DEFAULT_MAX_TOOL_RESPONSE_CHARS
 

@@ -27,8 +27,10 @@ def routed_experts_request(args, sample: Sample) -> dict:
 
 
 def store_routed_experts(args, sample: Sample, meta_info: dict, start_len: int) -> None:
-    """Append the rows of a /generate answer (sent with `start_len`) to `sample.rollout_routed_experts`, after the
-    response tokens were appended; a missing or mis-sized record is a ValueError naming the sample."""
+    """Append the rows of a /generate answer to `sample.rollout_routed_experts`, after the response tokens were
+    appended: rows from `start_len` on (what the engine echoes in meta_info, else what was sent: sglang-router
+    0.3.2 drops the request's routed_experts_start_len and the built-in engine then answers from 0). A missing or
+    mis-sized record is a ValueError naming the sample."""
     if not args.use_rollout_routing_replay:
         return
     name = f"sample {sample.index} (group {sample.group_index})"

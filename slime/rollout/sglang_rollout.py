@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import functools
+import inspect
 import logging
 import uuid
 
@@ -42,6 +43,11 @@ MULTI_TURN_GENERATE = "slime.rollout.multi_turn.generate"  # the generate functi
 @functools.lru_cache(maxsize=32)
 def _load_hook(path: str, flag: str):
     return load_function(path, flag)
+
+
+def _takes_evaluation(generate_fn) -> bool:
+    """slime passes `evaluation=` to a generate function whose signature has that parameter."""
+    return "evaluation" in inspect.signature(generate_fn).parameters
 
 
 def build_sampling_params(args, evaluation: bool = False) -> dict:
@@ -131,7 +137,8 @@ async def sample_continuation(args, sample: Sample, sampling_params: dict) -> st
     text = output.get("text", "")
     sample.append_response_tokens(args, tokens=[int(item[1]) for item in logprob_items],
                                   log_probs=[float(item[0]) for item in logprob_items], meta_info=meta, text=text)
-    store_routed_experts(args, sample, meta, routing.get("routed_experts_start_len", 0))
+    start_len = meta.get("routed_experts_start_len", routing.get("routed_experts_start_len", 0))
+    store_routed_experts(args, sample, meta, start_len)
     return text
 
 
@@ -169,7 +176,8 @@ async def generate_and_rm(args, sample: Sample, sampling_params: dict, state: Ge
             if hook_path is None and (getattr(args, "max_turns", None) or 1) > 1:
                 hook_path = MULTI_TURN_GENERATE
             generate_fn = _load_hook(hook_path, "--custom-generate-function-path") if hook_path else generate
-            sample = await generate_fn(args, sample, dict(sampling_params))  # a copy: hooks may edit theirs
+            kwargs = {"evaluation": state.evaluation} if _takes_evaluation(generate_fn) else {}
+            sample = await generate_fn(args, sample, dict(sampling_params), **kwargs)  # a copy: hooks edit theirs
         sample = await apply_rollout_sample_hooks(args, sample, rollout_id=state.rollout_id,
                                                   evaluation=state.evaluation)
     samples = sample if isinstance(sample, list) else [sample]

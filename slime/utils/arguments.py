@@ -20,6 +20,7 @@ from slime.utils.arguments_sglang import (
     closest_flag_error,
     engine_config_from_sglang_flags,
     router_cli_flags,
+    type_sglang_values,
 )
 from slime.utils.arguments_training_extra import add_training_extra_arguments
 from slime.utils.arguments_weight_sync import add_weight_sync_arguments
@@ -292,7 +293,7 @@ ARGUMENT_GROUPS = [
 
 def build_parser(add_custom_arguments=None) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="train.py", description="slime: RL post-training for LLMs", allow_abbrev=False
+        prog="train.py", description="slime: RL post-training for LLMs", allow_abbrev=False, exit_on_error=False
     )
     for add_group in ARGUMENT_GROUPS:
         add_group(parser)
@@ -304,12 +305,16 @@ def build_parser(add_custom_arguments=None) -> argparse.ArgumentParser:
 def parse_args(argv: list[str] | None = None, add_custom_arguments=None) -> argparse.Namespace:
     """Parse and validate; raises ArgumentError (a ValueError) naming the flag on any mistake."""
     parser = build_parser(add_custom_arguments)
-    args, unknown = parser.parse_known_args(argv)
+    try:
+        args, unknown = parser.parse_known_args(argv)
+    except argparse.ArgumentError as exc:  # a bad value: the flag and the value, as a ValueError
+        raise ArgumentError(str(exc)) from None
     if unknown:
         raise ArgumentError(closest_flag_error(next(t for t in unknown if t.startswith("-")) if any(
             t.startswith("-") for t in unknown) else unknown[0], parser))
     defaults = {action.dest: action.default for action in parser._actions}
     check_flag_status(args, defaults)
+    type_sglang_values(args)
     args.engine_config, unused_sglang_flags = engine_config_from_sglang_flags(args)
     if unused_sglang_flags and args.rollout_backend == "slime":
         logger.warning("the built-in engine has no use for these SGLang flags (they reach SGLang with "

@@ -20,6 +20,7 @@ from sglang_router.launch_router import RouterArgs
 
 SNAPSHOT = json.loads((Path(__file__).with_name("sglang_server_flags.json")).read_text())
 SGLANG_SERVER_FLAGS = SNAPSHOT["flags"]
+SNAPSHOT_TYPES = {"int": int, "float": float}  # the snapshot's value types; other values stay strings
 
 # --sglang-* flags that mean something to the built-in engine -> (Config field, type).
 SGLANG_FLAG_TO_ENGINE_CONFIG = {
@@ -67,7 +68,7 @@ def add_sglang_arguments(parser) -> None:
         dest = "sglang_" + spec["dest"]
         if spec["takes_value"]:
             g.add_argument(*flags, dest=dest, default=None, nargs=spec["nargs"], choices=spec["choices"],
-                           help=argparse.SUPPRESS)
+                           help=argparse.SUPPRESS)  # typed by type_sglang_values (SGLang checks ranges)
         else:  # a switch; `--flag=false` also works
             g.add_argument(*flags, dest=dest, default=None, nargs="?", const=True, type=_str2bool,
                            help=argparse.SUPPRESS)
@@ -103,6 +104,23 @@ def given_sglang_flags(args) -> dict:
     """{dest: value} of the SGLang server flags this run gives (not None)."""
     dests = {"sglang_" + spec["dest"] for spec in SGLANG_SERVER_FLAGS}
     return {dest: getattr(args, dest) for dest in sorted(dests) if getattr(args, dest, None) is not None}
+
+
+def type_sglang_values(args) -> None:
+    """The given --sglang-* values as SGLang types them (int / float; the rest stay strings); ArgumentError
+    naming the flag for a value that is not one."""
+    from slime.utils.validate_args import ArgumentError
+
+    for spec in SGLANG_SERVER_FLAGS:
+        dest, kind = "sglang_" + spec["dest"], SNAPSHOT_TYPES.get(spec["type"])
+        value = getattr(args, dest, None)
+        if kind is None or value is None:
+            continue
+        try:
+            setattr(args, dest, [kind(v) for v in value] if isinstance(value, list) else kind(value))
+        except (TypeError, ValueError):
+            raise ArgumentError(f"{spec['flags'][0].replace('--', '--sglang-', 1)} {value!r}: expected "
+                                f"{kind.__name__}") from None
 
 
 def engine_config_from_sglang_flags(args) -> tuple[dict, list[str]]:

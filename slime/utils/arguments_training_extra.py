@@ -22,8 +22,8 @@ def add_training_extra_arguments(parser):
     g.add_argument("--reset-optimizer-states", action="store_true")
     g.add_argument("--use-stateless-adam", action="store_true")
     g.add_argument("--balance-data", action="store_true",
-                   help="split each rollout's samples over the data-parallel ranks so that their token counts "
-                        "are as equal as possible (Karmarkar-Karp), keeping each rollout's siblings together")
+                   help="split each optimizer step's samples over the data-parallel ranks so that their token "
+                        "counts are as even as possible (same number of samples per rank)")
     g.add_argument("--balance-by-flops", action="store_true")
     g.add_argument("--log-probs-max-tokens-per-gpu", type=int, default=None)
     g.add_argument("--data-pad-size-multiplier", type=int, default=128)

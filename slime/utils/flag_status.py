@@ -75,10 +75,7 @@ REFUSED = {
     "use_stateless_adam": "not implemented",
     "balance_by_flops": "not implemented (--balance-data balances token counts)",
     "log_probs_max_tokens_per_gpu": "not implemented: forward-only passes use --max-tokens-per-gpu",
-    "compute_advantages_and_returns": "not implemented: advantages are always computed (or by "
-                                      "--custom-advantage-function-path)",
     "use_rollout_entropy": "not implemented: entropy is recomputed by the trainer",
-    "custom_tis_function_path": "not implemented yet: use --use-tis with --tis-mode",
     "custom_pg_loss_reducer_function_path": "not implemented yet: use --loss-agg-mode",
     "enable_mtp_training": "multi-token-prediction layers are a Megatron feature",
     "multimodal_keys": "no multimodal models here",
@@ -86,9 +83,6 @@ REFUSED = {
     "load_debug_rollout_data_subsample": "not implemented",
     "save_debug_train_data": "not implemented",
     "dump_details": "not implemented",
-    "balance_data": "not implemented yet",
-    "eval_max_context_len": "not implemented yet",
-    "train_env_vars": "not implemented yet",
 }
 
 

@@ -81,7 +81,8 @@ def check_moe_args(args, require) -> None:
     from slime.utils.moe_config import moe_layer_indices
 
     replay = args.use_routing_replay or args.use_rollout_routing_replay
-    moe_flags = [flag for flag in ("num_experts", "moe_router_topk", "moe_ffn_hidden_size", "moe_layer_freq")
+    moe_flags = [flag for flag in ("num_experts", "moe_router_topk", "moe_ffn_hidden_size", "moe_layer_freq",
+                                   "moe_shared_expert_intermediate_size", "moe_router_score_function")
                  if getattr(args, flag) is not None]
     if args.use_rollout_routing_replay:
         args.engine_config["enable_return_routed_experts"] = True  # the built-in engine's server flag

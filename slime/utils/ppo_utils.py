@@ -216,6 +216,37 @@ def reinforce_plus_plus_token_rewards(
     return token_rewards + bonus
 
 
+# slime's names for the chunked scans (its ppo_utils API).
+chunked_discounted_returns = compute_discounted_returns
+chunked_gae = compute_gae
+
+
+def vanilla_gae(rewards: torch.Tensor, values: torch.Tensor, gamma: float, lambd: float
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """slime's step-by-step GAE over `[batch, tokens]` (the recurrence A_t = delta_t + gamma * lambd * A_{t+1});
+    the reference `chunked_gae` / `compute_gae` must equal."""
+    advantages = torch.zeros_like(rewards)
+    running = torch.zeros_like(rewards[..., 0])
+    next_value = torch.zeros_like(values[..., 0])
+    for t in reversed(range(rewards.shape[-1])):
+        delta = rewards[..., t] + gamma * next_value - values[..., t]
+        running = delta + gamma * lambd * running
+        advantages[..., t] = running
+        next_value = values[..., t]
+    return advantages, advantages + values
+
+
+def get_reinforce_plus_plus_returns(rewards: torch.Tensor, kl: list[torch.Tensor], loss_masks: list[torch.Tensor],
+                                    response_lengths: list[int], total_lengths: list[int], kl_coef: float,
+                                    gamma: float) -> list[torch.Tensor]:
+    """slime's REINFORCE++ returns per sample: discounted sums of `reinforce_plus_plus_token_rewards`. The lengths
+    are slime's context-parallel bookkeeping; without context parallelism each sample is whole."""
+    if not len(kl) == len(loss_masks) == len(response_lengths) == len(total_lengths) == len(rewards):
+        raise ValueError("get_reinforce_plus_plus_returns: one reward, kl, loss mask and length per sample")
+    return [compute_discounted_returns(reinforce_plus_plus_token_rewards(reward, sample_kl, mask, kl_coef), gamma)
+            for reward, sample_kl, mask in zip(rewards, kl, loss_masks)]
+
+
 def apply_opd_advantage(
     advantages: torch.Tensor, old_log_probs: torch.Tensor, teacher_log_probs: torch.Tensor, coef: float
 ) -> torch.Tensor:

@@ -10,6 +10,7 @@ Not here: decoding SGLang's packed top-p / routed-expert arrays (the built-in en
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
@@ -135,7 +136,9 @@ class Sample:
         return sum(self.loss_mask) if self.loss_mask is not None else self.response_length
 
     def to_dict(self) -> dict:
-        value = self.__dict__.copy()
+        """Every attribute (status as its string value); a deep copy, so two Samples made from one dict share no
+        list that append_response_tokens extends in place."""
+        value = copy.deepcopy(self.__dict__)
         value["status"] = self.status.value
         value["spec_info"] = self.spec_info.to_dict()
         value["prefix_cache_info"] = self.prefix_cache_info.to_dict()
@@ -192,19 +195,20 @@ class Sample:
         if text is not None:
             self.response += text
         previous_length = self.response_length
+        # In place, as slime does: generate functions keep references to these lists (retool's `loss_masks`).
         if tokens:
-            self.tokens = list(self.tokens) + tokens
+            self.tokens += tokens
             self.response_length += len(tokens)
             if self.loss_mask is None:
                 self.loss_mask = [1] * previous_length
-            self.loss_mask = list(self.loss_mask) + [1 if trainable else 0] * len(tokens)
+            self.loss_mask += [1 if trainable else 0] * len(tokens)
         if log_probs is not None:
             if self.rollout_log_probs is None:
                 if trainable and previous_length:
                     raise ValueError("Cannot append trainable rollout log probabilities to a sample with existing "
                                      "response tokens but no existing rollout_log_probs.")
                 self.rollout_log_probs = [0.0] * previous_length
-            self.rollout_log_probs = list(self.rollout_log_probs) + log_probs
+            self.rollout_log_probs += log_probs
         if tokens and not trainable and self.rollout_top_p_token_offsets is not None:
             # tokens nobody sampled keep no top-p set: empty spans keep offsets aligned with the response
             self.rollout_top_p_token_offsets = list(self.rollout_top_p_token_offsets) + \

@@ -163,6 +163,7 @@ HOOK_FLAGS = (
     "custom_loss_function_path", "custom_advantage_function_path", "custom_init_path",
     "custom_before_log_prob_hook_path", "custom_before_train_step_hook_path", "env_path",
     "custom_rollout_log_function_path", "custom_eval_rollout_log_function_path", "custom_reward_post_process_path",
+    "custom_tis_function_path",
     "custom_convert_samples_to_train_data_path", "rollout_sample_filter_path", "rollout_all_samples_process_path",
 )
 
@@ -332,6 +333,9 @@ def _resolve_algorithm(args) -> None:
              "--opd-type sglang: teacher log-probs come from the rollout (Sample.teacher_log_probs); drop "
              "--opd-teacher-load or use --opd-type megatron")
     _require(args.opd_type is None or args.use_opd, "--opd-type is only used with --use-opd")
+    _require(args.compute_advantages_and_returns or args.loss_type != "policy_loss",
+             "--disable-compute-advantages-and-returns leaves the policy loss without advantages; use it with "
+             "--loss-type sft_loss or custom_loss")
     if args.advantage_estimator == "cispo" and args.eps_clip < 1.0:  # slime's warning
         logger.warning("CISPO is canonically single-sided, but --eps-clip=%s keeps the lower clip bound %s active; "
                        "set --eps-clip 1.0 (and tune --eps-clip-high, e.g. 4.0) for the canonical wide setting",
@@ -354,6 +358,8 @@ def _resolve_algorithm(args) -> None:
     _require(args.loss_agg_constant is None or args.loss_agg_mode == "constant",
              "--loss-agg-constant is only used with --loss-agg-mode constant")
     _require(args.tis_mode == "truncate" or args.use_tis, f"--tis-mode {args.tis_mode} needs --use-tis")
+    _require(args.custom_tis_function_path is None or args.use_tis,
+             "--custom-tis-function-path replaces the TIS weights of --use-tis; pass --use-tis too")
     if args.loss_type == "policy_loss" and not args.debug_rollout_only:
         _require(args.rm_type is not None or args.custom_rm_path is not None
                  or args.rollout_function_path != "slime.rollout.sglang_rollout.generate_rollout",
@@ -374,6 +380,8 @@ def _resolve_eval_and_output(args) -> None:
                  f"{source} {dataset.name}: file {dataset.path} not found")
     if args.eval_datasets:  # slime's: the flat name/path list of every dataset
         args.eval_prompt_data = [item for dataset in args.eval_datasets for item in (dataset.name, dataset.path)]
+    if args.eval_max_context_len is None:  # slime's default
+        args.eval_max_context_len = args.rollout_max_context_len
     _require(args.eval_interval is None or args.eval_datasets,
              "--eval-interval needs eval datasets (--eval-prompt-data or --eval-config)")
     _require(args.save_interval is None or args.save, "--save-interval needs --save")

@@ -30,8 +30,12 @@ def select_experts(router_logits: torch.Tensor, top_k: int, norm_topk_prob: bool
     return weights.to(router_logits.dtype), expert_ids
 
 
+# torch >= 2.10 names it torch.nn.functional.grouped_mm; 2.9 has the same kernel as torch._grouped_mm.
+GROUPED_MM = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
+
+
 def grouped_mm_available() -> bool:
-    return hasattr(F, "grouped_mm")
+    return GROUPED_MM is not None
 
 
 class GroupedExperts(nn.Module):
@@ -62,7 +66,7 @@ class GroupedExperts(nn.Module):
     def _grouped_linear(self, grouped: torch.Tensor, weight: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
         """grouped [num_pairs, in] sorted by expert; weight [num_experts, out, in] -> [num_pairs, out]."""
         if self.use_grouped_mm:
-            return F.grouped_mm(grouped, weight.transpose(-2, -1), offs=ends)
+            return GROUPED_MM(grouped, weight.transpose(-2, -1), offs=ends)
         out = grouped.new_empty(grouped.shape[0], weight.shape[1])
         start = 0
         for expert, end in enumerate(ends.tolist()):

@@ -94,7 +94,8 @@ class DecoderModel(nn.Module):
         self.rotary = RotaryEmbedding(
             config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling
         )
-        self.layers = nn.ModuleList(DecoderLayer(config, self.rotary, index) for index in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(DecoderLayer(config, self.rotary, index)
+                                    for index in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:

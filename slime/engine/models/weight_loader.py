@@ -3,8 +3,8 @@ checkpoints from disk (one or many *.safetensors, with or without model.safetens
 
 `load_weights` accepts any subset of a model's HF-named weights (a trainer may push them in buckets) and raises a
 ValueError naming the weight for an unknown name or a wrong shape. MoE experts use the HF checkpoint's per-expert
-names (`mlp.experts.<e>.gate_proj.weight` ...), which load into slices of the stacked expert tensors. It does not decide dtype or device: tensors are
-copied into the existing parameters.
+names (`mlp.experts.<e>.gate_proj.weight` ...), which load into slices of the stacked expert tensors. It does not
+decide dtype or device: tensors are copied into the existing parameters.
 """
 
 from __future__ import annotations

@@ -1,0 +1,67 @@
+"""The MoE flags: a flag that disagrees with the checkpoint (or MoE flags on a dense model) is an error naming it,
+Megatron's --moe-layer-freq forms are understood, and R3 turns on the engines' return_routed_experts. (The MoE
+presets parse against their models in test_megatron_arguments.py.)"""
+
+import json
+
+import pytest
+
+from slime.utils.arguments import parse_args
+from slime.utils.validate_args import ArgumentError
+
+QWEN3_30B_A3B_CONFIG = {
+    "model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"], "num_hidden_layers": 48,
+    "hidden_size": 2048, "intermediate_size": 6144, "moe_intermediate_size": 768, "num_experts": 128,
+    "num_experts_per_tok": 8, "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": [],
+    "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128, "vocab_size": 151936,
+    "rope_theta": 1000000, "rms_norm_eps": 1e-6, "tie_word_embeddings": False, "max_position_embeddings": 40960,
+}
+DENSE_CONFIG = {"model_type": "qwen3", "num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4,
+                "vocab_size": 512}
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    root = tmp_path_factory.mktemp("moe_args")
+    paths = {}
+    for name, config in (("qwen3_moe", QWEN3_30B_A3B_CONFIG), ("dense", DENSE_CONFIG)):
+        (root / name).mkdir()
+        (root / name / "config.json").write_text(json.dumps(config))
+    (root / "data.jsonl").write_text('{"input": "1+1", "label": "2"}\n')
+    return root
+
+
+def parse(folders, model: str, *extra):
+    return parse_args(["--hf-checkpoint", str(folders / model), "--prompt-data", str(folders / "data.jsonl"),
+                       "--rollout-batch-size", "4", "--n-samples-per-prompt", "4", "--num-rollout", "2",
+                       "--rm-type", "math",
+                       *extra])
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--moe-router-topk", "4"], "--moe-router-topk 4 does not match the checkpoint's 8"),
+    (["--num-experts", "64"], "--num-experts 64 does not match"),
+    (["--moe-layer-freq", "2"], "--moe-layer-freq 2 gives MoE layers"),
+    (["--moe-layer-freq", "[1]*foo"], "--moe-layer-freq"),
+    (["--moe-router-score-function", "sigmoid"], "routes by softmax"),
+    (["--moe-aux-loss-coeff", "-1"], "--moe-aux-loss-coeff"),
+])
+def test_bad_moe_flags_name_the_flag(folders, extra, message):
+    with pytest.raises(ValueError, match=message):
+        parse(folders, "qwen3_moe", *extra)
+
+
+@pytest.mark.parametrize("layer_freq", ["1", "([1]*48)", "'([1]*48)'", "[" + ", ".join(["1"] * 48) + "]"])
+def test_megatron_layer_freq_forms(folders, layer_freq):
+    assert parse(folders, "qwen3_moe", "--moe-layer-freq", layer_freq).moe_layer_freq == layer_freq
+
+
+def test_moe_flags_on_a_dense_model_are_errors(folders):
+    for flag in (["--use-rollout-routing-replay"], ["--use-routing-replay"], ["--num-experts", "8"]):
+        with pytest.raises(ArgumentError, match="not a mixture-of-experts model"):
+            parse(folders, "dense", *flag)
+
+
+def test_r3_asks_the_engines_for_their_routing(folders):
+    assert parse(folders, "qwen3_moe", "--use-rollout-routing-replay").engine_config["enable_return_routed_experts"]
+    assert "enable_return_routed_experts" not in parse(folders, "qwen3_moe").engine_config
