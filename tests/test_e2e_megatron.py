@@ -63,7 +63,7 @@ def test_tp2_resume_from_torch_dist_continues_exactly(task, tmp_path):
     assert resumed[0]["train/grad_norm"] == pytest.approx(full[2]["train/grad_norm"], rel=1e-4)
 
 
-@pytest.mark.slow  # the quickstart (SFT warm start, then GRPO) with two TP=2 trainer processes: minutes
+@pytest.mark.slow  # the quickstart (SFT warm start, then GRPO) with two TP=2 trainer processes: ~8 min on 2 cores
 def test_quickstart_with_megatron_tp2_raises_held_out_accuracy(tmp_path):
     import subprocess
     import sys
@@ -71,8 +71,8 @@ def test_quickstart_with_megatron_tp2_raises_held_out_accuracy(tmp_path):
     from test_e2e_train import REPO
 
     result = subprocess.run(
-        [sys.executable, str(REPO / "examples/quickstart/run.py"), "--out-dir", str(tmp_path), "--num-rollout", "20",
-         "--train-args", "--train-backend megatron --tensor-model-parallel-size 2"],
+        [sys.executable, str(REPO / "examples/quickstart/run.py"), "--out-dir", str(tmp_path),
+         "--train-backend", "megatron", "--tensor-model-parallel-size", "2"],
         cwd=REPO, capture_output=True, text=True, timeout=3600)
     assert result.returncode == 0, result.stderr[-6000:]
     summary = json.loads(result.stdout.strip().splitlines()[-1])

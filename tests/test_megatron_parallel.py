@@ -51,7 +51,7 @@ def _log_probs_loss_grads(rank, world_size, port, checkpoint, parallel):
 
     finalize_grads(chunks)
     return dict(log_probs=torch.cat([lp for lp, _ in forward]), entropy=torch.cat([e for _, e in forward]),
-                loss=sum(m["pg_loss"] for m in metrics), grads=hf_named_grads(chunks, hf_config))
+                loss=float(sum(m["pg_loss"] for m in metrics)), grads=hf_named_grads(chunks, hf_config))
 
 
 @pytest.fixture(scope="module")

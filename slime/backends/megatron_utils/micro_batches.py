@@ -57,23 +57,31 @@ def _pad_multiple(config) -> int:
     return config.tensor_model_parallel_size if config.sequence_parallel else 1
 
 
-def _broadcast_from_last_stage(value):
+def _broadcast_from_last_stage(outputs: list) -> list:
+    """The last stage's per-micro-batch outputs on every stage (as host tensors and floats; with one stage they
+    stay where they are, so the caller copies all micro-batches' outputs to the host at once)."""
     from megatron.core import parallel_state
 
     if parallel_state.get_pipeline_model_parallel_world_size() == 1:
-        return value
+        return outputs
     group = parallel_state.get_pipeline_model_parallel_group()
     last = dist.get_global_rank(group, dist.get_world_size(group) - 1)
-    holder = [value]
+    holder = [[_to_host(output) for output in outputs]]
     dist.broadcast_object_list(holder, src=last, group=group)
     return holder[0]
 
 
+def _to_host(output):
+    if isinstance(output, dict):
+        return {key: float(value) for key, value in output.items()}
+    return tuple(tensor.cpu() for tensor in output)
+
+
 def run_micro_batches(model_chunks, micro_batches: list[PackedMicroBatch], *, temperature: float, vocab_size: int,
                       device, chunk_size: int | None = None, loss_of: LossOf | None = None):
-    """Forward-only (loss_of None): per micro-batch (log_probs, entropy) host tensors of its response tokens, on
-    every rank. Otherwise forward + backward of `loss_of(index of the micro-batch, (log_probs, entropy)) -> (loss,
-    metrics)` (gradients accumulate in .grad); returns the per-micro-batch metric dicts (floats), on every rank."""
+    """Forward-only (loss_of None): per micro-batch (log_probs, entropy) of its response tokens, on every rank.
+    Otherwise forward + backward of `loss_of(index of the micro-batch, (log_probs, entropy)) -> (loss, metrics)`
+    (gradients accumulate in .grad); returns the per-micro-batch metric dicts, on every rank."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     if not micro_batches:
@@ -94,10 +102,10 @@ def run_micro_batches(model_chunks, micro_batches: list[PackedMicroBatch], *, te
         else:
             log_probs, entropy = vocab_parallel_log_probs_and_entropy(rows, target_ids, temperature, vocab_size)
         if forward_only:
-            outputs.append((log_probs.detach().cpu(), entropy.detach().cpu()))
+            outputs.append((log_probs.detach(), entropy.detach()))
             return log_probs.sum() * 0.0, torch.tensor(1), {}
         loss, metrics = loss_of(index, (log_probs, entropy))
-        outputs.append({key: float(value) for key, value in metrics.items()})
+        outputs.append({key: torch.as_tensor(value).detach() for key, value in metrics.items()})
         return loss, torch.tensor(1), {}
 
     def forward_step(data_iterator, model):
