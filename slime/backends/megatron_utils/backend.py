@@ -37,7 +37,6 @@ from slime.backends.megatron_utils.parallel import init_model_parallel
 from slime.backends.packing import PackedMicroBatch
 
 
-
 class MegatronBackend(TrainBackend):
     def __init__(self, args, rank: int, world_size: int, master_addr: str, master_port: int):
         from megatron.core import parallel_state

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from slime.backends.megatron_utils.attention import PackedCoreAttention
 from slime.backends.megatron_utils.log_probs import return_hidden_states
 from slime.backends.megatron_utils.norm import RMSNorm
+from slime.backends.megatron_utils.parallel import parallel_sizes
 
 SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "llama", "qwen3_moe")
 VOCAB_PAD_MULTIPLE = 128  # Megatron's --make-vocab-size-divisible-by default, times the TP size
@@ -82,12 +83,7 @@ def transformer_config(args, hf_config, device: torch.device):
         qk_layernorm=model_type in ("qwen3", "qwen3_moe"),
         hidden_dropout=0.0,
         attention_dropout=0.0,
-        tensor_model_parallel_size=args.tensor_model_parallel_size,
-        pipeline_model_parallel_size=args.pipeline_model_parallel_size,
-        virtual_pipeline_model_parallel_size=args.virtual_pipeline_model_parallel_size,
-        context_parallel_size=args.context_parallel_size,
-        expert_model_parallel_size=args.expert_model_parallel_size,
-        expert_tensor_parallel_size=args.expert_tensor_parallel_size,
+        **parallel_sizes(args),
         sequence_parallel=args.sequence_parallel,
         recompute_granularity=args.recompute_granularity,
         recompute_method=args.recompute_method,

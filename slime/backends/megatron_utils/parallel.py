@@ -10,6 +10,13 @@ from __future__ import annotations
 import torch
 
 
+def parallel_sizes(args) -> dict:
+    """The parallel layout under megatron-core's keyword names (parallel_state and TransformerConfig share them)."""
+    return {name: getattr(args, name) for name in (
+        "tensor_model_parallel_size", "pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size",
+        "context_parallel_size", "expert_model_parallel_size", "expert_tensor_parallel_size")}
+
+
 def init_model_parallel(args, device: torch.device) -> None:
     """`parallel_state.initialize_model_parallel` from the Megatron parallelism flags; gloo groups are created
     too (the distributed optimizer and dist_checkpointing use them on the CPU)."""
@@ -17,15 +24,7 @@ def init_model_parallel(args, device: torch.device) -> None:
 
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
-    parallel_state.initialize_model_parallel(
-        tensor_model_parallel_size=args.tensor_model_parallel_size,
-        pipeline_model_parallel_size=args.pipeline_model_parallel_size,
-        virtual_pipeline_model_parallel_size=args.virtual_pipeline_model_parallel_size,
-        context_parallel_size=args.context_parallel_size,
-        expert_model_parallel_size=args.expert_model_parallel_size,
-        expert_tensor_parallel_size=args.expert_tensor_parallel_size,
-        create_gloo_process_groups=True,
-    )
+    parallel_state.initialize_model_parallel(**parallel_sizes(args), create_gloo_process_groups=True)
     from megatron.core.tensor_parallel import random as tp_random
 
     if device.type == "cuda":  # the CUDA RNG tracker (the CPU has none: cpu_shim.py)
