@@ -346,12 +346,13 @@ class TrainFlow:
                 return None
             return to_device(torch.cat([values[i] for i in micro_batch.sample_indices]), self.device)
 
+        total_lengths = per_sample.get("total_lengths")  # the policy's (the custom TIS hook reads them); the critic: None
         return MicroBatchTensors(
             loss_masks=[to_device(per_sample["loss_masks"][i], self.device) for i in micro_batch.sample_indices],
             advantages=flat("advantages"), old_log_probs=flat("old_log_probs"),
             ref_log_probs=flat("ref_log_probs"), rollout_log_probs=flat("rollout_log_probs"),
             old_values=flat("old_values"), returns=flat("returns"),
-            total_lengths=[per_sample["total_lengths"][i] for i in micro_batch.sample_indices],
+            total_lengths=None if total_lengths is None else [total_lengths[i] for i in micro_batch.sample_indices],
         )
 
     # ------------------------------------------------------------------------------- checkpoint / weights
