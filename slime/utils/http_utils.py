@@ -176,7 +176,7 @@ async def abort_all_requests(base_url: str, router_headers: dict | None = None,
 
     Aborted requests answer their pending /generate with finish_reason "abort" and the tokens produced so far. A
     worker that cannot be reached in time (a failed engine, not yet out of the router) is skipped with a warning:
-    the engine watch deals with it, and a request it held fails on its own.
+    the engine watch deals with it, and a request it held fails on its own. A 401 / 403 (the admin key) raises.
     """
     worker_urls = await list_worker_urls(base_url, router_headers)
     answers = await asyncio.gather(*(
@@ -185,6 +185,8 @@ async def abort_all_requests(base_url: str, router_headers: dict | None = None,
         for url in worker_urls
     ), return_exceptions=True)
     for url, answer in zip(worker_urls, answers):
+        if isinstance(answer, HTTPRequestError) and answer.status in (401, 403):
+            raise answer  # a wrong or missing admin key is the run's configuration, not a failed engine
         if isinstance(answer, (EndpointUnreachableError, HTTPRequestError)):
             logger.warning("could not abort the requests of %s: %s", url, answer)
         elif isinstance(answer, BaseException):
