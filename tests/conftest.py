@@ -9,6 +9,13 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Without a GPU the Triton kernel tests run in Triton's interpreter, which triton reads once, at its import: set it
+# before any test module is collected (a module collected earlier may import triton through megatron-core or
+# transformers, and the kernels would then be compiled for a GPU that is not there).
+import torch  # noqa: E402
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 def pytest_collection_modifyitems(config, items):
