@@ -12,7 +12,8 @@ from slime.backends.fsdp_utils.checkpoint import load_training_state, resolve_lo
 from slime.rollout.dataset import PromptFormat, load_prompt_samples
 from slime.utils.arguments import build_parser, parse_args
 from slime.utils.checkpoint_state import CheckpointError, load_run_state
-from slime.utils.validate_args import ANY, FLAG_RANGES, HOOK_FLAGS, ArgumentError
+from slime.utils.flag_ranges import ANY, FLAG_RANGES
+from slime.utils.validate_args import HOOK_FLAGS, ArgumentError
 
 
 def reward_without_label(args, sample):
