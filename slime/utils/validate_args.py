@@ -3,10 +3,10 @@
 Each rule raises `ArgumentError` (a ValueError) that names the flag and says how to fix it. Before anything
 starts: every numeric flag is range-checked (`FLAG_RANGES`, flag_ranges.py), every dotted-path hook (`HOOK_FLAGS`) is imported and
 checked callable, and `--load` must name a complete checkpoint (or nothing, with `--load-if-exists`). Derived fields:
-device, world_size, rollout_num_engines, use_critic, critic_lr, loss_agg_mode, loss_agg_constant, eps_clip_high,
-global_batch_size / num_steps_per_rollout, over_sampling_batch_size, offload_train / offload_rollout, output_dir,
-eval_datasets. The Megatron flags' rules, the training backend and the parallel layout (train_backend,
-data_parallel_size, ...) are in `validate_megatron_args.py`, run from here.
+device, world_size, rollout_num_engines, rollout_external and rollout_external_engine_urls, use_critic, critic_lr,
+loss_agg_mode, loss_agg_constant, eps_clip_high, global_batch_size / num_steps_per_rollout, over_sampling_batch_size,
+offload_train / offload_rollout, output_dir, eval_datasets. The Megatron flags' rules, the training backend and
+the parallel layout (train_backend, data_parallel_size, ...) are in `validate_megatron_args.py`, run from here.
 """
 
 from __future__ import annotations
@@ -16,7 +16,9 @@ import os
 import time
 from pathlib import Path
 
+from slime.utils import weight_delta
 from slime.utils.checkpoint_state import CheckpointError, critic_checkpoint, resume_dir
+from slime.utils.engine_access import external_engine_url
 from slime.utils.flag_ranges import ANY, FLAG_RANGES
 from slime.utils.misc import load_function, load_functions
 from slime.utils.moe_arguments import check_moe_args
@@ -37,6 +39,7 @@ HOOK_FLAGS = (
     "custom_rollout_log_function_path", "custom_eval_rollout_log_function_path", "custom_reward_post_process_path",
     "custom_tis_function_path",
     "custom_convert_samples_to_train_data_path", "rollout_sample_filter_path", "rollout_all_samples_process_path",
+    "custom_update_weight_post_write_path",
 )
 
 
@@ -120,6 +123,13 @@ def _resolve_cluster(args) -> None:
 
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
     args.world_size = args.actor_num_nodes * args.actor_num_gpus_per_node
+    args.rollout_external = args.rollout_external_engine_addrs is not None  # slime's name
+    if args.rollout_external:
+        _require(args.rollout_external_engine_addrs, "--rollout-external-engine-addrs needs at least one HOST:PORT")
+        _require(not args.colocate, "--colocate shares this run's devices with engines it starts; external engines "
+                                    "(--rollout-external-engine-addrs) run elsewhere: drop one of the two")
+        args.rollout_external_engine_urls = [external_engine_url(a) for a in args.rollout_external_engine_addrs]
+        args.rollout_num_gpus = 0  # the engines hold devices of their own, not this run's
     if args.colocate:
         args.offload_train = True if args.offload_train is None else args.offload_train
         args.offload_rollout = True if args.offload_rollout is None else args.offload_rollout
@@ -136,7 +146,8 @@ def _resolve_cluster(args) -> None:
     _require(args.rollout_num_gpus_per_engine == 1 or args.rollout_backend == "sglang",
              "the built-in engine runs one device per engine; use --rollout-num-gpus-per-engine 1 "
              "(or --rollout-backend sglang for tensor parallel engines)")
-    args.rollout_num_engines = args.rollout_num_gpus // args.rollout_num_gpus_per_engine
+    args.rollout_num_engines = (len(args.rollout_external_engine_urls) if args.rollout_external
+                                else args.rollout_num_gpus // args.rollout_num_gpus_per_engine)
     external_router = args.sglang_router_ip is not None or args.sglang_router_port is not None
     _require(not external_router or (args.sglang_router_ip and args.sglang_router_port),
              "--sglang-router-ip and --sglang-router-port go together")
@@ -277,6 +288,27 @@ def _resolve_debug(args) -> None:
              "--use-fault-tolerance watches rollout engines; --debug-train-only / --load-debug-rollout-data start none")
 
 
+def _resolve_weight_sync(args) -> None:
+    """slime's rules for disk and delta weight sync (docs/weight-sync.md)."""
+    _require(args.update_weight_transport != "disk" or args.update_weight_disk_dir,
+             "--update-weight-transport disk needs --update-weight-disk-dir: a folder the trainer writes and every "
+             "engine can read")
+    if args.update_weight_mode == "delta":
+        _require(args.update_weight_transport == "disk", "--update-weight-mode delta needs --update-weight-transport "
+                                                         f"disk, got {args.update_weight_transport!r}")
+        _require(not args.colocate, "--update-weight-mode delta is not for --colocate: colocated engines get the "
+                                    "weights by handle, no bytes travel that a delta could save")
+        _require(args.update_weight_local_checkpoint_dir, "--update-weight-mode delta needs "
+                 "--update-weight-local-checkpoint-dir: the engines' host-local checkpoint the deltas apply to")
+        missing = weight_delta.missing_checksum_package(args.update_weight_delta_checksum)
+        _require(missing is None, f"--update-weight-delta-checksum {args.update_weight_delta_checksum} needs the "
+                                  f"{missing} package (pip install {missing}), or choose xxh3-128 or adler32")
+    for dest in ("update_weight_local_checkpoint_dir", "custom_update_weight_post_write_path",
+                 "update_weight_disk_keep_files"):
+        _require(not getattr(args, dest) or args.update_weight_transport == "disk",
+                 f"{_flag(dest)} is only used with --update-weight-transport disk")
+
+
 # slime's dest names for the trainer hooks, whose flags are aliases of --custom-init-path & co. here.
 SLIME_HOOK_DESTS = {"custom_megatron_init_path": "custom_init_path",
                     "custom_megatron_before_log_prob_hook_path": "custom_before_log_prob_hook_path",
@@ -294,6 +326,7 @@ def validate_args(args) -> None:
     _check_paths(args)
     check_moe_args(args, _require)
     _resolve_cluster(args)
+    _resolve_weight_sync(args)
     validate_megatron_args(args)
     _resolve_batches(args)
     validate_megatron_batches(args)
