@@ -59,7 +59,7 @@ def test_statuses_name_real_flags_and_the_docs_table_is_current():
 
 
 @pytest.mark.parametrize("extra, message", [
-    (["--update-weight-mode", "delta"], "--update-weight-mode 'delta': delta weight sync is not implemented"),
+    (["--rollout-data-transport", "nixl"], "--rollout-data-transport 'nixl': only the Ray object store"),
     (["--release-train"], "--release-train True: a Megatron-backend feature"),
     (["--sglang-cuda-graf-max-bs", "8"], "did you mean --sglang-cuda-graph-max-bs"),
     (["--router-cache-treshold", "0.5"], "did you mean --router-cache-threshold"),

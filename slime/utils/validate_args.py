@@ -128,7 +128,10 @@ def _resolve_cluster(args) -> None:
         _require(args.rollout_external_engine_addrs, "--rollout-external-engine-addrs needs at least one HOST:PORT")
         _require(not args.colocate, "--colocate shares this run's devices with engines it starts; external engines "
                                     "(--rollout-external-engine-addrs) run elsewhere: drop one of the two")
-        args.rollout_external_engine_urls = [external_engine_url(a) for a in args.rollout_external_engine_addrs]
+        try:
+            args.rollout_external_engine_urls = [external_engine_url(a) for a in args.rollout_external_engine_addrs]
+        except ValueError as error:
+            raise ArgumentError(str(error)) from None
         args.rollout_num_gpus = 0  # the engines hold devices of their own, not this run's
     if args.colocate:
         args.offload_train = True if args.offload_train is None else args.offload_train
