@@ -75,6 +75,7 @@ def test_pull_follows_the_chain_from_the_newest_full_version(tmp_path):
     writer = DiskWeightWriter(str(tmp_path / "pushes"), str(hf), "xor", "xxh3-128")
     weights = _weights(0)
     _publish(writer, 1, weights)  # full: nothing pushed before
+    pushed = {}
     for version in (2, 3):
         weights = dict(weights)
         weights["a.weight"] = weights["a.weight"].clone()
@@ -82,14 +83,17 @@ def test_pull_follows_the_chain_from_the_newest_full_version(tmp_path):
         folder = _publish(writer, version, weights)
         index = weight_delta.read_index(folder)
         assert index["metadata"]["delta_encoding"] == "xor" and set(index["weight_map"]) == {"a.weight"}
+        pushed[version] = weights
     local = tmp_path / "local"
     local_checkpoint.pull(local, hf, tmp_path / "pushes", 3)  # fresh host: full v1, then deltas 2 and 3
     pulled = _read(local)
     assert all(torch.equal(pulled[k], weights[k]) for k in weights) and pulled["c.weight"].dtype == torch.bfloat16
     assert local_checkpoint.applied_version(local) == 3 and (local / "config.json").is_file()
     local_checkpoint.pull(local, hf, tmp_path / "pushes", 3)  # a second engine of the host: nothing to do
-    with pytest.raises(ValueError, match="newer than the requested"):
-        local_checkpoint.pull(local, hf, tmp_path / "pushes", 2)
+    # An older version (a resumed run): back to full version 1, then delta 2.
+    local_checkpoint.pull(local, hf, tmp_path / "pushes", 2)
+    assert torch.equal(_read(local)["a.weight"], pushed[2]["a.weight"]) and local_checkpoint.applied_version(local) == 2
+    assert not torch.equal(pushed[2]["a.weight"], pushed[3]["a.weight"])
 
 
 def test_pull_seeds_version_zero_from_the_engines_checkpoint_and_checks_order(tmp_path):

@@ -2,8 +2,9 @@
 bring `local_checkpoint_dir` up to a published version, then the engine reloads it through the ordinary
 /update_weights_from_disk.
 
-Pulling version N seeds from the newest full version at or below N that the local copy is not already past (the
-engine's own checkpoint is version 0), then applies the deltas after it in order, each checked against the
+Pulling version N walks back from N over delta versions to the version the local copy holds, or else to a full
+version (a published `weight_v000000`, or else the engine's own checkpoint, is version 0) which it copies, then
+applies the deltas after that in order, each checked against the
 checksums the trainer wrote; a mismatch raises `ChecksumMismatchError` and leaves the applied-version marker where
 it was, so the local copy is never reported as a version it does not hold (the trainer then publishes a full
 version, which replaces it). A per-folder file lock makes several engines of one host share one local copy: the
@@ -36,17 +37,13 @@ def pull(local_checkpoint_dir: str | Path, base_dir: str | Path, source_dir: str
     local = Path(local_checkpoint_dir)
     with _lock(local):
         applied = applied_version(local)
-        floor = applied if applied is not None else 0
+        # Back from the target over delta versions, to the local copy's version or a full version.
         start = target_version
-        while start > floor and weight_delta.is_delta(weight_delta.version_dir(source_dir, start)):
+        while start != applied and start > 0 and weight_delta.is_delta(weight_delta.version_dir(source_dir, start)):
             start -= 1
-        if applied is None or start > applied:
-            _reset(Path(base_dir) if start == 0 else weight_delta.version_dir(source_dir, start), local, start)
-        elif applied > target_version:
-            raise ValueError(f"local checkpoint {local} holds version {applied}, newer than the requested "
-                             f"{target_version}; start the chain over with a full version")
-        else:
-            start = applied
+        if start != applied:
+            seed = weight_delta.version_dir(source_dir, start)
+            _reset(seed if start > 0 or seed.is_dir() else Path(base_dir), local, start)
         for version in range(start + 1, target_version + 1):
             _apply_delta(local, weight_delta.version_dir(source_dir, version))
 
