@@ -83,3 +83,31 @@ def test_run_stops_when_an_external_engine_does_not_answer(task, tmp_path, monke
     args = parse_args(_argv(task, tmp_path / "run", "--rollout-external-engine-addrs", f"127.0.0.1:{port}"))
     with pytest.raises(RuntimeError, match=f"no engine answers at http://127.0.0.1:{port}.*start it first"):
         connect_external_engines(args)
+
+
+def test_the_engine_watch_ends_the_run_when_an_external_engine_goes(task, tmp_path):
+    import time
+
+    from slime.ray.engine_failures import EngineFailureError
+    from slime.ray.engine_health import EngineSupervisor
+    from slime.utils.arguments import parse_args
+
+    engine = launch_server(task["model"], extra_args=["--device", "cpu"], log_path=tmp_path / "engine.log")
+    args = parse_args(_argv(task, tmp_path / "run", "--rollout-external-engine-addrs",
+                            engine.url.removeprefix("http://"), "--use-fault-tolerance"))
+    supervisor = EngineSupervisor(args, [None], [engine.url], router_url="http://127.0.0.1:9")
+    try:
+        time.sleep(1.5)  # a few watch rounds while it answers
+        supervisor.check()
+        assert supervisor.live_urls() == [engine.url]
+        engine.stop()
+        deadline = time.monotonic() + 30
+        while supervisor.fatal is None and time.monotonic() < deadline:
+            time.sleep(0.2)
+        # Even with --use-fault-tolerance: the run did not start it, so it does not restart it.
+        with pytest.raises(EngineFailureError, match=f"external rollout engine 0 \\({engine.url}.*GET /health failed"):
+            supervisor.check()
+        assert supervisor.num_restarts == 0
+    finally:
+        supervisor.shutdown()
+        engine.stop()
