@@ -212,3 +212,40 @@ def test_pull_weights_rejects_folders_outside_the_allowlist(engine, folders, tmp
                                                   "target_version": 2}, 400)
     assert "published weight version missing" in answer["message"]
     assert json.loads(json.dumps(answer))["success"] is False
+
+
+def _megatron_delta_pushes(rank, world_size, port, checkpoint, pushes, local, engine_url):
+    from megatron_helpers import make_megatron_args
+
+    from slime.backends.megatron_utils.parallel import destroy_model_parallel
+
+    args = make_megatron_args(checkpoint, "--lr", "1e-2", "--update-weight-buffer-size", "30000",
+                              "--update-weight-transport", "disk", "--update-weight-disk-dir", pushes,
+                              "--update-weight-mode", "delta", "--update-weight-local-checkpoint-dir", local,
+                              world_size=world_size, tp=2)
+    trainer = make_trainer(args, rank, world_size, port)
+    results = []
+    for version in (30, 31):
+        trainer.train(version, make_train_data(4, vocab_size=300, seed=version))
+        results.append(trainer.update_weights([engine_url], weight_version=str(version), mode="disk"))
+    weights = dict(trainer.backend.hf_weights(None))  # collective: every rank gathers, rank 0 keeps the result
+    destroy_model_parallel()
+    return results, weights if rank == 0 else None
+
+
+@pytest.mark.slow  # ~60-100 s on 2 cores (two Megatron processes); the FSDP cases above cover the format unmarked
+def test_megatron_tp2_delta_pushes_reach_the_engine(engine, folders):
+    """The Megatron backend at TP=2 (two gloo processes): both ranks take part in the gathers, rank 0 writes."""
+    pytest.importorskip("megatron.core")
+    from fsdp_helpers import run_distributed
+
+    local = folders["root"] / "local_megatron"
+    (results, weights), _ = run_distributed(_megatron_delta_pushes, 2, folders["trainer"],
+                                            str(folders["root"] / "pushes"), str(local), engine.url)
+    assert results[0]["metrics"]["perf/update_weights_density"] == 1.0  # the first push: a full version
+    assert 0 < results[1]["metrics"]["perf/update_weights_density"] <= 1.0
+    local_tensors = _folder_tensors(local)
+    assert sorted(local_tensors) == sorted(weights)
+    assert all(torch.equal(local_tensors[k], weights[k].to(local_tensors[k].dtype)) for k in weights)
+    assert _engine_log_probs(engine.url)[1] == "31"
+    _assert_engine_holds(engine.url, folders, {k: local_tensors[k] for k in weights})
