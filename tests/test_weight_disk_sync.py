@@ -8,8 +8,8 @@ checkpoint written here straight from the trainer's weights; they also match tra
 trainer's weights within 1e-4.
 """
 
-import json
 import logging
+from pathlib import Path
 
 import httpx
 import numpy as np
@@ -117,22 +117,23 @@ def test_full_disk_sync_loads_the_trainers_weights(engine, folders, tmp_path):
     _assert_engine_holds(engine.url, folders, weights)
 
 
-def test_full_disk_sync_removes_the_folder_and_runs_the_post_write_hook(engine, folders, tmp_path, monkeypatch):
-    import sys
-    import types
+POST_WRITE_CALLS = []
 
-    calls = []
-    hook_module = types.ModuleType("disk_sync_hooks")
-    hook_module.after_write = lambda args, version_dir, engines: calls.append(
-        (args.update_weight_disk_dir, version_dir, list(engines), sorted(p.name for p in
-                                                                         __import__("pathlib").Path(version_dir).iterdir())))
-    monkeypatch.setitem(sys.modules, "disk_sync_hooks", hook_module)
-    trainer = _disk_trainer(folders, tmp_path, "--custom-update-weight-post-write-path", "disk_sync_hooks.after_write")
+
+def record_post_write(args, version_dir, engine_urls):
+    """A --custom-update-weight-post-write-path hook: what it was given and what the folder held then."""
+    POST_WRITE_CALLS.append((version_dir, list(engine_urls), sorted(p.name for p in Path(version_dir).iterdir())))
+
+
+def test_full_disk_sync_removes_the_folder_and_runs_the_post_write_hook(engine, folders, tmp_path):
+    calls = POST_WRITE_CALLS
+    trainer = _disk_trainer(folders, tmp_path, "--custom-update-weight-post-write-path",
+                            f"{__name__}.record_post_write")
     trainer.update_weights([engine.url], weight_version="4", mode="disk")
     folder = folders["root"] / "pushes" / "weight_v000004"
     assert not folder.exists()  # loaded, then removed (no --update-weight-disk-keep-files)
-    assert len(calls) == 1 and calls[0][1] == str(folder) and calls[0][2] == [engine.url]
-    assert "config.json" in calls[0][3] and weight_delta.INDEX_FILE in calls[0][3]  # complete when the hook runs
+    assert len(calls) == 1 and calls[0][0] == str(folder) and calls[0][1] == [engine.url]
+    assert "config.json" in calls[0][2] and weight_delta.INDEX_FILE in calls[0][2]  # complete when the hook runs
     assert _engine_log_probs(engine.url)[1] == "4"
     with pytest.raises(ValueError, match="integer weight version"):
         trainer.update_weights([engine.url], weight_version="v5", mode="disk")
@@ -210,8 +211,10 @@ def test_pull_weights_rejects_folders_outside_the_allowlist(engine, folders, tmp
     answer = _post(engine.url, "/pull_weights", {"local_checkpoint_dir": str(folders["root"] / "l"),
                                                   "source_dir": str(folders["root"] / "missing"),
                                                   "target_version": 2}, 400)
-    assert "published weight version missing" in answer["message"]
-    assert json.loads(json.dumps(answer))["success"] is False
+    assert "published weight version missing" in answer["message"] and answer["success"] is False
+    answer = _post(engine.url, "/pull_weights", {"local_checkpoint_dir": str(folders["root"]),
+                                                  "source_dir": str(folders["root"]), "target_version": 0}, 400)
+    assert "holds the served checkpoint" in answer["message"]  # a pull would overwrite the engine's own files
 
 
 def _megatron_delta_pushes(rank, world_size, port, checkpoint, pushes, local, engine_url):

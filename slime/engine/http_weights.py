@@ -128,6 +128,10 @@ class EngineWeightReceiver:
                                                       "target_version": int}, {})
         for field in ("local_checkpoint_dir", "source_dir"):
             self.check_weight_dir(body[field], f"/pull_weights field {field!r}")
+        local, served = Path(body["local_checkpoint_dir"]).resolve(), Path(self.model_path).resolve()
+        if local == served or local in served.parents:
+            raise RequestError(f"/pull_weights field 'local_checkpoint_dir': {str(local)!r} holds the served "
+                               "checkpoint, which a pull would overwrite; use a folder of its own")
         if body["target_version"] < 0:
             raise RequestError(f"/pull_weights field 'target_version' must be >= 0, got {body['target_version']}")
         try:

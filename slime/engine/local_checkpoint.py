@@ -72,16 +72,18 @@ def _lock(local: Path):
 
 
 def _reset(source: Path, local: Path, version: int) -> None:
-    """Make `local` a copy of the full checkpoint `source` (files it lacks are removed)."""
+    """Make `local` a copy of the full checkpoint `source` (weight files it lacks are removed)."""
     files = [entry for entry in source.iterdir() if entry.is_file()]
     for entry in files:
         tmp = local / (entry.name + ".tmp")
         shutil.copyfile(entry, tmp)
         os.replace(tmp, local / entry.name)
     names = {entry.name for entry in files}
-    for entry in local.iterdir():
-        if entry.is_file() and entry.name not in names:
+    for entry in local.glob("*.safetensors"):  # weights of an earlier layout (other file names)
+        if entry.name not in names:
             entry.unlink()
+    if weight_delta.INDEX_FILE not in names:
+        (local / weight_delta.INDEX_FILE).unlink(missing_ok=True)
     _write_applied_version(local, version)
 
 
