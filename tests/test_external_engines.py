@@ -1,7 +1,8 @@
 """`--rollout-external-engine-addrs`: train.py runs on an engine server it did not start (a real
 `python -m slime.engine.server` process started by the test on 127.0.0.1), registers it with its router, syncs
-weights into it over disk deltas (sft_loss, so that the step surely changes weights), and leaves it running; a run whose external engine does not answer stops with
-an error naming it."""
+weights into it over disk deltas (sft_loss, so that the step surely changes weights), and leaves it running; the
+engine watch ends a run whose external engine goes away; a run whose external engine does not answer at the start
+stops with an error naming it."""
 
 import json
 import subprocess
@@ -70,30 +71,20 @@ def test_run_uses_an_external_engine_with_delta_disk_sync(task, tmp_path):
         for file in (shared / "local").glob("*.safetensors"):
             engine_copy.update(load_file(file))
         assert saved and all(torch.equal(engine_copy[name], tensor) for name, tensor in saved.items())
+        _check_the_watch_ends_the_run_when_it_goes(task, tmp_path, engine)
     finally:
         engine.stop()
 
 
-def test_run_stops_when_an_external_engine_does_not_answer(task, tmp_path, monkeypatch):
-    monkeypatch.setattr("slime.ray.external_engines.CONNECT_WAIT_S", 0)
-    port = find_free_port()
-    from slime.ray.external_engines import connect_external_engines
-    from slime.utils.arguments import parse_args
-
-    args = parse_args(_argv(task, tmp_path / "run", "--rollout-external-engine-addrs", f"127.0.0.1:{port}"))
-    with pytest.raises(RuntimeError, match=f"no engine answers at http://127.0.0.1:{port}.*start it first"):
-        connect_external_engines(args)
-
-
-def test_the_engine_watch_ends_the_run_when_an_external_engine_goes(task, tmp_path):
+def _check_the_watch_ends_the_run_when_it_goes(task, tmp_path, engine):
+    """The engine watch of a run on `engine` (alive) reports nothing; once it is gone, it ends the run."""
     import time
 
     from slime.ray.engine_failures import EngineFailureError
     from slime.ray.engine_health import EngineSupervisor
     from slime.utils.arguments import parse_args
 
-    engine = launch_server(task["model"], extra_args=["--device", "cpu"], log_path=tmp_path / "engine.log")
-    args = parse_args(_argv(task, tmp_path / "run", "--rollout-external-engine-addrs",
+    args = parse_args(_argv(task, tmp_path / "watch", "--rollout-external-engine-addrs",
                             engine.url.removeprefix("http://"), "--use-fault-tolerance"))
     supervisor = EngineSupervisor(args, [None], [engine.url], router_url="http://127.0.0.1:9")
     try:
@@ -110,4 +101,15 @@ def test_the_engine_watch_ends_the_run_when_an_external_engine_goes(task, tmp_pa
         assert supervisor.num_restarts == 0
     finally:
         supervisor.shutdown()
-        engine.stop()
+
+
+def test_run_stops_when_an_external_engine_does_not_answer(task, tmp_path, monkeypatch):
+    monkeypatch.setattr("slime.ray.external_engines.CONNECT_WAIT_S", 0)
+    port = find_free_port()
+    from slime.ray.external_engines import connect_external_engines
+    from slime.utils.arguments import parse_args
+
+    args = parse_args(_argv(task, tmp_path / "run", "--rollout-external-engine-addrs", f"127.0.0.1:{port}"))
+    with pytest.raises(RuntimeError, match=f"no engine answers at http://127.0.0.1:{port}.*start it first"):
+        connect_external_engines(args)
+

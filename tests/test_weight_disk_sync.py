@@ -1,7 +1,8 @@
 """Disk weight sync (`--update-weight-transport disk`, full and `--update-weight-mode delta`) from the in-process
 FSDP trainer into a REAL engine server process, through real safetensors folders on disk.
 
-The engine starts from a checkpoint of another seed, so it disagrees with the trainer in every weight until a push
+The engine (on the CPU; with the `gpu` case the trainer is on CUDA: disk sync needs no common device) starts from
+a checkpoint of another seed, so it disagrees with the trainer in every weight until a push
 lands. "Bit-identical" is checked two ways: the engine's local checkpoint (what it loaded) equals the trainer's
 weights byte for byte, and the engine's log-probs of a fixed request equal, exactly, those it gives after loading a
 checkpoint written here straight from the trainer's weights; they also match transformers' log-probs under the
@@ -89,10 +90,10 @@ def _assert_engine_holds(url, folders, weights):
     np.testing.assert_allclose([lp for lp, _ in synced], expected, rtol=0, atol=1e-4)
 
 
-def _disk_trainer(folders, tmp_path, *extra):
+def _disk_trainer(folders, tmp_path, *extra, device="cpu"):
     args = make_args(folders["trainer"], "--lr", "1e-2", "--update-weight-buffer-size", "30000",
                      "--update-weight-transport", "disk", "--update-weight-disk-dir", str(folders["root"] / "pushes"),
-                     *extra)
+                     *extra, device=device)
     return make_trainer(args)
 
 
@@ -143,10 +144,11 @@ def _changed_bytes(old: dict, new: dict) -> int:
     return sum(int((old[k].view(torch.uint8) != new[k].view(torch.uint8)).sum()) for k in new)
 
 
-def test_delta_syncs_keep_the_engine_bit_identical(engine, folders, tmp_path):
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_delta_syncs_keep_the_engine_bit_identical(engine, folders, tmp_path, device):
     local = folders["root"] / "local_delta"
     trainer = _disk_trainer(folders, tmp_path, "--update-weight-mode", "delta", "--update-weight-disk-keep-files",
-                            "--update-weight-local-checkpoint-dir", str(local))
+                            "--update-weight-local-checkpoint-dir", str(local), device=device)
     pushes = folders["root"] / "pushes"
     previous = None
     for version in range(10, 14):
