@@ -9,6 +9,7 @@ checkpoint written here straight from the trainer's weights; they also match tra
 trainer's weights within 1e-4.
 """
 
+import json
 import logging
 from pathlib import Path
 
@@ -254,3 +255,29 @@ def test_megatron_tp2_delta_pushes_reach_the_engine(engine, folders):
     assert all(torch.equal(local_tensors[k], weights[k].to(local_tensors[k].dtype)) for k in weights)
     assert _engine_log_probs(engine.url)[1] == "31"
     _assert_engine_holds(engine.url, folders, {k: local_tensors[k] for k in weights})
+
+
+@pytest.mark.slow  # a train.py run (~60-120 s on 2 cores); test_external_engines.py runs disk deltas end to end
+def test_grpo_run_with_its_own_engine_syncs_over_disk(tmp_path):
+    """The run's own engine gets the disk folders in its allowlist and serves the pushed weights (its log-probs are
+    the trainer's after the push between the two rollouts)."""
+    import subprocess
+    import sys
+
+    from examples.quickstart.task import build_task
+
+    task = build_task(tmp_path / "task", seed=0)
+    out = tmp_path / "run"
+    argv = ["--hf-checkpoint", str(task["model"]), "--prompt-data", str(task["train"]), "--input-key", "prompt",
+            "--label-key", "label", "--apply-chat-template", "--rm-type", "math", "--rollout-batch-size", "2",
+            "--n-samples-per-prompt", "2", "--num-rollout", "2", "--rollout-max-response-len", "4", "--lr", "1e-3",
+            "--update-weight-transport", "disk", "--update-weight-disk-dir",
+            str(tmp_path / "pushes"), "--output-dir", str(out), "--no-progress"]
+    repo = Path(__file__).resolve().parents[1]
+    result = subprocess.run([sys.executable, str(repo / "train.py"), *argv], cwd=repo, capture_output=True, text=True,
+                            timeout=600)
+    assert result.returncode == 0, f"STDOUT:\n{result.stdout[-3000:]}\nSTDERR:\n{result.stderr[-6000:]}"
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["perf/update_weights_density"] for r in rows] == [1.0, 1.0]  # full versions
+    assert rows[1]["train/train_rollout_logprob_abs_diff"] < 1e-3
+    assert not list((tmp_path / "pushes").iterdir())

@@ -310,6 +310,9 @@ def _resolve_weight_sync(args) -> None:
                  "update_weight_disk_keep_files"):
         _require(not getattr(args, dest) or args.update_weight_transport == "disk",
                  f"{_flag(dest)} is only used with --update-weight-transport disk")
+    for dest in ("update_weight_disk_dir", "update_weight_local_checkpoint_dir"):
+        if getattr(args, dest):  # absolute: the engine servers and trainer processes may not share a cwd
+            setattr(args, dest, str(Path(getattr(args, dest)).absolute()))
 
 
 # slime's dest names for the trainer hooks, whose flags are aliases of --custom-init-path & co. here.
