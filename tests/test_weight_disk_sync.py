@@ -181,7 +181,8 @@ def test_delta_syncs_keep_the_engine_bit_identical(engine, folders, tmp_path, de
 def test_checksum_mismatch_falls_back_to_a_full_sync(engine, folders, tmp_path, caplog):
     local = folders["root"] / "local_mismatch"
     trainer = _disk_trainer(folders, tmp_path, "--update-weight-mode", "delta", "--update-weight-disk-keep-files",
-                            "--update-weight-delta-checksum", "adler32", "--update-weight-local-checkpoint-dir", str(local))
+                            "--update-weight-delta-checksum", "adler32",
+                            "--update-weight-local-checkpoint-dir", str(local))
     trainer.train(0, make_train_data(4, vocab_size=300, seed=1))
     trainer.update_weights([engine.url], weight_version="20", mode="disk")
     # The engine host's copy goes bad: one byte of a weight the next step changes.

@@ -183,8 +183,9 @@ class WeightSender:
         self.unreachable_urls = []
         metrics = {}
         sending = self.rank == 0 and bool(self.engine_urls)
+        version = parse_version(weight_version) if self.mode == "disk" else None  # on every rank: all stop, or none
         if sending and self.mode == "disk":
-            self.disk_sync.writer.begin(parse_version(weight_version))
+            self.disk_sync.writer.begin(version)
         params = self.named_tensors(self.push_dtype)
         for bucket, is_last in iter_buckets(params, self.bucket_bytes):
             num_buckets += 1
@@ -209,8 +210,9 @@ class WeightSender:
         if sync.local_checkpoint_dir:
             failures = self._pull(folder)
             if failures and sync.writer.is_delta:
+                why = "; ".join(f"{url}: {message}" for url, message in failures.items())
                 logger.error("delta weight sync: engine(s) could not apply version %s (%s); falling back to a full "
-                             "sync of that version", weight_version, "; ".join(f"{u}: {m}" for u, m in failures.items()))
+                             "sync of that version", weight_version, why)
                 folder = self._publish(sync.writer.rewrite_full())
                 failures = self._pull(folder)
             if failures:

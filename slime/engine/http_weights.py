@@ -1,7 +1,7 @@
 """Weight-update endpoints of the engine server: from tensors (shared memory / CUDA IPC handles), from a
-torch.distributed broadcast, and from disk (plus /pull_weights, which brings a host-local checkpoint up to a
-published version first: slime.engine.local_checkpoint). All validation happens before any parameter is touched, so a rejected
-update (unknown name, wrong shape) leaves the model exactly as it was.
+torch.distributed broadcast, and from disk (plus /pull_weights, which first brings a host-local checkpoint up to a
+published version: slime.engine.local_checkpoint). All validation happens before any parameter is touched, so a
+rejected update (unknown name, wrong shape) leaves the model exactly as it was.
 
 Receiving a broadcast and deserializing handles happen off the driver thread (they do not touch the engine); only
 the final copy into the model runs on it, between two steps. Every update flushes the prefix cache (KV computed

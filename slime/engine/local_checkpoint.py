@@ -4,11 +4,11 @@ bring `local_checkpoint_dir` up to a published version, then the engine reloads 
 
 Pulling version N walks back from N over delta versions to the version the local copy holds, or else to a full
 version (a published `weight_v000000`, or else the engine's own checkpoint, is version 0) which it copies, then
-applies the deltas after that in order, each checked against the
-checksums the trainer wrote; a mismatch raises `ChecksumMismatchError` and leaves the applied-version marker where
-it was, so the local copy is never reported as a version it does not hold (the trainer then publishes a full
-version, which replaces it). A per-folder file lock makes several engines of one host share one local copy: the
-first pull does the work, the others find the version applied.
+applies the deltas after that in order, each checked against the checksums the trainer wrote; a mismatch raises
+`ChecksumMismatchError` and leaves the applied-version marker where it was, so the local copy is never reported as
+a version it does not hold (the trainer then publishes a full version, which replaces it). A per-folder file lock
+makes several engines of one host share one local copy: the first pull does the work, the others find the version
+applied.
 
 Not the format (slime.utils.weight_delta) and not the model's loader.
 """
