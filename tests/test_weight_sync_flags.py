@@ -33,7 +33,7 @@ def base(tmp_path_factory):
       "--update-weight-local-checkpoint-dir", "/l", "--colocate"], "--update-weight-mode delta is not for --colocate"),
     (["--update-weight-mode", "delta", "--update-weight-transport", "disk", "--update-weight-disk-dir", "/d",
       "--update-weight-local-checkpoint-dir", "/l", "--update-weight-delta-checksum", "blake3"],
-     "needs the blake3 package"),
+     "needs: pip install blake3"),
     (["--update-weight-local-checkpoint-dir", "/l"], "only used with --update-weight-transport disk"),
     (["--update-weight-disk-keep-files"], "only used with --update-weight-transport disk"),
     (["--custom-update-weight-post-write-path", "json.dumps"], "only used with --update-weight-transport disk"),

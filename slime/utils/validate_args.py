@@ -303,9 +303,10 @@ def _resolve_weight_sync(args) -> None:
                                     "weights by handle, no bytes travel that a delta could save")
         _require(args.update_weight_local_checkpoint_dir, "--update-weight-mode delta needs "
                  "--update-weight-local-checkpoint-dir: the engines' host-local checkpoint the deltas apply to")
-        missing = weight_delta.missing_checksum_package(args.update_weight_delta_checksum)
-        _require(missing is None, f"--update-weight-delta-checksum {args.update_weight_delta_checksum} needs the "
-                                  f"{missing} package (pip install {missing}), or choose xxh3-128 or adler32")
+        missing = " ".join(weight_delta.missing_packages(args.update_weight_delta_checksum))
+        _require(not missing, f"--update-weight-mode delta with --update-weight-delta-checksum "
+                              f"{args.update_weight_delta_checksum} needs: pip install {missing} (scripts/setup.sh "
+                              "installs zstandard and xxhash; blake3 is not installed by default)")
     for dest in ("update_weight_local_checkpoint_dir", "custom_update_weight_post_write_path",
                  "update_weight_disk_keep_files"):
         _require(not getattr(args, dest) or args.update_weight_transport == "disk",

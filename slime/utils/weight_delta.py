@@ -46,10 +46,10 @@ def parse_version(weight_version) -> int:
     return version
 
 
-def missing_checksum_package(algorithm: str) -> str | None:
-    """The pip package `algorithm` needs when it is not installed, else None."""
-    package = CHECKSUM_PACKAGES.get(algorithm)
-    return package if package and importlib.util.find_spec(package) is None else None
+def missing_packages(algorithm: str) -> list[str]:
+    """The pip packages a delta sync with checksum `algorithm` needs that are not installed."""
+    needed = ["zstandard"] + ([CHECKSUM_PACKAGES[algorithm]] if algorithm in CHECKSUM_PACKAGES else [])
+    return [package for package in needed if importlib.util.find_spec(package) is None]
 
 
 class _Adler32:
