@@ -50,7 +50,8 @@ def test_run_uses_an_external_engine_with_delta_disk_sync(task, tmp_path):
                               "--update-weight-mode", "delta", "--update-weight-transport", "disk",
                               "--update-weight-disk-dir", str(shared / "pushes"),
                               "--update-weight-local-checkpoint-dir", str(shared / "local"),
-                              "--loss-type", "sft_loss", "--save", str(tmp_path / "ckpt")))
+                              "--loss-type", "sft_loss", "--save", str(tmp_path / "ckpt"),
+                              "--actor-num-gpus-per-node", "2"))  # two FSDP ranks: both gather, rank 0 writes
         assert result.returncode == 0, f"STDOUT:\n{result.stdout[-3000:]}\nSTDERR:\n{result.stderr[-6000:]}"
         assert engine.process.poll() is None  # the run left the engine it did not start running
         assert not list(out.glob("engine_*"))  # and started none of its own
