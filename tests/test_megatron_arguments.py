@@ -72,11 +72,9 @@ MOE_TRAINER_FLAGS = {"--num-experts", "--moe-router-topk", "--moe-ffn-hidden-siz
                      "--moe-shared-expert-intermediate-size", "--moe-layer-freq", "--moe-router-score-function",
                      "--moe-aux-loss-coeff", "--moe-router-load-balancing-type", "--moe-router-dtype",
                      "--moe-grouped-gemm", "--moe-token-dispatcher-type", "--moe-permute-fusion"}
-# slime flags (not Megatron's) of the stock recipes that this parser does not take yet; branch compat owns them.
+# slime flags (not Megatron's) of the stock recipes that this parser does not take as they stand, and why.
 SLIME_FLAG_GAPS = {
     "--rollout-num-gpus-per-engine": "values > 1 need --rollout-backend sglang (the built-in engine runs one device)",
-    "--load": "a --load folder holding no checkpoint yet: slime starts from the HF weights, here it is an error "
-              "unless --load-if-exists",
 }
 
 

@@ -16,7 +16,7 @@ import os
 import time
 from pathlib import Path
 
-from slime.utils.checkpoint_state import CheckpointError, critic_checkpoint, resume_dir
+from slime.utils.checkpoint_state import CheckpointError, critic_checkpoint, resume_dir, starts_fresh_without_checkpoint
 from slime.utils.flag_ranges import ANY, FLAG_RANGES
 from slime.utils.misc import load_function, load_functions
 from slime.utils.moe_arguments import check_moe_args
@@ -87,9 +87,10 @@ def _check_tools(args) -> None:
 
 
 def _check_resume(args) -> None:
-    """--load must name a complete checkpoint (the critic's too under ppo), or nothing with --load-if-exists."""
+    """--load must name a complete checkpoint (the critic's too under ppo), or nothing with --load-if-exists (or
+    with --save naming the same folder)."""
     try:
-        actor_dir = resume_dir(args.load, load_if_exists=args.load_if_exists)
+        actor_dir = resume_dir(args.load, load_if_exists=starts_fresh_without_checkpoint(args))
         if actor_dir is not None and args.use_critic:
             critic_checkpoint(actor_dir)
     except CheckpointError as exc:
