@@ -40,6 +40,16 @@ HOOK_FLAGS = (
 )
 
 
+def resolve_rollout_backend(args) -> None:
+    """--rollout-backend's default: SGLang when an engine spans several devices (the built-in engine runs one),
+    the built-in engine otherwise."""
+    if args.rollout_backend is None:
+        args.rollout_backend = "sglang" if args.rollout_num_gpus_per_engine > 1 else "slime"
+        if args.rollout_backend == "sglang":
+            logger.info("--rollout-num-gpus-per-engine %d: rolling out with SGLang (--rollout-backend sglang; the "
+                        "built-in engine runs one device per engine)", args.rollout_num_gpus_per_engine)
+
+
 def _require(condition: bool, message: str) -> None:
     if not condition:
         raise ArgumentError(message)
