@@ -1,6 +1,7 @@
 """slime's own example generate functions, copied unchanged into tests/data/slime_examples/ (THUDM/slime 624b824a),
 run one rollout against the built-in engine through this package's default rollout, with the local services
-they need started here (a BM25 retrieval server on loopback for search-r1)."""
+they need started here (a BM25 retrieval server on loopback for search-r1; for tau-bench a second engine server as its
+LLM user simulator, plus the tau_bench package and SGLang's parser names it imports, which are not installed here)."""
 
 import json
 import sys

@@ -311,8 +311,8 @@ async def _generate_rollout_async(args, rollout_id: int, data_source) -> tuple[l
                     leftovers.append(group)
                     continue
                 verdict = call_dynamic_filter(dynamic_filter, args, group)
-                num_unjudged = len(pending) + len(done) - position - 1
-                if should_drop_dynamic_filter_output(verdict, remaining_batch_size=len(accepted) + num_unjudged + 1,
+                num_unjudged = len(pending) + len(done) - position - 1  # still running or not yet judged
+                if should_drop_dynamic_filter_output(verdict, remaining_batch_size=len(accepted) + num_unjudged + 1,  # +1: this group
                                                      target_data_size=target):
                     drop_counts[verdict.reason or "filtered"] += 1
                     continue
