@@ -187,6 +187,7 @@ def user_simulator(tmp_path_factory):
 @pytest.fixture
 def tau_imports(monkeypatch, user_simulator):
     monkeypatch.setenv("USER_MODEL_API_BASE", f"{user_simulator.url}/v1")
+    monkeypatch.delenv("GEMINI_API_KEY", raising=False)  # the example sets it on import: restored afterwards
     for path in TAU_PATHS:
         monkeypatch.syspath_prepend(str(path))
     yield
