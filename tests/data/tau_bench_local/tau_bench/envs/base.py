@@ -4,6 +4,7 @@ at the end the reward compares what the agent did with the task's ground truth."
 from __future__ import annotations
 
 import json
+import random
 from hashlib import sha256
 from typing import Any, Callable
 
@@ -36,7 +37,7 @@ class Env:
         self.tools_info = [tool.get_info() for tool in tools]
         self.terminate_tools: list[str] = []
         self.tasks = tasks
-        self.task_index = task_index if task_index is not None else 0
+        self.task_index = task_index if task_index is not None else random.randrange(len(tasks))
         self.task = tasks[self.task_index]
         self.wiki = wiki
         self.rules = rules
@@ -44,7 +45,7 @@ class Env:
         self.actions: list[Action] = []
 
     def reset(self, task_index: int | None = None) -> EnvResetResponse:
-        self.task_index = task_index if task_index is not None else self.task_index
+        self.task_index = task_index if task_index is not None else random.randrange(len(self.tasks))
         self.data = self.data_load_func()
         self.task = self.tasks[self.task_index]
         self.actions = []
