@@ -224,3 +224,29 @@ def test_tau_bench_generate_unchanged(tmp_path, server, tiny_qwen3, tau_imports)
         assert agent_turn == sample.response + "<|im_end|>\n"
         user_turn = tokenizer.decode(sample.tokens[sample.prompt_length + num_trained:])
         assert user_turn == f"<|im_start|>user\n{STOP}<|im_end|>\n"
+
+
+def test_local_tau_bench_scores_as_tau_bench_does(tau_imports):
+    """The local tau_bench's reward is tau-bench's: the database the agent leaves against the task's ground truth
+    (or the expected outputs in its replies), computed when the user simulator ends the conversation."""
+    from tau_bench.envs import get_env
+    from tau_bench.types import Action
+
+    def episode(task_index, actions):
+        env = get_env("retail", user_strategy="llm", user_model="sim", task_split="train", user_provider="openai",
+                      task_index=task_index)
+        assert env.reset(task_index=task_index).observation == STOP  # the simulator's every line
+        for action in actions:
+            response = env.step(action)
+            assert not response.done and response.reward == 0
+        final = env.step(Action(name="respond", kwargs={"content": "Done. Your order #W0004 is processed, sir"}))
+        assert final.done and final.info.source == "user"
+        return final.reward
+
+    find = Action(name="find_user_id_by_email", kwargs={"email": "mia.li3818@example.com"})
+    cancel = Action(name="cancel_pending_order", kwargs={"order_id": "#W0001", "reason": "no longer needed"})
+    assert episode(0, [find, cancel]) == 1.0
+    delivered = Action(name="cancel_pending_order", kwargs={"order_id": "#W0002", "reason": "no longer needed"})
+    assert episode(0, [find, delivered]) == 0.0  # the tool refuses (not pending): the database is not the goal's
+    assert episode(0, [find]) == 0.0  # nothing changed: not the ground truth's database
+    assert episode(1, []) == 1.0  # task 1 wants "processed" said to the user, which the reply above does
