@@ -33,8 +33,8 @@ raise SystemExit(code)"""
 
 
 def test_slimes_plugin_contracts_pass_unchanged_with_their_stubs():
-    deselect = [arg for case in SOURCE_TEXT_TESTS for arg in (
-        "--deselect", f"{CONTRACTS}/test_plugin_runtime_hook_contracts.py::test_runtime_hook_callsite_is_stable[{case}]")]
+    callsite_test = f"{CONTRACTS}/test_plugin_runtime_hook_contracts.py::test_runtime_hook_callsite_is_stable"
+    deselect = [arg for case in SOURCE_TEXT_TESTS for arg in ("--deselect", f"{callsite_test}[{case}]")]
     result = subprocess.run(
         [sys.executable, "-c", RUN_AND_REPORT, CONTRACTS, "-q", "-p", "no:cacheprovider", *deselect],
         cwd=REPO, capture_output=True, text=True, timeout=300,

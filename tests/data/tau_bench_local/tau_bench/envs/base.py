@@ -82,7 +82,8 @@ class Env:
         left equals the one the task's ground-truth actions leave."""
         actions = [action for action in self.task.actions if action.name != RESPOND_ACTION_NAME]
         if self.task.outputs:
-            replies = [a.kwargs["content"].lower().replace(",", "") for a in self.actions if a.name == RESPOND_ACTION_NAME]
+            replies = [a.kwargs["content"].lower().replace(",", "") for a in self.actions
+                       if a.name == RESPOND_ACTION_NAME]
             outputs = {output: any(output.lower() in reply for reply in replies) for output in self.task.outputs}
             r_outputs = float(all(outputs.values()))
             return RewardResult(reward=r_outputs, info=RewardOutputInfo(r_outputs=r_outputs, outputs=outputs),

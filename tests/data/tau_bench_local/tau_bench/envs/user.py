@@ -35,7 +35,8 @@ class LLMUserSimulationEnv(BaseUserSimulationEnv):
     def generate_next_message(self, messages: list[dict]) -> str:
         api_base = os.environ.get("USER_MODEL_API_BASE")
         if not api_base:
-            raise ValueError("the LLM user simulator needs USER_MODEL_API_BASE (its OpenAI-compatible server's /v1 URL)")
+            raise ValueError("the LLM user simulator needs USER_MODEL_API_BASE (its OpenAI-compatible server's /v1 "
+                             "URL)")
         res = completion(model=self.model, provider=self.provider, messages=messages, api_base=api_base)
         message = res.choices[0].message
         self.messages.append({"role": "assistant", "content": message.content})

@@ -1,4 +1,5 @@
-"""SGLang's `Function` / `Tool` request models (OpenAI's tool schema), by the names slime's tau-bench example imports."""
+"""SGLang's `Function` / `Tool` request models (OpenAI's tool schema), by the names slime's tau-bench example
+imports."""
 
 from __future__ import annotations
 
