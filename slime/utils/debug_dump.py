@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import logging
+import pickle
 from pathlib import Path
 
 import torch
@@ -41,7 +42,7 @@ def load_samples(path: Path, flag: str, subsample_ratio: float | None = None) ->
     try:
         payload = json.loads(path.read_text()) if path.suffix == ".json" else torch.load(path, weights_only=True)
         rows = payload["samples"]
-    except (OSError, ValueError, KeyError, TypeError, RuntimeError) as exc:
+    except (OSError, ValueError, KeyError, TypeError, RuntimeError, pickle.UnpicklingError) as exc:
         raise ValueError(f"{flag}: {path} is not a rollout dump ({type(exc).__name__}: {exc}); write one with "
                          "--save-debug-rollout-data") from None
     samples = [Sample.from_dict(row) for row in rows]
