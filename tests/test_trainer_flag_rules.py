@@ -150,3 +150,54 @@ def test_forge_rollout_replays_dumps_with_slimes_path_rules(tmp_path):
     missing = SimpleNamespace(**{**vars(args), "load_forge_rollout_data": str(tmp_path / "none_{rollout_id}.pt")})
     with pytest.raises(ValueError, match="no dump for rollout 1"):
         generate_rollout(missing, 1, None)
+
+
+def _slime_fwd_flops(length: int, config: dict, ffn: int) -> float:
+    """slime's flops_utils.calculate_fwd_flops for one sequence of a model whose every layer has MLP width `ffn`."""
+    h, heads, groups, kv = (config["hidden_size"], config["num_attention_heads"], config["num_key_value_heads"],
+                            config["head_dim"])
+    qkv = 2 * length * h * heads * kv + 2 * 2 * length * h * groups * kv
+    attention = 2 * heads * length * length * kv / 2 + heads * length * length * kv
+    layer = qkv + attention + 2 * length * h * h + 2 * length * h * ffn * 3
+    return layer * config["num_hidden_layers"] + 2 * length * h * config["vocab_size"]
+
+
+@pytest.mark.parametrize("moe", [False, True])
+def test_flops_cost_model_is_proportional_to_slimes_flops(moe):
+    from slime.utils.flops_balance import linear_coefficient, workloads
+
+    config = dict(CONFIG)
+    ffn = config["intermediate_size"]
+    if moe:
+        config.update(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=48)
+        ffn = 48 * 2
+    lengths = [1, 37, 512, 4096]
+    costs = workloads(lengths, linear_coefficient(config))
+    flops = [_slime_fwd_flops(length, config, ffn) for length in lengths]
+    assert [c / costs[0] for c in costs] == pytest.approx([f / flops[0] for f in flops], rel=1e-9)
+
+
+def test_balance_by_flops_splits_ranks_and_micro_batches_by_flops(model):
+    from slime.backends.packing import split_micro_batches
+    from slime.ray.train_data import split_train_data
+    from slime.utils.flops_balance import balanced_micro_batches, linear_coefficient, workloads
+
+    lengths = [9000, 5000, 5000, 4000, 3000, 3000]  # long enough for attention's L^2 to dominate
+    data = {"tokens": [[1] * n for n in lengths], "sample_indices": list(range(6))}
+    common = ("--actor-num-gpus-per-node", 2, "--use-dynamic-batch-size", "--max-tokens-per-gpu", 12000)
+    by_tokens = split_train_data(parse(model, *common, "--balance-data"), data, 0)[0]
+    by_flops = split_train_data(parse(model, *common, "--balance-by-flops"), data, 0)[0]
+    assert [rank["sample_indices"] for rank in by_tokens] == [[0, 3, 5], [1, 2, 4]]  # 16000 / 13000 tokens
+    assert [rank["sample_indices"] for rank in by_flops] == [[0, 4, 5], [1, 2, 3]]
+    coefficient = linear_coefficient(CONFIG)
+
+    def spread(parts):
+        loads = [sum(workloads([lengths[i] for i in part], coefficient)) for part in parts]
+        return max(loads) - min(loads)
+
+    assert spread([r["sample_indices"] for r in by_flops]) < spread([r["sample_indices"] for r in by_tokens])
+    bins = balanced_micro_batches(list(range(6)), lengths, 12000, coefficient)
+    assert bins == [[0], [1, 3], [2, 4, 5]]  # ceil(29000 / 12000) = 3 bins, largest workload first
+    first_fit = split_micro_batches(list(range(6)), lengths, 1, 12000)
+    assert first_fit == [[0, 4], [1, 2], [3, 5]] and spread(bins) < spread(first_fit)
+    assert balanced_micro_batches([0, 1], lengths, 4000, coefficient) == [[0], [1]]  # more bins than samples

@@ -1,6 +1,6 @@
 """slime's trainer-side flags on the FSDP train flow (one process): parameter freezing, --reset-optimizer-states,
---use-stateless-adam, --log-probs-max-tokens-per-gpu, --use-rollout-entropy, --save-debug-train-data and
---ref-ckpt-step, each against an independent reference or an invariance. The Megatron backend's side:
+--use-stateless-adam, --log-probs-max-tokens-per-gpu, --balance-by-flops, --use-rollout-entropy,
+--save-debug-train-data and --ref-ckpt-step, each against an independent reference or an invariance. The Megatron backend's side:
 test_megatron_trainer_flags.py; the flags' parse-time rules: test_trainer_flag_rules.py."""
 
 from __future__ import annotations
@@ -96,18 +96,26 @@ def _record_micro_batch_tokens(trainer) -> dict[str, list[int]]:
     return seen
 
 
-def test_log_probs_max_tokens_per_gpu_packs_only_the_forward_only_passes(tiny_checkpoint):
+def test_token_budgets_and_flops_balance_change_the_micro_batches_not_the_loss(tiny_checkpoint):
+    """--log-probs-max-tokens-per-gpu packs only the forward-only passes; --balance-by-flops packs ceil(tokens /
+    --max-tokens-per-gpu) micro-batches per step by slime's cost model. The loss is the same for any packing."""
+    import math
+
     data = make_train_data(8, vocab_size=300, seed=6, num_steps=2)
     budget = ("--use-dynamic-batch-size", "--max-tokens-per-gpu", "24", "--lr", "1e-3")
     default = make_trainer(make_args(tiny_checkpoint, *budget))
     large = make_trainer(make_args(tiny_checkpoint, *budget, "--log-probs-max-tokens-per-gpu", "400"))
-    default_tokens, large_tokens = _record_micro_batch_tokens(default), _record_micro_batch_tokens(large)
-    default_metrics, large_metrics = default.train(0, data), large.train(0, data)
+    flops = make_trainer(make_args(tiny_checkpoint, *budget, "--balance-by-flops"))
+    default_tokens, large_tokens, flops_tokens = map(_record_micro_batch_tokens, (default, large, flops))
+    default_metrics, large_metrics, flops_metrics = (t.train(0, data) for t in (default, large, flops))
     assert max(default_tokens["forward_only"]) <= 24 and max(large_tokens["forward_backward"]) <= 24
     assert len(large_tokens["forward_only"]) == 2 < len(default_tokens["forward_only"])  # one per step's schedule
     assert sum(large_tokens["forward_only"]) == sum(len(t) for t in data["tokens"])
+    step_tokens = [sum(len(t) for t in data["tokens"][:4]), sum(len(t) for t in data["tokens"][4:])]
+    assert len(flops_tokens["forward_backward"]) == sum(math.ceil(n / 24) for n in step_tokens)
     for key in ("train/loss", "train/pg_loss", "train/ppo_kl", "train/grad_norm"):
         assert large_metrics[key] == pytest.approx(default_metrics[key], rel=1e-4, abs=1e-6), key
+        assert flops_metrics[key] == pytest.approx(default_metrics[key], rel=1e-4, abs=1e-6), key
 
 
 def record_entropy_loss(args, log_probs, entropy, batch, reduce):

@@ -49,6 +49,7 @@ from slime.backends.weight_sender import WeightSender
 from slime.backends.weight_snapshot import WeightSnapshot
 from slime.utils.checkpoint_state import weights_at_step
 from slime.utils.engine_access import engine_admin_headers
+from slime.utils.flops_balance import balanced_micro_batches, linear_coefficient
 from slime.utils.misc import load_function, seed_everything
 from slime.utils.ppo_utils import apply_opd_advantage, compute_mismatch_metrics, loss_denominator
 
@@ -130,8 +131,12 @@ class TrainFlow:
         num_steps = data.get("num_steps_per_rollout") or args.num_steps_per_rollout or 1
         lengths = [len(t) for t in tokens]
         max_tokens = (max_tokens_per_gpu or args.max_tokens_per_gpu) if args.use_dynamic_batch_size else None
-        bins_per_step = [split_micro_batches(step, lengths, args.micro_batch_size, max_tokens)
-                         for step in step_sample_indices(len(tokens), num_steps)]
+        steps = step_sample_indices(len(tokens), num_steps)
+        if args.balance_by_flops:  # slime's cost model instead of first-fit token bins (dynamic batch sizes)
+            coefficient = linear_coefficient(self.backend.hf_config.to_dict())
+            bins_per_step = [balanced_micro_batches(step, lengths, max_tokens, coefficient) for step in steps]
+        else:
+            bins_per_step = [split_micro_batches(step, lengths, args.micro_batch_size, max_tokens) for step in steps]
         counts = torch.tensor([len(b) for b in bins_per_step], device=self.device)
         self._all_reduce(counts, dist.ReduceOp.MAX)
         return [[pack_samples(tokens, data["response_lengths"], b)

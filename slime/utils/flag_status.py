@@ -65,7 +65,6 @@ REFUSED = {
     "rollout_data_transport": "only the Ray object store carries rollout data (nixl is not supported)",
     "release_train": "slime re-creates its Megatron train actors from --save before each train step and syncs "
                      "weights through disk; the train processes here live for the whole run",
-    "balance_by_flops": "not implemented (--balance-data balances token counts)",
     "enable_mtp_training": "multi-token-prediction layers are a Megatron feature",
     "multimodal_keys": "no multimodal models here",
 }

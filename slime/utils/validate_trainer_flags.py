@@ -3,7 +3,7 @@ debug dumps and the Megatron-backend hooks, and the fields derived from them (`v
 
 Each rule raises `ArgumentError` naming the flag and how to fix it. Derived: --dump-details sets
 --save-debug-rollout-data and --save-debug-train-data (slime's paths); --log-probs-max-tokens-per-gpu defaults to
---max-tokens-per-gpu with dynamic batch sizes.
+--max-tokens-per-gpu with dynamic batch sizes; --balance-by-flops turns on --balance-data.
 
 Not the features themselves (slime/backends/, slime/utils/debug_dump.py, slime/utils/megatron_role_config.py).
 """
@@ -53,6 +53,10 @@ def check_trainer_flags(args) -> None:
              "--loss-agg-mode sample_mean or token_mean, not constant")
     _require(not args.use_stateless_adam or args.no_save_optim,
              "--use-stateless-adam keeps no optimizer state to save; pass --no-save-optim too (as slime)")
+    _require(not args.balance_by_flops or args.use_dynamic_batch_size,
+             "--balance-by-flops sizes micro-batches by --max-tokens-per-gpu: pass --use-dynamic-batch-size (as slime)")
+    if args.balance_by_flops:
+        args.balance_data = True  # slime: FLOPs balance the ranks too
     if args.use_dynamic_batch_size and args.log_probs_max_tokens_per_gpu is None:
         args.log_probs_max_tokens_per_gpu = args.max_tokens_per_gpu  # slime's default
     _require(args.log_probs_max_tokens_per_gpu is None or args.use_dynamic_batch_size,
