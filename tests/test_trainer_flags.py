@@ -187,3 +187,23 @@ def test_ref_ckpt_step_loads_that_checkpoint_of_the_ref_save_folder(tiny_checkpo
     trainer.snapshot.restore("ref")
     reference, loaded = full_params(expected), full_params(trainer)
     assert all(torch.equal(reference[name], loaded[name]) for name in reference)
+
+
+def test_stateless_adam_step_is_a_fresh_adamw_step():
+    from slime.backends.stateless_adam import StatelessAdam
+
+    torch.manual_seed(0)
+    initial = torch.randn(16, dtype=torch.float64)
+    grads = [torch.randn_like(initial) for _ in range(4)]
+    param = initial.clone()
+    optimizer = StatelessAdam([param], lr=0.03, betas=(0.9, 0.98), eps=1e-6, weight_decay=0.1)
+    expected = initial.clone()
+    for grad in grads:
+        param.grad = grad.clone()
+        optimizer.step()
+        reference = expected.clone().requires_grad_(True)
+        reference.grad = grad.clone()
+        torch.optim.AdamW([reference], lr=0.03, betas=(0.9, 0.98), eps=1e-6, weight_decay=0.1).step()
+        expected = reference.detach()
+    torch.testing.assert_close(param, expected)
+    assert optimizer.state_dict()["state"] == {}
