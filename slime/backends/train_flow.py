@@ -29,15 +29,7 @@ from slime.backends.advantages import compute_advantages
 from slime.backends.backend import TrainBackend
 from slime.backends.debug_train_data import rank_train_data, save_debug_train_data
 from slime.backends.loss import LossReducer, MicroBatchTensors, aggregation_mode, get_loss_function
-from slime.backends.packing import (
-    float_tensors,
-    outputs_per_sample,
-    pack_samples,
-    pad_num_micro_batches,
-    split_micro_batches,
-    step_sample_indices,
-    to_device,
-)
+from slime.backends.packing import float_tensors, outputs_per_sample, to_device
 from slime.backends.routing_replay import (
     ReplayStage,
     agreement_metrics,
@@ -45,11 +37,11 @@ from slime.backends.routing_replay import (
     attach_rollout_routing,
     log_prob_stage,
 )
+from slime.backends.schedule import forward_only_schedule, train_schedule
 from slime.backends.weight_sender import WeightSender
 from slime.backends.weight_snapshot import WeightSnapshot
 from slime.utils.checkpoint_state import weights_at_step
 from slime.utils.engine_access import engine_admin_headers
-from slime.utils.flops_balance import balanced_micro_batches, linear_coefficient
 from slime.utils.misc import load_function, seed_everything
 from slime.utils.ppo_utils import apply_opd_advantage, compute_mismatch_metrics, loss_denominator
 
@@ -124,35 +116,11 @@ class TrainFlow:
         return getattr(args, "start_rollout_id", None) or 0
 
     # -------------------------------------------------------------------------------------------- schedule
-    def _schedule(self, data: dict, max_tokens_per_gpu: int | None = None) -> list[list]:
-        """Per optimizer step, this rank's packed micro-batches (the same count on every rank); with dynamic batch
-        sizes at most `max_tokens_per_gpu` (default --max-tokens-per-gpu) tokens each."""
-        args, tokens = self.args, data["tokens"]
-        num_steps = data.get("num_steps_per_rollout") or args.num_steps_per_rollout or 1
-        lengths = [len(t) for t in tokens]
-        max_tokens = (max_tokens_per_gpu or args.max_tokens_per_gpu) if args.use_dynamic_batch_size else None
-        steps = step_sample_indices(len(tokens), num_steps)
-        if args.balance_by_flops:  # slime's cost model instead of first-fit token bins (dynamic batch sizes)
-            coefficient = linear_coefficient(self.backend.hf_config.to_dict())
-            bins_per_step = [balanced_micro_batches(step, lengths, max_tokens, coefficient) for step in steps]
-        else:
-            bins_per_step = [split_micro_batches(step, lengths, args.micro_batch_size, max_tokens) for step in steps]
-        counts = torch.tensor([len(b) for b in bins_per_step], device=self.device)
-        self._all_reduce(counts, dist.ReduceOp.MAX)
-        return [[pack_samples(tokens, data["response_lengths"], b)
-                 for b in pad_num_micro_batches(bins, lengths, int(count))]
-                for bins, count in zip(bins_per_step, counts.tolist())]
+    def _schedule(self, data: dict) -> list[list]:
+        return train_schedule(self.args, data, self.backend)
 
     def _all_reduce(self, tensor: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
         return self.backend.all_reduce(tensor, op)
-
-    def _log_prob_schedule(self, data: dict, schedule) -> list[list]:
-        """The forward-only passes' micro-batches: --log-probs-max-tokens-per-gpu tokens each with dynamic batch
-        sizes (the passes keep no activations for a backward, so they can take more), else the train schedule."""
-        args = self.args
-        if not args.use_dynamic_batch_size or args.log_probs_max_tokens_per_gpu == args.max_tokens_per_gpu:
-            return schedule
-        return self._schedule(data, args.log_probs_max_tokens_per_gpu)
 
     @torch.no_grad()
     def compute_log_probs(self, schedule, store_prefix: str = "") -> dict[int, torch.Tensor]:
@@ -197,7 +165,7 @@ class TrainFlow:
         args = self.args
         num_samples = len(data["tokens"])
         schedule = self._schedule(data)
-        log_prob_schedule = self._log_prob_schedule(data, schedule)
+        log_prob_schedule = forward_only_schedule(self.args, data, self.backend, schedule)
         if args.use_rollout_routing_replay:
             attach_rollout_routing(schedule, data, self.backend.routing_replay)
             if log_prob_schedule is not schedule:
