@@ -63,8 +63,8 @@ REFUSED = {
     "rollout_external_engine_addrs": "external engines are not supported; use --sglang-router-ip/--sglang-router-port "
                                      "to share a router that already lists them",
     "rollout_data_transport": "only the Ray object store carries rollout data (nixl is not supported)",
-    "release_train": "slime re-creates its Megatron train actors from --save before each train step and syncs "
-                     "weights through disk; the train processes here live for the whole run",
+    "release_train": "slime's needs --update-weight-transport disk (not here yet): it kills the Megatron train "
+                     "actors after each weight push and re-creates them from --save before the next train step",
     "enable_mtp_training": "multi-token-prediction layers are a Megatron feature",
     "multimodal_keys": "no multimodal models here",
 }
