@@ -65,10 +65,15 @@ def test_routing_replay_needs_the_train_micro_batches_for_log_probs(tmp_path):
               "256", "--use-routing-replay")
 
 
-def test_ref_ckpt_step_names_the_missing_step(model, tmp_path):
+@pytest.mark.parametrize("load, step", [("--ref-load", "--ref-ckpt-step"),
+                                        ("--opd-teacher-load", "--opd-teacher-ckpt-step")])
+def test_ckpt_steps_name_the_missing_or_incomplete_step(model, tmp_path, load, step):
     (tmp_path / "rollout_2").mkdir()
-    with pytest.raises(ArgumentError, match=r"--ref-ckpt-step 5: .* has no checkpoint rollout_5 \(it has: rollout_2"):
-        parse(model, "--ref-load", tmp_path, "--ref-ckpt-step", "5")
+    extra = ("--use-opd", "--opd-type", "megatron") if load == "--opd-teacher-load" else ()
+    with pytest.raises(ArgumentError, match=rf"{step} 5: .* has no checkpoint rollout_5 \(it has: rollout_2"):
+        parse(model, load, tmp_path, step, "5", *extra)
+    with pytest.raises(ArgumentError, match=rf"{step} 2: checkpoint .*rollout_2 is incomplete"):
+        parse(model, load, tmp_path, step, "2", *extra)
 
 
 def test_dump_details_and_the_log_probs_budget_default(model, tmp_path):
