@@ -32,10 +32,10 @@ def resolve_debug_dumps(args) -> None:
              "(one file per rollout), e.g. runs/debug/train_{rollout_id}.pt")
     _require(args.load_debug_rollout_data_subsample is None or args.load_debug_rollout_data is not None,
              "--load-debug-rollout-data-subsample subsamples the rollouts of --load-debug-rollout-data; pass both")
-    _require(args.load_forge_rollout_data is None
-             or args.rollout_function_path == "slime.rollout.forge_load.generate_rollout",
-             "--load-forge-rollout-data is read by slime's forge rollout function: pass --rollout-function-path "
-             "slime.rollout.forge_load.generate_rollout")
+    forge = "slime.rollout.forge_load.generate_rollout"
+    _require(args.load_forge_rollout_data is None or forge in (args.rollout_function_path, args.eval_function_path),
+             f"--load-forge-rollout-data is read by slime's forge rollout function: pass --rollout-function-path "
+             f"{forge}")
 
 
 def check_trainer_flags(args) -> None:
