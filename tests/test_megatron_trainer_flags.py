@@ -1,5 +1,6 @@
 """slime's Megatron-actor flags on the Megatron backend (one gloo process): parameter freezing by megatron-core
-names, --custom-model-provider-path (slime's provider signature) and --megatron-config-path's actor overrides."""
+names with --reset-optimizer-states, --custom-model-provider-path (slime's provider signature) and
+--megatron-config-path's actor overrides with --use-stateless-adam."""
 
 from __future__ import annotations
 
@@ -48,10 +49,13 @@ def _freeze_provider_and_role_config(rank, world_size, port, checkpoint, config)
 
     data = make_train_data(4, vocab_size=300, seed=2)
     frozen_trainer = make_trainer(make_megatron_args(checkpoint, "--lr", "1e-2", "--freeze-params-name-list",
-                                                     "embedding", r"decoder\.layers\.0\."), port=port)
+                                                     "embedding", r"decoder\.layers\.0\.", "--reset-optimizer-states"),
+                                  port=port)
     before = _named(frozen_trainer)
     frozen_trainer.train(0, data)
     after = _named(frozen_trainer)
+    frozen_trainer.train(1, data)  # the reset zeroes AdamW's steps first: one step again, not two
+    steps = {float(state["step"]) for state in frozen_trainer.backend.optimizer.state.values()}
     changed = {name for name in before if not torch.equal(before[name], after[name])}
     with_state = {id(param) for param in frozen_trainer.backend.optimizer.state}
     frozen = {name for name, param in frozen_trainer.backend.model.named_parameters()
@@ -61,23 +65,27 @@ def _freeze_provider_and_role_config(rank, world_size, port, checkpoint, config)
     destroy_model_parallel()
 
     args = make_megatron_args(checkpoint, "--custom-model-provider-path", f"{__name__}.tiny_provider",
-                              "--megatron-config-path", config)
+                              "--megatron-config-path", config, "--use-stateless-adam", "--no-save-optim")
     PROVIDED.append(args)
     trainer = make_trainer(args, port=port + 1)
     metrics = trainer.train(0, data)
+    stateless = type(trainer.backend.optimizer).__name__, len(trainer.backend.optimizer.state)
     provided = [(pre, post, model is trainer.backend.model) for pre, post, model in PROVIDED[1:]]
     destroy_model_parallel()
-    return set(before), changed, frozen, pushed, provided, metrics["train/lr"], trainer.args.lr, args.lr
+    return (set(before), changed, frozen, pushed, steps, provided, metrics["train/lr"], trainer.args.lr, args.lr,
+            stateless)
 
 
 def test_freezing_provider_and_role_config(tiny_checkpoint, tmp_path):
     config = tmp_path / "megatron.yaml"
     config.write_text("megatron:\n  - name: default\n    role: actor\n    overrides: {lr: 3e-3}\n")
-    names, changed, frozen, pushed, provided, lr, trainer_lr, driver_lr = run_distributed(
+    names, changed, frozen, pushed, steps, provided, lr, trainer_lr, driver_lr, stateless = run_distributed(
         _freeze_provider_and_role_config, 1, tiny_checkpoint, config)[0]
     expected_frozen = {name for name in names if name.startswith("embedding.") or ".layers.0." in name}
     assert expected_frozen and changed == set(names) - expected_frozen
     assert frozen == expected_frozen  # no optimizer state for them
     assert {"model.embed_tokens.weight", "model.layers.0.mlp.up_proj.weight"} <= pushed  # still synced
+    assert steps == {1.0}  # --reset-optimizer-states
+    assert stateless == ("StatelessAdam", 0)
     assert provided == [(True, True, True)]
     assert lr == trainer_lr == pytest.approx(3e-3) and driver_lr == pytest.approx(1e-6)
