@@ -6,7 +6,8 @@ see only the data-parallel rank and size); each data-parallel replica gets its s
 returns is its share of the global loss, so gradients are summed over data parallelism (grads.py). Outputs of the
 forward live on the last pipeline stage and are broadcast to the others (micro_batches.py).
 
-Optimizer: AdamW over this rank's parameter shards with the FSDP backend's schedule
+Optimizer: AdamW (StatelessAdam with --use-stateless-adam) over this rank's trainable parameter shards (the
+freezing flags leave some out: param_freeze.py, by megatron-core names) with the FSDP backend's schedule
 (slime/backends/fsdp_utils/optimizer.py), so both backends step identically; the optimizer state is sharded as
 the parameters are (over TP / PP / EP), and replicated over data parallelism (megatron-core's
 DistributedOptimizer needs its CUDA-only DDP buffers).
