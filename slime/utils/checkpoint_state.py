@@ -229,6 +229,22 @@ def resume_dir(load: str | None, *, load_if_exists: bool = False) -> Path | None
     return folder
 
 
+def weights_at_step(load: str, step: int | None, flag: str) -> str:
+    """slime's --ref-ckpt-step / --opd-teacher-ckpt-step: the complete checkpoint `rollout_{step}` of the --save
+    root `load` (--ref-load / --opd-teacher-load), whose weights are loaded; `load` itself when `step` is None."""
+    if step is None:
+        return load
+    folder = checkpoint_dir(load, step)
+    if not folder.is_dir():
+        saved = sorted(p.name for p in Path(load).glob("rollout_*") if _FOLDER_RE.match(p.name))
+        raise CheckpointError(f"{flag} {step}: {load} has no checkpoint {folder.name} (it has: "
+                              f"{', '.join(saved) or 'none'}); give the step of one of them")
+    problems = _problems(folder, ())
+    if problems:
+        raise CheckpointError(f"{flag} {step}: checkpoint {folder} is incomplete: {'; '.join(problems)}")
+    return str(folder)
+
+
 def critic_checkpoint(actor_dir: Path) -> Path:
     """The complete critic checkpoint saved with the actor's `{save}/rollout_{id}`: `{save}/critic/rollout_{id}`."""
     folder = actor_dir.parent / CRITIC_SUBDIR / actor_dir.name
