@@ -111,6 +111,20 @@ class TrainBackend(ABC):
     def zero_grad(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
 
+    def reset_optimizer_states(self) -> None:
+        """slime's --reset-optimizer-states: AdamW's step counts and moments back to zero (in place, so offload and
+        checkpoints see the same tensors); the learning-rate schedule goes on."""
+        for group in self.optimizer.param_groups:
+            if "step" in group:
+                group["step"] = 0
+        for state in self.optimizer.state.values():
+            for key in ("step", "exp_avg", "exp_avg_sq"):
+                value = state.get(key)
+                if isinstance(value, torch.Tensor):
+                    value.zero_()
+                elif value is not None:
+                    state[key] = 0
+
     # ---------------------------------------------------------------------------------------- weights
     @abstractmethod
     def local_weights(self) -> Iterator[tuple[str, torch.Tensor]]:

@@ -5,8 +5,10 @@ starts: every numeric flag is range-checked (`FLAG_RANGES`, flag_ranges.py), eve
 checked callable, and `--load` must name a complete checkpoint (or nothing, with `--load-if-exists`). Derived fields:
 device, world_size, rollout_num_engines, rollout_external and rollout_external_engine_urls, use_critic, critic_lr,
 loss_agg_mode, loss_agg_constant, eps_clip_high, global_batch_size / num_steps_per_rollout, over_sampling_batch_size,
-offload_train / offload_rollout, output_dir, eval_datasets. The Megatron flags' rules, the training backend and
-the parallel layout (train_backend, data_parallel_size, ...) are in `validate_megatron_args.py`, run from here.
+offload_train / offload_rollout, output_dir, eval_datasets. The trainer-side flags' rules (freezing, reducers, token
+budgets, debug dumps) are in `validate_trainer_flags.py`, the weight-sync flags' in `validate_weight_sync.py`; the
+Megatron flags' rules, the training backend and the parallel layout (train_backend, data_parallel_size, ...) are in
+`validate_megatron_args.py`, run from here.
 """
 
 from __future__ import annotations
@@ -16,8 +18,8 @@ import os
 import time
 from pathlib import Path
 
-from slime.utils import weight_delta
-from slime.utils.checkpoint_state import CheckpointError, critic_checkpoint, resume_dir
+from slime.utils.checkpoint_state import (CheckpointError, critic_checkpoint, resume_dir,
+                                          starts_fresh_without_checkpoint, weights_at_step)
 from slime.utils.engine_access import external_engine_url
 from slime.utils.flag_ranges import ANY, FLAG_RANGES
 from slime.utils.misc import load_function, load_functions
@@ -37,10 +39,23 @@ HOOK_FLAGS = (
     "custom_loss_function_path", "custom_advantage_function_path", "custom_init_path",
     "custom_before_log_prob_hook_path", "custom_before_train_step_hook_path", "env_path",
     "custom_rollout_log_function_path", "custom_eval_rollout_log_function_path", "custom_reward_post_process_path",
-    "custom_tis_function_path",
+    "custom_tis_function_path", "custom_pg_loss_reducer_function_path", "custom_model_provider_path",
     "custom_convert_samples_to_train_data_path", "rollout_sample_filter_path", "rollout_all_samples_process_path",
     "custom_update_weight_post_write_path",
 )
+
+
+def resolve_rollout_backend(args) -> None:
+    """--rollout-backend's default: SGLang when an engine spans several devices (the built-in engine runs one),
+    the built-in engine otherwise."""
+    if args.rollout_backend is None:
+        args.rollout_backend = "sglang" if args.rollout_num_gpus_per_engine > 1 else "slime"
+        if args.rollout_backend == "sglang":
+            logger.info("--rollout-num-gpus-per-engine %d: rolling out with SGLang (--rollout-backend sglang; the "
+                        "built-in engine runs one device per engine)", args.rollout_num_gpus_per_engine)
+
+
+CKPT_STEP_FLAGS = {"ref_load": "ref_ckpt_step", "opd_teacher_load": "opd_teacher_ckpt_step"}
 
 
 def _require(condition: bool, message: str) -> None:
@@ -90,9 +105,10 @@ def _check_tools(args) -> None:
 
 
 def _check_resume(args) -> None:
-    """--load must name a complete checkpoint (the critic's too under ppo), or nothing with --load-if-exists."""
+    """--load must name a complete checkpoint (the critic's too under ppo), or nothing with --load-if-exists (or
+    with --save naming the same folder)."""
     try:
-        actor_dir = resume_dir(args.load, load_if_exists=args.load_if_exists)
+        actor_dir = resume_dir(args.load, load_if_exists=starts_fresh_without_checkpoint(args))
         if actor_dir is not None and args.use_critic:
             critic_checkpoint(actor_dir)
     except CheckpointError as exc:
@@ -109,6 +125,13 @@ def _check_paths(args) -> None:
                                    "point it at a Hugging Face model folder")
     for flag in ("ref_load", "opd_teacher_load", "critic_load"):
         path = getattr(args, flag)
+        step_flag = CKPT_STEP_FLAGS.get(flag)
+        if step_flag and getattr(args, step_flag) is not None:  # slime's: a step of a --save folder's checkpoints
+            _require(path is not None, f"{_flag(step_flag)} picks a checkpoint step of {_flag(flag)}; pass it")
+            try:
+                path = weights_at_step(path, getattr(args, step_flag), _flag(step_flag))
+            except CheckpointError as exc:
+                raise ArgumentError(str(exc)) from None
         if path is not None:
             _require((Path(path) / "config.json").is_file(),
                      f"--{flag.replace('_', '-')} {path}: not a Hugging Face model folder (no config.json)")
@@ -277,6 +300,9 @@ def _resolve_eval_and_output(args) -> None:
 
 def _resolve_debug(args) -> None:
     """slime's debug and replay flags (docs/fault-tolerance.md): a replay of saved rollouts needs no engines."""
+    from slime.utils.validate_trainer_flags import resolve_debug_dumps
+
+    resolve_debug_dumps(args)
     for flag in ("save_debug_rollout_data", "load_debug_rollout_data"):
         template = getattr(args, flag)
         _require(template is None or "{rollout_id}" in template,
@@ -291,31 +317,6 @@ def _resolve_debug(args) -> None:
              "--use-fault-tolerance watches rollout engines; --debug-train-only / --load-debug-rollout-data start none")
 
 
-def _resolve_weight_sync(args) -> None:
-    """slime's rules for disk and delta weight sync (docs/weight-sync.md)."""
-    _require(args.update_weight_transport != "disk" or args.update_weight_disk_dir,
-             "--update-weight-transport disk needs --update-weight-disk-dir: a folder the trainer writes and every "
-             "engine can read")
-    if args.update_weight_mode == "delta":
-        _require(args.update_weight_transport == "disk", "--update-weight-mode delta needs --update-weight-transport "
-                                                         f"disk, got {args.update_weight_transport!r}")
-        _require(not args.colocate, "--update-weight-mode delta is not for --colocate: colocated engines get the "
-                                    "weights by handle, no bytes travel that a delta could save")
-        _require(args.update_weight_local_checkpoint_dir, "--update-weight-mode delta needs "
-                 "--update-weight-local-checkpoint-dir: the engines' host-local checkpoint the deltas apply to")
-        missing = " ".join(weight_delta.missing_packages(args.update_weight_delta_checksum))
-        _require(not missing, f"--update-weight-mode delta with --update-weight-delta-checksum "
-                              f"{args.update_weight_delta_checksum} needs: pip install {missing} (scripts/setup.sh "
-                              "installs zstandard and xxhash; blake3 is not installed by default)")
-    for dest in ("update_weight_local_checkpoint_dir", "custom_update_weight_post_write_path",
-                 "update_weight_disk_keep_files"):
-        _require(not getattr(args, dest) or args.update_weight_transport == "disk",
-                 f"{_flag(dest)} is only used with --update-weight-transport disk")
-    for dest in ("update_weight_disk_dir", "update_weight_local_checkpoint_dir"):
-        if getattr(args, dest):  # absolute: the engine servers and trainer processes may not share a cwd
-            setattr(args, dest, str(Path(getattr(args, dest)).absolute()))
-
-
 # slime's dest names for the trainer hooks, whose flags are aliases of --custom-init-path & co. here.
 SLIME_HOOK_DESTS = {"custom_megatron_init_path": "custom_init_path",
                     "custom_megatron_before_log_prob_hook_path": "custom_before_log_prob_hook_path",
@@ -326,6 +327,8 @@ def validate_args(args) -> None:
     for slime_dest, dest in SLIME_HOOK_DESTS.items():
         setattr(args, slime_dest, getattr(args, dest))
     from slime.utils.validate_megatron_args import validate_megatron_args, validate_megatron_batches
+    from slime.utils.validate_trainer_flags import check_trainer_flags
+    from slime.utils.validate_weight_sync import check_weight_sync_flags
 
     _resolve_debug(args)
     _check_ranges(args)
@@ -333,10 +336,11 @@ def validate_args(args) -> None:
     _check_paths(args)
     check_moe_args(args, _require)
     _resolve_cluster(args)
-    _resolve_weight_sync(args)
+    check_weight_sync_flags(args)
     validate_megatron_args(args)
     _resolve_batches(args)
     validate_megatron_batches(args)
     _resolve_algorithm(args)
+    check_trainer_flags(args)
     _resolve_eval_and_output(args)
     _check_resume(args)

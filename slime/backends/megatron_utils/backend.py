@@ -6,7 +6,8 @@ see only the data-parallel rank and size); each data-parallel replica gets its s
 returns is its share of the global loss, so gradients are summed over data parallelism (grads.py). Outputs of the
 forward live on the last pipeline stage and are broadcast to the others (micro_batches.py).
 
-Optimizer: AdamW over this rank's parameter shards with the FSDP backend's schedule
+Optimizer: AdamW (StatelessAdam with --use-stateless-adam) over this rank's trainable parameter shards (the
+freezing flags leave some out: param_freeze.py, by megatron-core names) with the FSDP backend's schedule
 (slime/backends/fsdp_utils/optimizer.py), so both backends step identically; the optimizer state is sharded as
 the parameters are (over TP / PP / EP), and replicated over data parallelism (megatron-core's
 DistributedOptimizer needs its CUDA-only DDP buffers).
@@ -22,6 +23,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 from slime.backends.backend import LossOf, TrainBackend
 from slime.backends.fsdp_utils.backend import init_default_group, training_device
@@ -33,8 +35,10 @@ from slime.backends.megatron_utils.grads import clip_grad_norm, finalize_grads
 from slime.backends.megatron_utils.hf_weights import load_hf_weights, model_hf_weights, save_hf_checkpoint
 from slime.backends.megatron_utils.micro_batches import run_micro_batches
 from slime.backends.megatron_utils.model import build_gpt_model
+from slime.backends.megatron_utils.names import named_global_parameters
 from slime.backends.megatron_utils.parallel import init_model_parallel
 from slime.backends.packing import PackedMicroBatch
+from slime.backends.param_freeze import freeze_parameters
 
 
 class MegatronBackend(TrainBackend):
@@ -74,8 +78,14 @@ class MegatronBackend(TrainBackend):
         self.model_chunks = [build_gpt_model(args, self.hf_config, self.device)]
         self.model = self.model_chunks[0]
         self._load_weights(weights_path)
+        freeze_parameters(args, named_global_parameters(self.model_chunks), self._sum_over_ranks)
         params = [param for chunk in self.model_chunks for param in chunk.parameters()]
         self.optimizer, self.scheduler = build_optimizer(args, params)
+
+    def _sum_over_ranks(self, counts: list[int]) -> list[int]:
+        total = torch.tensor(counts, dtype=torch.int64, device=self.device)
+        dist.all_reduce(total)
+        return total.tolist()
 
     def _load_weights(self, path: str) -> None:
         if checkpoint.is_torch_dist_checkpoint(path):
