@@ -48,17 +48,17 @@ def disk_sync_from_args(args) -> DiskSync | None:
         return None
     from slime.utils.misc import load_function
 
-    post_write = None
-    if args.custom_update_weight_post_write_path:
-        hook = load_function(args.custom_update_weight_post_write_path, "--custom-update-weight-post-write-path")
+    hook_path = args.custom_update_weight_post_write_path
+    hook = load_function(hook_path, "--custom-update-weight-post-write-path") if hook_path else None
 
-        def post_write(version_folder: str, engine_urls: list[str]) -> None:
-            hook(args, version_folder, engine_urls)  # slime's signature; the engines as their URLs
+    def post_write(version_folder: str, engine_urls: list[str]) -> None:
+        hook(args, version_folder, engine_urls)  # slime's signature; the engines as their URLs
 
     delta_encoding = args.update_weight_delta_encoding if args.update_weight_mode == "delta" else None
     writer = DiskWeightWriter(args.update_weight_disk_dir, args.hf_checkpoint, delta_encoding,
                               args.update_weight_delta_checksum)
-    return DiskSync(writer, args.update_weight_disk_keep_files, args.update_weight_local_checkpoint_dir, post_write)
+    return DiskSync(writer, args.update_weight_disk_keep_files, args.update_weight_local_checkpoint_dir,
+                    post_write if hook else None)
 
 
 class DiskWeightWriter:
