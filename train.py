@@ -55,7 +55,9 @@ def update_weights(args, actor, rollout_manager, rollout_id) -> dict:
         ray.get(rollout_manager.onload.remote(["weights"]))
     push = actor.update_weights(engine_urls, weight_version=str(rollout_id + 1))
     ray.get(rollout_manager.weights_pushed.remote(str(rollout_id + 1), engine_urls))
-    if args.offload_train:
+    if args.release_train:  # slime's: the train processes end until the next train step (recreate)
+        actor.release()
+    elif args.offload_train:
         actor.offload()
     if args.offload_rollout:
         ray.get(rollout_manager.onload.remote(["kv_cache", "cuda_graph"]))
@@ -66,11 +68,16 @@ def update_weights(args, actor, rollout_manager, rollout_id) -> dict:
 
 
 def train_on_rollout(args, actor, critic, rollout_id, data_refs) -> dict:
+    metrics = {}
+    if args.release_train:
+        start = time.perf_counter()
+        actor.recreate(rollout_id)
+        metrics["perf/train_recreate_time"] = time.perf_counter() - start
     start = time.perf_counter()
     if critic is not None:
-        metrics = train_with_critic(args, actor, critic, rollout_id, data_refs)
+        metrics.update(train_with_critic(args, actor, critic, rollout_id, data_refs))
     else:
-        metrics = actor.train(rollout_id, data_refs)
+        metrics.update(actor.train(rollout_id, data_refs))
     return {**metrics, "perf/train_time": time.perf_counter() - start}
 
 

@@ -50,7 +50,7 @@ def train_async(args) -> str:
         metrics.update(train_on_rollout(args, actor, critic, rollout_id, data_refs))
         if should_save(args, rollout_id, num_rollout):
             save(actor, critic, rollout_manager, rollout_id)
-        if (rollout_id + 1) % args.update_weights_interval == 0:
+        if args.release_train or (rollout_id + 1) % args.update_weights_interval == 0:
             if in_flight is not None:
                 ray.wait([in_flight])  # never swap weights under a running generation
             metrics.update(update_weights(args, actor, rollout_manager, rollout_id))

@@ -11,6 +11,7 @@ listens on every interface; a run on a Ray cluster keeps the TCP rendezvous.
 from __future__ import annotations
 
 import atexit
+import copy
 import logging
 import os
 import uuid
@@ -21,6 +22,7 @@ import ray
 from slime.ray.placement_group import TRAIN_ACTOR_FRACTION, DevicePlacement
 from slime.ray.train_data import data_parallel_rank
 from slime.ray.train_failures import get_from_ranks
+from slime.utils.checkpoint_state import latest_checkpoint
 from slime.utils.misc import find_free_port
 
 logger = logging.getLogger(__name__)
@@ -79,23 +81,27 @@ class RayTrainGroup:
     def __init__(self, args, placement: DevicePlacement, role: str = "actor"):
         self.args = args
         self.role = role
+        self.placement = placement
+        self.with_ref = False
+        if role == "actor" and weight_update_mode(args) == "distributed" and not args.debug_train_only:
+            logger.warning("the weight broadcast group's rendezvous (a torch TCPStore on trainer rank 0) listens "
+                           "beyond loopback, on every interface, while the trainer and the engines connect "
+                           "(docs/security.md)")
+        self.actors = self._start_actors(args)
+
+    def _start_actors(self, args) -> list:
+        """One trainer process per rank, meeting at a fresh rendezvous."""
         world_size = args.world_size
         master_addr = "127.0.0.1" if args.actor_num_nodes == 1 else ray.util.get_node_ip_address()
         master_port = find_free_port()
         rendezvous_file = None
         if not args.ray_address:
-            rendezvous_file = Path(args.output_dir).resolve() / f"rendezvous_{role}_{uuid.uuid4().hex[:8]}"
+            rendezvous_file = Path(args.output_dir).resolve() / f"rendezvous_{self.role}_{uuid.uuid4().hex[:8]}"
             atexit.register(rendezvous_file.unlink, missing_ok=True)  # the ranks are killed before they remove it
-        if role == "actor" and weight_update_mode(args) == "distributed" and not args.debug_train_only:
-            logger.warning("the weight broadcast group's rendezvous (a torch TCPStore on trainer rank 0) listens "
-                           "beyond loopback, on every interface, while the trainer and the engines connect "
-                           "(docs/security.md)")
         actor_cls = ray.remote(TrainRayActor)
-        self.actors = [
-            actor_cls.options(**train_actor_options(args, placement, rank)).remote(
-                args, rank, world_size, master_addr, master_port, role, rendezvous_file)
-            for rank in range(world_size)
-        ]
+        return [actor_cls.options(**train_actor_options(args, self.placement, rank)).remote(
+                    args, rank, world_size, master_addr, master_port, self.role, rendezvous_file)
+                for rank in range(world_size)]
 
     def _all(self, method: str, *args, **kwargs) -> list:
         return self.get([actor.call.remote(method, *args, **kwargs) for actor in self.actors])
@@ -106,7 +112,34 @@ class RayTrainGroup:
 
     def init(self, with_ref: bool) -> int:
         """Build models and optimizer on every rank; returns the rollout id to start from."""
+        self.with_ref = with_ref
         return self._all("init", with_ref)[0]
+
+    def release(self) -> None:
+        """--release-train: end every rank's process, and with it all the memory it held (slime's `release`);
+        `recreate` starts them again from the run's last checkpoint."""
+        for actor in self.actors:
+            ray.kill(actor, no_restart=True)
+        self.actors = []
+        logger.info("--release-train: the %s's train processes are released until the next train step", self.role)
+
+    def recreate(self, rollout_id: int) -> None:
+        """Start the released ranks again, from the latest checkpoint under --save (its optimizer state too, when
+        saved), or from the run's first weights while none was saved; a no-op while they run."""
+        if self.actors:
+            return
+        args = copy.copy(self.args)
+        folder = latest_checkpoint(args.save)
+        if folder is not None:
+            args.load, args.no_load_optim = args.save, args.no_save_optim
+        self.actors = self._start_actors(args)
+        start_rollout_id = self._all("init", self.with_ref)[0]
+        if start_rollout_id != rollout_id:
+            raise RuntimeError(f"--release-train: the train processes re-created from {folder or 'the initial weights'}"
+                               f" would continue at rollout {start_rollout_id}, not {rollout_id}: a checkpoint under "
+                               f"--save {args.save} is missing or newer than the run")
+        logger.info("--release-train: the %s's train processes are back for rollout %d (from %s)", self.role,
+                    rollout_id, folder or "the initial weights")
 
     def rank_data(self, data_refs: list) -> list:
         """Per process, the data of its data-parallel rank (tensor / pipeline peers share one)."""

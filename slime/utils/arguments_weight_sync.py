@@ -51,7 +51,10 @@ def add_weight_sync_arguments(parser):
                    help="engines started outside this run (host:port or http://host:port): registered with the "
                         "router, health-checked and weight-synced, never started or stopped by the run")
     g.add_argument("--rollout-data-transport", choices=["object-store", "nixl"], default="object-store")
-    g.add_argument("--release-train", action="store_true")
+    g.add_argument("--release-train", action="store_true",
+                   help="end the Megatron train processes after each weight push (all their memory goes back) and "
+                        "start them again from the latest --save checkpoint before the next train step; needs "
+                        "--update-weight-transport disk and saves every rollout")
     g.add_argument("--train-env-vars", type=_json_object, default={},
                    help='JSON object of extra environment variables for the train processes, e.g. '
                         '\'{"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}\'')

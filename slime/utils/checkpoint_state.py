@@ -258,7 +258,7 @@ def critic_checkpoint(actor_dir: Path) -> Path:
 def should_save(args, rollout_id: int, num_rollout: int) -> bool:
     if not args.save:
         return False
-    if rollout_id == num_rollout - 1:
+    if rollout_id == num_rollout - 1 or args.release_train:  # released train processes come back from --save
         return True
     return bool(args.save_interval) and (rollout_id + 1) % args.save_interval == 0
 

@@ -52,8 +52,6 @@ INERT = {
 
 REFUSED = {
     "rollout_data_transport": "only the Ray object store carries rollout data (nixl is not supported)",
-    "release_train": "not implemented: slime's kills the Megatron train actors after each disk weight push "
-                     "(--update-weight-transport disk) and re-creates them from --save before the next train step",
     "enable_mtp_training": "no model family either backend builds (Qwen2/2.5, Qwen3, Llama 3, Qwen3-MoE) has "
                            "multi-token-prediction layers",
     "multimodal_keys": "no multimodal models here",

@@ -328,7 +328,7 @@ def validate_args(args) -> None:
         setattr(args, slime_dest, getattr(args, dest))
     from slime.utils.validate_megatron_args import validate_megatron_args, validate_megatron_batches
     from slime.utils.validate_trainer_flags import check_trainer_flags
-    from slime.utils.validate_weight_sync import check_weight_sync_flags
+    from slime.utils.validate_weight_sync import check_release_train, check_weight_sync_flags
 
     _resolve_debug(args)
     _check_ranges(args)
@@ -341,6 +341,7 @@ def validate_args(args) -> None:
     _resolve_batches(args)
     validate_megatron_batches(args)
     _resolve_algorithm(args)
+    check_release_train(args)
     check_trainer_flags(args)
     _resolve_eval_and_output(args)
     _check_resume(args)

@@ -1,7 +1,8 @@
 """The rules of slime's weight-sync flags (docs/weight-sync.md), slime's own: disk needs its folder; delta needs
 the disk transport and the engines' local checkpoint folder, and is not for --colocate; the disk-only flags need
 the disk transport. Derived: the two folders become absolute paths (trainer and engine processes may not share a
-working directory). `validate_args` calls it; each rule raises `ArgumentError` naming the flag and the fix.
+working directory). `check_release_train`: --release-train's rules (slime's, and one more). `validate_args` calls
+both; each rule raises `ArgumentError` naming the flag and the fix.
 
 Not the external-engine rules (validate_args' cluster rules), not the sync (slime/backends/weight_sender.py).
 """
@@ -36,3 +37,25 @@ def check_weight_sync_flags(args) -> None:
     for dest in ("update_weight_disk_dir", "update_weight_local_checkpoint_dir"):
         if getattr(args, dest):  # absolute: the engine servers and trainer processes may not share a cwd
             setattr(args, dest, str(Path(getattr(args, dest)).absolute()))
+
+
+def check_release_train(args) -> None:
+    """slime's --release-train rules: the Megatron actor alone (no critic, no --keep-old-actor: its host copies
+    would die with the processes), a --save folder to come back from (a save every rollout), full weights on disk;
+    colocated, the rollout is offloaded and the trainer is released rather than offloaded. Here also: not with
+    --use-fault-tolerance, whose restarted engines get their weights from the (then released) trainer."""
+    if not args.release_train:
+        return
+    _require(args.train_backend == "megatron", "--release-train needs --train-backend megatron (as in slime)")
+    _require(not args.use_critic, "--release-train does not train a critic (--advantage-estimator ppo), as in slime")
+    _require(not args.keep_old_actor, "--release-train cannot --keep-old-actor: the kept weights live in the train "
+                                      "processes it ends")
+    _require(args.save, "--release-train needs --save: the train processes come back from its latest checkpoint")
+    _require(args.update_weight_mode == "full" and args.update_weight_transport == "disk",
+             "--release-train needs --update-weight-transport disk (and --update-weight-mode full): the engines "
+             "load the weights from disk after the train processes are gone")
+    _require(not args.use_fault_tolerance, "--release-train with --use-fault-tolerance: an engine restarted during "
+                                           "a rollout gets its weights from the train processes, which are released "
+                                           "then; drop one of the two")
+    if args.colocate:
+        args.offload_train, args.offload_rollout = False, True
