@@ -41,21 +41,12 @@ class MegatronBackend(TrainBackend):
     def __init__(self, args, rank: int, world_size: int, master_addr: str, master_port: int):
         from megatron.core import parallel_state
 
-        if args.virtual_pipeline_model_parallel_size:
-            raise ValueError("--train-backend megatron: virtual pipeline stages (--num-layers-per-virtual-pipeline-"
-                             "stage / --num-virtual-stages-per-pipeline-rank) are not supported yet; drop the flag")
-        if args.context_parallel_size > 1:
-            raise ValueError("--train-backend megatron: --context-parallel-size > 1 needs Transformer Engine's "
-                             "attention core, which this backend does not use yet; use 1")
         if args.expert_model_parallel_size > 1:
             raise ValueError("--train-backend megatron: --expert-model-parallel-size > 1 is not supported yet (the "
                              "gradient sums and the weight export cover TP / PP / DP); use 1")
         self.args, self.rank, self.world_size = args, rank, world_size
         self.device = training_device(args, rank)
         if self.device.type == "cpu":
-            if args.sequence_parallel:
-                raise ValueError("--sequence-parallel runs on GPUs only with --train-backend megatron (megatron-core's "
-                                 "sequence-parallel collectives allocate on CUDA); drop it for a CPU run")
             apply_cpu_shim()
         init_default_group(self.device, rank, world_size, master_addr, master_port)
         init_model_parallel(args, self.device)
