@@ -101,12 +101,16 @@ class TrainBackend(ABC):
         grad_norm = self.clip_grad_norm(max_grad_norm)
         lr = self.optimizer.param_groups[0]["lr"]
         if math.isfinite(grad_norm):
-            self.optimizer.step()
+            self.apply_clipped_grads()
         else:
             logger.warning("non-finite grad norm %s: optimizer step skipped", grad_norm)
         self.scheduler.step()
         self.zero_grad()
         return {"grad_norm": grad_norm, "lr": lr}
+
+    def apply_clipped_grads(self) -> None:
+        """The optimizer's update from the gradients `clip_grad_norm` left."""
+        self.optimizer.step()
 
     def zero_grad(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)

@@ -6,10 +6,9 @@ see only the data-parallel rank and size); each data-parallel replica gets its s
 returns is its share of the global loss, so gradients are summed over data parallelism (grads.py). Outputs of the
 forward live on the last pipeline stage and are broadcast to the others (micro_batches.py).
 
-Optimizer: AdamW over this rank's parameter shards with the FSDP backend's schedule
-(slime/backends/fsdp_utils/optimizer.py), so both backends step identically; the optimizer state is sharded as
-the parameters are (over TP / PP / EP), and replicated over data parallelism (megatron-core's
-DistributedOptimizer needs its CUDA-only DDP buffers).
+Optimizer: megatron-core's distributed optimizer over DDP grad buffers (optimizer.py), its state sharded as the
+parameters are (over TP / PP / EP) and over data parallelism, with the FSDP backend's learning-rate schedule so
+both backends step identically.
 
 Checkpoints: torch_dist (checkpoint.py), and with --save-hf also an HF folder; weights for the engines: HF-named full tensors gathered to rank 0
 (hf_weights.py), sent by the shared WeightSender.
@@ -26,13 +25,13 @@ import torch
 from slime.backends.backend import LossOf, TrainBackend
 from slime.backends.fsdp_utils.backend import init_default_group, training_device
 from slime.backends.fsdp_utils.checkpoint import resolve_load_dir
-from slime.backends.fsdp_utils.optimizer import build_optimizer, move_training_state
 from slime.backends.megatron_utils import checkpoint
 from slime.backends.megatron_utils.cpu_shim import apply_cpu_shim
-from slime.backends.megatron_utils.grads import clip_grad_norm, finalize_grads
+from slime.backends.megatron_utils.grads import finalize_grads
 from slime.backends.megatron_utils.hf_weights import load_hf_weights, model_hf_weights, save_hf_checkpoint
 from slime.backends.megatron_utils.micro_batches import run_micro_batches
 from slime.backends.megatron_utils.model import build_gpt_model
+from slime.backends.megatron_utils.optimizer import build_distributed_optimizer, wrap_data_parallel
 from slime.backends.megatron_utils.parallel import init_model_parallel
 from slime.backends.packing import PackedMicroBatch
 
@@ -53,7 +52,7 @@ class MegatronBackend(TrainBackend):
         self.dp_rank = parallel_state.get_data_parallel_rank(with_context_parallel=True)
         self.dp_size = parallel_state.get_data_parallel_world_size(with_context_parallel=True)
         self.dp_group = parallel_state.get_data_parallel_group(with_context_parallel=True)
-        self.model_chunks = []
+        self.model_chunks, self.ddp_chunks = [], []
         self.model = self.optimizer = self.scheduler = self.hf_config = None
 
     # ----------------------------------------------------------------------------------------- building
@@ -65,8 +64,9 @@ class MegatronBackend(TrainBackend):
         self.model_chunks = [build_gpt_model(args, self.hf_config, self.device)]
         self.model = self.model_chunks[0]
         self._load_weights(weights_path)
-        params = [param for chunk in self.model_chunks for param in chunk.parameters()]
-        self.optimizer, self.scheduler = build_optimizer(args, params)
+        self.ddp_chunks = wrap_data_parallel(self.model_chunks)
+        self.optimizer, self.scheduler = build_distributed_optimizer(args, self.ddp_chunks,
+                                                                     self.model.config.params_dtype)
 
     def _load_weights(self, path: str) -> None:
         if checkpoint.is_torch_dist_checkpoint(path):
@@ -115,11 +115,20 @@ class MegatronBackend(TrainBackend):
 
     def forward_backward(self, micro_batches: list[PackedMicroBatch], loss_of: LossOf) -> list[dict]:
         metrics = self._run(micro_batches, loss_of)
-        finalize_grads(self.model_chunks)
+        finalize_grads(self.model_chunks, self.ddp_chunks)
         return metrics
 
     def clip_grad_norm(self, max_grad_norm: float) -> float:
-        return clip_grad_norm(self.model_chunks, max_grad_norm)
+        self.optimizer.prepare_grads()  # this rank's slice of the grad buffer to its main params' .grad
+        return float(self.optimizer.clip_grad_norm(max_grad_norm))
+
+    def apply_clipped_grads(self) -> None:
+        self.optimizer.step_with_ready_grads()  # the slices' update, all-gathered into the parameters
+
+    def zero_grad(self) -> None:
+        for ddp_chunk in self.ddp_chunks:
+            ddp_chunk.zero_grad_buffer()
+        self.optimizer.zero_grad(set_to_none=True)
 
     # ---------------------------------------------------------------------------------------- weights
     def local_weights(self):
@@ -131,12 +140,23 @@ class MegatronBackend(TrainBackend):
         return model_hf_weights(self.model_chunks, self.hf_config, dtype)
 
     # ---------------------------------------------------------------------------------------- memory
+    def _buffers(self):
+        return [buffer for chunk in self.ddp_chunks for buffer in chunk.buffers + chunk.expert_parallel_buffers]
+
     def offload(self) -> None:
-        """Colocated GPU runs: parameters and optimizer state to host memory while the engines generate (one model
-        chunk: virtual pipeline stages are refused)."""
+        """Colocated GPU runs: the param and grad buffers, main weights and optimizer state to host memory while
+        the engines generate (megatron's own offload: the buffers' storage is freed, their views stay valid)."""
         if self.device.type == "cuda":
-            move_training_state(self.model, self.optimizer, "cpu")
+            torch.cuda.synchronize(self.device)
+            for buffer in self._buffers():
+                buffer.offload_to_cpu(move_params=True, move_grads=True)
+            self.optimizer.offload_to_cpu()
+            torch.cuda.synchronize(self.device)
+            torch.cuda.empty_cache()
 
     def onload(self) -> None:
         if self.device.type == "cuda":
-            move_training_state(self.model, self.optimizer, self.device)
+            for buffer in self._buffers():
+                buffer.reload_from_cpu(move_params=True, move_grads=True)
+            self.optimizer.restore_from_cpu()
+            torch.cuda.synchronize(self.device)
