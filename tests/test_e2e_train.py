@@ -39,7 +39,7 @@ def test_grpo_run(task, tmp_path):
         "--num-rollout", "2", "--rollout-max-response-len", "8", "--actor-num-gpus-per-node", "2",
         "--use-kl-loss", "--kl-loss-coef", "0.01", "--lr", "1e-3", "--eval-prompt-data", "arith", str(task["eval"]),
         "--eval-interval", "2", "--eval-max-response-len", "8", "--save", str(tmp_path / "ckpt"),
-        "--use-tensorboard", "--output-dir", str(out), "--no-progress",
+        "--use-tensorboard", "--output-dir", str(out), "--no-progress", "--dump-details", str(tmp_path / "dump"),
     ])
     rows = read_metrics(out)
     assert [r["rollout_id"] for r in rows] == [0, 1]
@@ -65,6 +65,24 @@ def test_grpo_run(task, tmp_path):
 
     model = AutoModelForCausalLM.from_pretrained(latest_checkpoint(tmp_path / "ckpt"))
     assert model.config.num_hidden_layers == 4
+    _check_dump_details(tmp_path / "dump")
+
+
+def _check_dump_details(dump: Path) -> None:
+    """slime's --dump-details: each rollout's samples, and its train data gathered from both data-parallel ranks
+    with the trainer's log-probs, in the same sample order."""
+    import torch
+
+    for rollout_id in (0, 1):
+        rollout = torch.load(dump / "rollout_data" / f"{rollout_id}.pt", weights_only=True)
+        train = torch.load(dump / "train_data" / f"{rollout_id}.pt", weights_only=True)
+        assert train["rollout_id"] == rollout["rollout_id"] == rollout_id
+        assert sorted({s["data_parallel_rank"] for s in train["samples"]}) == [0, 1]
+        by_index = {s["index"]: s for s in rollout["samples"]}
+        assert sorted(s["sample_index"] for s in train["samples"]) == sorted(by_index)
+        for sample in train["samples"]:
+            assert sample["tokens"] == by_index[sample["sample_index"]]["tokens"]
+            assert sample["ref_log_probs"].shape == (sample["response_lengths"],)
 
 
 def sft_argv(task, out: Path, num_rollout: int, save: Path, *extra):

@@ -1,5 +1,6 @@
 """slime's loss variants through the training backends' policy loss (slime.backends.loss): CISPO (the
-estimator) and OPSM (--use-opsm), each against its closed form on a micro-batch of two sequences."""
+estimator), OPSM (--use-opsm), the custom TIS hook and the custom pg-loss reducer, each against its closed form on
+a micro-batch of two sequences."""
 
 from types import SimpleNamespace
 
@@ -11,7 +12,7 @@ from slime.backends.loss import LossReducer, MicroBatchTensors, policy_loss
 def args_for(**overrides):
     args = SimpleNamespace(advantage_estimator="grpo", eps_clip=0.2, eps_clip_high=0.28, eps_clip_c=None,
                            use_tis=False, custom_tis_function_path=None, entropy_coef=0.0, use_kl_loss=False, use_opsm=False, opsm_delta=1e-4,
-                           loss_agg_mode="token_mean")
+                           loss_agg_mode="token_mean", custom_pg_loss_reducer_function_path=None)
     args.__dict__.update(overrides)
     return args
 
@@ -75,3 +76,37 @@ def test_custom_tis_hook_rescales_and_its_masks_set_the_reduction():
     torch.testing.assert_close(loss.detach(), 0.5 * per_token[:2].sum() / 5.0)
     torch.testing.assert_close(plain.detach(), per_token.sum() / 5.0)
     assert metrics["tis_seen"].item() == 1.0  # the hook's metrics, reduced over the original masks (5 / 5)
+
+
+REDUCER_CALLS = []
+
+
+def max_per_sample_reducer(total_lengths, response_lengths, loss_masks, calculate_per_token_loss):
+    """slime's --custom-pg-loss-reducer-function-path signature: each sample's largest masked-in loss, summed."""
+    REDUCER_CALLS.append((total_lengths, response_lengths, [m.tolist() for m in loss_masks], calculate_per_token_loss))
+
+    def reduce(values):
+        return sum((x * m).max() for x, m in zip(values.split(response_lengths), loss_masks))
+
+    return reduce
+
+
+def test_custom_pg_loss_reducer_replaces_only_the_pg_term_over_the_step_denominator():
+    batch, log_probs = batch_and_log_probs()
+    batch.total_lengths = [7, 9]
+    batch.loss_masks[1] = torch.tensor([1.0, 0.0, 1.0], dtype=torch.float64)
+    default_args = args_for(loss_agg_mode="sample_mean", calculate_per_token_loss=False)
+    plain, plain_metrics = run(default_args, batch, log_probs)
+    REDUCER_CALLS.clear()
+    args = args_for(loss_agg_mode="sample_mean", calculate_per_token_loss=False,
+                    custom_pg_loss_reducer_function_path=f"{__name__}.max_per_sample_reducer")
+    loss, metrics = run(args, batch, log_probs)
+    assert REDUCER_CALLS == [([7, 9], [2, 3], [[1.0, 1.0], [1.0, 0.0, 1.0]], False)]
+    ratio = torch.exp(log_probs.detach() - batch.old_log_probs)
+    per_token = torch.maximum(-batch.advantages * ratio, -batch.advantages * ratio.clamp(0.8, 1.28))
+    expected = (per_token[:2].max() + torch.stack([per_token[2], per_token[4]]).max()) / 5.0  # global denominator 5
+    torch.testing.assert_close(loss.detach(), expected)
+    torch.testing.assert_close(metrics["pg_loss"], expected)
+    assert not torch.allclose(plain.detach(), expected)
+    for key in ("pg_clipfrac", "ppo_kl", "entropy_loss"):  # every other term keeps the default reduction
+        torch.testing.assert_close(metrics[key], plain_metrics[key])

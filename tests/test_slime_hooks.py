@@ -76,7 +76,7 @@ def test_balance_data_evens_the_token_counts_of_the_ranks():
 
     lengths = [100, 1, 90, 2, 80, 3, 70, 4]  # one step; unbalanced, rank 0 would get the four long ones
     data = {"tokens": [[0] * n for n in lengths], "sample_indices": list(range(8))}
-    args = SimpleNamespace(data_parallel_size=2, num_steps_per_rollout=1, balance_data=False)
+    args = SimpleNamespace(data_parallel_size=2, num_steps_per_rollout=1, balance_data=False, balance_by_flops=False)
     plain, _ = split_train_data(args, data, 0)
     args.balance_data = True
     balanced, dropped = split_train_data(args, data, 0)

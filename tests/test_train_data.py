@@ -21,7 +21,8 @@ from slime.utils.types import Sample, Status
 
 def make_args(**overrides):
     args = dict(advantage_estimator="grpo", rewards_normalization=True, grpo_std_normalization=True,
-                reward_key=None, world_size=2, data_parallel_size=2, num_steps_per_rollout=2)
+                reward_key=None, world_size=2, data_parallel_size=2, num_steps_per_rollout=2, balance_data=False,
+                balance_by_flops=False)
     args.update(overrides)
     return SimpleNamespace(**args)
 

@@ -13,6 +13,9 @@ def create_trainer(args, rank: int, world_size: int, master_addr: str, master_po
             raise ValueError("--train-backend megatron trains no critic yet; use --train-backend fsdp for ppo")
         from slime.backends.megatron_utils.backend import MegatronBackend
         from slime.backends.train_flow import TrainFlow
+        from slime.utils.megatron_role_config import role_args
+
+        args = role_args(args, "actor")  # --megatron-config-path: the actor's overrides
 
         return TrainFlow(args, MegatronBackend(args, rank, world_size, master_addr, master_port),
                          master_addr=master_addr)

@@ -35,6 +35,8 @@ class MicroBatchTensors:
     old_values: torch.Tensor | None = None  # critic: values before this rollout's updates
     returns: torch.Tensor | None = None  # critic: value targets
     total_lengths: list[int] | None = None  # prompt + response tokens per sample (slime's custom TIS hook gets them)
+    old_entropy: torch.Tensor | None = None  # --use-rollout-entropy: the old-policy pass's entropy (custom losses)
+    ref_entropy: torch.Tensor | None = None  # --use-rollout-entropy: the reference pass's entropy
 
 
 def aggregation_mode(args) -> str:
@@ -93,7 +95,7 @@ def policy_loss(args, log_probs, entropy, batch: MicroBatchTensors, reduce: Loss
         pg_losses = pg_losses * weights
         metrics["tis_abs"] = reduce((raw - 1).abs())
         metrics["tis_clipfrac"] = reduce((weights != raw).float())
-    pg_loss = reduce(pg_losses)
+    pg_loss = _reduce_pg_loss(args, pg_losses, batch, reduce)
     loss = pg_loss
     if args.entropy_coef != 0:
         entropy_loss = reduce(entropy)
@@ -129,6 +131,22 @@ def _custom_tis(args, pg_losses, old_log_probs, batch: MicroBatchTensors, reduce
         total_lengths=batch.total_lengths, response_lengths=lengths)
     metrics = {key: reduce(value.detach()) for key, value in (hook_metrics or {}).items()}
     return pg_losses, LossReducer(args, list(loss_masks), reduce.global_denominator), metrics
+
+
+def _reduce_pg_loss(args, pg_losses, batch: MicroBatchTensors, reduce: LossReducer) -> torch.Tensor:
+    """The policy-gradient term reduced by `reduce`, or by slime's --custom-pg-loss-reducer-function-path:
+    fn(total_lengths, response_lengths, loss_masks, calculate_per_token_loss) -> reducer, where reducer(per-token
+    losses) is this micro-batch's sum in slime's space (per-sample means summed, or token sums with
+    calculate_per_token_loss) and the step's global denominator (rollouts or tokens) then divides it, as slime's
+    loss scaling does. The masks are those the rest of the loss uses (a custom TIS hook's). Every other term and
+    metric keeps the default reduction."""
+    if not args.custom_pg_loss_reducer_function_path:
+        return reduce(pg_losses)
+    from slime.utils.misc import load_function
+
+    make_reducer = load_function(args.custom_pg_loss_reducer_function_path, "--custom-pg-loss-reducer-function-path")
+    reducer = make_reducer(batch.total_lengths, _lengths(batch), reduce.loss_masks, args.calculate_per_token_loss)
+    return reducer(pg_losses) / reduce.global_denominator
 
 
 def value_loss(args, values, batch: MicroBatchTensors, reduce: LossReducer):

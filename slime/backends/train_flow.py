@@ -27,16 +27,9 @@ from tqdm import tqdm
 
 from slime.backends.advantages import compute_advantages
 from slime.backends.backend import TrainBackend
+from slime.backends.debug_train_data import rank_train_data, save_debug_train_data
 from slime.backends.loss import LossReducer, MicroBatchTensors, aggregation_mode, get_loss_function
-from slime.backends.packing import (
-    float_tensors,
-    outputs_per_sample,
-    pack_samples,
-    pad_num_micro_batches,
-    split_micro_batches,
-    step_sample_indices,
-    to_device,
-)
+from slime.backends.packing import float_tensors, outputs_per_sample, to_device
 from slime.backends.routing_replay import (
     ReplayStage,
     agreement_metrics,
@@ -44,8 +37,10 @@ from slime.backends.routing_replay import (
     attach_rollout_routing,
     log_prob_stage,
 )
+from slime.backends.schedule import forward_only_schedule, train_schedule
 from slime.backends.weight_sender import WeightSender
 from slime.backends.weight_snapshot import WeightSnapshot
+from slime.utils.checkpoint_state import weights_at_step
 from slime.utils.engine_access import engine_admin_headers
 from slime.utils.misc import load_function, seed_everything
 from slime.utils.ppo_utils import apply_opd_advantage, compute_mismatch_metrics, loss_denominator
@@ -71,6 +66,7 @@ class TrainFlow:
         self.with_ref = False
         self.last_step_metrics: list[dict] = []  # per optimizer step of the last train() call
         self.pushed_versions: list[str] = []  # --keep-old-actor: weight versions held in self.snapshot
+        self.pass_entropy: dict[str, dict[int, torch.Tensor]] = {}  # --use-rollout-entropy, by log-prob pass
 
     @property
     def model(self):
@@ -101,6 +97,9 @@ class TrainFlow:
         self.with_ref = bool(with_ref) and bool(args.ref_load)
         # Reference and OPD teacher: other weight sets of the same architecture, kept as host shards.
         extra_weights = {"ref": args.ref_load if self.with_ref else None, "teacher": args.opd_teacher_load}
+        steps = {"ref": (args.ref_ckpt_step, "--ref-ckpt-step"), "teacher": (args.opd_teacher_ckpt_step,
+                                                                              "--opd-teacher-ckpt-step")}
+        extra_weights = {tag: path and weights_at_step(path, *steps[tag]) for tag, path in extra_weights.items()}
         if any(extra_weights.values()):
             self.snapshot.save("actor")
             for tag, path in extra_weights.items():
@@ -118,33 +117,33 @@ class TrainFlow:
 
     # -------------------------------------------------------------------------------------------- schedule
     def _schedule(self, data: dict) -> list[list]:
-        """Per optimizer step, this rank's packed micro-batches (the same count on every rank)."""
-        args, tokens = self.args, data["tokens"]
-        num_steps = data.get("num_steps_per_rollout") or args.num_steps_per_rollout or 1
-        lengths = [len(t) for t in tokens]
-        max_tokens = args.max_tokens_per_gpu if args.use_dynamic_batch_size else None
-        bins_per_step = [split_micro_batches(step, lengths, args.micro_batch_size, max_tokens)
-                         for step in step_sample_indices(len(tokens), num_steps)]
-        counts = torch.tensor([len(b) for b in bins_per_step], device=self.device)
-        self._all_reduce(counts, dist.ReduceOp.MAX)
-        return [[pack_samples(tokens, data["response_lengths"], b)
-                 for b in pad_num_micro_batches(bins, lengths, int(count))]
-                for bins, count in zip(bins_per_step, counts.tolist())]
+        return train_schedule(self.args, data, self.backend)
 
     def _all_reduce(self, tensor: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
         return self.backend.all_reduce(tensor, op)
 
     @torch.no_grad()
     def compute_log_probs(self, schedule, store_prefix: str = "") -> dict[int, torch.Tensor]:
-        """Log-probs (CPU, fp32) of every sample's response tokens under the current weights."""
+        """Log-probs (CPU, fp32) of every sample's response tokens under the current weights; with
+        --use-rollout-entropy the pass's entropies go to `self.pass_entropy[store_prefix]`."""
         if self.hooks["custom_before_log_prob_hook_path"]:
             self.hooks["custom_before_log_prob_hook_path"](self.args, self.model, store_prefix)
         replay = self.backend.routing_replay
         if replay is not None:
             replay.stage = log_prob_stage(self.args, store_prefix)
+        with_entropy = self.args.use_rollout_entropy
+
+        def forward_all(micro_batches):
+            outputs = self.backend.forward_only(micro_batches)
+            if with_entropy:  # one [tokens, 2] tensor per micro-batch: split per sample with the log-probs
+                return [torch.stack([log_probs, entropy.to(log_probs)], dim=1) for log_probs, entropy in outputs]
+            return [log_probs for log_probs, _ in outputs]
+
         try:
-            by_index = outputs_per_sample(schedule, lambda micro_batches: [log_probs for log_probs, _ in
-                                                                            self.backend.forward_only(micro_batches)])
+            by_index = outputs_per_sample(schedule, forward_all)
+            if with_entropy:
+                self.pass_entropy[store_prefix] = {i: pair[:, 1].contiguous() for i, pair in by_index.items()}
+                by_index = {i: pair[:, 0].contiguous() for i, pair in by_index.items()}
         finally:
             if replay is not None:
                 if replay.stage is ReplayStage.RECORD:
@@ -166,22 +165,26 @@ class TrainFlow:
         args = self.args
         num_samples = len(data["tokens"])
         schedule = self._schedule(data)
+        log_prob_schedule = forward_only_schedule(self.args, data, self.backend, schedule)
         if args.use_rollout_routing_replay:
             attach_rollout_routing(schedule, data, self.backend.routing_replay)
+            if log_prob_schedule is not schedule:
+                attach_rollout_routing(log_prob_schedule, data, self.backend.routing_replay)
+        self.pass_entropy = {}
         loss_masks = float_tensors(data["loss_masks"])
         rollout_log_probs = (float_tensors(data["rollout_log_probs"])
                              if data.get("rollout_log_probs") else None)
         ref_log_probs = None
         if self.with_ref and (args.use_kl_loss or args.kl_coef != 0):
-            ref_log_probs = self._log_probs_with("ref", schedule, num_samples)
+            ref_log_probs = self._log_probs_with("ref", log_prob_schedule, num_samples)
         if args.use_rollout_logprobs:
             if rollout_log_probs is None:
                 raise ValueError("--use-rollout-logprobs but the rollout returned no log-probs")
             old_log_probs = rollout_log_probs
         elif args.keep_old_actor:
-            old_log_probs = self._log_probs_of_generating_weights(data, schedule, num_samples)
+            old_log_probs = self._log_probs_of_generating_weights(data, log_prob_schedule, num_samples)
         elif args.loss_type == "policy_loss" and not can_reuse_log_probs_in_loss(args, len(schedule)):
-            old = self.compute_log_probs(schedule)
+            old = self.compute_log_probs(log_prob_schedule)
             old_log_probs = [old[i] for i in range(num_samples)]
         else:
             old_log_probs = None
@@ -193,7 +196,7 @@ class TrainFlow:
             advantages, returns = compute_advantages(args, data["rewards"], loss_masks, old_log_probs, ref_log_probs,
                                                      dict(data), values)
             if args.use_opd:
-                teacher = self._teacher_log_probs(data, schedule, num_samples)
+                teacher = self._teacher_log_probs(data, log_prob_schedule, num_samples)
                 advantages = [apply_opd_advantage(a, o, t, args.opd_kl_coef)
                               for a, o, t in zip(advantages, old_log_probs, teacher)]
                 reverse_kl = [o - t for o, t in zip(old_log_probs, teacher)]
@@ -206,6 +209,10 @@ class TrainFlow:
                           ref_log_probs=ref_log_probs, rollout_log_probs=rollout_log_probs, returns=returns,
                           rollout_token_counts=[float(c) for c in rollout_token_counts],
                           rollout_shares=[1.0 / n for n in rollout_sizes])
+        for prefix, entropies in self.pass_entropy.items():  # --use-rollout-entropy: slime's entropy, ref_entropy
+            key = f"{prefix.rstrip('_') or 'old'}_entropy"
+            per_sample[key] = [entropies[i] for i in range(num_samples)]
+            metrics[f"rollout/{prefix}entropy"] = self._global_masked_mean(per_sample[key], loss_masks)
         return schedule, per_sample, metrics
 
     def _log_probs_of_generating_weights(self, data: dict, schedule, num_samples: int) -> list[torch.Tensor]:
@@ -265,6 +272,8 @@ class TrainFlow:
         steps = tqdm(schedule, desc=f"train {rollout_id}", unit="step", leave=False,
                      disable=self.rank != 0 or bool(getattr(args, "no_progress", False)) or len(schedule) < 2)
         replay = self.backend.routing_replay
+        if args.reset_optimizer_states:  # slime: at the start of every rollout's training
+            self.backend.reset_optimizer_states()
         if replay is not None and all(mb.routed_experts is not None for step in schedule for mb in step):
             replay.stage = ReplayStage.REPLAY_BACKWARD  # R3, or the routing recorded in the old-policy pass
         try:
@@ -279,6 +288,9 @@ class TrainFlow:
         if self.with_ref and args.ref_update_interval and (rollout_id + 1) % args.ref_update_interval == 0:
             self.snapshot.save("ref")  # the reference follows the actor every --ref-update-interval rollouts
         metrics.update(self._summarise(step_metrics, "train/"))
+        if args.save_debug_train_data:
+            save_debug_train_data(args.save_debug_train_data, rollout_id,
+                                  rank_train_data(data, {**per_sample, "returns": self.last_returns}), self.backend)
         self.backend.synchronize()
         # log-prob time: the no-grad passes (old / ref / teacher log-probs) and advantages; train: the steps.
         metrics["perf/log_prob_time"] = prepared - start
@@ -352,6 +364,7 @@ class TrainFlow:
             advantages=flat("advantages"), old_log_probs=flat("old_log_probs"),
             ref_log_probs=flat("ref_log_probs"), rollout_log_probs=flat("rollout_log_probs"),
             old_values=flat("old_values"), returns=flat("returns"),
+            old_entropy=flat("old_entropy"), ref_entropy=flat("ref_entropy"),
             total_lengths=None if total_lengths is None else [total_lengths[i] for i in micro_batch.sample_indices],
         )
 

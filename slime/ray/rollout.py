@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import copy
 import itertools
-import json
 import time
 from pathlib import Path
 
@@ -28,6 +27,7 @@ from slime.rollout.data_source import create_data_source
 from slime.rollout.eval import compute_pass_at_k
 from slime.rollout.rm_hub.math_verify_pool import shutdown_pool as shutdown_reward_workers
 from slime.rollout.rm_hub.reward_threads import DaemonThreadPool
+from slime.utils.debug_dump import dump_path, load_samples, save_samples
 from slime.utils.engine_access import engine_admin_headers, router_headers
 from slime.utils.misc import load_function
 from slime.utils.types import Sample
@@ -124,7 +124,7 @@ class RolloutManager:
         if args.num_rollout is not None:
             return args.num_rollout
         if args.num_epoch is None:  # a replay without --num-rollout replays every saved rollout, from 0 on
-            saved = (Path(args.load_debug_rollout_data.format(rollout_id=i)) for i in itertools.count())
+            saved = (dump_path(args.load_debug_rollout_data, i) for i in itertools.count())
             return next(i for i, path in enumerate(saved) if not path.is_file())
         return args.num_epoch * len(self.data_source) // args.rollout_batch_size
 
@@ -154,21 +154,18 @@ class RolloutManager:
         """The rollout's samples and the metrics its function returned with them."""
         args = self.args
         if args.load_debug_rollout_data:
-            path = Path(args.load_debug_rollout_data.format(rollout_id=rollout_id))
+            path = dump_path(args.load_debug_rollout_data, rollout_id)
             if not path.is_file():
                 raise FileNotFoundError(f"--load-debug-rollout-data: {path} (rollout {rollout_id}) does not exist; "
                                         "save it with --save-debug-rollout-data, or lower --num-rollout")
-            dump = json.loads(path.read_text())
-            return [Sample.from_dict(d) for d in dump["samples"]], {}
+            return load_samples(path, "--load-debug-rollout-data", args.load_debug_rollout_data_subsample), {}
         output = self._watched(lambda: call_rollout_fn(self.generate_rollout, args, rollout_id, self.data_source,
                                                        evaluation=False))
         result, function_metrics = output.samples, dict(output.metrics or {})
         samples = _flatten(result)
         samples.sort(key=lambda s: (s.index if s.index is not None else 0))
         if args.save_debug_rollout_data:
-            path = Path(args.save_debug_rollout_data.format(rollout_id=rollout_id))
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(json.dumps({"rollout_id": rollout_id, "samples": [s.to_dict() for s in samples]}))
+            save_samples(dump_path(args.save_debug_rollout_data, rollout_id), rollout_id, samples)
         return samples, function_metrics
 
     def generate(self, rollout_id: int) -> tuple[list, dict]:

@@ -13,9 +13,11 @@ from collections import defaultdict
 
 import torch
 
+from slime.utils.flops_balance import linear_coefficient, workloads
 from slime.utils.misc import load_function
 from slime.utils.ppo_utils import compute_rloo_advantages, group_mean_std
 from slime.utils.types import Sample, Status
+from slime.utils.validate_megatron_args import hf_text_config
 
 GROUP_NORMALISED_ESTIMATORS = ("grpo", "gspo", "cispo", "reinforce_plus_plus_baseline")
 GROUP_STD_EPS = 1e-6  # as normalize_group_rewards
@@ -173,10 +175,13 @@ def split_train_data(args, data: dict, rollout_id: int) -> tuple[list[dict], int
     global_batch_size = per_rank_per_step * dp_size
     used = global_batch_size * num_steps
     per_rank = [defaultdict(list) for _ in range(dp_size)]
+    coefficient = linear_coefficient(hf_text_config(args)) if args.balance_by_flops else None
     for step in range(num_steps):
         step_indices = list(range(step * global_batch_size, (step + 1) * global_batch_size))
-        if getattr(args, "balance_data", False):
+        if args.balance_data:
             lengths = [len(data["tokens"][i]) for i in step_indices]
+            if args.balance_by_flops:
+                lengths = workloads(lengths, coefficient)
             ranks = balanced_equal_partition(lengths, dp_size)
         else:
             ranks = [list(range(r * per_rank_per_step, (r + 1) * per_rank_per_step)) for r in range(dp_size)]
@@ -191,8 +196,9 @@ def split_train_data(args, data: dict, rollout_id: int) -> tuple[list[dict], int
     return out, num_samples - used
 
 
-def balanced_equal_partition(lengths: list[int], num_parts: int) -> list[list[int]]:
-    """--balance-data: split indices into `num_parts` equal-size parts with token sums as even as possible
+def balanced_equal_partition(lengths: list[float], num_parts: int) -> list[list[int]]:
+    """--balance-data: split indices into `num_parts` equal-size parts with token sums (--balance-by-flops: FLOPs
+    workloads) as even as possible
     (largest first, each to the part with the smallest sum that still has room); each part in index order."""
     size = len(lengths) // num_parts
     parts: list[list[int]] = [[] for _ in range(num_parts)]

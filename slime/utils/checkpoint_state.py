@@ -229,6 +229,22 @@ def resume_dir(load: str | None, *, load_if_exists: bool = False) -> Path | None
     return folder
 
 
+def weights_at_step(load: str, step: int | None, flag: str) -> str:
+    """slime's --ref-ckpt-step / --opd-teacher-ckpt-step: the complete checkpoint `rollout_{step}` of the --save
+    root `load` (--ref-load / --opd-teacher-load), whose weights are loaded; `load` itself when `step` is None."""
+    if step is None:
+        return load
+    folder = checkpoint_dir(load, step)
+    if not folder.is_dir():
+        saved = sorted(p.name for p in Path(load).glob("rollout_*") if _FOLDER_RE.match(p.name))
+        raise CheckpointError(f"{flag} {step}: {load} has no checkpoint {folder.name} (it has: "
+                              f"{', '.join(saved) or 'none'}); give the step of one of them")
+    problems = _problems(folder, ())
+    if problems:
+        raise CheckpointError(f"{flag} {step}: checkpoint {folder} is incomplete: {'; '.join(problems)}")
+    return str(folder)
+
+
 def critic_checkpoint(actor_dir: Path) -> Path:
     """The complete critic checkpoint saved with the actor's `{save}/rollout_{id}`: `{save}/critic/rollout_{id}`."""
     folder = actor_dir.parent / CRITIC_SUBDIR / actor_dir.name
@@ -247,9 +263,18 @@ def should_save(args, rollout_id: int, num_rollout: int) -> bool:
     return bool(args.save_interval) and (rollout_id + 1) % args.save_interval == 0
 
 
+def starts_fresh_without_checkpoint(args) -> bool:
+    """Whether an absent or empty `--load` folder means "start from --hf-checkpoint": with --load-if-exists, or when
+    --load and --save name one folder (slime's recipes resume from their own save folder that way, and start fresh
+    while it holds nothing). A lone --load with nothing there stays an error: it is most likely a wrong path."""
+    same_folder = args.load is not None and args.save is not None and Path(args.load).resolve() == Path(
+        args.save).resolve()
+    return bool(args.load_if_exists) or same_folder
+
+
 def load_run_state(args) -> dict | None:
     """The driver's run state saved with the checkpoint `--load` resumes from; None when starting fresh."""
-    folder = resume_dir(args.load, load_if_exists=args.load_if_exists)
+    folder = resume_dir(args.load, load_if_exists=starts_fresh_without_checkpoint(args))
     if folder is None:
         return None
     return json.loads((folder / RUN_STATE_FILE).read_text())

@@ -14,7 +14,6 @@ import logging
 
 logger = logging.getLogger(__name__)
 
-_MEGATRON_ONLY = "a Megatron-backend feature (this trainer is FSDP over Hugging Face models)"
 _CUDA_TOOLING = "CUDA memory / profiler tooling of slime's Megatron actor"
 _SLIME_CI = "slime's own CI assertions (this project's tests check train/rollout agreement themselves)"
 _ROLLOUT_BUFFER = "read only by rollout functions that talk to slime's external rollout buffer (args keeps it)"
@@ -64,25 +63,10 @@ REFUSED = {
     "rollout_external_engine_addrs": "external engines are not supported; use --sglang-router-ip/--sglang-router-port "
                                      "to share a router that already lists them",
     "rollout_data_transport": "only the Ray object store carries rollout data (nixl is not supported)",
-    "release_train": _MEGATRON_ONLY,
-    "custom_model_provider_path": _MEGATRON_ONLY,
-    "megatron_config_path": _MEGATRON_ONLY,
-    "ref_ckpt_step": "picks a Megatron checkpoint step; --ref-load names a Hugging Face folder here",
-    "opd_teacher_ckpt_step": "picks a Megatron checkpoint step; --opd-teacher-load names a Hugging Face folder here",
-    "only_train_params_name_list": "parameter freezing is not implemented",
-    "freeze_params_name_list": "parameter freezing is not implemented",
-    "reset_optimizer_states": "not implemented",
-    "use_stateless_adam": "not implemented",
-    "balance_by_flops": "not implemented (--balance-data balances token counts)",
-    "log_probs_max_tokens_per_gpu": "not implemented: forward-only passes use --max-tokens-per-gpu",
-    "use_rollout_entropy": "not implemented: entropy is recomputed by the trainer",
-    "custom_pg_loss_reducer_function_path": "not implemented yet: use --loss-agg-mode",
+    "release_train": "slime's needs --update-weight-transport disk (not here yet): it kills the Megatron train "
+                     "actors after each weight push and re-creates them from --save before the next train step",
     "enable_mtp_training": "multi-token-prediction layers are a Megatron feature",
     "multimodal_keys": "no multimodal models here",
-    "load_forge_rollout_data": "not implemented",
-    "load_debug_rollout_data_subsample": "not implemented",
-    "save_debug_train_data": "not implemented",
-    "dump_details": "not implemented",
 }
 
 

@@ -5,7 +5,8 @@ starts: every numeric flag is range-checked (`FLAG_RANGES`, flag_ranges.py), eve
 checked callable, and `--load` must name a complete checkpoint (or nothing, with `--load-if-exists`). Derived fields:
 device, world_size, rollout_num_engines, use_critic, critic_lr, loss_agg_mode, loss_agg_constant, eps_clip_high,
 global_batch_size / num_steps_per_rollout, over_sampling_batch_size, offload_train / offload_rollout, output_dir,
-eval_datasets. The Megatron flags' rules, the training backend and the parallel layout (train_backend,
+eval_datasets. The trainer-side flags' rules (freezing, reducers, token budgets, debug dumps) are in
+`validate_trainer_flags.py`; the Megatron flags' rules, the training backend and the parallel layout (train_backend,
 data_parallel_size, ...) are in `validate_megatron_args.py`, run from here.
 """
 
@@ -16,7 +17,8 @@ import os
 import time
 from pathlib import Path
 
-from slime.utils.checkpoint_state import CheckpointError, critic_checkpoint, resume_dir
+from slime.utils.checkpoint_state import (CheckpointError, critic_checkpoint, resume_dir,
+                                          starts_fresh_without_checkpoint, weights_at_step)
 from slime.utils.flag_ranges import ANY, FLAG_RANGES
 from slime.utils.misc import load_function, load_functions
 from slime.utils.moe_arguments import check_moe_args
@@ -35,9 +37,22 @@ HOOK_FLAGS = (
     "custom_loss_function_path", "custom_advantage_function_path", "custom_init_path",
     "custom_before_log_prob_hook_path", "custom_before_train_step_hook_path", "env_path",
     "custom_rollout_log_function_path", "custom_eval_rollout_log_function_path", "custom_reward_post_process_path",
-    "custom_tis_function_path",
+    "custom_tis_function_path", "custom_pg_loss_reducer_function_path", "custom_model_provider_path",
     "custom_convert_samples_to_train_data_path", "rollout_sample_filter_path", "rollout_all_samples_process_path",
 )
+
+
+def resolve_rollout_backend(args) -> None:
+    """--rollout-backend's default: SGLang when an engine spans several devices (the built-in engine runs one),
+    the built-in engine otherwise."""
+    if args.rollout_backend is None:
+        args.rollout_backend = "sglang" if args.rollout_num_gpus_per_engine > 1 else "slime"
+        if args.rollout_backend == "sglang":
+            logger.info("--rollout-num-gpus-per-engine %d: rolling out with SGLang (--rollout-backend sglang; the "
+                        "built-in engine runs one device per engine)", args.rollout_num_gpus_per_engine)
+
+
+CKPT_STEP_FLAGS = {"ref_load": "ref_ckpt_step", "opd_teacher_load": "opd_teacher_ckpt_step"}
 
 
 def _require(condition: bool, message: str) -> None:
@@ -87,9 +102,10 @@ def _check_tools(args) -> None:
 
 
 def _check_resume(args) -> None:
-    """--load must name a complete checkpoint (the critic's too under ppo), or nothing with --load-if-exists."""
+    """--load must name a complete checkpoint (the critic's too under ppo), or nothing with --load-if-exists (or
+    with --save naming the same folder)."""
     try:
-        actor_dir = resume_dir(args.load, load_if_exists=args.load_if_exists)
+        actor_dir = resume_dir(args.load, load_if_exists=starts_fresh_without_checkpoint(args))
         if actor_dir is not None and args.use_critic:
             critic_checkpoint(actor_dir)
     except CheckpointError as exc:
@@ -106,6 +122,13 @@ def _check_paths(args) -> None:
                                    "point it at a Hugging Face model folder")
     for flag in ("ref_load", "opd_teacher_load", "critic_load"):
         path = getattr(args, flag)
+        step_flag = CKPT_STEP_FLAGS.get(flag)
+        if step_flag and getattr(args, step_flag) is not None:  # slime's: a step of a --save folder's checkpoints
+            _require(path is not None, f"{_flag(step_flag)} picks a checkpoint step of {_flag(flag)}; pass it")
+            try:
+                path = weights_at_step(path, getattr(args, step_flag), _flag(step_flag))
+            except CheckpointError as exc:
+                raise ArgumentError(str(exc)) from None
         if path is not None:
             _require((Path(path) / "config.json").is_file(),
                      f"--{flag.replace('_', '-')} {path}: not a Hugging Face model folder (no config.json)")
@@ -263,6 +286,9 @@ def _resolve_eval_and_output(args) -> None:
 
 def _resolve_debug(args) -> None:
     """slime's debug and replay flags (docs/fault-tolerance.md): a replay of saved rollouts needs no engines."""
+    from slime.utils.validate_trainer_flags import resolve_debug_dumps
+
+    resolve_debug_dumps(args)
     for flag in ("save_debug_rollout_data", "load_debug_rollout_data"):
         template = getattr(args, flag)
         _require(template is None or "{rollout_id}" in template,
@@ -287,6 +313,7 @@ def validate_args(args) -> None:
     for slime_dest, dest in SLIME_HOOK_DESTS.items():
         setattr(args, slime_dest, getattr(args, dest))
     from slime.utils.validate_megatron_args import validate_megatron_args, validate_megatron_batches
+    from slime.utils.validate_trainer_flags import check_trainer_flags
 
     _resolve_debug(args)
     _check_ranges(args)
@@ -298,5 +325,6 @@ def validate_args(args) -> None:
     _resolve_batches(args)
     validate_megatron_batches(args)
     _resolve_algorithm(args)
+    check_trainer_flags(args)
     _resolve_eval_and_output(args)
     _check_resume(args)

@@ -37,6 +37,7 @@ from slime.backends.fsdp_utils.moe_router import install_routers
 from slime.backends.fsdp_utils.optimizer import build_optimizer, clip_grad_norm, move_training_state
 from slime.backends.moe_aux_loss import router_losses
 from slime.backends.packing import PackedMicroBatch
+from slime.backends.param_freeze import freeze_parameters
 
 logger = logging.getLogger(__name__)
 
@@ -77,6 +78,7 @@ class FSDPBackend(TrainBackend):
         hf_model = load_hf_model(weights_path, attention_implementation(self.device))
         self.hf_config = hf_model.config
         self.routing_replay, self.router_trace = install_routers(hf_model, args.moe_router_dtype) or (None, None)
+        freeze_parameters(args, hf_model.named_parameters())  # HF names; before sharding, which keeps the flags
         self.model = build_policy_model(hf_model, self.mesh, ShardOptions.from_args(args, self.device),
                                         temperature=args.rollout_temperature, chunk_size=args.log_probs_chunk_size)
         self._finish_build(args.lr)

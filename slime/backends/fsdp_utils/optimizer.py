@@ -1,4 +1,4 @@
-"""AdamW over the sharded parameters and slime's learning-rate schedule (linear warmup, then constant, linear or
+"""AdamW (or slime's StatelessAdam) over the sharded parameters and slime's learning-rate schedule (linear warmup, then constant, linear or
 cosine decay to --min-lr over the run's optimizer steps), and moving the training state (parameters and optimizer
 state) between the GPU and host memory for colocated runs."""
 
@@ -11,6 +11,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from slime.backends.fsdp_utils.model import reshard
+from slime.backends.stateless_adam import StatelessAdam
 
 LR_DECAY_STYLES = ("constant", "linear", "cosine")
 
@@ -37,17 +38,27 @@ def total_optimizer_steps(args) -> int | None:
     return num_rollout * args.num_steps_per_rollout
 
 
+def trainable_parameters(params) -> list[torch.nn.Parameter]:
+    params = [param for param in params if param.requires_grad]
+    if not params:
+        raise ValueError("no trainable parameter: --only-train-params-name-list / --freeze-params-name-list "
+                         "froze every parameter of the model")
+    return params
+
+
 def build_optimizer(args, params, lr: float | None = None) -> tuple[torch.optim.Optimizer,
                                                                    torch.optim.lr_scheduler.LambdaLR]:
-    """AdamW + schedule at `lr` (default --lr; the critic passes --critic-lr)."""
+    """AdamW (StatelessAdam with --use-stateless-adam) + schedule at `lr` (default --lr; the critic passes
+    --critic-lr), over the parameters that require a gradient (the others are frozen: param_freeze.py)."""
     lr = args.lr if lr is None else lr
-    params = list(params)
-    # One fused kernel for all parameters on the GPU (the default per-tensor loop launches thousands).
-    fused = bool(params) and all(p.device.type == "cuda" for p in params)
-    optimizer = torch.optim.AdamW(
-        params, lr=lr, betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps,
-        weight_decay=args.weight_decay, fused=fused or None,
-    )
+    params = trainable_parameters(params)
+    hyper = dict(lr=lr, betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps, weight_decay=args.weight_decay)
+    if args.use_stateless_adam:
+        optimizer = StatelessAdam(params, **hyper)
+    else:
+        # One fused kernel for all parameters on the GPU (the default per-tensor loop launches thousands).
+        fused = all(p.device.type == "cuda" for p in params)
+        optimizer = torch.optim.AdamW(params, **hyper, fused=fused or None)
     schedule = dict(lr=lr, min_lr=args.min_lr, warmup_steps=args.lr_warmup_iters,
                     total_steps=total_optimizer_steps(args), decay_style=args.lr_decay_style)
     if lr > 0:

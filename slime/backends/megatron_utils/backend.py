@@ -6,9 +6,10 @@ see only the data-parallel rank and size); each data-parallel replica gets its s
 returns is its share of the global loss, so gradients are summed over data parallelism (grads.py). Outputs of the
 forward live on the last pipeline stage and are broadcast to the others (micro_batches.py).
 
-Optimizer: megatron-core's distributed optimizer over DDP grad buffers (optimizer.py), its state sharded as the
+Optimizer: megatron-core's distributed optimizer over DDP grad buffers (optimizer.py) for this rank's trainable
+parameters (the freezing flags leave some out: param_freeze.py, by megatron-core names), its state sharded as the
 parameters are (over TP / PP / EP) and over data parallelism, with the FSDP backend's learning-rate schedule so
-both backends step identically.
+both backends step identically; StatelessAdam's update with --use-stateless-adam.
 
 Checkpoints: torch_dist (checkpoint.py), and with --save-hf also an HF folder; weights for the engines: HF-named full tensors gathered to rank 0
 (hf_weights.py), sent by the shared WeightSender.
@@ -21,8 +22,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
-from slime.backends.backend import LossOf, TrainBackend
+from slime.backends.backend import LossOf, TrainBackend, reset_adam_state
 from slime.backends.fsdp_utils.backend import init_default_group, training_device
 from slime.backends.fsdp_utils.checkpoint import resolve_load_dir
 from slime.backends.megatron_utils import checkpoint
@@ -31,9 +33,11 @@ from slime.backends.megatron_utils.grads import finalize_grads
 from slime.backends.megatron_utils.hf_weights import load_hf_weights, model_hf_weights, save_hf_checkpoint
 from slime.backends.megatron_utils.micro_batches import run_micro_batches
 from slime.backends.megatron_utils.model import build_gpt_model
+from slime.backends.megatron_utils.names import named_global_parameters
 from slime.backends.megatron_utils.optimizer import build_distributed_optimizer, wrap_data_parallel
 from slime.backends.megatron_utils.parallel import init_model_parallel
 from slime.backends.packing import PackedMicroBatch
+from slime.backends.param_freeze import freeze_parameters
 
 
 class MegatronBackend(TrainBackend):
@@ -64,9 +68,15 @@ class MegatronBackend(TrainBackend):
         self.model_chunks = [build_gpt_model(args, self.hf_config, self.device)]
         self.model = self.model_chunks[0]
         self._load_weights(weights_path)
+        freeze_parameters(args, named_global_parameters(self.model_chunks), self._sum_over_ranks)
         self.ddp_chunks = wrap_data_parallel(self.model_chunks)
         self.optimizer, self.scheduler = build_distributed_optimizer(args, self.ddp_chunks,
                                                                      self.model.config.params_dtype)
+
+    def _sum_over_ranks(self, counts: list[int]) -> list[int]:
+        total = torch.tensor(counts, dtype=torch.int64, device=self.device)
+        dist.all_reduce(total)
+        return total.tolist()
 
     def _load_weights(self, path: str) -> None:
         if checkpoint.is_torch_dist_checkpoint(path):
@@ -124,6 +134,10 @@ class MegatronBackend(TrainBackend):
 
     def apply_clipped_grads(self) -> None:
         self.optimizer.step_with_ready_grads()  # the slices' update, all-gathered into the parameters
+
+    def reset_optimizer_states(self) -> None:
+        for inner in self.optimizer.chained_optimizers:  # the torch optimizers over this rank's slices
+            reset_adam_state(inner.optimizer)
 
     def zero_grad(self) -> None:
         for ddp_chunk in self.ddp_chunks:

@@ -148,6 +148,13 @@ def build_gpt_model(args, hf_config, device: torch.device, vp_stage: int | None 
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
 
+    pre_process = parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage)
+    post_process = parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage)
+    if args.custom_model_provider_path:
+        model = custom_model(args.custom_model_provider_path, pre_process, post_process, vp_stage)
+        if model.post_process and args.tensor_model_parallel_size == 1:
+            return_hidden_states(model)
+        return model.to(device)
     config = transformer_config(args, hf_config, device)
     rope = hf_config.rope_parameters or {}
     if rope.get("rope_type", "default") != "default":
@@ -158,8 +165,8 @@ def build_gpt_model(args, hf_config, device: torch.device, vp_stage: int | None 
         transformer_layer_spec=block_spec(config, device, vp_stage),
         vocab_size=padded_vocab_size(hf_config.vocab_size, args.tensor_model_parallel_size),
         max_sequence_length=hf_config.max_position_embeddings,
-        pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
-        post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
+        pre_process=pre_process,
+        post_process=post_process,
         share_embeddings_and_output_weights=bool(hf_config.tie_word_embeddings),
         position_embedding_type="rope",
         rotary_base=int(rope["rope_theta"]),
@@ -168,3 +175,22 @@ def build_gpt_model(args, hf_config, device: torch.device, vp_stage: int | None 
     if model.post_process and args.tensor_model_parallel_size == 1:
         return_hidden_states(model)  # the log-prob head works from hidden states (log_probs.py)
     return model.to(device)
+
+
+def custom_model(path: str, pre_process: bool, post_process: bool, vp_stage: int | None):
+    """slime's --custom-model-provider-path: fn(pre_process, post_process[, vp_stage]) -> GPTModel, in place of
+    the model built from the HF config (its parameter names must be GPTModel's: the HF weights and checkpoints are
+    mapped onto them)."""
+    import inspect
+
+    from megatron.core.models.gpt import GPTModel
+
+    from slime.utils.misc import load_function
+
+    provider = load_function(path, "--custom-model-provider-path")
+    kwargs = {"vp_stage": vp_stage} if "vp_stage" in inspect.signature(provider).parameters else {}
+    model = provider(pre_process=pre_process, post_process=post_process, **kwargs)
+    if not isinstance(model, GPTModel):
+        raise ValueError(f"--custom-model-provider-path {path} returned a {type(model).__name__}; it must return a "
+                         "megatron.core GPTModel")
+    return model

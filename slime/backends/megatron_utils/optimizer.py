@@ -5,7 +5,8 @@ data-parallel rank holds the Adam moments, and on GPUs the fp32 main weights, of
 gradients are reduce-scattered to the slices, the updated slices all-gathered back into the parameters).
 
 The optimizer is megatron's Adam in AdamW mode (torch's AdamW when neither Transformer Engine nor Apex is
-installed) with weight decay on every parameter, and the learning rate follows the project's schedule
+installed; slime's StatelessAdam over the same slices with --use-stateless-adam) with weight decay on every
+trainable parameter (frozen ones get no grad buffer and no state), and the learning rate follows the project's schedule
 (fsdp_utils/optimizer.py's `learning_rate`), so both backends take the same steps. megatron's
 `OptimizerParamScheduler` is not used: its warmup starts from `--lr-warmup-init` at the first step and its decay
 starts one step later than the project's, so the two backends would step differently.
@@ -24,7 +25,8 @@ from __future__ import annotations
 
 import torch
 
-from slime.backends.fsdp_utils.optimizer import learning_rate, total_optimizer_steps
+from slime.backends.fsdp_utils.optimizer import learning_rate, total_optimizer_steps, trainable_parameters
+from slime.backends.stateless_adam import StatelessAdam
 
 
 def wrap_data_parallel(model_chunks) -> list:
@@ -71,6 +73,7 @@ def build_distributed_optimizer(args, ddp_chunks, params_dtype: torch.dtype):
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
     _fix_torch_adam_loading()
+    trainable_parameters(param for chunk in ddp_chunks for param in chunk.parameters())
 
     config = OptimizerConfig(optimizer="adam", lr=args.lr, min_lr=args.min_lr, weight_decay=args.weight_decay,
                              adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2, adam_eps=args.adam_eps,
@@ -79,6 +82,14 @@ def build_distributed_optimizer(args, ddp_chunks, params_dtype: torch.dtype):
     # No overrides: weight decay on every parameter, as the FSDP backend's AdamW (megatron's default skips biases
     # and norms).
     optimizer = get_megatron_optimizer(config, ddp_chunks, config_overrides={})
+    if args.use_stateless_adam:
+        for inner in optimizer.chained_optimizers:
+            # megatron's param groups (this rank's slices: views of the buffers, which torch's constructor would
+            # refuse as non-leaf tensors, so they are handed over as megatron itself does), stepped without state.
+            stateless = StatelessAdam([{"params": []}], lr=args.lr, betas=(args.adam_beta1, args.adam_beta2),
+                                      eps=args.adam_eps, weight_decay=args.weight_decay)
+            stateless.param_groups = inner.optimizer.param_groups
+            inner.optimizer = stateless
     return optimizer, LearningRateSchedule(args, optimizer)
 
 

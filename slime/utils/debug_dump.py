@@ -1,0 +1,58 @@
+"""slime's rollout dumps on disk: --save-debug-rollout-data / --load-debug-rollout-data (with
+--load-debug-rollout-data-subsample), --dump-details' rollout half, and the files slime.rollout.forge_load replays.
+
+A dump is `{"rollout_id": id, "samples": [Sample.to_dict(), ...]}`. The file name picks the encoding: `.json`
+files are JSON (readable with any tool), every other name is slime's `torch.save` file (`.pt`), so a dump written by
+slime loads here and the other way round. torch files are read with `weights_only=True`: plain containers and
+tensors, never arbitrary pickled objects.
+
+Not the train-side dump (slime/backends/debug_train_data.py).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import pickle
+from pathlib import Path
+
+import torch
+
+from slime.utils.types import Sample
+
+logger = logging.getLogger(__name__)
+
+
+def dump_path(template: str, rollout_id: int | str) -> Path:
+    return Path(template.format(rollout_id=rollout_id))
+
+
+def save_samples(path: Path, rollout_id: int, samples: list[Sample]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    payload = {"rollout_id": rollout_id, "samples": [sample.to_dict() for sample in samples]}
+    if path.suffix == ".json":
+        path.write_text(json.dumps(payload))
+    else:
+        torch.save(payload, path)
+
+
+def load_samples(path: Path, flag: str, subsample_ratio: float | None = None) -> list[Sample]:
+    """The samples of a dump; with `subsample_ratio` slime's subsample (the first and last halves of
+    int(len * ratio) samples)."""
+    try:
+        payload = json.loads(path.read_text()) if path.suffix == ".json" else torch.load(path, weights_only=True)
+        rows = payload["samples"]
+    except (OSError, ValueError, KeyError, TypeError, RuntimeError, pickle.UnpicklingError) as exc:
+        raise ValueError(f"{flag}: {path} is not a rollout dump ({type(exc).__name__}: {exc}); write one with "
+                         "--save-debug-rollout-data") from None
+    samples = [Sample.from_dict(row) for row in rows]
+    if subsample_ratio is not None:
+        keep = int(len(samples) * subsample_ratio)
+        if keep == 0:
+            raise ValueError(f"--load-debug-rollout-data-subsample {subsample_ratio}: keeps none of the "
+                             f"{len(samples)} samples of {path}; raise it")
+        first, last = keep // 2, keep - keep // 2  # slime's data[:n // 2] + data[-n // 2:]
+        logger.info("%s: subsampled %s from %d to %d samples (ratio %s)", flag, path, len(samples), keep,
+                    subsample_ratio)
+        samples = samples[:first] + samples[len(samples) - last:]
+    return samples
