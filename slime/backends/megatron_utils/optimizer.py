@@ -6,9 +6,9 @@ gradients are reduce-scattered to the slices, the updated slices all-gathered ba
 
 The optimizer is megatron's Adam in AdamW mode (torch's AdamW when neither Transformer Engine nor Apex is
 installed; slime's StatelessAdam over the same slices with --use-stateless-adam) with weight decay on every
-trainable parameter (frozen ones get no grad buffer and no state), and the learning rate follows the project's schedule
-(fsdp_utils/optimizer.py's `learning_rate`), so both backends take the same steps. megatron's
-`OptimizerParamScheduler` is not used: its warmup starts from `--lr-warmup-init` at the first step and its decay
+trainable parameter (frozen ones get no grad buffer and no state), and the learning rate follows the project's
+schedule (fsdp_utils/optimizer.py's `learning_rate`), so both backends take the same steps. megatron's
+`OptimizerParamScheduler` is not used: its warmup starts from its init lr (0) at the first step and its decay
 starts one step later than the project's, so the two backends would step differently.
 
 Two fixes of megatron-core 0.16.1's optimizer load with torch's AdamW (neither Transformer Engine nor Apex, as on
