@@ -77,6 +77,7 @@ run_step() {
     grpo_megatron) grpo colocated --train-args=--train-backend=megatron ;;
     # Two GPUs (nvidia-h200-x2): the multi-GPU issue's runs.
     multi_gpu_tests) python3 -m pytest -q tests/test_fsdp_multi_gpu.py tests/test_fsdp_weight_push.py ;;
+    weight_sync_gpu_tests) python3 -m pytest -q tests/test_weight_disk_sync.py tests/test_weight_delta.py ;;  # disk / delta sync from a CUDA trainer (needs a bundle with xxhash, zstandard)
     grpo_disagg) grpo disaggregated ;;
     grpo_colocated2) grpo colocated-2 ;;
     grpo_async) grpo disaggregated --async ;;

@@ -12,6 +12,7 @@ site=$(mktemp -d)
 PLATFORMS="--platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64
  --platform manylinux2014_x86_64 --platform manylinux_2_5_x86_64 --platform manylinux1_x86_64 --platform any"
 # megatron-core 0.16.1 (cp312 wheel, needs only torch, numpy, packaging): --train-backend megatron.
+# xxhash, zstandard: disk delta weight sync (--update-weight-mode delta).
 # openai (and its HTTP stack): benchmarks/bench_agent_adapter.py drives the agent adapter with the official client.
 # fastapi 0.115 / starlette 0.46: newer fastapi imports opentelemetry, which the image lacks.
 .venv/bin/python -m pip install -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
@@ -22,7 +23,7 @@ PLATFORMS="--platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --p
   fastapi==0.115.12 starlette==0.46.2 pydantic pydantic-core annotated-types typing-inspection uvicorn \
   aiohttp multidict yarl frozenlist aiosignal aiohappyeyeballs propcache \
   openai==3.57.0 httpx2 httpcore2 truststore httpx httpcore h11 anyio sniffio distro jiter certifi idna \
-  megatron-core==0.16.1
+  megatron-core==0.16.1 xxhash==4.1.0 zstandard==0.25.0
 (cd "$site" && rm -rf ray/jars ray/rllib ray/tune ray/serve ray/data ray/llm ray/train ray/air/examples bin &&
  find ray/dashboard/client/build -name "*.map" -delete)
 mkdir -p .gpubundle

@@ -59,8 +59,8 @@ def test_statuses_name_real_flags_and_the_docs_table_is_current():
 
 
 @pytest.mark.parametrize("extra, message", [
-    (["--update-weight-mode", "delta"], "--update-weight-mode 'delta': delta weight sync is not implemented"),
-    (["--release-train"], "--release-train True: slime's needs --update-weight-transport disk"),
+    (["--rollout-data-transport", "nixl"], "--rollout-data-transport 'nixl': only the Ray object store"),
+    (["--release-train"], "--release-train True: not implemented: slime's kills the Megatron train actors"),
     (["--sglang-cuda-graf-max-bs", "8"], "did you mean --sglang-cuda-graph-max-bs"),
     (["--router-cache-treshold", "0.5"], "did you mean --router-cache-threshold"),
     (["--rollout-max-respose-len", "8"], "did you mean --rollout-max-response-len"),

@@ -38,6 +38,7 @@ from slime.backends.routing_replay import (
     log_prob_stage,
 )
 from slime.backends.schedule import forward_only_schedule, train_schedule
+from slime.backends.weight_disk import disk_sync_from_args
 from slime.backends.weight_sender import WeightSender
 from slime.backends.weight_snapshot import WeightSnapshot
 from slime.utils.checkpoint_state import weights_at_step
@@ -109,7 +110,8 @@ class TrainFlow:
             self.snapshot.restore("actor")
         self.weight_updater = WeightSender(backend.hf_weights, self.device.type == "cuda", self.rank,
                                            args.update_weight_buffer_size, dtype=None,
-                                           master_address=self.master_addr, headers=engine_admin_headers(args))
+                                           master_address=self.master_addr, headers=engine_admin_headers(args),
+                                           disk_sync=disk_sync_from_args(args))
         self.loss_fn = get_loss_function(args)
         if resume_dir is not None:
             return backend.load_training_state(resume_dir) + 1

@@ -7,9 +7,15 @@ of about --update-weight-buffer-size bytes and sends each bucket to every engine
   on CPU, CUDA IPC on GPU);
 - "distributed" mode: a one-time process group with the engines (POST /init_weights_update_group), then per bucket
   POST /update_weights_from_distributed {names, dtypes, shapes} while rank 0 broadcasts the tensors.
-Every bucket but the last sends flush_cache false; the last sends flush_cache true and the weight version.
-In tensor mode an engine that cannot be reached (its process died) is skipped for the rest of the push and named in
-the result (`unreachable_engines`); the engine watch restarts it (docs/fault-tolerance.md).
+  Every bucket but the last sends flush_cache false; the last sends flush_cache true and the weight version.
+- "disk" mode (--update-weight-transport disk): rank 0 writes the buckets as version folder `weight_v{N:06d}` (full or
+  delta: slime.backends.weight_disk), runs --custom-update-weight-post-write-path, then with
+  --update-weight-local-checkpoint-dir has each engine bring its local checkpoint up to it (POST /pull_weights; when
+  an engine cannot apply a delta, e.g. a checksum mismatch, the version is written again as a full one and pulled
+  again), and each engine loads it (POST /update_weights_from_disk {model_path, weight_version}). The folder is
+  removed afterwards unless --update-weight-disk-keep-files.
+In tensor and disk mode an engine that cannot be reached (its process died) is skipped for the rest of the push and
+named in the result (`unreachable_engines`); the engine watch restarts it (docs/fault-tolerance.md).
 
 Tensors travel in the engines' dtype when every engine reports the same one in GET /get_server_info (bf16 engines
 get half the bytes of the fp32 master weights, rounded as the engine would round them itself); otherwise in the
@@ -18,6 +24,8 @@ trainer's.
 
 from __future__ import annotations
 
+import logging
+import shutil
 import time
 from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Callable, Iterator
@@ -25,9 +33,13 @@ from collections.abc import Callable, Iterator
 import torch
 import torch.distributed as dist
 
+from slime.backends.weight_disk import DiskSync
+from slime.utils.weight_delta import parse_version
 from slime.utils.weight_transport import broadcast_named_tensors, init_custom_process_group, serialize_named_tensors
 
-UPDATE_MODES = ("tensor", "distributed")
+logger = logging.getLogger(__name__)
+
+UPDATE_MODES = ("tensor", "distributed", "disk")
 HTTP_TIMEOUT_S = 600.0
 WEIGHT_GROUP_NAME = "slime_weight_update"
 
@@ -104,24 +116,26 @@ class WeightSender:
     """The trainer side of a weight update (the engine side is `slime.engine.http_weights.EngineWeightReceiver`):
     sends the tensors `named_tensors(dtype)` yields to the connected engines; every rank calls `update`, rank 0
     talks HTTP with `headers` (the engines' admin key). `on_gpu`: where the weights live (the broadcast group's
-    backend follows it)."""
+    backend follows it). `disk_sync`: the settings of "disk" mode (None: that mode is not available)."""
 
     def __init__(self, named_tensors: Callable[[torch.dtype | None], Iterator[tuple[str, torch.Tensor]]],
                  on_gpu: bool, rank: int, bucket_bytes: int, dtype: torch.dtype | None,
-                 master_address: str = "127.0.0.1", headers: dict | None = None):
-        self.named_tensors, self.on_gpu = named_tensors, on_gpu
+                 master_address: str = "127.0.0.1", headers: dict | None = None, disk_sync: DiskSync | None = None):
+        self.named_tensors, self.on_gpu, self.disk_sync = named_tensors, on_gpu, disk_sync
         self.rank, self.bucket_bytes, self.dtype = rank, bucket_bytes, dtype
         self.headers = dict(headers or {})
         self.engines_dtype: torch.dtype | None = None  # what the connected engines report; None: unknown
         self.master_address = master_address
         self.engine_urls: list[str] = []
-        self.unreachable_urls: list[str] = []  # of the current push (tensor mode)
+        self.unreachable_urls: list[str] = []  # of the current push (tensor and disk mode)
         self.mode = "tensor"
         self.group = None
 
     def connect(self, engine_urls: list[str], mode: str = "tensor", backend: str | None = None) -> None:
         if mode not in UPDATE_MODES:
-            raise ValueError(f"unknown weight update mode {mode!r}; choose {' or '.join(UPDATE_MODES)}")
+            raise ValueError(f"unknown weight update mode {mode!r}; choose {', '.join(UPDATE_MODES)}")
+        if mode == "disk" and self.disk_sync is None:
+            raise ValueError("weight update mode 'disk' needs --update-weight-transport disk settings")
         if self.group is not None and self.rank == 0:
             import httpx
 
@@ -133,6 +147,8 @@ class WeightSender:
             dist.destroy_process_group(self.group)
             self.group = None
         self.engine_urls, self.mode = list(engine_urls), mode
+        if self.disk_sync is not None:
+            self.disk_sync.writer.reset()  # other engines: their local checkpoints start from a full version
         if self.rank == 0:
             self.engines_dtype = engines_dtype(self.engine_urls, self.headers)
         if mode == "distributed" and self.rank == 0:
@@ -160,22 +176,85 @@ class WeightSender:
         return self.dtype or self.engines_dtype
 
     def update(self, weight_version) -> dict:
-        """Send every parameter; returns {"seconds", "bytes", "num_buckets"}."""
+        """Send every parameter; returns {"seconds", "bytes", "num_buckets", "unreachable_engines", "metrics"}
+        (metrics: disk mode's perf/update_weights_density and perf/update_weights_wire_bytes, as slime logs)."""
         start = time.perf_counter()
         num_bytes, num_buckets = 0, 0
         self.unreachable_urls = []
+        metrics = {}
+        sending = self.rank == 0 and bool(self.engine_urls)
+        version = parse_version(weight_version) if self.mode == "disk" else None  # on every rank: all stop, or none
+        if sending and self.mode == "disk":
+            self.disk_sync.writer.begin(version)
         params = self.named_tensors(self.push_dtype)
         for bucket, is_last in iter_buckets(params, self.bucket_bytes):
             num_buckets += 1
             num_bytes += sum(t.numel() * t.element_size() for _, t in bucket)
-            if self.rank == 0 and self.engine_urls:
+            if sending:
                 self._send(bucket, is_last, weight_version)
+        if sending and self.mode == "disk":
+            self._load_from_disk(weight_version)
+            stats = self.disk_sync.writer.stats
+            metrics = {"perf/update_weights_density": stats["changed_bytes"] / max(stats["total_bytes"], 1),
+                       "perf/update_weights_wire_bytes": stats["wire_bytes"]}
         if dist.is_initialized():
             dist.barrier()
         return {"seconds": time.perf_counter() - start, "bytes": num_bytes, "num_buckets": num_buckets,
-                "unreachable_engines": list(self.unreachable_urls)}
+                "unreachable_engines": list(self.unreachable_urls), "metrics": metrics}
+
+    def _load_from_disk(self, weight_version) -> None:
+        """Publish the written version and have every reachable engine load it."""
+        sync = self.disk_sync
+        folder = self._publish(sync.writer.finish())
+        model_path = str(folder)
+        if sync.local_checkpoint_dir:
+            failures = self._pull(folder)
+            if failures and sync.writer.is_delta:
+                why = "; ".join(f"{url}: {message}" for url, message in failures.items())
+                logger.error("delta weight sync: engine(s) could not apply version %s (%s); falling back to a full "
+                             "sync of that version", weight_version, why)
+                folder = self._publish(sync.writer.rewrite_full())
+                failures = self._pull(folder)
+            if failures:
+                raise RuntimeError("POST /pull_weights failed: " + "; ".join(f"{u}: {m}" for u, m in failures.items()))
+            model_path = sync.local_checkpoint_dir
+        reachable = [url for url in self.engine_urls if url not in self.unreachable_urls]
+        self.unreachable_urls += _post_each_reachable(
+            reachable, "/update_weights_from_disk",
+            lambda url: {"model_path": model_path, "weight_version": str(weight_version), "flush_cache": True},
+            self.headers)
+        if not sync.keep_files:
+            shutil.rmtree(folder, ignore_errors=True)
+
+    def _publish(self, folder):
+        if self.disk_sync.post_write is not None:
+            self.disk_sync.post_write(str(folder), list(self.engine_urls))
+        return folder
+
+    def _pull(self, folder) -> dict[str, str]:
+        """POST /pull_weights on every reachable engine; {url: why} of those that failed."""
+        import httpx
+
+        payload = {"local_checkpoint_dir": self.disk_sync.local_checkpoint_dir, "source_dir": str(folder.parent),
+                   "target_version": self.disk_sync.writer.version}
+
+        def pull(url: str) -> str | None:
+            try:
+                _post(url, "/pull_weights", payload, self.headers)
+            except httpx.TransportError:
+                self.unreachable_urls.append(url)
+            except RuntimeError as error:
+                return str(error)
+            return None
+
+        reachable = [url for url in self.engine_urls if url not in self.unreachable_urls]
+        with ThreadPoolExecutor(max_workers=max(1, len(reachable))) as pool:
+            return {url: why for url, why in zip(reachable, pool.map(pull, reachable)) if why is not None}
 
     def _send(self, bucket, is_last: bool, weight_version) -> None:
+        if self.mode == "disk":
+            self.disk_sync.writer.add(bucket)
+            return
         flush = {"flush_cache": is_last}
         if is_last and weight_version is not None:
             flush["weight_version"] = str(weight_version)

@@ -22,6 +22,7 @@ ADMIN_ROUTES = frozenset(
     {
         "/update_weights_from_tensor",
         "/update_weights_from_disk",
+        "/pull_weights",
         "/init_weights_update_group",
         "/update_weights_from_distributed",
         "/destroy_weights_update_group",

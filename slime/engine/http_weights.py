@@ -1,6 +1,7 @@
 """Weight-update endpoints of the engine server: from tensors (shared memory / CUDA IPC handles), from a
-torch.distributed broadcast, and from disk. All validation happens before any parameter is touched, so a rejected
-update (unknown name, wrong shape) leaves the model exactly as it was.
+torch.distributed broadcast, and from disk (plus /pull_weights, which first brings a host-local checkpoint up to a
+published version: slime.engine.local_checkpoint). All validation happens before any parameter is touched, so a
+rejected update (unknown name, wrong shape) leaves the model exactly as it was.
 
 Receiving a broadcast and deserializing handles happen off the driver thread (they do not touch the engine); only
 the final copy into the model runs on it, between two steps. Every update flushes the prefix cache (KV computed
@@ -17,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from slime.engine import local_checkpoint
 from slime.engine.engine import EngineMemoryReleasedError
 from slime.engine.http_protocol import RequestError, require_fields
 from slime.utils import weight_transport
@@ -31,8 +33,9 @@ IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 class EngineWeightReceiver:
     """The engine side of a weight update (the trainer side is `slime.backends.weight_sender`)."""
 
-    def __init__(self, engine_loop, device: torch.device, weight_dirs: list[Path]):
+    def __init__(self, engine_loop, device: torch.device, weight_dirs: list[Path], model_path: str):
         self.loop = engine_loop
+        self.model_path = model_path  # version 0 of a /pull_weights chain
         self.device = device
         self.weight_dirs = [Path(d).resolve() for d in weight_dirs]
         self.weight_shapes = engine_loop.engine.named_weight_shapes()
@@ -53,13 +56,13 @@ class EngineWeightReceiver:
             if tuple(shape) != tuple(expected[0]):
                 raise RequestError(f"{field}: weight {name!r} has shape {tuple(shape)}, expected {tuple(expected[0])}")
 
-    def check_weight_dir(self, model_path: str) -> None:
-        """RequestError unless `model_path` (links resolved) lies inside one of the allowed folders."""
-        resolved = Path(model_path).resolve()
+    def check_weight_dir(self, path: str, field: str = "/update_weights_from_disk field 'model_path'") -> None:
+        """RequestError unless `path` (links resolved) lies inside one of the allowed folders."""
+        resolved = Path(path).resolve()
         if not any(resolved == d or d in resolved.parents for d in self.weight_dirs):
             raise RequestError(
-                f"/update_weights_from_disk field 'model_path': {model_path!r} is outside the folders this server "
-                f"may load from ({', '.join(map(str, self.weight_dirs))}); start it with --weights-dir-allowlist DIR"
+                f"{field}: {path!r} is outside the folders this server may load from "
+                f"({', '.join(map(str, self.weight_dirs))}); start it with --weights-dir-allowlist DIR"
             )
 
     async def _load(self, named_tensors, weight_version: str | None) -> None:
@@ -117,6 +120,26 @@ class EngineWeightReceiver:
         except EngineMemoryReleasedError as error:
             raise RequestError(str(error)) from error
         return {"success": True, "message": "Succeeded to update model weights.", "num_paused_requests": 0}
+
+    async def pull(self, body) -> dict:
+        """POST /pull_weights {local_checkpoint_dir, source_dir, target_version} (slime's SGLang patch): bring the
+        local checkpoint up to `target_version` of `source_dir`; the weights themselves do not change here."""
+        body = require_fields(body, "/pull_weights", {"local_checkpoint_dir": str, "source_dir": str,
+                                                      "target_version": int}, {})
+        for field in ("local_checkpoint_dir", "source_dir"):
+            self.check_weight_dir(body[field], f"/pull_weights field {field!r}")
+        local, served = Path(body["local_checkpoint_dir"]).resolve(), Path(self.model_path).resolve()
+        if local == served or local in served.parents:
+            raise RequestError(f"/pull_weights field 'local_checkpoint_dir': {str(local)!r} holds the served "
+                               "checkpoint, which a pull would overwrite; use a folder of its own")
+        if body["target_version"] < 0:
+            raise RequestError(f"/pull_weights field 'target_version' must be >= 0, got {body['target_version']}")
+        try:
+            await asyncio.to_thread(local_checkpoint.pull, body["local_checkpoint_dir"], self.model_path,
+                                    body["source_dir"], body["target_version"])
+        except (ValueError, OSError, local_checkpoint.ChecksumMismatchError) as error:
+            return {"success": False, "message": f"{type(error).__name__}: {error}"}
+        return {"success": True, "message": "Success."}
 
     async def init_group(self, body) -> dict:
         body = require_fields(

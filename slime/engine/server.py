@@ -54,7 +54,7 @@ class ServerState:
         self.hf_config = _read_hf_config(model_path)
         self.vocab_size = engine.model_config.vocab_size
         self.max_model_len = engine.max_model_len
-        self.weights = EngineWeightReceiver(self.engine_loop, engine.model_runner.device, weight_dirs)
+        self.weights = EngineWeightReceiver(self.engine_loop, engine.model_runner.device, weight_dirs, model_path)
         self.released_tags: set[str] = set()
 
     def tokenize(self, text: str) -> list[int]:
@@ -257,6 +257,10 @@ def _register_weight_routes(app: FastAPI, state: ServerState) -> None:
     @app.post("/update_weights_from_disk")
     async def update_weights_from_disk(request: Request):
         return result(await weights.update_from_disk(await read_json(request)))
+
+    @app.post("/pull_weights")
+    async def pull_weights(request: Request):
+        return result(await weights.pull(await read_json(request)))
 
     @app.post("/init_weights_update_group")
     async def init_weights_update_group(request: Request):

@@ -44,7 +44,8 @@ class ServerSettings:
     weights_dir_allowlist: list[str] = field(default_factory=list)
 
     def allowed_weight_dirs(self) -> list[Path]:
-        """Folders /update_weights_from_disk may read: the allowlist, or by default the checkpoint's parent."""
+        """Folders /update_weights_from_disk and /pull_weights may use: the allowlist, or by default the
+        checkpoint's parent."""
         dirs = self.weights_dir_allowlist or [str(Path(self.model_path).resolve().parent)]
         return [Path(d).resolve() for d in dirs]
 
@@ -67,8 +68,8 @@ def build_parser() -> argparse.ArgumentParser:
     access.add_argument("--max-request-bytes", type=int, default=None,
                         help=f"larger request bodies get 413 (default {DEFAULT_MAX_REQUEST_BYTES})")
     access.add_argument("--weights-dir-allowlist", action="append", default=None, metavar="DIR",
-                        help="folder /update_weights_from_disk may load from (repeatable; default: the parent of "
-                             "--model-path)")
+                        help="folder /update_weights_from_disk and /pull_weights may read and /pull_weights may "
+                             "write (repeatable; default: the parent of --model-path)")
     engine_group = parser.add_argument_group("engine (slime.engine.config.Config fields)")
     for config_field in fields(Config):
         if config_field.name == "model":

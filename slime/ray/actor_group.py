@@ -27,8 +27,11 @@ logger = logging.getLogger(__name__)
 
 
 def weight_update_mode(args) -> str:
-    """Tensor handles (shared memory / CUDA IPC) when trainer and engines share devices or the host's memory;
-    an NCCL broadcast group when the engines sit on GPUs of their own."""
+    """A checkpoint folder the engines load with --update-weight-transport disk; else tensor handles (shared
+    memory / CUDA IPC) when trainer and engines share devices or the host's memory, an NCCL broadcast group when
+    the engines sit on GPUs of their own."""
+    if args.update_weight_transport == "disk":
+        return "disk"
     return "distributed" if args.device == "cuda" and not args.colocate else "tensor"
 
 

@@ -42,6 +42,10 @@ def engine_server_command(args, port: int, config_path: Path) -> list[str]:
     engine = {"device": args.device, "seed": args.seed, **args.engine_config}
     server = {name: value for name, value in (("api_key", args.sglang_api_key),
                                               ("admin_api_key", args.sglang_admin_api_key)) if value}
+    if args.update_weight_transport == "disk":  # the server may then read (and pull into) these folders too
+        folders = (str(Path(args.hf_checkpoint).resolve().parent), args.update_weight_disk_dir,
+                   args.update_weight_local_checkpoint_dir)
+        server["weights_dir_allowlist"] = [folder for folder in folders if folder]
     write_config_file(config_path, args.hf_checkpoint, engine, server)
     # Info level: the engine's log file (engine_<rank>.log) then records its start-up and CUDA-graph capture times.
     return [sys.executable, "-m", "slime.engine.server", "--config-file", str(config_path),

@@ -50,3 +50,10 @@ def router_died_error(exit_code: int | None, log_path: str) -> EngineFailureErro
     return EngineFailureError(
         f"the sglang-router slime started {describe_exit(exit_code)}; its log: {log_path}. Without "
         "--use-fault-tolerance this ends the run; add --use-fault-tolerance to restart it on the same port")
+
+
+def external_engine_error(rank: int, url: str, reason: str) -> EngineFailureError:
+    """An engine of --rollout-external-engine-addrs failed: the run neither started it nor may restart it."""
+    return EngineFailureError(
+        f"external rollout engine {rank} ({url}, --rollout-external-engine-addrs) failed: {reason}. This run did "
+        "not start it and does not restart it: bring it back and resume the run (--load)")

@@ -14,6 +14,10 @@
   rollouts the driver's next weight push includes it. `--max-engine-restarts` bounds the restarts of a run. A dead
   router is restarted on the same port and given the serving engines again.
 
+External engines (--rollout-external-engine-addrs; slot.actor is None): no process to watch, so the process watch
+asks each for GET /health instead; a failed one always ends the run (the run did not start it and does not restart
+it), and the run never kills one.
+
 What it is not: it does not generate, and it never decides which sample goes where (the router does).
 """
 
@@ -34,9 +38,11 @@ from slime.ray.engine_failures import (
     describe_exit,
     describe_hang,
     engine_died_error,
+    external_engine_error,
     restart_budget_error,
     router_died_error,
 )
+from slime.ray.external_engines import health_problem
 from slime.ray.router import RouterError, deregister_worker, register_worker
 from slime.utils.engine_access import engine_admin_headers
 
@@ -49,7 +55,7 @@ ACTOR_CALL_TIMEOUT_S = 30.0
 @dataclass
 class EngineSlot:
     """One engine rank. state: serving (in the router), pending (started, waiting for weights), down (failed,
-    waiting for its restart), starting."""
+    waiting for its restart), starting. `actor` None: an external engine."""
     rank: int
     actor: object
     url: str
@@ -79,9 +85,9 @@ class EngineSupervisor:
         self.new_router = new_router
         self.new_actor = new_actor
         self.fault_tolerant = bool(args.use_fault_tolerance)
-        log_paths = ray.get([actor.exit_status.remote() for actor in actors])
+        log_paths = [ray.get(actor.exit_status.remote())[1] if actor is not None else "" for actor in actors]
         self.slots = [EngineSlot(rank, actor, url, log_path=log)
-                      for rank, (actor, url, (_, log)) in enumerate(zip(actors, urls, log_paths))]
+                      for rank, (actor, url, log) in enumerate(zip(actors, urls, log_paths))]
         self.lock = threading.RLock()
         self.router_lock = threading.Lock()
         self.push_lock = threading.Lock()
@@ -179,6 +185,11 @@ class EngineSupervisor:
         with self.lock:
             watched = [s for s in self.slots if s.state in ("serving", "pending")]
         for slot in watched:
+            if slot.actor is None:
+                problem = health_problem(slot.url, engine_admin_headers(self.args))
+                if problem is not None:
+                    self._fail(slot, problem)
+                continue
             try:
                 exit_code, _ = ray.get(slot.actor.exit_status.remote(), timeout=ACTOR_CALL_TIMEOUT_S)
             except ray.exceptions.RayActorError as exc:
@@ -206,6 +217,8 @@ class EngineSupervisor:
 
     def _exit_reason(self, slot: EngineSlot) -> str | None:
         """How the slot's server process ended, when it has (a refused heartbeat says less)."""
+        if slot.actor is None:
+            return None
         try:
             exit_code, _ = ray.get(slot.actor.exit_status.remote(), timeout=ACTOR_CALL_TIMEOUT_S)
         except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
@@ -255,6 +268,9 @@ class EngineSupervisor:
         with self.lock:
             if slot.state not in ("serving", "pending"):
                 return  # already being handled
+            if slot.actor is None:
+                self._set_fatal(external_engine_error(slot.rank, slot.url, reason))
+                return
             if not self.fault_tolerant:
                 self._set_fatal(engine_died_error(slot.rank, slot.url, reason, slot.log_path))
                 return

@@ -19,6 +19,7 @@ import ray
 
 from slime.ray.engine_actor import EngineActor
 from slime.ray.engine_health import EngineSupervisor
+from slime.ray.external_engines import connect_external_engines
 from slime.ray.placement_group import ENGINE_ACTOR_FRACTION
 from slime.ray.router import RouterProcess, list_workers, register_worker
 from slime.ray.train_data import assign_rollout_ids, rollout_metrics, samples_to_train_data, split_train_data
@@ -94,8 +95,12 @@ class RolloutManager:
             return engine_cls.options(scheduling_strategy=placement.strategy(rank),
                                       **placement.resources(ENGINE_ACTOR_FRACTION)).remote(args, rank)
 
-        engines = [new_actor(rank) for rank in range(args.rollout_num_engines)]
-        engine_urls = ray.get([engine.start.remote() for engine in engines])
+        if args.rollout_external:  # started outside the run: no actor owns them
+            engine_urls = connect_external_engines(args)
+            engines = [None] * len(engine_urls)
+        else:
+            engines = [new_actor(rank) for rank in range(args.rollout_num_engines)]
+            engine_urls = ray.get([engine.start.remote() for engine in engines])
         for url in engine_urls:
             register_worker(router_url, url, api_key=args.sglang_api_key)
         self.supervisor = EngineSupervisor(args, engines, engine_urls, router_url, router=self.router,
@@ -243,7 +248,8 @@ class RolloutManager:
         shutdown_reward_workers()
         if self.supervisor is not None:
             self.supervisor.shutdown()
-            ray.get([slot.actor.shutdown.remote() for slot in self.supervisor.slots if not slot.actor_dead])
+            ray.get([slot.actor.shutdown.remote() for slot in self.supervisor.slots
+                     if slot.actor is not None and not slot.actor_dead])
         router = self.supervisor.router if self.supervisor is not None else self.router
         if router is not None:
             router.shutdown()

@@ -24,7 +24,9 @@ def add_weight_sync_arguments(parser):
     g = parser.add_argument_group("weight sync and engines")
     g.add_argument("--update-weight-buffer-size", type=int, default=512 * 1024**2)
     g.add_argument("--update-weights-interval", type=int, default=1)
-    g.add_argument("--update-weight-mode", choices=["full", "delta"], default="full")
+    g.add_argument("--update-weight-mode", choices=["full", "delta"], default="full",
+                   help="delta (with --update-weight-transport disk): write only the bytes that changed since the "
+                        "last push, checksum-verified by the engines (docs/weight-sync.md)")
     g.add_argument("--update-weight-transport", choices=["nccl", "disk"], default="nccl",
                    help="nccl: the trainer sends the weights to the engines (NCCL between GPUs, tensors over HTTP "
                         "on the CPU); disk: it writes a Hugging Face checkpoint under --update-weight-disk-dir and "
@@ -32,13 +34,22 @@ def add_weight_sync_arguments(parser):
     g.add_argument("--update-weight-disk-dir", default=None,
                    help="folder shared by trainer and engines for --update-weight-transport disk")
     g.add_argument("--update-weight-disk-keep-files", action="store_true",
-                   help="keep every checkpoint written for disk weight sync (default: only the latest)")
-    g.add_argument("--update-weight-delta-encoding", choices=["xor", "overwrite"], default="xor")
-    g.add_argument("--update-weight-delta-checksum", choices=["xxh3-128", "blake3", "adler32"], default="xxh3-128")
-    g.add_argument("--update-weight-local-checkpoint-dir", default=None)
-    g.add_argument("--custom-update-weight-post-write-path", default=None, metavar="MODULE.FN")
+                   help="keep every version folder written for disk weight sync (default: each is removed once "
+                        "the engines loaded it)")
+    g.add_argument("--update-weight-delta-encoding", choices=["xor", "overwrite"], default="xor",
+                   help="xor: new ^ old bytes (smallest; applies once); overwrite: changed positions and bytes")
+    g.add_argument("--update-weight-delta-checksum", choices=["xxh3-128", "blake3", "adler32"], default="xxh3-128",
+                   help="checksum of each changed weight's new bytes, checked by the engines (blake3: pip install "
+                        "blake3)")
+    g.add_argument("--update-weight-local-checkpoint-dir", default=None,
+                   help="the engines' host-local checkpoint: each pulls every version into it (POST /pull_weights) "
+                        "and loads it from there; required by --update-weight-mode delta")
+    g.add_argument("--custom-update-weight-post-write-path", default=None, metavar="MODULE.FN",
+                   help="fn(args, version_dir, engine_urls), called once a disk version is written, before the "
+                        "engines read it")
     g.add_argument("--rollout-external-engine-addrs", nargs="+", default=None, metavar="HOST:PORT",
-                   help="engines started outside this run: registered with the router instead of starting engines")
+                   help="engines started outside this run (host:port or http://host:port): registered with the "
+                        "router, health-checked and weight-synced, never started or stopped by the run")
     g.add_argument("--rollout-data-transport", choices=["object-store", "nixl"], default="object-store")
     g.add_argument("--release-train", action="store_true")
     g.add_argument("--train-env-vars", type=_json_object, default={},

@@ -11,6 +11,7 @@ Keys travel to engine servers in an owner-only config file, never on a command l
 from __future__ import annotations
 
 import secrets
+from urllib.parse import urlparse
 
 SECRET_ARGS = ("sglang_api_key", "sglang_admin_api_key", "wandb_key")
 REDACTED = "<redacted>"
@@ -48,3 +49,17 @@ def engine_admin_headers(args) -> dict:
 def redacted(values: dict) -> dict:
     """`values` (e.g. vars(args)) with every key secret replaced."""
     return {k: (REDACTED if k in SECRET_ARGS and v is not None else v) for k, v in values.items()}
+
+
+def external_engine_url(addr: str) -> str:
+    """`host:port` or `http://host:port` (--rollout-external-engine-addrs) -> the engine's base URL."""
+    url = (addr if "://" in addr else f"http://{addr}").rstrip("/")
+    try:
+        parsed = urlparse(url)
+        valid = parsed.scheme == "http" and parsed.hostname is not None and parsed.port is not None
+    except ValueError:
+        valid = False
+    if not valid or parsed.path:
+        raise ValueError(f"--rollout-external-engine-addrs {addr!r}: use host:port or http://host:port "
+                         "(an IPv6 host in brackets)")
+    return url

@@ -51,21 +51,11 @@ INERT = {
 }
 
 REFUSED = {
-    "update_weight_mode": "delta weight sync is not implemented; use --update-weight-mode full",
-    "update_weight_delta_encoding": "only used by --update-weight-mode delta (not implemented)",
-    "update_weight_delta_checksum": "only used by --update-weight-mode delta (not implemented)",
-    "update_weight_local_checkpoint_dir": "only used by --update-weight-mode delta (not implemented)",
-    "update_weight_transport": "disk weight sync is not implemented; the trainer sends weights to the engines "
-                               "directly (--update-weight-transport nccl)",
-    "update_weight_disk_dir": "only used by --update-weight-transport disk (not implemented)",
-    "update_weight_disk_keep_files": "only used by --update-weight-transport disk (not implemented)",
-    "custom_update_weight_post_write_path": "only used by --update-weight-transport disk (not implemented)",
-    "rollout_external_engine_addrs": "external engines are not supported; use --sglang-router-ip/--sglang-router-port "
-                                     "to share a router that already lists them",
     "rollout_data_transport": "only the Ray object store carries rollout data (nixl is not supported)",
-    "release_train": "slime's needs --update-weight-transport disk (not here yet): it kills the Megatron train "
-                     "actors after each weight push and re-creates them from --save before the next train step",
-    "enable_mtp_training": "multi-token-prediction layers are a Megatron feature",
+    "release_train": "not implemented: slime's kills the Megatron train actors after each disk weight push "
+                     "(--update-weight-transport disk) and re-creates them from --save before the next train step",
+    "enable_mtp_training": "no model family either backend builds (Qwen2/2.5, Qwen3, Llama 3, Qwen3-MoE) has "
+                           "multi-token-prediction layers",
     "multimodal_keys": "no multimodal models here",
 }
 

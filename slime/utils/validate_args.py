@@ -3,11 +3,12 @@
 Each rule raises `ArgumentError` (a ValueError) that names the flag and says how to fix it. Before anything
 starts: every numeric flag is range-checked (`FLAG_RANGES`, flag_ranges.py), every dotted-path hook (`HOOK_FLAGS`) is imported and
 checked callable, and `--load` must name a complete checkpoint (or nothing, with `--load-if-exists`). Derived fields:
-device, world_size, rollout_num_engines, use_critic, critic_lr, loss_agg_mode, loss_agg_constant, eps_clip_high,
-global_batch_size / num_steps_per_rollout, over_sampling_batch_size, offload_train / offload_rollout, output_dir,
-eval_datasets. The trainer-side flags' rules (freezing, reducers, token budgets, debug dumps) are in
-`validate_trainer_flags.py`; the Megatron flags' rules, the training backend and the parallel layout (train_backend,
-data_parallel_size, ...) are in `validate_megatron_args.py`, run from here.
+device, world_size, rollout_num_engines, rollout_external and rollout_external_engine_urls, use_critic, critic_lr,
+loss_agg_mode, loss_agg_constant, eps_clip_high, global_batch_size / num_steps_per_rollout, over_sampling_batch_size,
+offload_train / offload_rollout, output_dir, eval_datasets. The trainer-side flags' rules (freezing, reducers, token
+budgets, debug dumps) are in `validate_trainer_flags.py`, the weight-sync flags' in `validate_weight_sync.py`; the
+Megatron flags' rules, the training backend and the parallel layout (train_backend, data_parallel_size, ...) are in
+`validate_megatron_args.py`, run from here.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from pathlib import Path
 
 from slime.utils.checkpoint_state import (CheckpointError, critic_checkpoint, resume_dir,
                                           starts_fresh_without_checkpoint, weights_at_step)
+from slime.utils.engine_access import external_engine_url
 from slime.utils.flag_ranges import ANY, FLAG_RANGES
 from slime.utils.misc import load_function, load_functions
 from slime.utils.moe_arguments import check_moe_args
@@ -39,6 +41,7 @@ HOOK_FLAGS = (
     "custom_rollout_log_function_path", "custom_eval_rollout_log_function_path", "custom_reward_post_process_path",
     "custom_tis_function_path", "custom_pg_loss_reducer_function_path", "custom_model_provider_path",
     "custom_convert_samples_to_train_data_path", "rollout_sample_filter_path", "rollout_all_samples_process_path",
+    "custom_update_weight_post_write_path",
 )
 
 
@@ -143,6 +146,16 @@ def _resolve_cluster(args) -> None:
 
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
     args.world_size = args.actor_num_nodes * args.actor_num_gpus_per_node
+    args.rollout_external = args.rollout_external_engine_addrs is not None  # slime's name
+    if args.rollout_external:
+        _require(args.rollout_external_engine_addrs, "--rollout-external-engine-addrs needs at least one HOST:PORT")
+        _require(not args.colocate, "--colocate shares this run's devices with engines it starts; external engines "
+                                    "(--rollout-external-engine-addrs) run elsewhere: drop one of the two")
+        try:
+            args.rollout_external_engine_urls = [external_engine_url(a) for a in args.rollout_external_engine_addrs]
+        except ValueError as error:
+            raise ArgumentError(str(error)) from None
+        args.rollout_num_gpus = 0  # the engines hold devices of their own, not this run's
     if args.colocate:
         args.offload_train = True if args.offload_train is None else args.offload_train
         args.offload_rollout = True if args.offload_rollout is None else args.offload_rollout
@@ -159,7 +172,8 @@ def _resolve_cluster(args) -> None:
     _require(args.rollout_num_gpus_per_engine == 1 or args.rollout_backend == "sglang",
              "the built-in engine runs one device per engine; use --rollout-num-gpus-per-engine 1 "
              "(or --rollout-backend sglang for tensor parallel engines)")
-    args.rollout_num_engines = args.rollout_num_gpus // args.rollout_num_gpus_per_engine
+    args.rollout_num_engines = (len(args.rollout_external_engine_urls) if args.rollout_external
+                                else args.rollout_num_gpus // args.rollout_num_gpus_per_engine)
     external_router = args.sglang_router_ip is not None or args.sglang_router_port is not None
     _require(not external_router or (args.sglang_router_ip and args.sglang_router_port),
              "--sglang-router-ip and --sglang-router-port go together")
@@ -314,6 +328,7 @@ def validate_args(args) -> None:
         setattr(args, slime_dest, getattr(args, dest))
     from slime.utils.validate_megatron_args import validate_megatron_args, validate_megatron_batches
     from slime.utils.validate_trainer_flags import check_trainer_flags
+    from slime.utils.validate_weight_sync import check_weight_sync_flags
 
     _resolve_debug(args)
     _check_ranges(args)
@@ -321,6 +336,7 @@ def validate_args(args) -> None:
     _check_paths(args)
     check_moe_args(args, _require)
     _resolve_cluster(args)
+    check_weight_sync_flags(args)
     validate_megatron_args(args)
     _resolve_batches(args)
     validate_megatron_batches(args)
