@@ -37,7 +37,8 @@ def build_megatron(args, rank: int, world_size: int, port: int):
 
 
 def hf_named_grads(chunks, hf_config) -> dict[str, torch.Tensor]:
-    """This rank's pipeline stage's full gradients under HF names (TP shards gathered)."""
+    """This rank's pipeline stage's full gradients under HF names (TP shards gathered), from the DDP grad buffers
+    (at DP=1: with more data-parallel ranks each holds only its slice's sum)."""
     from slime.backends.megatron_utils import tp_shards
     from slime.backends.megatron_utils.hf_mapping import mapping_for
     from slime.backends.megatron_utils.names import named_global_parameters
@@ -45,7 +46,7 @@ def hf_named_grads(chunks, hf_config) -> dict[str, torch.Tensor]:
     mapping = mapping_for(hf_config)
     grads = {}
     for name, param in named_global_parameters(chunks):
-        full = tp_shards.full_tensor(name, param, param.grad)
+        full = tp_shards.full_tensor(name, param, param.main_grad)
         grads.update((hf, t.clone()) for hf, t in mapping.to_hf(name, full, hf_config))
     return grads
 

@@ -363,3 +363,20 @@ def test_megatron_backend_must_import_at_start(tmp_path, data, monkeypatch):
     monkeypatch.setattr(validate_megatron_args, "MEGATRON_BACKEND_MODULE", "slime.backends.megatron_utils.arguments")
     require_train_backend(args)
     require_train_backend(parse_args(base(tmp_path, data)))  # fsdp: nothing to check
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--actor-num-gpus-per-node", "2", "--pipeline-model-parallel-size", "2",
+      "--num-virtual-stages-per-pipeline-rank", "2"], "--num-virtual-stages-per-pipeline-rank \\(virtual pipeline"),
+    (["--actor-num-gpus-per-node", "2", "--context-parallel-size", "2"],
+     "--context-parallel-size 2 needs Transformer Engine.*use --context-parallel-size 1"),
+    (["--actor-num-gpus-per-node", "2", "--tensor-model-parallel-size", "2", "--sequence-parallel"],
+     "--sequence-parallel runs on GPUs only.*drop it for a CPU run"),
+])
+def test_what_the_megatron_backend_does_not_run_is_refused_at_start(tmp_path, data, extra, message):
+    args = parse_args(base(tmp_path, data, "--device", "cpu", *extra))  # Megatron's rules: the flags parse
+    with pytest.raises(ArgumentError, match=message):
+        require_train_backend(args)
+    args.device = "cuda"
+    if "--sequence-parallel" in extra:
+        require_train_backend(args)  # on GPUs sequence parallelism runs

@@ -33,7 +33,7 @@ def _hf_grads(trainer) -> list[dict]:
 
     captured = []
     backend = trainer.backend
-    backend.optimizer.register_step_pre_hook(
+    backend.optimizer.optimizer.register_step_pre_hook(  # the inner torch optimizer: after clipping
         lambda optimizer, args, kwargs: captured.append(hf_named_grads(backend.model_chunks, backend.hf_config)))
     return captured
 

@@ -39,9 +39,11 @@ def _train_inputs(vocab_size: int, seed: int = 0):
 
 def _log_probs_loss_grads(rank, world_size, port, checkpoint, parallel):
     from slime.backends.megatron_utils.micro_batches import run_micro_batches
+    from slime.backends.megatron_utils.optimizer import wrap_data_parallel
 
     args = make_megatron_args(checkpoint, "--entropy-coef", "0.01", world_size=world_size, **parallel)
     chunks, hf_config = build_megatron(args, rank, world_size, port)
+    ddp_chunks = wrap_data_parallel(chunks)  # the gradients accumulate in its buffers (param.main_grad)
     micro_batches, per_sample = _train_inputs(hf_config.vocab_size)
     common = dict(temperature=0.7, vocab_size=hf_config.vocab_size, device=torch.device("cpu"))
     forward = run_micro_batches(chunks, micro_batches, **common)
@@ -49,7 +51,7 @@ def _log_probs_loss_grads(rank, world_size, port, checkpoint, parallel):
     metrics = run_micro_batches(chunks, micro_batches, loss_of=loss_fn, **common)
     from slime.backends.megatron_utils.grads import finalize_grads
 
-    finalize_grads(chunks)
+    finalize_grads(chunks, ddp_chunks)
     return dict(log_probs=torch.cat([lp for lp, _ in forward]), entropy=torch.cat([e for _, e in forward]),
                 loss=float(sum(m["pg_loss"] for m in metrics)), grads=hf_named_grads(chunks, hf_config))
 

@@ -55,9 +55,10 @@ def _freeze_provider_and_role_config(rank, world_size, port, checkpoint, config)
     frozen_trainer.train(0, data)
     after = _named(frozen_trainer)
     frozen_trainer.train(1, data)  # the reset zeroes AdamW's steps first: one step again, not two
-    steps = {float(state["step"]) for state in frozen_trainer.backend.optimizer.state.values()}
+    distributed_optimizer = frozen_trainer.backend.optimizer.chained_optimizers[0]  # megatron's, over torch AdamW
+    steps = {float(state["step"]) for state in distributed_optimizer.optimizer.state.values()}
     changed = {name for name in before if not torch.equal(before[name], after[name])}
-    with_state = {id(param) for param in frozen_trainer.backend.optimizer.state}
+    with_state = {id(param) for param in distributed_optimizer.model_param_group_index_map}  # model params
     frozen = {name for name, param in frozen_trainer.backend.model.named_parameters()
               if id(param) not in with_state}
     pushed = set(dict(frozen_trainer.backend.hf_weights(None)))
@@ -69,7 +70,8 @@ def _freeze_provider_and_role_config(rank, world_size, port, checkpoint, config)
     PROVIDED.append(args)
     trainer = make_trainer(args, port=port + 1)
     metrics = trainer.train(0, data)
-    stateless = type(trainer.backend.optimizer).__name__, len(trainer.backend.optimizer.state)
+    inner = trainer.backend.optimizer.optimizer  # the torch optimizer inside megatron's distributed one
+    stateless = type(inner).__name__, len(inner.state)
     provided = [(pre, post, model is trainer.backend.model) for pre, post, model in PROVIDED[1:]]
     destroy_model_parallel()
     return (set(before), changed, frozen, pushed, steps, provided, metrics["train/lr"], trainer.args.lr, args.lr,

@@ -32,6 +32,7 @@ def parse_args(argv=None):
     if args.num_layers_per_virtual_pipeline_stage or args.num_virtual_stages_per_pipeline_rank:
         parser.error("virtual pipeline stages are not supported by the converter; drop the flag")
     args.virtual_pipeline_model_parallel_size = None
+    args.custom_model_provider_path = None  # the converter builds the model of config.json
     args.bf16 = False  # the HF weights are copied as they are, in fp32 (lossless for bf16 checkpoints)
     world_size = int(os.environ.get("WORLD_SIZE", 1))
     layout = args.tensor_model_parallel_size * args.pipeline_model_parallel_size

@@ -36,6 +36,20 @@ Outputs = object
 LossOf = Callable[[int, Outputs], tuple[torch.Tensor, dict]]
 
 
+def reset_adam_state(optimizer: torch.optim.Optimizer) -> None:
+    """A torch Adam's step counts and moments to zero, in place."""
+    for group in optimizer.param_groups:
+        if "step" in group:
+            group["step"] = 0
+    for state in optimizer.state.values():
+        for key in ("step", "exp_avg", "exp_avg_sq"):
+            value = state.get(key)
+            if isinstance(value, torch.Tensor):
+                value.zero_()
+            elif value is not None:
+                state[key] = 0
+
+
 class TrainBackend(ABC):
     """One training process of a backend. Attributes the flow reads: `device`, `model` (passed to user hooks),
     `optimizer`, `scheduler`, `hf_config`, `dp_rank`, `dp_size`, `routing_replay` (the RoutingReplay an MoE
@@ -101,12 +115,16 @@ class TrainBackend(ABC):
         grad_norm = self.clip_grad_norm(max_grad_norm)
         lr = self.optimizer.param_groups[0]["lr"]
         if math.isfinite(grad_norm):
-            self.optimizer.step()
+            self.apply_clipped_grads()
         else:
             logger.warning("non-finite grad norm %s: optimizer step skipped", grad_norm)
         self.scheduler.step()
         self.zero_grad()
         return {"grad_norm": grad_norm, "lr": lr}
+
+    def apply_clipped_grads(self) -> None:
+        """The optimizer's update from the gradients `clip_grad_norm` left."""
+        self.optimizer.step()
 
     def zero_grad(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
@@ -114,16 +132,7 @@ class TrainBackend(ABC):
     def reset_optimizer_states(self) -> None:
         """slime's --reset-optimizer-states: AdamW's step counts and moments back to zero (in place, so offload and
         checkpoints see the same tensors); the learning-rate schedule goes on."""
-        for group in self.optimizer.param_groups:
-            if "step" in group:
-                group["step"] = 0
-        for state in self.optimizer.state.values():
-            for key in ("step", "exp_avg", "exp_avg_sq"):
-                value = state.get(key)
-                if isinstance(value, torch.Tensor):
-                    value.zero_()
-                elif value is not None:
-                    state[key] = 0
+        reset_adam_state(self.optimizer)
 
     # ---------------------------------------------------------------------------------------- weights
     @abstractmethod

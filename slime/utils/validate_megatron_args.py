@@ -9,7 +9,7 @@ Megatron's micro-batch rule and --lr-warmup-fraction. Each rule follows Megatron
 raising `ArgumentError` naming the flag. The MoE flags' own rules are slime/utils/moe_arguments.py's.
 
 No megatron-core import here, so slime's recipes parse on any machine; `require_train_backend` is the start-up
-check (train.py / train_async.py) that the chosen backend can be imported.
+check (train.py / train_async.py) that the chosen backend can be imported and run what the flags ask.
 """
 
 from __future__ import annotations
@@ -264,8 +264,28 @@ def validate_megatron_batches(args) -> None:
     args.lr_warmup_iters = round(args.lr_warmup_fraction * args.num_rollout * args.num_steps_per_rollout)
 
 
+def unbuilt_megatron_features(args) -> list[str]:
+    """What this run asks of the Megatron backend that it does not do (yet, or on this device): each entry names
+    the flag and how to run without it."""
+    unbuilt = []
+    if args.virtual_pipeline_model_parallel_size:
+        given = next(_flag(dest) for dest in VIRTUAL_STAGES if getattr(args, dest) is not None)
+        unbuilt.append(f"{given} (virtual pipeline stages) is not supported by --train-backend megatron yet; drop "
+                       "it (the pipeline then runs one model chunk per stage)")
+    if args.context_parallel_size > 1:
+        unbuilt.append(f"--context-parallel-size {args.context_parallel_size} needs Transformer Engine's attention "
+                       "core, which --train-backend megatron does not use yet; use --context-parallel-size 1")
+    if args.sequence_parallel and args.device != "cuda":
+        unbuilt.append("--sequence-parallel runs on GPUs only with --train-backend megatron (megatron-core's "
+                       "sequence-parallel collectives allocate on CUDA); drop it for a CPU run")
+    return unbuilt
+
+
 def require_train_backend(args) -> None:
-    """At start-up: the chosen training backend imports (megatron-core installed, the backend module present)."""
+    """At start-up (train.py / train_async.py, before Ray starts): the chosen training backend imports
+    (megatron-core installed, the backend module present) and can run what the flags ask on this device. Not part
+    of parsing, which checks Megatron's own rules: slime's stock recipes (context parallelism for GLM4, sequence
+    parallelism for Qwen3-4B) must parse on any machine, the CPU machines included."""
     if args.train_backend != "megatron":
         return
     chosen_for = megatron_parallelism_set(args)
@@ -284,3 +304,6 @@ def require_train_backend(args) -> None:
     if not has_backend:
         raise ArgumentError(f"--train-backend megatron: this slime has no Megatron training backend (module "
                             f"{MEGATRON_BACKEND_MODULE} not found); {fallback}")
+    unbuilt = unbuilt_megatron_features(args)
+    if unbuilt:
+        raise ArgumentError("; ".join(unbuilt))

@@ -38,15 +38,20 @@ def total_optimizer_steps(args) -> int | None:
     return num_rollout * args.num_steps_per_rollout
 
 
+def trainable_parameters(params) -> list[torch.nn.Parameter]:
+    params = [param for param in params if param.requires_grad]
+    if not params:
+        raise ValueError("no trainable parameter: --only-train-params-name-list / --freeze-params-name-list "
+                         "froze every parameter of the model")
+    return params
+
+
 def build_optimizer(args, params, lr: float | None = None) -> tuple[torch.optim.Optimizer,
                                                                    torch.optim.lr_scheduler.LambdaLR]:
     """AdamW (StatelessAdam with --use-stateless-adam) + schedule at `lr` (default --lr; the critic passes
     --critic-lr), over the parameters that require a gradient (the others are frozen: param_freeze.py)."""
     lr = args.lr if lr is None else lr
-    params = [param for param in params if param.requires_grad]
-    if not params:
-        raise ValueError("no trainable parameter: --only-train-params-name-list / --freeze-params-name-list "
-                         "froze every parameter of the model")
+    params = trainable_parameters(params)
     hyper = dict(lr=lr, betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps, weight_decay=args.weight_decay)
     if args.use_stateless_adam:
         optimizer = StatelessAdam(params, **hyper)

@@ -6,11 +6,10 @@ see only the data-parallel rank and size); each data-parallel replica gets its s
 returns is its share of the global loss, so gradients are summed over data parallelism (grads.py). Outputs of the
 forward live on the last pipeline stage and are broadcast to the others (micro_batches.py).
 
-Optimizer: AdamW (StatelessAdam with --use-stateless-adam) over this rank's trainable parameter shards (the
-freezing flags leave some out: param_freeze.py, by megatron-core names) with the FSDP backend's schedule
-(slime/backends/fsdp_utils/optimizer.py), so both backends step identically; the optimizer state is sharded as
-the parameters are (over TP / PP / EP), and replicated over data parallelism (megatron-core's
-DistributedOptimizer needs its CUDA-only DDP buffers).
+Optimizer: megatron-core's distributed optimizer over DDP grad buffers (optimizer.py) for this rank's trainable
+parameters (the freezing flags leave some out: param_freeze.py, by megatron-core names), its state sharded as the
+parameters are (over TP / PP / EP) and over data parallelism, with the FSDP backend's learning-rate schedule so
+both backends step identically; StatelessAdam's update with --use-stateless-adam.
 
 Checkpoints: torch_dist (checkpoint.py), and with --save-hf also an HF folder; weights for the engines: HF-named full tensors gathered to rank 0
 (hf_weights.py), sent by the shared WeightSender.
@@ -25,17 +24,17 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from slime.backends.backend import LossOf, TrainBackend
+from slime.backends.backend import LossOf, TrainBackend, reset_adam_state
 from slime.backends.fsdp_utils.backend import init_default_group, training_device
 from slime.backends.fsdp_utils.checkpoint import resolve_load_dir
-from slime.backends.fsdp_utils.optimizer import build_optimizer, move_training_state
 from slime.backends.megatron_utils import checkpoint
 from slime.backends.megatron_utils.cpu_shim import apply_cpu_shim
-from slime.backends.megatron_utils.grads import clip_grad_norm, finalize_grads
+from slime.backends.megatron_utils.grads import finalize_grads
 from slime.backends.megatron_utils.hf_weights import load_hf_weights, model_hf_weights, save_hf_checkpoint
 from slime.backends.megatron_utils.micro_batches import run_micro_batches
 from slime.backends.megatron_utils.model import build_gpt_model
 from slime.backends.megatron_utils.names import named_global_parameters
+from slime.backends.megatron_utils.optimizer import build_distributed_optimizer, wrap_data_parallel
 from slime.backends.megatron_utils.parallel import init_model_parallel
 from slime.backends.packing import PackedMicroBatch
 from slime.backends.param_freeze import freeze_parameters
@@ -45,28 +44,19 @@ class MegatronBackend(TrainBackend):
     def __init__(self, args, rank: int, world_size: int, master_addr: str, master_port: int):
         from megatron.core import parallel_state
 
-        if args.virtual_pipeline_model_parallel_size:
-            raise ValueError("--train-backend megatron: virtual pipeline stages (--num-layers-per-virtual-pipeline-"
-                             "stage / --num-virtual-stages-per-pipeline-rank) are not supported yet; drop the flag")
-        if args.context_parallel_size > 1:
-            raise ValueError("--train-backend megatron: --context-parallel-size > 1 needs Transformer Engine's "
-                             "attention core, which this backend does not use yet; use 1")
         if args.expert_model_parallel_size > 1:
             raise ValueError("--train-backend megatron: --expert-model-parallel-size > 1 is not supported yet (the "
                              "gradient sums and the weight export cover TP / PP / DP); use 1")
         self.args, self.rank, self.world_size = args, rank, world_size
         self.device = training_device(args, rank)
         if self.device.type == "cpu":
-            if args.sequence_parallel:
-                raise ValueError("--sequence-parallel runs on GPUs only with --train-backend megatron (megatron-core's "
-                                 "sequence-parallel collectives allocate on CUDA); drop it for a CPU run")
             apply_cpu_shim()
         init_default_group(self.device, rank, world_size, master_addr, master_port)
         init_model_parallel(args, self.device)
         self.dp_rank = parallel_state.get_data_parallel_rank(with_context_parallel=True)
         self.dp_size = parallel_state.get_data_parallel_world_size(with_context_parallel=True)
         self.dp_group = parallel_state.get_data_parallel_group(with_context_parallel=True)
-        self.model_chunks = []
+        self.model_chunks, self.ddp_chunks = [], []
         self.model = self.optimizer = self.scheduler = self.hf_config = None
 
     # ----------------------------------------------------------------------------------------- building
@@ -79,8 +69,9 @@ class MegatronBackend(TrainBackend):
         self.model = self.model_chunks[0]
         self._load_weights(weights_path)
         freeze_parameters(args, named_global_parameters(self.model_chunks), self._sum_over_ranks)
-        params = [param for chunk in self.model_chunks for param in chunk.parameters()]
-        self.optimizer, self.scheduler = build_optimizer(args, params)
+        self.ddp_chunks = wrap_data_parallel(self.model_chunks)
+        self.optimizer, self.scheduler = build_distributed_optimizer(args, self.ddp_chunks,
+                                                                     self.model.config.params_dtype)
 
     def _sum_over_ranks(self, counts: list[int]) -> list[int]:
         total = torch.tensor(counts, dtype=torch.int64, device=self.device)
@@ -134,11 +125,24 @@ class MegatronBackend(TrainBackend):
 
     def forward_backward(self, micro_batches: list[PackedMicroBatch], loss_of: LossOf) -> list[dict]:
         metrics = self._run(micro_batches, loss_of)
-        finalize_grads(self.model_chunks)
+        finalize_grads(self.model_chunks, self.ddp_chunks)
         return metrics
 
     def clip_grad_norm(self, max_grad_norm: float) -> float:
-        return clip_grad_norm(self.model_chunks, max_grad_norm)
+        self.optimizer.prepare_grads()  # this rank's slice of the grad buffer to its main params' .grad
+        return float(self.optimizer.clip_grad_norm(max_grad_norm))
+
+    def apply_clipped_grads(self) -> None:
+        self.optimizer.step_with_ready_grads()  # the slices' update, all-gathered into the parameters
+
+    def reset_optimizer_states(self) -> None:
+        for inner in self.optimizer.chained_optimizers:  # the torch optimizers over this rank's slices
+            reset_adam_state(inner.optimizer)
+
+    def zero_grad(self) -> None:
+        for ddp_chunk in self.ddp_chunks:
+            ddp_chunk.zero_grad_buffer()
+        self.optimizer.zero_grad(set_to_none=True)
 
     # ---------------------------------------------------------------------------------------- weights
     def local_weights(self):
@@ -150,12 +154,23 @@ class MegatronBackend(TrainBackend):
         return model_hf_weights(self.model_chunks, self.hf_config, dtype)
 
     # ---------------------------------------------------------------------------------------- memory
+    def _buffers(self):
+        return [buffer for chunk in self.ddp_chunks for buffer in chunk.buffers + chunk.expert_parallel_buffers]
+
     def offload(self) -> None:
-        """Colocated GPU runs: parameters and optimizer state to host memory while the engines generate (one model
-        chunk: virtual pipeline stages are refused)."""
+        """Colocated GPU runs: the param and grad buffers, main weights and optimizer state to host memory while
+        the engines generate (megatron's own offload: the buffers' storage is freed, their views stay valid)."""
         if self.device.type == "cuda":
-            move_training_state(self.model, self.optimizer, "cpu")
+            torch.cuda.synchronize(self.device)
+            for buffer in self._buffers():
+                buffer.offload_to_cpu(move_params=True, move_grads=True)
+            self.optimizer.offload_to_cpu()
+            torch.cuda.synchronize(self.device)
+            torch.cuda.empty_cache()
 
     def onload(self) -> None:
         if self.device.type == "cuda":
-            move_training_state(self.model, self.optimizer, self.device)
+            for buffer in self._buffers():
+                buffer.reload_from_cpu(move_params=True, move_grads=True)
+            self.optimizer.restore_from_cpu()
+            torch.cuda.synchronize(self.device)

@@ -3,7 +3,8 @@ a checkpoint saved at TP=2 loads at TP=1 (or any other TP / PP layout), the opti
 
 Folder: `{save}/rollout_{id}/` (the project's layout, so the driver's `--load` checks and the data-source run state
 work for both backends; slime's Megatron writes `iter_{id:07d}/`): `torch_dist/` (model weights and, unless
---no-save-optim, AdamW's exp_avg / exp_avg_sq as sharded tensors laid out like their parameters),
+--no-save-optim, the distributed optimizer's state: main weights and Adam moments as sharded tensors laid out like
+their parameters, optimizer.py),
 `scheduler.pt`, `rng/rank_{r}.pt`, `meta.json` (rollout id, format, the files a resume reads), the driver's
 `run_state.json`, and the HF config and tokenizer files of --hf-checkpoint. Written under a temporary name, renamed
 when complete, `{save}/latest` last (fsdp_utils/checkpoint.py's `publish_checkpoint`). Iteration = rollout id.
@@ -46,38 +47,31 @@ def _model_sharded_state_dict(model_chunks) -> dict:
     return {f"model{i}": chunk.sharded_state_dict() for i, chunk in enumerate(model_chunks)}
 
 
-def _parameters(optimizer) -> list[torch.nn.Parameter]:
-    return [param for group in optimizer.param_groups for param in group["params"]]
+# megatron's distributed optimizer state in its canonical form (each parameter's main weight and Adam moments laid
+# out like the parameter, gathered over data parallelism at save, sliced per rank at load): loadable at any
+# TP / PP / DP layout. (megatron's 'dp_reshardable' reshards over DP only; 'fully_sharded_model_space' needs the
+# flattened ShardedTensors that megatron-core 0.16 no longer supports.) Memory-efficient: the gather runs over the
+# gloo data-parallel group into host memory of DP rank 0 (on the CPU the only way; on GPUs it spares device memory).
+OPTIMIZER_SHARDING = {"distrib_optim_sharding_type": "fully_reshardable",
+                      "distrib_optim_fully_reshardable_mem_efficient": True}
 
 
-def _optimizer_sharded_state_dict(optimizer, model_sharded: dict) -> dict:
-    """AdamW's state with each moment a sharded tensor laid out like its parameter; the step (the same for every
-    parameter) saved once, as megatron-core's own optimizers do."""
-    from megatron.core.dist_checkpointing.optimizer import (
-        get_param_id_to_sharded_param_map,
-        optim_state_to_sharding_state,
-    )
-
-    state_dict = optimizer.state_dict()
-    steps = {float(param_state["step"]) for param_state in state_dict["state"].values()}
-    assert len(steps) <= 1, f"AdamW steps differ across parameters: {steps}"
-    id_to_sharded = get_param_id_to_sharded_param_map(model_sharded, _parameters(optimizer))
-    optim_state_to_sharding_state(state_dict, id_to_sharded, exclude_keys="step")
-    if steps:
-        state_dict["state"]["common_step"] = torch.tensor(steps.pop())
-    return state_dict
+def _optimizer_sharded_state_dict(optimizer, model_sharded: dict, *, is_loading: bool) -> dict:
+    return optimizer.sharded_state_dict(model_sharded, is_loading=is_loading, metadata=OPTIMIZER_SHARDING)
 
 
 def _init_optimizer_state(optimizer) -> None:
-    """Create AdamW's state (zero moments) without changing any parameter: a step at lr 0 over zero gradients."""
-    params = _parameters(optimizer)
-    for param in params:
-        param.grad = torch.zeros_like(param)
-    lrs = [group["lr"] for group in optimizer.param_groups]
-    for group in optimizer.param_groups:
+    """Create Adam's state (the loading template needs its step) without changing any weight: one step at lr 0 over
+    zero gradients (megatron's own dummy step runs at the current lr, whose decoupled weight decay would)."""
+    groups = optimizer.param_groups
+    lrs = [group["lr"] for group in groups]
+    for group in groups:
         group["lr"] = 0.0
-    optimizer.step()
-    for group, lr in zip(optimizer.param_groups, lrs):
+        for param in group["params"]:
+            param.grad = torch.zeros_like(param)
+    for inner in optimizer.chained_optimizers:
+        inner.optimizer.step()
+    for group, lr in zip(groups, lrs):
         group["lr"] = lr
     optimizer.zero_grad(set_to_none=True)
 
@@ -98,7 +92,7 @@ def _write_torch_dist(tmp: Path, model_chunks, optimizer, hf_checkpoint: str) ->
     barrier()
     sharded = _model_sharded_state_dict(model_chunks)
     if optimizer is not None:
-        sharded["optimizer"] = _optimizer_sharded_state_dict(optimizer, sharded)
+        sharded["optimizer"] = _optimizer_sharded_state_dict(optimizer, sharded, is_loading=False)
     dist_checkpointing.save(sharded, str(tmp / TORCH_DIST_DIR))
     torch.save(rng_state(), tmp / "rng" / f"rank_{rank}.pt")
 
@@ -170,13 +164,8 @@ def load_training_state(ckpt: Path, model_chunks, optimizer, scheduler) -> int:
     if meta["optimizer"]:
         _init_optimizer_state(optimizer)
         sharded = _model_sharded_state_dict(model_chunks)
-        template = {"optimizer": _optimizer_sharded_state_dict(optimizer, sharded)}
-        state = dist_checkpointing.load(template, str(ckpt / TORCH_DIST_DIR))["optimizer"]
-        step = state["state"].pop("common_step", None)
-        if step is not None:
-            for param_state in state["state"].values():
-                param_state["step"] = step.clone()
-        optimizer.load_state_dict(state)
+        template = {"optimizer": _optimizer_sharded_state_dict(optimizer, sharded, is_loading=True)}
+        optimizer.load_state_dict(dist_checkpointing.load(template, str(ckpt / TORCH_DIST_DIR))["optimizer"])
     scheduler.load_state_dict(torch_load(ckpt, ckpt / SCHEDULER_FILE))
     rng_file = ckpt / "rng" / f"rank_{dist.get_rank()}.pt"
     if rng_file.is_file():  # a resume on more ranks than were saved: the new ranks keep their seeded state

@@ -11,7 +11,12 @@ More appear past the plain forward and backward; the modules involved get a `tor
 - the pipeline schedules (`get_forward_backward_func`, also at PP=1) and p2p communication allocate token counters
   and shape messages with `device="cuda"` / `torch.cuda.current_device()`;
 - dist_checkpointing's saver synchronises CUDA before writing and reduces its success flags on "cuda";
-- the MoE router moves its weight to `torch.cuda.current_device()` at its first forward.
+- the MoE router moves its weight to `torch.cuda.current_device()` at its first forward;
+- the distributed optimizer's stack: DDP's grad and param buffers, the optimizer's flags and gathers, the grad
+  norm and its local multi-tensor fallback (`megatron.core.utils`, as Apex and Transformer Engine are absent).
+And one question is answered as for CUDA: the distributed optimizer sorts its parameters by `Tensor.type()`, and
+the gradient clipping asserts it, accepting only 'torch.cuda.*Tensor' names; while they do, a CPU tensor's type
+reads as its CUDA twin's.
 And two are replaced: with PP > 1 and tied embeddings `LanguageModule.setup_embeddings_and_output_layer` moves the
 last stage's copy of the embedding to CUDA before the all-reduce that makes both copies equal (here the all-reduce
 runs on the CPU); the alltoall MoE token dispatcher creates a CUDA stream for its device-to-host copies of the
@@ -75,6 +80,32 @@ class _CpuDeviceTorch:
         return getattr(torch, name)
 
 
+@contextlib.contextmanager
+def _cuda_type_names():
+    """`Tensor.type()` (no arguments) of a CPU tensor reads 'torch.cuda.FloatTensor' for 'torch.FloatTensor'."""
+    original = torch.Tensor.type
+
+    def type_as_on_cuda(self, *args, **kwargs):
+        name = original(self, *args, **kwargs)
+        if args or kwargs or self.is_cuda:
+            return name
+        return name.replace("torch.", "torch.cuda.", 1)
+
+    torch.Tensor.type = type_as_on_cuda
+    try:
+        yield
+    finally:
+        torch.Tensor.type = original
+
+
+def _with_cuda_type_names(function):
+    def wrapped(*args, **kwargs):
+        with _cuda_type_names():
+            return function(*args, **kwargs)
+
+    return wrapped
+
+
 class _UninitializedDistributed:
     @staticmethod
     def is_initialized() -> bool:
@@ -116,7 +147,11 @@ def apply_cpu_shim() -> None:
     global _applied
     if _applied:
         return
+    from megatron.core import utils as core_utils
+    from megatron.core.distributed import distributed_data_parallel, param_and_grad_buffer
     from megatron.core.fusions import fused_softmax
+    from megatron.core.optimizer import clip_grads, distrib_optimizer
+    from megatron.core.optimizer import optimizer as megatron_optimizer
     from megatron.core.models.common.language_module import language_module
     from megatron.core.pipeline_parallel import p2p_communication, schedules
     from megatron.core.dist_checkpointing.strategies import filesystem_async, state_dict_saver
@@ -139,8 +174,13 @@ def apply_cpu_shim() -> None:
     transformer_utils.get_default_causal_mask = _cpu_causal_mask
     fused_softmax.get_default_causal_mask = _cpu_causal_mask
     tp_random.CudaRNGStatesTracker.fork = lambda self, name=None: contextlib.nullcontext()
-    for module in (schedules, p2p_communication, router, filesystem_async, state_dict_saver):
+    for module in (schedules, p2p_communication, router, filesystem_async, state_dict_saver, param_and_grad_buffer,
+                   distributed_data_parallel, distrib_optimizer, megatron_optimizer, clip_grads, core_utils):
         module.torch = _CpuDeviceTorch()
+    optimizer_class = distrib_optimizer.DistributedOptimizer
+    optimizer_class._build_model_and_main_param_groups = staticmethod(
+        _with_cuda_type_names(optimizer_class._build_model_and_main_param_groups))
+    megatron_optimizer.clip_grad_by_total_norm_fp32 = _with_cuda_type_names(clip_grads.clip_grad_by_total_norm_fp32)
     MoEAlltoAllTokenDispatcher.cuda_dtoh_stream = "cpu: no stream"  # set, so no CUDA stream is created
     MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize = \
         lambda self, point, tokens_per_expert=None: tokens_per_expert

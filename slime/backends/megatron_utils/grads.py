@@ -1,19 +1,18 @@
 """Gradient bookkeeping of the Megatron backend between backward and the optimizer step, the rules of
-megatron-core's `finalize_model_grads` for a model without its DDP wrapper:
+megatron-core's `finalize_model_grads` on the DDP grad buffers (`param.main_grad`, optimizer.py):
 - summed over the tensor-parallel group: the weights that see only part of the work on each TP rank (norms under
   sequence parallelism, the q/k norms of each rank's heads);
 - summed over the embedding group: with tied embeddings and PP > 1, the first stage's embedding and the last
   stage's output-layer copy are one weight;
-- summed over data parallelism: every rank's loss is its share of the global loss, so the sum of the ranks'
-  gradients is the gradient of the whole batch.
-Then the global L2 norm (each distinct weight counted once) and clipping, as `torch.nn.utils.clip_grad_norm_`.
+- summed over data parallelism by DDP's `finish_grad_sync` (reduce-scattered: each rank's slice of the buffer
+  holds the sum, which the distributed optimizer steps): every rank's loss is its share of the global loss, so the
+  sum of the ranks' gradients is the gradient of the whole batch.
+The sums over TP and the embedding group run on the whole buffer before the data-parallel one (they commute).
 
-Not the optimizer (slime/backends/fsdp_utils/optimizer.py's AdamW and schedule serve both backends).
+Not the norm and clipping (megatron's optimizer computes them over its slices) and not the optimizer.
 """
 
 from __future__ import annotations
-
-import math
 
 import torch
 import torch.distributed as dist
@@ -41,48 +40,22 @@ def _tied_embedding_weights(model_chunks) -> list[torch.nn.Parameter]:
     return weights
 
 
-def finalize_grads(model_chunks) -> None:
+def finalize_grads(model_chunks, ddp_chunks) -> None:
+    """`model_chunks` the GPTModels, `ddp_chunks` their DDP wrappers (whose buffers hold the gradients)."""
     from megatron.core import parallel_state
 
     config = model_chunks[0].config
     tp_summed = []
     for chunk in model_chunks:
         for name, param in chunk.named_parameters():
-            if param.grad is None:
+            if not param.requires_grad:
                 continue
             if (config.sequence_parallel and getattr(param, "sequence_parallel", False)) or (
                     config.qk_layernorm and ("q_layernorm" in name or "k_layernorm" in name)):
-                tp_summed.append(param.grad)
+                tp_summed.append(param.main_grad)
     _all_reduce_grads(tp_summed, parallel_state.get_tensor_model_parallel_group())
-    tied = [weight.grad for weight in _tied_embedding_weights(model_chunks) if weight.grad is not None]
+    tied = [weight.main_grad for weight in _tied_embedding_weights(model_chunks) if weight.requires_grad]
     if tied and parallel_state.is_rank_in_embedding_group():
         _all_reduce_grads(tied, parallel_state.get_embedding_group())
-    grads = [param.grad for chunk in model_chunks for param in chunk.parameters() if param.grad is not None]
-    _all_reduce_grads(grads, parallel_state.get_data_parallel_group(with_context_parallel=True))
-
-
-def clip_grad_norm(model_chunks, max_norm: float) -> float:
-    """Global L2 norm of the gradients of the whole model (returned), clipped in place when max_norm is finite."""
-    from megatron.core import parallel_state
-
-    tp_rank = parallel_state.get_tensor_model_parallel_rank()
-    counted, grads = [], []
-    for chunk in model_chunks:
-        for param in chunk.parameters():
-            if param.grad is None:
-                continue
-            grads.append(param.grad)
-            if getattr(param, "shared", False):
-                continue  # the last stage's copy of a tied embedding: the first stage counts it
-            if getattr(param, "tensor_model_parallel", False) or tp_rank == 0:
-                counted.append(param.grad)
-    squared = torch.zeros((), dtype=torch.float64, device=grads[0].device if grads else "cpu")
-    if counted:
-        squared = torch.stack([g.double().square().sum() for g in counted]).sum()
-    dist.all_reduce(squared, group=parallel_state.get_model_parallel_group())
-    total = float(squared.sqrt())
-    if math.isfinite(max_norm) and grads:
-        coefficient = min(1.0, max_norm / (total + 1e-6))
-        if coefficient < 1.0:
-            torch._foreach_mul_(grads, coefficient)
-    return total
+    for ddp_chunk in ddp_chunks:
+        ddp_chunk.finish_grad_sync()

@@ -81,7 +81,8 @@ def run_micro_batches(model_chunks, micro_batches: list[PackedMicroBatch], *, te
                       device, chunk_size: int | None = None, loss_of: LossOf | None = None):
     """Forward-only (loss_of None): per micro-batch (log_probs, entropy) of its response tokens, on every rank.
     Otherwise forward + backward of `loss_of(index of the micro-batch, (log_probs, entropy)) -> (loss, metrics)`
-    (gradients accumulate in .grad); returns the per-micro-batch metric dicts, on every rank."""
+    (gradients accumulate in the DDP grad buffers, `param.main_grad`); returns the per-micro-batch metric dicts, on
+    every rank."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     if not micro_batches:
