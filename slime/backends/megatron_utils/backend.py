@@ -47,9 +47,6 @@ class MegatronBackend(TrainBackend):
         if args.context_parallel_size > 1:
             raise ValueError("--train-backend megatron: --context-parallel-size > 1 needs Transformer Engine's "
                              "attention core, which this backend does not use yet; use 1")
-        if args.expert_model_parallel_size > 1:
-            raise ValueError("--train-backend megatron: --expert-model-parallel-size > 1 is not supported yet (the "
-                             "gradient sums and the weight export cover TP / PP / DP); use 1")
         self.args, self.rank, self.world_size = args, rank, world_size
         self.device = training_device(args, rank)
         if self.device.type == "cpu":

@@ -11,11 +11,14 @@ More appear past the plain forward and backward; the modules involved get a `tor
 - the pipeline schedules (`get_forward_backward_func`, also at PP=1) and p2p communication allocate token counters
   and shape messages with `device="cuda"` / `torch.cuda.current_device()`;
 - dist_checkpointing's saver synchronises CUDA before writing and reduces its success flags on "cuda";
-- the MoE router moves its weight to `torch.cuda.current_device()` at its first forward.
+- the MoE router moves its weight to `torch.cuda.current_device()` at its first forward;
+- the tensor-parallel mappings (the expert-parallel token dispatch gathers through them) allocate their gather
+  buffers on `torch.cuda.current_device()`.
 And two are replaced: with PP > 1 and tied embeddings `LanguageModule.setup_embeddings_and_output_layer` moves the
 last stage's copy of the embedding to CUDA before the all-reduce that makes both copies equal (here the all-reduce
 runs on the CPU); the alltoall MoE token dispatcher creates a CUDA stream for its device-to-host copies of the
-routing counts (on the CPU they are host tensors already: no stream, no copy).
+routing counts (on the CPU they are host tensors already: no stream, no copy; the split sizes become the numpy
+arrays its all-to-alls take).
 
 `apply_cpu_shim()` is applied explicitly by the backend when its device is the CPU, not at import: importing this
 package must not change megatron-core for a process that trains on a GPU.
@@ -111,6 +114,17 @@ def _cpu_setup_embeddings(language_module, original):
     return setup_embeddings_and_output_layer
 
 
+def _host_split_sizes(dispatcher, point: str, tokens_per_expert=None):
+    """The alltoall dispatcher's device-to-host step on the CPU: no copy and no stream, but the all-to-all split
+    sizes as numpy arrays, the form its collectives take them in (as the CUDA path leaves them)."""
+    if not dispatcher.drop_and_pad and point == dispatcher.cuda_dtoh_point:
+        for name in ("input_splits", "output_splits", "output_splits_tp"):
+            value = getattr(dispatcher, name)
+            if torch.is_tensor(value):
+                setattr(dispatcher, name, value.numpy())
+    return tokens_per_expert
+
+
 def apply_cpu_shim() -> None:
     """Patch megatron-core's CUDA assumptions for a process that trains on the CPU; idempotent."""
     global _applied
@@ -123,7 +137,7 @@ def apply_cpu_shim() -> None:
     from megatron.core.transformer.moe import router
     from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
     from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
-    from megatron.core.tensor_parallel import random as tp_random
+    from megatron.core.tensor_parallel import mappings, random as tp_random
     from megatron.core.transformer import utils as transformer_utils
 
     def get_emb_on_cpu(self, max_seq_len: int, offset: int = 0) -> torch.Tensor:
@@ -139,11 +153,10 @@ def apply_cpu_shim() -> None:
     transformer_utils.get_default_causal_mask = _cpu_causal_mask
     fused_softmax.get_default_causal_mask = _cpu_causal_mask
     tp_random.CudaRNGStatesTracker.fork = lambda self, name=None: contextlib.nullcontext()
-    for module in (schedules, p2p_communication, router, filesystem_async, state_dict_saver):
+    for module in (schedules, p2p_communication, router, filesystem_async, state_dict_saver, mappings):
         module.torch = _CpuDeviceTorch()
     MoEAlltoAllTokenDispatcher.cuda_dtoh_stream = "cpu: no stream"  # set, so no CUDA stream is created
-    MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize = \
-        lambda self, point, tokens_per_expert=None: tokens_per_expert
+    MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize = _host_split_sizes
     language_module.LanguageModule.setup_embeddings_and_output_layer = _cpu_setup_embeddings(
         language_module, language_module.LanguageModule.setup_embeddings_and_output_layer)
     _applied = True

@@ -5,8 +5,12 @@ megatron-core's `finalize_model_grads` for a model without its DDP wrapper:
 - summed over the embedding group: with tied embeddings and PP > 1, the first stage's embedding and the last
   stage's output-layer copy are one weight;
 - summed over data parallelism: every rank's loss is its share of the global loss, so the sum of the ranks'
-  gradients is the gradient of the whole batch.
-Then the global L2 norm (each distinct weight counted once) and clipping, as `torch.nn.utils.clip_grad_norm_`.
+  gradients is the gradient of the whole batch. Expert weights (`allreduce` False) are summed over the expert
+  data-parallel group instead: with expert parallelism an expert's tokens arrive from every rank of its
+  expert-parallel group through the token dispatcher, so its gradient already holds their share.
+Then the global L2 norm (each distinct weight counted once: a shard on every rank of its tensor-parallel group,
+a replicated weight on the group's rank 0; the dense weights' squares summed over the model-parallel group, the
+experts' over the expert tensor x expert x pipeline group) and clipping, as `torch.nn.utils.clip_grad_norm_`.
 
 Not the optimizer (slime/backends/fsdp_utils/optimizer.py's AdamW and schedule serve both backends).
 """
@@ -18,6 +22,8 @@ import math
 import torch
 import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+from slime.backends.megatron_utils import tp_shards
 
 
 def _all_reduce_grads(grads: list[torch.Tensor], group) -> None:
@@ -41,6 +47,11 @@ def _tied_embedding_weights(model_chunks) -> list[torch.nn.Parameter]:
     return weights
 
 
+def is_expert(param) -> bool:
+    """An expert weight: megatron-core marks them `allreduce` False (not summed over plain data parallelism)."""
+    return not getattr(param, "allreduce", True)
+
+
 def finalize_grads(model_chunks) -> None:
     from megatron.core import parallel_state
 
@@ -57,16 +68,19 @@ def finalize_grads(model_chunks) -> None:
     tied = [weight.grad for weight in _tied_embedding_weights(model_chunks) if weight.grad is not None]
     if tied and parallel_state.is_rank_in_embedding_group():
         _all_reduce_grads(tied, parallel_state.get_embedding_group())
-    grads = [param.grad for chunk in model_chunks for param in chunk.parameters() if param.grad is not None]
-    _all_reduce_grads(grads, parallel_state.get_data_parallel_group(with_context_parallel=True))
+    params = [param for chunk in model_chunks for param in chunk.parameters() if param.grad is not None]
+    _all_reduce_grads([param.grad for param in params if not is_expert(param)],
+                      parallel_state.get_data_parallel_group(with_context_parallel=True))
+    expert_grads = [param.grad for param in params if is_expert(param)]
+    if expert_grads:
+        _all_reduce_grads(expert_grads, parallel_state.get_expert_data_parallel_group())
 
 
 def clip_grad_norm(model_chunks, max_norm: float) -> float:
     """Global L2 norm of the gradients of the whole model (returned), clipped in place when max_norm is finite."""
     from megatron.core import parallel_state
 
-    tp_rank = parallel_state.get_tensor_model_parallel_rank()
-    counted, grads = [], []
+    grads, counted = [], {False: [], True: []}  # counted: dense and expert gradients of distinct weights
     for chunk in model_chunks:
         for param in chunk.parameters():
             if param.grad is None:
@@ -74,12 +88,18 @@ def clip_grad_norm(model_chunks, max_norm: float) -> float:
             grads.append(param.grad)
             if getattr(param, "shared", False):
                 continue  # the last stage's copy of a tied embedding: the first stage counts it
-            if getattr(param, "tensor_model_parallel", False) or tp_rank == 0:
-                counted.append(param.grad)
-    squared = torch.zeros((), dtype=torch.float64, device=grads[0].device if grads else "cpu")
-    if counted:
-        squared = torch.stack([g.double().square().sum() for g in counted]).sum()
-    dist.all_reduce(squared, group=parallel_state.get_model_parallel_group())
+            if tp_shards.is_sharded(param) or tp_shards.shard_rank(param) == 0:
+                counted[is_expert(param)].append(param.grad)
+    device = grads[0].device if grads else "cpu"
+    squared = torch.zeros((), dtype=torch.float64, device=device)
+    groups = {False: parallel_state.get_model_parallel_group(),
+              True: parallel_state.get_expert_tensor_model_pipeline_parallel_group()}
+    for expert, group in groups.items():
+        part = torch.zeros((), dtype=torch.float64, device=device)
+        if counted[expert]:
+            part = torch.stack([g.double().square().sum() for g in counted[expert]]).sum()
+        dist.all_reduce(part, group=group)
+        squared += part
     total = float(squared.sqrt())
     if math.isfinite(max_norm) and grads:
         coefficient = min(1.0, max_norm / (total + 1e-6))
