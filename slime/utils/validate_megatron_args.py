@@ -165,6 +165,11 @@ def _resolve_layout(args, config: dict) -> None:
         logger.warning("--sequence-parallel has no effect with --tensor-model-parallel-size 1 (Megatron turns it "
                        "off too)")
         args.sequence_parallel = False
+    replay = "--use-rollout-routing-replay" if args.use_rollout_routing_replay else (
+        "--use-routing-replay" if args.use_routing_replay else None)
+    _require(not (replay and args.sequence_parallel),
+             f"{replay} with --sequence-parallel: the Megatron backend replays routing on whole micro-batch rows, "
+             "and sequence parallelism splits them over the tensor-parallel ranks; drop --sequence-parallel")
     _resolve_pipeline(args, args.num_layers or config.get("num_hidden_layers"))
 
 

@@ -33,6 +33,7 @@ from slime.backends.megatron_utils.grads import clip_grad_norm, finalize_grads
 from slime.backends.megatron_utils.hf_weights import load_hf_weights, model_hf_weights, save_hf_checkpoint
 from slime.backends.megatron_utils.micro_batches import run_micro_batches
 from slime.backends.megatron_utils.model import build_gpt_model
+from slime.backends.megatron_utils.moe_router import install_routers
 from slime.backends.megatron_utils.parallel import init_model_parallel
 from slime.backends.packing import PackedMicroBatch
 
@@ -70,6 +71,7 @@ class MegatronBackend(TrainBackend):
         self.hf_config = AutoConfig.from_pretrained(args.hf_checkpoint)
         self.model_chunks = [build_gpt_model(args, self.hf_config, self.device)]
         self.model = self.model_chunks[0]
+        self.routing_replay = install_routers(self.model_chunks, self.hf_config)
         self._load_weights(weights_path)
         params = [param for chunk in self.model_chunks for param in chunk.parameters()]
         self.optimizer, self.scheduler = build_optimizer(args, params)
@@ -109,7 +111,8 @@ class MegatronBackend(TrainBackend):
     def _run(self, micro_batches, loss_of=None):
         return run_micro_batches(self.model_chunks, micro_batches, temperature=self.args.rollout_temperature,
                                  vocab_size=self.hf_config.vocab_size, device=self.device,
-                                 chunk_size=self.args.log_probs_chunk_size, loss_of=loss_of)
+                                 chunk_size=self.args.log_probs_chunk_size, loss_of=loss_of,
+                                 routing_replay=self.routing_replay)
 
     @torch.no_grad()
     def forward_only(self, micro_batches: list[PackedMicroBatch]) -> list:

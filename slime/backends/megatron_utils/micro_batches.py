@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 from slime.backends.backend import LossOf
 from slime.backends.packing import PackedMicroBatch, to_device
+from slime.backends.routing_replay import RoutingReplay
 from slime.backends.megatron_utils.log_probs import (
     hidden_state_log_probs_and_entropy,
     vocab_parallel_log_probs_and_entropy,
@@ -77,11 +78,19 @@ def _to_host(output):
     return tuple(tensor.cpu() for tensor in output)
 
 
+def _replay_in_recompute(routing_replay: RoutingReplay, routing: torch.Tensor | None, grad: torch.Tensor) -> None:
+    routing_replay.set_routing(routing)
+
+
 def run_micro_batches(model_chunks, micro_batches: list[PackedMicroBatch], *, temperature: float, vocab_size: int,
-                      device, chunk_size: int | None = None, loss_of: LossOf | None = None):
+                      device, chunk_size: int | None = None, loss_of: LossOf | None = None,
+                      routing_replay: RoutingReplay | None = None):
     """Forward-only (loss_of None): per micro-batch (log_probs, entropy) of its response tokens, on every rank.
     Otherwise forward + backward of `loss_of(index of the micro-batch, (log_probs, entropy)) -> (loss, metrics)`
-    (gradients accumulate in .grad); returns the per-micro-batch metric dicts, on every rank."""
+    (gradients accumulate in .grad); returns the per-micro-batch metric dicts, on every rank.
+    `routing_replay` (an MoE policy's): each forward runs in its micro-batch's routing context; with activation
+    recompute, the gradient reaching a micro-batch's output sets its routing again, since the pipeline schedule
+    recomputes that micro-batch's layers in its backward, after other micro-batches' forwards."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     if not micro_batches:
@@ -111,7 +120,13 @@ def run_micro_batches(model_chunks, micro_batches: list[PackedMicroBatch], *, te
     def forward_step(data_iterator, model):
         index, micro_batch = next(data_iterator)
         inputs = thd_input(micro_batch, device, pad_multiple)
-        output = model(inputs.input_ids, inputs.position_ids, None, packed_seq_params=inputs.packed_seq_params)
+        if routing_replay is None:
+            return model(inputs.input_ids, inputs.position_ids, None, packed_seq_params=inputs.packed_seq_params), \
+                partial(loss_func, index, micro_batch)
+        with routing_replay.micro_batch(micro_batch.routed_experts):
+            output = model(inputs.input_ids, inputs.position_ids, None, packed_seq_params=inputs.packed_seq_params)
+        if config.recompute_granularity is not None and routing_replay.replaying and output.requires_grad:
+            output.register_hook(partial(_replay_in_recompute, routing_replay, micro_batch.routed_experts))
         return output, partial(loss_func, index, micro_batch)
 
     for chunk in model_chunks:

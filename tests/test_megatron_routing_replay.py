@@ -1,0 +1,107 @@
+"""Routing replay on the Megatron backend, on test_routing_replay.py's near-tie Qwen3-MoE (the engine serves the
+checkpoint whose experts 0 and 1 route by r + d / r - d, the trainer trains the one with -d): with R3
+(--use-rollout-routing-replay) megatron-core's routers hand the engine's experts to the token dispatcher exactly
+and the old log-probs match the rollout's; routing freely they do not. --use-routing-replay trains on the
+old-policy pass's routing even after the router changed. Over two pipeline stages, each stage replays its own
+layers and the router agreement counts every layer."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from fsdp_helpers import make_trainer, run_distributed
+from megatron_helpers import make_megatron_args
+from test_routing_replay import checkpoints, rollout  # noqa: F401 - the module-scoped fixtures
+
+pytest.importorskip("megatron.core")
+
+
+def _routers(trainer):
+    return [layer.mlp.router for chunk in trainer.backend.model_chunks for layer in chunk.decoder.layers]
+
+
+def _capture_routing_maps(trainer) -> list[torch.Tensor]:
+    """The [tokens, experts] routing map each router hands to the token dispatcher, in forward order."""
+    received = []
+    for router in _routers(trainer):
+        router.register_forward_hook(lambda _module, _inputs, output: received.append(output[1].clone()))
+    return received
+
+
+def _prepare(rank, world_size, port, checkpoint, data, parallel, *flags):
+    """Old and reference log-probs, the preparation metrics and the routing maps of the old-policy pass."""
+    from slime.backends.megatron_utils.parallel import destroy_model_parallel
+
+    args = make_megatron_args(checkpoint, "--get-mismatch-metrics", "--micro-batch-size", "2", "--use-kl-loss",
+                              "--ref-load", checkpoint, *flags, world_size=world_size, **parallel)
+    trainer = make_trainer(args, rank, world_size, port, with_ref=True)
+    received = _capture_routing_maps(trainer)
+    _, per_sample, metrics = trainer._prepare(data)
+    destroy_model_parallel()
+    torch.distributed.destroy_process_group()
+    return per_sample["old_log_probs"], per_sample["ref_log_probs"], metrics, received[len(received) // 2:]
+
+
+def _free_and_replayed(rank, world_size, port, checkpoint, data, parallel):
+    free = _prepare(rank, world_size, port, checkpoint, data, parallel)
+    replayed = _prepare(rank, world_size, port + 1, checkpoint, data, parallel, "--use-rollout-routing-replay")
+    return free, replayed
+
+
+def _max_mismatch(old_log_probs, data) -> float:
+    return max(float((old - torch.tensor(rollout)).abs().max())
+               for old, rollout in zip(old_log_probs, data["rollout_log_probs"]))
+
+
+def _engine_maps(data, num_experts: int) -> list[list[np.ndarray]]:
+    """Per micro-batch ([0, 1] and [2, 3]) and MoE layer, the engine's routing as a [tokens - 1 per sample,
+    experts] map, and the packed rows of the samples' last tokens (which the engine never routed)."""
+    maps, last_rows = [], []
+    for batch in ([0, 1], [2, 3]):
+        ids = np.concatenate([data["rollout_routed_experts"][i] for i in batch])
+        routing_map = np.zeros((ids.shape[0], ids.shape[1], num_experts), dtype=bool)
+        np.put_along_axis(routing_map, ids.astype(np.int64), True, axis=2)
+        maps.append([routing_map[:, layer] for layer in range(ids.shape[1])])
+        last_rows.append(np.cumsum([len(data["tokens"][i]) for i in batch]) - 1)
+    return maps, last_rows
+
+
+def _assert_engine_routing(received: list[torch.Tensor], data, layers: list[int]) -> None:
+    """`received`: a stage's routing maps, micro-batch by micro-batch, its MoE layers `layers` in each."""
+    maps, last_rows = _engine_maps(data, received[0].shape[1])
+    for index, routing_map in enumerate(received):
+        batch, position = divmod(index, len(layers))
+        routing_map = np.delete(routing_map.numpy(), last_rows[batch], axis=0)
+        np.testing.assert_array_equal(routing_map, maps[batch][layers[position]])
+
+
+def test_megatron_r3_reproduces_engine_routing_and_log_probs(checkpoints, rollout):  # noqa: F811
+    _, trainer_checkpoint = checkpoints
+    (free, _, free_metrics, _), (replayed, reference, metrics, received) = run_distributed(
+        _free_and_replayed, 1, trainer_checkpoint, rollout, {})[0]
+    for ref, old in zip(reference, free):  # the reference routes freely even with R3
+        torch.testing.assert_close(ref, old, rtol=0, atol=1e-6)
+    _assert_engine_routing(received, rollout, [0, 1])
+    assert metrics["train/router_agreement"] < 0.95
+    assert _max_mismatch(replayed, rollout) < 1e-3
+    assert _max_mismatch(free, rollout) > 0.05
+    assert metrics["train/mismatch_ratio_p99"] - metrics["train/mismatch_ratio_p1"] < 1e-3
+    assert free_metrics["train/mismatch_ratio_p99"] - free_metrics["train/mismatch_ratio_p1"] > 0.1
+    assert "train/router_agreement" not in free_metrics
+
+
+def test_megatron_r3_over_two_pipeline_stages(checkpoints, rollout):  # noqa: F811
+    """PP=2: each stage replays its own MoE layer; the old log-probs (from the last stage) match the rollout's and
+    both stages report the agreement of both layers (summed over the pipeline)."""
+    _, trainer_checkpoint = checkpoints
+    stages = run_distributed(_free_and_replayed, 2, trainer_checkpoint, rollout, {"pp": 2})
+    for stage, ((free, _, _, _), (replayed, _, metrics, received)) in enumerate(stages):
+        _assert_engine_routing(received, rollout, [stage])
+        assert _max_mismatch(replayed, rollout) < 1e-3
+        assert _max_mismatch(free, rollout) > 0.05
+    agreements = [metrics["train/router_agreement"] for _, (_, _, metrics, _) in stages]
+    assert agreements[0] == agreements[1] < 0.95
+    first_metrics = stages[0][1][2]
+    assert first_metrics["train/router_agreement_layer_min"] <= first_metrics["train/router_agreement_layer_p50"]
