@@ -105,3 +105,53 @@ def test_megatron_r3_over_two_pipeline_stages(checkpoints, rollout):  # noqa: F8
     assert agreements[0] == agreements[1] < 0.95
     first_metrics = stages[0][1][2]
     assert first_metrics["train/router_agreement_layer_min"] <= first_metrics["train/router_agreement_layer_p50"]
+
+
+def swap_tied_experts(args, rollout_id, step_id, model, optimizer, scheduler):
+    """A --custom-before-train-step-hook-path: swap the router rows of experts 0 and 1 (the near-tie), so routing
+    freely in the training forward would pick differently from the old-policy pass on the straddling tokens."""
+    with torch.no_grad():
+        for layer in model.decoder.layers:
+            weight = layer.mlp.router.weight
+            weight[[0, 1]] = weight[[1, 0]].clone()
+
+
+# (--use-routing-replay, activation recompute): replayed in the training forward, and in the backward's recompute
+RECORD_CASES = ((True, False), (True, True), (False, False))
+
+
+def _train_with_record(rank, world_size, port, checkpoint, data):
+    from slime.backends.megatron_utils.parallel import destroy_model_parallel
+
+    results = []
+    for case, (replay, recompute) in enumerate(RECORD_CASES):
+        flags = ["--use-routing-replay"] if replay else []
+        if recompute:
+            flags += ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"]
+        # --get-mismatch-metrics: an old-policy pass (one step alone would reuse the training forward's log-probs)
+        args = make_megatron_args(checkpoint, *flags, "--get-mismatch-metrics", "--micro-batch-size", "2", "--lr", "0",
+                                  "--custom-before-train-step-hook-path", f"{__name__}.swap_tied_experts")
+        trainer = make_trainer(args, port=port + case)
+        received = _capture_routing_maps(trainer)
+        metrics = trainer.train(0, data)
+        destroy_model_parallel()
+        torch.distributed.destroy_process_group()
+        results.append((received, metrics))
+    return results
+
+
+def test_megatron_routing_replay_trains_on_the_recorded_routing(checkpoints, rollout):  # noqa: F811
+    """--use-routing-replay: the training forward, and with recompute the backward's second forward, use exactly
+    the experts of the old-policy pass although the router changed in between; without it they route anew."""
+    _, trainer_checkpoint = checkpoints
+    results = run_distributed(_train_with_record, 1, trainer_checkpoint, rollout)[0]
+    num_old = 2 * 2  # two micro-batches x two MoE layers
+    for (replay, recompute), (received, metrics) in zip(RECORD_CASES, results):
+        old_pass, training = received[:num_old], received[num_old:]
+        # Per micro-batch the layers route forward (0, 1), and with recompute again in the backward (1, 0).
+        layer_order = (0, 1, 1, 0) if recompute else (0, 1)
+        expected = [old_pass[2 * micro_batch + layer] for micro_batch in (0, 1) for layer in layer_order]
+        assert len(training) == len(expected)
+        same = all(torch.equal(a, b) for a, b in zip(expected, training))
+        assert same == replay, (replay, recompute)
+        assert (metrics["train/ppo_kl"] == pytest.approx(0.0, abs=1e-4)) == replay

@@ -5,7 +5,9 @@ megatron-core 0.16.1 assumes CUDA in three places of the model's forward and bac
 - `transformer.utils.get_default_causal_mask` (also imported by name into `fusions.fused_softmax`) allocates on
   "cuda";
 - `tensor_parallel.random.CudaRNGStatesTracker.fork` swaps the CUDA RNG state around dropout and initialisation
-  (here a null context: the CPU runs use no dropout and initialise weights with `use_cpu_initialization`).
+  (here a null context: the CPU runs use no dropout and initialise weights with `use_cpu_initialization`), and
+  activation recompute (`CheckpointFunction`) saves and restores the CUDA RNG state (here nothing: it saves the
+  CPU generator's too, the only one).
 More appear past the plain forward and backward; the modules involved get a `torch` whose CUDA device is the CPU
 (`_CpuDeviceTorch`; every other attribute is torch's own):
 - the pipeline schedules (`get_forward_backward_func`, also at PP=1) and p2p communication allocate token counters
@@ -153,6 +155,8 @@ def apply_cpu_shim() -> None:
     transformer_utils.get_default_causal_mask = _cpu_causal_mask
     fused_softmax.get_default_causal_mask = _cpu_causal_mask
     tp_random.CudaRNGStatesTracker.fork = lambda self, name=None: contextlib.nullcontext()
+    tp_random._get_cuda_rng_state = lambda *args, **kwargs: None
+    tp_random._set_cuda_rng_state = lambda *args, **kwargs: None
     for module in (schedules, p2p_communication, router, filesystem_async, state_dict_saver, mappings):
         module.torch = _CpuDeviceTorch()
     MoEAlltoAllTokenDispatcher.cuda_dtoh_stream = "cpu: no stream"  # set, so no CUDA stream is created
