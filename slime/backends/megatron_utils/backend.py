@@ -11,6 +11,10 @@ Optimizer: AdamW over this rank's parameter shards with the FSDP backend's sched
 the parameters are (over TP / PP / EP), and replicated over data parallelism (megatron-core's
 DistributedOptimizer needs its CUDA-only DDP buffers).
 
+MoE: experts split over --expert-model-parallel-size ranks (data-parallel ranks of the dense weights; megatron-core's
+alltoall dispatcher moves each token to its experts' rank); the routers consult routing replay (moe_router.py) and
+add the router losses (router_losses.py).
+
 Checkpoints: torch_dist (checkpoint.py), and with --save-hf also an HF folder; weights for the engines: HF-named full tensors gathered to rank 0
 (hf_weights.py), sent by the shared WeightSender.
 
@@ -35,6 +39,7 @@ from slime.backends.megatron_utils.micro_batches import run_micro_batches
 from slime.backends.megatron_utils.model import build_gpt_model
 from slime.backends.megatron_utils.moe_router import install_routers
 from slime.backends.megatron_utils.parallel import init_model_parallel
+from slime.backends.megatron_utils.router_losses import install_router_losses
 from slime.backends.packing import PackedMicroBatch
 
 
@@ -61,7 +66,7 @@ class MegatronBackend(TrainBackend):
         self.dp_size = parallel_state.get_data_parallel_world_size(with_context_parallel=True)
         self.dp_group = parallel_state.get_data_parallel_group(with_context_parallel=True)
         self.model_chunks = []
-        self.model = self.optimizer = self.scheduler = self.hf_config = None
+        self.model = self.optimizer = self.scheduler = self.hf_config = self.router_losses = None
 
     # ----------------------------------------------------------------------------------------- building
     def build_policy(self, weights_path: str) -> None:
@@ -72,6 +77,7 @@ class MegatronBackend(TrainBackend):
         self.model_chunks = [build_gpt_model(args, self.hf_config, self.device)]
         self.model = self.model_chunks[0]
         self.routing_replay = install_routers(self.model_chunks, self.hf_config)
+        self.router_losses = install_router_losses(args, self.model_chunks)
         self._load_weights(weights_path)
         params = [param for chunk in self.model_chunks for param in chunk.parameters()]
         self.optimizer, self.scheduler = build_optimizer(args, params)
@@ -112,7 +118,7 @@ class MegatronBackend(TrainBackend):
         return run_micro_batches(self.model_chunks, micro_batches, temperature=self.args.rollout_temperature,
                                  vocab_size=self.hf_config.vocab_size, device=self.device,
                                  chunk_size=self.args.log_probs_chunk_size, loss_of=loss_of,
-                                 routing_replay=self.routing_replay)
+                                 routing_replay=self.routing_replay, router_losses=self.router_losses)
 
     @torch.no_grad()
     def forward_only(self, micro_batches: list[PackedMicroBatch]) -> list:
@@ -123,7 +129,11 @@ class MegatronBackend(TrainBackend):
                 chunk.train()
 
     def forward_backward(self, micro_batches: list[PackedMicroBatch], loss_of: LossOf) -> list[dict]:
+        if self.router_losses is not None:
+            self.router_losses.start(len(micro_batches), self.dp_size)
         metrics = self._run(micro_batches, loss_of)
+        if self.router_losses is not None:
+            metrics.append(self.router_losses.finish(self.dp_size))  # shares, as the per-micro-batch metrics
         finalize_grads(self.model_chunks)
         return metrics
 

@@ -15,6 +15,7 @@ the loss math (the flow's `loss_of`).
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import dataclass
 from functools import partial
 
@@ -23,6 +24,7 @@ import torch.distributed as dist
 
 from slime.backends.backend import LossOf
 from slime.backends.packing import PackedMicroBatch, to_device
+from slime.backends.megatron_utils.router_losses import RouterLosses
 from slime.backends.routing_replay import RoutingReplay
 from slime.backends.megatron_utils.log_probs import (
     hidden_state_log_probs_and_entropy,
@@ -78,19 +80,24 @@ def _to_host(output):
     return tuple(tensor.cpu() for tensor in output)
 
 
-def _replay_in_recompute(routing_replay: RoutingReplay, routing: torch.Tensor | None, grad: torch.Tensor) -> None:
-    routing_replay.set_routing(routing)
+def _before_recompute(micro_batch: PackedMicroBatch, routing_replay: RoutingReplay | None,
+                      router_losses: RouterLosses | None, grad: torch.Tensor) -> None:
+    if routing_replay is not None:
+        routing_replay.set_routing(micro_batch.routed_experts)
+    if router_losses is not None:
+        router_losses.sample_lengths = micro_batch.cu_seqlens.diff().tolist()
 
 
 def run_micro_batches(model_chunks, micro_batches: list[PackedMicroBatch], *, temperature: float, vocab_size: int,
                       device, chunk_size: int | None = None, loss_of: LossOf | None = None,
-                      routing_replay: RoutingReplay | None = None):
+                      routing_replay: RoutingReplay | None = None, router_losses: RouterLosses | None = None):
     """Forward-only (loss_of None): per micro-batch (log_probs, entropy) of its response tokens, on every rank.
     Otherwise forward + backward of `loss_of(index of the micro-batch, (log_probs, entropy)) -> (loss, metrics)`
     (gradients accumulate in .grad); returns the per-micro-batch metric dicts, on every rank.
-    `routing_replay` (an MoE policy's): each forward runs in its micro-batch's routing context; with activation
-    recompute, the gradient reaching a micro-batch's output sets its routing again, since the pipeline schedule
-    recomputes that micro-batch's layers in its backward, after other micro-batches' forwards."""
+    An MoE policy's `routing_replay` and `router_losses` learn which micro-batch's layers run: each forward runs in
+    its micro-batch's routing context, and with activation recompute the gradient reaching a micro-batch's output
+    tells them again, since the pipeline schedule recomputes that micro-batch's layers in its backward, after other
+    micro-batches' forwards."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     if not micro_batches:
@@ -120,13 +127,13 @@ def run_micro_batches(model_chunks, micro_batches: list[PackedMicroBatch], *, te
     def forward_step(data_iterator, model):
         index, micro_batch = next(data_iterator)
         inputs = thd_input(micro_batch, device, pad_multiple)
-        if routing_replay is None:
-            return model(inputs.input_ids, inputs.position_ids, None, packed_seq_params=inputs.packed_seq_params), \
-                partial(loss_func, index, micro_batch)
-        with routing_replay.micro_batch(micro_batch.routed_experts):
+        if router_losses is not None:
+            router_losses.sample_lengths = micro_batch.cu_seqlens.diff().tolist()
+        routing = nullcontext() if routing_replay is None else routing_replay.micro_batch(micro_batch.routed_experts)
+        with routing:
             output = model(inputs.input_ids, inputs.position_ids, None, packed_seq_params=inputs.packed_seq_params)
-        if config.recompute_granularity is not None and routing_replay.replaying and output.requires_grad:
-            output.register_hook(partial(_replay_in_recompute, routing_replay, micro_batch.routed_experts))
+        if config.recompute_granularity is not None and output.requires_grad and (routing_replay or router_losses):
+            output.register_hook(partial(_before_recompute, micro_batch, routing_replay, router_losses))
         return output, partial(loss_func, index, micro_batch)
 
     for chunk in model_chunks:
