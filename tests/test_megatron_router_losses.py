@@ -47,7 +47,7 @@ def _both_backends(rank, world_size, port, checkpoint, balance_type):
     return results
 
 
-@pytest.mark.parametrize("balance_type", ["aux_loss", "seq_aux_loss"])
+@pytest.mark.parametrize("balance_type", ["aux_loss", pytest.param("seq_aux_loss", marks=pytest.mark.slow)])
 def test_router_losses_match_the_fsdp_backend(moe_checkpoint, balance_type):
     fsdp, megatron, recomputed = run_distributed(_both_backends, 1, moe_checkpoint, balance_type)[0]
     assert len(fsdp) == len(megatron) == len(recomputed) == 2
