@@ -31,23 +31,27 @@ def _capture_routing_maps(trainer) -> list[torch.Tensor]:
 
 
 def _prepare(rank, world_size, port, checkpoint, data, parallel, *flags):
-    """Old and reference log-probs, the preparation metrics and the routing maps of the old-policy pass."""
+    """Old and reference log-probs, the preparation metrics, the routing maps of the old-policy pass and the
+    routing its micro-batches carry into training."""
     from slime.backends.megatron_utils.parallel import destroy_model_parallel
 
     args = make_megatron_args(checkpoint, "--get-mismatch-metrics", "--micro-batch-size", "2", "--use-kl-loss",
                               "--ref-load", checkpoint, *flags, world_size=world_size, **parallel)
     trainer = make_trainer(args, rank, world_size, port, with_ref=True)
     received = _capture_routing_maps(trainer)
-    _, per_sample, metrics = trainer._prepare(data)
+    schedule, per_sample, metrics = trainer._prepare(data)
     destroy_model_parallel()
     torch.distributed.destroy_process_group()
-    return per_sample["old_log_probs"], per_sample["ref_log_probs"], metrics, received[len(received) // 2:]
+    carried = [micro_batch.routed_experts for step in schedule for micro_batch in step]
+    return per_sample["old_log_probs"], per_sample["ref_log_probs"], metrics, received[len(received) // 2:], carried
 
 
-def _free_and_replayed(rank, world_size, port, checkpoint, data, parallel):
+def _free_and_replayed(rank, world_size, port, checkpoint, data, parallel, with_record=False):
     free = _prepare(rank, world_size, port, checkpoint, data, parallel)
     replayed = _prepare(rank, world_size, port + 1, checkpoint, data, parallel, "--use-rollout-routing-replay")
-    return free, replayed
+    if not with_record:
+        return free, replayed
+    return free, replayed, _prepare(rank, world_size, port + 2, checkpoint, data, parallel, "--use-routing-replay")
 
 
 def _max_mismatch(old_log_probs, data) -> float:
@@ -79,7 +83,7 @@ def _assert_engine_routing(received: list[torch.Tensor], data, layers: list[int]
 
 def test_megatron_r3_reproduces_engine_routing_and_log_probs(checkpoints, rollout):  # noqa: F811
     _, trainer_checkpoint = checkpoints
-    (free, _, free_metrics, _), (replayed, reference, metrics, received) = run_distributed(
+    (free, _, free_metrics, _, _), (replayed, reference, metrics, received, _) = run_distributed(
         _free_and_replayed, 1, trainer_checkpoint, rollout, {})[0]
     for ref, old in zip(reference, free):  # the reference routes freely even with R3
         torch.testing.assert_close(ref, old, rtol=0, atol=1e-6)
@@ -92,16 +96,21 @@ def test_megatron_r3_reproduces_engine_routing_and_log_probs(checkpoints, rollou
     assert "train/router_agreement" not in free_metrics
 
 
-def test_megatron_r3_over_two_pipeline_stages(checkpoints, rollout):  # noqa: F811
-    """PP=2: each stage replays its own MoE layer; the old log-probs (from the last stage) match the rollout's and
-    both stages report the agreement of both layers (summed over the pipeline)."""
+def test_megatron_replay_over_two_pipeline_stages(checkpoints, rollout):  # noqa: F811
+    """PP=2: with R3 each stage replays its own MoE layer, the old log-probs (from the last stage) match the
+    rollout's and both stages report the agreement of both layers (summed over the pipeline). With
+    --use-routing-replay each stage's record holds its own layer's picks (the other layer's rows route freely)."""
     _, trainer_checkpoint = checkpoints
-    stages = run_distributed(_free_and_replayed, 2, trainer_checkpoint, rollout, {"pp": 2})
-    for stage, ((free, _, _, _), (replayed, _, metrics, received)) in enumerate(stages):
+    stages = run_distributed(_free_and_replayed, 2, trainer_checkpoint, rollout, {"pp": 2}, True)
+    for stage, (free, (replayed, _, metrics, received, _), recorded) in enumerate(stages):
         _assert_engine_routing(received, rollout, [stage])
         assert _max_mismatch(replayed, rollout) < 1e-3
-        assert _max_mismatch(free, rollout) > 0.05
-    agreements = [metrics["train/router_agreement"] for _, (_, _, metrics, _) in stages]
+        assert _max_mismatch(free[0], rollout) > 0.05
+        for routing_map, record in zip(recorded[3], recorded[4]):  # one MoE layer per stage: map i = micro-batch i
+            assert (record[:, 1 - stage] == -1).all()
+            ids = torch.zeros_like(routing_map).scatter(1, record[:, stage].long(), True)
+            assert torch.equal(ids, routing_map)
+    agreements = [stage[1][2]["train/router_agreement"] for stage in stages]
     assert agreements[0] == agreements[1] < 0.95
     first_metrics = stages[0][1][2]
     assert first_metrics["train/router_agreement_layer_min"] <= first_metrics["train/router_agreement_layer_p50"]

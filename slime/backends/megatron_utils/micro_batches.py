@@ -24,12 +24,12 @@ import torch.distributed as dist
 
 from slime.backends.backend import LossOf
 from slime.backends.packing import PackedMicroBatch, to_device
-from slime.backends.megatron_utils.router_losses import RouterLosses
-from slime.backends.routing_replay import RoutingReplay
 from slime.backends.megatron_utils.log_probs import (
     hidden_state_log_probs_and_entropy,
     vocab_parallel_log_probs_and_entropy,
 )
+from slime.backends.megatron_utils.router_losses import RouterLosses
+from slime.backends.routing_replay import RoutingReplay
 
 
 @dataclass
@@ -132,7 +132,8 @@ def run_micro_batches(model_chunks, micro_batches: list[PackedMicroBatch], *, te
         routing = nullcontext() if routing_replay is None else routing_replay.micro_batch(micro_batch.routed_experts)
         with routing:
             output = model(inputs.input_ids, inputs.position_ids, None, packed_seq_params=inputs.packed_seq_params)
-        if config.recompute_granularity is not None and output.requires_grad and (routing_replay or router_losses):
+        routers_follow = routing_replay is not None or router_losses is not None
+        if config.recompute_granularity is not None and output.requires_grad and routers_follow:
             output.register_hook(partial(_before_recompute, micro_batch, routing_replay, router_losses))
         return output, partial(loss_func, index, micro_batch)
 
