@@ -3,8 +3,7 @@
 # slime's scripts/run-qwen3-30B-A3B.sh (THUDM/slime@624b824) with the same flag groups and values; what differs:
 #   paths are variables (MODEL_DIR, DATA_DIR, SAVE_DIR); no process-killing preamble and no `ray job submit`
 #   (train.py starts its own Ray, or joins one with --ray-address); --ref-load is the HF folder; one engine per
-#   GPU (--rollout-num-gpus-per-engine 1: the built-in engine does not shard a model; slime uses 8 with SGLang);
-#   --load-if-exists lets a first run start with nothing in SAVE_DIR.
+#   GPU (--rollout-num-gpus-per-engine 1: the built-in engine does not shard a model; slime uses 8 with SGLang).
 # Usage: MODEL_DIR=/data/models DATA_DIR=/data SAVE_DIR=/ckpt bash scripts/run-qwen3-30B-A3B.sh
 
 set -ex
@@ -22,7 +21,6 @@ CKPT_ARGS=(
    --hf-checkpoint ${MODEL_DIR}/Qwen3-30B-A3B
    --ref-load ${MODEL_DIR}/Qwen3-30B-A3B
    --load ${SAVE_DIR}/Qwen3-30B-A3B_slime/
-   --load-if-exists
    --save ${SAVE_DIR}/Qwen3-30B-A3B_slime/
    --save-interval 20
 )

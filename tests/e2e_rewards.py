@@ -9,6 +9,12 @@ async def response_hash_parity(args, sample) -> float:
     return float(zlib.crc32(sample.response.encode()) % 2)
 
 
+async def sample_index_parity(args, sample) -> float:
+    """0 or 1 by the sample's index: the samples of a group have consecutive indices, so every group of two or more
+    gets both rewards and every step has a non-zero advantage (tests that need training to move the weights)."""
+    return float(sample.index % 2)
+
+
 def never_returns(args, sample) -> float:
     """A plain (non-async) reward that hangs forever: --reward-timeout must bound it, and its thread must not keep
     the rollout process alive after the run (tests/test_process_lifetime.py)."""

@@ -66,6 +66,16 @@ def test_algorithm_derived_fields(setup):
     assert parse_args(base(setup, "--loss-agg-mode", "token_mean")).calculate_per_token_loss
 
 
+def test_engines_of_several_devices_default_to_sglang(setup):
+    """slime's recipes set --rollout-num-gpus-per-engine 2 or 8 and no backend: SGLang shards those engines."""
+    assert parse_args(base(setup)).rollout_backend == "slime"
+    args = parse_args(base(setup, "--rollout-num-gpus", "4", "--rollout-num-gpus-per-engine", "2"))
+    assert (args.rollout_backend, args.rollout_num_engines) == ("sglang", 2)
+    with pytest.raises(ArgumentError, match="the built-in engine runs one device per engine"):
+        parse_args(base(setup, "--rollout-num-gpus", "4", "--rollout-num-gpus-per-engine", "2",
+                        "--rollout-backend", "slime"))
+
+
 def test_megatron_hook_aliases(setup):
     init, step = "slime.utils.misc.seed_everything", "slime.utils.misc.find_free_port"  # any importable function
     args = parse_args(base(setup, "--custom-megatron-init-path", init, "--custom-megatron-before-train-step-hook-path",

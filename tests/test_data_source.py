@@ -113,6 +113,31 @@ def test_text_prompt_that_looks_like_json_stays_text_and_metadata_string_is_deco
     assert sample.prompt == "[1, 2] + [3]?" and sample.metadata == {"rm_type": "math"}
 
 
+def test_number_prompt_is_kept_for_a_generate_hook_as_slime_keeps_it(tmp_path, tiny_tokenizer_dir):
+    """slime's tau-bench rows are {"index": 3, ...} with --input-key index: the task index its generate hook reads."""
+    from slime.rollout.dataset import load_tokenizer, prompt_token_ids
+
+    path = write_jsonl(tmp_path / "n.jsonl", [{"index": 3, "metadata": {"split": "train"}}])
+    sample = RolloutDataSource(make_args(prompt_data=path, input_key="index", label_key=None)).get_samples(1)[0][0]
+    assert sample.prompt == 3 and sample.metadata == {"split": "train"}
+    assert Sample.from_dict(sample.to_dict()).prompt == 3
+    with pytest.raises(ValueError, match="prompt is the number 3.*--custom-generate-function-path"):
+        prompt_token_ids(load_tokenizer(tiny_tokenizer_dir), sample)  # the default generate function's tokens
+    with pytest.raises(ValueError, match=rf"{path}:1: 'index' is the number 3; --apply-chat-template needs text"):
+        RolloutDataSource(make_args(prompt_data=path, input_key="index", label_key=None, apply_chat_template=True,
+                                    hf_checkpoint=tiny_tokenizer_dir))
+    bad = write_jsonl(tmp_path / "b.jsonl", [{"input": {"q": 1}}, {"input": True}])
+    with pytest.raises(ValueError, match=rf"{bad}:1: 'input' must be a string, chat messages or a number"):
+        RolloutDataSource(make_args(prompt_data=bad, label_key=None))
+
+
+def test_sample_status_given_as_its_string_becomes_the_status():
+    """slime's tau-bench example builds Sample(status="completed"); the status must compare as the member."""
+    assert Sample(status="truncated").status is Sample.Status.TRUNCATED
+    with pytest.raises(ValueError, match="Sample status 'done': use one of .*'completed'"):
+        Sample(status="done")
+
+
 def test_long_prompts_filtered(tmp_path, tiny_tokenizer_dir):
     from slime.rollout.dataset import load_tokenizer
 

@@ -97,7 +97,7 @@ def test_generate_function_returning_siblings_gives_them_one_rollout_id():
                            max_turns=1)
 
     async def one(index):
-        return await generate_and_rm(args, Sample(index=index, group_index=0), {}, GenerateState(args))
+        return await generate_and_rm(args, Sample(index=index, group_index=0), {}, state=GenerateState(args))
 
     first, second = run(one(0)), run(one(1))
     assert first[0].rollout_id == first[1].rollout_id is not None

@@ -87,6 +87,15 @@ def test_load_of_absent_or_empty_folder_needs_load_if_exists(setup, tmp_path, ma
     assert load_run_state(args) is None and resolve_load_dir(args.load) is None
 
 
+def test_load_and_save_of_one_folder_start_fresh_while_it_holds_no_checkpoint(setup, tmp_path):
+    """slime's recipes pass `--load X --save X`: resume when X holds a checkpoint, start from the HF weights before."""
+    folder = tmp_path / "ckpt"
+    args = parse_args(argv(setup, "--load", folder, "--save", f"{folder}/"))
+    assert load_run_state(args) is None
+    with pytest.raises(ArgumentError, match="the folder does not exist"):  # a different --save: most likely a typo
+        parse_args(argv(setup, "--load", folder, "--save", tmp_path / "other"))
+
+
 def test_load_if_exists_needs_load(setup):
     with pytest.raises(ArgumentError, match="--load-if-exists needs --load"):
         parse_args(argv(setup, "--load-if-exists"))

@@ -72,12 +72,6 @@ MOE_TRAINER_FLAGS = {"--num-experts", "--moe-router-topk", "--moe-ffn-hidden-siz
                      "--moe-shared-expert-intermediate-size", "--moe-layer-freq", "--moe-router-score-function",
                      "--moe-aux-loss-coeff", "--moe-router-load-balancing-type", "--moe-router-dtype",
                      "--moe-grouped-gemm", "--moe-token-dispatcher-type", "--moe-permute-fusion"}
-# slime flags (not Megatron's) of the stock recipes that this parser does not take yet; branch compat owns them.
-SLIME_FLAG_GAPS = {
-    "--rollout-num-gpus-per-engine": "values > 1 need --rollout-backend sglang (the built-in engine runs one device)",
-    "--load": "a --load folder holding no checkpoint yet: slime starts from the HF weights, here it is an error "
-              "unless --load-if-exists",
-}
 
 
 def _bash_words(script: str) -> list[str]:
@@ -193,9 +187,9 @@ def test_model_preset_parses_and_matches_its_model(tmp_path, data, preset):
         parse_args(base(tmp_path, data, *flags, model=other))
 
 
-def _parse_recipe(tmp_path, script: Path, dropped=tuple(SLIME_FLAG_GAPS)):
+def _parse_recipe(tmp_path, script: Path):
     flags = [token.replace("/root/", f"{tmp_path}/") for token in recipe_flags(script)]
-    flags = _without(flags, set(dropped) | _absent_moe_flags())
+    flags = _without(flags, _absent_moe_flags())
     for flag in ("--hf-checkpoint", "--ref-load"):
         folder = Path(flags[flags.index(flag) + 1])
         _write_model(folder, RECIPE_MODELS[Path(flags[flags.index("--hf-checkpoint") + 1]).name])
@@ -207,8 +201,6 @@ def _parse_recipe(tmp_path, script: Path, dropped=tuple(SLIME_FLAG_GAPS)):
 
 
 def test_stock_slime_recipes_parse_unchanged(tmp_path, caplog):
-    megatron_flags = set((STOCK / "megatron_flags.txt").read_text().split())
-    assert not megatron_flags & set(SLIME_FLAG_GAPS)  # every Megatron flag of the recipes is parsed
     with caplog.at_level(logging.WARNING):
         _, qwen3_4b = _parse_recipe(tmp_path / "a", STOCK / "run-qwen3-4B.sh")
     assert qwen3_4b.train_backend == "megatron" and qwen3_4b.tensor_model_parallel_size == 2
@@ -217,6 +209,9 @@ def test_stock_slime_recipes_parse_unchanged(tmp_path, caplog):
         "full", "uniform", 1)
     assert (qwen3_4b.adam_beta2, qwen3_4b.weight_decay, qwen3_4b.lr_decay_style) == (0.98, 0.1, "constant")
     assert qwen3_4b.global_batch_size == 256 and qwen3_4b.num_steps_per_rollout == 1
+    # two devices per engine: SGLang rolls out (the built-in engine runs one); the same folder for --load and --save
+    assert (qwen3_4b.rollout_backend, qwen3_4b.rollout_num_engines) == ("sglang", 4)
+    assert qwen3_4b.load == qwen3_4b.save and not qwen3_4b.load_if_exists
     assert "--attention-backend: no effect here" in caplog.text
 
     _, moe = _parse_recipe(tmp_path / "b", STOCK / "run-qwen3-30B-A3B.sh")
@@ -239,8 +234,8 @@ def test_stock_slime_recipes_parse_unchanged(tmp_path, caplog):
 def test_project_recipes_are_slimes_and_parse(tmp_path, recipe, tp, ep):
     changed = {"--train-backend", "--load", "--load-if-exists", "--rollout-num-gpus-per-engine", "--ref-load"}
     ours = recipe_flags(REPO / "scripts" / recipe)
-    assert _without(ours, changed) == _without(recipe_flags(STOCK / recipe), changed | set(SLIME_FLAG_GAPS))
-    flags, args = _parse_recipe(tmp_path, REPO / "scripts" / recipe, dropped=())
+    assert _without(ours, changed) == _without(recipe_flags(STOCK / recipe), changed)
+    flags, args = _parse_recipe(tmp_path, REPO / "scripts" / recipe)
     assert (args.train_backend, args.tensor_model_parallel_size) == ("megatron", tp)
     assert args.expert_model_parallel_size == ep
     assert args.ref_load == flags[flags.index("--hf-checkpoint") + 1]

@@ -215,7 +215,7 @@ def test_max_turns_above_one_makes_multi_turn_the_default_generate(stack):
     state = GenerateState(args)
 
     async def one():
-        return await generate_and_rm(args, Sample(prompt=PROMPT, index=0), params, state)
+        return await generate_and_rm(args, Sample(prompt=PROMPT, index=0), params, state=state)
 
     sample = run(one())
     assert sample.metadata["multi_turn"]["turns"] == 2 and sample.reward == 1.0

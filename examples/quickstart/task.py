@@ -52,3 +52,13 @@ def build_task(out_dir: str | Path, seed: int = 0, num_eval: int = 20) -> dict[s
     paths["model"] = build_tiny_model(out_dir / "model", arch=shape.pop("arch", "qwen3"), corpus=corpus,
                                       vocab_size=300, seed=seed, **shape)
     return paths
+
+
+if __name__ == "__main__":
+    import argparse
+
+    parser = argparse.ArgumentParser(description="Write the quickstart's model and data (see the module docstring).")
+    parser.add_argument("--out-dir", required=True)
+    parser.add_argument("--seed", type=int, default=0)
+    opts = parser.parse_args()
+    print(json.dumps({name: str(path) for name, path in build_task(opts.out_dir, seed=opts.seed).items()}))

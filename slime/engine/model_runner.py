@@ -3,7 +3,7 @@ padded block tables, attention mask) as tensors, runs the forward pass, and samp
 whose chunk reaches its end.
 
 Owns the model, its KV-cache tensors (allocation, freeing, re-allocation) and the weights' device storage (release
-to / restore from a CPU copy). It does not schedule, check stop conditions or detokenize.
+to / restore from a host copy, host_weights.py). It does not schedule, check stop conditions or detokenize.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from slime.engine.config import Config
 from slime.engine.cuda_graph import DecodeGraphs
 from slime.engine.decode_rows import DecodeRows
 from slime.engine.host_staging import HostStaging
+from slime.engine.host_weights import HostWeights
 from slime.engine.kernel_checks import grouped_mm_works, triton_attention_works, triton_fused_kernels_work
 from slime.engine.layers.attention import AttentionMetadata
 from slime.engine.models import DecoderForCausalLM, ModelConfig
@@ -86,9 +87,7 @@ class ModelRunner:
                              "model")
         load_checkpoint(self.model, config.model)
         self.routed_experts: torch.Tensor | None = None
-        # Released weights: their host copy (on CUDA, pinned buffers kept for the next release too).
-        self.cpu_weights: dict[str, torch.Tensor] | None = None
-        self.weights_released = False
+        self.host_weights = HostWeights(self.device)
         self.num_kvcache_blocks = config.num_kvcache_blocks or self._num_blocks_from_memory()
         # One extra cache block past those the block manager hands out: CUDA-graph padding rows write there.
         self.scratch_slot = self.num_kvcache_blocks * self.block_size
@@ -181,42 +180,20 @@ class ModelRunner:
         slots += positions % self.block_size
         return self.routed_experts[self.staging.to_device(slots)].cpu().numpy()
 
-    def release_weights(self) -> None:
-        """Move parameter storage to a CPU copy and free the device storage (on CPU the copy is the storage).
+    @property
+    def weights_released(self) -> bool:
+        return self.host_weights.released
 
-        On CUDA the copy goes to pinned host buffers allocated at the first release and reused by every later one:
-        pinning a model's worth of host memory took most of a release (0.7-1.1 s for 1.2 GB on an H200 host), the
-        copy itself tens of milliseconds; a colocated RL run releases once per rollout."""
+    def release_weights(self) -> None:
+        """Move parameter storage to a host copy and free the device storage (host_weights.py)."""
         if self.weights_released:
             return
         self.decode_graphs = None  # they hold the weights' addresses
-        on_cuda = self.device.type == "cuda"
-        if self.cpu_weights is None or not on_cuda:
-            self.cpu_weights = {}
-        for name, param in self.model.named_parameters():
-            if not on_cuda:
-                self.cpu_weights[name] = param.data
-            else:
-                buffer = self.cpu_weights.get(name)
-                if buffer is None or buffer.shape != param.shape or buffer.dtype != param.dtype:
-                    buffer = self.cpu_weights[name] = torch.empty(param.shape, dtype=param.dtype, pin_memory=True)
-                buffer.copy_(param.data, non_blocking=True)
-            param.data = torch.empty(0, dtype=param.dtype, device=self.device)
-        if on_cuda:
-            torch.cuda.synchronize(self.device)
-        self.weights_released = True
+        self.host_weights.release(self.model)
         self._empty_device_cache()
 
     def resume_weights(self) -> None:
-        if not self.weights_released:
-            return
-        for name, param in self.model.named_parameters():
-            param.data = self.cpu_weights[name].to(self.device, non_blocking=True)
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        else:
-            self.cpu_weights = None  # on the CPU they are the parameters' storage again
-        self.weights_released = False
+        self.host_weights.resume(self.model)
 
     def _empty_device_cache(self) -> None:
         if self.device.type == "cuda":

@@ -2,9 +2,11 @@
 
 The router spreads `/generate` requests over the engines; the rollout only ever talks to the router. Registration
 uses the router's `POST /workers` API and waits until the worker is listed (the router probes its health first);
-`DELETE /workers/{id}` takes one out. Under `--use-fault-tolerance` the router neither retries a failed request on
-another worker nor opens circuit breakers: slime's rollout re-sends the request itself (and counts it), and slime's
-health checks decide which engines serve.
+`DELETE /workers/{id}` takes one out. As in slime, the router never opens a circuit breaker and runs no health checks
+of its own (on a loaded machine they took the only engine out of a healthy run: "no_available_workers"); whether an
+engine serves is decided by the run (registration, and under `--use-fault-tolerance` slime's health checks). Under
+`--use-fault-tolerance` it does not retry a failed request on another worker either: slime's rollout re-sends the
+request itself (and counts it).
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ class RouterProcess:
             "--log-level", log_level, "--request-timeout-secs", str(request_timeout_secs),
             "--prometheus-host", host, "--prometheus-port", str(find_free_port(host)), *(extra_flags or []),
         ]
-        cmd += [] if retries else ["--disable-retries", "--disable-circuit-breaker"]
+        cmd += ["--disable-circuit-breaker", "--disable-health-check"] + ([] if retries else ["--disable-retries"])
         # With a key the router requires it from its clients and sends it to the engines (sglang-router 0.3.2).
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         cmd += ["--api-key", api_key] if api_key else []

@@ -152,10 +152,10 @@ class RolloutDataSource(DataSource):
         self._order = self._epoch_order(self.epoch_id)
 
 
-def pop_first(args, rollout_id, buffer: list[list[Sample]], num_groups: int) -> list[list[Sample]]:
-    """Default `--buffer-filter-path`: take the oldest groups first."""
-    taken = buffer[:num_groups]
-    del buffer[:num_groups]
+def pop_first(args, rollout_id, buffer: list[list[Sample]], num_samples: int) -> list[list[Sample]]:
+    """Default `--buffer-filter-path` (slime's signature; `num_samples` counts groups): the oldest groups first."""
+    taken = buffer[:num_samples]
+    del buffer[:num_samples]
     return taken
 
 

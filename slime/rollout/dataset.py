@@ -102,9 +102,14 @@ def row_to_sample(row: dict, location: str, fmt: PromptFormat, tokenizer) -> Sam
     prompt = row[fmt.input_key]  # never JSON-decoded: a text prompt may well start with "[" or "{"
     if isinstance(prompt, list):
         _validate_messages(prompt, location, fmt.input_key)
+    elif _is_number(prompt):  # kept as is, as slime does: tau-bench's rows hold a task index for its generate hook
+        if fmt.apply_chat_template:
+            raise ValueError(f"{location}: {fmt.input_key!r} is the number {prompt!r}; --apply-chat-template needs "
+                             "text or chat messages")
     elif not isinstance(prompt, str):
         raise ValueError(
-            f"{location}: {fmt.input_key!r} must be a string or chat messages, got {type(prompt).__name__}"
+            f"{location}: {fmt.input_key!r} must be a string, chat messages or a number (for a "
+            f"--custom-generate-function-path to read), got {type(prompt).__name__}"
         )
 
     metadata = _maybe_json(row.get(fmt.metadata_key), location, fmt.metadata_key) if fmt.metadata_key else None
@@ -132,8 +137,16 @@ def row_to_sample(row: dict, location: str, fmt: PromptFormat, tokenizer) -> Sam
     return Sample(prompt=prompt, label=label, metadata=metadata)
 
 
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
 def prompt_token_ids(tokenizer, sample: Sample) -> list[int]:
     """Token ids of a sample's prompt: chat messages go through the chat template, text is tokenized as is."""
+    if _is_number(sample.prompt):
+        raise ValueError(f"sample {sample.index}: the prompt is the number {sample.prompt!r}, which has no tokens; "
+                         "a --custom-generate-function-path that reads it (as slime's tau-bench example reads a task "
+                         "index) must make the tokens")
     if isinstance(sample.prompt, list):
         tools = sample.metadata.get("tools") if isinstance(sample.metadata, dict) else None
         text = render_chat_prompt(tokenizer, sample.prompt, tools=tools or None)

@@ -24,6 +24,7 @@ import uuid
 from tqdm import tqdm
 
 from slime.rollout.base_types import RolloutFnTrainOutput
+from slime.rollout.filter_hub.base_types import call_dynamic_filter, should_drop_dynamic_filter_output
 from slime.rollout.dataset import prompt_token_ids, tokenizer_for
 from slime.rollout.resend import post_generate
 from slime.utils.http_utils import abort_all_requests, router_url, run
@@ -220,8 +221,15 @@ async def _score(args, samples: list[Sample], state: GenerateState, batched: boo
             state.num_reward_failures += 1
 
 
-async def generate_and_rm(args, sample: Sample, sampling_params: dict, state: GenerateState, group_rm: bool = False):
-    """Generate (unless finished in an earlier rollout), then score unless rewards are computed per group."""
+async def generate_and_rm(args, sample: Sample, sampling_params: dict, evaluation: bool = False, *,
+                          state: GenerateState | None = None):
+    """Generate (unless finished in an earlier rollout), then score unless rewards are computed per group
+    (`--group-rm`). slime's signature: a plugin may call it as slime's rollout does; `state` is the calling
+    rollout's (its concurrency limit, abort flag and rollout id), a fresh one without it (slime keeps one per
+    process), and the sample hooks' rollout id then falls back to `set_current_rollout_id`'s."""
+    hook_kwargs = {"evaluation": evaluation} if state is None else {"evaluation": evaluation,
+                                                                    "rollout_id": state.rollout_id}
+    state = state if state is not None else GenerateState(args)
     if sample.status not in (Sample.Status.COMPLETED, Sample.Status.TRUNCATED):
         async with state.semaphore:
             if state.aborted:
@@ -230,18 +238,18 @@ async def generate_and_rm(args, sample: Sample, sampling_params: dict, state: Ge
             hook_path = sample.generate_function_path or getattr(args, "custom_generate_function_path", None)
             if hook_path is None and (getattr(args, "max_turns", None) or 1) > 1:
                 hook_path = MULTI_TURN_GENERATE
-            generate_fn = _load_hook(hook_path, "--custom-generate-function-path") if hook_path else generate
-            kwargs = {"evaluation": state.evaluation} if _takes_evaluation(generate_fn) else {}
+            # paths were checked at start-up with their flag's name (validate_args); this imports the module once
+            generate_fn = load_function(hook_path) if hook_path else generate
+            kwargs = {"evaluation": evaluation} if _takes_evaluation(generate_fn) else {}
             sample = await generate_fn(args, sample, dict(sampling_params), **kwargs)  # a copy: hooks edit theirs
-        sample = await apply_rollout_sample_hooks(args, sample, rollout_id=state.rollout_id,
-                                                  evaluation=state.evaluation)
+        sample = await apply_rollout_sample_hooks(args, sample, **hook_kwargs)
     samples = sample if isinstance(sample, list) else [sample]
     if len(samples) > 1 and any(s.rollout_id is None for s in samples):
         shared = next((s.rollout_id for s in samples if s.rollout_id is not None), None)
         shared = shared if shared is not None else uuid.uuid4().int >> 65  # fan-out siblings: one rollout
         for s in samples:
             s.rollout_id = shared
-    if not group_rm and _is_scorable(samples):
+    if not getattr(args, "group_rm", False) and _is_scorable(samples):
         await _score(args, samples, state, batched=isinstance(sample, list))
     return sample
 
@@ -258,19 +266,12 @@ async def generate_group(args, group: list[Sample], sampling_params: dict, state
         if not group_rm and _is_scorable(group):
             await _score(args, group, state, batched=False)
     else:
-        results = await asyncio.gather(*(generate_and_rm(args, s, sampling_params, state, group_rm) for s in group))
+        results = await asyncio.gather(*(generate_and_rm(args, s, sampling_params, state.evaluation, state=state)
+                                         for s in group))
         group = _flatten(results)
     if group_rm and _is_scorable(group):
         await _score(args, group, state, batched=True)
     return group
-
-
-def _filter_verdict(output) -> tuple[bool, str, bool]:
-    """(keep, reason, keep_when_insufficient) from a dynamic filter's answer: a bool or a DynamicFilterOutput."""
-    if isinstance(output, bool):
-        return output, "filtered", False
-    reason = getattr(output, "reason", None) or "filtered"
-    return bool(output.keep), reason, bool(getattr(output, "keep_when_insufficient", False))
 
 
 async def _generate_rollout_async(args, rollout_id: int, data_source) -> tuple[list[list[Sample]], dict]:
@@ -309,18 +310,15 @@ async def _generate_rollout_async(args, rollout_id: int, data_source) -> tuple[l
                 if not _is_scorable(group):  # aborted on the engine side (e.g. a weight update): try again later
                     leftovers.append(group)
                     continue
-                keep, reason, fallback = True, "", False
-                if dynamic_filter is not None:
-                    keep, reason, fallback = _filter_verdict(dynamic_filter(args, group))
-                # keep_when_insufficient: keep it if the accepted and still-unjudged groups cannot fill the batch
-                num_unjudged = len(pending) + len(done) - position - 1
-                if not keep and fallback and len(accepted) + num_unjudged < target:
-                    keep, num_kept_when_insufficient = True, num_kept_when_insufficient + 1
-                if keep:
-                    accepted.append(group)
-                    progress.update(1)
-                else:
-                    drop_counts[reason] += 1
+                verdict = call_dynamic_filter(dynamic_filter, args, group)
+                num_unjudged = len(pending) + len(done) - position - 1  # still running or not yet judged
+                if should_drop_dynamic_filter_output(verdict, remaining_batch_size=len(accepted) + num_unjudged + 1,  # +1: this group
+                                                     target_data_size=target):
+                    drop_counts[verdict.reason or "filtered"] += 1
+                    continue
+                num_kept_when_insufficient += not verdict.keep
+                accepted.append(group)
+                progress.update(1)
         num_in_flight = len(pending)
         if pending:
             state.aborted = True  # requests still waiting for the semaphore will not be sent

@@ -28,7 +28,7 @@ from slime.utils.custom_config import apply_custom_config
 from slime.utils.engine_access import add_engine_access_arguments, ensure_admin_key
 from slime.utils.flag_status import check_flag_status
 from slime.utils.moe_arguments import add_moe_arguments
-from slime.utils.validate_args import ArgumentError, validate_args
+from slime.utils.validate_args import ArgumentError, resolve_rollout_backend, validate_args
 
 logger = logging.getLogger(__name__)
 
@@ -51,8 +51,10 @@ def add_cluster_arguments(parser):
                    help="fsdp (FSDP2 over the HF model) or megatron (megatron-core: tensor / pipeline / context / "
                         "expert parallel); default: megatron when a Megatron parallelism flag asks for more than "
                         "one way (as in slime's recipes), else fsdp")
-    g.add_argument("--rollout-backend", choices=["slime", "sglang"], default="slime",
-                   help="slime = the built-in engine; sglang = real SGLang servers (must be installed)")
+    g.add_argument("--rollout-backend", choices=["slime", "sglang"], default=None,
+                   help="slime = the built-in engine; sglang = real SGLang servers (must be installed); default: "
+                        "sglang when --rollout-num-gpus-per-engine is above 1 (as in slime's recipes: the built-in "
+                        "engine does not shard a model), else slime")
 
 
 def add_model_arguments(parser):
@@ -315,6 +317,7 @@ def parse_args(argv: list[str] | None = None, add_custom_arguments=None) -> argp
     defaults = {action.dest: action.default for action in parser._actions}
     check_flag_status(args, defaults)
     type_sglang_values(args)
+    resolve_rollout_backend(args)
     args.engine_config, unused_sglang_flags = engine_config_from_sglang_flags(args)
     if unused_sglang_flags and args.rollout_backend == "slime":
         logger.warning("the built-in engine has no use for these SGLang flags (they reach SGLang with "

@@ -247,9 +247,18 @@ def should_save(args, rollout_id: int, num_rollout: int) -> bool:
     return bool(args.save_interval) and (rollout_id + 1) % args.save_interval == 0
 
 
+def starts_fresh_without_checkpoint(args) -> bool:
+    """Whether an absent or empty `--load` folder means "start from --hf-checkpoint": with --load-if-exists, or when
+    --load and --save name one folder (slime's recipes resume from their own save folder that way, and start fresh
+    while it holds nothing). A lone --load with nothing there stays an error: it is most likely a wrong path."""
+    same_folder = args.load is not None and args.save is not None and Path(args.load).resolve() == Path(
+        args.save).resolve()
+    return bool(args.load_if_exists) or same_folder
+
+
 def load_run_state(args) -> dict | None:
     """The driver's run state saved with the checkpoint `--load` resumes from; None when starting fresh."""
-    folder = resume_dir(args.load, load_if_exists=args.load_if_exists)
+    folder = resume_dir(args.load, load_if_exists=starts_fresh_without_checkpoint(args))
     if folder is None:
         return None
     return json.loads((folder / RUN_STATE_FILE).read_text())

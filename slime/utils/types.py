@@ -127,6 +127,14 @@ class Sample:
 
     prefix_cache_info: PrefixCacheInfo = field(default_factory=PrefixCacheInfo)
 
+    def __post_init__(self):
+        if isinstance(self.status, str):  # slime's examples build Samples with the status's string value
+            try:
+                self.status = Sample.Status(self.status)
+            except ValueError:
+                raise ValueError(f"Sample status {self.status!r}: use one of "
+                                 f"{[status.value for status in Sample.Status]}") from None
+
     @property
     def prompt_length(self) -> int:
         return len(self.tokens) - self.response_length

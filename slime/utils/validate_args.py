@@ -16,7 +16,7 @@ import os
 import time
 from pathlib import Path
 
-from slime.utils.checkpoint_state import CheckpointError, critic_checkpoint, resume_dir
+from slime.utils.checkpoint_state import CheckpointError, critic_checkpoint, resume_dir, starts_fresh_without_checkpoint
 from slime.utils.flag_ranges import ANY, FLAG_RANGES
 from slime.utils.misc import load_function, load_functions
 from slime.utils.moe_arguments import check_moe_args
@@ -38,6 +38,16 @@ HOOK_FLAGS = (
     "custom_tis_function_path",
     "custom_convert_samples_to_train_data_path", "rollout_sample_filter_path", "rollout_all_samples_process_path",
 )
+
+
+def resolve_rollout_backend(args) -> None:
+    """--rollout-backend's default: SGLang when an engine spans several devices (the built-in engine runs one),
+    the built-in engine otherwise."""
+    if args.rollout_backend is None:
+        args.rollout_backend = "sglang" if args.rollout_num_gpus_per_engine > 1 else "slime"
+        if args.rollout_backend == "sglang":
+            logger.info("--rollout-num-gpus-per-engine %d: rolling out with SGLang (--rollout-backend sglang; the "
+                        "built-in engine runs one device per engine)", args.rollout_num_gpus_per_engine)
 
 
 def _require(condition: bool, message: str) -> None:
@@ -87,9 +97,10 @@ def _check_tools(args) -> None:
 
 
 def _check_resume(args) -> None:
-    """--load must name a complete checkpoint (the critic's too under ppo), or nothing with --load-if-exists."""
+    """--load must name a complete checkpoint (the critic's too under ppo), or nothing with --load-if-exists (or
+    with --save naming the same folder)."""
     try:
-        actor_dir = resume_dir(args.load, load_if_exists=args.load_if_exists)
+        actor_dir = resume_dir(args.load, load_if_exists=starts_fresh_without_checkpoint(args))
         if actor_dir is not None and args.use_critic:
             critic_checkpoint(actor_dir)
     except CheckpointError as exc:

@@ -1,0 +1,1 @@
+"""Not SGLang (see ../../README.md)."""

@@ -1,0 +1,1 @@
+"""tau-bench's agents: the interface and the tool-calling agent."""
