@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from fsdp_helpers import make_trainer, run_distributed
-from megatron_helpers import make_megatron_args
+from megatron_helpers import build_megatron, make_megatron_args
 from test_routing_replay import checkpoints, rollout  # noqa: F401 - the module-scoped fixtures
 
 pytest.importorskip("megatron.core")
@@ -164,3 +164,49 @@ def test_megatron_routing_replay_trains_on_the_recorded_routing(checkpoints, rol
         same = all(torch.equal(a, b) for a, b in zip(expected, training))
         assert same == replay, (replay, recompute)
         assert (metrics["train/ppo_kl"] == pytest.approx(0.0, abs=1e-4)) == replay
+
+
+def _sequence_parallel_passes(rank, world_size, port, checkpoint, data):
+    """TP=2 with sequence parallelism and EP=2 (each rank routes half of each packed row): the log-probs routing
+    freely, replaying the engine's routing, and replaying the free pass's record; the R3 pass's agreement counts."""
+    from slime.backends.megatron_utils.micro_batches import run_micro_batches
+    from slime.backends.megatron_utils.moe_router import install_routers
+    from slime.backends.packing import pack_samples
+    from slime.backends.routing_replay import ReplayStage, attach_records, attach_rollout_routing
+
+    args = make_megatron_args(checkpoint, "--sequence-parallel", "--expert-tensor-parallel-size", "1",
+                              "--expert-model-parallel-size", world_size, world_size=world_size, tp=world_size)
+    chunks, hf_config = build_megatron(args, rank, world_size, port)
+    replay = install_routers(chunks, hf_config)
+    schedule = [[pack_samples(data["tokens"], data["response_lengths"], batch) for batch in ([0, 1], [2, 3])]]
+
+    def log_probs(stage):
+        replay.stage = stage
+        outputs = run_micro_batches(chunks, schedule[0], temperature=1.0, vocab_size=hf_config.vocab_size,
+                                    device=torch.device("cpu"), routing_replay=replay)
+        return [lp for lp, _ in outputs]
+
+    free = log_probs(ReplayStage.RECORD)
+    attach_records(schedule, replay.take_records())
+    from_record = log_probs(ReplayStage.REPLAY_BACKWARD)
+    attach_rollout_routing(schedule, data, replay)
+    replayed = log_probs(ReplayStage.REPLAY_FORWARD)
+    return free, from_record, replayed, replay.take_agreement()
+
+
+def test_megatron_r3_with_sequence_parallel_and_expert_parallel(checkpoints, rollout):  # noqa: F811
+    """Sequence parallelism splits each packed row over the TP ranks: each rank replays its slice of the engine's
+    routing (padded to the row's padded length), its record is gathered to the whole row, and the agreement counts
+    every replayed token once."""
+    _, trainer_checkpoint = checkpoints
+    results = run_distributed(_sequence_parallel_passes, 2, trainer_checkpoint, rollout)
+    rollout_log_probs = [torch.tensor(sum((rollout["rollout_log_probs"][i] for i in batch), []))
+                         for batch in ([0, 1], [2, 3])]
+    for free, from_record, replayed, agreement in results:
+        for batch in range(2):
+            torch.testing.assert_close(from_record[batch], free[batch], rtol=0, atol=1e-6)
+            assert float((replayed[batch] - rollout_log_probs[batch]).abs().max()) < 1e-3
+        assert max(float((f - r).abs().max()) for f, r in zip(free, rollout_log_probs)) > 0.05
+        num_routed = sum(len(tokens) - 1 for tokens in rollout["tokens"])  # every token but each sample's last
+        assert agreement[:, 1].tolist() == [num_routed] * 2
+        assert 0 < float(agreement[:, 0].sum()) < 0.95 * 2 * num_routed

@@ -165,11 +165,10 @@ def _resolve_layout(args, config: dict) -> None:
         logger.warning("--sequence-parallel has no effect with --tensor-model-parallel-size 1 (Megatron turns it "
                        "off too)")
         args.sequence_parallel = False
-    replay = "--use-rollout-routing-replay" if args.use_rollout_routing_replay else (
-        "--use-routing-replay" if args.use_routing_replay else None)
-    _require(not (replay and args.sequence_parallel),
-             f"{replay} with --sequence-parallel: the Megatron backend replays routing on whole micro-batch rows, "
-             "and sequence parallelism splits them over the tensor-parallel ranks; drop --sequence-parallel")
+    _require(not (args.sequence_parallel and args.moe_router_load_balancing_type == "seq_aux_loss"
+                  and args.moe_aux_loss_coeff > 0),
+             "--moe-router-load-balancing-type seq_aux_loss with --sequence-parallel: each tensor-parallel rank "
+             "routes a slice of the packed row, not whole samples; use aux_loss")
     _resolve_pipeline(args, args.num_layers or config.get("num_hidden_layers"))
 
 

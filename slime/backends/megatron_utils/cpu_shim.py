@@ -14,8 +14,8 @@ More appear past the plain forward and backward; the modules involved get a `tor
   and shape messages with `device="cuda"` / `torch.cuda.current_device()`;
 - dist_checkpointing's saver synchronises CUDA before writing and reduces its success flags on "cuda";
 - the MoE router moves its weight to `torch.cuda.current_device()` at its first forward;
-- the tensor-parallel mappings (the expert-parallel token dispatch gathers through them) allocate their gather
-  buffers on `torch.cuda.current_device()`.
+- the tensor-parallel mappings (the expert-parallel token dispatch gathers through them), the sequence-parallel
+  linear layers and megatron-core's global memory buffer (`core.utils`) allocate on `torch.cuda.current_device()`.
 And two are replaced: with PP > 1 and tied embeddings `LanguageModule.setup_embeddings_and_output_layer` moves the
 last stage's copy of the embedding to CUDA before the all-reduce that makes both copies equal (here the all-reduce
 runs on the CPU); the alltoall MoE token dispatcher creates a CUDA stream for its device-to-host copies of the
@@ -139,7 +139,8 @@ def apply_cpu_shim() -> None:
     from megatron.core.transformer.moe import router
     from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
     from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
-    from megatron.core.tensor_parallel import mappings, random as tp_random
+    from megatron.core import utils as core_utils
+    from megatron.core.tensor_parallel import layers as tp_layers, mappings, random as tp_random
     from megatron.core.transformer import utils as transformer_utils
 
     def get_emb_on_cpu(self, max_seq_len: int, offset: int = 0) -> torch.Tensor:
@@ -157,7 +158,8 @@ def apply_cpu_shim() -> None:
     tp_random.CudaRNGStatesTracker.fork = lambda self, name=None: contextlib.nullcontext()
     tp_random._get_cuda_rng_state = lambda *args, **kwargs: None
     tp_random._set_cuda_rng_state = lambda *args, **kwargs: None
-    for module in (schedules, p2p_communication, router, filesystem_async, state_dict_saver, mappings):
+    for module in (schedules, p2p_communication, router, filesystem_async, state_dict_saver, mappings, core_utils,
+                   tp_layers):
         module.torch = _CpuDeviceTorch()
     MoEAlltoAllTokenDispatcher.cuda_dtoh_stream = "cpu: no stream"  # set, so no CUDA stream is created
     MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize = _host_split_sizes

@@ -28,6 +28,7 @@ from slime.backends.megatron_utils.log_probs import (
     hidden_state_log_probs_and_entropy,
     vocab_parallel_log_probs_and_entropy,
 )
+from slime.backends.megatron_utils.moe_router import sequence_parallel_routing
 from slime.backends.megatron_utils.router_losses import RouterLosses
 from slime.backends.routing_replay import RoutingReplay
 
@@ -80,10 +81,11 @@ def _to_host(output):
     return tuple(tensor.cpu() for tensor in output)
 
 
-def _before_recompute(micro_batch: PackedMicroBatch, routing_replay: RoutingReplay | None,
-                      router_losses: RouterLosses | None, grad: torch.Tensor) -> None:
+def _before_recompute(micro_batch: PackedMicroBatch, routing: torch.Tensor | None,
+                      routing_replay: RoutingReplay | None, router_losses: RouterLosses | None,
+                      grad: torch.Tensor) -> None:
     if routing_replay is not None:
-        routing_replay.set_routing(micro_batch.routed_experts)
+        routing_replay.set_routing(routing)
     if router_losses is not None:
         router_losses.sample_lengths = micro_batch.cu_seqlens.diff().tolist()
 
@@ -129,12 +131,15 @@ def run_micro_batches(model_chunks, micro_batches: list[PackedMicroBatch], *, te
         inputs = thd_input(micro_batch, device, pad_multiple)
         if router_losses is not None:
             router_losses.sample_lengths = micro_batch.cu_seqlens.diff().tolist()
-        routing = nullcontext() if routing_replay is None else routing_replay.micro_batch(micro_batch.routed_experts)
-        with routing:
+        routing = micro_batch.routed_experts
+        if config.sequence_parallel:
+            routing = sequence_parallel_routing(routing, inputs.input_ids.shape[1])
+        context = nullcontext() if routing_replay is None else routing_replay.micro_batch(routing)
+        with context:
             output = model(inputs.input_ids, inputs.position_ids, None, packed_seq_params=inputs.packed_seq_params)
         routers_follow = routing_replay is not None or router_losses is not None
         if config.recompute_granularity is not None and output.requires_grad and routers_follow:
-            output.register_hook(partial(_before_recompute, micro_batch, routing_replay, router_losses))
+            output.register_hook(partial(_before_recompute, micro_batch, routing, routing_replay, router_losses))
         return output, partial(loss_func, index, micro_batch)
 
     for chunk in model_chunks:

@@ -5,9 +5,11 @@ megatron-core's `MoEAuxLossAutoScaler` (the loss's gradient enters the backward 
 pipeline stage and in an activation recompute, where the layer routes again with gradients).
 
 Each loss enters as its share of the step's mean over micro-batches and data-parallel ranks (1 / (micro-batches x
-DP ranks)), as the FSDP backend adds it; megatron-core's own load-balancing loss stays off (model.py). Metrics: the
-per-layer values averaged over the step's micro-batches and every MoE layer of the pipeline, as one metric dict
-of shares that the train flow's sum over micro-batches and ranks turns into that mean.
+DP ranks)), as the FSDP backend adds it; megatron-core's own load-balancing loss stays off (model.py). With
+sequence parallelism each tensor-parallel rank's router sees its slice of the row: the losses are per slice and
+averaged over the slices (seq_aux_loss, per sample, is refused there at parse time). Metrics: the per-layer values
+averaged over the step's micro-batches and every MoE layer of the pipeline (and slice), as one metric dict of
+shares that the train flow's sum over micro-batches and ranks turns into that mean.
 
 Not the router binding for replay (moe_router.py) and not the loss math (moe_aux_loss.py).
 """
@@ -24,8 +26,8 @@ from slime.backends.moe_aux_loss import router_losses
 
 
 class RouterLosses:
-    def __init__(self, args, num_experts: int):
-        self.args, self.num_experts = args, num_experts
+    def __init__(self, args, num_experts: int, sequence_parallel: bool):
+        self.args, self.num_experts, self.sequence_parallel = args, num_experts, sequence_parallel
         self.active = False
         self.sample_lengths: list[int] = []  # of the micro-batch whose layers run
         self._share = 0.0
@@ -34,7 +36,10 @@ class RouterLosses:
 
     def start(self, num_micro_batches: int, dp_size: int) -> None:
         """Before a forward-backward of `num_micro_batches` micro-batches."""
-        self.active, self._share = True, 1.0 / (num_micro_batches * dp_size)
+        from megatron.core import parallel_state
+
+        slices = parallel_state.get_tensor_model_parallel_world_size() if self.sequence_parallel else 1
+        self.active, self._share = True, 1.0 / (num_micro_batches * dp_size * slices)
         self._sums, self._num_values = defaultdict(float), defaultdict(int)
 
     def on_routing(self, logits: torch.Tensor, probs: torch.Tensor, routing_map: torch.Tensor) -> torch.Tensor:
@@ -68,9 +73,12 @@ class RouterLosses:
         totals = torch.stack([torch.stack([torch.as_tensor(self._sums[k], dtype=torch.float64, device=device),
                                            torch.tensor(float(self._num_values[k]), dtype=torch.float64,
                                                         device=device)]) for k in keys])
-        group = parallel_state.get_pipeline_model_parallel_group()
-        if dist.get_world_size(group) > 1:
-            dist.all_reduce(totals, group=group)
+        groups = [parallel_state.get_pipeline_model_parallel_group()]
+        if self.sequence_parallel:
+            groups.append(parallel_state.get_tensor_model_parallel_group())
+        for group in groups:
+            if dist.get_world_size(group) > 1:
+                dist.all_reduce(totals, group=group)
         return {key: float(total / count) / dp_size for key, (total, count) in zip(keys, totals.tolist())}
 
 
@@ -85,7 +93,8 @@ def install_router_losses(args, model_chunks) -> RouterLosses | None:
                if hasattr(layer.mlp, "router")]
     if not routers:
         return None
-    losses = RouterLosses(args, model_chunks[0].config.num_moe_experts)
+    config = model_chunks[0].config
+    losses = RouterLosses(args, config.num_moe_experts, config.sequence_parallel)
     for router in routers:
         router.routing = functools.partial(_routing_with_losses, losses, router.routing)
     return losses
