@@ -96,6 +96,7 @@ def test_megatron_r3_reproduces_engine_routing_and_log_probs(checkpoints, rollou
     assert "train/router_agreement" not in free_metrics
 
 
+@pytest.mark.slow  # ~30 s; CI's budget for these tests keeps the TP/SP/EP case and the single-stage ones
 def test_megatron_replay_over_two_pipeline_stages(checkpoints, rollout):  # noqa: F811
     """PP=2: with R3 each stage replays its own MoE layer, the old log-probs (from the last stage) match the
     rollout's and both stages report the agreement of both layers (summed over the pipeline). With
