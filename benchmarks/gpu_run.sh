@@ -75,6 +75,9 @@ run_step() {
     train_17b_megatron) python3 benchmarks/bench_train.py --backend megatron --model-shape qwen3-1.7b --micro-batch-size 2 ;;
     train_4b_megatron) python3 benchmarks/bench_train.py --backend megatron --model-shape qwen3-4b --micro-batch-size 2 ;;
     grpo_megatron) grpo colocated --train-args=--train-backend=megatron ;;
+    # MoE on --train-backend megatron (issues 15/16): the 8-layer Qwen3-30B-A3B shape with R3, then routing freely.
+    moe_grpo_megatron_r3) grpo colocated --shape qwen3-30b-a3b-8l --num-rollout 3 "--train-args=--train-backend=megatron --use-rollout-routing-replay --get-mismatch-metrics" ;;
+    moe_grpo_megatron_free) grpo colocated --shape qwen3-30b-a3b-8l --num-rollout 3 "--train-args=--train-backend=megatron --get-mismatch-metrics" ;;
     # Two GPUs (nvidia-h200-x2): the multi-GPU issue's runs.
     multi_gpu_tests) python3 -m pytest -q tests/test_fsdp_multi_gpu.py tests/test_fsdp_weight_push.py ;;
     weight_sync_gpu_tests) python3 -m pytest -q tests/test_weight_disk_sync.py tests/test_weight_delta.py ;;  # disk / delta sync from a CUDA trainer (needs a bundle with xxhash, zstandard)

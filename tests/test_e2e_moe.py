@@ -1,7 +1,8 @@
-"""GRPO through train.py on a tiny Qwen3-MoE (real Ray, the built-in engine behind sglang-router, two FSDP2
-trainer processes): with R3 (--use-rollout-routing-replay) the engines return their routing, the trainer replays it
-and reports the router agreement; without it the same run routes freely. Both keep the trainer's and the engine's
-log-probs of the same tokens together (fp32 on both sides, the same weights after every sync)."""
+"""GRPO through train.py on a tiny Qwen3-MoE (real Ray, the built-in engine behind sglang-router, two trainer
+processes: FSDP2, or Megatron with the experts split over them, --expert-model-parallel-size 2): with R3
+(--use-rollout-routing-replay) the engines return their routing, the trainer replays it and reports the router
+agreement; without it the same run routes freely. All keep the trainer's and the engine's log-probs of the same
+tokens together (fp32 on both sides, the same weights after every sync)."""
 
 import json
 import subprocess
@@ -49,13 +50,33 @@ def _check_rows(rows: list[dict]) -> None:
         assert row["train/mismatch_ratio_p99"] - row["train/mismatch_ratio_p1"] < 2e-3
 
 
-def test_grpo_with_rollout_routing_replay(task, tmp_path):
-    rows = run_grpo(task, tmp_path / "r3", "--use-rollout-routing-replay")
-    _check_rows(rows)
+def _check_agreement(rows: list[dict]) -> None:
     for row in rows:
         # Same weights, both fp32: the trainer's own routing agrees with the engine's but for rare near-ties.
         assert row["train/router_agreement"] > 0.9
         assert row["train/router_agreement_layer_min"] <= row["train/router_agreement_layer_p50"] <= 1.0
+
+
+def test_grpo_with_rollout_routing_replay(task, tmp_path):
+    rows = run_grpo(task, tmp_path / "r3", "--use-rollout-routing-replay")
+    _check_rows(rows)
+    _check_agreement(rows)
+
+
+MEGATRON_EP2 = ("--train-backend", "megatron", "--expert-model-parallel-size", "2")
+
+
+def test_megatron_ep2_grpo_with_rollout_routing_replay(task, tmp_path):
+    rows = run_grpo(task, tmp_path / "megatron_r3", *MEGATRON_EP2, "--use-rollout-routing-replay")
+    _check_rows(rows)
+    _check_agreement(rows)
+
+
+@pytest.mark.slow
+def test_megatron_ep2_grpo_with_free_routing(task, tmp_path):
+    rows = run_grpo(task, tmp_path / "megatron_free", *MEGATRON_EP2)
+    _check_rows(rows)
+    assert not any("train/router_agreement" in row for row in rows)
 
 
 @pytest.mark.slow

@@ -299,6 +299,12 @@ def test_moe_expert_parallel_rules(tmp_path, data):
     with pytest.raises(ArgumentError, match=r"--pipeline-model-parallel-size \(2 x 8 x 1\)"):
         parse_args(base(tmp_path, data, *moe, "--tensor-model-parallel-size", "2", "--expert-model-parallel-size", "8",
                         model="qwen3-30B-A3B"))
+    with pytest.raises(ArgumentError, match="--tensor-model-parallel-size 2 on an MoE model needs --sequence-parallel"):
+        parse_args(base(tmp_path, data, *moe, "--tensor-model-parallel-size", "2", model="qwen3-30B-A3B"))
+    with pytest.raises(ArgumentError, match="seq_aux_loss with --sequence-parallel"):
+        parse_args(base(tmp_path, data, *moe, "--tensor-model-parallel-size", "2", "--sequence-parallel",
+                        "--moe-aux-loss-coeff", "0.01", "--moe-router-load-balancing-type", "seq_aux_loss",
+                        model="qwen3-30B-A3B"))
 
 
 def test_derived_layout_and_backend_defaults(tmp_path, data):

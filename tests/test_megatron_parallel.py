@@ -21,12 +21,13 @@ def tiny_checkpoint(tmp_path_factory):
     return build_tiny_model(tmp_path_factory.mktemp("tiny_mcore"), arch="qwen3", num_hidden_layers=4)
 
 
-def _train_inputs(vocab_size: int, seed: int = 0):
+def _train_inputs(vocab_size: int, seed: int = 0, groups=([0, 1, 2], [3, 4], [5, 6, 7])):
+    """Packed micro-batches of 8 random samples (`groups`: the samples of each) and their loss inputs."""
     from slime.backends.packing import float_tensors, pack_samples
 
     data = make_train_data(8, vocab_size, seed=seed)
     tokens, lengths = data["tokens"], data["response_lengths"]
-    micro_batches = [pack_samples(tokens, lengths, indices) for indices in ([0, 1, 2], [3, 4], [5, 6, 7])]
+    micro_batches = [pack_samples(tokens, lengths, indices) for indices in groups]
     masks = float_tensors(data["loss_masks"])
     generator = torch.Generator().manual_seed(seed)
     per_sample = dict(

@@ -54,7 +54,8 @@ class TrainBackend(ABC):
     """One training process of a backend. Attributes the flow reads: `device`, `model` (passed to user hooks),
     `optimizer`, `scheduler`, `hf_config`, `dp_rank`, `dp_size`, `routing_replay` (the RoutingReplay an MoE
     policy's routers consult, None for a dense model or a backend without replay; the backend runs each
-    micro-batch's forward and backward inside `routing_of(micro_batch)`)."""
+    micro-batch's forward and backward inside `routing_of(micro_batch)`, or, where a pipeline schedule interleaves
+    micro-batches, enters the replay's contexts itself)."""
 
     device: torch.device
     model: torch.nn.Module

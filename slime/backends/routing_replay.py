@@ -36,8 +36,12 @@ FREE_ROW = -1  # a routing row that the router fills itself
 
 
 class RoutingReplay:
-    def __init__(self, num_layers: int, top_k: int, num_experts: int):
+    """`local_layers`: the MoE layers this process routes (default all; a pipeline stage routes its own), the
+    others are FREE_ROW in its records."""
+
+    def __init__(self, num_layers: int, top_k: int, num_experts: int, local_layers: list[int] | None = None):
         self.num_layers, self.top_k, self.num_experts = num_layers, top_k, num_experts
+        self.local_layers = list(range(num_layers)) if local_layers is None else list(local_layers)
         self.stage = ReplayStage.FALLTHROUGH
         self._routing: torch.Tensor | None = None  # the micro-batch in flight's [num_tokens, layers, top_k]
         self._picks: list[torch.Tensor | None] = [None] * num_layers
@@ -51,18 +55,26 @@ class RoutingReplay:
     @contextlib.contextmanager
     def micro_batch(self, routing: torch.Tensor | None):
         """Around one micro-batch's forward (and backward): the routing to replay, [num_tokens, layers, top_k]."""
-        if self.replaying and routing is None:
-            raise ValueError(f"routing replay ({self.stage.value}): this micro-batch carries no routing record")
-        self._routing = routing
+        self.set_routing(routing)
         try:
             yield
             if self.stage is ReplayStage.RECORD:
-                missing = [layer for layer, picks in enumerate(self._picks) if picks is None]
+                missing = [layer for layer in self.local_layers if self._picks[layer] is None]
                 assert not missing, f"MoE layers {missing} did not route this micro-batch"
-                self._records.append(torch.stack(self._picks, dim=1))  # stays on the device: no sync
+                free = torch.full_like(self._picks[self.local_layers[0]], FREE_ROW)
+                picks = [free if picks is None else picks for picks in self._picks]
+                self._records.append(torch.stack(picks, dim=1))  # stays on the device: no sync
         finally:
             self._routing = None
             self._picks = [None] * self.num_layers
+
+    def set_routing(self, routing: torch.Tensor | None) -> None:
+        """The routing of the micro-batch whose layers run next: `micro_batch` sets it for the forward; a backend
+        whose backward recomputes a micro-batch's layers apart from its forward (a pipeline schedule's) sets it
+        again before that recompute."""
+        if self.replaying and routing is None:
+            raise ValueError(f"routing replay ({self.stage.value}): this micro-batch carries no routing record")
+        self._routing = routing
 
     def select(self, layer: int, probs: torch.Tensor) -> torch.Tensor:
         """Expert ids [num_tokens, top_k] for `probs` [num_tokens, num_experts] of MoE layer `layer`."""

@@ -12,6 +12,8 @@ Meaning on the FSDP backend (the HF model's own router and experts):
 - kernel and dispatch choices (--moe-grouped-gemm, --moe-token-dispatcher-type, --moe-permute-fusion) select
   Megatron kernels; the FSDP backend always runs grouped GEMM experts (transformers' grouped_mm) and never drops
   tokens, which is what they ask for.
+On the Megatron backend the replay flags and router losses mean the same (megatron_utils/moe_router.py and
+router_losses.py); its experts are megatron-core's behind the alltoall dispatcher, whatever the kernel flags say.
 """
 
 from __future__ import annotations

@@ -165,6 +165,13 @@ def _resolve_layout(args, config: dict) -> None:
         logger.warning("--sequence-parallel has no effect with --tensor-model-parallel-size 1 (Megatron turns it "
                        "off too)")
         args.sequence_parallel = False
+    _require(not (num_experts and tp > 1 and args.train_backend == "megatron" and not args.sequence_parallel),
+             f"--tensor-model-parallel-size {tp} on an MoE model needs --sequence-parallel (megatron-core trains MoE "
+             "layers under tensor parallelism only with it)")
+    _require(not (args.sequence_parallel and args.moe_router_load_balancing_type == "seq_aux_loss"
+                  and args.moe_aux_loss_coeff > 0),
+             "--moe-router-load-balancing-type seq_aux_loss with --sequence-parallel: each tensor-parallel rank "
+             "routes a slice of the packed row, not whole samples; use aux_loss")
     _resolve_pipeline(args, args.num_layers or config.get("num_hidden_layers"))
 
 

@@ -11,6 +11,10 @@ parameters (the freezing flags leave some out: param_freeze.py, by megatron-core
 parameters are (over TP / PP / EP) and over data parallelism, with the FSDP backend's learning-rate schedule so
 both backends step identically; StatelessAdam's update with --use-stateless-adam.
 
+MoE: experts split over --expert-model-parallel-size ranks (data-parallel ranks of the dense weights; megatron-core's
+alltoall dispatcher moves each token to its experts' rank); the routers consult routing replay (moe_router.py) and
+add the router losses (router_losses.py).
+
 Checkpoints: torch_dist (checkpoint.py), and with --save-hf also an HF folder; weights for the engines: HF-named full tensors gathered to rank 0
 (hf_weights.py), sent by the shared WeightSender.
 
@@ -33,9 +37,11 @@ from slime.backends.megatron_utils.grads import finalize_grads
 from slime.backends.megatron_utils.hf_weights import load_hf_weights, model_hf_weights, save_hf_checkpoint
 from slime.backends.megatron_utils.micro_batches import run_micro_batches
 from slime.backends.megatron_utils.model import build_gpt_model
+from slime.backends.megatron_utils.moe_router import install_routers
 from slime.backends.megatron_utils.names import named_global_parameters
-from slime.backends.megatron_utils.optimizer import build_distributed_optimizer, wrap_data_parallel
+from slime.backends.megatron_utils.optimizer import build_distributed_optimizer, clip_grad_norm, wrap_data_parallel
 from slime.backends.megatron_utils.parallel import init_model_parallel
+from slime.backends.megatron_utils.router_losses import install_router_losses
 from slime.backends.packing import PackedMicroBatch
 from slime.backends.param_freeze import freeze_parameters
 
@@ -44,9 +50,6 @@ class MegatronBackend(TrainBackend):
     def __init__(self, args, rank: int, world_size: int, master_addr: str, master_port: int):
         from megatron.core import parallel_state
 
-        if args.expert_model_parallel_size > 1:
-            raise ValueError("--train-backend megatron: --expert-model-parallel-size > 1 is not supported yet (the "
-                             "gradient sums and the weight export cover TP / PP / DP); use 1")
         self.args, self.rank, self.world_size = args, rank, world_size
         self.device = training_device(args, rank)
         if self.device.type == "cpu":
@@ -57,7 +60,7 @@ class MegatronBackend(TrainBackend):
         self.dp_size = parallel_state.get_data_parallel_world_size(with_context_parallel=True)
         self.dp_group = parallel_state.get_data_parallel_group(with_context_parallel=True)
         self.model_chunks, self.ddp_chunks = [], []
-        self.model = self.optimizer = self.scheduler = self.hf_config = None
+        self.model = self.optimizer = self.scheduler = self.hf_config = self.router_losses = None
 
     # ----------------------------------------------------------------------------------------- building
     def build_policy(self, weights_path: str) -> None:
@@ -67,6 +70,8 @@ class MegatronBackend(TrainBackend):
         self.hf_config = AutoConfig.from_pretrained(args.hf_checkpoint)
         self.model_chunks = [build_gpt_model(args, self.hf_config, self.device)]
         self.model = self.model_chunks[0]
+        self.routing_replay = install_routers(self.model_chunks, self.hf_config)
+        self.router_losses = install_router_losses(args, self.model_chunks)
         self._load_weights(weights_path)
         freeze_parameters(args, named_global_parameters(self.model_chunks), self._sum_over_ranks)
         self.ddp_chunks = wrap_data_parallel(self.model_chunks)
@@ -113,7 +118,8 @@ class MegatronBackend(TrainBackend):
     def _run(self, micro_batches, loss_of=None):
         return run_micro_batches(self.model_chunks, micro_batches, temperature=self.args.rollout_temperature,
                                  vocab_size=self.hf_config.vocab_size, device=self.device,
-                                 chunk_size=self.args.log_probs_chunk_size, loss_of=loss_of)
+                                 chunk_size=self.args.log_probs_chunk_size, loss_of=loss_of,
+                                 routing_replay=self.routing_replay, router_losses=self.router_losses)
 
     @torch.no_grad()
     def forward_only(self, micro_batches: list[PackedMicroBatch]) -> list:
@@ -124,13 +130,17 @@ class MegatronBackend(TrainBackend):
                 chunk.train()
 
     def forward_backward(self, micro_batches: list[PackedMicroBatch], loss_of: LossOf) -> list[dict]:
+        if self.router_losses is not None:
+            self.router_losses.start(len(micro_batches), self.dp_size)
         metrics = self._run(micro_batches, loss_of)
+        if self.router_losses is not None:
+            metrics.append(self.router_losses.finish(self.dp_size))  # shares, as the per-micro-batch metrics
         finalize_grads(self.model_chunks, self.ddp_chunks)
         return metrics
 
     def clip_grad_norm(self, max_grad_norm: float) -> float:
         self.optimizer.prepare_grads()  # this rank's slice of the grad buffer to its main params' .grad
-        return float(self.optimizer.clip_grad_norm(max_grad_norm))
+        return clip_grad_norm(self.optimizer, max_grad_norm)
 
     def apply_clipped_grads(self) -> None:
         self.optimizer.step_with_ready_grads()  # the slices' update, all-gathered into the parameters

@@ -5,7 +5,9 @@ megatron-core 0.16.1 assumes CUDA in three places of the model's forward and bac
 - `transformer.utils.get_default_causal_mask` (also imported by name into `fusions.fused_softmax`) allocates on
   "cuda";
 - `tensor_parallel.random.CudaRNGStatesTracker.fork` swaps the CUDA RNG state around dropout and initialisation
-  (here a null context: the CPU runs use no dropout and initialise weights with `use_cpu_initialization`).
+  (here a null context: the CPU runs use no dropout and initialise weights with `use_cpu_initialization`), and
+  activation recompute (`CheckpointFunction`) saves and restores the CUDA RNG state (here nothing: it saves the
+  CPU generator's too, the only one).
 More appear past the plain forward and backward; the modules involved get a `torch` whose CUDA device is the CPU
 (`_CpuDeviceTorch`; every other attribute is torch's own):
 - the pipeline schedules (`get_forward_backward_func`, also at PP=1) and p2p communication allocate token counters
@@ -13,14 +15,17 @@ More appear past the plain forward and backward; the modules involved get a `tor
 - dist_checkpointing's saver synchronises CUDA before writing and reduces its success flags on "cuda";
 - the MoE router moves its weight to `torch.cuda.current_device()` at its first forward;
 - the distributed optimizer's stack: DDP's grad and param buffers, the optimizer's flags and gathers, the grad
-  norm and its local multi-tensor fallback (`megatron.core.utils`, as Apex and Transformer Engine are absent).
+  norm and its local multi-tensor fallback (`megatron.core.utils`, as Apex and Transformer Engine are absent);
+- the tensor-parallel mappings (the expert-parallel token dispatch gathers through them), the sequence-parallel
+  linear layers and megatron-core's global memory buffer (`core.utils`) allocate on `torch.cuda.current_device()`.
 And one question is answered as for CUDA: the distributed optimizer sorts its parameters by `Tensor.type()`, and
 the gradient clipping asserts it, accepting only 'torch.cuda.*Tensor' names; while they do, a CPU tensor's type
 reads as its CUDA twin's.
 And two are replaced: with PP > 1 and tied embeddings `LanguageModule.setup_embeddings_and_output_layer` moves the
 last stage's copy of the embedding to CUDA before the all-reduce that makes both copies equal (here the all-reduce
 runs on the CPU); the alltoall MoE token dispatcher creates a CUDA stream for its device-to-host copies of the
-routing counts (on the CPU they are host tensors already: no stream, no copy).
+routing counts (on the CPU they are host tensors already: no stream, no copy; the split sizes become the numpy
+arrays its all-to-alls take).
 
 `apply_cpu_shim()` is applied explicitly by the backend when its device is the CPU, not at import: importing this
 package must not change megatron-core for a process that trains on a GPU.
@@ -142,6 +147,17 @@ def _cpu_setup_embeddings(language_module, original):
     return setup_embeddings_and_output_layer
 
 
+def _host_split_sizes(dispatcher, point: str, tokens_per_expert=None):
+    """The alltoall dispatcher's device-to-host step on the CPU: no copy and no stream, but the all-to-all split
+    sizes as numpy arrays, the form its collectives take them in (as the CUDA path leaves them)."""
+    if not dispatcher.drop_and_pad and point == dispatcher.cuda_dtoh_point:
+        for name in ("input_splits", "output_splits", "output_splits_tp"):
+            value = getattr(dispatcher, name)
+            if torch.is_tensor(value):
+                setattr(dispatcher, name, value.numpy())
+    return tokens_per_expert
+
+
 def apply_cpu_shim() -> None:
     """Patch megatron-core's CUDA assumptions for a process that trains on the CPU; idempotent."""
     global _applied
@@ -158,7 +174,7 @@ def apply_cpu_shim() -> None:
     from megatron.core.transformer.moe import router
     from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
     from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
-    from megatron.core.tensor_parallel import random as tp_random
+    from megatron.core.tensor_parallel import layers as tp_layers, mappings, random as tp_random
     from megatron.core.transformer import utils as transformer_utils
 
     def get_emb_on_cpu(self, max_seq_len: int, offset: int = 0) -> torch.Tensor:
@@ -174,16 +190,18 @@ def apply_cpu_shim() -> None:
     transformer_utils.get_default_causal_mask = _cpu_causal_mask
     fused_softmax.get_default_causal_mask = _cpu_causal_mask
     tp_random.CudaRNGStatesTracker.fork = lambda self, name=None: contextlib.nullcontext()
+    tp_random._get_cuda_rng_state = lambda *args, **kwargs: None
+    tp_random._set_cuda_rng_state = lambda *args, **kwargs: None
     for module in (schedules, p2p_communication, router, filesystem_async, state_dict_saver, param_and_grad_buffer,
-                   distributed_data_parallel, distrib_optimizer, megatron_optimizer, clip_grads, core_utils):
+                   distributed_data_parallel, distrib_optimizer, megatron_optimizer, clip_grads, core_utils, mappings,
+                   tp_layers):
         module.torch = _CpuDeviceTorch()
     optimizer_class = distrib_optimizer.DistributedOptimizer
     optimizer_class._build_model_and_main_param_groups = staticmethod(
         _with_cuda_type_names(optimizer_class._build_model_and_main_param_groups))
     megatron_optimizer.clip_grad_by_total_norm_fp32 = _with_cuda_type_names(clip_grads.clip_grad_by_total_norm_fp32)
     MoEAlltoAllTokenDispatcher.cuda_dtoh_stream = "cpu: no stream"  # set, so no CUDA stream is created
-    MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize = \
-        lambda self, point, tokens_per_expert=None: tokens_per_expert
+    MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize = _host_split_sizes
     language_module.LanguageModule.setup_embeddings_and_output_layer = _cpu_setup_embeddings(
         language_module, language_module.LanguageModule.setup_embeddings_and_output_layer)
     _applied = True

@@ -6,7 +6,8 @@ megatron-core's `finalize_model_grads` on the DDP grad buffers (`param.main_grad
   stage's output-layer copy are one weight;
 - summed over data parallelism by DDP's `finish_grad_sync` (reduce-scattered: each rank's slice of the buffer
   holds the sum, which the distributed optimizer steps): every rank's loss is its share of the global loss, so the
-  sum of the ranks' gradients is the gradient of the whole batch.
+  sum of the ranks' gradients is the gradient of the whole batch. Expert weights (`is_expert`) are DDP's expert
+  buffers, summed over the expert data-parallel group instead.
 The sums over TP and the embedding group run on the whole buffer before the data-parallel one (they commute).
 
 Not the norm and clipping (megatron's optimizer computes them over its slices) and not the optimizer.
@@ -38,6 +39,13 @@ def _tied_embedding_weights(model_chunks) -> list[torch.nn.Parameter]:
         if chunk.share_embeddings_and_output_weights and (chunk.pre_process or chunk.post_process):
             weights.append(chunk.shared_embedding_or_output_weight())
     return weights
+
+
+def is_expert(param) -> bool:
+    """An expert weight: megatron-core marks them `allreduce` False (DDP sums their gradients over the expert
+    data-parallel group, not plain data parallelism: an expert's tokens reach it from every rank of its
+    expert-parallel group through the token dispatcher)."""
+    return not getattr(param, "allreduce", True)
 
 
 def finalize_grads(model_chunks, ddp_chunks) -> None:

@@ -1,6 +1,6 @@
 """Megatron model chunks <-> HF checkpoints: fill a rank's chunks from an HF safetensors folder (each rank reads only
-the tensors its shards need), and produce the full HF-named weights from the sharded model (for weight sync and
-tools/convert_torch_dist_to_hf.py).
+the tensors its shards need), and produce the full HF-named weights from the sharded model, tensor, pipeline and
+expert shards gathered (for weight sync and tools/convert_torch_dist_to_hf.py).
 
 Not the bucketing or the transport to engines (slime/backends/weight_sender.py does that for both backends) and
 not Megatron's own checkpoint format (checkpoint.py).
@@ -18,7 +18,8 @@ import torch.distributed as dist
 from slime.backends.fsdp_utils.checkpoint import HF_EXTRA_FILES
 from slime.backends.megatron_utils import tp_shards
 from slime.backends.megatron_utils.hf_mapping import mapping_for
-from slime.backends.megatron_utils.names import named_global_parameters
+from slime.backends.megatron_utils.grads import is_expert
+from slime.backends.megatron_utils.names import named_global_parameters, renumber_expert
 from slime.engine.models.weight_loader import checkpoint_files
 
 
@@ -58,38 +59,63 @@ def load_hf_weights(model_chunks, hf_checkpoint: str | Path, hf_config) -> None:
         param.copy_(shard)
 
 
-def iter_hf_weights(model_chunks, hf_config) -> Iterator[tuple[str, torch.Tensor]]:
-    """(HF name, full tensor) of this rank's pipeline stage and experts, gathered over tensor parallelism.
-    Collective over the TP group: every rank of it must iterate in step. The tensors may alias parameters at TP=1
-    (callers that hand them away copy them)."""
+def _gather_over_expert_parallel(tensor: torch.Tensor) -> list[torch.Tensor]:
+    """`tensor` of every rank of the expert-parallel group, in rank order; collective over that group."""
+    from megatron.core import parallel_state
+
+    group = parallel_state.get_expert_model_parallel_group()
+    if dist.get_world_size(group) == 1:
+        return [tensor]
+    gathered = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(gathered, tensor.contiguous(), group=group)
+    return gathered
+
+
+def iter_hf_weights(model_chunks, hf_config, *, dense: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF name, full tensor) of this rank's pipeline stage: its dense weights gathered over tensor parallelism
+    (unless `dense` is False), and every expert of its expert-parallel group, gathered over expert tensor and expert
+    parallelism. Collective over those groups: every rank of them must iterate in step. The tensors may alias
+    parameters at TP=1 (callers that hand them away copy them)."""
+    from megatron.core import parallel_state
+
     mapping = mapping_for(hf_config)
+    ep_rank = parallel_state.get_expert_model_parallel_rank()
+    num_local_experts = model_chunks[0].config.num_moe_experts or 0
+    num_local_experts //= parallel_state.get_expert_model_parallel_world_size()
     for name, param in named_global_parameters(model_chunks):
-        yield from mapping.to_hf(name, tp_shards.full_tensor(name, param), hf_config)
+        if not is_expert(param):
+            if dense:
+                yield from mapping.to_hf(name, tp_shards.full_tensor(name, param), hf_config)
+            continue
+        for rank, tensor in enumerate(_gather_over_expert_parallel(tp_shards.full_tensor(name, param))):
+            yield from mapping.to_hf(renumber_expert(name, (rank - ep_rank) * num_local_experts), tensor, hf_config)
 
 
 def model_hf_weights(model_chunks, hf_config, dtype: torch.dtype | None = None
                      ) -> Iterator[tuple[str, torch.Tensor]]:
     """(HF name, full tensor) of the whole model on global rank 0, pipeline stage by stage (copies, in `dtype`
     when given); other ranks take part in the gathers and yield nothing. Collective over all ranks: within each
-    stage of the first data-parallel replica the TP peers gather, and the stage's TP rank 0 sends each tensor to
-    rank 0 (a name message, then the tensor); other replicas hold the same weights and sit out."""
+    stage of the first data-parallel replica the TP peers gather the dense weights, the EP peers of the first expert
+    data-parallel replica (other data-parallel ranks among them) the experts, and the stage's TP rank 0 sends each
+    tensor to rank 0 (a name message, then the tensor); the other replicas hold the same weights and sit out."""
     from megatron.core import parallel_state
 
-    if parallel_state.get_data_parallel_rank(with_context_parallel=True) != 0:
+    if parallel_state.get_expert_data_parallel_rank() != 0:
         return
     rank = dist.get_rank()
-    is_stage_sender = parallel_state.get_tensor_model_parallel_rank() == 0
+    in_first_replica = parallel_state.get_data_parallel_rank(with_context_parallel=True) == 0
+    is_stage_sender = in_first_replica and parallel_state.get_tensor_model_parallel_rank() == 0
     pp_size = parallel_state.get_pipeline_model_parallel_world_size()
     my_stage = parallel_state.get_pipeline_model_parallel_rank()
     pp_group = parallel_state.get_pipeline_model_parallel_group()
     for stage in range(pp_size):
         sender = dist.get_global_rank(pp_group, stage)  # the stage's rank in rank 0's pipeline (its TP rank 0)
         if stage == my_stage:
-            for hf_name, tensor in iter_hf_weights(model_chunks, hf_config):
-                tensor = tensor.to(dtype or tensor.dtype, copy=True)
+            for hf_name, tensor in iter_hf_weights(model_chunks, hf_config, dense=in_first_replica):
                 if rank == 0:
-                    yield hf_name, tensor
+                    yield hf_name, tensor.to(dtype or tensor.dtype, copy=True)
                 elif is_stage_sender:
+                    tensor = tensor.to(dtype or tensor.dtype, copy=True)
                     dist.send_object_list([(hf_name, tensor.shape, tensor.dtype)], dst=0)
                     dist.send(tensor, dst=0)
             if is_stage_sender and rank != 0:

@@ -15,6 +15,7 @@ the loss math (the flow's `loss_of`).
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import dataclass
 from functools import partial
 
@@ -27,6 +28,9 @@ from slime.backends.megatron_utils.log_probs import (
     hidden_state_log_probs_and_entropy,
     vocab_parallel_log_probs_and_entropy,
 )
+from slime.backends.megatron_utils.moe_router import sequence_parallel_routing
+from slime.backends.megatron_utils.router_losses import RouterLosses
+from slime.backends.routing_replay import RoutingReplay
 
 
 @dataclass
@@ -77,12 +81,26 @@ def _to_host(output):
     return tuple(tensor.cpu() for tensor in output)
 
 
+def _before_recompute(micro_batch: PackedMicroBatch, routing: torch.Tensor | None,
+                      routing_replay: RoutingReplay | None, router_losses: RouterLosses | None,
+                      grad: torch.Tensor) -> None:
+    if routing_replay is not None:
+        routing_replay.set_routing(routing)
+    if router_losses is not None:
+        router_losses.sample_lengths = micro_batch.cu_seqlens.diff().tolist()
+
+
 def run_micro_batches(model_chunks, micro_batches: list[PackedMicroBatch], *, temperature: float, vocab_size: int,
-                      device, chunk_size: int | None = None, loss_of: LossOf | None = None):
+                      device, chunk_size: int | None = None, loss_of: LossOf | None = None,
+                      routing_replay: RoutingReplay | None = None, router_losses: RouterLosses | None = None):
     """Forward-only (loss_of None): per micro-batch (log_probs, entropy) of its response tokens, on every rank.
     Otherwise forward + backward of `loss_of(index of the micro-batch, (log_probs, entropy)) -> (loss, metrics)`
     (gradients accumulate in the DDP grad buffers, `param.main_grad`); returns the per-micro-batch metric dicts, on
-    every rank."""
+    every rank.
+    An MoE policy's `routing_replay` and `router_losses` learn which micro-batch's layers run: each forward runs in
+    its micro-batch's routing context, and with activation recompute the gradient reaching a micro-batch's output
+    tells them again, since the pipeline schedule recomputes that micro-batch's layers in its backward, after other
+    micro-batches' forwards."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     if not micro_batches:
@@ -112,7 +130,17 @@ def run_micro_batches(model_chunks, micro_batches: list[PackedMicroBatch], *, te
     def forward_step(data_iterator, model):
         index, micro_batch = next(data_iterator)
         inputs = thd_input(micro_batch, device, pad_multiple)
-        output = model(inputs.input_ids, inputs.position_ids, None, packed_seq_params=inputs.packed_seq_params)
+        if router_losses is not None:
+            router_losses.sample_lengths = micro_batch.cu_seqlens.diff().tolist()
+        routing = micro_batch.routed_experts
+        if config.sequence_parallel:
+            routing = sequence_parallel_routing(routing, inputs.input_ids.shape[1])
+        context = nullcontext() if routing_replay is None else routing_replay.micro_batch(routing)
+        with context:
+            output = model(inputs.input_ids, inputs.position_ids, None, packed_seq_params=inputs.packed_seq_params)
+        routers_follow = routing_replay is not None or router_losses is not None
+        if config.recompute_granularity is not None and output.requires_grad and routers_follow:
+            output.register_hook(partial(_before_recompute, micro_batch, routing, routing_replay, router_losses))
         return output, partial(loss_func, index, micro_batch)
 
     for chunk in model_chunks:

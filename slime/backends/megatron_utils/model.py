@@ -59,10 +59,10 @@ def transformer_config(args, hf_config, device: torch.device):
             # Qwen3-MoE: softmax over all experts, top-k, renormalised when norm_topk_prob; Megatron's top-k of
             # the logits then softmax over the k equals the renormalised form.
             moe_router_pre_softmax=not hf_config.norm_topk_prob,
-            moe_router_load_balancing_type="none",
+            moe_router_load_balancing_type="none",  # the router losses are router_losses.py's
             moe_aux_loss_coeff=0.0,
             moe_grouped_gemm=transformer_engine_available(device),
-            moe_router_dtype="fp32",
+            moe_router_dtype=args.moe_router_dtype or "fp32",
         )
         if hf_config.decoder_sparse_step != 1 or hf_config.mlp_only_layers:
             raise ValueError("Qwen3-MoE with dense layers (mlp_only_layers / decoder_sparse_step != 1) is not "

@@ -27,6 +27,12 @@ def global_name(local_name: str, layer_offset: int, expert_offset: int) -> str:
     return _GROUPED_EXPERT.sub(lambda m: f"{m[1]}{int(m[2]) + expert_offset}", name)
 
 
+def renumber_expert(name: str, shift: int) -> str:
+    """A global expert weight name with its expert number moved by `shift` (another expert-parallel rank's)."""
+    name = _LOCAL_EXPERT.sub(lambda m: f"{m[1]}{int(m[2]) + shift}{m[3]}", name)
+    return _GROUPED_EXPERT.sub(lambda m: f"{m[1]}{int(m[2]) + shift}", name)
+
+
 def chunk_offsets(model_chunk, vp_stage: int | None) -> tuple[int, int]:
     """(first global layer, first global expert) of this rank's model chunk."""
     from megatron.core import parallel_state

@@ -93,6 +93,20 @@ def build_distributed_optimizer(args, ddp_chunks, params_dtype: torch.dtype):
     return optimizer, LearningRateSchedule(args, optimizer)
 
 
+def clip_grad_norm(optimizer, max_norm: float) -> float:
+    """The global gradient norm over every chained optimizer's slices (dense, and with expert parallelism the
+    experts', each over its own group), and every slice clipped to `max_norm` (when > 0) by that one norm, as
+    `ChainedOptimizer.step` does; its own `clip_grad_norm` serves a single optimizer only."""
+    from megatron.core.optimizer import optimizer as megatron_optimizer
+
+    grad_norm = optimizer.get_grad_norm()
+    for inner in optimizer.chained_optimizers:
+        parameters = inner.get_parameters()
+        if max_norm > 0.0 and parameters:
+            megatron_optimizer.clip_grad_by_total_norm_fp32(parameters, max_norm=max_norm, total_norm=grad_norm)
+    return float(grad_norm)
+
+
 class LearningRateSchedule:
     """Sets every param group's lr to the project's schedule at the current optimizer step; `step()` advances it.
     State: the step count (checkpoint.py saves it)."""
