@@ -8,6 +8,7 @@ The engine's log-probs equal the trainer's after every disk push."""
 import pytest
 
 from test_e2e_train import read_metrics, run_train
+from test_slime_flags import base  # noqa: F401  (the fixture: a minimal run's flags over a config-only model)
 
 pytestmark = pytest.mark.e2e
 pytest.importorskip("megatron.core")
@@ -49,12 +50,10 @@ def test_released_train_processes_come_back_exactly(task, tmp_path):
     assert all(row["train/grad_norm"] > 0 for row in runs["kept"])  # it trained: the comparison can fail
 
 
-def test_release_train_rules_name_the_flag(task, tmp_path):
+def test_release_train_rules_name_the_flag(base, tmp_path):
     from slime.utils.arguments import parse_args
 
-    base = ["--hf-checkpoint", str(task["model"]), "--prompt-data", str(task["train"]), "--release-train",
-            "--rollout-batch-size", "4", "--num-rollout", "1", "--rm-type", "math",
-            "--output-dir", str(tmp_path)]
+    base = [*base, "--release-train", "--output-dir", str(tmp_path)]
     disk = ["--update-weight-transport", "disk", "--update-weight-disk-dir", str(tmp_path / "w")]
     cases = [
         (base + disk + ["--save", str(tmp_path / "c")], "--train-backend megatron"),

@@ -9,19 +9,7 @@ import pytest
 from slime.ray.engine_actor import engine_server_command
 from slime.utils.arguments import parse_args
 
-HF_CONFIG = {"model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"], "num_hidden_layers": 2, "hidden_size": 64,
-             "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
-             "vocab_size": 1000, "max_position_embeddings": 512}
-
-
-@pytest.fixture(scope="module")
-def base(tmp_path_factory):
-    root = tmp_path_factory.mktemp("weight_sync_flags")
-    (root / "model").mkdir()
-    (root / "model" / "config.json").write_text(json.dumps(HF_CONFIG))
-    (root / "data.jsonl").write_text('{"input": "1+1", "label": "2"}\n')
-    return ["--hf-checkpoint", str(root / "model"), "--prompt-data", str(root / "data.jsonl"),
-            "--rollout-batch-size", "2", "--n-samples-per-prompt", "2", "--num-rollout", "1", "--rm-type", "math"]
+from test_slime_flags import base  # noqa: F401  (the fixture: a minimal run's flags over a config-only model)
 
 
 @pytest.mark.parametrize("extra,message", [
