@@ -180,13 +180,9 @@ class ModelRunner:
         slots += positions % self.block_size
         return self.routed_experts[self.staging.to_device(slots)].cpu().numpy()
 
-    @property
-    def weights_released(self) -> bool:
-        return self.host_weights.released
-
     def release_weights(self) -> None:
         """Move parameter storage to a host copy and free the device storage (host_weights.py)."""
-        if self.weights_released:
+        if self.host_weights.released:
             return
         self.decode_graphs = None  # they hold the weights' addresses
         self.host_weights.release(self.model)

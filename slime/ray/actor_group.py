@@ -133,7 +133,7 @@ class RayTrainGroup:
         if folder is not None:
             args.load, args.no_load_optim = args.save, args.no_save_optim
         self.actors = self._start_actors(args)
-        start_rollout_id = self._all("init", self.with_ref)[0]
+        start_rollout_id = self.init(self.with_ref)
         if start_rollout_id != rollout_id:
             raise RuntimeError(f"--release-train: the train processes re-created from {folder or 'the initial weights'}"
                                f" would continue at rollout {start_rollout_id}, not {rollout_id}: a checkpoint under "

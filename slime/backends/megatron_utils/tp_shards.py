@@ -26,11 +26,6 @@ def is_sharded(param) -> bool:
     return bool(getattr(param, "tensor_model_parallel", False)) and dist.get_world_size(_group(param)) > 1
 
 
-def shard_rank(param) -> int:
-    """This rank's index in the tensor-parallel group `param` is (or would be) sharded over."""
-    return dist.get_rank(_group(param))
-
-
 def _is_gated(name: str) -> bool:
     # Every model family the backend builds uses SwiGLU (model.py sets gated_linear_unit).
     return ".linear_fc1.weight" in name
