@@ -9,10 +9,12 @@ import torch
 from fsdp_helpers import make_args
 
 
-def make_megatron_args(hf_checkpoint, *extra, world_size=1, tp: int = 1, pp: int = 1):
-    """Parsed args of --train-backend megatron with the given tensor / pipeline parallel sizes."""
+def make_megatron_args(hf_checkpoint, *extra, world_size=1, tp: int = 1, pp: int = 1, vpp: int | None = None):
+    """Parsed args of --train-backend megatron with the given tensor / pipeline parallel sizes (`vpp`: virtual
+    pipeline stages per pipeline rank)."""
+    virtual = () if vpp is None else ("--num-virtual-stages-per-pipeline-rank", vpp)
     return make_args(hf_checkpoint, "--train-backend", "megatron", "--tensor-model-parallel-size", tp,
-                     "--pipeline-model-parallel-size", pp, *extra, world_size=world_size)
+                     "--pipeline-model-parallel-size", pp, *virtual, *extra, world_size=world_size)
 
 
 def build_megatron(args, rank: int, world_size: int, port: int):
@@ -21,7 +23,7 @@ def build_megatron(args, rank: int, world_size: int, port: int):
 
     from slime.backends.megatron_utils.cpu_shim import apply_cpu_shim
     from slime.backends.megatron_utils.hf_weights import load_hf_weights
-    from slime.backends.megatron_utils.model import build_gpt_model
+    from slime.backends.megatron_utils.model import build_model_chunks
     from slime.backends.fsdp_utils.backend import init_default_group
     from slime.backends.megatron_utils.parallel import init_model_parallel
 
@@ -31,7 +33,7 @@ def build_megatron(args, rank: int, world_size: int, port: int):
     init_model_parallel(args, cpu)
     hf_config = AutoConfig.from_pretrained(args.hf_checkpoint)
     torch.manual_seed(0)
-    chunks = [build_gpt_model(args, hf_config, cpu)]
+    chunks = build_model_chunks(args, hf_config, cpu)
     load_hf_weights(chunks, args.hf_checkpoint, hf_config)
     return chunks, hf_config
 

@@ -36,7 +36,7 @@ from slime.backends.megatron_utils.cpu_shim import apply_cpu_shim
 from slime.backends.megatron_utils.grads import finalize_grads
 from slime.backends.megatron_utils.hf_weights import load_hf_weights, model_hf_weights, save_hf_checkpoint
 from slime.backends.megatron_utils.micro_batches import run_micro_batches
-from slime.backends.megatron_utils.model import build_gpt_model
+from slime.backends.megatron_utils.model import build_model_chunks
 from slime.backends.megatron_utils.moe_router import install_routers
 from slime.backends.megatron_utils.names import named_global_parameters
 from slime.backends.megatron_utils.optimizer import build_distributed_optimizer, clip_grad_norm, wrap_data_parallel
@@ -68,7 +68,7 @@ class MegatronBackend(TrainBackend):
 
         args = self.args
         self.hf_config = AutoConfig.from_pretrained(args.hf_checkpoint)
-        self.model_chunks = [build_gpt_model(args, self.hf_config, self.device)]
+        self.model_chunks = build_model_chunks(args, self.hf_config, self.device)
         self.model = self.model_chunks[0]
         self.routing_replay = install_routers(self.model_chunks, self.hf_config)
         self.router_losses = install_router_losses(args, self.model_chunks)

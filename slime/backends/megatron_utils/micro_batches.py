@@ -5,7 +5,9 @@ A micro-batch is the project's `PackedMicroBatch` (slime/backends/packing.py: sa
 one row, positions restarting per sample, `logit_index` / `target_ids` of the response tokens); here it becomes
 Megatron's THD input: `input_ids` / `position_ids` [1, T] and `PackedSeqParams(qkv_format="thd", cu_seqlens)`.
 With sequence parallelism the row is padded to a multiple of the TP size by a padding segment of its own (pad id
-0), so no real token attends to it. Outputs live on the last pipeline stage; what the caller needs (log-probs,
+0), so no real token attends to it. With virtual pipeline stages (several model chunks per rank) megatron's
+interleaved 1F1B schedule runs them, each chunk reading its own pass over the micro-batches; the loss and outputs
+come from the last chunk of the last stage. Outputs live on the last pipeline stage; what the caller needs (log-probs,
 entropy, loss metrics) is broadcast from there to every stage. The loss is computed per micro-batch as the
 caller's share of the global loss (no division by the number of micro-batches: `calculate_per_token_loss`).
 
@@ -145,11 +147,13 @@ def run_micro_batches(model_chunks, micro_batches: list[PackedMicroBatch], *, te
 
     for chunk in model_chunks:
         chunk.train(not forward_only)
+    # One iterator per model chunk: the interleaved schedule runs each chunk over every micro-batch in order.
+    data_iterators = [iter(enumerate(micro_batches)) for _ in model_chunks]
     context = torch.no_grad() if forward_only else torch.enable_grad()
     with context:
         get_forward_backward_func()(
             forward_step_func=forward_step,
-            data_iterator=iter(enumerate(micro_batches)),
+            data_iterator=data_iterators if len(model_chunks) > 1 else data_iterators[0],
             model=model_chunks if len(model_chunks) > 1 else model_chunks[0],
             num_microbatches=len(micro_batches),
             seq_length=max(mb.num_tokens + pad_multiple for mb in micro_batches),

@@ -67,6 +67,7 @@ def transformer_config(args, hf_config, device: torch.device):
         if hf_config.decoder_sparse_step != 1 or hf_config.mlp_only_layers:
             raise ValueError("Qwen3-MoE with dense layers (mlp_only_layers / decoder_sparse_step != 1) is not "
                              "supported by --train-backend megatron")
+    interleaved = args.virtual_pipeline_model_parallel_size is not None
     return TransformerConfig(
         num_layers=hf_config.num_hidden_layers,
         hidden_size=hf_config.hidden_size,
@@ -85,6 +86,11 @@ def transformer_config(args, hf_config, device: torch.device):
         attention_dropout=0.0,
         **parallel_sizes(args),
         sequence_parallel=args.sequence_parallel,
+        # Megatron's defaults for the interleaved schedule: each direction's sends and receives are their own
+        # exchange (a batched exchange of both directions pairs them crosswise when the previous and the next
+        # stage are one rank, as at PP=2, whose shape messages then mismatch).
+        overlap_p2p_comm=interleaved,
+        batch_p2p_comm=not interleaved,
         recompute_granularity=args.recompute_granularity,
         recompute_method=args.recompute_method,
         recompute_num_layers=args.recompute_num_layers,
@@ -141,6 +147,15 @@ def _layer_spec(config, device: torch.device):
     if config.qk_layernorm:  # their gradients are summed over TP in any case (grads.py)
         attention.q_layernorm = attention.k_layernorm = RMSNorm
     return spec
+
+
+def build_model_chunks(args, hf_config, device: torch.device) -> list:
+    """This rank's model chunks: one GPTModel per virtual pipeline stage (megatron's interleaved layout: chunk v of
+    pipeline rank p holds the layers of virtual stage v * PP + p), one without virtual stages."""
+    num_chunks = args.virtual_pipeline_model_parallel_size
+    if num_chunks is None:
+        return [build_gpt_model(args, hf_config, device)]
+    return [build_gpt_model(args, hf_config, device, vp_stage) for vp_stage in range(num_chunks)]
 
 
 def build_gpt_model(args, hf_config, device: torch.device, vp_stage: int | None = None):

