@@ -177,6 +177,30 @@ def test_replay_errors_name_the_sample():
     assert picks[:4].tolist() == [[0, 0]] * 4 and sorted(picks[4].tolist()) == [2, 3]
 
 
+def test_records_follow_each_layer_through_interleaved_forwards():
+    """A pipeline rank of virtual stages routes MoE layers 0 and 2 of 4 in separate forwards (megatron's
+    interleaved schedule: layer 0 of micro-batches 0 and 1, then layer 2 of both); each micro-batch's record holds
+    its own picks at its layers and free rows at the layers of the other rank."""
+    replay = RoutingReplay(4, 2, 4, local_layers=[0, 2])
+    replay.stage = ReplayStage.RECORD
+    generator = torch.Generator().manual_seed(0)
+    probs = {(layer, batch): torch.rand(3 + batch, 4, generator=generator) for layer in (0, 2) for batch in (0, 1)}
+    for layer, batch in ((0, 0), (0, 1), (2, 0), (2, 1)):
+        with replay.micro_batch(None):
+            replay.select(layer, probs[layer, batch])
+    records = replay.take_records()
+    assert [tuple(record.shape) for record in records] == [(3, 4, 2), (4, 4, 2)]
+    for batch, record in enumerate(records):
+        for layer in (0, 2):
+            assert torch.equal(record[:, layer], probs[layer, batch].topk(2).indices)
+        assert (record[:, [1, 3]] == -1).all()
+    assert replay.take_records() == []
+    with replay.micro_batch(None):
+        replay.select(0, probs[0, 0])
+    with pytest.raises(AssertionError, match="different numbers of micro-batches"):
+        replay.take_records()
+
+
 def test_load_balancing_loss_matches_its_definition_and_transformers():
     from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
 

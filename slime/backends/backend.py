@@ -52,7 +52,8 @@ def reset_adam_state(optimizer: torch.optim.Optimizer) -> None:
 
 class TrainBackend(ABC):
     """One training process of a backend. Attributes the flow reads: `device`, `model` (passed to user hooks),
-    `optimizer`, `scheduler`, `hf_config`, `dp_rank`, `dp_size`, `routing_replay` (the RoutingReplay an MoE
+    `optimizer`, `scheduler`, `hf_config`, `dp_rank`, `dp_size`, `num_micro_batches_multiple` (the schedule gives
+    every optimizer step a multiple of it in micro-batches), `routing_replay` (the RoutingReplay an MoE
     policy's routers consult, None for a dense model or a backend without replay; the backend runs each
     micro-batch's forward and backward inside `routing_of(micro_batch)`, or, where a pipeline schedule interleaves
     micro-batches, enters the replay's contexts itself)."""
@@ -66,6 +67,7 @@ class TrainBackend(ABC):
     dp_size: int = 1
     dp_group = None  # None: the default group
     routing_replay: RoutingReplay | None = None
+    num_micro_batches_multiple: int = 1  # every step's micro-batch count is a multiple (an interleaved pipeline's)
 
     def routing_of(self, micro_batch: PackedMicroBatch):
         """The context of one micro-batch's forward (and backward) for routing replay."""

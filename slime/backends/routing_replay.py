@@ -44,8 +44,9 @@ class RoutingReplay:
         self.local_layers = list(range(num_layers)) if local_layers is None else list(local_layers)
         self.stage = ReplayStage.FALLTHROUGH
         self._routing: torch.Tensor | None = None  # the micro-batch in flight's [num_tokens, layers, top_k]
-        self._picks: list[torch.Tensor | None] = [None] * num_layers
-        self._records: list[torch.Tensor] = []
+        # Per MoE layer, its picks of each micro-batch in forward order: a layer sees the micro-batches in order
+        # even where a pipeline schedule interleaves the forwards of different layers (virtual pipeline stages).
+        self._layer_records: list[list[torch.Tensor]] = [[] for _ in range(num_layers)]
         self._agreement = torch.zeros(num_layers, 2, dtype=torch.float64)  # per layer: agreeing, replayed tokens
 
     @property
@@ -58,15 +59,8 @@ class RoutingReplay:
         self.set_routing(routing)
         try:
             yield
-            if self.stage is ReplayStage.RECORD:
-                missing = [layer for layer in self.local_layers if self._picks[layer] is None]
-                assert not missing, f"MoE layers {missing} did not route this micro-batch"
-                free = torch.full_like(self._picks[self.local_layers[0]], FREE_ROW)
-                picks = [free if picks is None else picks for picks in self._picks]
-                self._records.append(torch.stack(picks, dim=1))  # stays on the device: no sync
         finally:
             self._routing = None
-            self._picks = [None] * self.num_layers
 
     def set_routing(self, routing: torch.Tensor | None) -> None:
         """The routing of the micro-batch whose layers run next: `micro_batch` sets it for the forward; a backend
@@ -80,7 +74,7 @@ class RoutingReplay:
         """Expert ids [num_tokens, top_k] for `probs` [num_tokens, num_experts] of MoE layer `layer`."""
         free = torch.topk(probs, self.top_k, dim=-1).indices
         if self.stage is ReplayStage.RECORD:
-            self._picks[layer] = free.detach()
+            self._layer_records[layer].append(free.detach())  # stays on the device: no sync
         if not self.replaying:
             return free
         routing = self._routing[:, layer].to(free.device)
@@ -97,8 +91,16 @@ class RoutingReplay:
         return torch.where(replayed[:, None], routing.long(), free)
 
     def take_records(self) -> list[torch.Tensor]:
-        """The picks of every micro-batch since the last call (record stage), in forward order."""
-        records, self._records = self._records, []
+        """The picks of every micro-batch since the last call (record stage), in forward order: per micro-batch
+        [num_tokens, num_layers, top_k], FREE_ROW at the layers this process does not route."""
+        layer_records, self._layer_records = self._layer_records, [[] for _ in range(self.num_layers)]
+        counts = {layer: len(layer_records[layer]) for layer in self.local_layers}
+        assert len(set(counts.values())) <= 1, f"MoE layers routed different numbers of micro-batches: {counts}"
+        records = []
+        for index in range(max(counts.values(), default=0)):
+            picks = [layer_records[layer][index] if layer_records[layer] else None for layer in range(self.num_layers)]
+            free = torch.full_like(layer_records[self.local_layers[0]][index], FREE_ROW)
+            records.append(torch.stack([free if p is None else p for p in picks], dim=1))
         return records
 
     def take_agreement(self) -> torch.Tensor:

@@ -1,7 +1,8 @@
 """One rank's schedule of a rollout's train data: per optimizer step, its samples split into micro-batches (static
 --micro-batch-size chunks; first-fit bins of --max-tokens-per-gpu tokens with --use-dynamic-batch-size; slime's
 FLOPs-balanced bins with --balance-by-flops) and each packed into one row, with as many micro-batches on every
-data-parallel rank (their collectives pair up). The forward-only passes get their own schedule when
+data-parallel rank (their collectives pair up), a multiple of the backend's `num_micro_batches_multiple` (the
+largest bins split until it is). The forward-only passes get their own schedule when
 --log-probs-max-tokens-per-gpu gives them a larger budget.
 
 Not the packing itself (packing.py) nor the data-parallel split (slime/ray/train_data.py).
@@ -37,8 +38,15 @@ def train_schedule(args, data: dict, backend, max_tokens_per_gpu: int | None = N
         bins_per_step = [split_micro_batches(step, lengths, args.micro_batch_size, max_tokens) for step in steps]
     counts = torch.tensor([len(b) for b in bins_per_step], device=backend.device)
     backend.all_reduce(counts, dist.ReduceOp.MAX)
-    return [[pack_samples(tokens, data["response_lengths"], b) for b in pad_num_micro_batches(bins, lengths, int(count))]
-            for bins, count in zip(bins_per_step, counts.tolist())]
+    multiple = backend.num_micro_batches_multiple
+    targets = [-(-int(count) // multiple) * multiple for count in counts.tolist()]
+    for step, target in zip(steps, targets):
+        if len(step) < target:
+            raise ValueError(f"a step of {len(step)} samples on this rank cannot be split into {target} micro-batches "
+                             f"(a multiple of {multiple}: megatron's interleaved schedule, --pipeline-model-parallel-"
+                             "size with virtual stages); raise --global-batch-size or --max-tokens-per-gpu")
+    return [[pack_samples(tokens, data["response_lengths"], b) for b in pad_num_micro_batches(bins, lengths, target)]
+            for bins, target in zip(bins_per_step, targets)]
 
 
 def forward_only_schedule(args, data: dict, backend, schedule: list[list[PackedMicroBatch]]):

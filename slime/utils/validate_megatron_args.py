@@ -5,7 +5,7 @@
 `virtual_pipeline_model_parallel_size`, `sequence_parallel`), recompute, precision (`bf16`, dropout), the chosen
 backend's optimizer defaults, and the model-shape flags against --hf-checkpoint's config.json (resolving
 `untie_embeddings_and_output_weights` from it). `validate_megatron_batches` runs once the batch sizes are known:
-Megatron's micro-batch rule and --lr-warmup-fraction. Each rule follows Megatron's own validation where it has one,
+Megatron's micro-batch rules (the interleaved schedule's too) and --lr-warmup-fraction. Each rule follows Megatron's own validation where it has one,
 raising `ArgumentError` naming the flag. The MoE flags' own rules are slime/utils/moe_arguments.py's.
 
 No megatron-core import here, so slime's recipes parse on any machine; `require_train_backend` is the start-up
@@ -261,6 +261,8 @@ def validate_megatron_batches(args) -> None:
         _require(args.global_batch_size % per_step == 0,
                  f"--global-batch-size {args.global_batch_size} is not divisible by --micro-batch-size "
                  f"{args.micro_batch_size} x {args.data_parallel_size} data-parallel ranks (Megatron's rule)")
+    if args.train_backend == "megatron" and args.virtual_pipeline_model_parallel_size:
+        _check_interleaved_micro_batches(args)
     if args.lr_warmup_fraction is None:
         return
     _require(args.lr_warmup_iters == 0, "give one of --lr-warmup-fraction and --lr-warmup-iters, not both")
@@ -271,14 +273,32 @@ def validate_megatron_batches(args) -> None:
     args.lr_warmup_iters = round(args.lr_warmup_fraction * args.num_rollout * args.num_steps_per_rollout)
 
 
+def _check_interleaved_micro_batches(args) -> None:
+    """megatron's interleaved schedule runs a step's micro-batches in groups of the pipeline size: their number must
+    be a multiple of it. Fixed-size micro-batches: Megatron's rule on the flags. Dynamic ones (packed by tokens)
+    are split until their number is one (slime/backends/schedule.py), which needs a multiple of it in samples."""
+    pp, dp = args.pipeline_model_parallel_size, args.data_parallel_size
+    given = next(_flag(dest) for dest in VIRTUAL_STAGES if getattr(args, dest) is not None)
+    samples = args.global_batch_size // dp
+    if args.use_dynamic_batch_size:
+        _require(samples % pp == 0,
+                 f"{given} (virtual pipeline stages) with --use-dynamic-batch-size: --global-batch-size "
+                 f"{args.global_batch_size} over {dp} data-parallel ranks is {samples} samples per rank and step, "
+                 f"not a multiple of --pipeline-model-parallel-size {pp} (megatron's interleaved schedule runs the "
+                 "micro-batches in groups of the pipeline size); change --global-batch-size")
+        return
+    num_micro_batches = samples // args.micro_batch_size
+    _require(num_micro_batches % pp == 0,
+             f"{given} (virtual pipeline stages): --global-batch-size {args.global_batch_size} / (--micro-batch-size "
+             f"{args.micro_batch_size} x {dp} data-parallel ranks) = {num_micro_batches} micro-batches per step, not a "
+             f"multiple of --pipeline-model-parallel-size {pp} (megatron's interleaved schedule runs them in groups of "
+             "the pipeline size); change --global-batch-size or --micro-batch-size")
+
+
 def unbuilt_megatron_features(args) -> list[str]:
     """What this run asks of the Megatron backend that it does not do (yet, or on this device): each entry names
     the flag and how to run without it."""
     unbuilt = []
-    if args.virtual_pipeline_model_parallel_size:
-        given = next(_flag(dest) for dest in VIRTUAL_STAGES if getattr(args, dest) is not None)
-        unbuilt.append(f"{given} (virtual pipeline stages) is not supported by --train-backend megatron yet; drop "
-                       "it (the pipeline then runs one model chunk per stage)")
     if args.context_parallel_size > 1:
         unbuilt.append(f"--context-parallel-size {args.context_parallel_size} needs Transformer Engine's attention "
                        "core, which --train-backend megatron does not use yet; use --context-parallel-size 1")

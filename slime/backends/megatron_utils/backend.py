@@ -11,6 +11,11 @@ parameters (the freezing flags leave some out: param_freeze.py, by megatron-core
 parameters are (over TP / PP / EP) and over data parallelism, with the FSDP backend's learning-rate schedule so
 both backends step identically; StatelessAdam's update with --use-stateless-adam.
 
+Virtual pipeline stages (--num-layers-per-virtual-pipeline-stage / --num-virtual-stages-per-pipeline-rank): each
+rank holds one model chunk per virtual stage (model.py), run by megatron's interleaved 1F1B schedule, whose groups
+of micro-batches make every step's count a multiple of the pipeline size (`num_micro_batches_multiple`); DDP wraps
+each chunk and one distributed optimizer spans them; weights and checkpoints name layers by their global numbers.
+
 MoE: experts split over --expert-model-parallel-size ranks (data-parallel ranks of the dense weights; megatron-core's
 alltoall dispatcher moves each token to its experts' rank); the routers consult routing replay (moe_router.py) and
 add the router losses (router_losses.py).
@@ -59,6 +64,8 @@ class MegatronBackend(TrainBackend):
         self.dp_rank = parallel_state.get_data_parallel_rank(with_context_parallel=True)
         self.dp_size = parallel_state.get_data_parallel_world_size(with_context_parallel=True)
         self.dp_group = parallel_state.get_data_parallel_group(with_context_parallel=True)
+        if args.virtual_pipeline_model_parallel_size:  # the interleaved schedule's groups of micro-batches
+            self.num_micro_batches_multiple = args.pipeline_model_parallel_size
         self.model_chunks, self.ddp_chunks = [], []
         self.model = self.optimizer = self.scheduler = self.hf_config = self.router_losses = None
 
