@@ -261,6 +261,14 @@ def test_project_recipes_are_slimes_and_parse(tmp_path, recipe, tp, ep):
     (["--actor-num-gpus-per-node", "3", "--tensor-model-parallel-size", "3", "--global-batch-size", "16"],
      "16 attention heads are not divisible"),
     (["--decoder-last-pipeline-num-layers", "4"], "need --pipeline-model-parallel-size > 1"),
+    (["--actor-num-gpus-per-node", "2", "--pipeline-model-parallel-size", "2", "--num-virtual-stages-per-pipeline-rank",
+      "2", "--micro-batch-size", "16"], r"--num-virtual-stages-per-pipeline-rank \(virtual pipeline stages\): "
+     r"--global-batch-size 16 / \(--micro-batch-size 16 x 1 data-parallel ranks\) = 1 micro-batches per step, not a "
+     "multiple of --pipeline-model-parallel-size 2"),
+    (["--actor-num-gpus-per-node", "2", "--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage",
+      "7", "--use-dynamic-batch-size", "--max-tokens-per-gpu", "64", "--global-batch-size", "1"],
+     "with --use-dynamic-batch-size: --global-batch-size 1 over 1 data-parallel ranks is 1 samples per rank and step, "
+     "not a multiple of --pipeline-model-parallel-size 2"),
     (["--train-backend", "megatron", "--micro-batch-size", "3"], "Megatron's rule"),
     (["--recompute-granularity", "selective"], "FSDP trainer recomputes whole decoder layers"),
     (["--recompute-granularity", "full", "--recompute-method", "block", "--recompute-num-layers", "2"],
@@ -369,11 +377,12 @@ def test_megatron_backend_must_import_at_start(tmp_path, data, monkeypatch):
     monkeypatch.setattr(validate_megatron_args, "MEGATRON_BACKEND_MODULE", "slime.backends.megatron_utils.arguments")
     require_train_backend(args)
     require_train_backend(parse_args(base(tmp_path, data)))  # fsdp: nothing to check
+    require_train_backend(parse_args(base(tmp_path, data, "--device", "cpu", "--actor-num-gpus-per-node", "2",
+                                          "--pipeline-model-parallel-size", "2",
+                                          "--num-virtual-stages-per-pipeline-rank", "2")))  # virtual stages run
 
 
 @pytest.mark.parametrize("extra, message", [
-    (["--actor-num-gpus-per-node", "2", "--pipeline-model-parallel-size", "2",
-      "--num-virtual-stages-per-pipeline-rank", "2"], "--num-virtual-stages-per-pipeline-rank \\(virtual pipeline"),
     (["--actor-num-gpus-per-node", "2", "--context-parallel-size", "2"],
      "--context-parallel-size 2 needs Transformer Engine.*use --context-parallel-size 1"),
     (["--actor-num-gpus-per-node", "2", "--tensor-model-parallel-size", "2", "--sequence-parallel"],

@@ -1,7 +1,8 @@
 """Megatron backend with virtual pipeline stages (megatron's interleaved 1F1B schedule) over 2 gloo processes:
 PP=2 x VPP=2 (4 layers: each rank holds two one-layer chunks, rank 0 layers 0 and 2, rank 1 layers 1 and 3)
 gives PP=1's log-probs, entropy, loss and gradients on the same packed batch; the trainer's optimizer steps
-(distributed optimizer and clipping over every chunk) equal PP=1's; its HF export is the PP=1 model's; and its
+(distributed optimizer and clipping over every chunk, a KL loss whose reference pass switches every chunk's
+weights) equal PP=1's; its HF export is the PP=1 model's; and its
 torch_dist checkpoint loads at PP=1 with identical weights and outputs."""
 
 from __future__ import annotations
@@ -74,11 +75,17 @@ def _forward(trainer, data) -> list:
     return trainer.backend.forward_only(trainer._schedule(data)[0])
 
 
+def _with_reference(checkpoint) -> tuple:
+    """A KL loss against the initial weights: the reference pass switches every chunk's weights and back."""
+    return (*ALGORITHM, "--use-kl-loss", "--kl-loss-coef", "0.1", "--ref-load", checkpoint)
+
+
 def _interleaved_train_and_save(rank, world_size, port, checkpoint, save, data):
     from safetensors.torch import load_file
 
-    trainer = make_trainer(make_megatron_args(checkpoint, *ALGORITHM, "--save", save, world_size=world_size,
-                                              **INTERLEAVED), rank, world_size, port)
+    trainer = make_trainer(make_megatron_args(checkpoint, *_with_reference(checkpoint), "--save", save,
+                                              world_size=world_size, **INTERLEAVED), rank, world_size, port,
+                           with_ref=True)
     backend = trainer.backend
     assert len(backend.model_chunks) == len(backend.ddp_chunks) == 2 and backend.num_micro_batches_multiple == 2
     exported = dict(backend.hf_weights(None))  # every chunk's layers, by their global numbers, on rank 0
@@ -95,7 +102,7 @@ def _interleaved_train_and_save(rank, world_size, port, checkpoint, save, data):
 def _one_stage_train_and_load(rank, world_size, port, checkpoint, save, data):
     from slime.backends.megatron_utils.parallel import destroy_model_parallel
 
-    reference = make_trainer(make_megatron_args(checkpoint, *ALGORITHM), port=port)
+    reference = make_trainer(make_megatron_args(checkpoint, *_with_reference(checkpoint)), port=port, with_ref=True)
     metrics = reference.train(0, data)
     params = dict(reference.backend.hf_weights(None))
     destroy_model_parallel()
@@ -114,7 +121,8 @@ def test_pp2_vpp2_trainer_steps_as_pp1_and_its_checkpoint_loads_at_pp1(tiny_chec
         _one_stage_train_and_load, 1, tiny_checkpoint, save, data)[0]
     (vpp_metrics, vpp_params, vpp_outputs), (other_metrics, other_params, other_outputs) = ranks
     assert other_params == {}
-    for key in ("train/loss", "train/pg_loss", "train/entropy_loss", "train/grad_norm", "train/lr"):
+    assert metrics["train/kl_loss"] > 0  # the second step's policy has moved off the reference
+    for key in ("train/loss", "train/pg_loss", "train/entropy_loss", "train/kl_loss", "train/grad_norm", "train/lr"):
         assert other_metrics[key] == vpp_metrics[key], key
         assert vpp_metrics[key] == pytest.approx(metrics[key], rel=1e-5, abs=1e-7), key
     assert set(vpp_params) == set(params)
