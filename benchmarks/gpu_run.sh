@@ -84,6 +84,7 @@ run_step() {
     grpo_disagg) grpo disaggregated ;;
     grpo_colocated2) grpo colocated-2 ;;
     grpo_async) grpo disaggregated --async ;;
+    megatron_vpp_gpu_tests) python3 -m pytest -q tests/test_megatron_multi_gpu.py ;;  # PP=2 x VPP=2 over NCCL vs PP=1
     *) echo "unknown step $1"; return 2 ;;
   esac
 }

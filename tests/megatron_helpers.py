@@ -9,12 +9,13 @@ import torch
 from fsdp_helpers import make_args
 
 
-def make_megatron_args(hf_checkpoint, *extra, world_size=1, tp: int = 1, pp: int = 1, vpp: int | None = None):
+def make_megatron_args(hf_checkpoint, *extra, world_size=1, tp: int = 1, pp: int = 1, vpp: int | None = None,
+                       **overrides):
     """Parsed args of --train-backend megatron with the given tensor / pipeline parallel sizes (`vpp`: virtual
-    pipeline stages per pipeline rank)."""
+    pipeline stages per pipeline rank); `overrides` set after parsing (make_args)."""
     virtual = () if vpp is None else ("--num-virtual-stages-per-pipeline-rank", vpp)
     return make_args(hf_checkpoint, "--train-backend", "megatron", "--tensor-model-parallel-size", tp,
-                     "--pipeline-model-parallel-size", pp, *virtual, *extra, world_size=world_size)
+                     "--pipeline-model-parallel-size", pp, *virtual, *extra, world_size=world_size, **overrides)
 
 
 def build_megatron(args, rank: int, world_size: int, port: int):
