@@ -148,3 +148,35 @@ def check_interleaved_against_one_stage(checkpoint, save, device="cpu", rel=1e-5
 
 def test_pp2_vpp2_trainer_steps_as_pp1_and_its_checkpoint_loads_at_pp1(tiny_checkpoint, tmp_path):
     check_interleaved_against_one_stage(tiny_checkpoint, tmp_path / "save")
+
+
+def _recorded_routing(rank, world_size, port, checkpoint, data, parallel):
+    """--use-routing-replay: the old-policy pass's old log-probs and the routing records its micro-batches carry
+    into training, then one step trained on them."""
+    args = make_megatron_args(checkpoint, "--use-routing-replay", "--get-mismatch-metrics", "--micro-batch-size", "2",
+                              world_size=world_size, **parallel)
+    trainer = make_trainer(args, rank, world_size, port)
+    schedule, per_sample, _ = trainer._prepare(data)
+    records = [micro_batch.routed_experts.clone() for step in schedule for micro_batch in step]
+    return per_sample["old_log_probs"], records, trainer.train(0, data)
+
+
+@pytest.mark.slow  # ~60 s: the MoE twin of the dense tests above
+def test_pp2_vpp2_records_and_replays_each_chunks_moe_layers(tmp_path):
+    from slime.utils.tiny_model import build_tiny_model
+
+    checkpoint = build_tiny_model(tmp_path / "moe", arch="qwen3_moe", num_hidden_layers=4, seed=3, num_experts=4,
+                                  num_experts_per_tok=2)
+    data = make_train_data(8, vocab_size=300, seed=7, with_rollout_log_probs=True)
+    old_log_probs, records, metrics = run_distributed(_recorded_routing, 1, checkpoint, data, {})[0]
+    assert len(records) == 4 and all((record >= 0).all() for record in records)
+    for rank, (vpp_old, vpp_records, vpp_metrics) in enumerate(
+            run_distributed(_recorded_routing, 2, checkpoint, data, INTERLEAVED)):
+        own, other = [rank, rank + 2], [1 - rank, 3 - rank]  # the MoE layers of this rank's two chunks
+        assert len(vpp_records) == len(records)
+        for vpp_record, record in zip(vpp_records, records):
+            assert torch.equal(vpp_record[:, own], record[:, own]) and (vpp_record[:, other] == -1).all()
+        for vpp, reference in zip(vpp_old, old_log_probs):
+            torch.testing.assert_close(vpp, reference, rtol=0, atol=2e-5)
+        for key in ("train/loss", "train/pg_loss", "train/grad_norm"):
+            assert vpp_metrics[key] == pytest.approx(metrics[key], rel=1e-5, abs=1e-7), key
