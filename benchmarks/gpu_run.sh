@@ -92,8 +92,9 @@ steps=${*:-gpu_tests bench_engine bench_train grpo_smoke}
 for name in $steps; do
   start=$(date +%s); timeout ${STEP_TIMEOUT:-600} bash "$0" --one $name > $OUT/$name.log 2>&1; rc=$?
   [ $rc = 0 ] || ray stop --force > /dev/null 2>&1  # a step cut off by its timeout leaves its Ray cluster behind
-  for f in /tmp/grpo_*/run/metrics.jsonl; do  # a GRPO run cut off by its timeout still returns its rollouts' rows
-    [ -e "$f" ] && cp "$f" "$OUT/$(basename "$(dirname "$(dirname "$f")")").jsonl"
+  # a GRPO run cut off by its timeout still returns its rollouts' rows (only this step's: $OUT holds 8 files)
+  for f in $(find /tmp -maxdepth 3 -path '/tmp/grpo_*/run/metrics.jsonl' -newermt "@$start"); do
+    cp "$f" "$OUT/$(basename "$(dirname "$(dirname "$f")")").jsonl"
   done
   echo "$name rc=$rc $(( $(date +%s) - start ))s" >> $OUT/summary.txt
 done
