@@ -73,7 +73,9 @@ run_step() {
     megatron_gpu_tests) python3 -m pytest -q tests/test_megatron_model.py tests/test_megatron_backend.py -k "not tp2" ;;
     train_06b_megatron) python3 benchmarks/bench_train.py --backend megatron --model-shape qwen3-0.6b --micro-batch-size 4 ;;
     train_17b_megatron) python3 benchmarks/bench_train.py --backend megatron --model-shape qwen3-1.7b --micro-batch-size 2 ;;
-    train_4b_megatron) python3 benchmarks/bench_train.py --backend megatron --model-shape qwen3-4b --micro-batch-size 2 ;;
+    # 4B: 8k-token micro-batches (at 16k the Megatron step's activations do not fit beside its fp32 grad buffer)
+    train_4b_megatron) PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True python3 benchmarks/bench_train.py --backend megatron --model-shape qwen3-4b --micro-batch-size 2 --max-tokens-per-gpu 8192 ;;
+    megatron_offload_gpu_tests) python3 -m pytest -q -m gpu tests/test_megatron_offload.py ;;  # colocated offload, fp32 and bf16
     grpo_megatron) grpo colocated --train-args=--train-backend=megatron ;;
     # MoE on --train-backend megatron (issues 15/16): the 8-layer Qwen3-30B-A3B shape with R3, then routing freely.
     moe_grpo_megatron_r3) grpo colocated --shape qwen3-30b-a3b-8l --num-rollout 3 --task-dir /tmp/moe_task "--train-args=--train-backend=megatron --use-rollout-routing-replay --get-mismatch-metrics" ;;
