@@ -66,6 +66,7 @@ run_step() {
     moe_gpu_tests) python3 -m pytest -q tests/test_engine_moe_cuda.py tests/test_engine_moe.py ;;
     moe_engine) python3 benchmarks/engine_checkpoints.py qwen3-30b-a3b-8l /tmp/moe_ckpt && python3 benchmarks/bench_engine.py --preset qwen3-0.6b --model-path /tmp/moe_ckpt ;;
     moe_train) python3 benchmarks/bench_train.py --model-shape qwen3-30b-a3b-8l --micro-batch-size 2 ;;
+    moe_train_c) python3 benchmarks/bench_train.py --model-shape qwen3-30b-a3b-8l --micro-batch-size 2 --compile-model ;;
     moe_grpo_r3) grpo colocated --shape qwen3-30b-a3b-8l --num-rollout 3 --task-dir /tmp/moe_task "--train-args=--use-rollout-routing-replay --get-mismatch-metrics" ;;
     moe_grpo_free) grpo colocated --shape qwen3-30b-a3b-8l --num-rollout 3 --task-dir /tmp/moe_task --train-args=--get-mismatch-metrics ;;
     grpo_compiled) grpo colocated --train-args=--compile-model ;;
