@@ -47,12 +47,14 @@ def _prepare(rank, world_size, port, checkpoint, data, parallel, *flags):
     return per_sample["old_log_probs"], per_sample["ref_log_probs"], metrics, received[len(received) // 2:], carried
 
 
-def _free_and_replayed(rank, world_size, port, checkpoint, data, parallel, with_record=False):
-    free = _prepare(rank, world_size, port, checkpoint, data, parallel)
-    replayed = _prepare(rank, world_size, port + 1, checkpoint, data, parallel, "--use-rollout-routing-replay")
+def _free_and_replayed(rank, world_size, port, checkpoint, data, parallel, with_record=False, flags=()):
+    free = _prepare(rank, world_size, port, checkpoint, data, parallel, *flags)
+    replayed = _prepare(rank, world_size, port + 1, checkpoint, data, parallel, "--use-rollout-routing-replay",
+                        *flags)
     if not with_record:
         return free, replayed
-    return free, replayed, _prepare(rank, world_size, port + 2, checkpoint, data, parallel, "--use-routing-replay")
+    return free, replayed, _prepare(rank, world_size, port + 2, checkpoint, data, parallel, "--use-routing-replay",
+                                    *flags)
 
 
 def _max_mismatch(old_log_probs, data) -> float:
@@ -82,10 +84,11 @@ def _assert_engine_routing(received: list[torch.Tensor], data, layers: list[int]
         np.testing.assert_array_equal(routing_map, maps[batch][layers[position]])
 
 
-def test_megatron_r3_reproduces_engine_routing_and_log_probs(checkpoints, rollout):  # noqa: F811
+@pytest.mark.parametrize("experts", [(), ("--moe-grouped-gemm",)], ids=["sequential", "grouped"])
+def test_megatron_r3_reproduces_engine_routing_and_log_probs(checkpoints, rollout, experts):  # noqa: F811
     _, trainer_checkpoint = checkpoints
     (free, _, free_metrics, _, _), (replayed, reference, metrics, received, _) = run_distributed(
-        _free_and_replayed, 1, trainer_checkpoint, rollout, {})[0]
+        _free_and_replayed, 1, trainer_checkpoint, rollout, {}, False, experts)[0]
     for ref, old in zip(reference, free):  # the reference routes freely even with R3
         torch.testing.assert_close(ref, old, rtol=0, atol=1e-6)
     _assert_engine_routing(received, rollout, [0, 1])
