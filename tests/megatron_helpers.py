@@ -31,13 +31,13 @@ def build_megatron(args, rank: int, world_size: int, port: int):
     return build_chunks(args, hf_config), hf_config
 
 
-def build_chunks(args, hf_config):
+def build_chunks(args, hf_config, device: torch.device = torch.device("cpu")):
     """Another model in a process whose groups build_megatron set up (the same parallel layout)."""
     from slime.backends.megatron_utils.hf_weights import load_hf_weights
     from slime.backends.megatron_utils.model import build_gpt_model
 
     torch.manual_seed(0)
-    chunks = [build_gpt_model(args, hf_config, torch.device("cpu"))]
+    chunks = [build_gpt_model(args, hf_config, device)]
     load_hf_weights(chunks, args.hf_checkpoint, hf_config)
     return chunks
 

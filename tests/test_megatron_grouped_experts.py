@@ -35,14 +35,14 @@ def moe_checkpoint(tmp_path_factory):
                             num_experts_per_tok=2, seed=7, initializer_range=0.2)
 
 
-def _step(args, chunks, hf_config, micro_batches, everything, per_sample):
+def step(args, chunks, hf_config, micro_batches, everything, per_sample, device=torch.device("cpu")):
     """Log-probs, summed loss and full HF-named gradients of one forward and backward over `micro_batches`."""
     from slime.backends.megatron_utils.grads import finalize_grads
     from slime.backends.megatron_utils.micro_batches import run_micro_batches
     from slime.backends.megatron_utils.optimizer import wrap_data_parallel
 
     ddp_chunks = wrap_data_parallel(chunks)
-    common = dict(temperature=0.7, vocab_size=hf_config.vocab_size, device=torch.device("cpu"))
+    common = dict(temperature=0.7, vocab_size=hf_config.vocab_size, device=device)
     log_probs = [lp for lp, _ in run_micro_batches(chunks, micro_batches, **common)]
     loss_fn = policy_loss_function(args, micro_batches, per_sample, step_denominator(args, everything, per_sample))
     metrics = run_micro_batches(chunks, micro_batches, loss_of=loss_fn, **common)
@@ -81,13 +81,13 @@ def _compare_layouts(rank, world_size, port, checkpoint, save_dir):
     result = dict(experts=type(grouped[0].decoder.layers[0].mlp.experts).__name__,
                   exported=_exported(grouped, hf_config))
     for name, args, chunks in (("sequential", sequential_args, sequential), ("grouped", grouped_args, grouped)):
-        result[name] = _step(args, chunks, hf_config, micro_batches, everything, per_sample)
+        result[name] = step(args, chunks, hf_config, micro_batches, everything, per_sample)
     if world_size == 1:
         allgather_args = make_megatron_args(checkpoint, "--moe-grouped-gemm", "--moe-token-dispatcher-type",
                                             "allgather")
         allgather = build_chunks(allgather_args, hf_config)
         result["allgather_dispatcher"] = type(allgather[0].decoder.layers[0].mlp.token_dispatcher).__name__
-        result["allgather"] = _step(allgather_args, allgather, hf_config, micro_batches, everything, per_sample)
+        result["allgather"] = step(allgather_args, allgather, hf_config, micro_batches, everything, per_sample)
         # The EP=2 run's folders, resharded to EP=1, into both layouts.
         for folder in ("from_grouped", "from_sequential"):
             for name, chunks in (("sequential", sequential), ("grouped", grouped)):

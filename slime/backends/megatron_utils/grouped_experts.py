@@ -49,6 +49,10 @@ class StackedExpertLinear(nn.Module):
 
     def forward(self, grouped: torch.Tensor, group_ends: torch.Tensor) -> torch.Tensor:
         """grouped [num_tokens, in_features] sorted by expert, group_ends [num_local_experts] (int32, cumulative)."""
+        if grouped.shape[0] == 0:
+            # No token for these experts. grouped_mm's backward refuses empty operands; an empty matmul keeps the
+            # tokens and the weight in the graph, so this rank still joins the dispatcher's backward all-to-all.
+            return grouped @ self.weight.sum(0).T
         return F.grouped_mm(grouped, self.weight.transpose(-2, -1), offs=group_ends)
 
 
