@@ -76,8 +76,8 @@ run_step() {
     train_4b_megatron) python3 benchmarks/bench_train.py --backend megatron --model-shape qwen3-4b --micro-batch-size 2 ;;
     grpo_megatron) grpo colocated --train-args=--train-backend=megatron ;;
     # MoE on --train-backend megatron (issues 15/16): the 8-layer Qwen3-30B-A3B shape with R3, then routing freely.
-    moe_grpo_megatron_r3) grpo colocated --shape qwen3-30b-a3b-8l --num-rollout 3 "--train-args=--train-backend=megatron --use-rollout-routing-replay --get-mismatch-metrics" ;;
-    moe_grpo_megatron_free) grpo colocated --shape qwen3-30b-a3b-8l --num-rollout 3 "--train-args=--train-backend=megatron --get-mismatch-metrics" ;;
+    moe_grpo_megatron_r3) grpo colocated --shape qwen3-30b-a3b-8l --num-rollout 3 "--train-args=--train-backend=megatron --moe-grouped-gemm --use-rollout-routing-replay --get-mismatch-metrics" ;;
+    moe_grpo_megatron_free) grpo colocated --shape qwen3-30b-a3b-8l --num-rollout 3 "--train-args=--train-backend=megatron --moe-grouped-gemm --get-mismatch-metrics" ;;
     # Megatron MoE experts: grouped (--moe-grouped-gemm, torch grouped_mm) beside FSDP and transformers, then
     # megatron-core's SequentialMLP loop on the same shape; the grouped path's GPU test.
     moe_train_megatron) python3 benchmarks/bench_train.py --backend megatron --model-shape qwen3-30b-a3b-8l --micro-batch-size 2 --moe-grouped-gemm ;;

@@ -68,6 +68,19 @@ def _exported(chunks, hf_config) -> dict:
     return {name: tensor.clone() for name, tensor in model_hf_weights(chunks, hf_config)}
 
 
+def _no_tokens(experts) -> dict:
+    """A rank's experts with no token routed to them (EP: every token went to other ranks' experts)."""
+    hidden = torch.zeros(0, experts.config.hidden_size, requires_grad=True)
+    output, _ = experts(hidden, torch.zeros(experts.num_local_experts, dtype=torch.long), torch.zeros(0))
+    output.sum().backward()
+    weights = [experts.linear_fc1.weight, experts.linear_fc2.weight]
+    result = dict(shape=tuple(output.shape), input_grad=hidden.grad is not None,
+                  weight_grads=[float(weight.grad.abs().sum()) for weight in weights])
+    for weight in weights:
+        weight.grad = None
+    return result
+
+
 def _compare_layouts(rank, world_size, port, checkpoint, save_dir):
     from slime.backends.megatron_utils import checkpoint as torch_dist
 
@@ -79,7 +92,7 @@ def _compare_layouts(rank, world_size, port, checkpoint, save_dir):
     everything, per_sample = _train_inputs(hf_config.vocab_size, seed=3, groups=([0, 1, 2], [3], [4], [5, 6, 7]))
     micro_batches = everything if world_size == 1 else [everything[i] for i in RANK_MICRO_BATCHES[rank]]
     result = dict(experts=type(grouped[0].decoder.layers[0].mlp.experts).__name__,
-                  exported=_exported(grouped, hf_config))
+                  exported=_exported(grouped, hf_config), empty=_no_tokens(grouped[0].decoder.layers[0].mlp.experts))
     for name, args, chunks in (("sequential", sequential_args, sequential), ("grouped", grouped_args, grouped)):
         result[name] = step(args, chunks, hf_config, micro_batches, everything, per_sample)
     if world_size == 1:
@@ -137,6 +150,10 @@ def test_grouped_experts_equal_sequential_and_checkpoints_move_between_them(moe_
     _assert_bit_equal(ep1["exported"], on_disk)
     _assert_bit_equal(ep2[0]["exported"], on_disk)
     assert ep2[1]["exported"] == {}
+
+    # No token for a rank's experts: an empty output whose backward reaches the (empty) tokens and the weights.
+    for result in (ep1, *ep2):
+        assert result["empty"] == dict(shape=(0, 64), input_grad=True, weight_grads=[0.0, 0.0])
 
     # The allgather dispatcher at EP=1 computes what alltoall computes.
     assert ep1["allgather_dispatcher"] == "MoEAllGatherTokenDispatcher"

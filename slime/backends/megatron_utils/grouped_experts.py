@@ -63,7 +63,8 @@ class GroupedExperts(nn.Module):
     def __init__(self, num_local_experts: int, config, pg_collection):
         super().__init__()
         assert config.gated_linear_unit and not config.add_bias_linear, "Qwen3-MoE experts: SwiGLU, no biases"
-        assert pg_collection.expt_tp.size() == 1, "whole experts per rank (validate_megatron_args refuses ETP > 1)"
+        # Whole experts per rank: the start-up check (validate_megatron_args.unbuilt_megatron_features) refuses ETP > 1.
+        assert pg_collection.expt_tp.size() == 1, "--moe-grouped-gemm without TE needs --expert-tensor-parallel-size 1"
         hidden, ffn = config.hidden_size, config.moe_ffn_hidden_size
         alignment = GROUPED_MM_ALIGNMENT_BYTES // config.params_dtype.itemsize
         if hidden % alignment or ffn % alignment:
