@@ -251,9 +251,9 @@ def _resolve_recompute(args, num_layers: int | None) -> None:
 
 def _resolve_precision(args) -> None:
     _require(not args.fp16, "--fp16 is not supported; bf16 is used on the GPU (fp32 on the CPU)")
-    if args.bf16 and args.device != "cuda":
+    if args.bf16 and args.device == "cpu":
         logger.warning("--bf16 has no effect on the CPU: the trainer runs fp32 there")
-    args.bf16 = args.device == "cuda"
+    args.bf16 = args.device != "cpu"  # with --device auto the trainer's own device decides (model.py)
     if args.train_backend == "megatron":
         args.use_distributed_optimizer = True  # as slime: always Megatron's distributed optimizer
     for dest in ("attention_dropout", "hidden_dropout"):
@@ -313,8 +313,9 @@ def unbuilt_megatron_features(args) -> list[str]:
 
 
 def _transformer_engine_runs(args) -> bool:
-    """The Megatron backend builds Transformer Engine's layer spec (megatron_utils/model.py's rule)."""
-    return args.device == "cuda" and importlib.util.find_spec("transformer_engine") is not None
+    """The Megatron backend builds Transformer Engine's layer spec (megatron_utils/model.py's rule: on a GPU, with
+    TE installed; with --device auto the trainer's device decides, and TE installs only where there are GPUs)."""
+    return args.device != "cpu" and importlib.util.find_spec("transformer_engine") is not None
 
 
 def require_train_backend(args) -> None:
