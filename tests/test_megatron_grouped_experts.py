@@ -36,19 +36,23 @@ def moe_checkpoint(tmp_path_factory):
 
 
 def step(args, chunks, hf_config, micro_batches, everything, per_sample, device=torch.device("cpu")):
-    """Log-probs, summed loss and full HF-named gradients of one forward and backward over `micro_batches`."""
+    """Log-probs, summed loss, full HF-named gradients and the distributed optimizer's gradient norm of one forward
+    and backward over `micro_batches`."""
     from slime.backends.megatron_utils.grads import finalize_grads
     from slime.backends.megatron_utils.micro_batches import run_micro_batches
-    from slime.backends.megatron_utils.optimizer import wrap_data_parallel
+    from slime.backends.megatron_utils.optimizer import build_distributed_optimizer, clip_grad_norm, wrap_data_parallel
 
     ddp_chunks = wrap_data_parallel(chunks)
+    optimizer, _ = build_distributed_optimizer(args, ddp_chunks, next(chunks[0].parameters()).dtype)
     common = dict(temperature=0.7, vocab_size=hf_config.vocab_size, device=device)
     log_probs = [lp for lp, _ in run_micro_batches(chunks, micro_batches, **common)]
     loss_fn = policy_loss_function(args, micro_batches, per_sample, step_denominator(args, everything, per_sample))
     metrics = run_micro_batches(chunks, micro_batches, loss_of=loss_fn, **common)
     finalize_grads(chunks, ddp_chunks)
-    return dict(log_probs=log_probs, loss=float(sum(m["pg_loss"] for m in metrics)),
-                grads=hf_named_grads(chunks, hf_config))
+    grads = hf_named_grads(chunks, hf_config)
+    optimizer.prepare_grads()
+    return dict(log_probs=log_probs, loss=float(sum(m["pg_loss"] for m in metrics)), grads=grads,
+                grad_norm=clip_grad_norm(optimizer, 0.0))
 
 
 def _perturb(chunks, seed: int) -> None:
@@ -122,6 +126,7 @@ def _assert_same_step(mine: dict, reference: dict) -> None:
     for got, expected in zip(mine["log_probs"], reference["log_probs"], strict=True):
         torch.testing.assert_close(got, expected, rtol=0, atol=1e-5)
     assert mine["loss"] == pytest.approx(reference["loss"], rel=1e-6, abs=1e-7)
+    assert mine["grad_norm"] == pytest.approx(reference["grad_norm"], rel=1e-5)
     assert set(mine["grads"]) == set(reference["grads"])
     for name, grad in reference["grads"].items():
         torch.testing.assert_close(mine["grads"][name], grad, rtol=1e-5, atol=1e-6, msg=name)
@@ -143,6 +148,7 @@ def test_grouped_experts_equal_sequential_and_checkpoints_move_between_them(moe_
     assert ep1["experts"] == ep2[0]["experts"] == "GroupedExperts"
     for result in (ep1, *ep2):
         _assert_same_step(result["grouped"], result["sequential"])
+        assert result["grouped"]["grad_norm"] == pytest.approx(ep1["sequential"]["grad_norm"], rel=1e-5)
         expert_grads = [grad for name, grad in result["grouped"]["grads"].items() if ".mlp.experts." in name]
         assert len(expert_grads) == 2 * 3 * NUM_EXPERTS // (1 if result is ep1 else 2)  # layers x projections
         assert all(grad.abs().max() > 0 for grad in expert_grads)

@@ -46,7 +46,7 @@ def _compare_on_gpu(rank, world_size, port, checkpoint):
     return dict(
         experts=grouped["experts"], dtype=grouped["dtype"],
         log_prob_error=max(float((g - s).abs().max()) for g, s in zip(grouped["log_probs"], sequential["log_probs"])),
-        loss=(grouped["loss"], sequential["loss"]),
+        loss=(grouped["loss"], sequential["loss"]), grad_norm=(grouped["grad_norm"], sequential["grad_norm"]),
         grad_errors={name: _relative_error(grouped["grads"][name], grad) for name, grad in sequential["grads"].items()},
     )
 
@@ -62,6 +62,8 @@ def test_grouped_experts_match_sequential_mlp_in_bf16_on_gpu(tmp_path):
     assert result["log_prob_error"] < 5e-2
     grouped_loss, sequential_loss = result["loss"]
     assert grouped_loss == pytest.approx(sequential_loss, rel=2e-2, abs=1e-3)
+    grouped_norm, sequential_norm = result["grad_norm"]
+    assert grouped_norm == pytest.approx(sequential_norm, rel=2e-2)
     expert_errors = {name: error for name, error in result["grad_errors"].items() if ".mlp.experts." in name}
     assert len(expert_errors) == 2 * 3 * 16
     assert max(result["grad_errors"].values()) < 5e-2, result["grad_errors"]

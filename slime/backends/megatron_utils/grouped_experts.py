@@ -32,6 +32,7 @@ class StackedExpertLinear(nn.Module):
 
     def __init__(self, num_local_experts: int, out_features: int, in_features: int, config, init_method):
         super().__init__()
+        from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
         from megatron.core.tensor_parallel.random import get_cuda_rng_tracker, get_expert_parallel_rng_tracker_name
 
         device = "cpu" if config.use_cpu_initialization else torch.cuda.current_device()
@@ -39,7 +40,11 @@ class StackedExpertLinear(nn.Module):
                                                dtype=config.params_dtype))
         # megatron-core's rule for expert weights: under expert parallelism DDP sums their gradients over the
         # expert data-parallel group, not the data-parallel one.
-        self.weight.allreduce = config.expert_model_parallel_size == 1
+        expert_parallel = config.expert_model_parallel_size > 1
+        self.weight.allreduce = not expert_parallel
+        # megatron-core's gradient norm counts an unmarked weight on tensor-parallel rank 0 only (a replica
+        # elsewhere); under expert parallelism the tensor-parallel ranks may hold different experts.
+        set_tensor_model_parallel_attributes(self.weight, is_parallel=expert_parallel, dim=0, stride=1)
         if config.perform_initialization:
             # On the GPU every expert-parallel rank draws its own experts, as megatron-core's experts do.
             fork = (contextlib.nullcontext() if config.use_cpu_initialization
