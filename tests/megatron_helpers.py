@@ -45,10 +45,10 @@ def build_chunks(args, hf_config, device: torch.device = torch.device("cpu")):
 def hf_named_grads(chunks, hf_config) -> dict[str, torch.Tensor]:
     """This rank's pipeline stage's full gradients under HF names (TP shards gathered), from the DDP grad buffers
     (at DP=1: with more data-parallel ranks each holds only its slice's sum)."""
-    from slime.backends.megatron_utils import tp_shards
-    from slime.backends.megatron_utils.hf_mapping import mapping_for
     from megatron.core import parallel_state
 
+    from slime.backends.megatron_utils import tp_shards
+    from slime.backends.megatron_utils.hf_mapping import mapping_for
     from slime.backends.megatron_utils.names import is_stacked_experts, named_global_parameters, unstack_experts
 
     mapping = mapping_for(hf_config)
@@ -58,8 +58,8 @@ def hf_named_grads(chunks, hf_config) -> dict[str, torch.Tensor]:
     grads = {}
     for name, param in named_global_parameters(chunks):
         full = tp_shards.full_tensor(name, param, param.main_grad)
-        for weight_name, grad in unstack_experts(name, full, first_expert) if is_stacked_experts(name) else \
-                [(name, full)]:
+        pairs = unstack_experts(name, full, first_expert) if is_stacked_experts(name) else [(name, full)]
+        for weight_name, grad in pairs:
             grads.update((hf, t.clone()) for hf, t in mapping.to_hf(weight_name, grad, hf_config))
     return grads
 

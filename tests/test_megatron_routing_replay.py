@@ -1,7 +1,8 @@
 """Routing replay on the Megatron backend, on test_routing_replay.py's near-tie Qwen3-MoE (the engine serves the
 checkpoint whose experts 0 and 1 route by r + d / r - d, the trainer trains the one with -d): with R3
 (--use-rollout-routing-replay) megatron-core's routers hand the engine's experts to the token dispatcher exactly
-and the old log-probs match the rollout's; routing freely they do not. --use-routing-replay trains on the
+and the old log-probs match the rollout's, with SequentialMLP experts and with --moe-grouped-gemm's; routing freely
+they do not. --use-routing-replay trains on the
 old-policy pass's routing even after the router changed, also in the backward's recompute. Over two pipeline
 stages each stage replays its own layers and the router agreement counts every layer; under TP=2 with sequence
 parallelism and EP=2 each tensor-parallel rank replays its slice of the row."""
