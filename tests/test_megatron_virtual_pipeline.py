@@ -161,7 +161,7 @@ def _recorded_routing(rank, world_size, port, checkpoint, data, parallel):
     return per_sample["old_log_probs"], records, trainer.train(0, data)
 
 
-@pytest.mark.slow  # ~60 s: the MoE twin of the dense tests above
+@pytest.mark.slow  # 30-60 s: the MoE twin of the dense tests above
 def test_pp2_vpp2_records_and_replays_each_chunks_moe_layers(tmp_path):
     from slime.utils.tiny_model import build_tiny_model
 
