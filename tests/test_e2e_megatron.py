@@ -1,6 +1,7 @@
 """train.py end to end with --train-backend megatron --tensor-model-parallel-size 2 on the CPU (two gloo trainer
 processes forming one tensor-parallel replica, real Ray, the built-in engine behind the real router): GRPO with
-weight sync (the engine's log-probs equal the trainer's after every push), eval, a torch_dist checkpoint; a resumed
+weight sync (the engine's log-probs equal the trainer's after every push), eval, a torch_dist checkpoint (also at
+PP=2 x VPP=2, slow); a resumed
 SFT run continues exactly where the first one stopped (slow); the quickstart's held-out accuracy rises (slow)."""
 
 import json
@@ -22,10 +23,19 @@ def task(tmp_path_factory):
     return build_task(tmp_path_factory.mktemp("task"), seed=0)
 
 
-def test_tp2_grpo_run_syncs_weights_and_saves_torch_dist(task, tmp_path):
+INTERLEAVED = ("--train-backend", "megatron", "--pipeline-model-parallel-size", "2",
+               "--num-virtual-stages-per-pipeline-rank", "2", "--actor-num-gpus-per-node", "2")
+
+
+@pytest.mark.parametrize("layout", [
+    pytest.param(MEGATRON, id="tp2"),
+    # the quickstart model's 4 layers as 2 stages x 2 virtual stages (megatron's interleaved schedule)
+    pytest.param(INTERLEAVED, id="pp2_vpp2", marks=pytest.mark.slow),
+])
+def test_grpo_run_syncs_weights_and_saves_torch_dist(task, tmp_path, layout):
     out = tmp_path / "run"
     run_train([
-        *MEGATRON, "--hf-checkpoint", str(task["model"]), "--prompt-data", str(task["train"]),
+        *layout, "--hf-checkpoint", str(task["model"]), "--prompt-data", str(task["train"]),
         "--input-key", "prompt", "--label-key", "label", "--apply-chat-template", "--rm-type", "math",
         "--rollout-batch-size", "4", "--n-samples-per-prompt", "4", "--num-rollout", "2",
         "--rollout-max-response-len", "8", "--lr", "1e-3", "--eval-prompt-data", "arith", str(task["eval"]),
