@@ -1,4 +1,4 @@
-"""The Megatron backend's virtual pipeline stages on two GPUs (NCCL, fp32): PP=2 x VPP=2 trains as PP=1 on one GPU
+"""The Megatron backend's virtual pipeline stages on two GPUs (NCCL, bf16): PP=2 x VPP=2 trains as PP=1 on one GPU
 and its torch_dist checkpoint loads at PP=1 with the same weights and outputs, the CUDA twin of
 test_megatron_virtual_pipeline.py's trainer test (there over gloo on the CPU). Skipped unless two GPUs are
 visible."""
@@ -21,6 +21,7 @@ def test_pp2_vpp2_on_two_gpus_trains_as_pp1(tmp_path):
     from slime.utils.tiny_model import build_tiny_model
 
     checkpoint = build_tiny_model(tmp_path / "tiny", arch="qwen3", num_hidden_layers=4, seed=5)
-    # fp32 on both sides; the GPU kernels (matmuls, varlen flash attention when installed) differ per shape.
-    check_interleaved_against_one_stage(checkpoint, tmp_path / "save", device="cuda", rel=1e-4, atol=1e-4,
-                                        outputs_atol=1e-4)
+    # bf16 (the GPU's varlen flash attention takes no fp32) with fp32 master weights and gradient reduction: the
+    # two layouts round differently, so the steps agree to bf16 precision; the checkpoint's weights load exactly.
+    check_interleaved_against_one_stage(checkpoint, tmp_path / "save", {"device": "cuda", "bf16": True}, rel=2e-2,
+                                        atol=2e-2, outputs_atol=2e-2)
