@@ -138,15 +138,18 @@ def save_weights(folder: str | Path, model_chunks, hf_checkpoint: str) -> Path:
     return folder
 
 
-def load_model_weights(ckpt: str | Path, model_chunks) -> None:
-    """Collective: the model weights of a torch_dist checkpoint, resharded to this run's layout."""
+def load_model_weights(ckpt: str | Path, model_chunks, skip: tuple[str, ...] = ()) -> None:
+    """Collective: the model weights of a torch_dist checkpoint, resharded to this run's layout (but those named in
+    `skip`, which keep their values: a policy checkpoint's output layer under a critic's value head)."""
     from megatron.core import dist_checkpointing
 
     ckpt = Path(ckpt)
     if not is_torch_dist_checkpoint(ckpt):
         raise CheckpointError(f"{ckpt} is not a Megatron torch_dist checkpoint (its {META_FILE} does not say "
                               f"format {FORMAT!r}); pass an HF folder or a --save folder of --train-backend megatron")
-    loaded = dist_checkpointing.load(_model_sharded_state_dict(model_chunks), str(ckpt / TORCH_DIST_DIR))
+    sharded = {key: {name: tensor for name, tensor in state.items() if name not in skip}
+               for key, state in _model_sharded_state_dict(model_chunks).items()}
+    loaded = dist_checkpointing.load(sharded, str(ckpt / TORCH_DIST_DIR))
     _load_into_chunks(model_chunks, loaded)
 
 
