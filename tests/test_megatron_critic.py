@@ -1,7 +1,7 @@
 """The PPO critic over the Megatron backend (gloo, fp32): at TP=1 its values, clipped value loss, gradients and
 updated values equal the FSDP critic's on the same batch; at TP=2 with sequence parallelism (2 processes) they equal
 TP=1's; its torch_dist checkpoint under `{save}/critic/` saved at TP=2 resumes at TP=1 with the same values; a
-policy checkpoint passed as --critic-load gives the body and a zero head."""
+policy's torch_dist checkpoint passed as --critic-load gives its body and a zero head."""
 
 from __future__ import annotations
 
@@ -134,63 +134,46 @@ def _tp2_save(rank, world_size, port, checkpoint, save, data, returns):
     return _critic_run(rank, world_size, port, args, data, returns, save=save)
 
 
-def _resume(rank, world_size, port, checkpoint, save, data):
+def _policy_then_resume(rank, world_size, port, checkpoint, save, data):
+    """The actor's checkpoint of rollout 0 next to the critic's (a ppo --load needs both); a critic whose
+    --critic-load is that policy checkpoint (head, embedding, values); the critic resumed by --load."""
     from slime.backends.factory import create_trainer
+    from slime.backends.megatron_utils.parallel import destroy_model_parallel
 
     from fsdp_helpers import make_trainer
 
-    # --load resumes a ppo run from the actor's checkpoint and the critic's of the same rollout
     make_trainer(make_megatron_args(checkpoint, *CRITIC, "--save", save, "--no-save-optim"), port=port).save_model(
         0, run_state={"data_source": {}})
-    from slime.backends.megatron_utils.parallel import destroy_model_parallel
-
+    destroy_model_parallel()
+    dist.destroy_process_group()
+    from_policy = create_trainer(make_megatron_args(checkpoint, *CRITIC, "--critic-load", save / "rollout_0"),
+                                 rank, world_size, "127.0.0.1", port + 1, role="critic")
+    from_policy.init()
+    model = from_policy.backend.model
+    policy_critic = (model.output_layer.weight.detach().clone(), model.embedding.word_embeddings.weight.detach().clone(),
+                     from_policy.compute_values(0, data))
     destroy_model_parallel()
     dist.destroy_process_group()
     critic = create_trainer(make_megatron_args(checkpoint, *CRITIC, "--load", save), rank, world_size, "127.0.0.1",
-                            port + 1, role="critic")
-    return critic.init(), critic.compute_values(1, data)
+                            port + 2, role="critic")
+    return policy_critic, critic.init(), critic.compute_values(1, data)
 
 
-def test_tp2_sequence_parallel_critic_equals_tp1_and_resumes_at_tp1(critic_checkpoint, tp1_runs, tmp_path):
+def test_tp2_sequence_parallel_critic_equals_tp1_resumes_at_tp1_and_loads_a_policy(critic_checkpoint, tp1_runs, tmp_path):
     data, returns = _batch()
     save = tmp_path / "save"
     tp2 = run_distributed(_tp2_save, 2, critic_checkpoint, save, data, returns)
     _assert_same_run(tp2[0], tp1_runs[1], grad_rtol=1e-4)
     _assert_same_run(tp2[1], tp1_runs[1], grad_rtol=1e-4)
     assert (save / "critic" / "latest").read_text().strip() == "rollout_0"
-    start, values = run_distributed(_resume, 1, critic_checkpoint, save, data)[0]
+    (head, embedding, policy_values), start, values = run_distributed(_policy_then_resume, 1, critic_checkpoint,
+                                                                        save, data)[0]
     assert start == 1
     for resumed, saved in zip(values, tp2[0]["after"]):
         torch.testing.assert_close(resumed, saved, rtol=1e-5, atol=1e-6)
-
-
-def _from_policy_checkpoint(rank, world_size, port, checkpoint, policy_dir, data):
-    from slime.backends.factory import create_trainer
-
-    critic = create_trainer(make_megatron_args(checkpoint, *CRITIC, "--critic-load", policy_dir), rank, world_size,
-                            "127.0.0.1", port, role="critic")
-    critic.init()
-    model = critic.backend.model
-    return (model.output_layer.weight.detach().clone(), model.embedding.word_embeddings.weight.detach().clone(),
-            critic.compute_values(0, data))
-
-
-def _save_policy(rank, world_size, port, checkpoint, folder):
-    from slime.backends.megatron_utils.checkpoint import save_weights
-
-    from megatron_helpers import build_megatron
-
-    chunks, _ = build_megatron(make_megatron_args(checkpoint), rank, world_size, port)
-    save_weights(folder, chunks, str(checkpoint))
-
-
-def test_critic_load_of_a_policy_torch_dist_checkpoint_gives_its_body_and_a_zero_head(critic_checkpoint, tmp_path):
+    # --critic-load of a policy torch_dist checkpoint: its body, and the head at zero (values 0)
     from safetensors.torch import load_file
 
-    policy_dir = tmp_path / "policy"
-    run_distributed(_save_policy, 1, critic_checkpoint, policy_dir)
-    head, embedding, values = run_distributed(_from_policy_checkpoint, 1, critic_checkpoint, policy_dir,
-                                              _batch()[0])[0]
     hf_embedding = load_file(str(critic_checkpoint / "model.safetensors"))["model.embed_tokens.weight"]
     torch.testing.assert_close(embedding[:len(hf_embedding)], hf_embedding, rtol=0, atol=0)
-    assert float(head.abs().max()) == 0.0 and all(float(v.abs().max()) == 0.0 for v in values)
+    assert float(head.abs().max()) == 0.0 and all(float(v.abs().max()) == 0.0 for v in policy_values)
