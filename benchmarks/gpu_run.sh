@@ -75,6 +75,8 @@ run_step() {
     train_17b_megatron) python3 benchmarks/bench_train.py --backend megatron --model-shape qwen3-1.7b --micro-batch-size 2 ;;
     train_4b_megatron) python3 benchmarks/bench_train.py --backend megatron --model-shape qwen3-4b --micro-batch-size 2 ;;
     grpo_megatron) grpo colocated --train-args=--train-backend=megatron ;;
+    # PPO with the Megatron critic, colocated (the critic's device memory offloaded outside its values and update).
+    ppo_megatron) grpo colocated --num-rollout 3 "--train-args=--train-backend=megatron --advantage-estimator=ppo --num-critic-only-steps=1" ;;
     # MoE on --train-backend megatron (issues 15/16): the 8-layer Qwen3-30B-A3B shape with R3, then routing freely.
     moe_grpo_megatron_r3) grpo colocated --shape qwen3-30b-a3b-8l --num-rollout 3 "--train-args=--train-backend=megatron --use-rollout-routing-replay --get-mismatch-metrics" ;;
     moe_grpo_megatron_free) grpo colocated --shape qwen3-30b-a3b-8l --num-rollout 3 "--train-args=--train-backend=megatron --get-mismatch-metrics" ;;

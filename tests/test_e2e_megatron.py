@@ -1,7 +1,9 @@
 """train.py end to end with --train-backend megatron --tensor-model-parallel-size 2 on the CPU (two gloo trainer
 processes forming one tensor-parallel replica, real Ray, the built-in engine behind the real router): GRPO with
 weight sync (the engine's log-probs equal the trainer's after every push), eval, a torch_dist checkpoint; a resumed
-SFT run continues exactly where the first one stopped (slow); the quickstart's held-out accuracy rises (slow)."""
+SFT run continues exactly where the first one stopped (slow); the quickstart's held-out accuracy rises (slow); PPO
+with a Megatron critic (its learning rate from slime's critic entry of --megatron-config-path) saves it under
+{save}/critic and resumes it from --load."""
 
 import json
 
@@ -89,8 +91,9 @@ CRITIC_CONFIG = """megatron:
 def _ppo_argv(task, out, save, num_rollout: int, *extra):
     return [*MEGATRON, "--hf-checkpoint", str(task["model"]), "--prompt-data", str(task["train"]),
             "--input-key", "prompt", "--label-key", "label", "--apply-chat-template",
-            "--custom-rm-path", "tests.e2e_rewards.sample_index_parity", "--advantage-estimator", "ppo", "--num-critic-only-steps", "1", "--rollout-batch-size", "2",
-            "--n-samples-per-prompt", "2", "--num-rollout", str(num_rollout), "--rollout-max-response-len", "6",
+            "--custom-rm-path", "tests.e2e_rewards.sample_index_parity", "--advantage-estimator", "ppo",
+            "--num-critic-only-steps", "1", "--rollout-batch-size", "2", "--n-samples-per-prompt", "2",
+            "--num-rollout", str(num_rollout), "--rollout-max-response-len", "6",
             "--lr", "1e-4", "--megatron-config-path", str(save.parent / "megatron.yaml"), "--save", str(save),
             "--output-dir", str(out), "--no-progress", *extra]
 

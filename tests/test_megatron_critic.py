@@ -1,7 +1,7 @@
 """The PPO critic over the Megatron backend (gloo, fp32): at TP=1 its values, clipped value loss, gradients and
-updated values equal the FSDP critic's on the same batch; at TP=2 with sequence parallelism (2 processes) they equal
-TP=1's; its torch_dist checkpoint under `{save}/critic/` saved at TP=2 resumes at TP=1 with the same values; a
-policy's torch_dist checkpoint passed as --critic-load gives its body and a zero head."""
+updated values equal the FSDP critic's on the same batch; at TP=2 with sequence parallelism and at PP=2 (2
+processes) they equal TP=1's; its torch_dist checkpoint under `{save}/critic/` saved at TP=2 resumes at TP=1 with
+the same values; a policy's torch_dist checkpoint passed as --critic-load gives its body and a zero head."""
 
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ from megatron_helpers import make_megatron_args
 
 pytest.importorskip("megatron.core")
 
-CRITIC = ("--advantage-estimator", "ppo", "--critic-lr", "1e-3", "--lr", "1e-5", "--lr-decay-style", "constant", "--micro-batch-size", "2",
-          "--clip-grad", "0.5", "--weight-decay", "0.01", "--adam-beta2", "0.98")
+CRITIC = ("--advantage-estimator", "ppo", "--critic-lr", "1e-3", "--lr", "1e-5", "--lr-decay-style", "constant",
+          "--micro-batch-size", "2", "--clip-grad", "0.5", "--weight-decay", "0.01", "--adam-beta2", "0.98")
 
 
 @pytest.fixture(scope="module")
@@ -128,10 +128,13 @@ def test_tp1_critic_equals_the_fsdp_critic(tp1_runs):
     assert any(not torch.allclose(a, b) for a, b in zip(fsdp["after"], fsdp["values"]))  # the step moved them
 
 
-def _tp2_save(rank, world_size, port, checkpoint, save, data, returns):
+def _tp2_save_then_pp2(rank, world_size, port, checkpoint, save, data, returns):
     args = make_megatron_args(checkpoint, *CRITIC, "--critic-load", checkpoint, "--sequence-parallel", "--save", save,
                               world_size=world_size, tp=2)
-    return _critic_run(rank, world_size, port, args, data, returns, save=save)
+    tp2 = _critic_run(rank, world_size, port, args, data, returns, save=save)
+    dist.destroy_process_group()
+    args = make_megatron_args(checkpoint, *CRITIC, "--critic-load", checkpoint, world_size=world_size, pp=2)
+    return tp2, _critic_run(rank, world_size, port + 1, args, data, returns)
 
 
 def _policy_then_resume(rank, world_size, port, checkpoint, save, data):
@@ -150,8 +153,8 @@ def _policy_then_resume(rank, world_size, port, checkpoint, save, data):
                                  rank, world_size, "127.0.0.1", port + 1, role="critic")
     from_policy.init()
     model = from_policy.backend.model
-    policy_critic = (model.output_layer.weight.detach().clone(), model.embedding.word_embeddings.weight.detach().clone(),
-                     from_policy.compute_values(0, data))
+    policy_critic = (model.output_layer.weight.detach().clone(),
+                     model.embedding.word_embeddings.weight.detach().clone(), from_policy.compute_values(0, data))
     destroy_model_parallel()
     dist.destroy_process_group()
     critic = create_trainer(make_megatron_args(checkpoint, *CRITIC, "--load", save), rank, world_size, "127.0.0.1",
@@ -159,12 +162,18 @@ def _policy_then_resume(rank, world_size, port, checkpoint, save, data):
     return policy_critic, critic.init(), critic.compute_values(1, data)
 
 
-def test_tp2_sequence_parallel_critic_equals_tp1_resumes_at_tp1_and_loads_a_policy(critic_checkpoint, tp1_runs, tmp_path):
+def test_tp2_and_pp2_critics_equal_tp1_tp2_resumes_at_tp1_and_a_policy_loads(critic_checkpoint, tp1_runs, tmp_path):
     data, returns = _batch()
     save = tmp_path / "save"
-    tp2 = run_distributed(_tp2_save, 2, critic_checkpoint, save, data, returns)
-    _assert_same_run(tp2[0], tp1_runs[1], grad_rtol=1e-4)
-    _assert_same_run(tp2[1], tp1_runs[1], grad_rtol=1e-4)
+    (tp2_rank0, pp2_first), (tp2_rank1, pp2_last) = run_distributed(_tp2_save_then_pp2, 2, critic_checkpoint, save,
+                                                                      data, returns)
+    tp2 = [tp2_rank0, tp2_rank1]
+    for run in tp2:
+        _assert_same_run(run, tp1_runs[1], grad_rtol=1e-4)
+    # PP=2: each stage holds its layers' gradients (the last one the head's); the values reach both stages
+    assert not set(pp2_first["grads"]) & set(pp2_last["grads"])
+    for run in (pp2_first, pp2_last):
+        _assert_same_run({**run, "grads": {**pp2_first["grads"], **pp2_last["grads"]}}, tp1_runs[1], grad_rtol=1e-4)
     assert (save / "critic" / "latest").read_text().strip() == "rollout_0"
     (head, embedding, policy_values), start, values = run_distributed(_policy_then_resume, 1, critic_checkpoint,
                                                                         save, data)[0]

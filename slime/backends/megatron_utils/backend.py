@@ -21,7 +21,7 @@ Checkpoints: torch_dist (checkpoint.py), and with --save-hf also an HF folder; w
 The PPO critic (`build_critic`): the same GPTModel, untied, with the value head of value_head.py as its output
 layer, trained at --critic-lr by the same optimizer; its checkpoints are torch_dist under `{save}/critic/`.
 
-Not here: the RL flow (slime/backends/train_flow.py).
+Not here: the RL flows (slime/backends/train_flow.py, critic_flow.py).
 """
 
 from __future__ import annotations

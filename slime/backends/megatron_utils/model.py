@@ -10,8 +10,8 @@ dtype: fp32 on the CPU (bf16 there is ~13x slower); on the GPU bf16 parameters w
 fp32 main params), else fp32.
 
 At TP = 1 the last stage returns its final hidden states instead of logits (log_probs.py computes the log-probs
-from them in chunks); a critic's last stage returns values (value_head.py). Not the weights: the model is randomly initialised here; hf_mapping/ fills it from a
-checkpoint.
+from them in chunks); a critic's last stage returns values (value_head.py). Not the weights: the model is randomly
+initialised here; hf_mapping/ fills it from a checkpoint.
 """
 
 from __future__ import annotations
