@@ -4,7 +4,6 @@
       - name: default
         role: actor
         overrides: {lr: 1e-6, recompute_granularity: full}
-
       - name: default
         role: critic
         overrides: {lr: 1e-5}
