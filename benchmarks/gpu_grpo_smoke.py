@@ -63,13 +63,15 @@ def make_parser() -> argparse.ArgumentParser:
     parser.add_argument("--placement", choices=sorted(PLACEMENTS), default="colocated")
     parser.add_argument("--async", dest="use_async", action="store_true", help="run train_async.py")
     parser.add_argument("--train-args", default="", help="more train.py flags, e.g. '--compile-model'")
+    parser.add_argument("--task-dir", type=Path, default=None,
+                        help="where the task (model, data) is built; one built there before is reused, so runs "
+                             "of one shape with different flags share it (default: OUT_DIR/task, always built)")
     return parser
 
 
 def train_command(args, run_dir: Path) -> tuple[list[str], dict]:
     """The train.py (or train_async.py) command of the smoke run writing to `run_dir`, and the task's paths."""
-    task_mod.MODEL_SHAPE = SHAPES[args.shape]
-    paths = task_mod.build_task(args.out_dir / "task")
+    paths = task_paths(args)
     on_gpu = not args.shape.startswith("tiny")
     driver = "train_async.py" if args.use_async else "train.py"
     cmd = [sys.executable, str(REPO / driver), "--hf-checkpoint", str(paths["model"]),
@@ -82,6 +84,18 @@ def train_command(args, run_dir: Path) -> tuple[list[str], dict]:
            "--use-dynamic-batch-size", "--max-tokens-per-gpu", "16384" if on_gpu else "2048",
            "--lr", "1e-6", "--output-dir", str(run_dir), "--no-progress", *args.train_args.split()]
     return cmd, paths
+
+
+def task_paths(args) -> dict:
+    """The task's model and data: built under --task-dir unless a finished build of the same shape is there."""
+    task_dir = args.task_dir or args.out_dir / "task"
+    built = task_dir / "shape.json"  # written last: a build cut off half-way is built again
+    if args.task_dir is not None and built.exists() and json.loads(built.read_text()) == SHAPES[args.shape]:
+        return {"model": task_dir / "model", **{name: task_dir / f"{name}.jsonl" for name in ("sft", "train", "eval")}}
+    task_mod.MODEL_SHAPE = SHAPES[args.shape]
+    paths = task_mod.build_task(task_dir)
+    built.write_text(json.dumps(SHAPES[args.shape]))
+    return paths
 
 
 def read_metrics(run_dir: Path) -> list[dict]:

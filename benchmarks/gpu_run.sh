@@ -66,20 +66,23 @@ run_step() {
     moe_gpu_tests) python3 -m pytest -q tests/test_engine_moe_cuda.py tests/test_engine_moe.py ;;
     moe_engine) python3 benchmarks/engine_checkpoints.py qwen3-30b-a3b-8l /tmp/moe_ckpt && python3 benchmarks/bench_engine.py --preset qwen3-0.6b --model-path /tmp/moe_ckpt ;;
     moe_train) python3 benchmarks/bench_train.py --model-shape qwen3-30b-a3b-8l --micro-batch-size 2 ;;
-    moe_grpo_r3) grpo colocated --shape qwen3-30b-a3b-8l --num-rollout 3 "--train-args=--use-rollout-routing-replay --get-mismatch-metrics" ;;
-    moe_grpo_free) grpo colocated --shape qwen3-30b-a3b-8l --num-rollout 3 --train-args=--get-mismatch-metrics ;;
+    moe_train_c) python3 benchmarks/bench_train.py --model-shape qwen3-30b-a3b-8l --micro-batch-size 2 --compile-model ;;
+    moe_grpo_r3) grpo colocated --shape qwen3-30b-a3b-8l --num-rollout 3 --task-dir /tmp/moe_task "--train-args=--use-rollout-routing-replay --get-mismatch-metrics" ;;
+    moe_grpo_free) grpo colocated --shape qwen3-30b-a3b-8l --num-rollout 3 --task-dir /tmp/moe_task --train-args=--get-mismatch-metrics ;;
     grpo_compiled) grpo colocated --train-args=--compile-model ;;
     # --train-backend megatron (TP=1) beside the FSDP backend and the transformers baseline, then a colocated GRPO run.
     megatron_gpu_tests) python3 -m pytest -q tests/test_megatron_model.py tests/test_megatron_backend.py -k "not tp2" ;;
     train_06b_megatron) python3 benchmarks/bench_train.py --backend megatron --model-shape qwen3-0.6b --micro-batch-size 4 ;;
     train_17b_megatron) python3 benchmarks/bench_train.py --backend megatron --model-shape qwen3-1.7b --micro-batch-size 2 ;;
-    train_4b_megatron) python3 benchmarks/bench_train.py --backend megatron --model-shape qwen3-4b --micro-batch-size 2 ;;
+    # 4B: 8k-token micro-batches (at 16k the Megatron step's activations do not fit beside its fp32 grad buffer)
+    train_4b_megatron) PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True python3 benchmarks/bench_train.py --backend megatron --model-shape qwen3-4b --micro-batch-size 2 --max-tokens-per-gpu 8192 ;;
+    megatron_offload_gpu_tests) python3 -m pytest -q -m gpu tests/test_megatron_offload.py ;;  # colocated offload, fp32 and bf16
     grpo_megatron) grpo colocated --train-args=--train-backend=megatron ;;
     # PPO with the Megatron critic, colocated (the critic's device memory offloaded outside its values and update).
     ppo_megatron) grpo colocated --num-rollout 3 "--train-args=--train-backend=megatron --advantage-estimator=ppo --num-critic-only-steps=1" ;;
     # MoE on --train-backend megatron (issues 15/16): the 8-layer Qwen3-30B-A3B shape with R3, then routing freely.
-    moe_grpo_megatron_r3) grpo colocated --shape qwen3-30b-a3b-8l --num-rollout 3 "--train-args=--train-backend=megatron --use-rollout-routing-replay --get-mismatch-metrics" ;;
-    moe_grpo_megatron_free) grpo colocated --shape qwen3-30b-a3b-8l --num-rollout 3 "--train-args=--train-backend=megatron --get-mismatch-metrics" ;;
+    moe_grpo_megatron_r3) grpo colocated --shape qwen3-30b-a3b-8l --num-rollout 3 --task-dir /tmp/moe_task "--train-args=--train-backend=megatron --use-rollout-routing-replay --get-mismatch-metrics" ;;
+    moe_grpo_megatron_free) grpo colocated --shape qwen3-30b-a3b-8l --num-rollout 3 --task-dir /tmp/moe_task "--train-args=--train-backend=megatron --get-mismatch-metrics" ;;
     # Two GPUs (nvidia-h200-x2): the multi-GPU issue's runs.
     multi_gpu_tests) python3 -m pytest -q tests/test_fsdp_multi_gpu.py tests/test_fsdp_weight_push.py ;;
     weight_sync_gpu_tests) python3 -m pytest -q tests/test_weight_disk_sync.py tests/test_weight_delta.py ;;  # disk / delta sync from a CUDA trainer (needs a bundle with xxhash, zstandard)
@@ -94,6 +97,10 @@ steps=${*:-gpu_tests bench_engine bench_train grpo_smoke}
 for name in $steps; do
   start=$(date +%s); timeout ${STEP_TIMEOUT:-600} bash "$0" --one $name > $OUT/$name.log 2>&1; rc=$?
   [ $rc = 0 ] || ray stop --force > /dev/null 2>&1  # a step cut off by its timeout leaves its Ray cluster behind
+  # a GRPO run cut off by its timeout still returns its rollouts' rows (only this step's: $OUT holds 8 files)
+  for f in $(find /tmp -maxdepth 3 -path '/tmp/grpo_*/run/metrics.jsonl' -newermt "@$start"); do
+    cp "$f" "$OUT/$(basename "$(dirname "$(dirname "$f")")").jsonl"
+  done
   echo "$name rc=$rc $(( $(date +%s) - start ))s" >> $OUT/summary.txt
 done
 for name in $steps; do echo "== $name"; tail -n ${TAIL:-30} $OUT/$name.log; done

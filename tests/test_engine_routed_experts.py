@@ -94,5 +94,15 @@ def test_http_routed_experts_wire_format_and_start_len(moe_checkpoint, tmp_path)
             np.testing.assert_array_equal(tail, rows[5:])
             bad = client.post("/generate", json={**body, "routed_experts_start_len": 8})
             assert bad.status_code == 400 and "routed_experts_start_len" in bad.json()["error"]["message"]
+            # A GRPO group as one request (sampling_params.n, as the default rollout sends it under R3): each
+            # sample's routing is its own tokens'.
+            sampled = {"temperature": 1.0, "max_new_tokens": 6, "ignore_eos": True, "sampling_seed": 3, "n": 3}
+            group = client.post("/generate", json={"input_ids": prompt, "sampling_params": sampled,
+                                                   "return_routed_experts": True}).json()
+            assert len(group) == 3 and len({tuple(out["output_ids"]) for out in group}) > 1
+            for out in group:
+                tokens = prompt + out["output_ids"]
+                rows = np.frombuffer(base64.b64decode(out["meta_info"]["routed_experts"]), dtype=np.int32)
+                np.testing.assert_array_equal(rows.reshape(-1, 2, 2), hf_router_top_k(hf, tokens[:-1]))
     finally:
         server.stop()

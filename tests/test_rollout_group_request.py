@@ -29,10 +29,12 @@ def test_fresh_copies_of_one_prompt_go_as_one_request(args):
     assert group_prompt_ids(args, group()) == expected
     chat = group([{"role": "user", "content": "hi"}])
     assert group_prompt_ids(args, chat)  # rendered with the chat template, the same for every copy
+    # R3 too: the engine returns each sample's routing in the grouped answer (test_engine_routed_experts.py)
+    assert group_prompt_ids(SimpleNamespace(**{**vars(args), "use_rollout_routing_replay": True}), group()) == expected
 
 
 @pytest.mark.parametrize("case", ["single", "hook", "multi_turn", "started", "per_sample_hook", "finished",
-                                  "different_prompts", "sample_hooks", "routing_replay"])
+                                  "different_prompts", "sample_hooks"])
 def test_other_groups_go_sample_by_sample(args, case):
     samples, run_args = group(), args
     if case == "single":
@@ -51,6 +53,4 @@ def test_other_groups_go_sample_by_sample(args, case):
         samples[0].prompt = "What is 3 + 3?"
     elif case == "sample_hooks":
         run_args = SimpleNamespace(**{**vars(args), "rollout_sample_hook_path": ["my.hook"]})
-    elif case == "routing_replay":
-        run_args = SimpleNamespace(**{**vars(args), "use_rollout_routing_replay": True})
     assert group_prompt_ids(run_args, samples) is None

@@ -157,11 +157,11 @@ def _append_output(args, sample: Sample, output: dict, routed_experts_start_len:
 def group_prompt_ids(args, group: list[Sample]) -> list[int] | None:
     """The prompt ids of a group that one /generate with sampling_params.n can sample: fresh samples of one prompt
     that the default generate function would sample one by one (no generate hook, one turn, nothing generated yet,
-    no per-sample hooks after generation, no routing replay). None when the group must go sample by sample."""
+    no per-sample hooks after generation). None when the group must go sample by sample."""
     if len(group) < 2 or getattr(args, "custom_generate_function_path", None) or (getattr(args, "max_turns", None)
                                                                                   or 1) > 1:
         return None
-    if getattr(args, "rollout_sample_hook_path", None) or getattr(args, "use_rollout_routing_replay", False):
+    if getattr(args, "rollout_sample_hook_path", None):
         return None
     if any(s.generate_function_path or s.tokens or s.response_length or s.status != Sample.Status.PENDING
            for s in group):
@@ -185,7 +185,7 @@ async def generate_group_in_one_request(args, group: list[Sample], prompt_ids: l
         for sample in group:
             sample.tokens = list(prompt_ids)
         payload = {"input_ids": prompt_ids, "sampling_params": {**sampling_params, "n": len(group)},
-                   "return_logprob": True}
+                   "return_logprob": True, **routed_experts_request(args, group[0])}  # R3: each sample's routing
         outputs = await _post_generate(args, payload, group[0])
     if not isinstance(outputs, list) or len(outputs) != len(group):
         raise RuntimeError(f"/generate with sampling_params.n={len(group)} answered {type(outputs).__name__} "

@@ -229,9 +229,9 @@ def _resolve_recompute(args, num_layers: int | None) -> None:
 
 def _resolve_precision(args) -> None:
     _require(not args.fp16, "--fp16 is not supported; bf16 is used on the GPU (fp32 on the CPU)")
-    if args.bf16 and args.device != "cuda":
+    if args.bf16 and args.device == "cpu":
         logger.warning("--bf16 has no effect on the CPU: the trainer runs fp32 there")
-    args.bf16 = args.device == "cuda"
+    args.bf16 = args.device != "cpu"  # with --device auto the trainer's own device decides (model.py)
     if args.train_backend == "megatron":
         args.use_distributed_optimizer = True  # as slime: always Megatron's distributed optimizer
     for dest in ("attention_dropout", "hidden_dropout"):

@@ -42,6 +42,7 @@ from slime.backends.megatron_utils.micro_batches import run_micro_batches
 from slime.backends.megatron_utils.model import build_gpt_model
 from slime.backends.megatron_utils.moe_router import install_routers
 from slime.backends.megatron_utils.names import named_global_parameters
+from slime.backends.megatron_utils.offload import StorageOffload
 from slime.backends.megatron_utils.optimizer import build_distributed_optimizer, clip_grad_norm, wrap_data_parallel
 from slime.backends.megatron_utils.parallel import init_model_parallel
 from slime.backends.megatron_utils.router_losses import install_router_losses
@@ -66,6 +67,7 @@ class MegatronBackend(TrainBackend):
         self.model_chunks, self.ddp_chunks = [], []
         self.model = self.optimizer = self.scheduler = self.hf_config = self.router_losses = None
         self.critic = False  # build_critic: the model ends in a value head
+        self._offload = StorageOffload()
 
     # ----------------------------------------------------------------------------------------- building
     def build_policy(self, weights_path: str) -> None:
@@ -197,20 +199,27 @@ class MegatronBackend(TrainBackend):
     def _buffers(self):
         return [buffer for chunk in self.ddp_chunks for buffer in chunk.buffers + chunk.expert_parallel_buffers]
 
+    def _optimizer_tensors(self) -> list[torch.Tensor]:
+        """The optimizer's main weights (fp32 copies with bf16 parameters, else views of the parameter buffer) and
+        its state, over every chained optimizer."""
+        tensors = []
+        for inner in self.optimizer.chained_optimizers:
+            tensors += [param for group in inner.optimizer.param_groups for param in group["params"]]
+            tensors += [value for state in inner.optimizer.state.values() for value in state.values()
+                        if isinstance(value, torch.Tensor)]
+        return [tensor for tensor in tensors if tensor.device.type == "cuda"]
+
     def offload(self) -> None:
-        """Colocated GPU runs: the param and grad buffers, main weights and optimizer state to host memory while
-        the engines generate (megatron's own offload: the buffers' storage is freed, their views stay valid)."""
+        """Colocated GPU runs: the parameter buffers, main weights and optimizer state to pinned host memory and the
+        gradient buffers freed while the engines generate, storage by storage (offload.py says why not megatron's
+        own `offload_to_cpu`)."""
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-            for buffer in self._buffers():
-                buffer.offload_to_cpu(move_params=True, move_grads=True)
-            self.optimizer.offload_to_cpu()
-            torch.cuda.synchronize(self.device)
+            buffers = self._buffers()
+            self._offload.offload(keep=[buffer.param_data for buffer in buffers] + self._optimizer_tensors(),
+                                  drop=[buffer.grad_data for buffer in buffers if buffer.grad_data is not None])
             torch.cuda.empty_cache()
 
     def onload(self) -> None:
         if self.device.type == "cuda":
-            for buffer in self._buffers():
-                buffer.reload_from_cpu(move_params=True, move_grads=True)
-            self.optimizer.restore_from_cpu()
-            torch.cuda.synchronize(self.device)
+            self._offload.onload()
