@@ -1,7 +1,8 @@
 """The PPO critic over the Megatron backend (gloo, fp32): at TP=1 its values, clipped value loss, gradients and
 updated values equal the FSDP critic's on the same batch; at TP=2 with sequence parallelism and at PP=2 (2
 processes) they equal TP=1's; its torch_dist checkpoint under `{save}/critic/` saved at TP=2 resumes at TP=1 with
-the same values; a policy's torch_dist checkpoint passed as --critic-load gives its body and a zero head."""
+the same values; a policy's torch_dist checkpoint passed as --critic-load gives its body and a zero head. GPU (bf16):
+its colocated offload frees memory and the next steps match a run without it bit for bit."""
 
 from __future__ import annotations
 
@@ -186,3 +187,34 @@ def test_tp2_and_pp2_critics_equal_tp1_tp2_resumes_at_tp1_and_a_policy_loads(cri
     hf_embedding = load_file(str(critic_checkpoint / "model.safetensors"))["model.embed_tokens.weight"]
     torch.testing.assert_close(embedding[:len(hf_embedding)], hf_embedding, rtol=0, atol=0)
     assert float(head.abs().max()) == 0.0 and all(float(v.abs().max()) == 0.0 for v in policy_values)
+
+
+def _critic_steps(rank, world_size, port, checkpoint, offload: bool):
+    from slime.backends.factory import create_trainer
+    from slime.backends.megatron_utils.parallel import destroy_model_parallel
+
+    args = make_megatron_args(checkpoint, *CRITIC, "--critic-load", checkpoint, "--device", "cuda", "--bf16")
+    critic = create_trainer(args, rank, world_size, "127.0.0.1", port, role="critic")
+    critic.init()
+    data, returns = _batch()
+    critic.train(0, data, critic.compute_values(0, data), returns)
+    freed = 0
+    if offload:
+        before = torch.cuda.memory_allocated()
+        critic.offload()
+        freed = before - torch.cuda.memory_allocated()
+        critic.onload()
+    values = critic.compute_values(1, data)
+    critic.train(1, data, values, returns)
+    after = [v.cpu() for v in critic.compute_values(2, data)]
+    destroy_model_parallel()
+    return after, freed
+
+
+@pytest.mark.gpu
+def test_critic_train_after_offload_equals_train_without(critic_checkpoint):
+    plain, _ = run_distributed(_critic_steps, 1, str(critic_checkpoint), False)[0]
+    offloaded, freed = run_distributed(_critic_steps, 1, str(critic_checkpoint), True)[0]
+    assert freed > 0
+    for a, b in zip(plain, offloaded):
+        assert torch.equal(a, b)
