@@ -106,6 +106,8 @@ def run_slime(checkpoint, tokens, response_lengths, rewards, opts, backend: str 
         argv.append("--compile-model")
     if not opts.reshard_after_forward and backend == "fsdp":
         argv.append("--no-reshard-after-forward")
+    if opts.moe_grouped_gemm and backend == "megatron":
+        argv.append("--moe-grouped-gemm")
     args = parse_args(argv)
     trainer = create_trainer(args, 0, 1, "127.0.0.1", find_free_port())
     trainer.init(with_ref=False)
@@ -237,6 +239,9 @@ def main():
                         help="slime's --[no-]reshard-after-forward")
     parser.add_argument("--backend", choices=["fsdp", "megatron"], default="fsdp",
                         help="megatron: the Megatron backend (TP=1) first, then the FSDP backend, in the same run")
+    parser.add_argument("--moe-grouped-gemm", action="store_true",
+                        help="slime's --moe-grouped-gemm for the Megatron backend's MoE experts (FSDP's are grouped "
+                             "anyway)")
     parser.add_argument("--num-iters", type=int, default=3)
     parser.add_argument("--skip-baseline", action="store_true")
     parser.add_argument("--profile", action="store_true", help="print the GPU kernels of one slime step first")
@@ -270,6 +275,7 @@ def main():
         "slime_mfu": flops / slime_s / PEAK_FLOPS, "slime_peak_memory_gb": slime_mem / 2**30,
         "max_tokens_per_gpu": opts.max_tokens_per_gpu, "recompute_activations": opts.recompute_activations,
         "compile_model": opts.compile_model, "reshard_after_forward": opts.reshard_after_forward,
+        "backend": opts.backend, "moe_grouped_gemm": opts.moe_grouped_gemm,
         "log_prob_seconds": log_prob_s, "log_prob_tokens_per_s": sum(lengths) / log_prob_s,
         "log_prob_mfu": log_prob_flops / log_prob_s / PEAK_FLOPS, "log_prob_over_train_speed": slime_s / log_prob_s,
     }

@@ -84,6 +84,14 @@ run_step() {
     # MoE on --train-backend megatron (issues 15/16): the 8-layer Qwen3-30B-A3B shape with R3, then routing freely.
     moe_grpo_megatron_r3) grpo colocated --shape qwen3-30b-a3b-8l --num-rollout 3 --task-dir /tmp/moe_task "--train-args=--train-backend=megatron --use-rollout-routing-replay --get-mismatch-metrics" ;;
     moe_grpo_megatron_free) grpo colocated --shape qwen3-30b-a3b-8l --num-rollout 3 --task-dir /tmp/moe_task "--train-args=--train-backend=megatron --get-mismatch-metrics" ;;
+    # The same with grouped experts (--moe-grouped-gemm, as slime's MoE presets pass it).
+    moe_grpo_megatron_grouped_r3) grpo colocated --shape qwen3-30b-a3b-8l --num-rollout 3 --task-dir /tmp/moe_task "--train-args=--train-backend=megatron --moe-grouped-gemm --use-rollout-routing-replay --get-mismatch-metrics" ;;
+    moe_grpo_megatron_grouped_free) grpo colocated --shape qwen3-30b-a3b-8l --num-rollout 3 --task-dir /tmp/moe_task "--train-args=--train-backend=megatron --moe-grouped-gemm --get-mismatch-metrics" ;;
+    # Megatron MoE experts: grouped (--moe-grouped-gemm, torch grouped_mm) beside FSDP and transformers, then
+    # megatron-core's SequentialMLP loop on the same shape; the grouped path's GPU test.
+    moe_train_megatron) python3 benchmarks/bench_train.py --backend megatron --model-shape qwen3-30b-a3b-8l --micro-batch-size 2 --moe-grouped-gemm ;;
+    moe_train_megatron_sequential) python3 benchmarks/bench_train.py --backend megatron --model-shape qwen3-30b-a3b-8l --skip-baseline ;;
+    moe_megatron_gpu_tests) python3 -m pytest -q tests/test_megatron_grouped_experts_gpu.py ;;
     # Two GPUs (nvidia-h200-x2): the multi-GPU issue's runs.
     multi_gpu_tests) python3 -m pytest -q tests/test_fsdp_multi_gpu.py tests/test_fsdp_weight_push.py ;;
     weight_sync_gpu_tests) python3 -m pytest -q tests/test_weight_disk_sync.py tests/test_weight_delta.py ;;  # disk / delta sync from a CUDA trainer (needs a bundle with xxhash, zstandard)

@@ -20,8 +20,6 @@ def build_megatron(args, rank: int, world_size: int, port: int):
     from transformers import AutoConfig
 
     from slime.backends.megatron_utils.cpu_shim import apply_cpu_shim
-    from slime.backends.megatron_utils.hf_weights import load_hf_weights
-    from slime.backends.megatron_utils.model import build_gpt_model
     from slime.backends.fsdp_utils.backend import init_default_group
     from slime.backends.megatron_utils.parallel import init_model_parallel
 
@@ -30,24 +28,39 @@ def build_megatron(args, rank: int, world_size: int, port: int):
     init_default_group(cpu, rank, world_size, "127.0.0.1", port)
     init_model_parallel(args, cpu)
     hf_config = AutoConfig.from_pretrained(args.hf_checkpoint)
+    return build_chunks(args, hf_config), hf_config
+
+
+def build_chunks(args, hf_config, device: torch.device = torch.device("cpu")):
+    """Another model in a process whose groups build_megatron set up (the same parallel layout)."""
+    from slime.backends.megatron_utils.hf_weights import load_hf_weights
+    from slime.backends.megatron_utils.model import build_gpt_model
+
     torch.manual_seed(0)
-    chunks = [build_gpt_model(args, hf_config, cpu)]
+    chunks = [build_gpt_model(args, hf_config, device)]
     load_hf_weights(chunks, args.hf_checkpoint, hf_config)
-    return chunks, hf_config
+    return chunks
 
 
 def hf_named_grads(chunks, hf_config) -> dict[str, torch.Tensor]:
     """This rank's pipeline stage's full gradients under HF names (TP shards gathered), from the DDP grad buffers
     (at DP=1: with more data-parallel ranks each holds only its slice's sum)."""
+    from megatron.core import parallel_state
+
     from slime.backends.megatron_utils import tp_shards
     from slime.backends.megatron_utils.hf_mapping import mapping_for
-    from slime.backends.megatron_utils.names import named_global_parameters
+    from slime.backends.megatron_utils.names import is_stacked_experts, named_global_parameters, unstack_experts
 
     mapping = mapping_for(hf_config)
+    num_local_experts = (hf_config.num_experts // parallel_state.get_expert_model_parallel_world_size()
+                         if hasattr(hf_config, "num_experts") else 0)
+    first_expert = parallel_state.get_expert_model_parallel_rank() * num_local_experts
     grads = {}
     for name, param in named_global_parameters(chunks):
         full = tp_shards.full_tensor(name, param, param.main_grad)
-        grads.update((hf, t.clone()) for hf, t in mapping.to_hf(name, full, hf_config))
+        pairs = unstack_experts(name, full, first_expert) if is_stacked_experts(name) else [(name, full)]
+        for weight_name, grad in pairs:
+            grads.update((hf, t.clone()) for hf, t in mapping.to_hf(weight_name, grad, hf_config))
     return grads
 
 

@@ -1,5 +1,6 @@
 """GRPO through train.py on a tiny Qwen3-MoE (real Ray, the built-in engine behind sglang-router, two trainer
-processes: FSDP2, or Megatron with the experts split over them, --expert-model-parallel-size 2): with R3
+processes: FSDP2, or Megatron with the experts split over them, --expert-model-parallel-size 2, and grouped as
+slime's MoE presets ask, --moe-grouped-gemm): with R3
 (--use-rollout-routing-replay) the engines return their routing, the trainer replays it and reports the router
 agreement; without it the same run routes freely. All keep the trainer's and the engine's log-probs of the same
 tokens together (fp32 on both sides, the same weights after every sync)."""
@@ -63,7 +64,7 @@ def test_grpo_with_rollout_routing_replay(task, tmp_path):
     _check_agreement(rows)
 
 
-MEGATRON_EP2 = ("--train-backend", "megatron", "--expert-model-parallel-size", "2")
+MEGATRON_EP2 = ("--train-backend", "megatron", "--expert-model-parallel-size", "2", "--moe-grouped-gemm")
 
 
 def test_megatron_ep2_grpo_with_rollout_routing_replay(task, tmp_path):

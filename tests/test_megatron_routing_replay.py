@@ -1,7 +1,8 @@
 """Routing replay on the Megatron backend, on test_routing_replay.py's near-tie Qwen3-MoE (the engine serves the
 checkpoint whose experts 0 and 1 route by r + d / r - d, the trainer trains the one with -d): with R3
 (--use-rollout-routing-replay) megatron-core's routers hand the engine's experts to the token dispatcher exactly
-and the old log-probs match the rollout's; routing freely they do not. --use-routing-replay trains on the
+and the old log-probs match the rollout's, with SequentialMLP experts and with --moe-grouped-gemm's; routing freely
+they do not. --use-routing-replay trains on the
 old-policy pass's routing even after the router changed, also in the backward's recompute. Over two pipeline
 stages each stage replays its own layers and the router agreement counts every layer; under TP=2 with sequence
 parallelism and EP=2 each tensor-parallel rank replays its slice of the row."""
@@ -47,12 +48,14 @@ def _prepare(rank, world_size, port, checkpoint, data, parallel, *flags):
     return per_sample["old_log_probs"], per_sample["ref_log_probs"], metrics, received[len(received) // 2:], carried
 
 
-def _free_and_replayed(rank, world_size, port, checkpoint, data, parallel, with_record=False):
-    free = _prepare(rank, world_size, port, checkpoint, data, parallel)
-    replayed = _prepare(rank, world_size, port + 1, checkpoint, data, parallel, "--use-rollout-routing-replay")
+def _free_and_replayed(rank, world_size, port, checkpoint, data, parallel, with_record=False, flags=()):
+    free = _prepare(rank, world_size, port, checkpoint, data, parallel, *flags)
+    replayed = _prepare(rank, world_size, port + 1, checkpoint, data, parallel, "--use-rollout-routing-replay",
+                        *flags)
     if not with_record:
         return free, replayed
-    return free, replayed, _prepare(rank, world_size, port + 2, checkpoint, data, parallel, "--use-routing-replay")
+    return free, replayed, _prepare(rank, world_size, port + 2, checkpoint, data, parallel, "--use-routing-replay",
+                                    *flags)
 
 
 def _max_mismatch(old_log_probs, data) -> float:
@@ -82,10 +85,11 @@ def _assert_engine_routing(received: list[torch.Tensor], data, layers: list[int]
         np.testing.assert_array_equal(routing_map, maps[batch][layers[position]])
 
 
-def test_megatron_r3_reproduces_engine_routing_and_log_probs(checkpoints, rollout):  # noqa: F811
+@pytest.mark.parametrize("experts", [(), ("--moe-grouped-gemm",)], ids=["sequential", "grouped"])
+def test_megatron_r3_reproduces_engine_routing_and_log_probs(checkpoints, rollout, experts):  # noqa: F811
     _, trainer_checkpoint = checkpoints
     (free, _, free_metrics, _, _), (replayed, reference, metrics, received, _) = run_distributed(
-        _free_and_replayed, 1, trainer_checkpoint, rollout, {})[0]
+        _free_and_replayed, 1, trainer_checkpoint, rollout, {}, False, experts)[0]
     for ref, old in zip(reference, free):  # the reference routes freely even with R3
         torch.testing.assert_close(ref, old, rtol=0, atol=1e-6)
     _assert_engine_routing(received, rollout, [0, 1])

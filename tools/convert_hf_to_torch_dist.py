@@ -34,7 +34,10 @@ def parse_args(argv=None):
     args.virtual_pipeline_model_parallel_size = None
     args.custom_model_provider_path = None  # the converter builds the model of config.json
     args.bf16 = False  # the HF weights are copied as they are, in fp32 (lossless for bf16 checkpoints)
-    args.moe_router_dtype = None  # the trainer's flag (slime/utils/moe_arguments.py); conversion runs no router
+    # The trainer's MoE flags (slime/utils/moe_arguments.py): conversion runs no router and no experts, and both
+    # expert layouts write the same torch_dist entries.
+    args.moe_router_dtype = args.moe_token_dispatcher_type = None
+    args.moe_grouped_gemm = False
     world_size = int(os.environ.get("WORLD_SIZE", 1))
     layout = args.tensor_model_parallel_size * args.pipeline_model_parallel_size
     if world_size % layout:

@@ -48,7 +48,8 @@ def main(argv=None) -> None:
         hf_checkpoint=str(source), tensor_model_parallel_size=1, pipeline_model_parallel_size=1,
         virtual_pipeline_model_parallel_size=None, context_parallel_size=1, expert_model_parallel_size=1,
         expert_tensor_parallel_size=1, sequence_parallel=False, recompute_granularity=None, recompute_method=None,
-        recompute_num_layers=None, bf16=False, seed=0, custom_model_provider_path=None, moe_router_dtype=None)
+        recompute_num_layers=None, bf16=False, seed=0, custom_model_provider_path=None, moe_router_dtype=None,
+        moe_grouped_gemm=False, moe_token_dispatcher_type=None)  # either expert layout loads the same entries
     cpu = torch.device("cpu")  # conversion copies tensors: the host is enough and works everywhere
     apply_cpu_shim()
     init_default_group(cpu, 0, 1, "127.0.0.1", find_free_port())

@@ -13,7 +13,9 @@ Meaning on the FSDP backend (the HF model's own router and experts):
   Megatron kernels; the FSDP backend always runs grouped GEMM experts (transformers' grouped_mm) and never drops
   tokens, which is what they ask for.
 On the Megatron backend the replay flags and router losses mean the same (megatron_utils/moe_router.py and
-router_losses.py); its experts are megatron-core's behind the alltoall dispatcher, whatever the kernel flags say.
+router_losses.py); --moe-grouped-gemm picks grouped experts (megatron_utils/grouped_experts.py, or TE's) over
+megatron-core's SequentialMLP and --moe-token-dispatcher-type its token dispatcher (alltoall by default; the
+layouts a type cannot run in are validate_megatron_args.py's rules); --moe-permute-fusion changes nothing.
 """
 
 from __future__ import annotations
@@ -50,8 +52,12 @@ def add_moe_arguments(parser):
     g.add_argument("--moe-z-loss-coeff", type=float, default=None,
                    help="weight of the router z-loss mean(logsumexp(router logits)^2) (ST-MoE)")
     g.add_argument("--moe-router-dtype", choices=["fp32", "fp64"], default=None)
-    g.add_argument("--moe-grouped-gemm", action="store_true")
-    g.add_argument("--moe-token-dispatcher-type", choices=["allgather", "alltoall", "flex"], default=None)
+    g.add_argument("--moe-grouped-gemm", action="store_true",
+                   help="Megatron backend: all local experts of a layer in one grouped GEMM per projection "
+                        "(torch grouped_mm, or Transformer Engine's grouped experts) instead of one MLP per expert")
+    g.add_argument("--moe-token-dispatcher-type", choices=["allgather", "alltoall", "flex"], default=None,
+                   help="Megatron backend: megatron-core's token dispatcher (default alltoall; flex is refused, "
+                        "allgather only where the gathering ranks are tensor-parallel peers)")
     g.add_argument("--moe-permute-fusion", action="store_true")
 
 

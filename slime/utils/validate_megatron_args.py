@@ -4,7 +4,8 @@
 (`train_backend`), the parallel layout (`data_parallel_size`, `expert_tensor_parallel_size`,
 `virtual_pipeline_model_parallel_size`, `sequence_parallel`), recompute, precision (`bf16`, dropout), the chosen
 backend's optimizer defaults, and the model-shape flags against --hf-checkpoint's config.json (resolving
-`untie_embeddings_and_output_weights` from it). `validate_megatron_batches` runs once the batch sizes are known:
+`untie_embeddings_and_output_weights` from it), the token dispatcher types that can run in the layout.
+`validate_megatron_batches` runs once the batch sizes are known:
 Megatron's micro-batch rule and --lr-warmup-fraction. Each rule follows Megatron's own validation where it has one,
 raising `ArgumentError` naming the flag. The MoE flags' own rules are slime/utils/moe_arguments.py's.
 
@@ -172,6 +173,24 @@ def _resolve_layout(args, config: dict) -> None:
     _resolve_pipeline(args, args.num_layers or config.get("num_hidden_layers"))
 
 
+def _check_moe_kernels(args, config: dict) -> None:
+    """--moe-token-dispatcher-type on the Megatron backend: the types megatron-core can run on packed batches of
+    uneven lengths here."""
+    if args.train_backend != "megatron" or not _num_experts(config):
+        return
+    dispatcher = args.moe_token_dispatcher_type
+    _require(dispatcher != "flex", "--moe-token-dispatcher-type flex runs megatron-core's flex dispatcher on DeepEP "
+                                   "kernels, which the Megatron backend does not use; use alltoall")
+    tp, ep, etp = (args.tensor_model_parallel_size, args.expert_model_parallel_size,
+                   args.expert_tensor_parallel_size)
+    _require(dispatcher != "allgather" or tp % (ep * etp) == 0,
+             f"--moe-token-dispatcher-type allgather gathers an equal number of tokens from each of the "
+             f"{etp * ep} ranks of --expert-tensor-parallel-size x --expert-model-parallel-size ({etp} x {ep}), "
+             "but those ranks train different packed micro-batches (of different lengths) unless they are "
+             f"tensor-parallel peers (the product divides --tensor-model-parallel-size {tp}); use "
+             "--moe-token-dispatcher-type alltoall")
+
+
 def _resolve_pipeline(args, num_layers: int | None) -> None:
     pp = args.pipeline_model_parallel_size
     uneven = [_flag(d) for d in ("decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers")
@@ -248,6 +267,7 @@ def validate_megatron_args(args) -> None:
              "drop it, or train with --train-backend megatron (torch_dist checkpoints)")
     _check_model_shape(args, config)
     _resolve_layout(args, config)
+    _check_moe_kernels(args, config)
     _resolve_recompute(args, args.num_layers or config.get("num_hidden_layers"))
     _resolve_precision(args)
 
@@ -279,10 +299,20 @@ def unbuilt_megatron_features(args) -> list[str]:
     if args.context_parallel_size > 1:
         unbuilt.append(f"--context-parallel-size {args.context_parallel_size} needs Transformer Engine's attention "
                        "core, which --train-backend megatron does not use yet; use --context-parallel-size 1")
+    if args.moe_grouped_gemm and args.expert_tensor_parallel_size > 1 and not _transformer_engine_runs(args):
+        unbuilt.append(f"--moe-grouped-gemm with --expert-tensor-parallel-size {args.expert_tensor_parallel_size}: "
+                       "without Transformer Engine the grouped experts hold whole experts on each rank; pass "
+                       "--expert-tensor-parallel-size 1 (or drop --moe-grouped-gemm)")
     if args.sequence_parallel and args.device != "cuda":
         unbuilt.append("--sequence-parallel runs on GPUs only with --train-backend megatron (megatron-core's "
                        "sequence-parallel collectives allocate on CUDA); drop it for a CPU run")
     return unbuilt
+
+
+def _transformer_engine_runs(args) -> bool:
+    """The Megatron backend builds Transformer Engine's layer spec (megatron_utils/model.py's rule: on a GPU, with
+    TE installed; with --device auto the trainer's device decides, and TE installs only where there are GPUs)."""
+    return args.device != "cpu" and importlib.util.find_spec("transformer_engine") is not None
 
 
 def require_train_backend(args) -> None:

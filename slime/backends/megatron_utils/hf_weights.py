@@ -19,7 +19,12 @@ from slime.backends.fsdp_utils.checkpoint import HF_EXTRA_FILES
 from slime.backends.megatron_utils import tp_shards
 from slime.backends.megatron_utils.hf_mapping import mapping_for
 from slime.backends.megatron_utils.grads import is_expert
-from slime.backends.megatron_utils.names import named_global_parameters, renumber_expert
+from slime.backends.megatron_utils.names import (
+    is_stacked_experts,
+    named_global_parameters,
+    renumber_expert,
+    unstack_experts,
+)
 from slime.engine.models.weight_loader import checkpoint_files
 
 
@@ -55,17 +60,34 @@ def load_hf_weights(model_chunks, hf_checkpoint: str | Path, hf_config,
     checkpoint = LazyHFCheckpoint(hf_checkpoint)
     padded_vocab = model_chunks[0].vocab_size
     given = given or {}
-    for name, param in named_global_parameters(model_chunks):
-        if name in given:
-            full = given[name]
-        else:
-            full = mapping.to_megatron(name, checkpoint.read, hf_config, padded_vocab)
-        shard = tp_shards.shard_of(full, name, param)
-        if shard.shape != param.shape:
-            raise ValueError(f"HF checkpoint {str(hf_checkpoint)!r}: {name} has shape {tuple(shard.shape)} after "
-                             f"conversion, the model expects {tuple(param.shape)} (config.json does not match the "
-                             "weights?)")
-        param.copy_(shard)
+    for param_name, param in named_global_parameters(model_chunks):
+        # A stacked expert weight is filled expert by expert: each rank reads only its own experts.
+        targets = (unstack_experts(param_name, param, _first_local_expert(model_chunks))
+                   if is_stacked_experts(param_name) else [(param_name, param)])
+        for name, target in targets:
+            if name in given:
+                full = given[name]
+            else:
+                full = mapping.to_megatron(name, checkpoint.read, hf_config, padded_vocab)
+            shard = tp_shards.shard_of(full, name, param)
+            if shard.shape != target.shape:
+                raise ValueError(f"HF checkpoint {str(hf_checkpoint)!r}: {name} has shape {tuple(shard.shape)} "
+                                 f"after conversion, the model expects {tuple(target.shape)} (config.json does not "
+                                 "match the weights?)")
+            target.copy_(shard)
+
+
+def _num_local_experts(model_chunks) -> int:
+    from megatron.core import parallel_state
+
+    num_experts = model_chunks[0].config.num_moe_experts or 0
+    return num_experts // parallel_state.get_expert_model_parallel_world_size()
+
+
+def _first_local_expert(model_chunks) -> int:
+    from megatron.core import parallel_state
+
+    return parallel_state.get_expert_model_parallel_rank() * _num_local_experts(model_chunks)
 
 
 def _gather_over_expert_parallel(tensor: torch.Tensor) -> list[torch.Tensor]:
@@ -89,15 +111,22 @@ def iter_hf_weights(model_chunks, hf_config, *, dense: bool = True) -> Iterator[
 
     mapping = mapping_for(hf_config)
     ep_rank = parallel_state.get_expert_model_parallel_rank()
-    num_local_experts = model_chunks[0].config.num_moe_experts or 0
-    num_local_experts //= parallel_state.get_expert_model_parallel_world_size()
+    num_local_experts = _num_local_experts(model_chunks)
     for name, param in named_global_parameters(model_chunks):
-        if not is_expert(param):
+        if not is_expert(param):  # at EP=1 the experts too, all of them on every rank
             if dense:
-                yield from mapping.to_hf(name, tp_shards.full_tensor(name, param), hf_config)
+                full = tp_shards.full_tensor(name, param)
+                for dense_name, tensor in (unstack_experts(name, full, 0) if is_stacked_experts(name)
+                                           else [(name, full)]):
+                    yield from mapping.to_hf(dense_name, tensor, hf_config)
             continue
-        for rank, tensor in enumerate(_gather_over_expert_parallel(tp_shards.full_tensor(name, param))):
-            yield from mapping.to_hf(renumber_expert(name, (rank - ep_rank) * num_local_experts), tensor, hf_config)
+        for rank, full in enumerate(_gather_over_expert_parallel(tp_shards.full_tensor(name, param))):
+            if is_stacked_experts(name):
+                experts = unstack_experts(name, full, rank * num_local_experts)
+            else:
+                experts = [(renumber_expert(name, (rank - ep_rank) * num_local_experts), full)]
+            for expert_name, tensor in experts:
+                yield from mapping.to_hf(expert_name, tensor, hf_config)
 
 
 def model_hf_weights(model_chunks, hf_config, dtype: torch.dtype | None = None

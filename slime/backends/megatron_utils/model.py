@@ -4,8 +4,10 @@ Llama 3 (dense) and Qwen3-MoE (MoE layers).
 Layer spec: Transformer Engine's when TE is importable (its attention core takes packed THD batches), otherwise
 megatron-core's local spec with `PackedCoreAttention` in place of the local core (which refuses packed batches)
 and norm.py's RMSNorm (which, unlike the local one, allows sequence parallelism).
-MoE experts: TE's grouped experts with the TE spec; with the local spec `SequentialMLP` (one MLP per local expert:
-grouped GEMM needs the grouped_gemm CUDA package or TE, neither installable on the CPU machines).
+MoE experts with --moe-grouped-gemm: TE's grouped experts with the TE spec, grouped_experts.py's (torch's grouped_mm;
+megatron-core's own needs the grouped_gemm CUDA package) with the local spec; without it megatron-core's
+`SequentialMLP` (one MLP per local expert). Token dispatcher: --moe-token-dispatcher-type (alltoall by default;
+validate_megatron_args.py refuses the layouts where a type cannot work).
 dtype: fp32 on the CPU (bf16 there is ~13x slower); on the GPU bf16 parameters with `--bf16` (the optimizer keeps
 fp32 main params), else fp32.
 
@@ -51,6 +53,7 @@ def transformer_config(args, hf_config, device: torch.device):
     on_gpu = device.type == "cuda"
     use_bf16 = bool(args.bf16) and on_gpu
     head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
+    dispatcher = args.moe_token_dispatcher_type or "alltoall"  # dense models ignore it
     moe = {}
     if model_type == "qwen3_moe":
         moe = dict(
@@ -62,13 +65,13 @@ def transformer_config(args, hf_config, device: torch.device):
             moe_router_pre_softmax=not hf_config.norm_topk_prob,
             moe_router_load_balancing_type="none",  # the router losses are router_losses.py's
             moe_aux_loss_coeff=0.0,
-            moe_grouped_gemm=transformer_engine_available(device),
+            moe_grouped_gemm=args.moe_grouped_gemm,
             moe_router_dtype=args.moe_router_dtype or "fp32",
         )
         if hf_config.decoder_sparse_step != 1 or hf_config.mlp_only_layers:
             raise ValueError("Qwen3-MoE with dense layers (mlp_only_layers / decoder_sparse_step != 1) is not "
                              "supported by --train-backend megatron")
-    return TransformerConfig(
+    config = TransformerConfig(
         num_layers=hf_config.num_hidden_layers,
         hidden_size=hf_config.hidden_size,
         ffn_hidden_size=hf_config.intermediate_size,
@@ -89,7 +92,7 @@ def transformer_config(args, hf_config, device: torch.device):
         recompute_granularity=args.recompute_granularity,
         recompute_method=args.recompute_method,
         recompute_num_layers=args.recompute_num_layers,
-        variable_seq_lengths=True,
+        variable_seq_lengths=dispatcher != "allgather",
         # The loss function returns its share of the global loss: the schedules must not divide it again.
         calculate_per_token_loss=True,
         use_cpu_initialization=not on_gpu,
@@ -104,10 +107,14 @@ def transformer_config(args, hf_config, device: torch.device):
         persist_layer_norm=False,
         deallocate_pipeline_outputs=False,
         init_method_std=getattr(hf_config, "initializer_range", 0.02),
-        # allgather (the default) refuses variable sequence lengths; alltoall serves dense models as a no-op.
-        moe_token_dispatcher_type="alltoall",
+        moe_token_dispatcher_type=dispatcher,
         **moe,
     )
+    # megatron-core refuses allgather with variable lengths: the dispatcher gathers equal token counts from the
+    # expert tensor x expert parallel ranks. validate_megatron_args allows it only where those ranks are tensor-
+    # parallel peers of one micro-batch; the pipeline's messages still vary in length.
+    config.variable_seq_lengths = True
+    return config
 
 
 def block_spec(config, device: torch.device, vp_stage: int | None):
@@ -129,6 +136,9 @@ def _layer_spec(config, device: torch.device):
             qk_layernorm=config.qk_layernorm)
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.moe import moe_utils
+    from megatron.core.transformer.spec_utils import ModuleSpec
+
+    from slime.backends.megatron_utils.grouped_experts import GroupedExperts
 
     if config.num_moe_experts and not hasattr(moe_utils, "te_general_gemm"):
         # megatron-core 0.16.1 without Transformer Engine leaves this name undefined, and the router's gating
@@ -136,6 +146,8 @@ def _layer_spec(config, device: torch.device):
         moe_utils.te_general_gemm = None
     spec = get_gpt_layer_local_spec(num_experts=config.num_moe_experts, moe_grouped_gemm=False,
                                     qk_layernorm=config.qk_layernorm, normalization="RMSNorm")
+    if config.moe_grouped_gemm:
+        spec.submodules.mlp.submodules.experts = ModuleSpec(module=GroupedExperts)
     spec.submodules.self_attention.submodules.core_attention = PackedCoreAttention
     spec.submodules.input_layernorm = spec.submodules.pre_mlp_layernorm = RMSNorm  # sequence parallel allowed
     attention = spec.submodules.self_attention.submodules

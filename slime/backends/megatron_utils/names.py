@@ -1,5 +1,7 @@
 """A rank's Megatron parameter names <-> the whole model's: a pipeline stage numbers its layers from 0 and an
-expert-parallel rank its local experts from 0; the HF mappings and checkpoints use global numbers.
+expert-parallel rank its local experts from 0; the HF mappings and checkpoints use global numbers. The stacked
+expert weights of grouped_experts.py (`mlp.experts.linear_fc{1,2}.weight`, one row per local expert) carry no expert
+number: `unstack_experts` names their experts as TE's grouped experts name theirs (`linear_fc1.weight{e}`).
 
 Not the HF names (hf_mapping/ does those).
 """
@@ -11,6 +13,7 @@ import re
 _LAYER = re.compile(r"^(decoder\.layers\.)(\d+)(\..*)$")
 _LOCAL_EXPERT = re.compile(r"(\.local_experts\.)(\d+)(\.)")
 _GROUPED_EXPERT = re.compile(r"(\.experts\.linear_fc[12]\.weight)(\d+)$")
+_STACKED_EXPERTS = re.compile(r"\.experts\.linear_fc[12]\.weight$")
 
 
 def strip_wrappers(name: str) -> str:
@@ -31,6 +34,16 @@ def renumber_expert(name: str, shift: int) -> str:
     """A global expert weight name with its expert number moved by `shift` (another expert-parallel rank's)."""
     name = _LOCAL_EXPERT.sub(lambda m: f"{m[1]}{int(m[2]) + shift}{m[3]}", name)
     return _GROUPED_EXPERT.sub(lambda m: f"{m[1]}{int(m[2]) + shift}", name)
+
+
+def is_stacked_experts(name: str) -> bool:
+    return _STACKED_EXPERTS.search(name) is not None
+
+
+def unstack_experts(name: str, stacked, first_expert: int) -> list:
+    """(per-expert global name, weight) of each row of a stacked expert weight whose first row is expert
+    `first_expert`; the weights are views of `stacked`."""
+    return [(f"{name}{first_expert + index}", weight) for index, weight in enumerate(stacked)]
 
 
 def chunk_offsets(model_chunk, vp_stage: int | None) -> tuple[int, int]:

@@ -3,7 +3,8 @@ llama_family.py, and a sparse MLP in every layer: the router (`mlp.gate`) and pe
 
 Expert names carry global expert numbers (names.py turns a rank's local experts into them), in either Megatron
 layout: `mlp.experts.local_experts.{e}.linear_fc{1,2}.weight` (SequentialMLP, the local spec) or
-`mlp.experts.linear_fc{1,2}.weight{e}` (TE's grouped experts). fc1 is [gate; up] as in the dense MLP.
+`mlp.experts.linear_fc{1,2}.weight{e}` (TE's grouped experts, and each row of grouped_experts.py's stacked weights,
+names.unstack_experts). fc1 is [gate; up] as in the dense MLP.
 """
 
 from __future__ import annotations
