@@ -39,6 +39,8 @@ def create_training_models(args, placements, rollout_manager):
     ray.get(rollout_manager.set_trainer.remote(actor))  # gives an engine restarted mid-rollout its weights
     if critic is not None:
         critic.init(with_ref=False)
+        if args.offload_train:  # back on the device for its values and update only (train_with_critic)
+            critic.offload()
     run_state = load_run_state(args)
     if run_state is not None:
         ray.get(rollout_manager.load_data_source_state.remote(run_state["data_source"]))

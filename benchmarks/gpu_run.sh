@@ -78,6 +78,9 @@ run_step() {
     train_4b_megatron) PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True python3 benchmarks/bench_train.py --backend megatron --model-shape qwen3-4b --micro-batch-size 2 --max-tokens-per-gpu 8192 ;;
     megatron_offload_gpu_tests) python3 -m pytest -q -m gpu tests/test_megatron_offload.py ;;  # colocated offload, fp32 and bf16
     grpo_megatron) grpo colocated --train-args=--train-backend=megatron ;;
+    # PPO with the Megatron critic, colocated (the critic's device memory offloaded outside its values and update).
+    megatron_critic_gpu_tests) python3 -m pytest -q -m gpu tests/test_megatron_critic.py ;;  # the critic's offload, bf16
+    ppo_megatron) grpo colocated --num-rollout 3 "--train-args=--train-backend=megatron --advantage-estimator=ppo --num-critic-only-steps=1" ;;
     # MoE on --train-backend megatron (issues 15/16): the 8-layer Qwen3-30B-A3B shape with R3, then routing freely.
     moe_grpo_megatron_r3) grpo colocated --shape qwen3-30b-a3b-8l --num-rollout 3 --task-dir /tmp/moe_task "--train-args=--train-backend=megatron --use-rollout-routing-replay --get-mismatch-metrics" ;;
     moe_grpo_megatron_free) grpo colocated --shape qwen3-30b-a3b-8l --num-rollout 3 --task-dir /tmp/moe_task "--train-args=--train-backend=megatron --get-mismatch-metrics" ;;

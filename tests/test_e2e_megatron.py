@@ -1,8 +1,9 @@
 """train.py end to end with --train-backend megatron --tensor-model-parallel-size 2 on the CPU (two gloo trainer
 processes forming one tensor-parallel replica, real Ray, the built-in engine behind the real router): GRPO with
 weight sync (the engine's log-probs equal the trainer's after every push), eval, a torch_dist checkpoint (also at
-PP=2 x VPP=2, slow); a resumed
-SFT run continues exactly where the first one stopped (slow); the quickstart's held-out accuracy rises (slow)."""
+PP=2 x VPP=2, slow); a resumed SFT run continues exactly where the first one stopped (slow); the quickstart's
+held-out accuracy rises (slow); PPO with a Megatron critic (its learning rate from slime's critic entry of
+--megatron-config-path) saves it under {save}/critic and resumes it from --load."""
 
 import json
 
@@ -87,3 +88,37 @@ def test_quickstart_with_megatron_tp2_raises_held_out_accuracy(tmp_path):
     assert result.returncode == 0, result.stderr[-6000:]
     summary = json.loads(result.stdout.strip().splitlines()[-1])
     assert summary["eval_accuracy_after_rl"] > summary["eval_accuracy_before_rl"]
+
+
+CRITIC_CONFIG = """megatron:
+  - name: default
+    role: critic
+    overrides: {lr: 1e-3}
+"""
+
+
+def _ppo_argv(task, out, save, num_rollout: int, *extra):
+    return [*MEGATRON, "--hf-checkpoint", str(task["model"]), "--prompt-data", str(task["train"]),
+            "--input-key", "prompt", "--label-key", "label", "--apply-chat-template",
+            "--custom-rm-path", "tests.e2e_rewards.sample_index_parity", "--advantage-estimator", "ppo",
+            "--num-critic-only-steps", "1", "--rollout-batch-size", "2", "--n-samples-per-prompt", "2",
+            "--num-rollout", str(num_rollout), "--rollout-max-response-len", "6",
+            "--lr", "1e-4", "--megatron-config-path", str(save.parent / "megatron.yaml"), "--save", str(save),
+            "--output-dir", str(out), "--no-progress", *extra]
+
+
+def test_tp2_ppo_trains_a_megatron_critic_and_resumes_it_from_load(task, tmp_path):
+    save = tmp_path / "ckpt"
+    (tmp_path / "megatron.yaml").write_text(CRITIC_CONFIG)  # slime's critic entry: the critic's learning rate
+    run_train(_ppo_argv(task, tmp_path / "first", save, 1))
+    (critic_only,) = read_metrics(tmp_path / "first")
+    assert "train/pg_loss" not in critic_only  # --num-critic-only-steps 1
+    assert critic_only["critic/values"] == 0.0  # the value head starts at zero
+    assert critic_only["critic/value_loss"] > 0 and critic_only["critic/lr"] == pytest.approx(1e-3)
+    meta = json.loads((save / "critic" / "rollout_0" / "meta.json").read_text())
+    assert meta["format"] == "torch_dist" and meta["rollout_id"] == 0
+    run_train(_ppo_argv(task, tmp_path / "resumed", save, 2, "--load", str(save)))
+    (both,) = read_metrics(tmp_path / "resumed")
+    assert both["rollout_id"] == 1 and "train/pg_loss" in both and both["train/lr"] == pytest.approx(1e-4)
+    assert both["critic/values"] != 0.0  # the critic came back from {save}/critic, not from the zero head
+    assert (save / "critic" / "latest").read_text().strip() == "rollout_1"

@@ -164,7 +164,7 @@ def test_opd_teacher_checkpoint(tiny_checkpoint, tmp_path):
 
 
 def test_critic_resumes_from_the_actors_rollout(tmp_path):
-    from slime.backends.fsdp_utils.critic import critic_resume_dir
+    from slime.backends.critic_flow import critic_resume_dir
 
     def write_checkpoint(folder, rollout_id):  # a complete checkpoint of no files: only the folder choice matters
         (tmp_path / folder).mkdir(parents=True)

@@ -281,7 +281,6 @@ def test_project_recipes_are_slimes_and_parse(tmp_path, recipe, tp, ep):
       "--recompute-num-layers", "29"], "more than the 28 layers"),
     (["--train-backend", "megatron", "--recompute-activations", "--recompute-granularity", "full"], "contradicts"),
     (["--fp16"], "--fp16 is not supported"),
-    (["--train-backend", "megatron", "--advantage-estimator", "ppo"], "--train-backend fsdp for ppo"),
     (["--attention-dropout", "0.1"], "--attention-dropout 0.1"),
     (["--lr-warmup-fraction", "0.1", "--lr-warmup-iters", "3"], "--lr-warmup-fraction and --lr-warmup-iters"),
     (["--lr-warmup-fraction", "1.5"], "--lr-warmup-fraction"),

@@ -95,12 +95,26 @@ def test_megatron_config_path_gives_the_actor_its_overrides(model, tmp_path):
     assert (args.lr, args.recompute_granularity) == (1e-6, None)  # the driver keeps the command line's
 
 
+def test_megatron_config_critic_entry_sets_the_critics_learning_rate(model, tmp_path):
+    from slime.utils.megatron_role_config import role_args
+
+    config = tmp_path / "megatron.yaml"
+    config.write_text("megatron:\n  - {name: default, role: critic, overrides: {lr: 1e-5}}\n")
+    argv = ("--train-backend", "megatron", "--advantage-estimator", "ppo", "--megatron-config-path", config)
+    args = parse(model, *argv)
+    assert (args.lr, args.critic_lr) == (1e-6, 1e-6)  # --critic-lr defaults to --lr
+    assert (role_args(args, "critic").critic_lr, role_args(args, "actor").critic_lr) == (1e-5, 1e-6)
+    config.write_text("megatron:\n  - {name: default, role: critic, overrides: {tensor_model_parallel_size: 2}}\n")
+    with pytest.raises(ArgumentError, match="give it on the command line"):  # checked at parse time under ppo
+        parse(model, *argv)
+
+
 @pytest.mark.parametrize("yaml_text, message", [
     ("actor: {lr: 1}\n", "needs a top-level 'megatron' list"),
     ("megatron:\n  - {role: actor, overrides: {no_such_flag: 1}}\n", "'no_such_flag' is not a flag"),
     ("megatron:\n  - {role: actor, overrides: {tensor_model_parallel_size: 2}}\n", "give it on the command line"),
     ("megatron:\n  - {role: actor}\n  - {role: actor}\n", "2 entries with role: actor"),
-    ("megatron:\n  - {name: c, role: critic, overrides: {lr: 1}}\n", "configures slime's Megatron critic"),
+    ("megatron:\n  - {name: c, role: reward, overrides: {lr: 1}}\n", "use role: actor or role: critic"),
     ("megatron:\n  - {role: actor, overrides: {lr: fast}}\n", "lr: 'fast' is not a float"),
 ])
 def test_bad_megatron_config_is_an_error(model, tmp_path, yaml_text, message):

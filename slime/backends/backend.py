@@ -10,6 +10,9 @@ HF-named full weights for the engines, checkpoints, and offload.
 Data parallelism: the flow reduces sums and counts over the data-parallel group only (`all_reduce`), since ranks
 that split one model (tensor or pipeline parallel peers) hold the same samples.
 
+A backend builds either a policy (`build_policy`, trained by train_flow.py) or a PPO critic (`build_critic`, trained
+by critic_flow.py).
+
 Not here: the Ray actor (slime/ray/actor_group.py), the loss math (loss.py, ppo_utils), packing (packing.py).
 """
 
@@ -81,6 +84,14 @@ class TrainBackend(ABC):
         """Policy model, optimizer and schedule from `weights_path` (an HF folder or this backend's checkpoint)."""
 
     @abstractmethod
+    def build_critic(self, weights_path: str) -> None:
+        """The PPO critic's value model (the policy's body under a hidden -> 1 value head instead of the output
+        layer), optimizer at --critic-lr and schedule, from `weights_path`: an HF folder (its `value_head.weight`
+        fills the head when present, else the head starts at zero) or this backend's critic checkpoint. Its
+        `forward_only` then gives one fp32 value per response token of each micro-batch, and `forward_backward`
+        hands those to `loss_of`."""
+
+    @abstractmethod
     def load_hf_weights(self, path: str) -> None:
         """Overwrite the model's weights with those of an HF folder of the same architecture (ref, teacher)."""
 
@@ -93,8 +104,9 @@ class TrainBackend(ABC):
         """Optimizer, schedule and RNG state of a checkpoint; returns its rollout id."""
 
     @abstractmethod
-    def save_checkpoint(self, rollout_id: int, run_state: dict | None) -> str:
-        """Collective: an atomic checkpoint of this rollout under --save (with the driver's `run_state`)."""
+    def save_checkpoint(self, rollout_id: int, run_state: dict | None, save_root: str | None = None) -> str:
+        """Collective: an atomic checkpoint of this rollout under `save_root` (default --save; the critic's:
+        `{save}/critic`), with the driver's `run_state`."""
 
     # ---------------------------------------------------------------------------------------- compute
     @abstractmethod

@@ -4,7 +4,7 @@ copies (reference "ref", OPD teacher "teacher", and with --keep-old-actor the la
 into the backend's model for forward-only passes; old / ref / teacher log-probs; advantages and returns; the loss
 and its global denominators; `num_steps_per_rollout` optimizer steps; the reference update interval; metrics; the
 weight push. The backend (backend.py: FSDP2 in fsdp_utils, Megatron in megatron_utils) owns the model. With ppo,
-the advantages come from GAE over the critic's values (`train(..., values)`; the critic: fsdp_utils/critic.py).
+the advantages come from GAE over the critic's values (`train(..., values)`; the critic: critic_flow.py).
 
 User hooks (dotted paths): --custom-init-path fn(args) at init; --custom-before-log-prob-hook-path
 fn(args, model, store_prefix) before each forward-only pass ("ref_" for the reference, "teacher_" for the OPD

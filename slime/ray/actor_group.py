@@ -167,15 +167,21 @@ class RayTrainGroup:
 
 
 def train_with_critic(args, actor: RayTrainGroup, critic: RayTrainGroup, rollout_id: int, data_refs: list) -> dict:
-    """One PPO rollout: the critic's values go to the actor (object refs, rank to rank), which computes GAE
-    advantages and returns and trains once rollout_id >= --num-critic-only-steps; the critic then fits the returns.
-    Returns rank 0's actor and critic metrics."""
-    value_refs = [a.call.remote("compute_values", rollout_id, ref) for a, ref in zip(critic.actors, data_refs)]
+    """One PPO rollout: the critic's values go to the actor (object refs, process rank to process rank: both groups
+    have one layout), which computes GAE advantages and returns and trains once rollout_id >= --num-critic-only-steps;
+    the critic then fits the returns. With --offload-train the critic holds its device memory only from its values
+    to its update (its calls run in order). Returns rank 0's actor and critic metrics."""
+    rank_data = critic.rank_data(data_refs)  # tensor / pipeline peers share their data-parallel rank's data
+    if args.offload_train:
+        critic.get([c.call.remote("onload") for c in critic.actors])
+    value_refs = [c.call.remote("compute_values", rollout_id, ref) for c, ref in zip(critic.actors, rank_data)]
     train_policy = rollout_id >= args.num_critic_only_steps
     pairs = [a.train_for_critic.remote(rollout_id, ref, values, train_policy)
-             for a, ref, values in zip(actor.actors, data_refs, value_refs)]
+             for a, ref, values in zip(actor.actors, rank_data, value_refs)]
     critic_refs = [c.call.remote("train", rollout_id, ref, values, returns)
-                   for c, ref, values, (_, returns) in zip(critic.actors, data_refs, value_refs, pairs)]
+                   for c, ref, values, (_, returns) in zip(critic.actors, rank_data, value_refs, pairs)]
     metrics = actor.get([metric_ref for metric_ref, _ in pairs])[0]
     metrics.update(critic.get(critic_refs)[0])
+    if args.offload_train:
+        critic.offload()
     return metrics

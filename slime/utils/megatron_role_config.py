@@ -4,13 +4,16 @@
       - name: default
         role: actor
         overrides: {lr: 1e-6, recompute_granularity: full}
+      - name: default
+        role: critic
+        overrides: {lr: 1e-5}
 
 (`args:` is accepted for `overrides:`, as slime). The actor's train processes run with the command line's args
-plus the `role: actor` entry's overrides (a string given for a numeric flag is converted, as slime does for YAML's
-`1e-6`); the driver and the rollout keep the command line's. `num_nodes` / `num_gpus_per_node` are ignored (the
-command line places the processes), and so are the parallel layout flags refused: the rollout data is split for
-the command line's layout. slime's `role: critic` entries configure its Megatron critic, which this project does
-not have (the critic is FSDP): they are an error.
+plus the `role: actor` entry's overrides, the PPO critic's with the `role: critic` entry's (a string given for a
+numeric flag is converted, as slime does for YAML's `1e-6`); the driver and the rollout keep the command line's.
+The critic entry's `lr` is the critic's learning rate (this project's --critic-lr, which it overrides).
+`num_nodes` / `num_gpus_per_node` are ignored (the command line places the processes), and the parallel layout
+flags refused: the rollout data is split for the command line's layout.
 
 Not --custom-config-path (custom_config.py: extra attributes for plugins, set everywhere).
 """
@@ -45,10 +48,7 @@ def role_overrides(args, path: str, role: str) -> dict:
     for entry in entries:
         if entry.get("role") not in ("actor", "critic"):
             raise ValueError(f"{where}: entry {entry.get('name')!r} has role {entry.get('role')!r}; "
-                             "use role: actor")
-        if entry["role"] == "critic":
-            raise ValueError(f"{where}: entry {entry.get('name')!r} configures slime's Megatron critic; the critic "
-                             "here is trained by the FSDP backend (drop the entry)")
+                             "use role: actor or role: critic")
     matching = [entry for entry in entries if entry["role"] == role]
     if len(matching) > 1:
         raise ValueError(f"{where}: {len(matching)} entries with role: {role}; give at most one")
@@ -86,5 +86,7 @@ def role_args(args, role: str):
     result = copy.deepcopy(args)
     for key, value in overrides.items():
         setattr(result, key, value)
+    if role == "critic" and "lr" in overrides:
+        result.critic_lr = overrides["lr"]
     logger.info("--megatron-config-path: %s overrides %s", role, sorted(overrides))
     return result

@@ -90,9 +90,6 @@ def _resolve_backend(args) -> None:
     _require(args.train_backend == "megatron" or not megatron_only,
              f"{megatron_only[0] if megatron_only else ''} needs --train-backend megatron (FSDP2 is data parallel "
              "only); drop the flag or pass --train-backend megatron")
-    _require(args.train_backend != "megatron" or args.advantage_estimator != "ppo",
-             "--advantage-estimator ppo trains a critic, which --train-backend megatron does not do yet; use "
-             "--train-backend fsdp for ppo")
     for dest, value in OPTIMIZER_DEFAULTS[args.train_backend].items():
         if getattr(args, dest) is None:
             setattr(args, dest, value)

@@ -72,6 +72,7 @@ def check_trainer_flags(args) -> None:
         from slime.utils.megatron_role_config import role_overrides
 
         try:
-            role_overrides(args, args.megatron_config_path, "actor")
+            for role in ("actor", "critic") if args.use_critic else ("actor",):
+                role_overrides(args, args.megatron_config_path, role)
         except ValueError as exc:
             raise ArgumentError(str(exc)) from None

@@ -6,7 +6,9 @@ routers consult the routing replay object (moe_router.py) and the router losses 
 --moe-z-loss-coeff) join each micro-batch's loss as its share of the step's mean. Checkpoints are HF
 folders (checkpoint.py); the weights pushed to the engines are the gathered full parameters under their HF names.
 
-Not here: the RL flow (slime/backends/train_flow.py), the critic's value model (value_model.py, critic.py).
+The PPO critic (`build_critic`) is value_model.py's model trained at --critic-lr.
+
+Not here: the RL flows (slime/backends/train_flow.py, critic_flow.py).
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from slime.backends.fsdp_utils.model import (
 )
 from slime.backends.fsdp_utils.moe_router import install_routers
 from slime.backends.fsdp_utils.optimizer import build_optimizer, clip_grad_norm, move_training_state
+from slime.backends.fsdp_utils.value_model import VALUE_HEAD_KEY, build_value_model
 from slime.backends.moe_aux_loss import router_losses
 from slime.backends.packing import PackedMicroBatch
 from slime.backends.param_freeze import freeze_parameters
@@ -83,10 +86,12 @@ class FSDPBackend(TrainBackend):
                                         temperature=args.rollout_temperature, chunk_size=args.log_probs_chunk_size)
         self._finish_build(args.lr)
 
-    def build_with(self, model: torch.nn.Module, hf_config, lr: float) -> None:
-        """Train an already sharded `model` (the critic's value model) with its own learning rate."""
-        self.model, self.hf_config = model, hf_config
-        self._finish_build(lr)
+    def build_critic(self, weights_path: str) -> None:
+        hf_model = load_hf_model(weights_path, attention_implementation(self.device))
+        self.hf_config = hf_model.config
+        self.model = build_value_model(hf_model, self.mesh, ShardOptions.from_args(self.args, self.device),
+                                       value_head_weight=read_hf_weights(weights_path).get(VALUE_HEAD_KEY))
+        self._finish_build(self.args.critic_lr)
 
     def _finish_build(self, lr: float) -> None:
         self.model.train()  # from_pretrained returns eval mode; HF activation checkpointing only runs in train mode
@@ -101,15 +106,12 @@ class FSDPBackend(TrainBackend):
     def load_training_state(self, resume_dir: Path) -> int:
         return checkpoint.load_training_state(resume_dir, self.model, self.optimizer, self.scheduler, self.rank)
 
-    def save_checkpoint(self, rollout_id: int, run_state: dict | None, save_root: str | None = None,
-                        tie_word_embeddings: bool | None = None) -> str:
+    def save_checkpoint(self, rollout_id: int, run_state: dict | None, save_root: str | None = None) -> str:
         args = self.args
-        if tie_word_embeddings is None:
-            tie_word_embeddings = bool(getattr(self.hf_config, "tie_word_embeddings", False))
         path = checkpoint.save_checkpoint(
             save_root or args.save, rollout_id, self.model, self.optimizer, self.scheduler,
             hf_checkpoint=args.hf_checkpoint, rank=self.rank, save_optim=not args.no_save_optim,
-            tie_word_embeddings=tie_word_embeddings, run_state=run_state,
+            tie_word_embeddings=bool(getattr(self.hf_config, "tie_word_embeddings", False)), run_state=run_state,
         )
         return str(path)
 

@@ -23,7 +23,10 @@ add the router losses (router_losses.py).
 Checkpoints: torch_dist (checkpoint.py), and with --save-hf also an HF folder; weights for the engines: HF-named full tensors gathered to rank 0
 (hf_weights.py), sent by the shared WeightSender.
 
-Not here: the RL flow (slime/backends/train_flow.py).
+The PPO critic (`build_critic`): the same GPTModel, untied, with the value head of value_head.py as its output
+layer, trained at --critic-lr by the same optimizer; its checkpoints are torch_dist under `{save}/critic/`.
+
+Not here: the RL flows (slime/backends/train_flow.py, critic_flow.py).
 """
 
 from __future__ import annotations
@@ -48,6 +51,7 @@ from slime.backends.megatron_utils.offload import StorageOffload
 from slime.backends.megatron_utils.optimizer import build_distributed_optimizer, clip_grad_norm, wrap_data_parallel
 from slime.backends.megatron_utils.parallel import init_model_parallel
 from slime.backends.megatron_utils.router_losses import install_router_losses
+from slime.backends.megatron_utils.value_head import OUTPUT_LAYER_KEY, has_value_head, hf_value_head, micro_batch_values
 from slime.backends.packing import PackedMicroBatch
 from slime.backends.param_freeze import freeze_parameters
 
@@ -69,6 +73,7 @@ class MegatronBackend(TrainBackend):
             self.num_micro_batches_multiple = args.pipeline_model_parallel_size
         self.model_chunks, self.ddp_chunks = [], []
         self.model = self.optimizer = self.scheduler = self.hf_config = self.router_losses = None
+        self.critic = False  # build_critic: the model ends in a value head
         self._offload = StorageOffload()
 
     # ----------------------------------------------------------------------------------------- building
@@ -86,6 +91,30 @@ class MegatronBackend(TrainBackend):
         self.ddp_chunks = wrap_data_parallel(self.model_chunks)
         self.optimizer, self.scheduler = build_distributed_optimizer(args, self.ddp_chunks,
                                                                      self.model.config.params_dtype)
+
+    def build_critic(self, weights_path: str) -> None:
+        """The critic's GPTModel (value_head.py) from an HF folder, a critic checkpoint, or a policy checkpoint of
+        this backend (its body; the head starts at zero), at --critic-lr; no routing replay (slime has none for
+        the critic either)."""
+        from transformers import AutoConfig
+
+        args = self.args
+        self.critic = True
+        self.hf_config = AutoConfig.from_pretrained(args.hf_checkpoint)
+        self.model_chunks = build_model_chunks(args, self.hf_config, self.device, critic=True)
+        self.model = self.model_chunks[0]
+        self.router_losses = install_router_losses(args, self.model_chunks)
+        if not checkpoint.is_torch_dist_checkpoint(weights_path):
+            head = hf_value_head(weights_path, self.hf_config.hidden_size)
+            load_hf_weights(self.model_chunks, weights_path, self.hf_config, given={OUTPUT_LAYER_KEY: head})
+        elif has_value_head(Path(weights_path) / checkpoint.TORCH_DIST_DIR):
+            checkpoint.load_model_weights(weights_path, self.model_chunks)
+        else:
+            checkpoint.load_model_weights(weights_path, self.model_chunks, skip=(OUTPUT_LAYER_KEY,))
+        self.ddp_chunks = wrap_data_parallel(self.model_chunks)
+        self.optimizer, self.scheduler = build_distributed_optimizer(args, self.ddp_chunks,
+                                                                     self.model.config.params_dtype,
+                                                                     lr=args.critic_lr)
 
     def _sum_over_ranks(self, counts: list[int]) -> list[int]:
         total = torch.tensor(counts, dtype=torch.int64, device=self.device)
@@ -113,12 +142,12 @@ class MegatronBackend(TrainBackend):
     def load_training_state(self, resume_dir: Path) -> int:
         return checkpoint.load_training_state(resume_dir, self.model_chunks, self.optimizer, self.scheduler)
 
-    def save_checkpoint(self, rollout_id: int, run_state: dict | None) -> str:
+    def save_checkpoint(self, rollout_id: int, run_state: dict | None, save_root: str | None = None) -> str:
         args = self.args
-        path = checkpoint.save_checkpoint(args.save, rollout_id, self.model_chunks, self.optimizer, self.scheduler,
-                                          save_optim=not args.no_save_optim, run_state=run_state,
+        path = checkpoint.save_checkpoint(save_root or args.save, rollout_id, self.model_chunks, self.optimizer,
+                                          self.scheduler, save_optim=not args.no_save_optim, run_state=run_state,
                                           hf_checkpoint=args.hf_checkpoint)
-        if args.save_hf:  # slime's template: the rollout id fills {rollout_id}
+        if args.save_hf and not self.critic:  # slime's template: the rollout id fills {rollout_id}
             save_hf_checkpoint(self.model_chunks, self.hf_config, args.save_hf.format(rollout_id=rollout_id),
                                args.hf_checkpoint)
         return str(path)
@@ -128,7 +157,8 @@ class MegatronBackend(TrainBackend):
         return run_micro_batches(self.model_chunks, micro_batches, temperature=self.args.rollout_temperature,
                                  vocab_size=self.hf_config.vocab_size, device=self.device,
                                  chunk_size=self.args.log_probs_chunk_size, loss_of=loss_of,
-                                 routing_replay=self.routing_replay, router_losses=self.router_losses)
+                                 routing_replay=self.routing_replay, router_losses=self.router_losses,
+                                 head=micro_batch_values if self.critic else None)
 
     @torch.no_grad()
     def forward_only(self, micro_batches: list[PackedMicroBatch]) -> list:

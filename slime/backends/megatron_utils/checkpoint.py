@@ -104,10 +104,21 @@ def _write_meta(folder: Path, rollout_id: int, files: list[str], *, optimizer: b
                                                 "optimizer": optimizer, "hf_checkpoint": str(hf_checkpoint)}))
 
 
+def _has_stepped(optimizer, device) -> bool:
+    """Whether any rank's slice of the distributed optimizer holds Adam state (a rank's slice may be empty)."""
+    stepped = torch.tensor([float(any(inner.optimizer.state for inner in optimizer.chained_optimizers))],
+                           device=device)
+    dist.all_reduce(stepped, op=dist.ReduceOp.MAX)
+    return bool(stepped.item())
+
+
 def save_checkpoint(save_root: str, rollout_id: int, model_chunks, optimizer, scheduler, *, save_optim: bool,
                     run_state: dict | None, hf_checkpoint: str) -> Path:
-    """Collective: every rank calls it. Returns the final folder."""
+    """Collective: every rank calls it. Returns the final folder. An optimizer that has not stepped yet (the actor
+    during --num-critic-only-steps) has no state to save: the checkpoint then holds none, and a resume starts the
+    optimizer fresh, as it is."""
     rank = dist.get_rank()
+    save_optim = save_optim and _has_stepped(optimizer, next(model_chunks[0].parameters()).device)
     final = checkpoint_dir(save_root, rollout_id)
     tmp = final.with_name(final.name + ".tmp")
     _write_torch_dist(tmp, model_chunks, optimizer if save_optim else None, hf_checkpoint)
@@ -138,15 +149,18 @@ def save_weights(folder: str | Path, model_chunks, hf_checkpoint: str) -> Path:
     return folder
 
 
-def load_model_weights(ckpt: str | Path, model_chunks) -> None:
-    """Collective: the model weights of a torch_dist checkpoint, resharded to this run's layout."""
+def load_model_weights(ckpt: str | Path, model_chunks, skip: tuple[str, ...] = ()) -> None:
+    """Collective: the model weights of a torch_dist checkpoint, resharded to this run's layout (but those named in
+    `skip`, which keep their values: a policy checkpoint's output layer under a critic's value head)."""
     from megatron.core import dist_checkpointing
 
     ckpt = Path(ckpt)
     if not is_torch_dist_checkpoint(ckpt):
         raise CheckpointError(f"{ckpt} is not a Megatron torch_dist checkpoint (its {META_FILE} does not say "
                               f"format {FORMAT!r}); pass an HF folder or a --save folder of --train-backend megatron")
-    loaded = dist_checkpointing.load(_model_sharded_state_dict(model_chunks), str(ckpt / TORCH_DIST_DIR))
+    sharded = {key: {name: tensor for name, tensor in state.items() if name not in skip}
+               for key, state in _model_sharded_state_dict(model_chunks).items()}
+    loaded = dist_checkpointing.load(sharded, str(ckpt / TORCH_DIST_DIR))
     _load_into_chunks(model_chunks, loaded)
 
 

@@ -42,6 +42,9 @@ class LazyHFCheckpoint:
             self._handles[file] = handle
             self._file_of.update((name, file) for name in handle.keys())
 
+    def __contains__(self, hf_name: str) -> bool:
+        return hf_name in self._file_of
+
     def read(self, hf_name: str) -> torch.Tensor:
         if hf_name not in self._file_of:
             raise ValueError(f"HF checkpoint {self.path!r} lacks weight {hf_name!r}")
@@ -49,17 +52,23 @@ class LazyHFCheckpoint:
 
 
 @torch.no_grad()
-def load_hf_weights(model_chunks, hf_checkpoint: str | Path, hf_config) -> None:
-    """Copy an HF checkpoint into this rank's (possibly TP / PP / EP sharded) model chunks."""
+def load_hf_weights(model_chunks, hf_checkpoint: str | Path, hf_config,
+                    given: dict[str, torch.Tensor] | None = None) -> None:
+    """Copy an HF checkpoint into this rank's (possibly TP / PP / EP sharded) model chunks; `given` holds full
+    tensors of Megatron names that are not the model family's (the critic's value head)."""
     mapping = mapping_for(hf_config)
     checkpoint = LazyHFCheckpoint(hf_checkpoint)
     padded_vocab = model_chunks[0].vocab_size
+    given = given or {}
     for param_name, param in named_global_parameters(model_chunks):
         # A stacked expert weight is filled expert by expert: each rank reads only its own experts.
         targets = (unstack_experts(param_name, param, _first_local_expert(model_chunks))
                    if is_stacked_experts(param_name) else [(param_name, param)])
         for name, target in targets:
-            full = mapping.to_megatron(name, checkpoint.read, hf_config, padded_vocab)
+            if name in given:
+                full = given[name]
+            else:
+                full = mapping.to_megatron(name, checkpoint.read, hf_config, padded_vocab)
             shard = tp_shards.shard_of(full, name, param)
             if shard.shape != target.shape:
                 raise ValueError(f"HF checkpoint {str(hf_checkpoint)!r}: {name} has shape {tuple(shard.shape)} "

@@ -1,5 +1,5 @@
 """Packed micro-batches through megatron-core's pipeline schedules (`get_forward_backward_func`): forward-only
-passes for log-probs / entropy, and forward + backward of a loss.
+passes for log-probs / entropy (a critic's: values), and forward + backward of a loss.
 
 A micro-batch is the project's `PackedMicroBatch` (slime/backends/packing.py: samples concatenated into
 one row, positions restarting per sample, `logit_index` / `target_ids` of the response tokens); here it becomes
@@ -17,6 +17,7 @@ the loss math (the flow's `loss_of`).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass
 from functools import partial
@@ -80,7 +81,15 @@ def _broadcast_from_last_stage(outputs: list) -> list:
 def _to_host(output):
     if isinstance(output, dict):
         return {key: float(value) for key, value in output.items()}
+    if isinstance(output, torch.Tensor):
+        return output.cpu()
     return tuple(tensor.cpu() for tensor in output)
+
+
+def _detached(outputs):
+    if isinstance(outputs, torch.Tensor):
+        return outputs.detach()
+    return tuple(tensor.detach() for tensor in outputs)
 
 
 def _before_recompute(micro_batch: PackedMicroBatch, routing: torch.Tensor | None,
@@ -94,11 +103,13 @@ def _before_recompute(micro_batch: PackedMicroBatch, routing: torch.Tensor | Non
 
 def run_micro_batches(model_chunks, micro_batches: list[PackedMicroBatch], *, temperature: float, vocab_size: int,
                       device, chunk_size: int | None = None, loss_of: LossOf | None = None,
-                      routing_replay: RoutingReplay | None = None, router_losses: RouterLosses | None = None):
+                      routing_replay: RoutingReplay | None = None, router_losses: RouterLosses | None = None,
+                      head: Callable[[PackedMicroBatch, torch.Tensor], torch.Tensor] | None = None):
     """Forward-only (loss_of None): per micro-batch (log_probs, entropy) of its response tokens, on every rank.
     Otherwise forward + backward of `loss_of(index of the micro-batch, (log_probs, entropy)) -> (loss, metrics)`
     (gradients accumulate in the DDP grad buffers, `param.main_grad`); returns the per-micro-batch metric dicts, on
-    every rank.
+    every rank. A critic's `head(micro_batch, last-stage output)` gives its values in place of (log_probs, entropy)
+    (value_head.py; temperature, vocab_size and chunk_size then play no part).
     An MoE policy's `routing_replay` and `router_losses` learn which micro-batch's layers run: each forward runs in
     its micro-batch's routing context, and with activation recompute the gradient reaching a micro-batch's output
     tells them again, since the pipeline schedule recomputes that micro-batch's layers in its backward, after other
@@ -114,18 +125,22 @@ def run_micro_batches(model_chunks, micro_batches: list[PackedMicroBatch], *, te
     from_hidden_states = config.tensor_model_parallel_size == 1  # model.py: the output layer passes them through
     outputs = []
 
-    def loss_func(index: int, micro_batch: PackedMicroBatch, output: torch.Tensor):
+    def log_prob_head(micro_batch: PackedMicroBatch, output: torch.Tensor):
         rows = output[0].index_select(0, to_device(micro_batch.logit_index, output.device))
         target_ids = to_device(micro_batch.target_ids, output.device)
         if from_hidden_states:
-            log_probs, entropy = hidden_state_log_probs_and_entropy(last_chunk, rows, target_ids, temperature,
-                                                                    vocab_size, chunk_size)
-        else:
-            log_probs, entropy = vocab_parallel_log_probs_and_entropy(rows, target_ids, temperature, vocab_size)
+            return hidden_state_log_probs_and_entropy(last_chunk, rows, target_ids, temperature, vocab_size,
+                                                      chunk_size)
+        return vocab_parallel_log_probs_and_entropy(rows, target_ids, temperature, vocab_size)
+
+    outputs_of = head or log_prob_head
+
+    def loss_func(index: int, micro_batch: PackedMicroBatch, output: torch.Tensor):
+        micro_batch_outputs = outputs_of(micro_batch, output)
         if forward_only:
-            outputs.append((log_probs.detach(), entropy.detach()))
-            return log_probs.sum() * 0.0, torch.tensor(1), {}
-        loss, metrics = loss_of(index, (log_probs, entropy))
+            outputs.append(_detached(micro_batch_outputs))
+            return output.sum() * 0.0, torch.tensor(1), {}
+        loss, metrics = loss_of(index, micro_batch_outputs)
         outputs.append({key: torch.as_tensor(value).detach() for key, value in metrics.items()})
         return loss, torch.tensor(1), {}
 

@@ -12,8 +12,8 @@ dtype: fp32 on the CPU (bf16 there is ~13x slower); on the GPU bf16 parameters w
 fp32 main params), else fp32.
 
 At TP = 1 the last stage returns its final hidden states instead of logits (log_probs.py computes the log-probs
-from them in chunks). Not the weights: the model is randomly initialised here; hf_mapping/ fills it from a
-checkpoint.
+from them in chunks); a critic's last stage returns values (value_head.py). Not the weights: the model is randomly
+initialised here; hf_mapping/ fills it from a checkpoint.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from slime.backends.megatron_utils.attention import PackedCoreAttention
 from slime.backends.megatron_utils.log_probs import return_hidden_states
 from slime.backends.megatron_utils.norm import RMSNorm
 from slime.backends.megatron_utils.parallel import parallel_sizes
+from slime.backends.megatron_utils.value_head import install_value_head
 
 SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "llama", "qwen3_moe")
 VOCAB_PAD_MULTIPLE = 128  # Megatron's --make-vocab-size-divisible-by default, times the TP size
@@ -161,17 +162,18 @@ def _layer_spec(config, device: torch.device):
     return spec
 
 
-def build_model_chunks(args, hf_config, device: torch.device) -> list:
+def build_model_chunks(args, hf_config, device: torch.device, *, critic: bool = False) -> list:
     """This rank's model chunks: one GPTModel per virtual pipeline stage (megatron's interleaved layout: chunk v of
     pipeline rank p holds the layers of virtual stage v * PP + p), one without virtual stages."""
     num_chunks = args.virtual_pipeline_model_parallel_size
     if num_chunks is None:
-        return [build_gpt_model(args, hf_config, device)]
-    return [build_gpt_model(args, hf_config, device, vp_stage) for vp_stage in range(num_chunks)]
+        return [build_gpt_model(args, hf_config, device, critic=critic)]
+    return [build_gpt_model(args, hf_config, device, vp_stage, critic=critic) for vp_stage in range(num_chunks)]
 
 
-def build_gpt_model(args, hf_config, device: torch.device, vp_stage: int | None = None):
-    """This pipeline stage's GPTModel on `device` (model chunk `vp_stage` with virtual pipeline stages)."""
+def build_gpt_model(args, hf_config, device: torch.device, vp_stage: int | None = None, *, critic: bool = False):
+    """This pipeline stage's GPTModel on `device` (model chunk `vp_stage` with virtual pipeline stages); a
+    `critic`'s last stage ends in the value head (value_head.py) instead of the output layer."""
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
 
@@ -179,9 +181,7 @@ def build_gpt_model(args, hf_config, device: torch.device, vp_stage: int | None 
     post_process = parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage)
     if args.custom_model_provider_path:
         model = custom_model(args.custom_model_provider_path, pre_process, post_process, vp_stage)
-        if model.post_process and args.tensor_model_parallel_size == 1:
-            return_hidden_states(model)
-        return model.to(device)
+        return _with_head(model, args, critic).to(device)
     config = transformer_config(args, hf_config, device)
     rope = hf_config.rope_parameters or {}
     if rope.get("rope_type", "default") != "default":
@@ -194,14 +194,20 @@ def build_gpt_model(args, hf_config, device: torch.device, vp_stage: int | None 
         max_sequence_length=hf_config.max_position_embeddings,
         pre_process=pre_process,
         post_process=post_process,
-        share_embeddings_and_output_weights=bool(hf_config.tie_word_embeddings),
+        share_embeddings_and_output_weights=bool(hf_config.tie_word_embeddings) and not critic,
         position_embedding_type="rope",
         rotary_base=int(rope["rope_theta"]),
         vp_stage=vp_stage,
     )
-    if model.post_process and args.tensor_model_parallel_size == 1:
+    return _with_head(model, args, critic).to(device)
+
+
+def _with_head(model, args, critic: bool):
+    if model.post_process and critic:
+        install_value_head(model)
+    elif model.post_process and args.tensor_model_parallel_size == 1:
         return_hidden_states(model)  # the log-prob head works from hidden states (log_probs.py)
-    return model.to(device)
+    return model
 
 
 def custom_model(path: str, pre_process: bool, post_process: bool, vp_stage: int | None):

@@ -68,14 +68,16 @@ def _fix_torch_adam_loading() -> None:
     DistributedOptimizer.load_state_dict = _with_own_steps(DistributedOptimizer.load_state_dict)
 
 
-def build_distributed_optimizer(args, ddp_chunks, params_dtype: torch.dtype):
-    """megatron's (chained) distributed optimizer over the DDP chunks, and its learning-rate schedule."""
+def build_distributed_optimizer(args, ddp_chunks, params_dtype: torch.dtype, lr: float | None = None):
+    """megatron's (chained) distributed optimizer over the DDP chunks, and its learning-rate schedule, at `lr`
+    (default --lr; the critic passes --critic-lr)."""
+    lr = args.lr if lr is None else lr
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
     _fix_torch_adam_loading()
     trainable_parameters(param for chunk in ddp_chunks for param in chunk.parameters())
 
-    config = OptimizerConfig(optimizer="adam", lr=args.lr, min_lr=args.min_lr, weight_decay=args.weight_decay,
+    config = OptimizerConfig(optimizer="adam", lr=lr, min_lr=args.min_lr, weight_decay=args.weight_decay,
                              adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2, adam_eps=args.adam_eps,
                              clip_grad=args.clip_grad, use_distributed_optimizer=True,
                              bf16=params_dtype == torch.bfloat16, params_dtype=params_dtype)
@@ -86,11 +88,11 @@ def build_distributed_optimizer(args, ddp_chunks, params_dtype: torch.dtype):
         for inner in optimizer.chained_optimizers:
             # megatron's param groups (this rank's slices: views of the buffers, which torch's constructor would
             # refuse as non-leaf tensors, so they are handed over as megatron itself does), stepped without state.
-            stateless = StatelessAdam([{"params": []}], lr=args.lr, betas=(args.adam_beta1, args.adam_beta2),
+            stateless = StatelessAdam([{"params": []}], lr=lr, betas=(args.adam_beta1, args.adam_beta2),
                                       eps=args.adam_eps, weight_decay=args.weight_decay)
             stateless.param_groups = inner.optimizer.param_groups
             inner.optimizer = stateless
-    return optimizer, LearningRateSchedule(args, optimizer)
+    return optimizer, LearningRateSchedule(args, optimizer, lr)
 
 
 def clip_grad_norm(optimizer, max_norm: float) -> float:
@@ -111,9 +113,9 @@ class LearningRateSchedule:
     """Sets every param group's lr to the project's schedule at the current optimizer step; `step()` advances it.
     State: the step count (checkpoint.py saves it)."""
 
-    def __init__(self, args, optimizer):
+    def __init__(self, args, optimizer, lr: float):
         self.optimizer = optimizer
-        self.schedule = dict(lr=args.lr, min_lr=args.min_lr, warmup_steps=args.lr_warmup_iters,
+        self.schedule = dict(lr=lr, min_lr=args.min_lr, warmup_steps=args.lr_warmup_iters,
                              total_steps=total_optimizer_steps(args), decay_style=args.lr_decay_style)
         self.num_steps = 0
         self._apply()

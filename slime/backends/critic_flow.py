@@ -1,11 +1,15 @@
-"""FSDPCritic: one training process of the PPO critic, a value model trained by its own train group.
+"""CriticFlow: one training process of the PPO critic, a value model trained by its own train group, over any
+backend that builds one (`TrainBackend.build_critic`: FSDP2's fsdp_utils/value_model.py, Megatron's
+megatron_utils/value_head.py).
 
 Per rollout (spec 3.2e / 4.5): `compute_values` (forward only, these are the "old" values) goes to the actor, which
 computes the GAE advantages and returns; `train` then fits the values to those returns with the clipped value loss
 over the same optimizer-step schedule and aggregation as the actor. Weights start from --critic-load or
---hf-checkpoint (value head at zero); checkpoints go to `{save}/critic/`, resumed from `{load}/critic/`.
+--hf-checkpoint (value head at zero unless the folder has one); checkpoints go to `{save}/critic/`, resumed from
+`{load}/critic/` (the rollout of the actor's checkpoint there).
 
-Not here: the estimator math (ppo_utils / advantages.py) and the Ray hand-over (slime/ray/actor_group.py).
+Not here: the estimator math (ppo_utils / advantages.py), the value model (the backends) and the Ray hand-over
+(slime/ray/actor_group.py).
 """
 
 from __future__ import annotations
@@ -15,10 +19,7 @@ from pathlib import Path
 
 import torch
 
-from slime.backends.fsdp_utils import checkpoint
-from slime.backends.fsdp_utils.backend import FSDPBackend
-from slime.backends.fsdp_utils.model import ShardOptions, attention_implementation, load_hf_model, read_hf_weights
-from slime.backends.fsdp_utils.value_model import VALUE_HEAD_KEY, build_value_model
+from slime.backends.fsdp_utils.checkpoint import resolve_load_dir
 from slime.backends.loss import LossReducer, MicroBatchTensors, value_loss
 from slime.backends.packing import float_tensors, outputs_per_sample
 from slime.backends.train_flow import TrainFlow
@@ -29,14 +30,14 @@ from slime.utils.misc import seed_everything
 def critic_resume_dir(load: str | None) -> Path | None:
     """The critic checkpoint of the same rollout as the actor's under --load (`{save}/critic/rollout_{id}`), checked
     complete; None when --load holds no actor checkpoint to resume from."""
-    actor_dir = checkpoint.resolve_load_dir(load)
+    actor_dir = resolve_load_dir(load)
     return None if actor_dir is None else critic_checkpoint(actor_dir)
 
 
-class FSDPCritic(TrainFlow):
-    """The critic's flow over an FSDPBackend that trains a value model."""
+class CriticFlow(TrainFlow):
+    """The critic's flow: the policy flow's schedule, optimizer step and metrics, with the value loss."""
 
-    def __init__(self, args, backend: FSDPBackend, role: str = "critic", master_addr: str = "127.0.0.1"):
+    def __init__(self, args, backend, master_addr: str = "127.0.0.1"):
         super().__init__(args, backend, role="critic", master_addr=master_addr)
 
     def init(self, with_ref: bool = False) -> int:
@@ -44,15 +45,10 @@ class FSDPCritic(TrainFlow):
         seed_everything(args.seed)
         self.hooks = {"custom_before_log_prob_hook_path": None, "custom_before_train_step_hook_path": None}
         resume_dir = critic_resume_dir(args.load)
-        weights_path = str(resume_dir) if resume_dir is not None else (args.critic_load or args.hf_checkpoint)
-        head = read_hf_weights(weights_path).get(VALUE_HEAD_KEY)
-        hf_model = load_hf_model(weights_path, attention_implementation(self.device))
-        model = build_value_model(hf_model, backend.mesh, ShardOptions.from_args(args, self.device),
-                                  value_head_weight=head)
-        backend.build_with(model, hf_model.config, lr=args.critic_lr)
+        backend.build_critic(str(resume_dir) if resume_dir is not None else (args.critic_load or args.hf_checkpoint))
         if resume_dir is not None:
             return backend.load_training_state(resume_dir) + 1
-        return getattr(args, "start_rollout_id", None) or 0
+        return args.start_rollout_id or 0
 
     @torch.no_grad()
     def compute_values(self, rollout_id: int, data: dict) -> list[torch.Tensor]:
@@ -77,8 +73,7 @@ class FSDPCritic(TrainFlow):
     def save_model(self, rollout_id: int, run_state: dict | None = None) -> str:
         if not self.args.save:
             raise ValueError("save_model needs --save (the checkpoint root folder)")
-        return self.backend.save_checkpoint(rollout_id, None, save_root=os.path.join(self.args.save, CRITIC_SUBDIR),
-                                            tie_word_embeddings=False)
+        return self.backend.save_checkpoint(rollout_id, None, save_root=os.path.join(self.args.save, CRITIC_SUBDIR))
 
     def update_weights(self, *args, **kwargs) -> dict:
         raise ValueError("the critic has no weights to push to the rollout engines; push the actor's")
