@@ -265,8 +265,8 @@ def test_project_recipes_are_slimes_and_parse(tmp_path, recipe, tp, ep):
       "2", "--micro-batch-size", "16"], r"--num-virtual-stages-per-pipeline-rank \(virtual pipeline stages\): "
      r"--global-batch-size 16 / \(--micro-batch-size 16 x 1 data-parallel ranks\) = 1 micro-batches per step, not a "
      "multiple of --pipeline-model-parallel-size 2"),
-    (["--actor-num-gpus-per-node", "2", "--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage",
-      "7", "--use-dynamic-batch-size", "--max-tokens-per-gpu", "64", "--global-batch-size", "1"],
+    (["--actor-num-gpus-per-node", "2", "--pipeline-model-parallel-size", "2",
+      "--num-layers-per-virtual-pipeline-stage", "7", "--use-dynamic-batch-size", "--max-tokens-per-gpu", "64", "--global-batch-size", "1"],
      "with --use-dynamic-batch-size: --global-batch-size 1 over 1 data-parallel ranks is 1 samples per rank and step, "
      "not a multiple of --pipeline-model-parallel-size 2"),
     (["--train-backend", "megatron", "--micro-batch-size", "3"], "Megatron's rule"),

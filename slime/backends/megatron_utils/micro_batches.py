@@ -7,8 +7,8 @@ Megatron's THD input: `input_ids` / `position_ids` [1, T] and `PackedSeqParams(q
 With sequence parallelism the row is padded to a multiple of the TP size by a padding segment of its own (pad id
 0), so no real token attends to it. With virtual pipeline stages (several model chunks per rank) megatron's
 interleaved 1F1B schedule runs them, each chunk reading its own pass over the micro-batches; the loss and outputs
-come from the last chunk of the last stage. Outputs live on the last pipeline stage; what the caller needs (log-probs,
-entropy, loss metrics) is broadcast from there to every stage. The loss is computed per micro-batch as the
+come from the last chunk of the last stage. Outputs live on the last pipeline stage; what the caller needs
+(log-probs, entropy, loss metrics) is broadcast from there to every stage. The loss is computed per micro-batch as the
 caller's share of the global loss (no division by the number of micro-batches: `calculate_per_token_loss`).
 
 Not the micro-batch schedule (the train flow and packing.py decide which samples form each micro-batch) and not
