@@ -3,7 +3,8 @@ PP=2 x VPP=2 (4 layers: each rank holds two one-layer chunks, rank 0 layers 0 an
 gives PP=1's log-probs, entropy, loss and gradients on the same packed batch; the trainer's optimizer steps
 (distributed optimizer and clipping over every chunk, a KL loss whose reference pass switches every chunk's
 weights) equal PP=1's; its HF export is the PP=1 model's; and its
-torch_dist checkpoint loads at PP=1 with identical weights and outputs."""
+torch_dist checkpoint loads at PP=1 with identical weights and outputs. Slow: an MoE model's routing records and
+replay per chunk, and the PPO critic, as PP=1's."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import torch.distributed as dist
 from fsdp_helpers import make_train_data, make_trainer, run_distributed
 from megatron_helpers import build_megatron, hf_named_grads, make_megatron_args, policy_loss_function, step_denominator
 from test_megatron_backend import ALGORITHM
+from test_megatron_critic import critic_checkpoint, tp1_runs  # noqa: F401 - the module-scoped fixtures
 from test_megatron_parallel import _train_inputs
 
 pytest.importorskip("megatron.core")
@@ -182,3 +184,21 @@ def test_pp2_vpp2_records_and_replays_each_chunks_moe_layers(tmp_path):
             torch.testing.assert_close(vpp, reference, rtol=0, atol=2e-5)
         for key in ("train/loss", "train/pg_loss", "train/grad_norm"):
             assert vpp_metrics[key] == pytest.approx(metrics[key], rel=1e-5, abs=1e-7), key
+
+
+def _interleaved_critic(rank, world_size, port, checkpoint, data, returns):
+    from test_megatron_critic import CRITIC, _critic_run
+
+    args = make_megatron_args(checkpoint, *CRITIC, "--critic-load", checkpoint, world_size=world_size, **INTERLEAVED)
+    return _critic_run(rank, world_size, port, args, data, returns)
+
+
+@pytest.mark.slow  # ~40 s: the PPO critic (value head on the last chunk) at PP=2 x VPP=2
+def test_pp2_vpp2_critic_equals_pp1(critic_checkpoint, tp1_runs):  # noqa: F811
+    from test_megatron_critic import _assert_same_run, _batch
+
+    data, returns = _batch()  # 6 samples in 3 micro-batches of 2, split to 4 for the interleaved schedule
+    first, last = run_distributed(_interleaved_critic, 2, critic_checkpoint, data, returns)
+    assert not set(first["grads"]) & set(last["grads"])
+    for run in (first, last):
+        _assert_same_run({**run, "grads": {**first["grads"], **last["grads"]}}, tp1_runs[1], grad_rtol=1e-4)
