@@ -135,21 +135,21 @@ class Scheduler:
             return None
         if not is_decode_batch(batch):
             return None
-        block_size = self.block_manager.block_size
-        continuing = []
-        num_new_blocks = 0
-        for seq in map(_seq, batch):
-            num_tokens = len(seq.token_ids) + 1  # with the pending token; those it ends by length do not continue
-            if num_tokens < seq.max_num_tokens:
-                continuing.append(seq)
-                if num_tokens > len(seq.block_table) * block_size:
-                    num_new_blocks += 1
-        if num_new_blocks > self.block_manager.num_free_blocks:
-            return None
-        ahead = []
         block_manager = self.block_manager
-        for seq in continuing:
+        block_size = block_manager.block_size
+        seqs = list(map(_seq, batch))
+        # A sequence needs at most one more block (the placeholder's slot): count them only when the free blocks
+        # might not cover every sequence, so that the common step is a single pass.
+        if block_manager.num_free_blocks < len(seqs):
+            num_new_blocks = sum(1 for seq in seqs if len(seq.token_ids) + 1 < seq.max_num_tokens
+                                 and len(seq.token_ids) + 1 > len(seq.block_table) * block_size)
+            if num_new_blocks > block_manager.num_free_blocks:
+                return None
+        ahead = []
+        for seq in seqs:
             num_tokens = len(seq.token_ids)
+            if num_tokens + 1 >= seq.max_num_tokens:  # the pending token ends it by length: it does not continue
+                continue
             seq.num_computed_tokens = num_tokens
             seq.append_placeholder()
             if num_tokens % block_size == 0:  # the real tokens fill one more block; the placeholder needs a new one
