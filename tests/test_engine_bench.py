@@ -93,13 +93,17 @@ def test_quickstart_preset_runs_w1_on_the_quickstart_model():
         bench_engine.parse_args(["--preset", "quickstart", "--workload", "w2"])
 
 
-def test_rollout_io_benchmark_times_paths_that_agree():
-    """Each stage's stdlib and orjson paths give the same JSON (decoded), so the benchmark compares like with like;
-    the Samples built from the response carry the recorded tokens and log-probs."""
+def test_rollout_io_benchmark_times_paths_that_agree(tmp_path):
+    """Each stage's two paths give the same result (JSON decoded; the prompt ids once per group and once per
+    sample), so the benchmark compares like with like; the response carries the recorded tokens and log-probs."""
     import orjson
     import bench_rollout_io
+    from slime.utils.tiny_model import build_tiny_model
 
-    stages = bench_rollout_io.stages(num_samples=2, prompt_len=5, response_len=7, seed=0)
+    model_dir = str(build_tiny_model(tmp_path / "tiny", arch="qwen3"))
+    stages = bench_rollout_io.stages(num_samples=2, prompt_len=5, response_len=7, seed=0, model_dir=model_dir)
+    per_sample, per_group = stages["client: group prompt ids"]["per sample"](), stages["client: group prompt ids"]["per group"]()
+    assert per_group and per_sample == [per_group, per_group]
     for stage, paths in stages.items():
         if "stdlib" in paths:
             stdlib, fast = paths["stdlib"](), paths["orjson"]()
