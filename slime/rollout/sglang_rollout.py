@@ -147,8 +147,9 @@ def _append_output(args, sample: Sample, output: dict, routed_experts_start_len:
         raise ValueError(f"{router_url(args)}/generate answered without meta_info.output_token_logprobs "
                          "(return_logprob was requested): not an SGLang-compatible engine?")
     text = output.get("text", "")
-    sample.append_response_tokens(args, tokens=[int(item[1]) for item in logprob_items],
-                                  log_probs=[float(item[0]) for item in logprob_items], meta_info=meta, text=text)
+    # append_response_tokens makes them ints and floats
+    sample.append_response_tokens(args, tokens=[item[1] for item in logprob_items],
+                                  log_probs=[item[0] for item in logprob_items], meta_info=meta, text=text)
     # The engine echoes the start it used (sglang-router 0.3.2 drops the field from the request).
     store_routed_experts(args, sample, meta, meta.get("routed_experts_start_len", routed_experts_start_len))
     return text
