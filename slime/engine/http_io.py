@@ -2,7 +2,7 @@
 and cancelling work whose client went away. No endpoint logic here.
 
 JSON goes through orjson both ways. A route that returns a dict would have FastAPI walk it with `jsonable_encoder`
-and then `json.dumps` it: ~3.2 ms per /generate result of 256 tokens with log-probs on a 2-core CPU
+and then `json.dumps` it: 1.6-4.8 ms per /generate result of 256 tokens with log-probs on a 2-core CPU
 (benchmarks/bench_rollout_io.py), on the thread that shares the GIL with the engine's driver thread; `json_response`
 encodes the same bytes in ~20 us."""
 
