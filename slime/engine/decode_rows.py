@@ -1,7 +1,8 @@
 """The per-row host arrays of a decode batch (padded block tables, sampling seeds and parameters, prompt lengths),
 kept from one decode step to the next so that a steady decode step does not rebuild them from every sequence's
-Python lists: rows of sequences that left are dropped, a sequence that joined gets its row built once, and a row's
-block table is rewritten only when it grew a block.
+Python lists: rows of sequences that left are dropped, a sequence that joined gets its row built once, and a row
+whose sequence grew a block gets that block id written (all such rows in one assignment). When the batch holds the
+same sequences in the same order as the step before (the common decode step), nothing is re-gathered.
 
 Numpy, no torch. Valid across consecutive decode steps only: the model runner clears it when a step runs eagerly
 (prefill) and when the KV cache is freed. Between two consecutive decode steps a sequence cannot be preempted and
@@ -13,8 +14,7 @@ the sequence is absent from one of the two batches and its row is dropped). Not 
 from __future__ import annotations
 
 import itertools
-import operator
-from operator import attrgetter
+from operator import attrgetter, is_
 
 import numpy as np
 
@@ -69,7 +69,7 @@ class DecodeRows:
         num_rows = len(seqs)
         num_blocks = np.fromiter(map(len, map(_block_table, seqs)), dtype=np.int64, count=num_rows)
         width = max(int(num_blocks.max()), self.block_tables.shape[1])
-        if num_rows == len(self.seqs) and all(map(operator.is_, seqs, self.seqs)):
+        if num_rows == len(self.seqs) and all(map(is_, seqs, self.seqs)):
             # The steady decode step: the same sequences in the same rows, some of which grew a block.
             if width > self.block_tables.shape[1]:
                 self.block_tables = np.pad(self.block_tables, ((0, 0), (0, width - self.block_tables.shape[1])))
