@@ -37,7 +37,8 @@ async def read_json(request: Request, allow_empty: bool = False):
             return await asyncio.to_thread(orjson.loads, raw)
         return orjson.loads(raw)
     except orjson.JSONDecodeError as error:
-        if str(error).startswith("depth limit exceeded"):
+        message = str(error).lower()
+        if "depth limit" in message or "recursion limit" in message:  # orjson 3.13's wording, and older releases'
             raise RequestError("request body is nested too deeply to be a request of this API") from None
         raise RequestError(f"request body is not valid JSON: {error}") from error
 
