@@ -59,6 +59,7 @@ run_step() {
     # batch 512 (W5) with HF's ratio, and the GRPO loop against its standalone floors.
     engine_speed) python3 benchmarks/bench_engine.py --workload host &&
                   python3 benchmarks/bench_engine.py --preset qwen3-0.6b --workload w1,w5 --hf-workloads w1,w5 ;;
+    rollout_io) python3 benchmarks/bench_rollout_io.py ;;  # the rollout's per-sample JSON / Sample work, host CPU only
     loop_bench) python3 benchmarks/bench_loop.py /tmp/loop_bench; local rc=$?
                 cp /tmp/loop_bench/loop/metrics.jsonl $OUT/loop_metrics.jsonl
                 cat /tmp/loop_bench/loop/engine_*.log 2>/dev/null | grep -i "captured" | tail -5; return $rc ;;

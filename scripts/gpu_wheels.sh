@@ -18,7 +18,7 @@ PLATFORMS="--platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --p
 .venv/bin/python -m pip install -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
   $PLATFORMS --target "$site" --no-compile \
   ray==2.60.0 jsonschema jsonschema-specifications referencing rpds-py \
-  sglang-router==0.3.2 setproctitle orjson \
+  sglang-router==0.3.2 setproctitle orjson==3.13.0 \
   math-verify==0.9.0 latex2sympy2_extended antlr4-python3-runtime==4.13.2 \
   fastapi==0.115.12 starlette==0.46.2 pydantic pydantic-core annotated-types typing-inspection uvicorn \
   aiohttp multidict yarl frozenlist aiosignal aiohappyeyeballs propcache \

@@ -18,5 +18,5 @@ $PIP install -q "xxhash==4.1.0" "zstandard==0.25.0" 2>&1 | grep -v "^WARNING: Lo
 # megatron-core for --train-backend megatron: 0.16.1 is the newest release for Python 3.11 (0.17+ need 3.12); its
 # cp311 and cp312 wheels need only torch, numpy and packaging (no Transformer Engine or Apex: local fallbacks).
 $PIP install -q "megatron-core==0.16.1" 2>&1 | grep -v "^WARNING: Location" || true
-.venv/bin/python -c "import torch, transformers, ray, sglang_router, math_verify, megatron.core, xxhash, zstandard" 
+.venv/bin/python -c "import torch, transformers, ray, sglang_router, math_verify, megatron.core, xxhash, zstandard, orjson" 
 echo "setup ok: $(.venv/bin/python -c 'import torch; print("torch", torch.__version__)')"

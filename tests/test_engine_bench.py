@@ -91,3 +91,26 @@ def test_quickstart_preset_runs_w1_on_the_quickstart_model():
     assert result["ratio_engine_over_hf"] > 0
     with pytest.raises(ValueError, match="--preset quickstart runs --workload w1 only"):
         bench_engine.parse_args(["--preset", "quickstart", "--workload", "w2"])
+
+
+def test_rollout_io_benchmark_times_paths_that_agree(tmp_path):
+    """Each stage's two paths give the same result (JSON decoded; the prompt ids once per group and once per
+    sample), so the benchmark compares like with like; the response carries the recorded tokens and log-probs."""
+    import orjson
+    import bench_rollout_io
+    from slime.utils.tiny_model import build_tiny_model
+
+    model_dir = str(build_tiny_model(tmp_path / "tiny", arch="qwen3"))
+    stages = bench_rollout_io.stages(num_samples=2, prompt_len=5, response_len=7, seed=0, model_dir=model_dir)
+    per_sample, per_group = stages["client: group prompt ids"]["per sample"](), stages["client: group prompt ids"]["per group"]()
+    assert per_group and per_sample == [per_group, per_group]
+    for stage, paths in stages.items():
+        if "stdlib" in paths:
+            stdlib, fast = paths["stdlib"](), paths["orjson"]()
+            assert (json.loads(stdlib) if isinstance(stdlib, bytes) else stdlib) == \
+                (orjson.loads(fast) if isinstance(fast, bytes) else fast), stage
+    prompt, outputs = bench_rollout_io.recorded_outputs(2, 5, 7, seed=0)
+    decoded = json.loads(stages["server: encode response"]["orjson"]())
+    assert [item[1] for item in decoded[1]["meta_info"]["output_token_logprobs"]] == outputs[1].output_token_ids
+    assert [item[0] for item in decoded[1]["meta_info"]["output_token_logprobs"]] == outputs[1].output_log_probs
+    assert decoded[0]["text"] == outputs[0].text and prompt == outputs[0].prompt_token_ids

@@ -1,6 +1,8 @@
 """GPU check of the Megatron backend's grouped experts (--moe-grouped-gemm on the local spec: torch's bf16 grouped_mm
-on CUDA) against megatron-core's SequentialMLP on the same weights and packed micro-batches: log-probs, loss and
-every gradient agree to bf16 accuracy (skipped without CUDA)."""
+on CUDA) against megatron-core's SequentialMLP on the same weights and packed micro-batches. bf16 has no fixed
+tolerance to check against (a max log-prob difference of 0.16 between the two bf16 layouts was seen on the H200), so
+both bf16 layouts are measured against SequentialMLP in fp32: the grouped experts' error in log-probs, loss and
+gradients must be at most twice SequentialMLP's own bf16 error (skipped without CUDA)."""
 
 from __future__ import annotations
 
@@ -28,9 +30,9 @@ def _compare_on_gpu(rank, world_size, port, checkpoint):
 
     cuda = torch.device("cuda", 0)
     torch.cuda.set_device(cuda)
-    layouts = {"sequential": (), "grouped": ("--moe-grouped-gemm",)}
-    args = {name: make_args(checkpoint, "--train-backend", "megatron", *flags, device="cuda", bf16=True)
-            for name, flags in layouts.items()}
+    layouts = {"reference": ((), False), "sequential": ((), True), "grouped": (("--moe-grouped-gemm",), True)}
+    args = {name: make_args(checkpoint, "--train-backend", "megatron", *flags, device="cuda", bf16=bf16)
+            for name, (flags, bf16) in layouts.items()}
     init_default_group(cuda, rank, world_size, "127.0.0.1", port)
     init_model_parallel(args["sequential"], cuda)
     hf_config = AutoConfig.from_pretrained(checkpoint)
@@ -42,13 +44,20 @@ def _compare_on_gpu(rank, world_size, port, checkpoint):
         results[name] = step(layout_args, chunks, hf_config, micro_batches, micro_batches, per_sample, cuda)
         results[name]["experts"] = type(chunks[0].decoder.layers[0].mlp.experts).__name__
         results[name]["dtype"] = str(next(chunks[0].parameters()).dtype)
-    grouped, sequential = results["grouped"], results["sequential"]
-    return dict(
-        experts=grouped["experts"], dtype=grouped["dtype"],
-        log_prob_error=max(float((g - s).abs().max()) for g, s in zip(grouped["log_probs"], sequential["log_probs"])),
-        loss=(grouped["loss"], sequential["loss"]), grad_norm=(grouped["grad_norm"], sequential["grad_norm"]),
-        grad_errors={name: _relative_error(grouped["grads"][name], grad) for name, grad in sequential["grads"].items()},
-    )
+    reference = results["reference"]
+
+    def errors(result: dict) -> dict:
+        differences = [(got.float() - want.float()).abs() for got, want in zip(result["log_probs"],
+                                                                                 reference["log_probs"])]
+        return dict(log_prob_max=max(float(d.max()) for d in differences),
+                    log_prob_mean=float(torch.cat([d.flatten() for d in differences]).mean()),
+                    loss=abs(result["loss"] - reference["loss"]),
+                    grad_norm=abs(result["grad_norm"] - reference["grad_norm"]) / reference["grad_norm"],
+                    grads={name: _relative_error(result["grads"][name], grad)
+                           for name, grad in reference["grads"].items()})
+
+    return dict(experts=results["grouped"]["experts"], dtypes=[results[n]["dtype"] for n in layouts],
+                grouped=errors(results["grouped"]), sequential=errors(results["sequential"]))
 
 
 def test_grouped_experts_match_sequential_mlp_in_bf16_on_gpu(tmp_path):
@@ -58,12 +67,11 @@ def test_grouped_experts_match_sequential_mlp_in_bf16_on_gpu(tmp_path):
     checkpoint = build_tiny_model(tmp_path / "moe", arch="qwen3_moe", num_experts=16, num_experts_per_tok=4, seed=2,
                                   hidden_size=512, moe_intermediate_size=256, initializer_range=0.05)
     result = run_distributed(_compare_on_gpu, 1, checkpoint)[0]
-    assert result["experts"] == "GroupedExperts" and result["dtype"] == "torch.bfloat16"
-    assert result["log_prob_error"] < 5e-2
-    grouped_loss, sequential_loss = result["loss"]
-    assert grouped_loss == pytest.approx(sequential_loss, rel=2e-2, abs=1e-3)
-    grouped_norm, sequential_norm = result["grad_norm"]
-    assert grouped_norm == pytest.approx(sequential_norm, rel=2e-2)
-    expert_errors = {name: error for name, error in result["grad_errors"].items() if ".mlp.experts." in name}
-    assert len(expert_errors) == 2 * 3 * 16
-    assert max(result["grad_errors"].values()) < 5e-2, result["grad_errors"]
+    assert result["experts"] == "GroupedExperts"
+    assert result["dtypes"] == ["torch.float32", "torch.bfloat16", "torch.bfloat16"]
+    grouped, sequential = result["grouped"], result["sequential"]
+    for key, slack in (("log_prob_max", 1e-3), ("log_prob_mean", 1e-4), ("loss", 1e-4), ("grad_norm", 1e-3)):
+        assert grouped[key] <= 2 * sequential[key] + slack, (key, grouped[key], sequential[key])
+    expert_grads = [name for name in grouped["grads"] if ".mlp.experts." in name]
+    assert len(expert_grads) == 2 * 3 * 16
+    assert max(grouped["grads"].values()) <= 2 * max(sequential["grads"].values()) + 1e-3, (grouped, sequential)

@@ -5,6 +5,7 @@ are recomputed independently with the Hugging Face model (log-softmax of logits 
 token). Group-level abort and continuation cases live in test_rollout.py.
 """
 
+import asyncio
 import functools
 import json
 import math
@@ -36,6 +37,31 @@ async def short_first_group(args, sample, sampling_params):
     if sample.group_index == 0:
         sampling_params = {**sampling_params, "max_new_tokens": 2}
     return await generate(args, sample, sampling_params)
+
+
+# The groups RecordingDataSource handed out, and what reward_while_another_group_generates saw at its first call.
+HANDED_OUT: list = []
+FIRST_REWARD: dict = {}
+
+
+class RecordingDataSource(RolloutDataSourceWithBuffer):
+    def get_samples(self, num_samples):
+        groups = super().get_samples(num_samples)
+        HANDED_OUT.extend(groups)
+        return groups
+
+
+async def reward_while_another_group_generates(args, sample):
+    """The first call notes whether the other groups were still without a response, then waits (up to 60 s) for
+    their responses before it returns: they arrive only if generation goes on while a reward runs."""
+    if "others_unanswered" not in FIRST_REWARD:
+        others = [s for group in HANDED_OUT for s in group if s.group_index != sample.group_index]
+        FIRST_REWARD["others_unanswered"] = bool(others) and not any(s.response_length for s in others)
+        deadline = time.monotonic() + 60
+        while not all(s.response_length for s in others) and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        FIRST_REWARD["others_answered_meanwhile"] = all(s.response_length for s in others)
+    return 1.0
 
 
 @pytest.fixture(scope="module")
@@ -134,6 +160,19 @@ def test_samples_match_the_engine_and_the_reference_model(stack):
 
 def reward_by_group_sync(sample):
     return 1.0 if sample.group_index % 2 == 0 else float(sample.index % 2)
+
+
+def test_a_group_is_scored_while_the_next_one_generates(stack):
+    """One request in flight at a time (--sglang-server-concurrency 1): the second group is sent when the first
+    comes back, so the first group's reward starts before the second is answered and, as generation continues
+    while it runs, ends after. A rollout that scored only after generating everything fails both."""
+    HANDED_OUT.clear()
+    FIRST_REWARD.clear()
+    args = make_args(stack, ["What is 12 + 7?", "Compute 3 * 4 - 5."], "--sglang-server-concurrency", "1",
+                     "--custom-rm-path", f"{__name__}.reward_while_another_group_generates")
+    groups = generate_rollout(args, 0, RecordingDataSource(args)).samples
+    assert FIRST_REWARD == {"others_unanswered": True, "others_answered_meanwhile": True}
+    assert [[s.reward for s in g] for g in groups] == [[1.0, 1.0], [1.0, 1.0]]
 
 
 def test_dynamic_filter_drops_zero_std_groups_and_over_samples(stack):

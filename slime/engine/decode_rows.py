@@ -1,7 +1,8 @@
 """The per-row host arrays of a decode batch (padded block tables, sampling seeds and parameters, prompt lengths),
 kept from one decode step to the next so that a steady decode step does not rebuild them from every sequence's
-Python lists: rows of sequences that left are dropped, a sequence that joined gets its row built once, and a row's
-block table is rewritten only when it grew a block.
+Python lists: rows of sequences that left are dropped, a sequence that joined gets its row built once, and a row
+whose sequence grew a block gets that block id written (all such rows in one assignment). When the batch holds the
+same sequences in the same order as the step before (the common decode step), nothing is re-gathered.
 
 Numpy, no torch. Valid across consecutive decode steps only: the model runner clears it when a step runs eagerly
 (prefill) and when the KV cache is freed. Between two consecutive decode steps a sequence cannot be preempted and
@@ -13,7 +14,7 @@ the sequence is absent from one of the two batches and its row is dropped). Not 
 from __future__ import annotations
 
 import itertools
-from operator import attrgetter
+from operator import attrgetter, is_
 
 import numpy as np
 
@@ -66,28 +67,52 @@ class DecodeRows:
     def update(self, seqs: list[Sequence]) -> None:
         """Make row i describe seqs[i]."""
         num_rows = len(seqs)
+        num_blocks = np.fromiter(map(len, map(_block_table, seqs)), dtype=np.int64, count=num_rows)
+        width = max(int(num_blocks.max()), self.block_tables.shape[1])
+        if num_rows == len(self.seqs) and all(map(is_, seqs, self.seqs)):
+            # The steady decode step: the same sequences in the same rows, some of which grew a block.
+            if width > self.block_tables.shape[1]:
+                self.block_tables = np.pad(self.block_tables, ((0, 0), (0, width - self.block_tables.shape[1])))
+            self._write_changed_tables(seqs, self.num_blocks, num_blocks)
+            self.num_blocks = num_blocks
+            return
         old_rows = np.fromiter(map(self._row_of.get, map(id, seqs), itertools.repeat(-1)), dtype=np.int64,
                                count=num_rows)
-        num_blocks = np.fromiter(map(len, map(_block_table, seqs)), dtype=np.int64, count=num_rows)
         joined = old_rows < 0
         if joined.all():
             self._allocate(num_rows, int(num_blocks.max()))
-            stale = range(num_rows)
+            joined_rows = range(num_rows)
         else:
             old_rows[joined] = 0  # any row: rewritten below
-            grew = num_blocks != self.num_blocks[old_rows]
-            self._take(old_rows, max(int(num_blocks.max()), self.block_tables.shape[1]))
-            stale = np.flatnonzero(joined | grew).tolist()
-        for row in stale:
-            seq = seqs[row]
-            table = seq.block_table
-            self.block_tables[row, : len(table)] = table
-            self.block_tables[row, len(table) :] = 0
-            if joined[row]:
-                self._fill_request_row(row, seq)
+            old_num_blocks = self.num_blocks[old_rows]
+            old_num_blocks[joined] = num_blocks[joined]  # joined rows are written in full below
+            self._take(old_rows, width)
+            self._write_changed_tables(seqs, old_num_blocks, num_blocks)
+            joined_rows = np.flatnonzero(joined).tolist()
+        for row in joined_rows:
+            self._write_table(row, seqs[row].block_table)
+            self._fill_request_row(row, seqs[row])
         self.num_blocks = num_blocks
         self.seqs = seqs
         self._row_of = dict(zip(map(id, seqs), range(num_rows)))
+
+    def _write_table(self, row: int, table: list[int]) -> None:
+        self.block_tables[row, : len(table)] = table
+        self.block_tables[row, len(table) :] = 0
+
+    def _write_changed_tables(self, seqs: list[Sequence], old_num_blocks: np.ndarray, num_blocks: np.ndarray) -> None:
+        """Rewrite the rows whose table length changed since it was written. A decode step appends at most one
+        block to a table (at a block boundary, every sequence of that length at once): those rows get the new
+        block id in one vectorised assignment; any other change rewrites the row."""
+        grown_by = num_blocks - old_num_blocks
+        changed = np.flatnonzero(grown_by)
+        if not len(changed):
+            return
+        for row in changed[grown_by[changed] != 1].tolist():
+            self._write_table(row, seqs[row].block_table)
+        grew_one = changed[grown_by[changed] == 1]
+        self.block_tables[grew_one, num_blocks[grew_one] - 1] = np.fromiter(
+            (seqs[row].block_table[-1] for row in grew_one.tolist()), dtype=np.int32, count=len(grew_one))
 
     def _fill_request_row(self, row: int, seq: Sequence) -> None:
         params = seq.sampling_params

@@ -28,7 +28,7 @@ from slime.engine.models.weight_loader import load_checkpoint
 from slime.engine.sampler import sample
 from slime.engine.sampling_inputs import decode_sampling, prepare_sampling
 from slime.engine.sampling_params import SamplingParams
-from slime.engine.scheduler import ScheduledSequence
+from slime.engine.scheduler import ScheduledSequence, is_decode_batch
 from slime.engine.sequence import Sequence
 
 CPU_KV_CACHE_RAM_FRACTION = 0.25
@@ -255,8 +255,8 @@ class ModelRunner:
             return [], []
         if launched.ready is not None:
             launched.ready.synchronize()
-        token_ids, token_log_probs = launched.results.tolist()
-        return [int(token_id) for token_id in token_ids], token_log_probs
+        results = launched.results.numpy()
+        return results[0].astype(np.int64).tolist(), results[1].tolist()
 
     @torch.inference_mode()
     def forward_logits(self, scheduled: list[ScheduledSequence]) -> torch.Tensor:
@@ -269,7 +269,7 @@ class ModelRunner:
         position, with self.decode_rows updated to its rows; None when the batch must run eagerly."""
         if not self.use_cuda_graphs or not scheduled or len(scheduled) > self.config.max_num_seqs:
             return None
-        if any(item.num_new_tokens != 1 or not item.needs_sample for item in scheduled):
+        if not is_decode_batch(scheduled):
             return None
         if self.decode_graphs is None:
             self.decode_graphs = DecodeGraphs(

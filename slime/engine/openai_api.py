@@ -16,7 +16,7 @@ import uuid
 from fastapi import FastAPI, Request
 from fastapi.responses import PlainTextResponse, StreamingResponse
 
-from slime.engine.http_io import read_json, sse_line, unless_disconnected
+from slime.engine.http_io import json_response, read_json, sse_line, unless_disconnected
 from slime.engine.http_protocol import RequestError
 from slime.engine.sampling_params import SamplingParams
 
@@ -209,14 +209,14 @@ async def _respond(request, state, body, prompts, max_tokens, want_logprobs, kin
             _choice(kind, index, output.text, _logprobs(kind, state, output, 0) if want_logprobs else None, output)
             for index, output in enumerate(outputs)
         ]
-        return {
+        return json_response({
             "id": request_id,
             "object": kind,
             "created": created,
             "model": model,
             "choices": choices,
             "usage": _usage(outputs),
-        }
+        })
 
     chunk_kind = "chat.completion.chunk" if kind == "chat.completion" else "text_completion"
     include_usage = bool((body.get("stream_options") or {}).get("include_usage"))

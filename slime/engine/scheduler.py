@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
+from operator import attrgetter
 
 from slime.engine.block_manager import BlockManager
 from slime.engine.sequence import Sequence, SequenceStatus
@@ -32,6 +33,14 @@ class ScheduledSequence:
     def of(cls, seq: Sequence, num_new_tokens: int) -> ScheduledSequence:
         start = seq.num_computed_tokens
         return cls(seq, start, num_new_tokens, start + num_new_tokens == len(seq))
+
+
+_seq, _num_new_tokens, _needs_sample = attrgetter("seq"), attrgetter("num_new_tokens"), attrgetter("needs_sample")
+
+
+def is_decode_batch(batch: list[ScheduledSequence]) -> bool:
+    """Every row computes one token and samples the next (C-level passes: this runs on every step's 512 rows)."""
+    return set(map(_num_new_tokens, batch)) == {1} and all(map(_needs_sample, batch))
 
 
 class Scheduler:
@@ -124,23 +133,23 @@ class Scheduler:
         computes the step in flight, and has to stay well under that step's time at 512 sequences."""
         if self.waiting or len(batch) != len(self.running):
             return None
-        block_size = self.block_manager.block_size
-        continuing = []
-        num_new_blocks = 0
-        for item in batch:
-            if item.num_new_tokens != 1 or not item.needs_sample:
-                return None
-            seq = item.seq
-            num_tokens = len(seq.token_ids) + 1  # with the pending token; those it ends by length do not continue
-            if num_tokens < seq.max_num_tokens:
-                continuing.append(seq)
-                num_new_blocks += num_tokens > len(seq.block_table) * block_size
-        if num_new_blocks > self.block_manager.num_free_blocks:
+        if not is_decode_batch(batch):
             return None
-        ahead = []
         block_manager = self.block_manager
-        for seq in continuing:
+        block_size = block_manager.block_size
+        seqs = list(map(_seq, batch))
+        # A sequence needs at most one more block (the placeholder's slot): count them only when the free blocks
+        # might not cover every sequence, so that the common step is a single pass.
+        if block_manager.num_free_blocks < len(seqs):
+            num_new_blocks = sum(1 for seq in seqs if len(seq.token_ids) + 1 < seq.max_num_tokens
+                                 and len(seq.token_ids) + 1 > len(seq.block_table) * block_size)
+            if num_new_blocks > block_manager.num_free_blocks:
+                return None
+        ahead = []
+        for seq in seqs:
             num_tokens = len(seq.token_ids)
+            if num_tokens + 1 >= seq.max_num_tokens:  # the pending token ends it by length: it does not continue
+                continue
             seq.num_computed_tokens = num_tokens
             seq.append_placeholder()
             if num_tokens % block_size == 0:  # the real tokens fill one more block; the placeholder needs a new one

@@ -22,7 +22,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
 from slime.engine.http_engine_loop import EngineLoop
 from slime.engine.http_guard import AccessPolicy, GuardMiddleware
-from slime.engine.http_io import read_json, sse_line, unless_disconnected
+from slime.engine.http_io import json_response, read_json, sse_line, unless_disconnected
 from slime.engine.http_protocol import (
     RequestError,
     error_body,
@@ -142,7 +142,7 @@ def _register_generate_routes(app: FastAPI, state: ServerState) -> None:
         results = await unless_disconnected(request, asyncio.gather(*(run_one(item) for item in parsed.items)))
         if results is None:
             return PlainTextResponse("client disconnected", status_code=499)
-        return results if parsed.is_batch else results[0]
+        return json_response(results if parsed.is_batch else results[0])
 
 
 # ---- pause / abort / cache / memory / health -------------------------------------------------------------------

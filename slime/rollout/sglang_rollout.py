@@ -147,8 +147,9 @@ def _append_output(args, sample: Sample, output: dict, routed_experts_start_len:
         raise ValueError(f"{router_url(args)}/generate answered without meta_info.output_token_logprobs "
                          "(return_logprob was requested): not an SGLang-compatible engine?")
     text = output.get("text", "")
-    sample.append_response_tokens(args, tokens=[int(item[1]) for item in logprob_items],
-                                  log_probs=[float(item[0]) for item in logprob_items], meta_info=meta, text=text)
+    # append_response_tokens makes them ints and floats
+    sample.append_response_tokens(args, tokens=[item[1] for item in logprob_items],
+                                  log_probs=[item[0] for item in logprob_items], meta_info=meta, text=text)
     # The engine echoes the start it used (sglang-router 0.3.2 drops the field from the request).
     store_routed_experts(args, sample, meta, meta.get("routed_experts_start_len", routed_experts_start_len))
     return text
@@ -166,11 +167,19 @@ def group_prompt_ids(args, group: list[Sample]) -> list[int] | None:
     if any(s.generate_function_path or s.tokens or s.response_length or s.status != Sample.Status.PENDING
            for s in group):
         return None
+    if any(_prompt_key(s) != _prompt_key(group[0]) for s in group[1:]):
+        return None
     tokenizer = tokenizer_for(args)
     if tokenizer is None:
         raise ValueError("the default rollout needs --hf-checkpoint: its tokenizer turns prompts into token ids")
-    prompts = [prompt_token_ids(tokenizer, s) for s in group]
-    return prompts[0] if all(p == prompts[0] for p in prompts) else None
+    # Once per group, not per sample: a prompt through the chat template and the tokenizer costs milliseconds.
+    return prompt_token_ids(tokenizer, group[0])
+
+
+def _prompt_key(sample: Sample):
+    """What a sample's prompt ids are made from (prompt_token_ids): the prompt and, for chat messages, the tools."""
+    tools = sample.metadata.get("tools") if isinstance(sample.metadata, dict) else None
+    return sample.prompt, tools
 
 
 async def generate_group_in_one_request(args, group: list[Sample], prompt_ids: list[int], sampling_params: dict,
