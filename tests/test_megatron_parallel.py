@@ -1,13 +1,15 @@
 """Megatron backend over 2 gloo processes: TP=2, PP=2 and CP=2 give the same
 log-probs, entropy, loss and gradients as TP=1 on the same packed batch (TP=1 takes the hidden-state log-prob
-head, TP=2 the vocab-parallel one; CP=2 splits samples of uneven lengths, one shorter than 2 x CP)."""
+head, TP=2 the vocab-parallel one; CP=2 splits samples of uneven lengths, one shorter than 2 x CP), and the
+trainer's two optimizer steps at CP=2 (megatron's DDP and distributed optimizer over data x context ranks) equal
+CP=1's."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from fsdp_helpers import make_train_data, run_distributed
+from fsdp_helpers import make_train_data, make_trainer, run_distributed
 from megatron_helpers import build_megatron, hf_named_grads, make_megatron_args, policy_loss_function, step_denominator
 
 pytest.importorskip("megatron.core")
@@ -101,3 +103,30 @@ def test_cp2_equals_tp1(tiny_checkpoint, tp1_reference):
     results = run_distributed(_log_probs_loss_grads, 2, tiny_checkpoint, {}, ("--context-parallel-size", "2"))
     for result in results:
         _assert_same(result, tp1_reference)
+
+
+def _trained(rank, world_size, port, checkpoint, data, cp):
+    from test_megatron_backend import ALGORITHM
+
+    trainer = make_trainer(make_megatron_args(checkpoint, *ALGORITHM, "--context-parallel-size", cp,
+                                              world_size=world_size), rank, world_size, port)
+    metrics = trainer.train(0, data)
+    return metrics, {name: tensor.cpu() for name, tensor in trainer.backend.hf_weights(None)}
+
+
+def test_cp2_trainer_steps_equal_cp1(tiny_checkpoint):
+    data = make_train_data(8, vocab_size=300, seed=3, num_steps=2)  # 2 steps of 2 micro-batches (mbs 2)
+    data["tokens"][1], data["response_lengths"][1], data["loss_masks"][1] = data["tokens"][1][:3], 1, [1]
+    metrics, params = run_distributed(_trained, 1, tiny_checkpoint, data, 1)[0]
+    (cp_metrics, cp_params), (other_metrics, other_params) = run_distributed(_trained, 2, tiny_checkpoint, data, 2)
+    assert other_params == {}  # the HF export comes from the first replica's first rank
+    for key in ("train/loss", "train/pg_loss", "train/entropy_loss", "train/grad_norm", "train/lr"):
+        assert other_metrics[key] == cp_metrics[key], key
+        assert cp_metrics[key] == pytest.approx(metrics[key], rel=1e-5, abs=1e-7), key
+    assert set(cp_params) == set(params)
+    from safetensors.torch import load_file
+
+    original = load_file(str(tiny_checkpoint / "model.safetensors"))
+    for name, value in cp_params.items():
+        assert not torch.equal(value, original[name]), name  # the steps moved every weight
+        torch.testing.assert_close(value, params[name], rtol=0, atol=2e-5, msg=name)
