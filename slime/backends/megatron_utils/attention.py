@@ -19,12 +19,16 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from megatron.core.transformer.module import MegatronModule
 
 from slime.backends.fsdp_utils.attention import flash_varlen_causal, varlen_supported
-from slime.backends.megatron_utils.context_parallel import CpLayout, context_parallel_group, gather_sequence
+from slime.backends.megatron_utils.context_parallel import (
+    CpLayout,
+    context_parallel_group,
+    gather_sequence,
+    layout_of_row,
+)
 
 
 class PackedCoreAttention(MegatronModule):
@@ -40,7 +44,7 @@ class PackedCoreAttention(MegatronModule):
             "the Megatron backend feeds packed THD micro-batches only"
         cu_seqlens = packed_seq_params.cu_seqlens_q
         if self.cp_size > 1:
-            out = self._context_parallel_attention(query, key, value, cu_seqlens.diff().tolist())
+            out = self._context_parallel_attention(query, key, value, layout_of_row(cu_seqlens, self.cp_size))
         elif varlen_supported(query.device):
             out, _ = flash_varlen_causal(query.contiguous(), key.contiguous(), value.contiguous(), cu_seqlens,
                                          int(packed_seq_params.max_seqlen_q), self.softmax_scale)
@@ -55,9 +59,9 @@ class PackedCoreAttention(MegatronModule):
                                              enable_gqa=q.shape[1] != k.shape[1])
         return out[0].transpose(0, 1)
 
-    def _context_parallel_attention(self, query, key, value, sample_lengths: list[int]):
+    def _context_parallel_attention(self, query, key, value, layout: CpLayout):
         group = context_parallel_group()
-        layout = CpLayout.of(sample_lengths, self.cp_size, dist.get_rank(group))
+        sample_lengths = layout.sample_lengths
         full_key, full_value = gather_sequence(key, layout, group), gather_sequence(value, layout, group)
         pieces, local_offset, row_start = [], 0, 0
         for length, chunk in zip(sample_lengths, layout.local_chunk_lengths):

@@ -70,6 +70,18 @@ class CpLayout:
         return [length // (2 * self.cp_size) for length in self.sample_lengths]
 
 
+_last_row: list = [None, None]  # (cu_seqlens, its layout): every layer of a forward (and its recompute) shares one
+
+
+def layout_of_row(cu_seqlens: torch.Tensor, cp_size: int) -> CpLayout:
+    """This rank's layout of the padded row with these cu_seqlens, computed once per micro-batch, not per layer (on
+    the GPU reading cu_seqlens waits for the stream)."""
+    if _last_row[0] is not cu_seqlens:
+        rank = dist.get_rank(context_parallel_group())
+        _last_row[:] = cu_seqlens, CpLayout.of(cu_seqlens.diff().tolist(), cp_size, rank)
+    return _last_row[1]
+
+
 class _GatherSequence(torch.autograd.Function):
     @staticmethod
     def forward(ctx, local: torch.Tensor, group):
