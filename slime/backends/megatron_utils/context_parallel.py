@@ -78,7 +78,9 @@ def layout_of_row(cu_seqlens: torch.Tensor, cp_size: int) -> CpLayout:
     the GPU reading cu_seqlens waits for the stream)."""
     if _last_row[0] is not cu_seqlens:
         rank = dist.get_rank(context_parallel_group())
-        _last_row[:] = cu_seqlens, CpLayout.of(cu_seqlens.diff().tolist(), cp_size, rank)
+        layout = CpLayout.of(cu_seqlens.diff().tolist(), cp_size, rank)
+        layout.gather_index = layout.gather_index.to(cu_seqlens.device)
+        _last_row[:] = cu_seqlens, layout
     return _last_row[1]
 
 
@@ -100,7 +102,7 @@ class _GatherSequence(torch.autograd.Function):
 def gather_sequence(local: torch.Tensor, layout: CpLayout, group) -> torch.Tensor:
     """This rank's tokens [T / cp, ...] -> every token of the padded row in row order [T, ...]."""
     gathered = _GatherSequence.apply(local, group)
-    return gathered.index_select(0, layout.gather_index.to(gathered.device))
+    return gathered.index_select(0, layout.gather_index)
 
 
 class _SumOverGroup(torch.autograd.Function):
