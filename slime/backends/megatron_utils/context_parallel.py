@@ -48,7 +48,7 @@ class CpLayout:
                              f"{2 * cp_size}")
         starts = np.cumsum(lengths) - lengths
         chunk = lengths // (2 * cp_size)
-        # owner[s][j], offset: chunk j of sample s lives on rank owner at local offset (within that rank's tokens)
+        # chunk j of every sample lives on rank min(j, 2 x cp - 1 - j), first or second of that rank's two
         rank_of_chunk = np.minimum(np.arange(2 * cp_size), 2 * cp_size - 1 - np.arange(2 * cp_size))
         local_start = np.cumsum(2 * chunk) - 2 * chunk  # where sample s begins in every rank's local tokens
         local_length = int((2 * chunk).sum())
