@@ -65,6 +65,7 @@ def _log_probs_loss_grads(rank, world_size, port, checkpoint, parallel, extra=()
             for param in chunk.parameters():
                 torch.distributed.all_reduce(param.main_grad,
                                              group=parallel_state.get_data_parallel_group(with_context_parallel=True))
+        finalize_grads(chunks, [])  # the tensor-parallel sums
     else:
         finalize_grads(chunks, ddp_chunks)
     return dict(log_probs=torch.cat([lp for lp, _ in forward]), entropy=torch.cat([e for _, e in forward]),
@@ -101,6 +102,13 @@ def test_pp2_equals_tp1(tiny_checkpoint, tp1_reference):
 
 def test_cp2_equals_tp1(tiny_checkpoint, tp1_reference):
     results = run_distributed(_log_probs_loss_grads, 2, tiny_checkpoint, {}, ("--context-parallel-size", "2"))
+    for result in results:
+        _assert_same(result, tp1_reference)
+
+
+@pytest.mark.slow  # ~60 s, 4 processes: the vocab-parallel head on each CP rank's response positions
+def test_tp2_cp2_equals_tp1(tiny_checkpoint, tp1_reference):
+    results = run_distributed(_log_probs_loss_grads, 4, tiny_checkpoint, {"tp": 2}, ("--context-parallel-size", "2"))
     for result in results:
         _assert_same(result, tp1_reference)
 
