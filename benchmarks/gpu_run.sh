@@ -99,7 +99,8 @@ run_step() {
     grpo_disagg) grpo disaggregated ;;
     grpo_colocated2) grpo colocated-2 ;;
     grpo_async) grpo disaggregated --async ;;
-    megatron_vpp_gpu_tests) python3 -m pytest -q tests/test_megatron_multi_gpu.py ;;  # PP=2 x VPP=2 over NCCL vs PP=1
+    megatron_vpp_gpu_tests) python3 -m pytest -q tests/test_megatron_multi_gpu.py -k vpp ;;  # PP=2 x VPP=2 over NCCL vs PP=1
+    megatron_cp_gpu_tests) python3 -m pytest -q tests/test_megatron_multi_gpu.py -k cp2 ;;  # CP=2 over NCCL (2 GPUs) vs CP=1
     *) echo "unknown step $1"; return 2 ;;
   esac
 }

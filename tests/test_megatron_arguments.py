@@ -382,8 +382,6 @@ def test_megatron_backend_must_import_at_start(tmp_path, data, monkeypatch):
 
 
 @pytest.mark.parametrize("extra, message", [
-    (["--actor-num-gpus-per-node", "2", "--context-parallel-size", "2"],
-     "--context-parallel-size 2 needs Transformer Engine.*use --context-parallel-size 1"),
     (["--actor-num-gpus-per-node", "2", "--tensor-model-parallel-size", "2", "--sequence-parallel"],
      "--sequence-parallel runs on GPUs only.*drop it for a CPU run"),
 ])
@@ -394,3 +392,16 @@ def test_what_the_megatron_backend_does_not_run_is_refused_at_start(tmp_path, da
     args.device = "cuda"
     if "--sequence-parallel" in extra:
         require_train_backend(args)  # on GPUs sequence parallelism runs
+
+
+def test_context_parallelism_runs_on_dense_models_without_routing_replay(tmp_path, data):
+    cp2 = ["--device", "cpu", "--actor-num-gpus-per-node", "2", "--context-parallel-size", "2"]
+    dense = parse_args(base(tmp_path, data, *cp2))
+    assert dense.train_backend == "megatron" and dense.data_parallel_size == 1
+    require_train_backend(dense)  # dense models run context parallel, on the CPU too
+    moe = parse_args(base(tmp_path, data, *cp2, model="qwen3-30B-A3B"))  # slime's recipes parse
+    with pytest.raises(ArgumentError, match="--context-parallel-size 2 on an MoE model.*--context-parallel-size 1"):
+        require_train_backend(moe)
+    for flag in ("--use-routing-replay", "--use-rollout-routing-replay"):
+        with pytest.raises(ArgumentError, match=f"{flag} with --context-parallel-size 2.*--context-parallel-size 1"):
+            parse_args(base(tmp_path, data, *cp2, flag, model="qwen3-30B-A3B"))

@@ -70,11 +70,12 @@ def test_tp1_train_steps_equal_fsdp(tiny_checkpoint):
         torch.testing.assert_close(value, fsdp_params[name], rtol=0, atol=2e-5, msg=name)
 
 
-def _train_save_train(rank, world_size, port, checkpoint, save, data, parallel):
+def _train_save_train(rank, world_size, port, checkpoint, save, data, parallel, extra=()):
     from safetensors.torch import load_file
 
     trainer = make_trainer(make_megatron_args(checkpoint, *ALGORITHM, "--save", save, "--save-hf",
-                                              f"{save}_hf/step_{{rollout_id}}", world_size=world_size, **parallel),
+                                              f"{save}_hf/step_{{rollout_id}}", *extra, world_size=world_size,
+                                              **parallel),
                            rank, world_size, port)
     exported = dict(trainer.backend.hf_weights(None))
     if rank == 0:
@@ -109,6 +110,21 @@ def test_torch_dist_checkpoint_saved_at_tp2_resumes_at_tp1(tiny_checkpoint, tmp_
     assert set(saved_hf) == set(expected) and (tmp_path / "save_hf" / "step_0" / "config.json").is_file()
     start, metrics, params = run_distributed(_resume, 1, tiny_checkpoint, save, data)[0]
     assert start == 1
+    for key in ("train/loss", "train/pg_loss", "train/grad_norm", "train/lr"):
+        assert metrics[key] == pytest.approx(uninterrupted[key], rel=1e-5, abs=1e-7), key
+    for name, value in params.items():
+        torch.testing.assert_close(value, expected[name], rtol=0, atol=1e-5, msg=name)
+
+
+@pytest.mark.slow  # ~50 s: the checkpoint's replicas and optimizer shards over data x context parallel ranks
+def test_torch_dist_checkpoint_saved_at_cp2_resumes_at_cp1(tiny_checkpoint, tmp_path):
+    save = tmp_path / "save"
+    data = [make_train_data(8, vocab_size=300, seed=s, num_steps=2) for s in (13, 14)]
+    results = run_distributed(_train_save_train, 2, tiny_checkpoint, save, data, {}, ("--context-parallel-size", "2"))
+    (uninterrupted, expected), (other_metrics, _) = results
+    assert other_metrics["train/loss"] == uninterrupted["train/loss"]
+    start, metrics, params = run_distributed(_resume, 1, tiny_checkpoint, save, data)[0]
+    assert start == 1 and set(params) == set(expected)
     for key in ("train/loss", "train/pg_loss", "train/grad_norm", "train/lr"):
         assert metrics[key] == pytest.approx(uninterrupted[key], rel=1e-5, abs=1e-7), key
     for name, value in params.items():

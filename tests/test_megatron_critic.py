@@ -218,3 +218,17 @@ def test_critic_train_after_offload_equals_train_without(critic_checkpoint):
     assert freed > 0
     for a, b in zip(plain, offloaded):
         assert torch.equal(a, b)
+
+
+def _cp2_critic(rank, world_size, port, checkpoint, data, returns):
+    args = make_megatron_args(checkpoint, *CRITIC, "--critic-load", checkpoint, "--context-parallel-size", "2",
+                              world_size=world_size)
+    return _critic_run(rank, world_size, port, args, data, returns)
+
+
+@pytest.mark.slow  # ~40 s: the critic's values and value-loss step split over 2 context-parallel ranks
+def test_cp2_critic_equals_tp1(critic_checkpoint, tp1_runs):
+    _, reference = tp1_runs
+    for run in run_distributed(_cp2_critic, 2, critic_checkpoint, *_batch()):
+        # the gradients are checked through critic/grad_norm: DDP leaves each of the 2 ranks a slice of their sum
+        _assert_same_run({**run, "grads": reference["grads"]}, reference, grad_rtol=0)

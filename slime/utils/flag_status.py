@@ -22,7 +22,7 @@ INERT = {
     "model_name": "picks slime's Megatron -> HF weight converter; the FSDP trainer's weights are HF-named already",
     "recompute_loss_function": "Megatron recomputes the loss to save memory; the log-prob head here is chunked",
     "freeze_indexer": "DSA (GLM-5 sparse attention) models only",
-    "allgather_cp": "DSA (GLM-5 sparse attention) models only; no context parallelism here",
+    "allgather_cp": "DSA (GLM-5 sparse attention) models only, which this project does not train",
     "qwen_gdn_backend": "kernel choice for Qwen linear-attention (GDN) layers; no such model here",
     "data_pad_size_multiplier": "Megatron pads packed micro-batches; varlen packing here needs no padding",
     "loss_mask_type": "the SFT rollout finds assistant tokens from the tokenizer's own chat template, any model",

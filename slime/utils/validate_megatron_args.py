@@ -166,6 +166,11 @@ def _resolve_layout(args, config: dict) -> None:
     _require(not (num_experts and tp > 1 and args.train_backend == "megatron" and not args.sequence_parallel),
              f"--tensor-model-parallel-size {tp} on an MoE model needs --sequence-parallel (megatron-core trains MoE "
              "layers under tensor parallelism only with it)")
+    replay = [flag for flag, on in (("--use-routing-replay", args.use_routing_replay),
+                                    ("--use-rollout-routing-replay", args.use_rollout_routing_replay)) if on]
+    _require(cp == 1 or not replay,
+             f"{replay[0] if replay else ''} with --context-parallel-size {cp}: the routing records are not split "
+             "over context-parallel ranks; use --context-parallel-size 1 or drop the routing replay flag")
     _require(not (args.sequence_parallel and args.moe_router_load_balancing_type == "seq_aux_loss"
                   and args.moe_aux_loss_coeff > 0),
              "--moe-router-load-balancing-type seq_aux_loss with --sequence-parallel: each tensor-parallel rank "
@@ -316,9 +321,10 @@ def unbuilt_megatron_features(args) -> list[str]:
     """What this run asks of the Megatron backend that it does not do (yet, or on this device): each entry names
     the flag and how to run without it."""
     unbuilt = []
-    if args.context_parallel_size > 1:
-        unbuilt.append(f"--context-parallel-size {args.context_parallel_size} needs Transformer Engine's attention "
-                       "core, which --train-backend megatron does not use yet; use --context-parallel-size 1")
+    if args.context_parallel_size > 1 and _num_experts(hf_text_config(args)):
+        unbuilt.append(f"--context-parallel-size {args.context_parallel_size} on an MoE model: the router losses "
+                       "and routing records are per sample, not split over context-parallel ranks; use "
+                       "--context-parallel-size 1 (or a dense model)")
     if args.moe_grouped_gemm and args.expert_tensor_parallel_size > 1 and not _transformer_engine_runs(args):
         unbuilt.append(f"--moe-grouped-gemm with --expert-tensor-parallel-size {args.expert_tensor_parallel_size}: "
                        "without Transformer Engine the grouped experts hold whole experts on each rank; pass "

@@ -8,7 +8,10 @@ takes the place of the local core: on a GPU with FlashAttention it runs the proj
 (exact, no [T, T] mask over the whole row). Input as Megatron's `Attention` hands it over for qkv_format "thd":
 query [T, heads, D], key / value [T, kv_heads, D] (this rank's heads); output [T, heads * D].
 
-Not context parallel (CP needs the TE core) and no attention dropout (RL training runs without it).
+With context parallelism (context_parallel.py's layout; `cu_seqlens` are then those of the padded full row) K / V
+are gathered over the CP group and each local query chunk attends to its sample's keys up to its own global
+position, with torch's sdpa per chunk and an explicit causal mask offset by the chunk's start (on the GPU as well).
+No attention dropout (RL training runs without it).
 """
 
 from __future__ import annotations
@@ -20,13 +23,19 @@ import torch.nn.functional as F
 from megatron.core.transformer.module import MegatronModule
 
 from slime.backends.fsdp_utils.attention import flash_varlen_causal, varlen_supported
+from slime.backends.megatron_utils.context_parallel import (
+    CpLayout,
+    context_parallel_group,
+    gather_sequence,
+    layout_of_row,
+)
 
 
 class PackedCoreAttention(MegatronModule):
     def __init__(self, config, layer_number, attn_mask_type, attention_type, attention_dropout=None,
                  softmax_scale=None, cp_comm_type=None, pg_collection=None):
         super().__init__(config=config)
-        assert config.context_parallel_size == 1, "context parallelism needs Transformer Engine's attention core"
+        self.cp_size = config.context_parallel_size
         self.softmax_scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(config.kv_channels)
 
     def forward(self, query, key, value, attention_mask=None, attn_mask_type=None, attention_bias=None,
@@ -34,7 +43,9 @@ class PackedCoreAttention(MegatronModule):
         assert packed_seq_params is not None and packed_seq_params.qkv_format == "thd", \
             "the Megatron backend feeds packed THD micro-batches only"
         cu_seqlens = packed_seq_params.cu_seqlens_q
-        if varlen_supported(query.device):
+        if self.cp_size > 1:
+            out = self._context_parallel_attention(query, key, value, layout_of_row(cu_seqlens, self.cp_size))
+        elif varlen_supported(query.device):
             out, _ = flash_varlen_causal(query.contiguous(), key.contiguous(), value.contiguous(), cu_seqlens,
                                          int(packed_seq_params.max_seqlen_q), self.softmax_scale)
         else:
@@ -45,5 +56,28 @@ class PackedCoreAttention(MegatronModule):
     def _sample_attention(self, query, key, value):
         q, k, v = (t.transpose(0, 1)[None] for t in (query, key, value))  # [1, heads, t, D]
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.softmax_scale,
+                                             enable_gqa=q.shape[1] != k.shape[1])
+        return out[0].transpose(0, 1)
+
+    def _context_parallel_attention(self, query, key, value, layout: CpLayout):
+        group = context_parallel_group()
+        sample_lengths = layout.sample_lengths
+        full_key, full_value = gather_sequence(key, layout, group), gather_sequence(value, layout, group)
+        pieces, local_offset, row_start = [], 0, 0
+        for length, chunk in zip(sample_lengths, layout.local_chunk_lengths):
+            for chunk_index in (layout.cp_rank, 2 * self.cp_size - 1 - layout.cp_rank):
+                query_start = chunk_index * chunk  # within the sample
+                end = row_start + query_start + chunk
+                # query a (global position query_start + a) sees the sample's keys 0 .. query_start + a
+                mask = torch.ones(chunk, query_start + chunk, dtype=torch.bool, device=query.device).tril(query_start)
+                pieces.append(self._masked_attention(query[local_offset:local_offset + chunk],
+                                                     full_key[row_start:end], full_value[row_start:end], mask))
+                local_offset += chunk
+            row_start += length
+        return torch.cat(pieces)
+
+    def _masked_attention(self, query, key, value, mask):
+        q, k, v = (t.transpose(0, 1)[None] for t in (query, key, value))
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.softmax_scale,
                                              enable_gqa=q.shape[1] != k.shape[1])
         return out[0].transpose(0, 1)

@@ -66,9 +66,11 @@ class MegatronBackend(TrainBackend):
             apply_cpu_shim()
         init_default_group(self.device, rank, world_size, master_addr, master_port)
         init_model_parallel(args, self.device)
-        self.dp_rank = parallel_state.get_data_parallel_rank(with_context_parallel=True)
-        self.dp_size = parallel_state.get_data_parallel_world_size(with_context_parallel=True)
-        self.dp_group = parallel_state.get_data_parallel_group(with_context_parallel=True)
+        # The flow's data-parallel reductions (loss denominators, metrics) run over the replicas; the context-
+        # parallel ranks of one replica hold the same samples (DDP sums the gradients over data x context).
+        self.dp_rank = parallel_state.get_data_parallel_rank()
+        self.dp_size = parallel_state.get_data_parallel_world_size()
+        self.dp_group = parallel_state.get_data_parallel_group()
         if args.virtual_pipeline_model_parallel_size:  # the interleaved schedule's groups of micro-batches
             self.num_micro_batches_multiple = args.pipeline_model_parallel_size
         self.model_chunks, self.ddp_chunks = [], []

@@ -11,6 +11,11 @@ come from the last chunk of the last stage. Outputs live on the last pipeline st
 (log-probs, entropy, loss metrics) is broadcast from there to every stage. The loss is computed per micro-batch as the
 caller's share of the global loss (no division by the number of micro-batches: `calculate_per_token_loss`).
 
+With context parallelism (context_parallel.py) each sample is padded to a multiple of 2 x CP and this rank feeds its
+chunks of the padded row; the targets of the response positions come from the unsplit row (labels shifted before
+the split). Each rank computes the outputs of the response positions it holds, and the full per-micro-batch outputs
+(in sample order) are summed over the CP group before the loss, which every CP rank then computes identically.
+
 Not the micro-batch schedule (the train flow and packing.py decide which samples form each micro-batch) and not
 the loss math (the flow's `loss_of`).
 """
@@ -19,14 +24,16 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
 from slime.backends.backend import LossOf
 from slime.backends.packing import PackedMicroBatch, to_device
+from slime.backends.megatron_utils.context_parallel import CpLayout, context_parallel_group, sum_over_context_parallel
 from slime.backends.megatron_utils.log_probs import (
     hidden_state_log_probs_and_entropy,
     vocab_parallel_log_probs_and_entropy,
@@ -58,6 +65,68 @@ def thd_input(micro_batch: PackedMicroBatch, device, pad_multiple: int) -> ThdIn
     params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu_seqlens, cu_seqlens_kv=cu_seqlens,
                              max_seqlen_q=max_seqlen, max_seqlen_kv=max_seqlen)
     return ThdInput(to_device(input_ids, device), to_device(position_ids, device), params)
+
+
+@dataclass
+class CpRows:
+    """Which response positions of a micro-batch this CP rank holds: `held` [num_response_tokens] bool, and
+    `local_rows` their rows in this rank's tokens."""
+
+    held: torch.Tensor
+    local_rows: torch.Tensor
+
+
+def context_parallel_thd_input(micro_batch: PackedMicroBatch, device, pad_multiple: int, cp_size: int,
+                               cp_rank: int) -> tuple[ThdInput, CpRows]:
+    """This CP rank's tokens of the micro-batch (each sample padded to a multiple of 2 x cp_size by pad id 0, a
+    padding segment of its own bringing the row to a multiple of 2 x cp_size x `pad_multiple`), with the padded
+    full row's cu_seqlens (megatron's RoPE and attention.py split them per rank)."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    split = 2 * cp_size
+    lengths = micro_batch.cu_seqlens.diff().numpy().astype(np.int64)
+    padded = -(-lengths // split) * split
+    padding = -int(padded.sum()) % (split * pad_multiple)
+    padded_lengths = padded.tolist() + ([padding] if padding else [])
+    starts, padded_starts = np.cumsum(lengths) - lengths, np.cumsum(padded) - padded
+    shift = np.repeat(padded_starts - starts, lengths)  # row position -> padded row position
+    total = sum(padded_lengths)
+    input_ids = np.zeros(total, dtype=np.int64)
+    input_ids[np.arange(len(shift)) + shift] = micro_batch.input_ids[0].numpy()
+    padded_lengths_array = np.asarray(padded_lengths, dtype=np.int64)
+    position_ids = np.arange(total) - np.repeat(np.cumsum(padded_lengths_array) - padded_lengths_array,
+                                                padded_lengths_array)
+    layout = CpLayout.of(padded_lengths, cp_size, cp_rank)
+    local_index = layout.local_index.numpy()
+    local_row = np.full(total, -1, dtype=np.int64)
+    local_row[local_index] = np.arange(len(local_index))
+    logit_index = micro_batch.logit_index.numpy()
+    rows = local_row[logit_index + shift[logit_index]]
+    held = rows >= 0
+    cu_seqlens = to_device(torch.from_numpy(np.concatenate([[0], np.cumsum(padded_lengths)])).to(torch.int32), device)
+    max_seqlen = max(padded_lengths)
+    params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu_seqlens, cu_seqlens_kv=cu_seqlens,
+                             max_seqlen_q=max_seqlen, max_seqlen_kv=max_seqlen)
+    inputs = ThdInput(to_device(torch.from_numpy(input_ids[local_index])[None], device),
+                      to_device(torch.from_numpy(position_ids[local_index])[None], device), params)
+    return inputs, CpRows(torch.from_numpy(held), torch.from_numpy(rows[held]))
+
+
+def _context_parallel_outputs(outputs_of, micro_batch: PackedMicroBatch, cp_rows: CpRows, output: torch.Tensor):
+    """The full outputs over the micro-batch's response tokens, on every CP rank, from the rows this rank holds."""
+    held = cp_rows.held
+    local = replace(micro_batch, logit_index=cp_rows.local_rows, target_ids=micro_batch.target_ids[held])
+    local_outputs = outputs_of(local, output)
+    group = context_parallel_group()
+    held = to_device(held, output.device)
+
+    def full(share: torch.Tensor) -> torch.Tensor:
+        scattered = share.new_zeros(held.shape[0]).masked_scatter(held, share)
+        return sum_over_context_parallel(scattered, group)
+
+    if isinstance(local_outputs, torch.Tensor):
+        return full(local_outputs)
+    return tuple(full(tensor) for tensor in local_outputs)
 
 
 def _pad_multiple(config) -> int:
@@ -121,6 +190,8 @@ def run_micro_batches(model_chunks, micro_batches: list[PackedMicroBatch], *, te
     forward_only = loss_of is None
     config = model_chunks[0].config
     pad_multiple = _pad_multiple(config)
+    cp_size = config.context_parallel_size
+    cp_rank = dist.get_rank(context_parallel_group()) if cp_size > 1 else 0
     last_chunk = model_chunks[-1]
     from_hidden_states = config.tensor_model_parallel_size == 1  # model.py: the output layer passes them through
     outputs = []
@@ -135,8 +206,11 @@ def run_micro_batches(model_chunks, micro_batches: list[PackedMicroBatch], *, te
 
     outputs_of = head or log_prob_head
 
-    def loss_func(index: int, micro_batch: PackedMicroBatch, output: torch.Tensor):
-        micro_batch_outputs = outputs_of(micro_batch, output)
+    def loss_func(index: int, micro_batch: PackedMicroBatch, cp_rows: CpRows | None, output: torch.Tensor):
+        if cp_rows is None:
+            micro_batch_outputs = outputs_of(micro_batch, output)
+        else:
+            micro_batch_outputs = _context_parallel_outputs(outputs_of, micro_batch, cp_rows, output)
         if forward_only:
             outputs.append(_detached(micro_batch_outputs))
             return output.sum() * 0.0, torch.tensor(1), {}
@@ -146,7 +220,11 @@ def run_micro_batches(model_chunks, micro_batches: list[PackedMicroBatch], *, te
 
     def forward_step(data_iterator, model):
         index, micro_batch = next(data_iterator)
-        inputs = thd_input(micro_batch, device, pad_multiple)
+        cp_rows = None
+        if cp_size > 1:
+            inputs, cp_rows = context_parallel_thd_input(micro_batch, device, pad_multiple, cp_size, cp_rank)
+        else:
+            inputs = thd_input(micro_batch, device, pad_multiple)
         if router_losses is not None:
             router_losses.sample_lengths = micro_batch.cu_seqlens.diff().tolist()
         routing = micro_batch.routed_experts
@@ -158,7 +236,7 @@ def run_micro_batches(model_chunks, micro_batches: list[PackedMicroBatch], *, te
         routers_follow = routing_replay is not None or router_losses is not None
         if config.recompute_granularity is not None and output.requires_grad and routers_follow:
             output.register_hook(partial(_before_recompute, micro_batch, routing, routing_replay, router_losses))
-        return output, partial(loss_func, index, micro_batch)
+        return output, partial(loss_func, index, micro_batch, cp_rows)
 
     for chunk in model_chunks:
         chunk.train(not forward_only)
