@@ -107,6 +107,7 @@ def _ppo_argv(task, out, save, num_rollout: int, *extra):
             "--output-dir", str(out), "--no-progress", *extra]
 
 
+@pytest.mark.slow  # ~140 s; the critic's equivalence and resume are in tests/test_megatron_critic.py
 def test_tp2_ppo_trains_a_megatron_critic_and_resumes_it_from_load(task, tmp_path):
     save = tmp_path / "ckpt"
     (tmp_path / "megatron.yaml").write_text(CRITIC_CONFIG)  # slime's critic entry: the critic's learning rate
