@@ -52,6 +52,19 @@ def make_train_data(num_samples: int, vocab_size: int, seed: int = 0, *, num_ste
     return data
 
 
+def old_values_off_the_clip_edge(values: list[torch.Tensor], seed: int) -> list[torch.Tensor]:
+    """Critic tests' old values: 0.05 or 0.5 away from `values`, either side, so every token is clearly inside or
+    clearly outside the value clip range (0.2): both branches of the value loss run, and rounding differences between
+    runs cannot move a token across the edge."""
+    generator = torch.Generator().manual_seed(seed)
+    old = []
+    for v in values:
+        sign = torch.randint(0, 2, (len(v),), generator=generator) * 2 - 1
+        far = torch.randint(0, 2, (len(v),), generator=generator).bool()
+        old.append(v + sign * torch.where(far, 0.5, 0.05))
+    return old
+
+
 def rank_slice(data: dict, rank: int, world_size: int) -> dict:
     """Split a global train-data dict as the RolloutManager does: each step's samples dealt evenly to ranks."""
     num_steps = data["num_steps_per_rollout"]

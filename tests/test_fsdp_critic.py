@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 import torch.distributed as dist
-from fsdp_helpers import make_args, make_train_data, make_trainer
+from fsdp_helpers import make_args, make_train_data, make_trainer, old_values_off_the_clip_edge
 
 from slime.utils.misc import find_free_port
 from slime.utils.tiny_model import build_tiny_model
@@ -48,14 +48,7 @@ def _value_loss_run(checkpoint, data, returns, *extra):
     assert all(float(v.abs().max()) == 0.0 for v in critic.compute_values(0, data))  # value head starts at 0
     critic.train(0, data, critic.compute_values(0, data), returns)  # move the head off zero
     values = critic.compute_values(1, data)
-    # Old values 0.05 or 0.5 away from the new ones, either side: every token is clearly inside or clearly outside
-    # the clip range (margin 0.15), so rounding differences between runs cannot move a token across it.
-    generator = torch.Generator().manual_seed(0)
-    old_values = []
-    for v in values:
-        sign = torch.randint(0, 2, (len(v),), generator=generator) * 2 - 1
-        far = torch.randint(0, 2, (len(v),), generator=generator).bool()
-        old_values.append(v + sign * torch.where(far, 0.5, 0.05))
+    old_values = old_values_off_the_clip_edge(values, seed=0)
     metrics = critic.train(1, data, old_values, returns)
     dist.destroy_process_group()
     return metrics, values, old_values

@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from fsdp_helpers import capture_grads, make_args, make_train_data, run_distributed
+from fsdp_helpers import capture_grads, make_args, make_train_data, old_values_off_the_clip_edge, run_distributed
 from megatron_helpers import make_megatron_args
 
 pytest.importorskip("megatron.core")
@@ -39,18 +39,6 @@ def _batch():
     data = make_train_data(6, vocab_size=300, seed=31)
     returns = [torch.linspace(-1, 1, n) for n in data["response_lengths"]]
     return data, returns
-
-
-def _old_values(values):
-    """0.05 or 0.5 from the values, either side: every token clearly inside or outside the clip range (0.2), so both
-    branches of the value loss run and rounding cannot move a token across them."""
-    generator = torch.Generator().manual_seed(3)
-    old = []
-    for v in values:
-        sign = torch.randint(0, 2, (len(v),), generator=generator) * 2 - 1
-        far = torch.randint(0, 2, (len(v),), generator=generator).bool()
-        old.append(v + sign * torch.where(far, 0.5, 0.05))
-    return old
 
 
 def _megatron_grads(backend) -> list:
@@ -82,7 +70,7 @@ def _critic_run(rank, world_size, port, args, data, returns, save=None):
     start = critic.init()
     grads = (_megatron_grads(critic.backend) if args.train_backend == "megatron" else capture_grads(critic))
     values = critic.compute_values(0, data)
-    metrics = critic.train(0, data, _old_values(values), returns)
+    metrics = critic.train(0, data, old_values_off_the_clip_edge(values, seed=3), returns)
     if save:
         critic.save_model(0)
     after = critic.compute_values(1, data)
