@@ -23,12 +23,7 @@ import torch.nn.functional as F
 from megatron.core.transformer.module import MegatronModule
 
 from slime.backends.fsdp_utils.attention import flash_varlen_causal, varlen_supported
-from slime.backends.megatron_utils.context_parallel import (
-    CpLayout,
-    context_parallel_group,
-    gather_sequence,
-    layout_of_row,
-)
+from slime.backends.megatron_utils.context_parallel import CpLayout, context_parallel_group, gather_sequence
 
 
 class PackedCoreAttention(MegatronModule):
@@ -44,7 +39,7 @@ class PackedCoreAttention(MegatronModule):
             "the Megatron backend feeds packed THD micro-batches only"
         cu_seqlens = packed_seq_params.cu_seqlens_q
         if self.cp_size > 1:
-            out = self._context_parallel_attention(query, key, value, layout_of_row(cu_seqlens, self.cp_size))
+            out = self._context_parallel_attention(query, key, value, packed_seq_params.cp_layout)
         elif varlen_supported(query.device):
             out, _ = flash_varlen_causal(query.contiguous(), key.contiguous(), value.contiguous(), cu_seqlens,
                                          int(packed_seq_params.max_seqlen_q), self.softmax_scale)
@@ -68,8 +63,7 @@ class PackedCoreAttention(MegatronModule):
             for chunk_index in (layout.cp_rank, 2 * self.cp_size - 1 - layout.cp_rank):
                 query_start = chunk_index * chunk  # within the sample
                 end = row_start + query_start + chunk
-                # query a (global position query_start + a) sees the sample's keys 0 .. query_start + a
-                mask = torch.ones(chunk, query_start + chunk, dtype=torch.bool, device=query.device).tril(query_start)
+                mask = layout.causal_mask(query_start, chunk, query.device)
                 pieces.append(self._masked_attention(query[local_offset:local_offset + chunk],
                                                      full_key[row_start:end], full_value[row_start:end], mask))
                 local_offset += chunk

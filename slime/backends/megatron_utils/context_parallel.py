@@ -2,7 +2,7 @@
 a multiple of 2 x CP tokens and cut into 2 x CP equal chunks; CP rank r holds chunks r and 2 x CP - 1 - r of every
 sample (the causal work is then the same on every rank), the samples' pieces concatenated in sample order.
 
-Three pieces: `CpLayout`, where each token of the padded row lives; `gather_sequence`, the autograd all-gather of
+Three pieces: `CpLayout`, where each token of the padded row lives (carried to every layer by `CpPackedSeqParams`); `gather_sequence`, the autograd all-gather of
 K / V over the CP group (backward: the full gradient summed over the group, then this rank's slice; gloo has no
 reduce-scatter); `sum_over_context_parallel`, the full per-token outputs (log-probs, entropy, values) from each
 rank's share, which every CP rank then uses identically in the same loss (backward: the gradient passes through
@@ -14,11 +14,12 @@ Not the attention itself (attention.py) and not the micro-batch schedule (micro_
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 import torch.distributed as dist
+from megatron.core.packed_seq_params import PackedSeqParams
 
 
 def context_parallel_group():
@@ -39,6 +40,7 @@ class CpLayout:
     cp_rank: int
     local_index: torch.Tensor
     gather_index: torch.Tensor
+    masks: dict = field(default_factory=dict, repr=False)  # causal masks by (query start, chunk)
 
     @classmethod
     def of(cls, sample_lengths: list[int], cp_size: int, cp_rank: int) -> "CpLayout":
@@ -69,19 +71,21 @@ class CpLayout:
     def local_chunk_lengths(self) -> list[int]:
         return [length // (2 * self.cp_size) for length in self.sample_lengths]
 
+    def causal_mask(self, query_start: int, chunk: int, device: torch.device) -> torch.Tensor:
+        """[chunk, query_start + chunk]: query a (global position query_start + a) sees keys 0 .. query_start + a.
+        Made once per layout, shared by every layer."""
+        key = (query_start, chunk)
+        if key not in self.masks:
+            self.masks[key] = torch.ones(chunk, query_start + chunk, dtype=torch.bool, device=device).tril(query_start)
+        return self.masks[key]
 
-_last_row: list = [None, None]  # (cu_seqlens, its layout): every layer of a forward (and its recompute) shares one
 
+@dataclass
+class CpPackedSeqParams(PackedSeqParams):
+    """megatron's PackedSeqParams of a padded row, carrying this rank's CP layout (its gather index on the row's
+    device), built once per micro-batch on the host: every layer's attention, and its recompute, reads it here."""
 
-def layout_of_row(cu_seqlens: torch.Tensor, cp_size: int) -> CpLayout:
-    """This rank's layout of the padded row with these cu_seqlens, computed once per micro-batch, not per layer (on
-    the GPU reading cu_seqlens waits for the stream)."""
-    if _last_row[0] is not cu_seqlens:
-        rank = dist.get_rank(context_parallel_group())
-        layout = CpLayout.of(cu_seqlens.diff().tolist(), cp_size, rank)
-        layout.gather_index = layout.gather_index.to(cu_seqlens.device)
-        _last_row[:] = cu_seqlens, layout
-    return _last_row[1]
+    cp_layout: CpLayout | None = None
 
 
 class _GatherSequence(torch.autograd.Function):

@@ -33,7 +33,8 @@ import torch.distributed as dist
 
 from slime.backends.backend import LossOf
 from slime.backends.packing import PackedMicroBatch, to_device
-from slime.backends.megatron_utils.context_parallel import CpLayout, context_parallel_group, sum_over_context_parallel
+from slime.backends.megatron_utils.context_parallel import (CpLayout, CpPackedSeqParams, context_parallel_group,
+                                                            sum_over_context_parallel)
 from slime.backends.megatron_utils.log_probs import (
     hidden_state_log_probs_and_entropy,
     vocab_parallel_log_probs_and_entropy,
@@ -80,9 +81,7 @@ def context_parallel_thd_input(micro_batch: PackedMicroBatch, device, pad_multip
                                cp_rank: int) -> tuple[ThdInput, CpRows]:
     """This CP rank's tokens of the micro-batch (each sample padded to a multiple of 2 x cp_size by pad id 0, a
     padding segment of its own bringing the row to a multiple of 2 x cp_size x `pad_multiple`), with the padded
-    full row's cu_seqlens (megatron's RoPE and attention.py split them per rank)."""
-    from megatron.core.packed_seq_params import PackedSeqParams
-
+    full row's cu_seqlens (megatron's RoPE and attention.py split them per rank) and this rank's layout."""
     split = 2 * cp_size
     lengths = micro_batch.cu_seqlens.diff().numpy().astype(np.int64)
     padded = -(-lengths // split) * split
@@ -105,8 +104,9 @@ def context_parallel_thd_input(micro_batch: PackedMicroBatch, device, pad_multip
     held = rows >= 0
     cu_seqlens = to_device(torch.from_numpy(np.concatenate([[0], np.cumsum(padded_lengths)])).to(torch.int32), device)
     max_seqlen = max(padded_lengths)
-    params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu_seqlens, cu_seqlens_kv=cu_seqlens,
-                             max_seqlen_q=max_seqlen, max_seqlen_kv=max_seqlen)
+    layout.gather_index = to_device(layout.gather_index, device)
+    params = CpPackedSeqParams(qkv_format="thd", cu_seqlens_q=cu_seqlens, cu_seqlens_kv=cu_seqlens,
+                               max_seqlen_q=max_seqlen, max_seqlen_kv=max_seqlen, cp_layout=layout)
     inputs = ThdInput(to_device(torch.from_numpy(input_ids[local_index])[None], device),
                       to_device(torch.from_numpy(position_ids[local_index])[None], device), params)
     return inputs, CpRows(torch.from_numpy(held), torch.from_numpy(rows[held]))
