@@ -83,12 +83,14 @@ class DiskWeightWriter:
         self.is_delta = self.delta_encoding is not None and bool(self.last_pushed)
         self.tmp = self._fresh_tmp()
         self.weight_map: dict[str, str] = {}
+        self.num_files = 0
         self.stats = {"total_bytes": 0, "changed_bytes": 0, "wire_bytes": 0}
 
     def add(self, bucket: list[tuple[str, torch.Tensor]]) -> None:
         """Write one bucket's weights (their full values, or in a delta version those that changed)."""
         tensors, checksums = {}, {}
         for name, tensor in bucket:
+            aliases_source = tensor.device.type == "cpu"  # .cpu() of a host tensor is the live tensor itself
             tensor = tensor.detach().cpu().contiguous()
             new = tensor.view(torch.uint8).reshape(-1).numpy()
             self.stats["total_bytes"] += new.size
@@ -105,7 +107,7 @@ class DiskWeightWriter:
                 tensors[name] = tensor
                 self.stats["changed_bytes"] += new.size
             if self.delta_encoding is not None:
-                self.last_pushed[name] = new.copy()
+                self.last_pushed[name] = new.copy() if aliases_source else new
                 self.layouts[name] = (tensor.dtype, tuple(tensor.shape))
         if tensors:
             self._write_file(tensors, checksums if self.is_delta else {"format": "pt"})
@@ -132,8 +134,9 @@ class DiskWeightWriter:
         self.is_delta = False
         self.tmp = self._fresh_tmp()
         self.weight_map = {}
+        self.num_files = 0
         self.stats["wire_bytes"] = 0
-        tensors = {name: torch.frombuffer(bytearray(data.tobytes()), dtype=torch.uint8).view(dtype).reshape(shape)
+        tensors = {name: torch.from_numpy(data).view(dtype).reshape(shape)  # save_file only reads them
                    for name, data in self.last_pushed.items() for dtype, shape in [self.layouts[name]]}
         if tensors:
             self._write_file(tensors, {"format": "pt"})
@@ -148,7 +151,8 @@ class DiskWeightWriter:
     def _write_file(self, tensors: dict, metadata: dict) -> None:
         from safetensors.torch import save_file
 
-        file_name = f"model-{len(set(self.weight_map.values())):05d}.safetensors"
+        file_name = f"model-{self.num_files:05d}.safetensors"
+        self.num_files += 1
         save_file(tensors, str(self.tmp / file_name), metadata=metadata)
         self.weight_map.update({name: file_name for name in tensors})
         self.stats["wire_bytes"] += (self.tmp / file_name).stat().st_size

@@ -87,19 +87,20 @@ def encode(encoding: str, old: np.ndarray, new: np.ndarray) -> tuple[np.ndarray 
 
     if old.shape != new.shape:
         raise ValueError(f"a delta needs equal sizes, got {old.size} and {new.size} bytes")
-    changed_mask = old != new
-    num_changed = int(np.count_nonzero(changed_mask))
-    if not num_changed:
-        return None, 0
-    if encoding == "xor":
+    if encoding == "xor":  # one pass over both: the changed bytes are the nonzero ones of the xor
         raw = np.bitwise_xor(old, new)
+        num_changed = int(np.count_nonzero(raw))
     elif encoding == "overwrite":
+        changed_mask = old != new
         positions = np.flatnonzero(changed_mask).astype("<u4")
+        num_changed = int(positions.size)
         raw = np.concatenate([np.array([positions.size], "<u4").view(np.uint8), positions.view(np.uint8),
                               new[changed_mask]])
     else:
         raise ValueError(f"unknown delta encoding {encoding!r}; choose one of {', '.join(DELTA_ENCODINGS)}")
-    compressed = zstandard.ZstdCompressor(level=ZSTD_LEVEL).compress(raw.tobytes())
+    if not num_changed:
+        return None, 0
+    compressed = zstandard.ZstdCompressor(level=ZSTD_LEVEL).compress(raw)
     return np.frombuffer(bytearray(compressed), dtype=np.uint8), num_changed
 
 
