@@ -173,7 +173,7 @@ def train_with_critic(args, actor: RayTrainGroup, critic: RayTrainGroup, rollout
     to its update (its calls run in order). Returns rank 0's actor and critic metrics."""
     rank_data = critic.rank_data(data_refs)  # tensor / pipeline peers share their data-parallel rank's data
     if args.offload_train:
-        critic.get([c.call.remote("onload") for c in critic.actors])
+        critic.onload()
     value_refs = [c.call.remote("compute_values", rollout_id, ref) for c, ref in zip(critic.actors, rank_data)]
     train_policy = rollout_id >= args.num_critic_only_steps
     pairs = [a.train_for_critic.remote(rollout_id, ref, values, train_policy)

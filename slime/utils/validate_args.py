@@ -148,7 +148,6 @@ def _resolve_cluster(args) -> None:
     args.world_size = args.actor_num_nodes * args.actor_num_gpus_per_node
     args.rollout_external = args.rollout_external_engine_addrs is not None  # slime's name
     if args.rollout_external:
-        _require(args.rollout_external_engine_addrs, "--rollout-external-engine-addrs needs at least one HOST:PORT")
         _require(not args.colocate, "--colocate shares this run's devices with engines it starts; external engines "
                                     "(--rollout-external-engine-addrs) run elsewhere: drop one of the two")
         try:
