@@ -27,7 +27,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from slime.backends.fsdp_utils.checkpoint import HF_EXTRA_FILES
+from slime.backends.fsdp_utils.checkpoint import copy_hf_extra_files
 from slime.utils import weight_delta
 
 
@@ -119,9 +119,7 @@ class DiskWeightWriter:
             metadata.update(base_version=f"{self.version - 1:06d}", delta_encoding=self.delta_encoding,
                             compression_format=weight_delta.COMPRESSION, checksum_format=self.checksum)
         else:
-            for name in HF_EXTRA_FILES:
-                if (self.hf_checkpoint / name).is_file():
-                    shutil.copy2(self.hf_checkpoint / name, self.tmp / name)
+            copy_hf_extra_files(self.hf_checkpoint, self.tmp)
         index = {"metadata": metadata, "weight_map": self.weight_map}
         (self.tmp / weight_delta.INDEX_FILE).write_text(json.dumps(index, indent=1))
         final = weight_delta.version_dir(self.disk_dir, self.version)

@@ -44,6 +44,13 @@ HF_EXTRA_FILES = ("config.json", "generation_config.json", "tokenizer.json", "to
                   "special_tokens_map.json", "vocab.json", "merges.txt", "chat_template.jinja", "tokenizer.model")
 
 
+def copy_hf_extra_files(hf_checkpoint, out_dir) -> None:
+    """The config and tokenizer files of an HF folder (those it has) into `out_dir`, beside new weights."""
+    for name in HF_EXTRA_FILES:
+        if (Path(hf_checkpoint) / name).is_file():
+            shutil.copy2(Path(hf_checkpoint) / name, Path(out_dir) / name)
+
+
 def barrier():
     if dist.is_initialized():
         dist.barrier()
@@ -112,9 +119,7 @@ def save_checkpoint(save_root: str, rollout_id: int, model, optimizer, scheduler
         if tie_word_embeddings:
             tensors.pop("lm_head.weight", None)
         save_file(tensors, str(tmp / MODEL_FILE), metadata={"format": "pt"})
-        for name in HF_EXTRA_FILES:
-            if (Path(hf_checkpoint) / name).is_file():
-                shutil.copy2(Path(hf_checkpoint) / name, tmp / name)
+        copy_hf_extra_files(hf_checkpoint, tmp)
         if optim_state is not None:
             torch.save({"optimizer": optim_state, "scheduler": scheduler.state_dict()}, tmp / OPTIMIZER_FILE)
         num_ranks = dist.get_world_size() if dist.is_initialized() else 1

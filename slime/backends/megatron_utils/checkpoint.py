@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from slime.backends.fsdp_utils.checkpoint import (
-    HF_EXTRA_FILES,
+    copy_hf_extra_files,
     barrier,
     publish_checkpoint,
     rng_state,
@@ -86,9 +86,7 @@ def _write_torch_dist(tmp: Path, model_chunks, optimizer, hf_checkpoint: str) ->
         shutil.rmtree(tmp, ignore_errors=True)
         (tmp / "rng").mkdir(parents=True)
         (tmp / TORCH_DIST_DIR).mkdir()
-        for name in HF_EXTRA_FILES:
-            if (Path(hf_checkpoint) / name).is_file():
-                shutil.copy2(Path(hf_checkpoint) / name, tmp / name)
+        copy_hf_extra_files(hf_checkpoint, tmp)
     barrier()
     sharded = _model_sharded_state_dict(model_chunks)
     if optimizer is not None:

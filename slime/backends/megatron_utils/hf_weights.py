@@ -8,14 +8,13 @@ not Megatron's own checkpoint format (checkpoint.py).
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 from typing import Iterator
 
 import torch
 import torch.distributed as dist
 
-from slime.backends.fsdp_utils.checkpoint import HF_EXTRA_FILES
+from slime.backends.fsdp_utils.checkpoint import copy_hf_extra_files
 from slime.backends.megatron_utils import tp_shards
 from slime.backends.megatron_utils.hf_mapping import mapping_for
 from slime.backends.megatron_utils.grads import is_expert
@@ -181,6 +180,4 @@ def save_hf_checkpoint(model_chunks, hf_config, out_dir: str | Path, source_chec
     out_dir.mkdir(parents=True, exist_ok=True)
     save_file({name: tensor.contiguous() for name, tensor in state.items()}, str(out_dir / "model.safetensors"),
               metadata={"format": "pt"})
-    for name in HF_EXTRA_FILES:
-        if (Path(source_checkpoint) / name).is_file():
-            shutil.copy2(Path(source_checkpoint) / name, out_dir / name)
+    copy_hf_extra_files(source_checkpoint, out_dir)
