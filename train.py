@@ -23,6 +23,7 @@ from slime.ray.run_failures import RUN_FAILURES, failure_message
 from slime.utils.arguments import parse_args
 from slime.utils.checkpoint_state import load_run_state, should_save
 from slime.utils.metrics import MetricsLogger, write_args
+from slime.utils.misc import timed
 from slime.utils.validate_megatron_args import require_train_backend
 
 
@@ -53,18 +54,22 @@ def update_weights(args, actor, rollout_manager, rollout_id) -> dict:
     if not engine_urls:
         return {}
     start = time.perf_counter()
+    parts = {}
     if args.offload_rollout:
-        ray.get(rollout_manager.onload.remote(["weights"]))
+        with timed(parts, "perf/engine_resume_weights_time"):
+            ray.get(rollout_manager.onload.remote(["weights"]))
     push = actor.update_weights(engine_urls, weight_version=str(rollout_id + 1))
     ray.get(rollout_manager.weights_pushed.remote(str(rollout_id + 1), engine_urls))
-    if args.release_train:  # slime's: the train processes end until the next train step (recreate)
-        actor.release()
-    elif args.offload_train:
-        actor.offload()
+    with timed(parts, "perf/train_offload_time"):
+        if args.release_train:  # slime's: the train processes end until the next train step (recreate)
+            actor.release()
+        elif args.offload_train:
+            actor.offload()
     if args.offload_rollout:
-        ray.get(rollout_manager.onload.remote(["kv_cache", "cuda_graph"]))
+        with timed(parts, "perf/engine_resume_kv_time"):
+            ray.get(rollout_manager.onload.remote(["kv_cache", "cuda_graph"]))
     # update_weights_time spans the push and the memory hand-over around it; weight_push_* is the push alone.
-    return {"perf/update_weights_time": time.perf_counter() - start, "perf/weight_push_time": push["seconds"],
+    return {**parts, "perf/update_weights_time": time.perf_counter() - start, "perf/weight_push_time": push["seconds"],
             "perf/weight_push_gb": push["bytes"] / 1e9, "perf/weight_push_buckets": push["num_buckets"],
             "perf/weight_push_gb_per_s": push["bytes"] / 1e9 / max(push["seconds"], 1e-9), **push["metrics"]}
 
@@ -127,9 +132,11 @@ def train(args) -> str:
             continue
         hand_over_start = time.perf_counter()
         if args.offload_rollout:
-            ray.get(rollout_manager.offload.remote())
+            with timed(metrics, "perf/engine_release_time"):
+                ray.get(rollout_manager.offload.remote())
         if args.offload_train:
-            actor.onload()
+            with timed(metrics, "perf/train_onload_time"):
+                actor.onload()
         # Colocated: the engines release their memory, the trainer takes its own back (update_weights_time times
         # the way back).
         metrics["perf/hand_over_to_train_time"] = time.perf_counter() - hand_over_start

@@ -32,6 +32,11 @@ from benchmarks.gpu_grpo_smoke import make_parser, read_metrics, train_command  
 TIMED_PHASES = ["perf/rollout_time", "perf/hand_over_to_train_time", "perf/log_prob_time", "perf/actor_train_time",
                 "perf/update_weights_time"]
 
+# Inside the phases: the rollout function's and the manager's own timers, and each part of the hand-over.
+PHASE_PARTS = ["perf/rollout_first_group_time", "perf/rollout_last_group_time", "perf/rollout_postprocess_time",
+               "perf/engine_release_time", "perf/train_onload_time", "perf/engine_resume_weights_time",
+               "perf/weight_push_time", "perf/train_offload_time", "perf/engine_resume_kv_time"]
+
 
 def engine_floor(model_path: str, rollout_files: list[Path], device: str, temperature: float) -> list[dict]:
     """The engine alone on each rollout's samples: seconds and output tokens per rollout (after one warm-up)."""
@@ -110,7 +115,10 @@ def main() -> int:
     print(f"loop overhead ratio (step / sum of floors): {overhead:.2f}; rollout phase at "
           f"{loop['perf/rollout_tokens_per_sec']:,.0f} tok/s = {rollout_fraction:.1%} of the engine alone "
           f"({engine_tok_s:,.0f} tok/s on the same samples)")
-    print(json.dumps({"benchmark": "loop_vs_floors", "shape": args.shape, "placement": args.placement,
+    inside = {key: steady(loop_rows, key) for key in PHASE_PARTS}
+    print("inside the phases (medians, s): " + ", ".join(f"{k.removeprefix('perf/')} {v:.3f}"
+                                                              for k, v in inside.items()))
+    print(json.dumps({"benchmark": "loop_vs_floors", "phase_parts": inside, "shape": args.shape, "placement": args.placement,
                       "loop": loop, "floors": floors, "floor_step": floor_step, "overhead_ratio": overhead,
                       "engine_floor_tok_s": engine_tok_s, "rollout_fraction_of_engine": rollout_fraction,
                       "engine_floor_runs": engine, "train_only_rc": train_rc}))

@@ -59,10 +59,11 @@ run_step() {
     # batch 512 (W5) with HF's ratio, and the GRPO loop against its standalone floors.
     engine_speed) python3 benchmarks/bench_engine.py --workload host &&
                   python3 benchmarks/bench_engine.py --preset qwen3-0.6b --workload w1,w5 --hf-workloads w1,w5 ;;
+    engine_host) python3 benchmarks/bench_engine.py --workload host ;;  # host work per decode step, device faked
     rollout_io) python3 benchmarks/bench_rollout_io.py ;;  # the rollout's per-sample JSON / Sample work, host CPU only
     loop_bench) python3 benchmarks/bench_loop.py /tmp/loop_bench; local rc=$?
                 cp /tmp/loop_bench/loop/metrics.jsonl $OUT/loop_metrics.jsonl
-                cat /tmp/loop_bench/loop/engine_*.log 2>/dev/null | grep -i "captured" | tail -5; return $rc ;;
+                cat /tmp/loop_bench/loop/engine_*.log 2>/dev/null | grep -i "captured\|engine busy" | tail -12; return $rc ;;
     # MoE (issue 16): Qwen3-30B-A3B's layer shapes, 8 layers, 64 experts, top-8 (3.2B params, 0.9B active).
     moe_gpu_tests) python3 -m pytest -q tests/test_engine_moe_cuda.py tests/test_engine_moe.py ;;
     moe_engine) python3 benchmarks/engine_checkpoints.py qwen3-30b-a3b-8l /tmp/moe_ckpt && python3 benchmarks/bench_engine.py --preset qwen3-0.6b --model-path /tmp/moe_ckpt ;;

@@ -34,8 +34,10 @@ def bucket_batch_sizes(max_num_seqs: int) -> list[int]:
 
 class DecodeGraphs:
     def __init__(self, model: nn.Module, max_num_seqs: int, max_num_blocks_per_seq: int, scratch_slot: int,
-                 staging: HostStaging, capture_all: bool = True):
+                 staging: HostStaging, capture_all: bool = True, capture_stats: dict | None = None):
         self.model = model
+        # graphs captured and seconds spent (warm-up forward included), summed by the owner across DecodeGraphs
+        self.capture_stats = capture_stats if capture_stats is not None else {"graphs": 0, "seconds": 0.0}
         self.staging = staging
         self.batch_sizes = bucket_batch_sizes(max_num_seqs)
         self.scratch_slot = scratch_slot
@@ -83,6 +85,7 @@ class DecodeGraphs:
     def _capture(self, batch_size: int) -> None:
         """Capture one bucket. Its warm-up forward writes K/V only to the scratch slot (the slots it reads are those
         of the last replay or zeros) and its hidden rows are overwritten by the replay that follows."""
+        started = time.perf_counter()
         saved_slots = self.slot_mapping[:batch_size].clone()
         self.slot_mapping[:batch_size].fill_(self.scratch_slot)
         self._forward(batch_size)  # warm-up: Triton compilation, cuBLAS workspaces
@@ -92,6 +95,8 @@ class DecodeGraphs:
         self.pool = graph.pool() if self.pool is None else self.pool
         self.graphs[batch_size] = graph
         self.slot_mapping[:batch_size].copy_(saved_slots)
+        self.capture_stats["graphs"] += 1
+        self.capture_stats["seconds"] += time.perf_counter() - started
 
     def run(self, token_inputs: np.ndarray, block_tables: np.ndarray,
             input_tokens: torch.Tensor | None = None) -> torch.Tensor:

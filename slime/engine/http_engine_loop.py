@@ -13,12 +13,14 @@ import concurrent.futures
 import logging
 import queue
 import threading
+import time
 import traceback
 import uuid
 from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import AsyncIterator, Callable
 
+from slime.engine.busy_period import BusyPeriod
 from slime.engine.engine import EngineMemoryReleasedError
 from slime.engine.http_protocol import RequestError
 
@@ -52,6 +54,8 @@ class EngineLoop:
         self._stopped = False
         self._thread = threading.Thread(target=self._run, name="slime-engine-loop", daemon=True)
         self.last_step_error: str | None = None
+        runner = getattr(engine, "model_runner", None)
+        self.busy = BusyPeriod(getattr(runner, "graph_capture_stats", None))
 
     # ---- lifecycle -------------------------------------------------------------------------------------------
     def start(self) -> None:
@@ -197,16 +201,21 @@ class EngineLoop:
         num_empty_steps = 0
         while not self._stopped:
             self._wake.clear()
+            started = time.perf_counter()
             self._run_commands()
+            self.busy.add_commands(time.perf_counter() - started)
             if self._deferred and not self._holds:
                 self._add_deferred()
             if not self._holds and self.engine.has_unfinished_requests():
                 num_launched_before = self.engine.num_launched_steps
+                self.busy.begin()
+                started = time.perf_counter()
                 try:
                     outputs = self.engine.step()
                 except Exception as error:  # a failed step must not kill the server: fail its requests instead
                     self._fail_all(error)
                     continue
+                self.busy.add_step(time.perf_counter() - started)
                 self._dispatch(outputs)
                 # Steps of requests that only report their end return nothing while they run; a long run of steps
                 # that neither report nor launch a batch means the engine cannot progress right now, so back off
@@ -216,6 +225,7 @@ class EngineLoop:
                 if num_empty_steps >= MAX_EMPTY_STEPS_BEFORE_BACKOFF:
                     self._wake.wait(IDLE_WAIT_S)
             else:
+                self.busy.end()
                 self._wake.wait(IDLE_WAIT_S)
 
     def _run_commands(self) -> None:
@@ -242,6 +252,7 @@ class EngineLoop:
             if output.finished:
                 del self._streams[output.rid]
                 stream.finished = True
+                self.busy.add_finished(len(output.output_token_ids))
             elif not stream.incremental:
                 continue
             deliveries.setdefault(stream.loop, []).append((stream.outputs, output))

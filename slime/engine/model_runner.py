@@ -95,6 +95,7 @@ class ModelRunner:
         self.max_num_blocks_per_seq = min(-(-max_model_len // self.block_size), self.num_kvcache_blocks)
         self.decode_graphs: DecodeGraphs | None = None
         self.captured_decode_graphs = False  # the first DecodeGraphs captures every bucket; later ones lazily
+        self.graph_capture_stats = {"graphs": 0, "seconds": 0.0}  # every capture since start-up (engine loop logs it)
         self.decode_rows = DecodeRows(model_config.vocab_size)
         attention_works = self.device.type == "cuda" and triton_attention_works(self.device)
         grouped_mm = grouped_mm_works(self.device, self.dtype) if model_config.is_moe else True
@@ -274,7 +275,7 @@ class ModelRunner:
         if self.decode_graphs is None:
             self.decode_graphs = DecodeGraphs(
                 self.model, self.config.max_num_seqs, self.max_num_blocks_per_seq, self.scratch_slot, self.staging,
-                capture_all=not self.captured_decode_graphs,
+                capture_all=not self.captured_decode_graphs, capture_stats=self.graph_capture_stats,
             )
             self.captured_decode_graphs = True
         if len(scheduled) > self.decode_graphs.max_batch_size:

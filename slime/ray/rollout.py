@@ -169,8 +169,6 @@ class RolloutManager:
         result, function_metrics = output.samples, dict(output.metrics or {})
         samples = _flatten(result)
         samples.sort(key=lambda s: (s.index if s.index is not None else 0))
-        if args.save_debug_rollout_data:
-            save_samples(dump_path(args.save_debug_rollout_data, rollout_id), rollout_id, samples)
         return samples, function_metrics
 
     def generate(self, rollout_id: int) -> tuple[list, dict]:
@@ -179,6 +177,8 @@ class RolloutManager:
         self.state_before_rollout = {rollout_id: copy.deepcopy(self.data_source.state_dict())}
         samples, function_metrics = self._rollout_samples(rollout_id)
         rollout_time = time.perf_counter() - start
+        if self.args.save_debug_rollout_data and not self.args.load_debug_rollout_data:  # not in rollout_time
+            save_samples(dump_path(self.args.save_debug_rollout_data, rollout_id), rollout_id, samples)
         assign_rollout_ids(samples)
         if self.args.rollout_data_postprocess_path:
             load_function(self.args.rollout_data_postprocess_path, "--rollout-data-postprocess-path")(self.args, samples)
@@ -198,7 +198,10 @@ class RolloutManager:
             return [], metrics
         per_rank, num_dropped = split_train_data(self.args, data, rollout_id)
         metrics["rollout/dropped_for_even_split"] = num_dropped
-        return [ray.put(d) for d in per_rank], metrics
+        refs = [ray.put(d) for d in per_rank]
+        # after the samples are back: train data, metrics, the debug dump, the hand-off to the trainer's object store
+        metrics["perf/rollout_postprocess_time"] = time.perf_counter() - start - rollout_time
+        return refs, metrics
 
     def eval(self, rollout_id: int) -> dict:
         if not self.args.eval_datasets:

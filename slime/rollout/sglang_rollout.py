@@ -19,6 +19,7 @@ import collections
 import functools
 import inspect
 import logging
+import time
 import uuid
 
 from tqdm import tqdm
@@ -297,6 +298,7 @@ async def _generate_rollout_async(args, rollout_id: int, data_source) -> tuple[l
     drop_counts: collections.Counter = collections.Counter()
     num_groups_fetched = num_kept_when_insufficient = 0
     pending: set[asyncio.Task] = set()
+    started, first_group_at, last_group_at = time.perf_counter(), None, None
     progress = tqdm(total=target, desc=f"rollout {rollout_id}", unit="group", mininterval=2.0, leave=False,
                     disable=bool(getattr(args, "no_progress", False)))
     try:
@@ -312,6 +314,8 @@ async def _generate_rollout_async(args, rollout_id: int, data_source) -> tuple[l
                 num_groups_fetched += len(groups)
                 pending |= {asyncio.create_task(generate_group(args, g, sampling_params, state)) for g in groups}
             done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            last_group_at = time.perf_counter() - started
+            first_group_at = last_group_at if first_group_at is None else first_group_at
             done = sorted(done, key=lambda t: t.result()[0].index)  # deterministic among simultaneous finishes
             for position, task in enumerate(done):
                 group = task.result()
@@ -370,6 +374,8 @@ async def _generate_rollout_async(args, rollout_id: int, data_source) -> tuple[l
         "rollout/dynamic_filter/num_kept_when_insufficient": num_kept_when_insufficient,
         "rollout/reward_failures": state.num_reward_failures,
         "rollout/prefix_cache_hit_rate": cached_tokens / prompt_tokens if prompt_tokens else 0.0,
+        # from the rollout function's start: the first and the last group back (generated and scored)
+        "perf/rollout_first_group_time": first_group_at, "perf/rollout_last_group_time": last_group_at,
     }
     metrics.update({f"rollout/dynamic_filter/drop_{reason}": count for reason, count in drop_counts.items()})
     return accepted, metrics

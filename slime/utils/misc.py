@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import random
 import socket
+import time
 
 
 def _load_attribute(path: str, flag: str):
@@ -73,3 +75,13 @@ def freeze_startup_objects() -> None:
     gc.collect()
     gc.freeze()
     atexit.register(gc.unfreeze)
+
+
+@contextlib.contextmanager
+def timed(metrics: dict, key: str):
+    """`metrics[key]` = the seconds the with-block took (set even when it raises)."""
+    started = time.perf_counter()
+    try:
+        yield
+    finally:
+        metrics[key] = time.perf_counter() - started
