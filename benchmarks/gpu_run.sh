@@ -13,6 +13,12 @@ grpo() {  # PLACEMENT [smoke flags]: a GRPO run; metrics and curves come back as
   python3 benchmarks/gpu_grpo_smoke.py /tmp/$tag --placement "$@"; local rc=$?
   cp /tmp/$tag/run/metrics.jsonl $OUT/$tag.jsonl; cp /tmp/$tag/run/curves.png $OUT/$tag.png; return $rc
 }
+loop_bench() {  # TAG [smoke flags]: bench_loop.py; its metrics come back as $OUT/TAG_metrics.jsonl
+  local tag=$1; shift
+  python3 benchmarks/bench_loop.py /tmp/$tag "$@"; local rc=$?
+  cp /tmp/$tag/loop/metrics.jsonl $OUT/${tag}_metrics.jsonl
+  cat /tmp/$tag/loop/engine_*.log 2>/dev/null | grep -i "captured\|engine busy" | tail -12; return $rc
+}
 run_step() {
   case $1 in
     gpu_tests) python3 -m pytest -q -m gpu tests ;;
@@ -61,9 +67,8 @@ run_step() {
                   python3 benchmarks/bench_engine.py --preset qwen3-0.6b --workload w1,w5 --hf-workloads w1,w5 ;;
     engine_host) python3 benchmarks/bench_engine.py --workload host ;;  # host work per decode step, device faked
     rollout_io) python3 benchmarks/bench_rollout_io.py ;;  # the rollout's per-sample JSON / Sample work, host CPU only
-    loop_bench) python3 benchmarks/bench_loop.py /tmp/loop_bench; local rc=$?
-                cp /tmp/loop_bench/loop/metrics.jsonl $OUT/loop_metrics.jsonl
-                cat /tmp/loop_bench/loop/engine_*.log 2>/dev/null | grep -i "captured\|engine busy" | tail -12; return $rc ;;
+    loop_bench) loop_bench loop_bench ;;
+    loop_bench_compiled) loop_bench loop_bench_compiled --train-args=--compile-model ;;  # trainer layers compiled
     # MoE (issue 16): Qwen3-30B-A3B's layer shapes, 8 layers, 64 experts, top-8 (3.2B params, 0.9B active).
     moe_gpu_tests) python3 -m pytest -q tests/test_engine_moe_cuda.py tests/test_engine_moe.py ;;
     moe_engine) python3 benchmarks/engine_checkpoints.py qwen3-30b-a3b-8l /tmp/moe_ckpt && python3 benchmarks/bench_engine.py --preset qwen3-0.6b --model-path /tmp/moe_ckpt ;;
