@@ -23,6 +23,7 @@ run_step() {
   case $1 in
     gpu_tests) python3 -m pytest -q -m gpu tests ;;
     profile_engine) python3 benchmarks/profile_engine.py ;;
+    profile_engine_w5) python3 benchmarks/profile_engine.py --shape smollm-135m --num-prompts 512 ;;  # W5: host- or GPU-bound?
     bench_engine) python3 benchmarks/bench_engine.py --preset qwen3-0.6b ;;
     agent_adapter) python3 benchmarks/bench_agent_adapter.py --shape qwen3-0.6b --device cuda ;;
     engine_all) python3 benchmarks/bench_engine.py --preset qwen3-0.6b --workload all ;;

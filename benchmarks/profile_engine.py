@@ -6,6 +6,7 @@ the plain loop's `Engine.step` split into schedule / launch (forward + sampling,
 postprocess / the rest (outputs, stop rules), timed with GPU synchronisation.
 
     python benchmarks/profile_engine.py [--output-len 96] [--num-prompts 256]
+    python benchmarks/profile_engine.py --shape smollm-135m --num-prompts 512   # W5's model and batch
 
 A diagnosis tool, not a benchmark: the profiler and the timers slow the host down.
 """
@@ -23,9 +24,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.engine_checkpoints import QWEN3_06B_SHAPE, build_checkpoint, make_prompts  # noqa: E402
+from benchmarks.engine_checkpoints import (QWEN3_06B_SHAPE, SMOLLM_135M_SHAPE, build_checkpoint,  # noqa: E402
+                                          make_prompts)
 from benchmarks.gpu_trace import busy_microseconds, log_triton_compiles  # noqa: E402
 
+SHAPES = {"qwen3-0.6b": QWEN3_06B_SHAPE, "smollm-135m": SMOLLM_135M_SHAPE}
 PROFILED_STEPS = 16
 UNPROFILED_STEPS = 32
 
@@ -102,11 +105,13 @@ def main() -> None:
     parser.add_argument("--num-prompts", type=int, default=256)
     parser.add_argument("--input-len", type=int, default=256)
     parser.add_argument("--output-len", type=int, default=96)
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-0.6b")
     args = parser.parse_args()
     log_triton_compiles()
     with tempfile.TemporaryDirectory(prefix="profile_engine_") as tmp:
-        model_path = str(build_checkpoint(Path(tmp) / "model", QWEN3_06B_SHAPE, torch.bfloat16, "cuda", 0))
-        prompts = make_prompts(args.num_prompts, args.input_len, 151936, 0)
+        shape = SHAPES[args.shape]
+        model_path = str(build_checkpoint(Path(tmp) / "model", shape, torch.bfloat16, "cuda", 0))
+        prompts = make_prompts(args.num_prompts, args.input_len, shape["vocab_size"], 0)
         results = {mode: profile_mode(model_path, prompts, args, mode == "overlap") for mode in ("plain", "overlap")}
     events = results["plain"]["prof"].key_averages()
     print(events.table(sort_by="cuda_time_total", row_limit=30))
