@@ -68,8 +68,8 @@ run_step() {
                   python3 benchmarks/bench_engine.py --preset qwen3-0.6b --workload w1,w5 --hf-workloads w1,w5 ;;
     engine_host) python3 benchmarks/bench_engine.py --workload host ;;  # host work per decode step, device faked
     rollout_io) python3 benchmarks/bench_rollout_io.py ;;  # the rollout's per-sample JSON / Sample work, host CPU only
-    loop_bench) loop_bench loop_bench ;;
-    loop_bench_compiled) loop_bench loop_bench_compiled --train-args=--compile-model ;;  # trainer layers compiled
+    loop_bench) loop_bench loop_bench --train-args=--compile-model ;;  # the trainer's layers compiled (its steady speed)
+    loop_bench_eager) loop_bench loop_bench_eager ;;
     # MoE (issue 16): Qwen3-30B-A3B's layer shapes, 8 layers, 64 experts, top-8 (3.2B params, 0.9B active).
     moe_gpu_tests) python3 -m pytest -q tests/test_engine_moe_cuda.py tests/test_engine_moe.py ;;
     moe_engine) python3 benchmarks/engine_checkpoints.py qwen3-30b-a3b-8l /tmp/moe_ckpt && python3 benchmarks/bench_engine.py --preset qwen3-0.6b --model-path /tmp/moe_ckpt ;;

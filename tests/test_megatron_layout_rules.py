@@ -53,6 +53,7 @@ from megatron_arg_helpers import base, data  # noqa: F401 (data: a fixture)
       "--recompute-num-layers", "29"], "more than the 28 layers"),
     (["--train-backend", "megatron", "--recompute-activations", "--recompute-granularity", "full"], "contradicts"),
     (["--fp16"], "--fp16 is not supported"),
+    (["--train-backend", "megatron", "--compile-model"], "--compile-model compiles the FSDP trainer"),
     (["--attention-dropout", "0.1"], "--attention-dropout 0.1"),
     (["--lr-warmup-fraction", "0.1", "--lr-warmup-iters", "3"], "--lr-warmup-fraction and --lr-warmup-iters"),
     (["--lr-warmup-fraction", "1.5"], "--lr-warmup-fraction"),

@@ -270,6 +270,9 @@ def validate_megatron_args(args) -> None:
     _require(args.save_hf is None or args.train_backend == "megatron",
              "--save-hf: the FSDP backend's --save folders are Hugging Face checkpoints already (rollout_<id>/); "
              "drop it, or train with --train-backend megatron (torch_dist checkpoints)")
+    _require(not args.compile_model or args.train_backend == "fsdp",
+             "--compile-model compiles the FSDP trainer's decoder layers; the Megatron backend has no compiled path: "
+             "drop the flag, or train with --train-backend fsdp")
     _check_model_shape(args, config)
     _resolve_layout(args, config)
     _check_moe_kernels(args, config)
