@@ -210,3 +210,26 @@ def test_a_request_that_reports_only_its_end_never_makes_the_loop_back_off(tiny_
         loop.stop()
     assert len(outputs) == 1 and outputs[0].num_completion_tokens == num_tokens
     assert backoffs == []
+
+
+def test_a_busy_period_counts_its_steps_requests_and_tokens(engine_loop, caplog):
+    async def main():  # held while the five requests are added, so they all run in one busy period
+        await asyncio.wrap_future(engine_loop.set_hold("paused", True))
+        tasks = [asyncio.create_task(collect(engine_loop, [0] * n, n + 1)) for n in range(1, 6)]
+        while engine_loop.num_in_flight < 5:
+            await asyncio.sleep(0.01)
+        await asyncio.wrap_future(engine_loop.set_hold("paused", False))
+        return await asyncio.gather(*tasks)
+
+    with caplog.at_level("INFO", logger="slime.engine.busy_period"):
+        asyncio.run(main())
+        for _ in range(100):  # the period ends at the driver's next idle wait
+            if engine_loop.busy.last is not None and not engine_loop.busy.active:
+                break
+            threading.Event().wait(0.02)
+    period = engine_loop.busy.last
+    assert period["finished_requests"] == 5 and period["output_tokens"] == sum(n + 1 for n in range(1, 6))
+    assert period["steps"] >= 6 and 0 < period["step_seconds"] <= period["seconds"]
+    assert period["graph_captures"] == 0  # the fake engine has no model runner, so no graphs
+    assert any("engine busy" in r.getMessage() and "5 requests finished, 20 output tokens" in r.getMessage()
+               for r in caplog.records)
