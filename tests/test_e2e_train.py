@@ -50,6 +50,9 @@ def test_grpo_run(task, tmp_path):
                     "rollout/prefix_cache_hit_rate"):  # returned by the rollout function with its samples
             assert key in row, (key, sorted(row))
         assert not {"seconds", "bytes", "num_buckets"} & set(row)  # every metric carries its prefix
+        # the rollout's inner timers: groups come back inside the rollout phase, postprocess after it
+        assert 0 < row["perf/rollout_first_group_time"] <= row["perf/rollout_last_group_time"] <= row["perf/rollout_time"]
+        assert row["perf/rollout_postprocess_time"] > 0
         # the engine's log-probs and the trainer's of the same tokens agree (same weights after every sync)
         assert row["train/train_rollout_logprob_abs_diff"] < 1e-3
     assert rows[0]["train/kl_loss"] == 0.0  # first step: policy == reference exactly
