@@ -68,6 +68,7 @@ class TrainFlow:
         self.last_step_metrics: list[dict] = []  # per optimizer step of the last train() call
         self.pushed_versions: list[str] = []  # --keep-old-actor: weight versions held in self.snapshot
         self.pass_entropy: dict[str, dict[int, torch.Tensor]] = {}  # --use-rollout-entropy, by log-prob pass
+        self.snapshot = WeightSnapshot(backend.local_weights)  # weight sets by tag (none for the critic)
 
     @property
     def model(self):
@@ -94,7 +95,6 @@ class TrainFlow:
         if (args.use_routing_replay or args.use_rollout_routing_replay) and backend.routing_replay is None:
             raise ValueError("--use-routing-replay / --use-rollout-routing-replay: this policy has no MoE router "
                              f"the {type(backend).__name__} can replay (a dense model?)")
-        self.snapshot = WeightSnapshot(backend.local_weights)
         self.with_ref = bool(with_ref) and bool(args.ref_load)
         self._place_snapshots()
         # Reference and OPD teacher: other weight sets of the same architecture, kept as host shards.

@@ -18,8 +18,6 @@ Not here: the Megatron trainer's offload (megatron_utils/offload.py, by storage)
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import torch
 
 from slime.backends.fsdp_utils.model import reshard
@@ -28,14 +26,13 @@ from slime.backends.side_stream import SideStream
 OPTIMIZER_STATE = "optimizer_state"
 
 
-def optimizer_state_tensors(optimizer: torch.optim.Optimizer) -> Iterator[tuple[tuple[int, str], dict, str]]:
-    """((parameter id, state key), state dict, key) of every optimizer-state tensor that lives with the parameters.
-    Fused AdamW keeps its step counts on the parameters' device; the default one keeps them on the host."""
+def optimizer_state_tensors(optimizer: torch.optim.Optimizer, on_device: bool) -> list[tuple[tuple, dict, str]]:
+    """((parameter id, state key), state dict, key) of every optimizer-state tensor that moves with the parameters,
+    among those now on the device (`on_device`) or on the host. Fused AdamW keeps its step counts on the parameters'
+    device; the default one keeps them on the host."""
     move_steps = bool(optimizer.defaults.get("fused"))
-    for param, state in optimizer.state.items():
-        for key, value in state.items():
-            if isinstance(value, torch.Tensor) and (key != "step" or move_steps):
-                yield (id(param), key), state, key
+    return [((id(param), key), state, key) for param, state in optimizer.state.items() for key, value in state.items()
+            if isinstance(value, torch.Tensor) and (key != "step" or move_steps) and value.is_cuda == on_device]
 
 
 def move_parameters(model: torch.nn.Module, device) -> None:
@@ -65,7 +62,7 @@ class TrainingStateOffload:
     def optimizer_state_to_host(self, optimizer: torch.optim.Optimizer) -> None:
         """Start copying the (device) optimizer state into the host buffers, after the work queued so far (the last
         optimizer step). The device tensors stay the state until `offload`."""
-        entries = list(optimizer_state_tensors(optimizer))
+        entries = optimizer_state_tensors(optimizer, on_device=True)
         self._host = {id_key: self._host_buffer(id_key, state[key]) for id_key, state, key in entries}
         with self.copies.copying(OPTIMIZER_STATE):
             for id_key, state, key in entries:
@@ -85,15 +82,16 @@ class TrainingStateOffload:
         move_parameters(model, "cpu")
         torch.cuda.synchronize(self.device)  # both streams: the host copies are complete, no copy reads the device
         self.copies.wait(OPTIMIZER_STATE)  # already complete: drops the event
-        for id_key, state, key in list(optimizer_state_tensors(optimizer)):
+        for id_key, state, key in optimizer_state_tensors(optimizer, on_device=True):
             state[key] = self._host[id_key]
         torch.cuda.empty_cache()
 
     def onload(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
         """Parameters back (waited for); the optimizer state's upload queued behind them on the side stream."""
         move_parameters(model, self.device)
-        entries = list(optimizer_state_tensors(optimizer))
-        from_host_buffers = all(state[key] is self._host.get(id_key) for id_key, state, key in entries)
+        entries = optimizer_state_tensors(optimizer, on_device=False)
+        from_host_buffers = (not optimizer_state_tensors(optimizer, on_device=True)
+                             and all(state[key] is self._host.get(id_key) for id_key, state, key in entries))
         device_state = {id_key: torch.empty_like(state[key], device=self.device) for id_key, state, key in entries}
         with self.copies.copying(OPTIMIZER_STATE):  # after the parameters' copies: they are needed first
             for id_key, state, key in entries:
