@@ -301,8 +301,6 @@ class TrainFlow:
                 replay.stage = ReplayStage.FALLTHROUGH
         if self.with_ref and args.ref_update_interval and (rollout_id + 1) % args.ref_update_interval == 0:
             self.snapshot.save("ref")  # the reference follows the actor every --ref-update-interval rollouts
-        if args.offload_train:
-            self.backend.prepare_offload()  # the optimizer state starts leaving while the weights are pushed
         metrics.update(self._summarise(step_metrics, "train/"))
         if args.save_debug_train_data:
             save_debug_train_data(args.save_debug_train_data, rollout_id,
@@ -311,6 +309,8 @@ class TrainFlow:
         # log-prob time: the no-grad passes (old / ref / teacher log-probs) and advantages; train: the steps.
         metrics["perf/log_prob_time"] = prepared - start
         metrics["perf/actor_train_time"] = time.perf_counter() - prepared
+        if args.offload_train:  # after the sync above: the optimizer state leaves while the weights are pushed
+            self.backend.prepare_offload()
         return metrics
 
     def _summarise(self, step_metrics: list[dict], prefix: str) -> dict:

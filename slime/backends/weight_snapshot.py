@@ -78,7 +78,7 @@ class WeightSnapshot:
                 store[name] = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu", pin_memory=pin)
             store[name].copy_(tensor, non_blocking=True)
         if pin:
-            torch.cuda.synchronize()
+            torch.cuda.current_stream().synchronize()  # the copies above only, not a side stream's
 
     @torch.no_grad()
     def restore(self, tag: str) -> None:
@@ -92,7 +92,7 @@ class WeightSnapshot:
         for name, tensor in weights:
             tensor.copy_(store[name], non_blocking=True)
         if store is not self.device_copies.get(tag) and torch.cuda.is_available():
-            torch.cuda.synchronize()
+            torch.cuda.current_stream().synchronize()
 
     def drop(self, tag: str) -> None:
         self._wait(tag)
