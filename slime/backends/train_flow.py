@@ -40,7 +40,7 @@ from slime.backends.routing_replay import (
 from slime.backends.schedule import forward_only_schedule, train_schedule
 from slime.backends.weight_disk import disk_sync_from_args
 from slime.backends.weight_sender import WeightSender
-from slime.backends.weight_snapshot import WeightSnapshot, device_tags
+from slime.backends.weight_snapshot import WeightSnapshot
 from slime.utils.checkpoint_state import weights_at_step
 from slime.utils.engine_access import engine_admin_headers
 from slime.utils.misc import load_function, seed_everything
