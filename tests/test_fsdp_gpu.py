@@ -30,6 +30,8 @@ def test_gpu_train_offload_onload(tmp_path):
     state_bytes = 3 * sum(t.numel() * t.element_size() for t in local)  # fp32 params + Adam's two moments
     param_ids = [id(p) for p in trainer.model.parameters()]
     on_device = torch.cuda.memory_allocated()
+    # The actor's transient device copy (taken around the ref pass, weight_snapshot.py) is dropped, not restored.
+    transient = sum(t.numel() * t.element_size() for t in trainer.snapshot.device_copies.get("actor", {}).values())
     trainer.offload()
     assert all(p.device.type == "cpu" for p in trainer.model.parameters())
     assert all(v.device.type == "cpu" for s in trainer.backend.optimizer.state.values() for v in s.values())
@@ -40,7 +42,7 @@ def test_gpu_train_offload_onload(tmp_path):
     assert all(p.device.type == "cuda" for p in trainer.model.parameters())
     assert [id(p) for p in trainer.model.parameters()] == param_ids  # the optimizer still holds these
     before = {n: p.full_tensor().clone() for n, p in trainer.model.named_parameters()}
-    assert torch.cuda.memory_allocated() >= on_device - 0.05 * state_bytes
+    assert torch.cuda.memory_allocated() >= on_device - transient - 0.05 * state_bytes
     second = trainer.train(1, data)
     assert second["train/kl_loss"] != 0.0
     assert any(not torch.equal(p.full_tensor(), before[n]) for n, p in trainer.model.named_parameters())

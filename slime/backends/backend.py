@@ -160,6 +160,10 @@ class TrainBackend(ABC):
         other ranks take part in the gathers and may yield nothing or the same. Never a parameter's own storage."""
 
     # ---------------------------------------------------------------------------------------- memory
+    def prepare_offload(self) -> None:
+        """The rollout's optimizer steps are done and an offload follows the weight push: a backend may start
+        moving what the push does not read (FSDP: the optimizer state). Default: nothing."""
+
     def offload(self) -> None:
         """Move parameters and optimizer state to the host (GPU); nothing on the CPU."""
 

@@ -68,6 +68,7 @@ class TrainFlow:
         self.last_step_metrics: list[dict] = []  # per optimizer step of the last train() call
         self.pushed_versions: list[str] = []  # --keep-old-actor: weight versions held in self.snapshot
         self.pass_entropy: dict[str, dict[int, torch.Tensor]] = {}  # --use-rollout-entropy, by log-prob pass
+        self.snapshot = WeightSnapshot(backend.local_weights)  # weight sets by tag (none for the critic)
 
     @property
     def model(self):
@@ -94,8 +95,8 @@ class TrainFlow:
         if (args.use_routing_replay or args.use_rollout_routing_replay) and backend.routing_replay is None:
             raise ValueError("--use-routing-replay / --use-rollout-routing-replay: this policy has no MoE router "
                              f"the {type(backend).__name__} can replay (a dense model?)")
-        self.snapshot = WeightSnapshot(backend.local_weights)
         self.with_ref = bool(with_ref) and bool(args.ref_load)
+        self._place_snapshots()
         # Reference and OPD teacher: other weight sets of the same architecture, kept as host shards.
         extra_weights = {"ref": args.ref_load if self.with_ref else None, "teacher": args.opd_teacher_load}
         steps = {"ref": (args.ref_ckpt_step, "--ref-ckpt-step"), "teacher": (args.opd_teacher_ckpt_step,
@@ -116,6 +117,17 @@ class TrainFlow:
         if resume_dir is not None:
             return backend.load_training_state(resume_dir) + 1
         return getattr(args, "start_rollout_id", None) or 0
+
+    def _place_snapshots(self) -> None:
+        """The weight sets swapped in every step (the actor's transient save, the ref, the OPD teacher) live on the
+        device where it has room (weight_snapshot.py); not with --weight-snapshots-on-host, nor when the engines
+        share the device without offload (they size their memory from what is free)."""
+        args = self.args
+        if self.device.type != "cuda" or args.weight_snapshots_on_host or (args.colocate and not args.offload_train):
+            return
+        backed = {"ref": self.with_ref, "teacher": bool(args.opd_teacher_load)}
+        if any(backed.values()):
+            self.snapshot.place_on_device(self.device, ["actor"] + [tag for tag, used in backed.items() if used])
 
     # -------------------------------------------------------------------------------------------- schedule
     def _schedule(self, data: dict) -> list[list]:
@@ -155,7 +167,7 @@ class TrainFlow:
 
     # ---------------------------------------------------------------------------------------------- train
     def _log_probs_with(self, tag: str, schedule, num_samples: int) -> list[torch.Tensor]:
-        """Log-probs under the host weight set `tag` ("ref", "teacher"), then back to the actor's weights."""
+        """Log-probs under the saved weight set `tag` ("ref", "teacher"), then back to the actor's weights."""
         self.snapshot.save("actor")
         self.snapshot.restore(tag)
         by_index = self.compute_log_probs(schedule, store_prefix=f"{tag}_")
@@ -297,6 +309,8 @@ class TrainFlow:
         # log-prob time: the no-grad passes (old / ref / teacher log-probs) and advantages; train: the steps.
         metrics["perf/log_prob_time"] = prepared - start
         metrics["perf/actor_train_time"] = time.perf_counter() - prepared
+        if args.offload_train:  # after the sync above: the optimizer state leaves while the weights are pushed
+            self.backend.prepare_offload()
         return metrics
 
     def _summarise(self, step_metrics: list[dict], prefix: str) -> dict:
@@ -392,8 +406,12 @@ class TrainFlow:
 
     # ---------------------------------------------------------------------------------------- offload
     def offload(self) -> None:
-        """GPU: move parameters and optimizer state to host memory and release the cache. CPU: nothing to do."""
+        """GPU: free the weight sets' device copies, move parameters and optimizer state to host memory and release
+        the cache. CPU: nothing to do."""
+        self.snapshot.offload()
         self.backend.offload()
 
     def onload(self) -> None:
+        """The weight sets' uploads first (the ref pass reads them first), on a side stream beside the parameters."""
+        self.snapshot.onload()
         self.backend.onload()

@@ -45,6 +45,9 @@ def add_cluster_arguments(parser):
     g.add_argument("--offload", action="store_true")
     g.add_argument("--offload-train", action=argparse.BooleanOptionalAction, default=None)
     g.add_argument("--offload-rollout", action=argparse.BooleanOptionalAction, default=None)
+    g.add_argument("--weight-snapshots-on-host", action="store_true",
+                   help="keep the reference / OPD teacher weights (and the actor's copy during their log-prob "
+                        "passes) in host memory only, even where the GPU has room for them")
     g.add_argument("--ray-address", default=None, help="join this Ray cluster instead of starting a local one")
     g.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     g.add_argument("--train-backend", choices=["fsdp", "megatron"], default=None,

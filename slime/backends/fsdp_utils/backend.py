@@ -36,7 +36,8 @@ from slime.backends.fsdp_utils.model import (
     reshard,
 )
 from slime.backends.fsdp_utils.moe_router import install_routers
-from slime.backends.fsdp_utils.optimizer import build_optimizer, clip_grad_norm, move_training_state
+from slime.backends.fsdp_utils.offload import TrainingStateOffload
+from slime.backends.fsdp_utils.optimizer import build_optimizer, clip_grad_norm
 from slime.backends.fsdp_utils.value_model import VALUE_HEAD_KEY, build_value_model
 from slime.backends.moe_aux_loss import router_losses
 from slime.backends.packing import PackedMicroBatch
@@ -72,8 +73,24 @@ class FSDPBackend(TrainBackend):
         init_default_group(self.device, rank, world_size, master_addr, master_port)
         self.mesh = init_device_mesh(self.device.type, (world_size,))
         self.dp_rank, self.dp_size = rank, world_size
+        self.training_state = TrainingStateOffload(self.device) if self.device.type == "cuda" else None
         self.model = self.optimizer = self.scheduler = self.hf_config = None
         self.router_trace = None
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        """The optimizer, for whatever reads or writes its state (the step, a reset, a checkpoint, a hook): first the
+        compute stream waits for the state's copy in flight (offload.py), so no reader bypasses that wait."""
+        self._optimizer_state_touched()
+        return self._optimizer
+
+    @optimizer.setter
+    def optimizer(self, optimizer: torch.optim.Optimizer | None) -> None:
+        self._optimizer = optimizer
+
+    def _optimizer_state_touched(self) -> None:
+        if self.training_state is not None:
+            self.training_state.optimizer_state_touched()
 
     # ----------------------------------------------------------------------------------------- building
     def build_policy(self, weights_path: str) -> None:
@@ -169,10 +186,14 @@ class FSDPBackend(TrainBackend):
         return iter_full_parameters(self.model, dtype)
 
     # ---------------------------------------------------------------------------------------- memory
+    def prepare_offload(self) -> None:
+        if self.training_state is not None:
+            self.training_state.optimizer_state_to_host(self._optimizer)
+
     def offload(self) -> None:
-        if self.device.type == "cuda":
-            move_training_state(self.model, self.optimizer, "cpu")
+        if self.training_state is not None:
+            self.training_state.offload(self.model, self._optimizer)
 
     def onload(self) -> None:
-        if self.device.type == "cuda":
-            move_training_state(self.model, self.optimizer, self.device)
+        if self.training_state is not None:
+            self.training_state.onload(self.model, self._optimizer)

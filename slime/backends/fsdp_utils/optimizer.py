@@ -1,6 +1,6 @@
 """AdamW (or slime's StatelessAdam) over the sharded parameters and slime's learning-rate schedule (linear warmup, then constant, linear or
-cosine decay to --min-lr over the run's optimizer steps), and moving the training state (parameters and optimizer
-state) between the GPU and host memory for colocated runs."""
+cosine decay to --min-lr over the run's optimizer steps) and
+gradient clipping. Moving the training state for colocated runs: offload.py."""
 
 from __future__ import annotations
 
@@ -10,7 +10,6 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from slime.backends.fsdp_utils.model import reshard
 from slime.backends.stateless_adam import StatelessAdam
 
 LR_DECAY_STYLES = ("constant", "linear", "cosine")
@@ -93,26 +92,3 @@ def clip_grad_norm(params, max_norm: float) -> torch.Tensor:
     if math.isfinite(max_norm):
         torch._foreach_mul_(grads, (max_norm / (total + 1e-6)).clamp(max=1.0))
     return total
-
-
-def move_training_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, device) -> None:
-    """Move a CUDA trainer's parameters and optimizer state to `device` ("cpu" to offload) and release the cache.
-    Tensors are swapped in place, so the optimizer's references to the parameters stay valid. Non-blocking: copies
-    to the host land in pinned memory (from the caching host allocator, reused across offloads), several times
-    faster than pageable copies and without a stream sync per tensor; one sync at the end. Gathered parameters
-    (the root's, and every layer's with --no-reshard-after-forward) are freed first: only the shards move."""
-    reshard(model)
-    swap = torch.__future__.get_swap_module_params_on_conversion()
-    torch.__future__.set_swap_module_params_on_conversion(True)
-    try:
-        model.to(device, non_blocking=True)
-    finally:
-        torch.__future__.set_swap_module_params_on_conversion(swap)
-    # Fused AdamW keeps its step counts on the parameters' device; the default one keeps them on the host.
-    move_steps = bool(optimizer.defaults.get("fused"))
-    for state in optimizer.state.values():
-        for key, value in state.items():
-            if isinstance(value, torch.Tensor) and (key != "step" or move_steps):
-                state[key] = value.to(device, non_blocking=True)
-    torch.cuda.synchronize()
-    torch.cuda.empty_cache()

@@ -1,0 +1,102 @@
+"""TrainingStateOffload: the FSDP trainer's colocated offload / onload, with the optimizer state off the critical
+path.
+
+Onload brings the parameters back on the compute stream and waits for them (the log-prob pass reads them first);
+the optimizer state follows on a side stream from its pinned host buffers, after the parameters, while the log-prob
+pass runs. Offload: the optimizer state's device-to-host copy may start right after the last optimizer step
+(`optimizer_state_to_host`; the weight push never reads it), so when the push is done only the parameters are left
+to move. Every reader or writer of the optimizer state goes through `optimizer_state_touched` first (FSDPBackend's
+`optimizer` property): the compute stream waits for a copy in flight, and the host buffers stop counting as the
+state's current value, so a later offload copies it again. Device memory is freed only after a device-wide
+synchronize, when no copy still reads it.
+
+Parameters are swapped in place (the optimizer's references stay valid); gathered parameters (the root's, and every
+layer's with --no-reshard-after-forward) are freed first, so only the shards move.
+
+Not here: the Megatron trainer's offload (megatron_utils/offload.py, by storage).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from slime.backends.fsdp_utils.model import reshard
+from slime.backends.side_stream import SideStream
+
+OPTIMIZER_STATE = "optimizer_state"
+
+
+def optimizer_state_tensors(optimizer: torch.optim.Optimizer, on_device: bool) -> list[tuple[tuple, dict, str]]:
+    """((parameter id, state key), state dict, key) of every optimizer-state tensor that moves with the parameters,
+    among those now on the device (`on_device`) or on the host. Fused AdamW keeps its step counts on the parameters'
+    device; the default one keeps them on the host."""
+    move_steps = bool(optimizer.defaults.get("fused"))
+    return [((id(param), key), state, key) for param, state in optimizer.state.items() for key, value in state.items()
+            if isinstance(value, torch.Tensor) and (key != "step" or move_steps) and value.is_cuda == on_device]
+
+
+def move_parameters(model: torch.nn.Module, device) -> None:
+    """Swap the model's parameter shards to `device`, non-blocking (to the host: into pinned memory)."""
+    reshard(model)
+    swap = torch.__future__.get_swap_module_params_on_conversion()
+    torch.__future__.set_swap_module_params_on_conversion(True)
+    try:
+        model.to(device, non_blocking=True)
+    finally:
+        torch.__future__.set_swap_module_params_on_conversion(swap)
+
+
+class TrainingStateOffload:
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.copies = SideStream(device)
+        self._host: dict[tuple[int, str], torch.Tensor] = {}  # pinned buffers, reused across offloads
+        self._host_current = False  # the host buffers hold the optimizer state's current value
+
+    def optimizer_state_touched(self) -> None:
+        """Called before anything reads or writes the optimizer state: the compute stream waits for its copy in
+        flight, and the host buffers may be stale from now on."""
+        self.copies.wait(OPTIMIZER_STATE)
+        self._host_current = False
+
+    def optimizer_state_to_host(self, optimizer: torch.optim.Optimizer) -> None:
+        """Start copying the (device) optimizer state into the host buffers, after the work queued so far (the last
+        optimizer step). The device tensors stay the state until `offload`."""
+        entries = optimizer_state_tensors(optimizer, on_device=True)
+        self._host = {id_key: self._host_buffer(id_key, state[key]) for id_key, state, key in entries}
+        with self.copies.copying(OPTIMIZER_STATE):
+            for id_key, state, key in entries:
+                self._host[id_key].copy_(state[key], non_blocking=True)
+        self._host_current = True
+
+    def _host_buffer(self, id_key, like: torch.Tensor) -> torch.Tensor:
+        host = self._host.get(id_key)
+        if host is None or host.shape != like.shape or host.dtype != like.dtype:
+            host = torch.empty(like.shape, dtype=like.dtype, pin_memory=True)
+        return host
+
+    def offload(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        """Parameters and optimizer state to the host; returns once every copy is done and the cache released."""
+        if not self._host_current:
+            self.optimizer_state_to_host(optimizer)
+        move_parameters(model, "cpu")
+        torch.cuda.synchronize(self.device)  # both streams: the host copies are complete, no copy reads the device
+        self.copies.wait(OPTIMIZER_STATE)  # already complete: drops the event
+        for id_key, state, key in optimizer_state_tensors(optimizer, on_device=True):
+            state[key] = self._host[id_key]
+        torch.cuda.empty_cache()
+
+    def onload(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        """Parameters back (waited for); the optimizer state's upload queued behind them on the side stream."""
+        move_parameters(model, self.device)
+        entries = optimizer_state_tensors(optimizer, on_device=False)
+        from_host_buffers = (not optimizer_state_tensors(optimizer, on_device=True)
+                             and all(state[key] is self._host.get(id_key) for id_key, state, key in entries))
+        device_state = {id_key: torch.empty_like(state[key], device=self.device) for id_key, state, key in entries}
+        with self.copies.copying(OPTIMIZER_STATE):  # after the parameters' copies: they are needed first
+            for id_key, state, key in entries:
+                device_state[id_key].copy_(state[key], non_blocking=True)
+        for id_key, state, key in entries:
+            state[key] = device_state[id_key]
+        self._host_current = from_host_buffers  # until the first touch: an offload before it has nothing to copy
+        torch.cuda.current_stream(self.device).synchronize()  # the parameters only

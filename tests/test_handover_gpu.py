@@ -1,0 +1,105 @@
+"""GPU checks of the colocated hand-over (skipped without CUDA): with the optimizer state moving on a side stream
+(fsdp_utils/offload.py) and the ref kept on the device (weight_snapshot.py), several train steps with an offload +
+onload between rollouts give bit for bit the parameters and optimizer state of a run without; ref log-probs from
+the device copy equal the host copy's; and device memory after each offload is back to the first offload's."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+
+def _trainer(port, checkpoint, save_dir, *extra, offload: bool):
+    from fsdp_helpers import make_args, make_trainer
+
+    args = make_args(checkpoint, "--lr", "1e-3", "--micro-batch-size", "2", "--use-kl-loss", "--kl-loss-coef", "0.1",
+                     "--ref-load", checkpoint, "--save", save_dir, *extra, device="cuda", offload_train=offload)
+    return make_trainer(args, port=port, with_ref=True)
+
+
+def _training_state(trainer) -> dict[str, torch.Tensor]:
+    from torch.distributed.tensor import DTensor
+
+    local = lambda t: (t.to_local() if isinstance(t, DTensor) else t).detach().cpu().clone()  # noqa: E731
+    state = {}
+    optimizer = trainer.backend.optimizer
+    for name, param in trainer.model.named_parameters():
+        state[name] = local(param)
+        for key, value in optimizer.state.get(param, {}).items():
+            state[f"{name}/{key}"] = local(value)
+    return state
+
+
+def _rollouts(rank, world_size, port, checkpoint, save_dir, offload: bool):
+    from fsdp_helpers import make_train_data
+
+    trainer = _trainer(port, checkpoint, save_dir, offload=offload)
+    assert trainer.snapshot.placement == {"actor": False, "ref": True}  # a tiny model fits
+    data = make_train_data(8, vocab_size=300, seed=4, num_steps=2)
+    after_offload = []
+    for rollout_id in range(3):
+        if offload and rollout_id:
+            trainer.onload()
+        trainer.train(rollout_id, data)
+        if rollout_id == 1:
+            trainer.save_model(rollout_id)  # reads the optimizer state after its early copy started
+        if offload:
+            trainer.offload()
+            assert not trainer.snapshot.device_copies
+            assert all(v.device.type == "cpu" for s in trainer.backend._optimizer.state.values() for v in s.values())
+            after_offload.append(torch.cuda.memory_allocated())
+    if offload:
+        trainer.onload()
+    return _training_state(trainer), after_offload
+
+
+def test_async_offload_onload_between_rollouts_equals_staying_on_the_device(tmp_path):
+    from fsdp_helpers import run_distributed
+
+    from slime.utils.tiny_model import build_tiny_model
+
+    checkpoint = str(build_tiny_model(tmp_path / "tiny", arch="qwen3", seed=3, hidden_size=256, intermediate_size=512))
+    plain, _ = run_distributed(_rollouts, 1, checkpoint, str(tmp_path / "plain"), False)[0]
+    moved, after_offload = run_distributed(_rollouts, 1, checkpoint, str(tmp_path / "moved"), True)[0]
+    assert plain.keys() == moved.keys() and any("/exp_avg_sq" in key for key in plain)
+    for key in plain:
+        assert torch.equal(plain[key], moved[key]), key
+    # No device tensor leaks from one hand-over to the next (the first offload's level is the steady state).
+    assert after_offload[1] == after_offload[0] and after_offload[2] == after_offload[0], after_offload
+
+
+def _ref_log_probs(rank, world_size, port, checkpoint, save_dir, on_host: bool):
+    from fsdp_helpers import make_train_data
+
+    trainer = _trainer(port, checkpoint, save_dir, *(["--weight-snapshots-on-host"] if on_host else []),
+                       offload=True)
+    assert trainer.snapshot.placement == ({} if on_host else {"actor": False, "ref": True})
+    from slime.backends.schedule import forward_only_schedule
+
+    data = make_train_data(8, vocab_size=300, seed=6, num_steps=2)
+    log_prob_schedule = lambda: forward_only_schedule(trainer.args, data, trainer.backend,  # noqa: E731
+                                                      trainer._schedule(data))  # the ref pass's schedule
+    initial = trainer.compute_log_probs(log_prob_schedule())  # the actor is still the ref checkpoint
+    trainer.train(0, data)
+    trainer.offload()
+    trainer.onload()  # the ref's device copy comes back on the side stream; the ref pass is its first reader
+    per_sample = trainer._prepare(data)[1]
+    actor_now = trainer.compute_log_probs(log_prob_schedule())
+    return [initial[i] for i in range(8)], per_sample["ref_log_probs"], [actor_now[i] for i in range(8)]
+
+
+def test_ref_log_probs_from_the_device_copy_equal_the_host_copys(tmp_path):
+    from fsdp_helpers import run_distributed
+
+    from slime.utils.tiny_model import build_tiny_model
+
+    checkpoint = str(build_tiny_model(tmp_path / "tiny", arch="qwen3", seed=5))
+    initial_host, ref_host, actor_host = run_distributed(_ref_log_probs, 1, checkpoint, str(tmp_path / "h"), True)[0]
+    initial_dev, ref_dev, actor_dev = run_distributed(_ref_log_probs, 1, checkpoint, str(tmp_path / "d"), False)[0]
+    for i in range(8):
+        assert torch.equal(ref_dev[i], ref_host[i]), i
+        assert torch.equal(ref_dev[i], initial_dev[i]), i  # the ref is the initial checkpoint
+        assert torch.equal(actor_dev[i], actor_host[i]), i  # the actor's weights came back after the ref pass
+    assert any(not torch.equal(actor_dev[i], initial_dev[i]) for i in range(8))  # training moved the actor
