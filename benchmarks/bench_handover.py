@@ -19,7 +19,6 @@ import sys
 import time
 from pathlib import Path
 
-import httpx
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -28,6 +27,7 @@ from benchmarks.engine_checkpoints import SHAPES, TINY_LARGE_SHAPE, build_checkp
 from slime.backends.weight_sender import WeightSender, iter_buckets  # noqa: E402
 from slime.engine.http_launch import launch_server  # noqa: E402
 from slime.engine.models.weight_loader import iterate_checkpoint  # noqa: E402
+from slime.utils.blocking_http import blocking_client  # noqa: E402
 from slime.utils.weight_transport import pack_named_tensors, serialize_named_tensors  # noqa: E402
 
 ALL_TAGS = ["weights", "kv_cache", "cuda_graph"]
@@ -61,7 +61,7 @@ def main() -> None:
 def measure(url: str, weights, bucket_bytes: int, device: str, repeats: int) -> dict[str, list[float]]:
     def post(path: str, payload: dict) -> float:
         start = time.perf_counter()
-        response = httpx.post(url + path, json=payload, timeout=600, trust_env=False)
+        response = blocking_client().post(url + path, json=payload, timeout=600)
         assert response.status_code == 200, response.text
         return time.perf_counter() - start
 

@@ -36,6 +36,7 @@ import torch
 import torch.distributed as dist
 
 from slime.backends.weight_disk import DiskSync
+from slime.utils.blocking_http import blocking_client
 from slime.utils.weight_delta import parse_version
 from slime.utils.weight_transport import (
     broadcast_named_tensors,
@@ -70,10 +71,7 @@ def iter_buckets(named_tensors, bucket_bytes: int) -> Iterator[tuple[list[tuple[
 
 
 def _post(url: str, path: str, payload: dict, headers: dict | None = None) -> dict:
-    import httpx
-
-    response = httpx.post(url.rstrip("/") + path, json=payload, headers=headers, timeout=HTTP_TIMEOUT_S,
-                          trust_env=False)
+    response = blocking_client().post(url.rstrip("/") + path, json=payload, headers=headers, timeout=HTTP_TIMEOUT_S)
     if response.status_code != 200:
         raise RuntimeError(f"POST {url}{path} failed with {response.status_code}: {response.text[:500]}")
     return response.json() if response.content else {}
@@ -87,8 +85,8 @@ def engines_dtype(urls: list[str], headers: dict | None = None) -> torch.dtype |
     names = set()
     for url in urls:
         try:
-            response = httpx.get(url.rstrip("/") + "/get_server_info", headers=headers, timeout=HTTP_TIMEOUT_S,
-                                 trust_env=False)
+            response = blocking_client().get(url.rstrip("/") + "/get_server_info", headers=headers,
+                                             timeout=HTTP_TIMEOUT_S)
         except httpx.TransportError:
             continue  # a lost engine has no say (and the push skips it)
         names.add(response.json().get("dtype") if response.status_code == 200 else None)

@@ -29,6 +29,7 @@ from slime.rollout.data_source import create_data_source
 from slime.rollout.eval import compute_pass_at_k
 from slime.rollout.rm_hub.math_verify_pool import shutdown_pool as shutdown_reward_workers
 from slime.rollout.rm_hub.reward_threads import DaemonThreadPool
+from slime.utils.blocking_http import blocking_client
 from slime.utils.debug_dump import dump_path, load_samples, save_samples
 from slime.utils.engine_access import engine_admin_headers, router_headers
 from slime.utils.misc import load_function
@@ -228,7 +229,7 @@ class RolloutManager:
         headers = engine_admin_headers(self.args)
 
         def post(url: str) -> None:
-            response = httpx.post(f"{url}{path}", json=payload, headers=headers, timeout=300.0, trust_env=False)
+            response = blocking_client().post(f"{url}{path}", json=payload, headers=headers, timeout=300.0)
             if response.status_code != 200:
                 raise RuntimeError(f"{url}{path} failed: {response.status_code} {response.text}")
 
