@@ -71,6 +71,10 @@ run_step() {
     rollout_io) python3 benchmarks/bench_rollout_io.py ;;  # the rollout's per-sample JSON / Sample work, host CPU only
     loop_bench) loop_bench loop_bench --train-args=--compile-model ;;  # the trainer's layers compiled (its steady speed)
     loop_bench_eager) loop_bench loop_bench_eager ;;
+    # The colocated hand-over's parts (release, resumes, per-bucket push: per-tensor vs packed handles, WeightSender)
+    # against a real engine server, Qwen3-0.6B shape in bf16; then the CUDA IPC push into the real engine.
+    handover) python3 benchmarks/bench_handover.py /tmp/handover &&
+              python3 -m pytest -q tests/test_fsdp_weight_push.py -k cuda ;;
     # MoE (issue 16): Qwen3-30B-A3B's layer shapes, 8 layers, 64 experts, top-8 (3.2B params, 0.9B active).
     moe_gpu_tests) python3 -m pytest -q tests/test_engine_moe_cuda.py tests/test_engine_moe.py ;;
     moe_engine) python3 benchmarks/engine_checkpoints.py qwen3-30b-a3b-8l /tmp/moe_ckpt && python3 benchmarks/bench_engine.py --preset qwen3-0.6b --model-path /tmp/moe_ckpt ;;

@@ -1,5 +1,6 @@
 """slime.utils.weight_transport: tensors by shared-memory handle between unrelated processes (values, dtypes,
-views; the segment outlives the sender's tensor and is unlinked once the receiver drops it), bad input, and a
+views; the segment outlives the sender's tensor and is unlinked once the receiver drops it; a packed list is one
+segment, its tensors aligned copies of the originals), bad input, and a
 custom gloo process group that works with and without a default group in the process."""
 
 import os
@@ -12,7 +13,13 @@ import pytest
 import torch
 
 from slime.utils.misc import find_free_port
-from slime.utils.weight_transport import deserialize_named_tensors, parse_dtype, serialize_named_tensors
+from slime.utils.weight_transport import (
+    PACK_ALIGN_BYTES,
+    deserialize_named_tensors,
+    pack_named_tensors,
+    parse_dtype,
+    serialize_named_tensors,
+)
 
 REPO_ROOT = str(Path(__file__).resolve().parents[1])
 
@@ -43,19 +50,28 @@ def own_segments() -> set[str]:
     return {name for name in os.listdir("/dev/shm") if name.startswith(f"torch_{os.getpid()}_")}
 
 
-def test_unrelated_process_reads_tensors_and_segments_are_freed(tmp_path):
+@pytest.mark.parametrize("packed", [False, True])
+def test_unrelated_process_reads_tensors_and_segments_are_freed(tmp_path, packed):
     base = torch.arange(24, dtype=torch.float32).reshape(4, 6)
     named = [
         ("a.weight", base),
         ("b.bias", torch.tensor([1.5, -2.0], dtype=torch.bfloat16)),
         ("c.view", base[1:3, ::2]),  # a strided view of a larger storage
         ("d.ids", torch.tensor([7, 8, 9], dtype=torch.int64)),
+        ("e.empty", torch.zeros(0, 3)),
+        ("f.mask", torch.tensor([True, False, True])),
     ]
     expected = ";".join(f"{n}|{t.dtype}|{list(t.shape)}|{t.double().sum().item():.6f}" for n, t in named)
     before = own_segments()
+    if packed:
+        named = pack_named_tensors(named)
+        assert len(own_segments() - before) == 1  # made in shared memory, one segment for the whole list
+        assert len({t.untyped_storage().data_ptr() for _, t in named}) == 1
+        assert all(t.data_ptr() % PACK_ALIGN_BYTES == 0 for _, t in named)
+        base.add_(100)  # a copy: the packed tensors do not follow the originals
     payload = tmp_path / "payload.txt"
     payload.write_text(serialize_named_tensors(named))
-    assert own_segments() - before  # tensors moved to shared memory
+    assert len(own_segments() - before) == (1 if packed else 5)  # tensors in shared memory (base's views share one)
     del named, base  # the sender drops its tensors before the receiver even starts
     assert run_python(RECEIVER, payload, tmp_path=tmp_path) == expected
     deadline = time.monotonic() + 10

@@ -3,8 +3,10 @@
 Backend-neutral: the backend yields (HF name, full tensor) pairs (every rank takes part in its gathers: FSDP's
 `DTensor.full_tensor()`, Megatron's tensor / pipeline / expert parallel gathers); rank 0 groups them into buckets
 of about --update-weight-buffer-size bytes and sends each bucket to every engine:
-- "tensor" mode (same host): POST /update_weights_from_tensor with the bucket serialized by handle (shared memory
-  on CPU, CUDA IPC on GPU);
+- "tensor" mode (same host): POST /update_weights_from_tensor with the bucket packed into one buffer and serialized
+  by handle (one shared-memory segment on CPU, one CUDA IPC handle on GPU). Pipelined: bucket k's POST is in flight
+  while bucket k+1 is gathered and packed; k+1 is sent once k is answered (the engine has copied it), so buckets
+  arrive in order, the last one last, and each stays alive until its engine is done with it;
 - "distributed" mode: a one-time process group with the engines (POST /init_weights_update_group), then per bucket
   POST /update_weights_from_distributed {names, dtypes, shapes} while rank 0 broadcasts the tensors.
   Every bucket but the last sends flush_cache false; the last sends flush_cache true and the weight version.
@@ -34,8 +36,14 @@ import torch
 import torch.distributed as dist
 
 from slime.backends.weight_disk import DiskSync
+from slime.utils.blocking_http import blocking_client
 from slime.utils.weight_delta import parse_version
-from slime.utils.weight_transport import broadcast_named_tensors, init_custom_process_group, serialize_named_tensors
+from slime.utils.weight_transport import (
+    broadcast_named_tensors,
+    init_custom_process_group,
+    pack_named_tensors,
+    serialize_named_tensors,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -63,10 +71,7 @@ def iter_buckets(named_tensors, bucket_bytes: int) -> Iterator[tuple[list[tuple[
 
 
 def _post(url: str, path: str, payload: dict, headers: dict | None = None) -> dict:
-    import httpx
-
-    response = httpx.post(url.rstrip("/") + path, json=payload, headers=headers, timeout=HTTP_TIMEOUT_S,
-                          trust_env=False)
+    response = blocking_client().post(url.rstrip("/") + path, json=payload, headers=headers, timeout=HTTP_TIMEOUT_S)
     if response.status_code != 200:
         raise RuntimeError(f"POST {url}{path} failed with {response.status_code}: {response.text[:500]}")
     return response.json() if response.content else {}
@@ -80,8 +85,8 @@ def engines_dtype(urls: list[str], headers: dict | None = None) -> torch.dtype |
     names = set()
     for url in urls:
         try:
-            response = httpx.get(url.rstrip("/") + "/get_server_info", headers=headers, timeout=HTTP_TIMEOUT_S,
-                                 trust_env=False)
+            response = blocking_client().get(url.rstrip("/") + "/get_server_info", headers=headers,
+                                             timeout=HTTP_TIMEOUT_S)
         except httpx.TransportError:
             continue  # a lost engine has no say (and the push skips it)
         names.add(response.json().get("dtype") if response.status_code == 200 else None)
@@ -110,6 +115,24 @@ def _post_each_reachable(urls: list[str], path: str, payload_for_url, headers: d
 
     with ThreadPoolExecutor(max_workers=max(1, len(urls))) as pool:
         return [url for url in pool.map(post, urls) if url is not None]
+
+
+class _OneInFlight:
+    """Runs calls one at a time in a background thread, in the order submitted: `submit` first waits for the call in
+    flight (raising its error), so the caller prepares the next call while the last one runs."""
+
+    def __init__(self, pool: ThreadPoolExecutor):
+        self.pool = pool
+        self.pending = None
+
+    def submit(self, call, *args) -> None:
+        self.wait()
+        self.pending = self.pool.submit(call, *args)
+
+    def wait(self) -> None:
+        pending, self.pending = self.pending, None
+        if pending is not None:
+            pending.result()
 
 
 class WeightSender:
@@ -187,11 +210,15 @@ class WeightSender:
         if sending and self.mode == "disk":
             self.disk_sync.writer.begin(version)
         params = self.named_tensors(self.push_dtype)
-        for bucket, is_last in iter_buckets(params, self.bucket_bytes):
-            num_buckets += 1
-            num_bytes += sum(t.numel() * t.element_size() for _, t in bucket)
-            if sending:
-                self._send(bucket, is_last, weight_version)
+        # Leaving the pool's block waits for the POST in flight, even when gathering a bucket failed.
+        with ThreadPoolExecutor(max_workers=1) as pool:
+            in_flight = _OneInFlight(pool)
+            for bucket, is_last in iter_buckets(params, self.bucket_bytes):
+                num_buckets += 1
+                num_bytes += sum(t.numel() * t.element_size() for _, t in bucket)
+                if sending:
+                    self._send(bucket, is_last, weight_version, in_flight)
+            in_flight.wait()
         if sending and self.mode == "disk":
             self._load_from_disk(weight_version)
             stats = self.disk_sync.writer.stats
@@ -226,6 +253,11 @@ class WeightSender:
         if not sync.keep_files:
             shutil.rmtree(folder, ignore_errors=True)
 
+    def _post_tensor_bucket(self, urls: list[str], payloads: dict[str, dict], packed) -> None:
+        """`packed` (the tensors behind the handles) is held here until every engine has answered: copied."""
+        self.unreachable_urls += _post_each_reachable(urls, "/update_weights_from_tensor", payloads.__getitem__,
+                                                      self.headers)
+
     def _publish(self, folder):
         if self.disk_sync.post_write is not None:
             self.disk_sync.post_write(str(folder), list(self.engine_urls))
@@ -251,7 +283,7 @@ class WeightSender:
         with ThreadPoolExecutor(max_workers=max(1, len(reachable))) as pool:
             return {url: why for url, why in zip(reachable, pool.map(pull, reachable)) if why is not None}
 
-    def _send(self, bucket, is_last: bool, weight_version) -> None:
+    def _send(self, bucket, is_last: bool, weight_version, in_flight: _OneInFlight) -> None:
         if self.mode == "disk":
             self.disk_sync.writer.add(bucket)
             return
@@ -259,11 +291,14 @@ class WeightSender:
         if is_last and weight_version is not None:
             flush["weight_version"] = str(weight_version)
         if self.mode == "tensor":
-            # Serialize per engine: each serialized handle must be opened exactly once.
+            packed = pack_named_tensors(bucket)
+            in_flight.wait()  # the engines are answered for the previous bucket: who is reachable is known
             reachable = [url for url in self.engine_urls if url not in self.unreachable_urls]
-            self.unreachable_urls += _post_each_reachable(
-                reachable, "/update_weights_from_tensor",
-                lambda url: {"serialized_named_tensors": [serialize_named_tensors(bucket)], **flush}, self.headers)
+            # Serialized here, on the thread (and CUDA stream) that packed it; per engine: each serialized handle
+            # must be opened exactly once.
+            payloads = {url: {"serialized_named_tensors": [serialize_named_tensors(packed)], **flush}
+                        for url in reachable}
+            in_flight.submit(self._post_tensor_bucket, reachable, payloads, packed)
             return
         payload = {
             "names": [name for name, _ in bucket],

@@ -150,10 +150,13 @@ class ModelRunner:
     def allocate_kv_cache(self) -> None:
         c = self.model_config
         shape = (self.num_kvcache_blocks + 1, self.block_size, c.num_key_value_heads, c.head_dim)
-        for attn in self.model.attention_layers():
-            # Zeros, not empty: masked-out slots enter SDPA multiplied by 0, and NaN garbage would survive that.
-            attn.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
-            attn.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        layers = self.model.attention_layers()
+        # One allocation for every layer's K and V, not two per layer: a colocated run frees and re-allocates the
+        # cache on every hand-over, and each device allocation and free is a driver call of its own.
+        # Zeros, not empty: masked-out slots enter SDPA multiplied by 0, and NaN garbage would survive that.
+        cache = torch.zeros((len(layers), 2, *shape), dtype=self.dtype, device=self.device)
+        for attn, (keys, values) in zip(layers, cache):
+            attn.k_cache, attn.v_cache = keys, values
         if self.config.enable_return_routed_experts:
             # Indexed by cache slot like the K/V, so prefix-cache hits keep the routing of the tokens they skip.
             blocks = self.model.moe_blocks()

@@ -44,6 +44,7 @@ from slime.ray.engine_failures import (
 )
 from slime.ray.external_engines import health_problem
 from slime.ray.router import RouterError, deregister_worker, register_worker
+from slime.utils.blocking_http import blocking_client
 from slime.utils.engine_access import engine_admin_headers
 
 logger = logging.getLogger(__name__)
@@ -356,7 +357,7 @@ class EngineSupervisor:
                            slot.rank, slot.url, self.weight_version)
 
     def _post(self, url: str, path: str, payload: dict) -> None:
-        response = httpx.post(f"{url}{path}", json=payload, headers=engine_admin_headers(self.args), timeout=300.0,
-                              trust_env=False)
+        response = blocking_client().post(f"{url}{path}", json=payload, headers=engine_admin_headers(self.args),
+                                          timeout=300.0)
         if response.status_code != 200:
             raise EngineFailureError(f"{url}{path} failed: {response.status_code} {response.text}")

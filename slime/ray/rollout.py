@@ -12,6 +12,7 @@ from __future__ import annotations
 import copy
 import itertools
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -28,6 +29,7 @@ from slime.rollout.data_source import create_data_source
 from slime.rollout.eval import compute_pass_at_k
 from slime.rollout.rm_hub.math_verify_pool import shutdown_pool as shutdown_reward_workers
 from slime.rollout.rm_hub.reward_threads import DaemonThreadPool
+from slime.utils.blocking_http import blocking_client
 from slime.utils.debug_dump import dump_path, load_samples, save_samples
 from slime.utils.engine_access import engine_admin_headers, router_headers
 from slime.utils.misc import load_function
@@ -222,11 +224,17 @@ class RolloutManager:
 
     # ---- memory and state ----------------------------------------------------------------------------------
     def _post_all(self, path: str, payload: dict) -> None:
-        for url in self.supervisor.live_urls() if self.supervisor else []:
-            response = httpx.post(f"{url}{path}", json=payload, headers=engine_admin_headers(self.args), timeout=300.0,
-                                  trust_env=False)
+        """POST to every live engine at once (a release or resume of one engine does not wait for another's)."""
+        urls = self.supervisor.live_urls() if self.supervisor else []
+        headers = engine_admin_headers(self.args)
+
+        def post(url: str) -> None:
+            response = blocking_client().post(f"{url}{path}", json=payload, headers=headers, timeout=300.0)
             if response.status_code != 200:
                 raise RuntimeError(f"{url}{path} failed: {response.status_code} {response.text}")
+
+        with ThreadPoolExecutor(max_workers=max(1, len(urls))) as pool:
+            list(pool.map(post, urls))
 
     def offload(self) -> None:
         tags = ["weights", "kv_cache", "cuda_graph"]

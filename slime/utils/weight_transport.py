@@ -6,7 +6,8 @@ Two transports, both used by the engine's HTTP server and by the trainer:
   handles travel: a shared-memory file name for CPU tensors (the `file_system` strategy, which an unrelated process
   can open, unlike the default file-descriptor strategy) and a CUDA IPC handle for GPU tensors. The pickle is
   base64 text: one item of `serialized_named_tensors` in `POST /update_weights_from_tensor`.
-  `deserialize_named_tensors` maps them back in the receiver.
+  `deserialize_named_tensors` maps them back in the receiver. `pack_named_tensors` first puts a bucket's tensors
+  into one buffer, so a bucket is one handle.
 - By collective (any host): `init_custom_process_group` builds a torch.distributed group that is independent of the
   default one (the engine and the trainer's rank 0 are not in any common default group), and
   `broadcast_named_tensors` / `receive_named_tensors` move tensors over it from rank 0.
@@ -17,6 +18,7 @@ Not a checkpoint format and not a general RPC layer: tensors are only valid whil
 from __future__ import annotations
 
 import base64
+import contextlib
 import io
 import threading
 from datetime import timedelta
@@ -33,6 +35,45 @@ from slime.utils.tensor_unpickler import ForbiddenPickleError, loads_named_tenso
 DEFAULT_GROUP_TIMEOUT = timedelta(minutes=10)
 
 _sharing_strategy_lock = threading.Lock()
+PACK_ALIGN_BYTES = 16  # every packed tensor starts aligned for any dtype (and for vectorized copies)
+
+
+@contextlib.contextmanager
+def _file_system_sharing():
+    """CPU tensors shared inside this block get a shared-memory file name that an unrelated process can open."""
+    with _sharing_strategy_lock:
+        previous_strategy = torch_mp.get_sharing_strategy()
+        torch_mp.set_sharing_strategy("file_system")
+        try:
+            yield
+        finally:
+            torch_mp.set_sharing_strategy(previous_strategy)
+
+
+def pack_named_tensors(named_tensors) -> list[tuple[str, torch.Tensor]]:
+    """The tensors (all on one device) copied into one fresh buffer, as views of it: serialized, the whole list is
+    one shared-memory segment or one CUDA IPC handle however many tensors it holds, so the sender shares and the
+    receiver opens it once (per-tensor handles cost a share and an open each). On the CPU the buffer is made in
+    shared memory, so `serialize_named_tensors` copies nothing more. Fresh on every call: a receiver may still be
+    reading the previous one."""
+    named_tensors = list(named_tensors)
+    if not named_tensors:
+        return []
+    offsets, total = [], 0
+    for _, tensor in named_tensors:
+        offsets.append(total)
+        total += -(-tensor.numel() * tensor.element_size() // PACK_ALIGN_BYTES) * PACK_ALIGN_BYTES
+    buffer = torch.empty(max(total, PACK_ALIGN_BYTES), dtype=torch.uint8, device=named_tensors[0][1].device)
+    if buffer.device.type == "cpu":
+        with _file_system_sharing():
+            buffer.share_memory_()
+    packed = []
+    for (name, tensor), offset in zip(named_tensors, offsets):
+        nbytes = tensor.numel() * tensor.element_size()
+        view = buffer[offset : offset + nbytes].view(tensor.dtype).view(tensor.shape)
+        view.copy_(tensor.detach())
+        packed.append((name, view))
+    return packed
 
 
 def serialize_named_tensors(named_tensors) -> str:
@@ -50,13 +91,8 @@ def serialize_named_tensors(named_tensors) -> str:
             raise ValueError(f"named_tensors must be (str, torch.Tensor) pairs, got ({type(name)}, {type(tensor)})")
         detached.append((name, tensor.detach()))
     buffer = io.BytesIO()
-    with _sharing_strategy_lock:
-        previous_strategy = torch_mp.get_sharing_strategy()
-        torch_mp.set_sharing_strategy("file_system")
-        try:
-            ForkingPickler(buffer).dump(detached)
-        finally:
-            torch_mp.set_sharing_strategy(previous_strategy)
+    with _file_system_sharing():
+        ForkingPickler(buffer).dump(detached)
     return base64.b64encode(buffer.getvalue()).decode("ascii")
 
 
