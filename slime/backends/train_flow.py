@@ -96,7 +96,10 @@ class TrainFlow:
             raise ValueError("--use-routing-replay / --use-rollout-routing-replay: this policy has no MoE router "
                              f"the {type(backend).__name__} can replay (a dense model?)")
         self.with_ref = bool(with_ref) and bool(args.ref_load)
-        self._place_snapshots()
+        # Colocated offload: the engines hold the device until the first hand-over, then release it while we train.
+        engines_release_memory = bool(args.colocate and args.offload_rollout)
+        if not engines_release_memory:
+            self._place_snapshots(engines_release_memory)
         # Reference and OPD teacher: other weight sets of the same architecture, kept as host shards.
         extra_weights = {"ref": args.ref_load if self.with_ref else None, "teacher": args.opd_teacher_load}
         steps = {"ref": (args.ref_ckpt_step, "--ref-ckpt-step"), "teacher": (args.opd_teacher_ckpt_step,
@@ -109,6 +112,8 @@ class TrainFlow:
                     backend.load_hf_weights(path)
                     self.snapshot.save(tag)
             self.snapshot.restore("actor")
+        if engines_release_memory:  # placed now: the device copies come with the first onload, not beside engines
+            self._place_snapshots(engines_release_memory)
         self.weight_updater = WeightSender(backend.hf_weights, self.device.type == "cuda", self.rank,
                                            args.update_weight_buffer_size, dtype=None,
                                            master_address=self.master_addr, headers=engine_admin_headers(args),
@@ -118,7 +123,7 @@ class TrainFlow:
             return backend.load_training_state(resume_dir) + 1
         return getattr(args, "start_rollout_id", None) or 0
 
-    def _place_snapshots(self) -> None:
+    def _place_snapshots(self, engines_release_memory: bool) -> None:
         """The weight sets swapped in every step (the actor's transient save, the ref, the OPD teacher) live on the
         device where it has room (weight_snapshot.py); not with --weight-snapshots-on-host, nor when the engines
         share the device without offload (they size their memory from what is free)."""
@@ -127,7 +132,8 @@ class TrainFlow:
             return
         backed = {"ref": self.with_ref, "teacher": bool(args.opd_teacher_load)}
         if any(backed.values()):
-            self.snapshot.place_on_device(self.device, ["actor"] + [tag for tag, used in backed.items() if used])
+            self.snapshot.place_on_device(self.device, ["actor"] + [tag for tag, used in backed.items() if used],
+                                          engines_release_memory)
 
     # -------------------------------------------------------------------------------------------- schedule
     def _schedule(self, data: dict) -> list[list]:

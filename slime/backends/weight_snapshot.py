@@ -43,13 +43,17 @@ class WeightSnapshot:
         self.placement: dict[str, bool] = {}  # tag kept on the device -> backed by a host copy
         self.uploads: SideStream | None = None
 
-    def place_on_device(self, device: torch.device, tags: list[str]) -> None:
+    def place_on_device(self, device: torch.device, tags: list[str], engines_release_memory: bool = False) -> None:
         """Decide once, before saving them, which of `tags` (in priority order) keep a device copy: as many as fit
         (`device_tags`) beside the optimizer state still to be allocated (fp32 main weights and Adam's moments,
-        OPTIMIZER_BYTES_PER_WEIGHT). "actor" is unbacked (a transient save), the others backed by a host copy."""
+        OPTIMIZER_BYTES_PER_WEIGHT). "actor" is unbacked (a transient save), the others backed by a host copy.
+        `engines_release_memory`: engines share the device but release their memory while this process trains
+        (colocated offload), so what they hold now is free when the copies are used; only this process counts."""
         weights = [tensor for _, tensor in self.local_weights()]
         set_bytes = sum(tensor.numel() * tensor.element_size() for tensor in weights)
         free, total = torch.cuda.mem_get_info(device)
+        if engines_release_memory:
+            free = total - torch.cuda.memory_reserved(device)
         reserved = OPTIMIZER_BYTES_PER_WEIGHT * sum(tensor.numel() for tensor in weights)
         self.placement = {tag: tag != "actor" for tag in device_tags(tags, set_bytes, free, total, reserved)}
         self.uploads = SideStream(device)
