@@ -61,6 +61,7 @@ run_step() {
                   python3 benchmarks/bench_engine.py --preset qwen3-0.6b --workload w1,w5 --hf-workloads w1,w5 ;;
     engine_host) python3 benchmarks/bench_engine.py --workload host ;;  # host work per decode step, device faked
     rollout_io) python3 benchmarks/bench_rollout_io.py ;;  # the rollout's per-sample JSON / Sample work, host CPU only
+    rollout_postprocess) python3 benchmarks/bench_rollout_postprocess.py ;;  # the manager's work after the samples are back, host CPU only
     loop_bench) python3 benchmarks/bench_loop.py /tmp/loop_bench; local rc=$?
                 cp /tmp/loop_bench/loop/metrics.jsonl $OUT/loop_metrics.jsonl
                 cat /tmp/loop_bench/loop/engine_*.log 2>/dev/null | grep -i "captured\|engine busy" | tail -12; return $rc ;;
