@@ -21,7 +21,7 @@ def _to_int_list(tokens) -> list[int]:
         return []
     if hasattr(tokens, "tolist"):  # a tensor or an array
         tokens = tokens.reshape(-1).tolist()
-    return [int(token) for token in tokens]
+    return list(map(int, tokens))
 
 
 def _to_float_list(values) -> list[float] | None:
@@ -29,7 +29,7 @@ def _to_float_list(values) -> list[float] | None:
         return None
     if hasattr(values, "tolist"):
         values = values.reshape(-1).tolist()
-    return [float(value) for value in values]
+    return list(map(float, values))
 
 
 # Per-token lists of ints, floats or strings: a list copy is their deep copy, without deepcopy's per-element
