@@ -89,3 +89,37 @@ def test_the_process_exit_waits_for_the_write(tmp_path):
                    env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"})
     loaded = load_samples(path, "--load-debug-rollout-data")
     assert len(loaded) == 200 and loaded[-1].tokens == list(range(4000))
+
+
+class _DumpingActor:
+    """The part of RolloutManager the driver's failure path talks to: a dump saved in the background, then
+    `flush_debug_dump`."""
+
+    def __init__(self):
+        self.debug_dump_writer = BackgroundDumpWriter()
+
+    def save(self, path: str) -> None:
+        samples = [Sample(index=i, tokens=list(range(4000)), response_length=4000) for i in range(200)]
+        self.debug_dump_writer.save(Path(path), 0, samples)
+
+    def flush_debug_dump(self) -> None:
+        self.debug_dump_writer.flush()
+
+
+def test_a_failing_run_leaves_the_dump_of_its_last_rollout(tmp_path):
+    import ray
+
+    from train import rollout_dump_kept_on_failure
+
+    workers_import = {"env_vars": {"PYTHONPATH": f"{REPO}:{REPO / 'tests'}"}}  # this module's actor class
+    ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False, runtime_env=workers_import)
+    try:
+        manager = ray.remote(_DumpingActor).remote()
+        path = tmp_path / "0.pt"
+        with pytest.raises(FloatingPointError, match="loss is NaN"):
+            with rollout_dump_kept_on_failure(manager):
+                ray.get(manager.save.remote(str(path)))  # returns with the write in flight
+                raise FloatingPointError("loss is NaN")  # the trainer fails; the driver process ends next
+        assert len(load_samples(path, "--load-debug-rollout-data")) == 200
+    finally:
+        ray.shutdown()

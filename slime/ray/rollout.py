@@ -244,6 +244,10 @@ class RolloutManager:
         if self.supervisor:
             self.supervisor.memory_resumed(tags)
 
+    def flush_debug_dump(self) -> None:
+        """Wait for the --save-debug-rollout-data write in flight (raises its error)."""
+        self.debug_dump_writer.flush()
+
     def data_source_state(self, next_rollout_id: int) -> dict:
         """The state from which a resumed run regenerates exactly the data of `next_rollout_id` onwards (the
         async driver may already have drawn that rollout's prompts)."""
