@@ -106,9 +106,10 @@ class _DumpingActor:
         self.debug_dump_writer.flush()
 
 
-def test_a_failing_run_leaves_the_dump_of_its_last_rollout(tmp_path):
+def test_a_failing_run_leaves_the_dump_of_its_last_rollout(tmp_path, monkeypatch):
     import ray
 
+    monkeypatch.syspath_prepend(str(REPO))  # train.py, the driver
     from train import rollout_dump_kept_on_failure
 
     workers_import = {"env_vars": {"PYTHONPATH": f"{REPO}:{REPO / 'tests'}"}}  # this module's actor class
