@@ -10,6 +10,7 @@ Each rollout: the RolloutManager generates and scores samples through the engine
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import time
 
@@ -31,6 +32,20 @@ def create_rollout_manager(args, placements):
     # The router address stays the manager's (its own args, where rollout plugins read it; get_router_address
     # gives it to whoever asks): the trainer talks to the engines, never to the router.
     return ray.remote(RolloutManager).options(num_cpus=1).remote(args, placements["rollout"])
+
+
+@contextlib.contextmanager
+def rollout_dump_kept_on_failure(rollout_manager):
+    """A run that fails (a NaN, a crash in the loss) still leaves the dump of the rollout it failed on: the manager
+    writes --save-debug-rollout-data in the background, and the process ends with the run."""
+    try:
+        yield
+    except BaseException:
+        try:
+            ray.get(rollout_manager.flush_debug_dump.remote())
+        except Exception as flush_error:  # noqa: BLE001 - the run's own failure is the one to raise
+            print(f"train.py: {flush_error}", file=sys.stderr)
+        raise
 
 
 def create_training_models(args, placements, rollout_manager):
@@ -119,35 +134,36 @@ def train(args) -> str:
         logger.log(start_rollout_id, ray.get(rollout_manager.eval.remote(start_rollout_id)))
     progress = tqdm(range(start_rollout_id, num_rollout), desc="rollouts", disable=args.no_progress,
                     initial=start_rollout_id, total=num_rollout)
-    for rollout_id in progress:
-        step_start = time.perf_counter()
-        metrics = {}
-        if args.eval_datasets and rollout_id == 0 and not args.skip_eval_before_train:
-            metrics.update(ray.get(rollout_manager.eval.remote(rollout_id)))
+    with rollout_dump_kept_on_failure(rollout_manager):
+        for rollout_id in progress:
+            step_start = time.perf_counter()
+            metrics = {}
+            if args.eval_datasets and rollout_id == 0 and not args.skip_eval_before_train:
+                metrics.update(ray.get(rollout_manager.eval.remote(rollout_id)))
 
-        data_refs, rollout_metrics = ray.get(rollout_manager.generate.remote(rollout_id))
-        metrics.update(rollout_metrics)
-        if args.debug_rollout_only:
+            data_refs, rollout_metrics = ray.get(rollout_manager.generate.remote(rollout_id))
+            metrics.update(rollout_metrics)
+            if args.debug_rollout_only:
+                logger.log(rollout_id, metrics, print_fn=progress.write)
+                continue
+            hand_over_start = time.perf_counter()
+            if args.offload_rollout:
+                with timed(metrics, "perf/engine_release_time"):
+                    ray.get(rollout_manager.offload.remote())
+            if args.offload_train:
+                with timed(metrics, "perf/train_onload_time"):
+                    actor.onload()
+            # Colocated: the engines release their memory, the trainer takes its own back (update_weights_time times
+            # the way back).
+            metrics["perf/hand_over_to_train_time"] = time.perf_counter() - hand_over_start
+
+            metrics.update(train_on_rollout(args, actor, critic, rollout_id, data_refs))
+            if should_save(args, rollout_id, num_rollout):
+                save(actor, critic, rollout_manager, rollout_id)
+            metrics.update(update_weights(args, actor, rollout_manager, rollout_id))
+            metrics.update(periodic_eval(args, rollout_manager, rollout_id))
+            metrics["perf/step_time"] = time.perf_counter() - step_start
             logger.log(rollout_id, metrics, print_fn=progress.write)
-            continue
-        hand_over_start = time.perf_counter()
-        if args.offload_rollout:
-            with timed(metrics, "perf/engine_release_time"):
-                ray.get(rollout_manager.offload.remote())
-        if args.offload_train:
-            with timed(metrics, "perf/train_onload_time"):
-                actor.onload()
-        # Colocated: the engines release their memory, the trainer takes its own back (update_weights_time times
-        # the way back).
-        metrics["perf/hand_over_to_train_time"] = time.perf_counter() - hand_over_start
-
-        metrics.update(train_on_rollout(args, actor, critic, rollout_id, data_refs))
-        if should_save(args, rollout_id, num_rollout):
-            save(actor, critic, rollout_manager, rollout_id)
-        metrics.update(update_weights(args, actor, rollout_manager, rollout_id))
-        metrics.update(periodic_eval(args, rollout_manager, rollout_id))
-        metrics["perf/step_time"] = time.perf_counter() - step_start
-        logger.log(rollout_id, metrics, print_fn=progress.write)
 
     logger.close()
     ray.get(rollout_manager.dispose.remote())

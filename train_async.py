@@ -19,8 +19,8 @@ from slime.utils.arguments import parse_args
 from slime.utils.checkpoint_state import should_save
 from slime.utils.metrics import MetricsLogger, write_args
 from slime.utils.validate_megatron_args import require_train_backend
-from train import (create_rollout_manager, create_training_models, periodic_eval, save, train_on_rollout,
-                   update_weights)
+from train import (create_rollout_manager, create_training_models, periodic_eval, rollout_dump_kept_on_failure, save,
+                   train_on_rollout, update_weights)
 
 
 def train_async(args) -> str:
@@ -39,24 +39,25 @@ def train_async(args) -> str:
     in_flight = rollout_manager.generate.remote(start_rollout_id) if start_rollout_id < num_rollout else None
     progress = tqdm(range(start_rollout_id, num_rollout), desc="rollouts", disable=args.no_progress,
                     initial=start_rollout_id, total=num_rollout)
-    for rollout_id in progress:
-        step_start = time.perf_counter()
-        wait_start = time.perf_counter()
-        data_refs, metrics = ray.get(in_flight)
-        metrics.update(pre_train_eval if rollout_id == 0 else {})
-        metrics["perf/wait_rollout_time"] = time.perf_counter() - wait_start
-        in_flight = rollout_manager.generate.remote(rollout_id + 1) if rollout_id + 1 < num_rollout else None
+    with rollout_dump_kept_on_failure(rollout_manager):
+        for rollout_id in progress:
+            step_start = time.perf_counter()
+            wait_start = time.perf_counter()
+            data_refs, metrics = ray.get(in_flight)
+            metrics.update(pre_train_eval if rollout_id == 0 else {})
+            metrics["perf/wait_rollout_time"] = time.perf_counter() - wait_start
+            in_flight = rollout_manager.generate.remote(rollout_id + 1) if rollout_id + 1 < num_rollout else None
 
-        metrics.update(train_on_rollout(args, actor, critic, rollout_id, data_refs))
-        if should_save(args, rollout_id, num_rollout):
-            save(actor, critic, rollout_manager, rollout_id)
-        if args.release_train or (rollout_id + 1) % args.update_weights_interval == 0:
-            if in_flight is not None:
-                ray.wait([in_flight])  # never swap weights under a running generation
-            metrics.update(update_weights(args, actor, rollout_manager, rollout_id))
-        metrics.update(periodic_eval(args, rollout_manager, rollout_id))
-        metrics["perf/step_time"] = time.perf_counter() - step_start
-        logger.log(rollout_id, metrics, print_fn=progress.write)
+            metrics.update(train_on_rollout(args, actor, critic, rollout_id, data_refs))
+            if should_save(args, rollout_id, num_rollout):
+                save(actor, critic, rollout_manager, rollout_id)
+            if args.release_train or (rollout_id + 1) % args.update_weights_interval == 0:
+                if in_flight is not None:
+                    ray.wait([in_flight])  # never swap weights under a running generation
+                metrics.update(update_weights(args, actor, rollout_manager, rollout_id))
+            metrics.update(periodic_eval(args, rollout_manager, rollout_id))
+            metrics["perf/step_time"] = time.perf_counter() - step_start
+            logger.log(rollout_id, metrics, print_fn=progress.write)
 
     logger.close()
     ray.get(rollout_manager.dispose.remote())

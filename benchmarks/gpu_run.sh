@@ -75,6 +75,7 @@ run_step() {
     # against a real engine server, Qwen3-0.6B shape in bf16; then the CUDA IPC push into the real engine.
     handover) python3 benchmarks/bench_handover.py /tmp/handover &&
               python3 -m pytest -q tests/test_fsdp_weight_push.py -k cuda ;;
+    rollout_postprocess) python3 benchmarks/bench_rollout_postprocess.py ;;  # the manager's work after the samples are back, host CPU only
     # MoE (issue 16): Qwen3-30B-A3B's layer shapes, 8 layers, 64 experts, top-8 (3.2B params, 0.9B active).
     moe_gpu_tests) python3 -m pytest -q tests/test_engine_moe_cuda.py tests/test_engine_moe.py ;;
     moe_engine) python3 benchmarks/engine_checkpoints.py qwen3-30b-a3b-8l /tmp/moe_ckpt && python3 benchmarks/bench_engine.py --preset qwen3-0.6b --model-path /tmp/moe_ckpt ;;

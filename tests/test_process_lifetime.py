@@ -20,7 +20,7 @@ def _python(code: str, timeout: float) -> subprocess.CompletedProcess:
 def test_process_exits_with_a_reward_thread_that_never_returns():
     result = _python("""
         import threading, time
-        from slime.rollout.rm_hub.reward_threads import DaemonThreadPool
+        from slime.utils.daemon_threads import DaemonThreadPool
 
         pool = DaemonThreadPool(max_workers=2, thread_name_prefix="reward")
         assert pool.submit(sum, [1, 2]).result(timeout=5) == 3

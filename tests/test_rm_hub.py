@@ -37,6 +37,7 @@ def test_last_boxed_content():
     assert last_boxed_content(r"a \boxed{1} then \boxed{\frac{1}{2}} end") == r"\frac{1}{2}"
     assert last_boxed_content(r"\boxed{\{1, 2\}}") == r"\{1, 2\}"
     assert last_boxed_content(r"$\boxed 7$") == "7"
+    assert last_boxed_content(r"so \boxed $ x = 3$") is None and last_boxed_content("\\boxed  ") is None
     assert last_boxed_content(r"cut off \boxed{\frac{1}{") is None
     assert last_boxed_content("no box") is None
 

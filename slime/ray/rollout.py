@@ -28,9 +28,9 @@ from slime.rollout.base_types import call_rollout_fn
 from slime.rollout.data_source import create_data_source
 from slime.rollout.eval import compute_pass_at_k
 from slime.rollout.rm_hub.math_verify_pool import shutdown_pool as shutdown_reward_workers
-from slime.rollout.rm_hub.reward_threads import DaemonThreadPool
 from slime.utils.blocking_http import blocking_client
-from slime.utils.debug_dump import dump_path, load_samples, save_samples
+from slime.utils.daemon_threads import DaemonThreadPool
+from slime.utils.debug_dump import BackgroundDumpWriter, dump_path, load_samples
 from slime.utils.engine_access import engine_admin_headers, router_headers
 from slime.utils.misc import load_function
 from slime.utils.types import Sample
@@ -68,6 +68,7 @@ class RolloutManager:
         self.router = None
         self.supervisor = None
         self.rollout_thread = DaemonThreadPool(max_workers=1, thread_name_prefix="slime-rollout-fn")
+        self.debug_dump_writer = BackgroundDumpWriter()
         if not args.debug_train_only:
             self._start_engines(placement)
 
@@ -177,10 +178,14 @@ class RolloutManager:
         """Run one rollout; returns (one ObjectRef of train data per trainer rank, rollout metrics)."""
         start = time.perf_counter()
         self.state_before_rollout = {rollout_id: copy.deepcopy(self.data_source.state_dict())}
-        samples, function_metrics = self._rollout_samples(rollout_id)
+        try:
+            samples, function_metrics = self._rollout_samples(rollout_id)
+        except BaseException:
+            self.debug_dump_writer.flush()  # the last rollout's dump is on disk before this failure ends the run
+            raise
         rollout_time = time.perf_counter() - start
-        if self.args.save_debug_rollout_data and not self.args.load_debug_rollout_data:  # not in rollout_time
-            save_samples(dump_path(self.args.save_debug_rollout_data, rollout_id), rollout_id, samples)
+        if self.args.save_debug_rollout_data and not self.args.load_debug_rollout_data:  # written in the background
+            self.debug_dump_writer.save(dump_path(self.args.save_debug_rollout_data, rollout_id), rollout_id, samples)
         assign_rollout_ids(samples)
         if self.args.rollout_data_postprocess_path:
             load_function(self.args.rollout_data_postprocess_path, "--rollout-data-postprocess-path")(self.args, samples)
@@ -201,7 +206,7 @@ class RolloutManager:
         per_rank, num_dropped = split_train_data(self.args, data, rollout_id)
         metrics["rollout/dropped_for_even_split"] = num_dropped
         refs = [ray.put(d) for d in per_rank]
-        # after the samples are back: train data, metrics, the debug dump, the hand-off to the trainer's object store
+        # after the samples are back: train data, metrics, the debug dump's copy, the hand-off to the object store
         metrics["perf/rollout_postprocess_time"] = time.perf_counter() - start - rollout_time
         return refs, metrics
 
@@ -247,6 +252,10 @@ class RolloutManager:
         if self.supervisor:
             self.supervisor.memory_resumed(tags)
 
+    def flush_debug_dump(self) -> None:
+        """Wait for the --save-debug-rollout-data write in flight (raises its error)."""
+        self.debug_dump_writer.flush()
+
     def data_source_state(self, next_rollout_id: int) -> dict:
         """The state from which a resumed run regenerates exactly the data of `next_rollout_id` onwards (the
         async driver may already have drawn that rollout's prompts)."""
@@ -256,11 +265,14 @@ class RolloutManager:
         self.data_source.load_state_dict(state)
 
     def dispose(self) -> None:
-        shutdown_reward_workers()
-        if self.supervisor is not None:
-            self.supervisor.shutdown()
-            ray.get([slot.actor.shutdown.remote() for slot in self.supervisor.slots
-                     if slot.actor is not None and not slot.actor_dead])
-        router = self.supervisor.router if self.supervisor is not None else self.router
-        if router is not None:
-            router.shutdown()
+        try:
+            self.debug_dump_writer.flush()
+        finally:
+            shutdown_reward_workers()
+            if self.supervisor is not None:
+                self.supervisor.shutdown()
+                ray.get([slot.actor.shutdown.remote() for slot in self.supervisor.slots
+                         if slot.actor is not None and not slot.actor_dead])
+            router = self.supervisor.router if self.supervisor is not None else self.router
+            if router is not None:
+                router.shutdown()

@@ -37,16 +37,21 @@ def post_process_rewards(args, samples: list[Sample]) -> tuple[list[float], list
         return raw, raw
     # Group statistics count each rollout once: the siblings of a fan-out (one prompt sample that became several
     # Samples sharing a rollout_id) enter with their mean reward; each sibling is then scored against them.
-    rollouts: dict = {}
+    rollout_of_key: dict = {}
+    first_groups = []
+    of_sample_list = []
     for i, s in enumerate(samples):
-        rollouts.setdefault(s.rollout_id if s.rollout_id is not None else ("sample", i), []).append(i)
-    members = list(rollouts.values())
-    rollout_rewards = torch.tensor([statistics.fmean(raw[i] for i in m) for m in members], dtype=torch.float64)
-    group_ids = torch.tensor([_group_of(samples[m[0]]) for m in members])
-    of_sample = torch.empty(len(samples), dtype=torch.long)
-    for rollout, m in enumerate(members):
-        of_sample[m] = rollout
+        key = s.rollout_id if s.rollout_id is not None else ("sample", i)
+        rollout = rollout_of_key.setdefault(key, len(rollout_of_key))
+        if rollout == len(first_groups):
+            first_groups.append(_group_of(s))
+        of_sample_list.append(rollout)
+    of_sample = torch.tensor(of_sample_list)
     rewards = torch.tensor(raw, dtype=torch.float64)
+    rollout_sizes = torch.bincount(of_sample, minlength=len(first_groups))
+    rollout_rewards = torch.zeros(len(first_groups), dtype=torch.float64).index_add_(0, of_sample, rewards)
+    rollout_rewards /= rollout_sizes
+    group_ids = torch.tensor(first_groups)
     if args.advantage_estimator == "rloo":
         baselines = rollout_rewards - compute_rloo_advantages(rollout_rewards, group_ids)
         return raw, (rewards - baselines[of_sample]).tolist()
@@ -84,13 +89,13 @@ def samples_to_train_data(args, samples: list[Sample]) -> dict:
     raw, rewards = post_process_rewards(args, samples)
     loss_masks = []
     for s in samples:
-        mask = list(s.loss_mask) if s.loss_mask is not None else [1] * s.response_length
+        mask = _as_list(s.loss_mask) if s.loss_mask is not None else [1] * s.response_length
         if len(mask) != s.response_length:
             raise ValueError(f"sample {s.index}: loss_mask has {len(mask)} entries, response_length is "
                              f"{s.response_length}; a custom rollout must keep them aligned")
         loss_masks.append([0] * len(mask) if s.remove_sample else mask)
     data = {
-        "tokens": [list(s.tokens) for s in samples],
+        "tokens": [_as_list(s.tokens) for s in samples],
         "response_lengths": [s.response_length for s in samples],
         "loss_masks": loss_masks,
         "rewards": rewards,
@@ -103,14 +108,20 @@ def samples_to_train_data(args, samples: list[Sample]) -> dict:
         "rollout_num_samples": _rollout_sizes(samples),
     }
     if samples and all(s.rollout_log_probs is not None for s in samples):
-        data["rollout_log_probs"] = [list(s.rollout_log_probs) for s in samples]
+        data["rollout_log_probs"] = [_as_list(s.rollout_log_probs) for s in samples]
     if samples and all(s.weight_versions for s in samples):
         data["weight_versions"] = [s.weight_versions[-1] for s in samples]  # the weights that finished it
     if samples and all(s.teacher_log_probs is not None for s in samples):
-        data["teacher_log_probs"] = [list(s.teacher_log_probs) for s in samples]
+        data["teacher_log_probs"] = [_as_list(s.teacher_log_probs) for s in samples]
     if any(s.rollout_routed_experts is not None for s in samples):
         data["rollout_routed_experts"] = [_routed_experts_of(s) for s in samples]
     return data
+
+
+def _as_list(values) -> list:
+    """The sample's own list, not a copy (the train data leaves the process through ray.put, which copies it); any
+    other sequence as a list."""
+    return values if type(values) is list else list(values)
 
 
 def _routed_experts_of(sample: Sample):

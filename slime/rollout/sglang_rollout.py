@@ -19,6 +19,7 @@ import collections
 import functools
 import inspect
 import logging
+import operator
 import time
 import uuid
 
@@ -140,6 +141,9 @@ async def _post_generate(args, payload: dict, sample: Sample):
                                headers=headers)
 
 
+_LOG_PROB, _TOKEN_ID = operator.itemgetter(0), operator.itemgetter(1)  # of an output_token_logprobs entry
+
+
 def _append_output(args, sample: Sample, output: dict, routed_experts_start_len: int) -> str:
     """Apply one /generate result to `sample` (see sample_continuation); returns the text sampled."""
     meta = output.get("meta_info", {})
@@ -149,8 +153,8 @@ def _append_output(args, sample: Sample, output: dict, routed_experts_start_len:
                          "(return_logprob was requested): not an SGLang-compatible engine?")
     text = output.get("text", "")
     # append_response_tokens makes them ints and floats
-    sample.append_response_tokens(args, tokens=[item[1] for item in logprob_items],
-                                  log_probs=[item[0] for item in logprob_items], meta_info=meta, text=text)
+    sample.append_response_tokens(args, tokens=list(map(_TOKEN_ID, logprob_items)),
+                                  log_probs=list(map(_LOG_PROB, logprob_items)), meta_info=meta, text=text)
     # The engine echoes the start it used (sglang-router 0.3.2 drops the field from the request).
     store_routed_experts(args, sample, meta, meta.get("routed_experts_start_len", routed_experts_start_len))
     return text

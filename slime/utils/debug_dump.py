@@ -11,13 +11,17 @@ Not the train-side dump (slime/backends/debug_train_data.py).
 
 from __future__ import annotations
 
+import atexit
+import concurrent.futures
 import json
 import logging
+import os
 import pickle
 from pathlib import Path
 
 import torch
 
+from slime.utils.daemon_threads import DaemonThreadPool
 from slime.utils.types import Sample
 
 logger = logging.getLogger(__name__)
@@ -28,12 +32,45 @@ def dump_path(template: str, rollout_id: int | str) -> Path:
 
 
 def save_samples(path: Path, rollout_id: int, samples: list[Sample]) -> None:
+    _write_payload(path, {"rollout_id": rollout_id, "samples": [sample.to_dict() for sample in samples]})
+
+
+def _write_payload(path: Path, payload: dict) -> None:
+    """Write through a temporary file renamed into place: a reader (or a crash) never sees half a dump."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    payload = {"rollout_id": rollout_id, "samples": [sample.to_dict() for sample in samples]}
+    partial = path.with_name(f".{path.name}.partial")
     if path.suffix == ".json":
-        path.write_text(json.dumps(payload))
+        partial.write_text(json.dumps(payload))
     else:
-        torch.save(payload, path)
+        torch.save(payload, partial)
+    os.replace(partial, path)
+
+
+class BackgroundDumpWriter:
+    """--save-debug-rollout-data off the rollout's critical path: `save` copies the samples (`Sample.to_dict`, the
+    only part that must see them before the caller changes them) and one daemon thread encodes and writes the file.
+    `flush` waits for the write in flight and raises its error; `save` flushes first, so one dump is written at a
+    time and a failed write surfaces by the next rollout at the latest. Flushed at interpreter exit as well."""
+
+    def __init__(self):
+        self._thread = DaemonThreadPool(max_workers=1, thread_name_prefix="slime-debug-dump")
+        self._pending: tuple[Path, concurrent.futures.Future] | None = None
+        atexit.register(self.flush)
+
+    def save(self, path: Path, rollout_id: int, samples: list[Sample]) -> None:
+        self.flush()
+        payload = {"rollout_id": rollout_id, "samples": [sample.to_dict() for sample in samples]}
+        self._pending = path, self._thread.submit(_write_payload, path, payload)
+
+    def flush(self) -> None:
+        if self._pending is None:
+            return
+        (path, future), self._pending = self._pending, None
+        try:
+            future.result()
+        except Exception as exc:
+            raise RuntimeError(f"--save-debug-rollout-data: writing {path} failed ({type(exc).__name__}: {exc})") \
+                from exc
 
 
 def load_samples(path: Path, flag: str, subsample_ratio: float | None = None) -> list[Sample]:

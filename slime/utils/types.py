@@ -21,7 +21,7 @@ def _to_int_list(tokens) -> list[int]:
         return []
     if hasattr(tokens, "tolist"):  # a tensor or an array
         tokens = tokens.reshape(-1).tolist()
-    return [int(token) for token in tokens]
+    return list(map(int, tokens))
 
 
 def _to_float_list(values) -> list[float] | None:
@@ -29,7 +29,13 @@ def _to_float_list(values) -> list[float] | None:
         return None
     if hasattr(values, "tolist"):
         values = values.reshape(-1).tolist()
-    return [float(value) for value in values]
+    return list(map(float, values))
+
+
+# Per-token lists of ints, floats or strings: a list copy is their deep copy, without deepcopy's per-element
+# Python call (a 768-token sample: ~2 us against ~0.5 ms).
+_SCALAR_LIST_FIELDS = frozenset(("tokens", "loss_mask", "weight_versions", "rollout_log_probs",
+                                 "rollout_top_p_token_ids", "rollout_top_p_token_offsets", "teacher_log_probs"))
 
 
 @dataclass
@@ -146,7 +152,9 @@ class Sample:
     def to_dict(self) -> dict:
         """Every attribute (status as its string value); a deep copy, so two Samples made from one dict share no
         list that append_response_tokens extends in place."""
-        value = copy.deepcopy(self.__dict__)
+        memo: dict = {}
+        value = {key: item.copy() if key in _SCALAR_LIST_FIELDS and type(item) is list else copy.deepcopy(item, memo)
+                 for key, item in self.__dict__.items()}
         value["status"] = self.status.value
         value["spec_info"] = self.spec_info.to_dict()
         value["prefix_cache_info"] = self.prefix_cache_info.to_dict()

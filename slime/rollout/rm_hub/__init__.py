@@ -25,7 +25,7 @@ from slime.rollout.rm_hub.f1 import f1_reward
 from slime.rollout.rm_hub.gpqa import compute_gpqa_reward
 from slime.rollout.rm_hub.math_rewards import dapo_reward, deepscaler_reward, math_reward
 from slime.rollout.rm_hub.remote_rm import request_remote_reward
-from slime.rollout.rm_hub.reward_threads import DaemonThreadPool
+from slime.utils.daemon_threads import DaemonThreadPool
 from slime.utils.misc import load_function
 from slime.utils.types import Sample
 

@@ -19,7 +19,8 @@ def last_boxed_content(text: str) -> str | None:
     name_end = len("\\boxed") if rest.startswith("\\boxed") else len("\\fbox")
     after = rest[name_end:]
     if after.startswith(" "):  # "\boxed 5" (no braces): the token up to the next space or "$"
-        return after[1:].split("$")[0].split()[0] if after.strip() else None
+        words = after[1:].split("$")[0].split()  # none in "\boxed $x$": nothing boxed
+        return words[0] if words else None
     if not after.startswith("{"):
         return None
     depth = 0
