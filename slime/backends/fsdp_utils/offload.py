@@ -19,6 +19,7 @@ Not here: the Megatron trainer's offload (megatron_utils/offload.py, by storage)
 from __future__ import annotations
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from slime.backends.fsdp_utils.model import reshard
 from slime.backends.side_stream import SideStream
@@ -32,7 +33,20 @@ def optimizer_state_tensors(optimizer: torch.optim.Optimizer, on_device: bool) -
     device; the default one keeps them on the host."""
     move_steps = bool(optimizer.defaults.get("fused"))
     return [((id(param), key), state, key) for param, state in optimizer.state.items() for key, value in state.items()
-            if isinstance(value, torch.Tensor) and (key != "step" or move_steps) and value.is_cuda == on_device]
+            if isinstance(value, torch.Tensor) and (key != "step" or move_steps) and local_tensor(value).is_cuda == on_device]
+
+
+def local_tensor(value: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of an optimizer-state tensor (FSDP2's state is DTensors, like its parameters)."""
+    return value.to_local() if isinstance(value, DTensor) else value
+
+
+def with_local(template: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+    """`local` as the state tensor `template` was: a DTensor of the same mesh, placements and global shape."""
+    if not isinstance(template, DTensor):
+        return local
+    return DTensor.from_local(local, template.device_mesh, template.placements, run_check=False,
+                              shape=template.shape, stride=template.stride())
 
 
 def move_parameters(model: torch.nn.Module, device) -> None:
@@ -63,10 +77,10 @@ class TrainingStateOffload:
         """Start copying the (device) optimizer state into the host buffers, after the work queued so far (the last
         optimizer step). The device tensors stay the state until `offload`."""
         entries = optimizer_state_tensors(optimizer, on_device=True)
-        self._host = {id_key: self._host_buffer(id_key, state[key]) for id_key, state, key in entries}
+        self._host = {id_key: self._host_buffer(id_key, local_tensor(state[key])) for id_key, state, key in entries}
         with self.copies.copying(OPTIMIZER_STATE):
             for id_key, state, key in entries:
-                self._host[id_key].copy_(state[key], non_blocking=True)
+                self._host[id_key].copy_(local_tensor(state[key]), non_blocking=True)
         self._host_current = True
 
     def _host_buffer(self, id_key, like: torch.Tensor) -> torch.Tensor:
@@ -83,7 +97,7 @@ class TrainingStateOffload:
         torch.cuda.synchronize(self.device)  # both streams: the host copies are complete, no copy reads the device
         self.copies.wait(OPTIMIZER_STATE)  # already complete: drops the event
         for id_key, state, key in optimizer_state_tensors(optimizer, on_device=True):
-            state[key] = self._host[id_key]
+            state[key] = with_local(state[key], self._host[id_key])
         torch.cuda.empty_cache()
 
     def onload(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
@@ -91,12 +105,15 @@ class TrainingStateOffload:
         move_parameters(model, self.device)
         entries = optimizer_state_tensors(optimizer, on_device=False)
         from_host_buffers = (not optimizer_state_tensors(optimizer, on_device=True)
-                             and all(state[key] is self._host.get(id_key) for id_key, state, key in entries))
-        device_state = {id_key: torch.empty_like(state[key], device=self.device) for id_key, state, key in entries}
+                             and all(id_key in self._host
+                                     and local_tensor(state[key]).data_ptr() == self._host[id_key].data_ptr()
+                                     for id_key, state, key in entries))
+        device_state = {id_key: torch.empty_like(local_tensor(state[key]), device=self.device)
+                        for id_key, state, key in entries}
         with self.copies.copying(OPTIMIZER_STATE):  # after the parameters' copies: they are needed first
             for id_key, state, key in entries:
-                device_state[id_key].copy_(state[key], non_blocking=True)
+                device_state[id_key].copy_(local_tensor(state[key]), non_blocking=True)
         for id_key, state, key in entries:
-            state[key] = device_state[id_key]
+            state[key] = with_local(state[key], device_state[id_key])
         self._host_current = from_host_buffers  # until the first touch: an offload before it has nothing to copy
         torch.cuda.current_stream(self.device).synchronize()  # the parameters only
