@@ -5,7 +5,6 @@ backend's `optimizer` property), in the order it runs. The CUDA paths themselves
 from pathlib import Path
 
 import pytest
-import torch
 from fsdp_helpers import make_args, make_train_data, make_trainer
 
 from slime.backends.weight_snapshot import DEVICE_HEADROOM_FRACTION, device_tags
@@ -77,27 +76,3 @@ def test_every_optimizer_state_reader_waits_for_its_copy_first(tiny_checkpoint, 
     backend.reset_optimizer_states()  # writes the moments in place
     assert EVENTS == ["wait"]
 
-
-def test_optimizer_state_shards_keep_their_dtensor_layout_across_a_move(tmp_path):
-    """FSDP2's optimizer state is DTensors: the offload moves each rank's shard and wraps the moved shard back into
-    a DTensor of the same mesh, placements and global shape (a plain tensor there fails the next optimizer step)."""
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import DTensor, Shard, distribute_tensor
-
-    from slime.backends.fsdp_utils.offload import local_tensor, with_local
-
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
-    try:
-        mesh = init_device_mesh("cpu", (1,))
-        state = distribute_tensor(torch.arange(12.0).reshape(4, 3), mesh, [Shard(0)])
-        moved = local_tensor(state).clone()  # stands in for the host (or device) copy of the shard
-        rebuilt = with_local(state, moved)
-        assert isinstance(rebuilt, DTensor) and rebuilt.placements == state.placements
-        assert rebuilt.shape == state.shape and rebuilt.stride() == state.stride()
-        assert local_tensor(rebuilt).data_ptr() == moved.data_ptr()  # wrapped, not copied
-        assert torch.equal(rebuilt.full_tensor(), state.full_tensor())
-        plain = torch.ones(3)
-        assert local_tensor(plain) is plain and with_local(plain, moved) is moved
-    finally:
-        dist.destroy_process_group()

@@ -3,7 +3,8 @@ for them, and the stream-side wait that orders a reader of their data after them
 
 The rules that keep the caching allocator safe: a copy starts after the work already queued on the current stream
 (a block it reads or writes may have just been freed there); its device tensors are allocated on the current stream,
-outside `copying`; and whoever frees them, or reads or writes what they copy, first calls `wait` for their key (or
+outside `copying` (or, allocated inside, are marked with `record_stream` for the streams that use them); and whoever
+frees them, or reads or writes what they copy, first calls `wait` for their key (or
 synchronizes the device). The copies are tracked per key, so unrelated data never waits.
 
 Not here: what is copied (fsdp_utils/offload.py, weight_snapshot.py).

@@ -2,7 +2,7 @@
 path.
 
 Onload brings the parameters back on the compute stream and waits for them (the log-prob pass reads them first);
-the optimizer state follows on a side stream from its pinned host buffers, after the parameters, while the log-prob
+the optimizer state follows on a side stream from its pinned host copies, after the parameters, while the log-prob
 pass runs. Offload: the optimizer state's device-to-host copy may start right after the last optimizer step
 (`optimizer_state_to_host`; the weight push never reads it), so when the push is done only the parameters are left
 to move. Every reader or writer of the optimizer state goes through `optimizer_state_touched` first (FSDPBackend's
@@ -41,14 +41,6 @@ def local_tensor(value: torch.Tensor) -> torch.Tensor:
     return value.to_local() if isinstance(value, DTensor) else value
 
 
-def with_local(template: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
-    """`local` as the state tensor `template` was: a DTensor of the same mesh, placements and global shape."""
-    if not isinstance(template, DTensor):
-        return local
-    return DTensor.from_local(local, template.device_mesh, template.placements, run_check=False,
-                              shape=template.shape, stride=template.stride())
-
-
 def move_parameters(model: torch.nn.Module, device) -> None:
     """Swap the model's parameter shards to `device`, non-blocking (to the host: into pinned memory)."""
     reshard(model)
@@ -64,30 +56,25 @@ class TrainingStateOffload:
     def __init__(self, device: torch.device):
         self.device = device
         self.copies = SideStream(device)
-        self._host: dict[tuple[int, str], torch.Tensor] = {}  # pinned buffers, reused across offloads
-        self._host_current = False  # the host buffers hold the optimizer state's current value
+        # (parameter id, state key) -> the state tensor's host copy (pinned: DTensor.to("cpu", non_blocking=True)
+        # takes it from the caching host allocator, which reuses it across offloads)
+        self._host: dict[tuple[int, str], torch.Tensor] = {}
+        self._host_current = False  # the host copies hold the optimizer state's current value
 
     def optimizer_state_touched(self) -> None:
         """Called before anything reads or writes the optimizer state: the compute stream waits for its copy in
-        flight, and the host buffers may be stale from now on."""
+        flight, and the host copies may be stale from now on."""
         self.copies.wait(OPTIMIZER_STATE)
         self._host_current = False
 
     def optimizer_state_to_host(self, optimizer: torch.optim.Optimizer) -> None:
-        """Start copying the (device) optimizer state into the host buffers, after the work queued so far (the last
-        optimizer step). The device tensors stay the state until `offload`."""
+        """Start copying the (device) optimizer state to the host, after the work queued so far (the last optimizer
+        step). The device tensors stay the state until `offload`. DTensor's own `.to` moves each rank's shard and
+        keeps the layout (a DTensor built with `from_local` would move a host shard back to the mesh's device)."""
         entries = optimizer_state_tensors(optimizer, on_device=True)
-        self._host = {id_key: self._host_buffer(id_key, local_tensor(state[key])) for id_key, state, key in entries}
         with self.copies.copying(OPTIMIZER_STATE):
-            for id_key, state, key in entries:
-                self._host[id_key].copy_(local_tensor(state[key]), non_blocking=True)
+            self._host = {id_key: state[key].to("cpu", non_blocking=True) for id_key, state, key in entries}
         self._host_current = True
-
-    def _host_buffer(self, id_key, like: torch.Tensor) -> torch.Tensor:
-        host = self._host.get(id_key)
-        if host is None or host.shape != like.shape or host.dtype != like.dtype:
-            host = torch.empty(like.shape, dtype=like.dtype, pin_memory=True)
-        return host
 
     def offload(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
         """Parameters and optimizer state to the host; returns once every copy is done and the cache released."""
@@ -97,23 +84,21 @@ class TrainingStateOffload:
         torch.cuda.synchronize(self.device)  # both streams: the host copies are complete, no copy reads the device
         self.copies.wait(OPTIMIZER_STATE)  # already complete: drops the event
         for id_key, state, key in optimizer_state_tensors(optimizer, on_device=True):
-            state[key] = with_local(state[key], self._host[id_key])
+            state[key] = self._host[id_key]
         torch.cuda.empty_cache()
 
     def onload(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
         """Parameters back (waited for); the optimizer state's upload queued behind them on the side stream."""
         move_parameters(model, self.device)
         entries = optimizer_state_tensors(optimizer, on_device=False)
-        from_host_buffers = (not optimizer_state_tensors(optimizer, on_device=True)
-                             and all(id_key in self._host
-                                     and local_tensor(state[key]).data_ptr() == self._host[id_key].data_ptr()
-                                     for id_key, state, key in entries))
-        device_state = {id_key: torch.empty_like(local_tensor(state[key]), device=self.device)
-                        for id_key, state, key in entries}
+        from_host_copies = (not optimizer_state_tensors(optimizer, on_device=True)
+                            and all(state[key] is self._host.get(id_key) for id_key, state, key in entries))
         with self.copies.copying(OPTIMIZER_STATE):  # after the parameters' copies: they are needed first
-            for id_key, state, key in entries:
-                device_state[id_key].copy_(local_tensor(state[key]), non_blocking=True)
+            uploaded = {id_key: state[key].to(self.device, non_blocking=True) for id_key, state, key in entries}
+        compute = torch.cuda.current_stream(self.device)
         for id_key, state, key in entries:
-            state[key] = with_local(state[key], device_state[id_key])
-        self._host_current = from_host_buffers  # until the first touch: an offload before it has nothing to copy
-        torch.cuda.current_stream(self.device).synchronize()  # the parameters only
+            # allocated on the side stream, used on the compute stream: a free must wait for the compute stream too
+            local_tensor(uploaded[id_key]).record_stream(compute)
+            state[key] = uploaded[id_key]
+        self._host_current = from_host_copies  # until the first touch: an offload before it has nothing to copy
+        compute.synchronize()  # the parameters only
