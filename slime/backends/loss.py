@@ -177,3 +177,12 @@ def get_loss_function(args):
 
         return load_function(args.custom_loss_function_path, "--custom-loss-function-path")
     raise ValueError(f"unknown --loss-type {args.loss_type!r}; choose policy_loss, sft_loss or custom_loss")
+
+
+def can_reuse_log_probs_in_loss(args, num_steps_per_rollout: int) -> bool:
+    """slime's shortcut (spec 4.8): with one on-policy step per rollout the old log-probs equal the current ones,
+    so the separate forward is skipped and the loss uses the detached current log-probs."""
+    return (num_steps_per_rollout == 1 and args.loss_type == "policy_loss" and args.kl_coef == 0
+            and not args.use_rollout_logprobs and not args.get_mismatch_metrics and not args.keep_old_actor
+            and not args.use_opd and args.advantage_estimator != "gspo"
+            and not getattr(args, "use_critic", False))

@@ -28,7 +28,8 @@ from tqdm import tqdm
 from slime.backends.advantages import compute_advantages
 from slime.backends.backend import TrainBackend
 from slime.backends.debug_train_data import rank_train_data, save_debug_train_data
-from slime.backends.loss import LossReducer, MicroBatchTensors, aggregation_mode, get_loss_function
+from slime.backends.loss import (LossReducer, MicroBatchTensors, aggregation_mode, can_reuse_log_probs_in_loss,
+                                 get_loss_function)
 from slime.backends.packing import float_tensors, outputs_per_sample, to_device
 from slime.backends.routing_replay import (
     ReplayStage,
@@ -40,22 +41,13 @@ from slime.backends.routing_replay import (
 from slime.backends.schedule import forward_only_schedule, train_schedule
 from slime.backends.weight_disk import disk_sync_from_args
 from slime.backends.weight_sender import WeightSender
-from slime.backends.weight_snapshot import WeightSnapshot
+from slime.backends.weight_snapshot import WeightSnapshot, place_weight_sets
 from slime.utils.checkpoint_state import weights_at_step
 from slime.utils.engine_access import engine_admin_headers
 from slime.utils.misc import load_function, seed_everything
 from slime.utils.ppo_utils import apply_opd_advantage, compute_mismatch_metrics, loss_denominator
 
 logger = logging.getLogger(__name__)
-
-
-def can_reuse_log_probs_in_loss(args, num_steps_per_rollout: int) -> bool:
-    """slime's shortcut (spec 4.8): with one on-policy step per rollout the old log-probs equal the current ones,
-    so the separate forward is skipped and the loss uses the detached current log-probs."""
-    return (num_steps_per_rollout == 1 and args.loss_type == "policy_loss" and args.kl_coef == 0
-            and not args.use_rollout_logprobs and not args.get_mismatch_metrics and not args.keep_old_actor
-            and not args.use_opd and args.advantage_estimator != "gspo"
-            and not getattr(args, "use_critic", False))
 
 
 class TrainFlow:
@@ -99,7 +91,7 @@ class TrainFlow:
         # Colocated offload: the engines hold the device until the first hand-over, then release it while we train.
         engines_release_memory = bool(args.colocate and args.offload_rollout)
         if not engines_release_memory:
-            self._place_snapshots(engines_release_memory)
+            place_weight_sets(self.snapshot, args, self.device, self.with_ref, engines_release_memory)
         # Reference and OPD teacher: other weight sets of the same architecture, kept as host shards.
         extra_weights = {"ref": args.ref_load if self.with_ref else None, "teacher": args.opd_teacher_load}
         steps = {"ref": (args.ref_ckpt_step, "--ref-ckpt-step"), "teacher": (args.opd_teacher_ckpt_step,
@@ -113,7 +105,7 @@ class TrainFlow:
                     self.snapshot.save(tag)
             self.snapshot.restore("actor")
         if engines_release_memory:  # placed now: the device copies come with the first onload, not beside engines
-            self._place_snapshots(engines_release_memory)
+            place_weight_sets(self.snapshot, args, self.device, self.with_ref, engines_release_memory)
         self.weight_updater = WeightSender(backend.hf_weights, self.device.type == "cuda", self.rank,
                                            args.update_weight_buffer_size, dtype=None,
                                            master_address=self.master_addr, headers=engine_admin_headers(args),
@@ -122,18 +114,6 @@ class TrainFlow:
         if resume_dir is not None:
             return backend.load_training_state(resume_dir) + 1
         return getattr(args, "start_rollout_id", None) or 0
-
-    def _place_snapshots(self, engines_release_memory: bool) -> None:
-        """The weight sets swapped in every step (the actor's transient save, the ref, the OPD teacher) live on the
-        device where it has room (weight_snapshot.py); not with --weight-snapshots-on-host, nor when the engines
-        share the device without offload (they size their memory from what is free)."""
-        args = self.args
-        if self.device.type != "cuda" or args.weight_snapshots_on_host or (args.colocate and not args.offload_train):
-            return
-        backed = {"ref": self.with_ref, "teacher": bool(args.opd_teacher_load)}
-        if any(backed.values()):
-            self.snapshot.place_on_device(self.device, ["actor"] + [tag for tag, used in backed.items() if used],
-                                          engines_release_memory)
 
     # -------------------------------------------------------------------------------------------- schedule
     def _schedule(self, data: dict) -> list[list]:

@@ -125,3 +125,16 @@ class WeightSnapshot:
     def _wait(self, tag: str) -> None:
         if self.uploads is not None:
             self.uploads.wait(tag)
+
+
+def place_weight_sets(snapshot: WeightSnapshot, args, device: torch.device, with_ref: bool,
+                      engines_release_memory: bool) -> None:
+    """The weight sets swapped in every step (the actor's transient save, the ref, the OPD teacher) live on the
+    device where it has room; not with --weight-snapshots-on-host, nor when the engines share the device without
+    offload (they size their memory from what is free)."""
+    if device.type != "cuda" or args.weight_snapshots_on_host or (args.colocate and not args.offload_train):
+        return
+    backed = {"ref": with_ref, "teacher": bool(args.opd_teacher_load)}
+    if any(backed.values()):
+        snapshot.place_on_device(device, ["actor"] + [tag for tag, used in backed.items() if used],
+                                 engines_release_memory)
