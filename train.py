@@ -63,6 +63,24 @@ def create_training_models(args, placements, rollout_manager):
     return actor, critic, start_rollout_id
 
 
+def hand_over_to_train(args, actor, rollout_manager) -> dict:
+    """Colocated: the engines release their memory and the trainer takes its own back (update_weights times the way
+    back). The engines drop their weights rather than save them: update_weights pushes every weight before they
+    generate again. The trainer's onload runs during the release when it fits beside the engines' memory."""
+    start = time.perf_counter()
+    metrics = {}
+    release = rollout_manager.offload.remote(discard_weights=True) if args.offload_rollout else None
+    if args.offload_train:
+        with timed(metrics, "perf/train_onload_time"):
+            if release is None:
+                actor.onload()
+            else:
+                metrics["perf/train_onload_beside_release"] = float(actor.onload_beside(release))
+    if release is not None:
+        metrics["perf/engine_release_time"] = ray.get(release)
+    return {**metrics, "perf/hand_over_to_train_time": time.perf_counter() - start}
+
+
 def update_weights(args, actor, rollout_manager, rollout_id) -> dict:
     # Asked each time: an engine restarted under --use-fault-tolerance has a new URL, and gets this push too.
     engine_urls = ray.get(rollout_manager.get_engine_urls.remote())
@@ -146,17 +164,7 @@ def train(args) -> str:
             if args.debug_rollout_only:
                 logger.log(rollout_id, metrics, print_fn=progress.write)
                 continue
-            hand_over_start = time.perf_counter()
-            if args.offload_rollout:
-                with timed(metrics, "perf/engine_release_time"):
-                    ray.get(rollout_manager.offload.remote())
-            if args.offload_train:
-                with timed(metrics, "perf/train_onload_time"):
-                    actor.onload()
-            # Colocated: the engines release their memory, the trainer takes its own back (update_weights_time times
-            # the way back).
-            metrics["perf/hand_over_to_train_time"] = time.perf_counter() - hand_over_start
-
+            metrics.update(hand_over_to_train(args, actor, rollout_manager))
             metrics.update(train_on_rollout(args, actor, critic, rollout_id, data_refs))
             if should_save(args, rollout_id, num_rollout):
                 save(actor, critic, rollout_manager, rollout_id)

@@ -284,10 +284,27 @@ def test_release_and_resume_memory(client, server):
     assert results[0]["output_ids"] == expected["output_ids"]
 
 
+def test_release_discarding_weights_serves_again_after_the_push(client, server, tiny_qwen3):
+    expected = generate(client, input_ids=[21, 22, 23], sampling_params=GREEDY)
+    body = {"tags": ["weights", "kv_cache", "cuda_graph"], "discard_weights": True}
+    assert client.post("/release_memory_occupation", json=body).status_code == 200
+    results = []
+    thread = post_in_background(server, "/generate", {"input_ids": [21, 22, 23], "sampling_params": GREEDY}, results)
+    assert client.post("/resume_memory_occupation", json={"tags": ["weights"]}).status_code == 200
+    assert client.post("/update_weights_from_disk", json={"model_path": str(tiny_qwen3)}).status_code == 200
+    time.sleep(0.3)
+    assert thread.is_alive()  # the KV cache is still released
+    assert client.post("/resume_memory_occupation", json={"tags": ["kv_cache", "cuda_graph"]}).status_code == 200
+    thread.join(30)
+    assert results[0]["output_ids"] == expected["output_ids"]
+
+
 @pytest.mark.parametrize(
     "path, body, field",
     [
         ("/generate", "{not json", "JSON"),
+        ("/release_memory_occupation", {"tags": ["kv_cache"], "discard_weights": True}, "discard_weights"),
+        ("/release_memory_occupation", {"discard_weights": "yes"}, "discard_weights"),
         ("/generate", {"input_ids": [1, 2], "sampling_params": {"temprature": 0.5}}, "temprature"),
         ("/generate", {"input_ids": [1, 2], "sampling_params": {"temperature": -1}}, "temperature"),
         ("/generate", {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": "ten"}}, "max_new_tokens"),

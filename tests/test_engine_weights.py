@@ -7,6 +7,7 @@ from greedy_margin import assert_clear_greedy_margin
 from transformers import AutoModelForCausalLM
 
 from slime.engine.engine import Engine, EngineMemoryReleasedError
+from slime.engine.models.weight_loader import iterate_checkpoint
 from slime.engine.sampling_params import SamplingParams
 from slime.utils.tiny_model import build_tiny_model
 
@@ -113,6 +114,35 @@ def test_release_and_resume_memory(engine):
     assert not engine.has_unfinished_requests()
     with pytest.raises(ValueError, match="unknown memory tags"):
         engine.release_memory(["gpu"])
+
+
+def test_release_discarding_weights_refuses_to_generate_until_a_full_push_lands(engine, paths):
+    fresh = Engine(str(paths[1]), device="cpu", kvcache_block_size=4, num_kvcache_blocks=64)
+    expected = fresh.generate([PROMPT], GREEDY)[0]
+    assert expected["output_ids"] != engine.generate([PROMPT], GREEDY)[0]["output_ids"]
+    engine.release_memory(["weights", "kv_cache", "cuda_graph"], discard_weights=True)
+    assert engine.model_runner.host_weights.buffers is None  # nothing copied out
+    engine.resume_memory(["weights"])
+    storage = {p.untyped_storage().data_ptr() for p in engine.model_runner.model.parameters()}
+    assert len(storage) == 1  # one allocation for all (one dtype)
+    engine.resume_memory(["kv_cache", "cuda_graph"])
+    with pytest.raises(EngineMemoryReleasedError, match="discard_weights"):
+        engine.generate([PROMPT], GREEDY)
+    pushed = dict(iterate_checkpoint(paths[1]))
+    first, rest = list(pushed.items())[:1], list(pushed.items())[1:]
+    engine.update_weights_from_tensors(first, weight_version="1")  # a first bucket: still incomplete
+    with pytest.raises(EngineMemoryReleasedError, match=f"{len(engine.named_weight_shapes()) - 1} are not loaded"):
+        engine.add_request(PROMPT, SamplingParams())
+    engine.update_weights_from_tensors(rest, weight_version="1")
+    after = engine.generate([PROMPT], GREEDY)[0]
+    assert after["output_ids"] == expected["output_ids"]
+    assert after["output_log_probs"] == pytest.approx(expected["output_log_probs"], abs=1e-5)
+    # A later saving release keeps the pushed weights (host copy of the views).
+    engine.release_memory(["weights"])
+    engine.resume_memory(["weights"])
+    assert engine.generate([PROMPT], GREEDY)[0]["output_ids"] == expected["output_ids"]
+    with pytest.raises(ValueError, match="'weights' tag"):
+        engine.release_memory(["kv_cache"], discard_weights=True)
 
 
 def test_release_mid_generation_recomputes_on_resume(engine):

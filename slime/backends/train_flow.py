@@ -28,6 +28,7 @@ from tqdm import tqdm
 from slime.backends.advantages import compute_advantages
 from slime.backends.backend import TrainBackend
 from slime.backends.debug_train_data import rank_train_data, save_debug_train_data
+from slime.backends.device_room import DeviceRoom
 from slime.backends.loss import (LossReducer, MicroBatchTensors, aggregation_mode, can_reuse_log_probs_in_loss,
                                  get_loss_function)
 from slime.backends.packing import float_tensors, outputs_per_sample, to_device
@@ -61,6 +62,7 @@ class TrainFlow:
         self.pushed_versions: list[str] = []  # --keep-old-actor: weight versions held in self.snapshot
         self.pass_entropy: dict[str, dict[int, torch.Tensor]] = {}  # --use-rollout-entropy, by log-prob pass
         self.snapshot = WeightSnapshot(backend.local_weights)  # weight sets by tag (none for the critic)
+        self.device_room = DeviceRoom(self.device)  # what an onload takes back, and whether it fits now
 
     @property
     def model(self):
@@ -394,8 +396,9 @@ class TrainFlow:
     def offload(self) -> None:
         """GPU: free the weight sets' device copies, move parameters and optimizer state to host memory and release
         the cache. CPU: nothing to do."""
-        self.snapshot.offload()
-        self.backend.offload()
+        with self.device_room.measuring_offload():
+            self.snapshot.offload()
+            self.backend.offload()
 
     def onload(self) -> None:
         """The weight sets' uploads first (the ref pass reads them first), on a side stream beside the parameters."""

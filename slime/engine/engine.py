@@ -301,7 +301,7 @@ class Engine:
     def load_weights(self, named_tensors) -> None:
         """Copy HF-named tensors into the model (any subset), after checking every name and shape; flushes the
         prefix cache. Does not change weight_version (see `update_weights_from_tensors`)."""
-        self._check_resident("load weights", tags=("weights",))
+        self._check_resident("load weights", tags=("weights",), needs_valid_weights=False)
         self._drain()  # the step in flight finishes on the weights it started with
         named_tensors = list(named_tensors)
         shapes = self.named_weight_shapes()
@@ -312,7 +312,7 @@ class Engine:
             expected = tuple(shapes[lookup][0])
             if tuple(tensor.shape) != expected:
                 raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)}, expected {expected}")
-        load_weights(self.model_runner.model, named_tensors)
+        self.model_runner.host_weights.loaded(load_weights(self.model_runner.model, named_tensors))
         self.flush_cache()
 
     def update_weights_from_tensors(self, named_tensors, weight_version: str | None = None) -> None:
@@ -320,11 +320,12 @@ class Engine:
         self._bump_weight_version(weight_version)
 
     def update_weights_from_disk(self, model_path: str, weight_version: str | None = None) -> None:
-        self._check_resident("load weights", tags=("weights",))
+        self._check_resident("load weights", tags=("weights",), needs_valid_weights=False)
         if not _same_architecture(load_model_config(model_path), self.model_config):
             raise ValueError(f"model_path {str(model_path)!r} has a different architecture than the engine's model")
         self._drain()
-        load_checkpoint(self.model_runner.model, model_path)
+        load_checkpoint(self.model_runner.model, model_path)  # every weight, or a ValueError
+        self.model_runner.host_weights.loaded(set(self.weights_missing))
         self.flush_cache()
         self._bump_weight_version(weight_version)
 
@@ -340,9 +341,13 @@ class Engine:
 
     # ---- memory -------------------------------------------------------------------------------------------------
 
-    def release_memory(self, tags=None) -> None:
-        """Free device memory for `tags` (default all). Running requests are preempted and recompute on resume."""
+    def release_memory(self, tags=None, discard_weights: bool = False) -> None:
+        """Free device memory for `tags` (default all). Running requests are preempted and recompute on resume.
+        `discard_weights`: the caller loads every weight before the next generation, so the weights are dropped,
+        not copied to the host, and the engine refuses to generate until all are loaded again."""
         tags = _memory_tags(tags)
+        if discard_weights and "weights" not in tags:
+            raise ValueError(f"discard_weights needs the 'weights' tag among the released tags, got {tags}")
         self._drain()
         if "kv_cache" in tags and "kv_cache" not in self.released_tags:
             for seq in list(self.scheduler.running):
@@ -350,7 +355,7 @@ class Engine:
             self.flush_cache()
             self.model_runner.free_kv_cache()
         if "weights" in tags:
-            self.model_runner.release_weights()
+            self.model_runner.release_weights(set(self.named_weight_shapes()) if discard_weights else None)
         self.released_tags |= set(tags)
 
     def resume_memory(self, tags=None) -> None:
@@ -361,10 +366,21 @@ class Engine:
             self.model_runner.allocate_kv_cache()
         self.released_tags -= set(tags)
 
-    def _check_resident(self, action: str, tags=("weights", "kv_cache")) -> None:
+    @property
+    def weights_missing(self) -> set[str]:
+        """Checkpoint names not loaded since a release that discarded the weights (empty: the weights are valid)."""
+        return self.model_runner.host_weights.missing
+
+    def _check_resident(self, action: str, tags=("weights", "kv_cache"), needs_valid_weights: bool = True) -> None:
         released = sorted(self.released_tags & set(tags))
         if released:
             raise EngineMemoryReleasedError(f"cannot {action}: memory {released} is released; call resume_memory first")
+        if needs_valid_weights and self.weights_missing:
+            missing = sorted(self.weights_missing)
+            raise EngineMemoryReleasedError(
+                f"cannot {action}: the weights were discarded by a release with discard_weights and {len(missing)} "
+                f"are not loaded again (e.g. {missing[0]!r}); push every weight (update_weights_from_tensor / "
+                "_distributed / _disk) first")
 
 
 def _decode(tokenizer, token_ids: list[int], skip_special_tokens: bool) -> str:

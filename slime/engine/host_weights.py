@@ -1,15 +1,24 @@
-"""The host copy of an engine model's weights while their device storage is released (colocated RL: the trainer
-uses the GPU memory while the engine sleeps), and putting them back.
+"""The device storage of an engine model's weights while it is released (colocated RL: the trainer uses the GPU
+memory while the engine sleeps), and putting it back: either a host copy, or nothing at all when the caller will
+overwrite every weight before the next generation ("discard").
 
 On CUDA the copy goes to pinned host buffers allocated at the first release and reused by every later one:
 pinning a model's worth of host memory took most of a release (0.7-1.1 s for 1.2 GB on an H200 host), the copy
 itself tens of milliseconds; a colocated RL run releases once per rollout. On the CPU the copy is the parameters'
-own storage. Not here: the KV cache (model_runner.py) or the CUDA graphs that hold the weights' addresses.
+own storage.
+
+A discarding release copies nothing (a colocated run pushes every weight after each resume, so a copy would be
+overwritten unread); its resume is one allocation per dtype, the parameters views of it, and the weights hold
+garbage until loaded: `missing` is the set of checkpoint names not loaded since the discard, and the engine
+refuses to generate while it is not empty. Not here: the KV cache (model_runner.py) or the CUDA graphs that hold
+the weights' addresses.
 """
 
 from __future__ import annotations
 
 import torch
+
+ALIGNMENT_BYTES = 512  # the CUDA caching allocator's block granularity
 
 
 class HostWeights:
@@ -17,10 +26,22 @@ class HostWeights:
         self.device = device
         self.buffers: dict[str, torch.Tensor] | None = None
         self.released = False
+        # name -> (shape, dtype) of every parameter while released by discarding (no buffer holds the shapes)
+        self.discarded: dict[str, tuple[torch.Size, torch.dtype]] | None = None
+        self.missing: set[str] = set()
 
-    def release(self, model: torch.nn.Module) -> None:
-        """Copy every parameter to the host and free its device storage; a no-op when already released."""
+    def release(self, model: torch.nn.Module, weight_names: set[str] | None = None) -> None:
+        """Free every parameter's device storage, copied to the host first, or discarded when `weight_names` (the
+        checkpoint names that must all be loaded again before the weights are valid) is given; a no-op when
+        already released."""
         if self.released:
+            return
+        if weight_names is not None:
+            self.discarded = {name: (param.shape, param.dtype) for name, param in model.named_parameters()}
+            self.missing = set(weight_names)
+            for param in model.parameters():
+                param.data = torch.empty(0, dtype=param.dtype, device=self.device)
+            self.released = True
             return
         on_cuda = self.device.type == "cuda"
         if self.buffers is None or not on_cuda:
@@ -39,13 +60,38 @@ class HostWeights:
         self.released = True
 
     def resume(self, model: torch.nn.Module) -> None:
-        """Put the host copy back on the device; a no-op when not released."""
+        """Put the host copy back on the device, or after a discard allocate the storage uninitialized; a no-op
+        when not released."""
         if not self.released:
             return
-        for name, param in model.named_parameters():
-            param.data = self.buffers[name].to(self.device, non_blocking=True)
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+        if self.discarded is not None:
+            self._allocate(model)
         else:
-            self.buffers = None  # on the CPU they are the parameters' storage again
+            for name, param in model.named_parameters():
+                param.data = self.buffers[name].to(self.device, non_blocking=True)
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            else:
+                self.buffers = None  # on the CPU they are the parameters' storage again
         self.released = False
+
+    def loaded(self, names) -> None:
+        """Checkpoint names just copied into the model (after a discard, the weights are valid once all are)."""
+        self.missing.difference_update(names)
+
+    def _allocate(self, model: torch.nn.Module) -> None:
+        """One device allocation per dtype for all parameters, not one per parameter (each is a driver call); every
+        parameter starts ALIGNMENT_BYTES-aligned, as its own allocation would (vectorized kernels rely on it)."""
+        by_dtype: dict[torch.dtype, list[tuple[torch.nn.Parameter, torch.Size, int]]] = {}
+        params = dict(model.named_parameters())
+        sizes: dict[torch.dtype, int] = {}
+        for name, (shape, dtype) in self.discarded.items():
+            offset = sizes.get(dtype, 0)
+            by_dtype.setdefault(dtype, []).append((params[name], shape, offset))
+            step = ALIGNMENT_BYTES // torch.empty((), dtype=dtype).element_size()
+            sizes[dtype] = offset + -(-shape.numel() // step) * step
+        for dtype, entries in by_dtype.items():
+            flat = torch.empty(sizes[dtype], dtype=dtype, device=self.device)
+            for param, shape, offset in entries:
+                param.data = flat[offset:offset + shape.numel()].view(shape)
+        self.discarded = None

@@ -97,6 +97,8 @@ class ModelRunner:
         self.captured_decode_graphs = False  # the first DecodeGraphs captures every bucket; later ones lazily
         self.graph_capture_stats = {"graphs": 0, "seconds": 0.0}  # every capture since start-up (engine loop logs it)
         self.decode_rows = DecodeRows(model_config.vocab_size)
+        self.kv_cache: torch.Tensor | None = None  # every layer's K and V; uninitialized on the Triton path
+        self.kv_cache_zeroed = False
         attention_works = self.device.type == "cuda" and triton_attention_works(self.device)
         grouped_mm = grouped_mm_works(self.device, self.dtype) if model_config.is_moe else True
         for block in self.model.moe_blocks():
@@ -111,6 +113,9 @@ class ModelRunner:
         and the fused elementwise kernels (default: same as `enabled`); off = the pure-torch path. The runner turns
         each on only after its self-check passed on this machine."""
         self.use_triton = enabled
+        if not enabled and self.kv_cache is not None and not self.kv_cache_zeroed:
+            self.kv_cache.zero_()  # the pure-torch path reads masked slots (allocate_kv_cache)
+            self.kv_cache_zeroed = True
         self.use_cuda_graphs = enabled and cuda_graphs and not self.config.enforce_eager
         self.decode_graphs = None
         self.model.set_use_triton(enabled if fused is None else fused)
@@ -153,8 +158,13 @@ class ModelRunner:
         layers = self.model.attention_layers()
         # One allocation for every layer's K and V, not two per layer: a colocated run frees and re-allocates the
         # cache on every hand-over, and each device allocation and free is a driver call of its own.
-        # Zeros, not empty: masked-out slots enter SDPA multiplied by 0, and NaN garbage would survive that.
-        cache = torch.zeros((len(layers), 2, *shape), dtype=self.dtype, device=self.device)
+        # The pure-torch path needs zeros: its masked-out slots enter SDPA multiplied by 0, and NaN garbage would
+        # survive that. The Triton kernels load only slots below each sequence's length, all written before any read
+        # (cached prefix, earlier chunks, the step's own K/V), so there the cache is left uninitialized: zeroing
+        # the whole cache on every colocated resume costs a device-wide memset.
+        self.kv_cache_zeroed = not self.use_triton
+        allocate = torch.zeros if self.kv_cache_zeroed else torch.empty
+        cache = self.kv_cache = allocate((len(layers), 2, *shape), dtype=self.dtype, device=self.device)
         for attn, (keys, values) in zip(layers, cache):
             attn.k_cache, attn.v_cache = keys, values
         if self.config.enable_return_routed_experts:
@@ -168,6 +178,7 @@ class ModelRunner:
     def free_kv_cache(self) -> None:
         self.decode_graphs = None  # they hold the cache's addresses
         self.decode_rows.clear()
+        self.kv_cache = None
         for attn in self.model.attention_layers():
             attn.k_cache = torch.empty(0, device=self.device)
             attn.v_cache = torch.empty(0, device=self.device)
@@ -184,12 +195,13 @@ class ModelRunner:
         slots += positions % self.block_size
         return self.routed_experts[self.staging.to_device(slots)].cpu().numpy()
 
-    def release_weights(self) -> None:
-        """Move parameter storage to a host copy and free the device storage (host_weights.py)."""
+    def release_weights(self, discard_names: set[str] | None = None) -> None:
+        """Free the parameters' device storage, copied to the host first unless discarded: `discard_names` are the
+        checkpoint names that must all be loaded again before the weights are valid (host_weights.py)."""
         if self.host_weights.released:
             return
         self.decode_graphs = None  # they hold the weights' addresses
-        self.host_weights.release(self.model)
+        self.host_weights.release(self.model, discard_names)
         self._empty_device_cache()
 
     def resume_weights(self) -> None:

@@ -217,25 +217,31 @@ def _register_control_routes(app: FastAPI, state: ServerState) -> None:
         await asyncio.wrap_future(loop.set_hold("paused", False))
         return {"success": True, "message": "Generation continued."}
 
-    def parse_tags(body, endpoint: str) -> list[str]:
-        body = require_fields(body, endpoint, {}, {"tags": (list, list(MEMORY_TAGS))})
+    def parse_tags(body, endpoint: str, extra: dict | None = None) -> dict:
+        body = require_fields(body, endpoint, {}, {"tags": (list, list(MEMORY_TAGS)), **(extra or {})})
         unknown = sorted(set(body["tags"]) - set(MEMORY_TAGS))
         if unknown or not body["tags"]:
             raise RequestError(f"{endpoint} field 'tags' must be a non-empty subset of {list(MEMORY_TAGS)}")
-        return list(body["tags"])
+        return body
 
     # In-flight requests survive a release: the engine preempts them and they recompute after the resume.
+    # `discard_weights` (not SGLang's): the caller pushes every weight before the next generation, so the engine
+    # drops its weights instead of copying them to the host; requests wait until they are all loaded again.
     @app.post("/release_memory_occupation")
     async def release_memory(request: Request):
-        tags = parse_tags(await read_json(request, allow_empty=True), "/release_memory_occupation")
+        body = parse_tags(await read_json(request, allow_empty=True), "/release_memory_occupation",
+                          {"discard_weights": (bool, False)})
+        tags = list(body["tags"])
+        if body["discard_weights"] and "weights" not in tags:
+            raise RequestError("/release_memory_occupation field 'discard_weights' needs 'weights' among the tags")
         await asyncio.wrap_future(loop.set_hold("memory_released", True))
-        await loop.call(state.engine.release_memory, tags)
+        await loop.call(state.engine.release_memory, tags, body["discard_weights"])
         state.released_tags.update(tags)
         return {"success": True, "message": f"Released memory {tags}."}
 
     @app.post("/resume_memory_occupation")
     async def resume_memory(request: Request):
-        tags = parse_tags(await read_json(request, allow_empty=True), "/resume_memory_occupation")
+        tags = list(parse_tags(await read_json(request, allow_empty=True), "/resume_memory_occupation")["tags"])
         await loop.call(state.engine.resume_memory, tags)
         state.released_tags.difference_update(tags)
         if not state.released_tags:

@@ -60,6 +60,16 @@ class TrainRayActor:
         """Any trainer method; ObjectRefs passed as top-level arguments arrive resolved."""
         return getattr(self.trainer, method)(*args, **kwargs)
 
+    def onload_beside(self, engines_release: list) -> bool:
+        """The trainer's onload while the engines release their memory (`engines_release`: the release's ObjectRef
+        in a list, so it arrives unresolved): at once if it fits in the free memory now, else after the release.
+        Returns whether it ran beside the release."""
+        beside = self.trainer.device_room.onload_fits_now()
+        if not beside:
+            ray.get(engines_release)
+        self.trainer.onload()
+        return beside
+
     @ray.method(num_returns=2)
     def train_for_critic(self, rollout_id: int, data: dict, values: list, train_policy: bool):
         """PPO actor: GAE from the critic's `values`; trains only if `train_policy`. Returns (metrics, returns)."""
@@ -164,6 +174,11 @@ class RayTrainGroup:
 
     def onload(self) -> None:
         self._all("onload")
+
+    def onload_beside(self, engines_release) -> bool:
+        """Every rank's onload while the engines' release (an ObjectRef) is in flight (TrainRayActor.onload_beside);
+        whether all of them ran beside it."""
+        return all(self.get([actor.onload_beside.remote([engines_release]) for actor in self.actors]))
 
 
 def train_with_critic(args, actor: RayTrainGroup, critic: RayTrainGroup, rollout_id: int, data_refs: list) -> dict:

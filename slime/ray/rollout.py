@@ -241,11 +241,19 @@ class RolloutManager:
         with ThreadPoolExecutor(max_workers=max(1, len(urls))) as pool:
             list(pool.map(post, urls))
 
-    def offload(self) -> None:
+    def offload(self, discard_weights: bool = False) -> float:
+        """Every engine releases its memory. `discard_weights`: the caller pushes every weight before the engines
+        generate again (train.py's colocated loop: a full push follows each release), so they drop their weights
+        instead of copying them to the host, and their resume of the weights is an allocation. Only the built-in
+        engines started by this run take that field (SGLang's payload has none). Returns its seconds."""
+        start = time.perf_counter()
         tags = ["weights", "kv_cache", "cuda_graph"]
         if self.supervisor:
             self.supervisor.memory_released(tags)  # first: no heartbeat reaches an engine in the middle
-        self._post_all("/release_memory_occupation", {"tags": tags})
+        ours = self.args.rollout_backend == "slime" and not self.args.rollout_external
+        discard = {"discard_weights": True} if discard_weights and ours else {}
+        self._post_all("/release_memory_occupation", {"tags": tags, **discard})
+        return time.perf_counter() - start
 
     def onload(self, tags: list[str]) -> None:
         self._post_all("/resume_memory_occupation", {"tags": tags})
