@@ -1,6 +1,6 @@
-"""The colocated hand-over against a real engine server, part by part (issue 18): POST /release_memory_occupation,
-/resume_memory_occupation of the weights and of the KV cache, and a tensor-mode weight push, per bucket, by its
-parts (building the bucket: per-tensor copies as before, or one packed buffer; serializing the handles; the POST,
+"""The colocated hand-over against a real engine server, part by part (issue 18): POST /release_memory_occupation
+(saving the weights, and discarding them as train.py's colocated loop does), /resume_memory_occupation of the
+weights and of the KV cache, and a tensor-mode weight push, per bucket, by its parts (building the bucket: per-tensor copies as before, or one packed buffer; serializing the handles; the POST,
 i.e. the engine's deserialize, open, check and copy) and whole through `WeightSender` (packed and pipelined).
 
 This process plays the trainer: it holds a model's weights on the engine's device. Prints one JSON line of
@@ -94,6 +94,12 @@ def measure(url: str, weights, bucket_bytes: int, device: str, repeats: int) -> 
                 del built
         add("push_weight_sender", sender.update("bench")["seconds"])
         add("resume_kv", post("/resume_memory_occupation", {"tags": ["kv_cache", "cuda_graph"]}))
+        # train.py's colocated release: the weights dropped (the push overwrites them), their resume an allocation.
+        add("release_discarding_weights", post("/release_memory_occupation", {"tags": ALL_TAGS,
+                                                                              "discard_weights": True}))
+        add("resume_weights_discarded", post("/resume_memory_occupation", {"tags": ["weights"]}))
+        add("push_after_discard", sender.update("bench")["seconds"])
+        add("resume_kv_after_discard", post("/resume_memory_occupation", {"tags": ["kv_cache", "cuda_graph"]}))
     return times
 
 

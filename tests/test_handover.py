@@ -1,4 +1,5 @@
-"""The colocated hand-over's CPU-side logic: which weight sets keep a device copy (weight_snapshot.device_tags), and
+"""The colocated hand-over's CPU-side logic: which weight sets keep a device copy (weight_snapshot.device_tags), when
+the trainer's onload may run beside the engines' release (device_room.onload_fits), and
 that every reader or writer of the FSDP optimizer state passes through the wait for its copy in flight (the
 backend's `optimizer` property), in the order it runs. The CUDA paths themselves: tests/test_handover_gpu.py."""
 
@@ -7,6 +8,7 @@ from pathlib import Path
 import pytest
 from fsdp_helpers import make_args, make_train_data, make_trainer
 
+from slime.backends.device_room import ONLOAD_MARGIN_FRACTION, onload_fits
 from slime.backends.weight_snapshot import DEVICE_HEADROOM_FRACTION, device_tags
 from slime.utils.tiny_model import build_tiny_model
 
@@ -24,6 +26,14 @@ def test_device_tags_take_the_longest_prefix_that_fits_beside_reserve_and_headro
     assert device_tags(TAGS, 2 * GB, room_for(0), total, reserved_bytes=10 * GB) == []
     assert device_tags(TAGS, 2 * GB, int(headroom), total, reserved_bytes=10 * GB) == []  # below the reserve
     assert device_tags(TAGS, 2 * GB, room_for(50), total, reserved_bytes=10 * GB) == TAGS  # never more than asked
+
+
+def test_an_onload_runs_beside_the_engines_release_only_with_its_margin_free():
+    total = 100 * GB
+    margin = ONLOAD_MARGIN_FRACTION * total
+    assert onload_fits(10 * GB, int(10 * GB + margin), total)
+    assert not onload_fits(10 * GB, int(10 * GB + margin) - 1, total)
+    assert onload_fits(0, int(margin), total) and not onload_fits(0, 0, total)
 
 
 EVENTS = []
