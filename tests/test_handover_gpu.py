@@ -1,7 +1,9 @@
 """GPU checks of the colocated hand-over (skipped without CUDA): with the optimizer state moving on a side stream
 (fsdp_utils/offload.py) and the ref kept on the device (weight_snapshot.py), several train steps with an offload +
 onload between rollouts give bit for bit the parameters and optimizer state of a run without; ref log-probs from
-the device copy equal the host copy's; and device memory after each offload is back to the first offload's."""
+the device copy equal the host copy's; device memory after each offload is back to the first offload's (plus the
+NCCL barrier tensor of the first checkpoint save); and an engine released without its weights (train.py's colocated
+release), resumed and pushed, generates what a fresh engine on the pushed weights does."""
 
 from __future__ import annotations
 
@@ -52,7 +54,23 @@ def _rollouts(rank, world_size, port, checkpoint, save_dir, offload: bool):
             after_offload.append(torch.cuda.memory_allocated())
     if offload:
         trainer.onload()
-    return _training_state(trainer), after_offload
+    return _training_state(trainer), after_offload, _first_barrier_kept_bytes()
+
+
+def _first_barrier_kept_bytes() -> int:
+    """Device bytes the first torch.distributed.barrier() of a NCCL group leaves allocated for the group's life:
+    ProcessGroupNCCL keeps the one-element tensor its barrier all-reduces (the allocator's smallest block, 512
+    bytes). Measured on a new group; the run's own first barrier is the checkpoint save of rollout 1."""
+    import torch.distributed as dist
+
+    group = dist.new_group([0])
+    before = torch.cuda.memory_allocated()
+    dist.barrier(group=group)
+    torch.cuda.synchronize()
+    kept = torch.cuda.memory_allocated() - before
+    dist.barrier(group=group)  # a second one reuses it
+    assert torch.cuda.memory_allocated() - before == kept
+    return kept
 
 
 def test_async_offload_onload_between_rollouts_equals_staying_on_the_device(tmp_path):
@@ -61,13 +79,16 @@ def test_async_offload_onload_between_rollouts_equals_staying_on_the_device(tmp_
     from slime.utils.tiny_model import build_tiny_model
 
     checkpoint = str(build_tiny_model(tmp_path / "tiny", arch="qwen3", seed=3, hidden_size=256, intermediate_size=512))
-    plain, _ = run_distributed(_rollouts, 1, checkpoint, str(tmp_path / "plain"), False)[0]
-    moved, after_offload = run_distributed(_rollouts, 1, checkpoint, str(tmp_path / "moved"), True)[0]
+    plain, _, _ = run_distributed(_rollouts, 1, checkpoint, str(tmp_path / "plain"), False)[0]
+    moved, after_offload, barrier_bytes = run_distributed(_rollouts, 1, checkpoint, str(tmp_path / "moved"), True)[0]
     assert plain.keys() == moved.keys() and any("/exp_avg_sq" in key for key in plain)
     for key in plain:
         assert torch.equal(plain[key], moved[key]), key
-    # No device tensor leaks from one hand-over to the next (the first offload's level is the steady state).
-    assert after_offload[1] == after_offload[0] and after_offload[2] == after_offload[0], after_offload
+    # No device tensor leaks from one hand-over to the next: the level is steady from the second offload on, and the
+    # second is the first plus exactly the NCCL barrier tensor that rollout 1's checkpoint save (the run's first
+    # barrier) left for the process group's life; nothing else.
+    assert after_offload[2] == after_offload[1], after_offload
+    assert after_offload[1] - after_offload[0] == barrier_bytes, (after_offload, barrier_bytes)
 
 
 def _ref_log_probs(rank, world_size, port, checkpoint, save_dir, on_host: bool):
@@ -103,3 +124,41 @@ def test_ref_log_probs_from_the_device_copy_equal_the_host_copys(tmp_path):
         assert torch.equal(ref_dev[i], initial_dev[i]), i  # the ref is the initial checkpoint
         assert torch.equal(actor_dev[i], actor_host[i]), i  # the actor's weights came back after the ref pass
     assert any(not torch.equal(actor_dev[i], initial_dev[i]) for i in range(8))  # training moved the actor
+
+
+def test_engine_released_without_its_weights_then_pushed_equals_a_fresh_engine(tmp_path):
+    """train.py's colocated release: the weights discarded (not copied to the host), resumed as one uninitialized
+    allocation, then pushed; the KV cache comes back uninitialized (Triton path) on memory this test filled with
+    NaN first, so a kernel reading a slot before writing it would show. Greedy output and log-probs must equal a
+    fresh engine's on the pushed weights."""
+    from slime.engine.engine import Engine, EngineMemoryReleasedError
+    from slime.engine.models.weight_loader import iterate_checkpoint
+    from slime.utils.tiny_model import build_tiny_model
+
+    first = build_tiny_model(tmp_path / "first", arch="qwen3", initializer_range=0.2, seed=0)
+    second = build_tiny_model(tmp_path / "second", arch="qwen3", initializer_range=0.2, seed=1)
+    prompts = [[10, 20, 30, 40, 50], list(range(5, 40))] * 3
+    greedy = {"temperature": 0.0, "max_new_tokens": 64, "ignore_eos": True}
+    expected = Engine(str(second), device="cuda", num_kvcache_blocks=256).generate(prompts, greedy)
+    engine = Engine(str(first), device="cuda", num_kvcache_blocks=256)
+    assert engine.model_runner.use_triton and not engine.model_runner.kv_cache_zeroed
+    kv_shape, kv_dtype = engine.model_runner.kv_cache.shape, engine.model_runner.kv_cache.dtype
+    assert engine.generate(prompts, greedy)[0]["output_ids"] != expected[0]["output_ids"]
+    engine.release_memory(None, discard_weights=True)
+    assert engine.model_runner.host_weights.buffers is None
+    garbage = torch.full(kv_shape, float("nan"), dtype=kv_dtype, device="cuda")
+    garbage_address = garbage.data_ptr()
+    del garbage  # back to the caching allocator, which hands the same block to the KV cache's resume
+    engine.resume_memory(["weights"])
+    engine.update_weights_from_tensors(list(iterate_checkpoint(second)), weight_version="1")
+    engine.resume_memory(["kv_cache", "cuda_graph"])
+    assert engine.model_runner.kv_cache.data_ptr() == garbage_address
+    assert torch.isnan(engine.model_runner.kv_cache).any()
+    outputs = engine.generate(prompts, greedy)
+    for output, reference in zip(outputs, expected):
+        assert output["output_ids"] == reference["output_ids"]
+        assert output["output_log_probs"] == pytest.approx(reference["output_log_probs"], abs=1e-3)
+    engine.release_memory(None, discard_weights=True)
+    engine.resume_memory(None)
+    with pytest.raises(EngineMemoryReleasedError, match="discard_weights"):
+        engine.generate(prompts, greedy)
