@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterator
 import torch
 
 from slime.backends.side_stream import SideStream
+from slime.utils.flat_buffer import flat_empty
 
 # Device memory kept free besides the snapshots: activations, the gathered layers and the engines' transient use.
 DEVICE_HEADROOM_FRACTION = 0.25
@@ -65,9 +66,11 @@ class WeightSnapshot:
         on_device = tag in self.placement and all(tensor.is_cuda for _, tensor in weights)
         if on_device:
             store = self.device_copies.setdefault(tag, {})
+            new = [(name, tensor) for name, tensor in weights if name not in store]
+            if new:  # one allocation per dtype (flat_buffer.py): the actor's transient copy is made every step
+                views = flat_empty([(tensor.shape, tensor.dtype) for _, tensor in new], new[0][1].device)
+                store.update((name, view) for (name, _), view in zip(new, views))
             for name, tensor in weights:
-                if name not in store:
-                    store[name] = torch.empty_like(tensor)
                 store[name].copy_(tensor)  # same stream as every reader of the live tensors: no sync
         else:
             self.device_copies.pop(tag, None)  # a stale device copy must not win over the new host one
@@ -116,7 +119,8 @@ class WeightSnapshot:
             if not backed or tag not in self.tags or tag in self.device_copies:
                 continue
             host = self.tags[tag]
-            store = {name: torch.empty_like(tensor, device=self.uploads.device) for name, tensor in host.items()}
+            views = flat_empty([(tensor.shape, tensor.dtype) for tensor in host.values()], self.uploads.device)
+            store = dict(zip(host, views))
             with self.uploads.copying(tag):
                 for name, tensor in host.items():
                     store[name].copy_(tensor, non_blocking=True)

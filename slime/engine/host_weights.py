@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-ALIGNMENT_BYTES = 512  # the CUDA caching allocator's block granularity
+from slime.utils.flat_buffer import flat_empty
 
 
 class HostWeights:
@@ -80,18 +80,8 @@ class HostWeights:
         self.missing.difference_update(names)
 
     def _allocate(self, model: torch.nn.Module) -> None:
-        """One device allocation per dtype for all parameters, not one per parameter (each is a driver call); every
-        parameter starts ALIGNMENT_BYTES-aligned, as its own allocation would (vectorized kernels rely on it)."""
-        by_dtype: dict[torch.dtype, list[tuple[torch.nn.Parameter, torch.Size, int]]] = {}
+        """One device allocation per dtype for all parameters, not one per parameter (each is a driver call)."""
         params = dict(model.named_parameters())
-        sizes: dict[torch.dtype, int] = {}
-        for name, (shape, dtype) in self.discarded.items():
-            offset = sizes.get(dtype, 0)
-            by_dtype.setdefault(dtype, []).append((params[name], shape, offset))
-            step = ALIGNMENT_BYTES // torch.empty((), dtype=dtype).element_size()
-            sizes[dtype] = offset + -(-shape.numel() // step) * step
-        for dtype, entries in by_dtype.items():
-            flat = torch.empty(sizes[dtype], dtype=dtype, device=self.device)
-            for param, shape, offset in entries:
-                param.data = flat[offset:offset + shape.numel()].view(shape)
+        for name, view in zip(self.discarded, flat_empty(list(self.discarded.values()), self.device)):
+            params[name].data = view
         self.discarded = None

@@ -11,18 +11,24 @@ state's current value, so a later offload copies it again. Device memory is free
 synchronize, when no copy still reads it.
 
 Parameters are swapped in place (the optimizer's references stay valid); gathered parameters (the root's, and every
-layer's with --no-reshard-after-forward) are freed first, so only the shards move.
+layer's with --no-reshard-after-forward) are freed first, so only the shards move. On the way back to the device,
+parameters and optimizer state each land in one allocation per dtype (flat_buffer.py), not one per tensor: after
+the offload's empty_cache every allocation is a driver call, and every free another. To the host they go through
+`.to(non_blocking=True)`, which pins from the caching host allocator: allocated once, reused by later offloads.
 
 Not here: the Megatron trainer's offload (megatron_utils/offload.py, by storage).
 """
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from torch.distributed.tensor import DTensor
 
 from slime.backends.fsdp_utils.model import reshard
 from slime.backends.side_stream import SideStream
+from slime.utils.flat_buffer import flat_empty
 
 OPTIMIZER_STATE = "optimizer_state"
 
@@ -41,13 +47,53 @@ def local_tensor(value: torch.Tensor) -> torch.Tensor:
     return value.to_local() if isinstance(value, DTensor) else value
 
 
+def with_local(value: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+    """`local` in place of `value`'s local data: a DTensor of the same mesh, placements, shape and stride (from a
+    local tensor on the mesh's device: `from_local` moves any other), or `local` itself."""
+    if isinstance(value, DTensor):
+        return DTensor.from_local(local, value.device_mesh, value.placements, run_check=False, shape=value.shape,
+                                  stride=value.stride())
+    return local
+
+
+@torch.no_grad()
+def uploaded(values: list[torch.Tensor], device, copying=contextlib.nullcontext()) -> list[torch.Tensor]:
+    """Device copies of `values` (host tensors or DTensors with host shards) in views of one allocation per dtype
+    (flat_buffer.py), allocated on the current stream; the non-blocking copies queued inside `copying` (default:
+    on the current stream too)."""
+    locals_ = [local_tensor(value) for value in values]
+    views = flat_empty([(local.shape, local.dtype) for local in locals_], device)
+    with copying:
+        for view, local in zip(views, locals_):
+            view.copy_(local, non_blocking=True)
+    return [with_local(value, view) for value, view in zip(values, views)]
+
+
 def move_parameters(model: torch.nn.Module, device) -> None:
-    """Swap the model's parameter shards to `device`, non-blocking (to the host: into pinned memory)."""
+    """Swap the model's parameter shards to `device`, non-blocking: to the host into pinned memory (`.to`), to the
+    device into one flat allocation per dtype (`place_parameters`)."""
     reshard(model)
+    if torch.device(device).type == "cpu":
+        swap_module_tensors(model, lambda t: t.to("cpu", non_blocking=True))
+    else:
+        place_parameters(model, device)
+
+
+def place_parameters(model: torch.nn.Module, device) -> None:
+    """Copy the (resharded) parameter shards into one allocation per dtype on `device` and swap them in; buffers
+    (and any gradient) move one by one."""
+    params = list(model.parameters())
+    placed = {id(param): moved for param, moved in zip(params, uploaded(params, device))}
+    swap_module_tensors(model, lambda t: placed[id(t)] if id(t) in placed else t.to(device, non_blocking=True))
+
+
+def swap_module_tensors(model: torch.nn.Module, fn) -> None:
+    """`model._apply(fn)` swapping each tensor in place, so FSDP's and the optimizer's references stay valid (FSDP
+    re-reads each shard after the swap: FSDPModule._apply)."""
     swap = torch.__future__.get_swap_module_params_on_conversion()
     torch.__future__.set_swap_module_params_on_conversion(True)
     try:
-        model.to(device, non_blocking=True)
+        model._apply(fn)
     finally:
         torch.__future__.set_swap_module_params_on_conversion(swap)
 
@@ -93,12 +139,10 @@ class TrainingStateOffload:
         entries = optimizer_state_tensors(optimizer, on_device=False)
         from_host_copies = (not optimizer_state_tensors(optimizer, on_device=True)
                             and all(state[key] is self._host.get(id_key) for id_key, state, key in entries))
-        with self.copies.copying(OPTIMIZER_STATE):  # after the parameters' copies: they are needed first
-            uploaded = {id_key: state[key].to(self.device, non_blocking=True) for id_key, state, key in entries}
-        compute = torch.cuda.current_stream(self.device)
-        for id_key, state, key in entries:
-            # allocated on the side stream, used on the compute stream: a free must wait for the compute stream too
-            local_tensor(uploaded[id_key]).record_stream(compute)
-            state[key] = uploaded[id_key]
+        # Allocated on the compute stream, copied on the side stream after the parameters (they are needed first);
+        # the compute stream waits for the copies at the first touch, and frees them only after a synchronize.
+        moved = uploaded([state[key] for _, state, key in entries], self.device, self.copies.copying(OPTIMIZER_STATE))
+        for (_, state, key), value in zip(entries, moved):
+            state[key] = value
         self._host_current = from_host_copies  # until the first touch: an offload before it has nothing to copy
-        compute.synchronize()  # the parameters only
+        torch.cuda.current_stream(self.device).synchronize()  # the parameters only

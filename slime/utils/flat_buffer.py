@@ -1,0 +1,28 @@
+"""One device allocation for many tensors: `flat_empty` gives uninitialized tensors of the given shapes and dtypes as
+views of one buffer per dtype, each starting ALIGNMENT_BYTES-aligned as its own allocation would (vectorized
+kernels and compiled code expect aligned inputs).
+
+Why: a colocated hand-over brings a model's worth of tensors back to the device on every step (the trainer's
+parameters, optimizer state and weight snapshots; the engine's weights), right after an empty_cache, so each tensor
+allocated on its own is a driver call (cudaMalloc), and freeing them one cudaFree each. Not here: the copies into
+the views (the callers, on whichever stream they choose).
+"""
+
+from __future__ import annotations
+
+import torch
+
+ALIGNMENT_BYTES = 512  # the CUDA caching allocator's block granularity
+
+
+def flat_empty(specs: list[tuple[torch.Size, torch.dtype]], device) -> list[torch.Tensor]:
+    """Contiguous tensors of (shape, dtype) `specs`, in order, sharing one allocation per dtype on `device`."""
+    offsets, sizes = [], {}
+    for shape, dtype in specs:
+        offset = sizes.get(dtype, 0)
+        offsets.append(offset)
+        step = max(1, ALIGNMENT_BYTES // torch.empty((), dtype=dtype).element_size())
+        sizes[dtype] = offset + -(-torch.Size(shape).numel() // step) * step
+    buffers = {dtype: torch.empty(size, dtype=dtype, device=device) for dtype, size in sizes.items()}
+    return [buffers[dtype][offset:offset + torch.Size(shape).numel()].view(shape)
+            for (shape, dtype), offset in zip(specs, offsets)]
