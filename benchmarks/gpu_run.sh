@@ -73,9 +73,11 @@ run_step() {
     loop_bench_eager) loop_bench loop_bench_eager ;;
     # The colocated hand-over's parts (release, resumes, per-bucket push: per-tensor vs packed handles, WeightSender)
     # against a real engine server, Qwen3-0.6B shape in bf16; then the CUDA IPC push into the real engine.
-    # Then the device operations they are made of, alone (allocation, pinned / pageable copies, KV zero fill).
+    # Then the device operations they are made of, alone (allocation, pinned / pageable copies, KV zero fill), and
+    # the FSDP trainer's offload / onload alone (bytes, bandwidth).
     handover) python3 benchmarks/bench_handover.py /tmp/handover &&
               python3 benchmarks/handover_primitives.py --shape qwen3-0.6b &&
+              python3 benchmarks/bench_trainer_handover.py --model-shape qwen3-0.6b &&
               python3 -m pytest -q tests/test_fsdp_weight_push.py -k cuda ;;
     rollout_postprocess) python3 benchmarks/bench_rollout_postprocess.py ;;  # the manager's work after the samples are back, host CPU only
     # MoE (issue 16): Qwen3-30B-A3B's layer shapes, 8 layers, 64 experts, top-8 (3.2B params, 0.9B active).
