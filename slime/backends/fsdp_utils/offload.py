@@ -75,7 +75,7 @@ def move_parameters(model: torch.nn.Module, device) -> None:
     reshard(model)
     if torch.device(device).type == "cpu":
         swap_module_tensors(model, lambda t: t.to("cpu", non_blocking=True))
-    else:
+    elif not all(local_tensor(param).is_cuda for param in model.parameters()):  # else already there
         place_parameters(model, device)
 
 
