@@ -1,7 +1,8 @@
 """The colocated hand-over against a real engine server, part by part (issue 18): POST /release_memory_occupation
 (saving the weights, and discarding them as train.py's colocated loop does), /resume_memory_occupation of the
-weights and of the KV cache, and a tensor-mode weight push, per bucket, by its parts (building the bucket: per-tensor copies as before, or one packed buffer; serializing the handles; the POST,
-i.e. the engine's deserialize, open, check and copy) and whole through `WeightSender` (packed and pipelined).
+weights and of the KV cache, and a tensor-mode weight push, per bucket, by its parts (building the bucket:
+per-tensor copies as before, or one packed buffer; serializing the handles; the POST, i.e. the engine's
+deserialize, open, check and copy) and whole through `WeightSender` (packed and pipelined).
 
 This process plays the trainer: it holds a model's weights on the engine's device. Prints one JSON line of
 medians over --repeats rounds, in milliseconds. Not a pass/fail test.

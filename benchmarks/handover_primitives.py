@@ -50,60 +50,65 @@ def timed(fn, repeats: int) -> float:
 def measure(shapes: list[tuple[int, ...]], dtype: torch.dtype, kv_bytes: int, repeats: int) -> dict:
     numels = [torch.Size(s).numel() for s in shapes]
     num_bytes = sum(numels) * torch.empty((), dtype=dtype).element_size()
-    results: dict[str, float] = {"tensors": len(shapes), "gb": num_bytes / 1e9, "kv_gb": kv_bytes / 1e9}
+    results = {"tensors": len(shapes), "gb": num_bytes / 1e9, "kv_gb": kv_bytes / 1e9,
+               **allocations(shapes, numels, dtype, repeats), **copies(shapes, numels, dtype, num_bytes, repeats),
+               **kv_cache(kv_bytes, repeats)}
+    return {key: round(value, 3) if isinstance(value, float) else value for key, value in results.items()}
 
-    def alloc_per_tensor():
+
+def allocations(shapes, numels, dtype, repeats) -> dict:
+    def per_tensor():
         tensors = [torch.empty(s, dtype=dtype, device="cuda") for s in shapes]
         del tensors
         torch.cuda.empty_cache()
 
-    def alloc_flat():
-        flat = torch.empty(sum(numels), dtype=dtype, device="cuda")
-        del flat
+    def flat():
+        buffer = torch.empty(sum(numels), dtype=dtype, device="cuda")
+        del buffer
         torch.cuda.empty_cache()
 
     torch.cuda.empty_cache()
-    results["alloc_and_free_per_tensor_ms"] = timed(alloc_per_tensor, repeats) * 1e3
-    results["alloc_and_free_flat_ms"] = timed(alloc_flat, repeats) * 1e3
+    return {"alloc_and_free_per_tensor_ms": timed(per_tensor, repeats) * 1e3,
+            "alloc_and_free_flat_ms": timed(flat, repeats) * 1e3}
 
+
+def copies(shapes, numels, dtype, num_bytes, repeats) -> dict:
     pinned = [torch.empty(s, dtype=dtype, pin_memory=True) for s in shapes]
     pageable = [torch.empty(s, dtype=dtype) for s in shapes]
     pinned_flat = torch.empty(sum(numels), dtype=dtype, pin_memory=True)
     device = [torch.empty(s, dtype=dtype, device="cuda") for s in shapes]
     device_flat = torch.empty(sum(numels), dtype=dtype, device="cuda")
-    copies = {
+    runs = {
         "h2d_pinned_per_tensor": lambda: [d.copy_(h, non_blocking=True) for d, h in zip(device, pinned)],
         "h2d_pinned_flat": lambda: device_flat.copy_(pinned_flat, non_blocking=True),
         "h2d_pageable_per_tensor": lambda: [d.copy_(h, non_blocking=True) for d, h in zip(device, pageable)],
         "d2h_pinned_per_tensor": lambda: [h.copy_(d, non_blocking=True) for d, h in zip(device, pinned)],
         "d2h_pinned_flat": lambda: pinned_flat.copy_(device_flat, non_blocking=True),
-        # What the trainer's offload / onload do today: `.to` allocates each destination (pinned from the caching
-        # host allocator, device from the caching allocator after an empty_cache).
+        # `.to` allocating each destination, as an offload does (pinned, from the caching host allocator)
         "to_host_per_tensor": lambda: [d.to("cpu", non_blocking=True) for d in device],
-        "to_device_per_tensor_after_empty_cache": lambda: (torch.cuda.empty_cache(),
-                                                            [h.to("cuda", non_blocking=True) for h in pinned]),
     }
-    for name, fn in copies.items():
-        seconds = timed(fn, repeats)
+    results = {}
+    for name, run in runs.items():
+        seconds = timed(run, repeats)
         results[f"{name}_ms"] = seconds * 1e3
         results[f"{name}_gb_per_s"] = num_bytes / 1e9 / seconds
-    del pinned, pageable, pinned_flat, device, device_flat
-    torch.cuda.empty_cache()
+    return results
 
-    def kv_alloc(fill):
+
+def kv_cache(kv_bytes: int, repeats: int) -> dict:
+    """An engine's KV cache (one bf16 allocation): allocate + free, zero-allocate + free, the zero fill alone."""
+    def allocate_and_free(fill):
         def run():
             cache = fill(kv_bytes // 2, dtype=torch.bfloat16, device="cuda")
             del cache
             torch.cuda.empty_cache()
         return run
 
-    results["kv_empty_and_free_ms"] = timed(kv_alloc(torch.empty), repeats) * 1e3
-    results["kv_zeros_and_free_ms"] = timed(kv_alloc(torch.zeros), repeats) * 1e3
+    results = {"kv_empty_and_free_ms": timed(allocate_and_free(torch.empty), repeats) * 1e3,
+               "kv_zeros_and_free_ms": timed(allocate_and_free(torch.zeros), repeats) * 1e3}
     cache = torch.empty(kv_bytes // 2, dtype=torch.bfloat16, device="cuda")
     results["kv_zero_fill_ms"] = timed(cache.zero_, repeats) * 1e3
-    del cache
-    torch.cuda.empty_cache()
-    return {key: round(value, 3) if isinstance(value, float) else value for key, value in results.items()}
+    return results
 
 
 def main() -> None:
