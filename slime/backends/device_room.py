@@ -15,8 +15,9 @@ from contextlib import contextmanager
 import torch
 
 # Kept free beyond what the onload takes back, as a fraction of the device: the caching allocator's rounding and
-# fragmentation while the blocks come back, the CUDA context's own growth.
-ONLOAD_MARGIN_FRACTION = 0.02
+# fragmentation while the blocks come back (little: they come back as one flat buffer per dtype), the CUDA
+# context's own growth.
+ONLOAD_MARGIN_FRACTION = 0.01
 
 
 def onload_fits(onload_bytes: int, free_bytes: int, total_bytes: int) -> bool:
