@@ -7,6 +7,8 @@ release), resumed and pushed, generates what a fresh engine on the pushed weight
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
 
@@ -139,18 +141,21 @@ def test_engine_released_without_its_weights_then_pushed_equals_a_fresh_engine(t
     second = build_tiny_model(tmp_path / "second", arch="qwen3", initializer_range=0.2, seed=1)
     prompts = [[10, 20, 30, 40, 50], list(range(5, 40))] * 3
     greedy = {"temperature": 0.0, "max_new_tokens": 64, "ignore_eos": True}
-    expected = Engine(str(second), device="cuda", num_kvcache_blocks=256).generate(prompts, greedy)
+    fresh = Engine(str(second), device="cuda", num_kvcache_blocks=256)
+    expected = fresh.generate(prompts, greedy)
+    del fresh
+    gc.collect()  # its blocks back to the allocator now, not in the middle of the hand-over below
     engine = Engine(str(first), device="cuda", num_kvcache_blocks=256)
     assert engine.model_runner.use_triton and not engine.model_runner.kv_cache_zeroed
     kv_shape, kv_dtype = engine.model_runner.kv_cache.shape, engine.model_runner.kv_cache.dtype
     assert engine.generate(prompts, greedy)[0]["output_ids"] != expected[0]["output_ids"]
     engine.release_memory(None, discard_weights=True)
     assert engine.model_runner.host_weights.buffers is None
+    engine.resume_memory(["weights"])
+    engine.update_weights_from_tensors(list(iterate_checkpoint(second)), weight_version="1")
     garbage = torch.full(kv_shape, float("nan"), dtype=kv_dtype, device="cuda")
     garbage_address = garbage.data_ptr()
     del garbage  # back to the caching allocator, which hands the same block to the KV cache's resume
-    engine.resume_memory(["weights"])
-    engine.update_weights_from_tensors(list(iterate_checkpoint(second)), weight_version="1")
     engine.resume_memory(["kv_cache", "cuda_graph"])
     assert engine.model_runner.kv_cache.data_ptr() == garbage_address
     assert torch.isnan(engine.model_runner.kv_cache).any()
