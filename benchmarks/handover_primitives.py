@@ -52,7 +52,9 @@ def measure(shapes: list[tuple[int, ...]], dtype: torch.dtype, kv_bytes: int, re
     num_bytes = sum(numels) * torch.empty((), dtype=dtype).element_size()
     results = {"tensors": len(shapes), "gb": num_bytes / 1e9, "kv_gb": kv_bytes / 1e9,
                **allocations(shapes, numels, dtype, repeats), **copies(shapes, numels, dtype, num_bytes, repeats),
-               **kv_cache(kv_bytes, repeats)}
+               **kv_cache(kv_bytes, repeats),
+               # the same at a tenth of the size: does the driver's cost scale with the bytes or per call?
+               **{f"{key}_tenth": value for key, value in kv_cache(kv_bytes // 10, repeats).items()}}
     return {key: round(value, 3) if isinstance(value, float) else value for key, value in results.items()}
 
 
