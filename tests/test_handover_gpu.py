@@ -42,10 +42,12 @@ def _rollouts(rank, world_size, port, checkpoint, save_dir, offload: bool):
     trainer = _trainer(port, checkpoint, save_dir, offload=offload)
     assert trainer.snapshot.placement == {"actor": False, "ref": True}  # a tiny model fits
     data = make_train_data(8, vocab_size=300, seed=4, num_steps=2)
-    after_offload = []
+    after_offload, onloads = [], []
     for rollout_id in range(3):
         if offload and rollout_id:
+            before = torch.cuda.memory_reserved()
             trainer.onload()
+            onloads.append((trainer.device_room.onload_bytes, torch.cuda.memory_reserved() - before))
         trainer.train(rollout_id, data)
         if rollout_id == 1:
             trainer.save_model(rollout_id)  # reads the optimizer state after its early copy started
@@ -56,7 +58,7 @@ def _rollouts(rank, world_size, port, checkpoint, save_dir, offload: bool):
             after_offload.append(torch.cuda.memory_allocated())
     if offload:
         trainer.onload()
-    return _training_state(trainer), after_offload, _first_barrier_kept_bytes()
+    return _training_state(trainer), after_offload, _first_barrier_kept_bytes(), onloads
 
 
 def _first_barrier_kept_bytes() -> int:
@@ -81,8 +83,9 @@ def test_async_offload_onload_between_rollouts_equals_staying_on_the_device(tmp_
     from slime.utils.tiny_model import build_tiny_model
 
     checkpoint = str(build_tiny_model(tmp_path / "tiny", arch="qwen3", seed=3, hidden_size=256, intermediate_size=512))
-    plain, _, _ = run_distributed(_rollouts, 1, checkpoint, str(tmp_path / "plain"), False)[0]
-    moved, after_offload, barrier_bytes = run_distributed(_rollouts, 1, checkpoint, str(tmp_path / "moved"), True)[0]
+    plain, _, _, _ = run_distributed(_rollouts, 1, checkpoint, str(tmp_path / "plain"), False)[0]
+    moved, after_offload, barrier_bytes, onloads = run_distributed(_rollouts, 1, checkpoint, str(tmp_path / "moved"),
+                                                                   True)[0]
     assert plain.keys() == moved.keys() and any("/exp_avg_sq" in key for key in plain)
     for key in plain:
         assert torch.equal(plain[key], moved[key]), key
@@ -91,6 +94,12 @@ def test_async_offload_onload_between_rollouts_equals_staying_on_the_device(tmp_
     # barrier) left for the process group's life; nothing else.
     assert after_offload[2] == after_offload[1], after_offload
     assert after_offload[1] - after_offload[0] == barrier_bytes, (after_offload, barrier_bytes)
+    # What the trainer predicts an onload takes (device_room: whether it may run beside the engines' release) is
+    # never less than what it takes, but for the margin the prediction keeps free.
+    from slime.backends.device_room import ONLOAD_MARGIN_FRACTION
+
+    margin = ONLOAD_MARGIN_FRACTION * torch.cuda.mem_get_info()[1]
+    assert onloads and all(0 < taken <= predicted + margin for predicted, taken in onloads), onloads
 
 
 def _ref_log_probs(rank, world_size, port, checkpoint, save_dir, on_host: bool):

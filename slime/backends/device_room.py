@@ -28,17 +28,18 @@ def onload_fits(onload_bytes: int, free_bytes: int, total_bytes: int) -> bool:
 class DeviceRoom:
     def __init__(self, device: torch.device):
         self.device = device
-        self.onload_bytes = 0  # reserved by this process before the last offload and not after it
+        self.onload_bytes = 0  # what the last offload freed and the next onload allocates again
 
     @contextmanager
-    def measuring_offload(self):
-        """Around an offload: records what it frees (the device memory the caching allocator gave back)."""
+    def measuring_offload(self, not_coming_back: int = 0):
+        """Around an offload: the tensors it frees (not the reserved memory, which holds the train step's cached
+        blocks), less `not_coming_back` bytes of them that no onload allocates again (transient copies)."""
         if self.device.type != "cuda":
             yield
             return
-        before = torch.cuda.memory_reserved(self.device)
+        before = torch.cuda.memory_allocated(self.device)
         yield
-        self.onload_bytes = max(0, before - torch.cuda.memory_reserved(self.device))
+        self.onload_bytes = max(0, before - torch.cuda.memory_allocated(self.device) - not_coming_back)
 
     def onload_fits_now(self) -> bool:
         """Whether the next onload fits in the device memory free now (always on the CPU: nothing moves)."""

@@ -396,7 +396,7 @@ class TrainFlow:
     def offload(self) -> None:
         """GPU: free the weight sets' device copies, move parameters and optimizer state to host memory and release
         the cache. CPU: nothing to do."""
-        with self.device_room.measuring_offload():
+        with self.device_room.measuring_offload(self.snapshot.unbacked_device_bytes()):
             self.snapshot.offload()
             self.backend.offload()
 

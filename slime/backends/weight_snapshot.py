@@ -106,6 +106,11 @@ class WeightSnapshot:
         self.device_copies.pop(tag, None)
         self.tags.pop(tag, None)
 
+    def unbacked_device_bytes(self) -> int:
+        """Device bytes of the copies an offload drops for good (the unbacked tags': no onload brings them back)."""
+        return sum(tensor.numel() * tensor.element_size() for tag, store in self.device_copies.items()
+                   if not self.placement.get(tag) for tensor in store.values())
+
     def offload(self) -> None:
         """Free the device copies (backed tags keep their host copy; unbacked ones are gone)."""
         for tag in list(self.device_copies):
