@@ -23,6 +23,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.engine_checkpoints import SHAPES  # noqa: E402
 
 
+KV_TENSORS = 2 * 28  # Qwen3-0.6B: K and V of 28 layers
+
+
 def trainer_shapes(shape: dict) -> list[tuple[int, ...]]:
     """The parameter shapes of a dense Qwen3-style model (tied embeddings: one vocab matrix)."""
     hidden, inter, layers = shape["hidden_size"], shape["intermediate_size"], shape["num_hidden_layers"]
@@ -106,8 +109,15 @@ def kv_cache(kv_bytes: int, repeats: int) -> dict:
             torch.cuda.empty_cache()
         return run
 
+    def per_layer_and_free():  # the cache as it was before e1711af: one K and one V tensor per layer (28 layers)
+        caches = [torch.empty(kv_bytes // 2 // KV_TENSORS, dtype=torch.bfloat16, device="cuda")
+                  for _ in range(KV_TENSORS)]
+        del caches
+        torch.cuda.empty_cache()
+
     results = {"kv_empty_and_free_ms": timed(allocate_and_free(torch.empty), repeats) * 1e3,
-               "kv_zeros_and_free_ms": timed(allocate_and_free(torch.zeros), repeats) * 1e3}
+               "kv_zeros_and_free_ms": timed(allocate_and_free(torch.zeros), repeats) * 1e3,
+               "kv_per_layer_empty_and_free_ms": timed(per_layer_and_free, repeats) * 1e3}
     cache = torch.empty(kv_bytes // 2, dtype=torch.bfloat16, device="cuda")
     results["kv_zero_fill_ms"] = timed(cache.zero_, repeats) * 1e3
     return results
