@@ -34,7 +34,8 @@ run_step() {
     bench_train_profile) python3 benchmarks/bench_train.py --profile --skip-baseline --num-iters 2 ;;
     train_4b_profile) python3 benchmarks/bench_train.py --model-shape qwen3-4b --compile-model --profile --skip-baseline --num-iters 1 ;;
     trainer_gpu_tests) python3 -m pytest -q tests/test_fsdp_gpu.py ;;
-    handover_gpu_tests) python3 -m pytest -q tests/test_handover_gpu.py tests/test_fsdp_gpu.py ;;  # async optimizer-state moves, device ref copies
+    # async optimizer-state moves, flat onloads, device ref copies, the engine's discarding release and uninitialized KV
+    handover_gpu_tests) python3 -m pytest -q tests/test_handover_gpu.py tests/test_fsdp_gpu.py tests/test_engine_cuda.py tests/test_engine_triton.py ;;
     trainer_flags_gpu_tests) python3 -m pytest -q tests/test_trainer_flags_gpu.py ;;  # slime's trainer-side flags
     engine_quick_tests) python3 -m pytest -q -m gpu tests/test_engine_cuda.py tests/test_engine_overlap.py tests/test_engine_server_gpu.py ;;
     memory_gpu_tests) python3 -m pytest -q tests/test_fsdp_gpu.py tests/test_engine_cuda.py ;;
