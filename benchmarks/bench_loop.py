@@ -8,8 +8,10 @@ default), then, in the same call, each phase's standalone floor on the same work
 - the colocated hand-over (`perf/hand_over_to_train_time`: engine release, trainer onload; `update_weights_time`:
   engine resume, weight push, trainer offload) and whatever no phase timer covers: floor 0, pure loop overhead.
 
-Prints, per phase, the loop's median over the steady rollouts (rollout 0 is warm-up), the floor's, and their ratio,
-then `loop step / sum of floors` and the rollout phase's throughput as a fraction of the engine's; JSON last line.
+Prints each rollout's step time, then, per phase, the loop's median over the steady rollouts (the first
+`--warmup-rollouts`, default 1, are warm-up: rollout 0 pays CUDA-graph capture and `--compile-model`'s compile), the
+floor's, and their ratio, then `loop step / sum of floors` and the rollout phase's throughput as a fraction of the
+engine's; JSON last line.
 
     python benchmarks/bench_loop.py OUT_DIR                  # one GPU: Qwen3-0.6B shape, 32 x 8 samples x 256
     python benchmarks/bench_loop.py OUT_DIR --shape tiny     # CPU: the quickstart model, a quick check
@@ -62,15 +64,20 @@ def engine_floor(model_path: str, rollout_files: list[Path], device: str, temper
     return results
 
 
-def steady(rows: list[dict], key: str) -> float:
-    values = [row[key] for row in rows if row["rollout_id"] > 0 and row.get(key) is not None]
+def steady(rows: list[dict], key: str, warmup: int) -> float:
+    values = [row[key] for row in rows if row["rollout_id"] >= warmup and row.get(key) is not None]
     return statistics.median(values) if values else float("nan")
 
 
 def main() -> int:
     parser = make_parser()
     parser.description = __doc__.split("\n\n")[0]
+    parser.add_argument("--warmup-rollouts", type=int, default=1,
+                        help="rollouts left out of the medians (at least 1: rollout 0 captures and compiles)")
     args = parser.parse_args()
+    if not 1 <= args.warmup_rollouts < args.num_rollout:
+        raise ValueError(f"--warmup-rollouts {args.warmup_rollouts}: must be at least 1 and below --num-rollout "
+                         f"({args.num_rollout}), so some rollout is measured")
     if args.use_async:
         raise ValueError("--async: the loop benchmark measures train.py (its phases add up to a step)")
     out = args.out_dir
@@ -91,17 +98,25 @@ def main() -> int:
     train_rows = read_metrics(out / "train_only")
 
     on_gpu = args.shape != "tiny"
-    steady_ids = [row["rollout_id"] for row in loop_rows if row["rollout_id"] > 0]
+    warmup = args.warmup_rollouts
+    steady_ids = [row["rollout_id"] for row in loop_rows if row["rollout_id"] >= warmup]
+    print("step time per rollout (s): " + ", ".join(f"{row['rollout_id']}: {row['perf/step_time']:.3f}"
+                                                    for row in loop_rows))
     engine = engine_floor(str(paths["model"]), [rollouts_dir / f"rollout_{i}.json" for i in steady_ids],
                           "cuda" if on_gpu else "cpu", temperature=1.0)
     engine_seconds = statistics.median(r["seconds"] for r in engine)
     engine_tok_s = statistics.median(r["output_tokens"] / r["seconds"] for r in engine)
 
-    loop = {key: steady(loop_rows, key) for key in TIMED_PHASES + ["perf/step_time", "perf/rollout_tokens_per_sec"]}
+    loop = {key: steady(loop_rows, key, warmup)
+            for key in TIMED_PHASES + ["perf/step_time", "perf/rollout_tokens_per_sec"]}
     loop["rest of the step (not in a phase timer)"] = loop["perf/step_time"] - sum(loop[key] for key in TIMED_PHASES)
+
+    def train_floor(key: str) -> float:
+        return steady(train_rows, key, warmup) if train_rc == 0 else float("nan")
+
     floors = {"perf/rollout_time": engine_seconds, "perf/hand_over_to_train_time": 0.0,
-              "perf/log_prob_time": steady(train_rows, "perf/log_prob_time") if train_rc == 0 else float("nan"),
-              "perf/actor_train_time": steady(train_rows, "perf/actor_train_time") if train_rc == 0 else float("nan"),
+              "perf/log_prob_time": train_floor("perf/log_prob_time"),
+              "perf/actor_train_time": train_floor("perf/actor_train_time"),
               "perf/update_weights_time": 0.0, "rest of the step (not in a phase timer)": 0.0}
     floor_step = sum(floors.values())
     print(f"\n| phase (median of rollouts {steady_ids[0]}-{steady_ids[-1]}) | loop s | floor s | loop / floor |")
@@ -115,13 +130,14 @@ def main() -> int:
     print(f"loop overhead ratio (step / sum of floors): {overhead:.2f}; rollout phase at "
           f"{loop['perf/rollout_tokens_per_sec']:,.0f} tok/s = {rollout_fraction:.1%} of the engine alone "
           f"({engine_tok_s:,.0f} tok/s on the same samples)")
-    inside = {key: steady(loop_rows, key) for key in PHASE_PARTS}
+    inside = {key: steady(loop_rows, key, warmup) for key in PHASE_PARTS}
     print("inside the phases (medians, s): " + ", ".join(f"{k.removeprefix('perf/')} {v:.3f}"
                                                               for k, v in inside.items()))
     print(json.dumps({"benchmark": "loop_vs_floors", "phase_parts": inside, "shape": args.shape, "placement": args.placement,
                       "loop": loop, "floors": floors, "floor_step": floor_step, "overhead_ratio": overhead,
                       "engine_floor_tok_s": engine_tok_s, "rollout_fraction_of_engine": rollout_fraction,
-                      "engine_floor_runs": engine, "train_only_rc": train_rc}))
+                      "engine_floor_runs": engine, "train_only_rc": train_rc, "warmup_rollouts": warmup,
+                      "step_time_per_rollout": [row["perf/step_time"] for row in loop_rows]}))
     return 0
 
 

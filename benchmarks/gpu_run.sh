@@ -70,7 +70,8 @@ run_step() {
                   python3 benchmarks/bench_engine.py --preset qwen3-0.6b --workload w1,w5 --hf-workloads w1,w5 ;;
     engine_host) python3 benchmarks/bench_engine.py --workload host ;;  # host work per decode step, device faked
     rollout_io) python3 benchmarks/bench_rollout_io.py ;;  # the rollout's per-sample JSON / Sample work, host CPU only
-    loop_bench) loop_bench loop_bench --train-args=--compile-model ;;  # the trainer's layers compiled (its steady speed)
+    # The trainer's layers compiled (its steady speed); rollouts 0-1 are warm-up, dynamo's recompiles are logged.
+    loop_bench) TORCH_LOGS=recompiles loop_bench loop_bench --train-args=--compile-model --num-rollout 7 --warmup-rollouts 2 ;;
     loop_bench_eager) loop_bench loop_bench_eager ;;
     # The colocated hand-over's parts (release, resumes, per-bucket push: per-tensor vs packed handles, WeightSender)
     # against a real engine server, Qwen3-0.6B shape in bf16; then the CUDA IPC push into the real engine.

@@ -61,6 +61,22 @@ def test_the_dump_holds_the_samples_as_saved_and_loads(tmp_path, name):
     assert [p.name for p in tmp_path.iterdir()] == [path.name]  # no partial file left behind
 
 
+@pytest.mark.parametrize("name", ["{rollout_id}.pt", "{rollout_id}.json"])
+def test_a_dump_with_r3_routing_loads_back_as_numpy(tmp_path, name):
+    # R3's routing is a numpy array: a torch file holds it as a tensor (weights_only loading refuses numpy), a JSON
+    # file as nested lists; both come back as the int32 arrays that routing replay reads.
+    samples = _samples(3, response_length=5, routed_experts=True)
+    path = tmp_path / name.format(rollout_id=2)
+    writer = BackgroundDumpWriter()
+    writer.save(path, 2, samples)
+    writer.flush()
+    loaded = load_samples(path, "--load-debug-rollout-data")
+    for before, after in zip(samples, loaded, strict=True):
+        assert isinstance(after.rollout_routed_experts, np.ndarray) and after.rollout_routed_experts.dtype == np.int32
+        np.testing.assert_array_equal(after.rollout_routed_experts, before.rollout_routed_experts)
+        assert after.tokens == before.tokens and after.rollout_log_probs == before.rollout_log_probs
+
+
 def test_a_failed_write_surfaces_on_flush_and_the_next_save(tmp_path):
     (tmp_path / "a_file").write_text("")
     writer = BackgroundDumpWriter()

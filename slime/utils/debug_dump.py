@@ -4,7 +4,8 @@
 A dump is `{"rollout_id": id, "samples": [Sample.to_dict(), ...]}`. The file name picks the encoding: `.json`
 files are JSON (readable with any tool), every other name is slime's `torch.save` file (`.pt`), so a dump written by
 slime loads here and the other way round. torch files are read with `weights_only=True`: plain containers and
-tensors, never arbitrary pickled objects.
+tensors, never arbitrary pickled objects. A sample's numpy arrays (R3's `rollout_routed_experts`) are written as
+tensors (`.pt`) or nested lists (`.json`) and read back as numpy arrays of their dtype (`Sample.from_dict`).
 
 Not the train-side dump (slime/backends/debug_train_data.py).
 """
@@ -19,6 +20,7 @@ import os
 import pickle
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from slime.utils.daemon_threads import DaemonThreadPool
@@ -35,11 +37,24 @@ def save_samples(path: Path, rollout_id: int, samples: list[Sample]) -> None:
     _write_payload(path, {"rollout_id": rollout_id, "samples": [sample.to_dict() for sample in samples]})
 
 
+def _encodable(row: dict, as_json: bool) -> dict:
+    """A sample's dict with its numpy arrays as the file format holds them: nested lists in JSON, tensors in a torch
+    file (which `weights_only` loading accepts, unlike numpy arrays)."""
+    def encode(value):
+        if not isinstance(value, np.ndarray):
+            return value
+        return value.tolist() if as_json else torch.from_numpy(np.ascontiguousarray(value))
+
+    return {key: encode(value) for key, value in row.items()}
+
+
 def _write_payload(path: Path, payload: dict) -> None:
     """Write through a temporary file renamed into place: a reader (or a crash) never sees half a dump."""
     path.parent.mkdir(parents=True, exist_ok=True)
     partial = path.with_name(f".{path.name}.partial")
-    if path.suffix == ".json":
+    as_json = path.suffix == ".json"
+    payload = {**payload, "samples": [_encodable(row, as_json) for row in payload["samples"]]}
+    if as_json:
         partial.write_text(json.dumps(payload))
     else:
         torch.save(payload, partial)
