@@ -42,7 +42,7 @@ def _rollouts(rank, world_size, port, checkpoint, save_dir, offload: bool):
     trainer = _trainer(port, checkpoint, save_dir, offload=offload)
     assert trainer.snapshot.placement == {"actor": False, "ref": True}  # a tiny model fits
     data = make_train_data(8, vocab_size=300, seed=4, num_steps=2)
-    after_offload, onloads = [], []
+    after_offload, onloads, host_buffers = [], [], []
     for rollout_id in range(3):
         if offload and rollout_id:
             before = torch.cuda.memory_reserved()
@@ -56,8 +56,11 @@ def _rollouts(rank, world_size, port, checkpoint, save_dir, offload: bool):
             assert not trainer.snapshot.device_copies
             assert all(v.device.type == "cpu" for s in trainer.backend._optimizer.state.values() for v in s.values())
             after_offload.append(torch.cuda.memory_allocated())
+            host_buffers.append({v.to_local().data_ptr() for v in trainer.backend.training_state._host.values()})
     if offload:
         trainer.onload()
+        # the optimizer state's pinned host buffers are allocated once and written again by later offloads
+        assert host_buffers[0] and all(buffers == host_buffers[0] for buffers in host_buffers), host_buffers
     return _training_state(trainer), after_offload, _first_barrier_kept_bytes(), onloads
 
 
