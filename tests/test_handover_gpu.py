@@ -39,6 +39,8 @@ def _training_state(trainer) -> dict[str, torch.Tensor]:
 def _rollouts(rank, world_size, port, checkpoint, save_dir, offload: bool):
     from fsdp_helpers import make_train_data
 
+    from slime.backends.fsdp_utils.offload import local_tensor
+
     trainer = _trainer(port, checkpoint, save_dir, offload=offload)
     assert trainer.snapshot.placement == {"actor": False, "ref": True}  # a tiny model fits
     data = make_train_data(8, vocab_size=300, seed=4, num_steps=2)
@@ -56,7 +58,7 @@ def _rollouts(rank, world_size, port, checkpoint, save_dir, offload: bool):
             assert not trainer.snapshot.device_copies
             assert all(v.device.type == "cpu" for s in trainer.backend._optimizer.state.values() for v in s.values())
             after_offload.append(torch.cuda.memory_allocated())
-            host_buffers.append({v.to_local().data_ptr() for v in trainer.backend.training_state._host.values()})
+            host_buffers.append({local_tensor(v).data_ptr() for v in trainer.backend.training_state._host.values()})
     if offload:
         trainer.onload()
         # the optimizer state's pinned host buffers are allocated once and written again by later offloads
