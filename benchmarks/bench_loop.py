@@ -37,7 +37,8 @@ TIMED_PHASES = ["perf/rollout_time", "perf/hand_over_to_train_time", "perf/log_p
 # Inside the phases: the rollout function's and the manager's own timers, and each part of the hand-over.
 PHASE_PARTS = ["perf/rollout_first_group_time", "perf/rollout_last_group_time", "perf/rollout_postprocess_time",
                "perf/engine_release_time", "perf/train_onload_time", "perf/engine_resume_weights_time",
-               "perf/weight_push_time", "perf/train_offload_time", "perf/engine_resume_kv_time"]
+               "perf/weight_push_time", "perf/train_offload_time", "perf/engine_resume_kv_time",
+               "perf/train_onload_beside_release"]  # 1: the onload ran during the engines' release
 
 
 def engine_floor(model_path: str, rollout_files: list[Path], device: str, temperature: float) -> list[dict]:
