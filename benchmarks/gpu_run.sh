@@ -67,6 +67,12 @@ run_step() {
     # batch 512 (W5) with HF's ratio, and the GRPO loop against its standalone floors.
     engine_speed) python3 benchmarks/bench_engine.py --workload host &&
                   python3 benchmarks/bench_engine.py --preset qwen3-0.6b --workload w1,w5 --hf-workloads w1,w5 ;;
+    # The prefill phase under the profiler (W1's model, then W5's), and W1 / W5 at larger prefill chunks.
+    profile_engine_prefill) python3 benchmarks/profile_engine.py --prefill &&
+                            python3 benchmarks/profile_engine.py --prefill --shape smollm-135m --num-prompts 512 ;;
+    engine_chunks) for tokens in 8192 32768 16384; do
+                     python3 benchmarks/bench_engine.py --preset qwen3-0.6b --workload w1,w5 --skip-hf \
+                       --max-num-batched-tokens $tokens || exit; done ;;
     engine_host) python3 benchmarks/bench_engine.py --workload host ;;  # host work per decode step, device faked
     rollout_io) python3 benchmarks/bench_rollout_io.py ;;  # the rollout's per-sample JSON / Sample work, host CPU only
     loop_bench) loop_bench loop_bench --train-args=--compile-model ;;  # the trainer's layers compiled (its steady speed)
