@@ -1,7 +1,8 @@
 """Overlapped scheduling (`overlap_schedule=True`) against the plain step loop on the same requests: identical
 tokens, log-probs and finish reasons with seeded sampling, through stops at random steps (stop tokens and stop
 strings, whose look-ahead token is dropped), length limits, preemption when KV blocks run out, requests arriving
-mid-run, aborts and weight updates; and the look-ahead really runs (it is counted)."""
+mid-run, aborts and weight updates, chunked prefill scheduled ahead (overlap_prefill); and the look-ahead really
+runs (it is counted)."""
 
 import pytest
 import torch
@@ -40,6 +41,18 @@ def run(path, overlap: bool, prompts, params, count=None, **config):
             return ahead
 
         engine.scheduler.look_ahead = counting
+        original_ahead = engine.scheduler.schedule_ahead
+
+        def counting_ahead(batch):
+            ahead = original_ahead(batch)
+            count["prefill_ahead"] = count.get("prefill_ahead", 0) + bool(ahead)
+            count["declined"] = count.get("declined", 0) + (ahead is None)
+            # a step with both rows fed from the device and prefill chunks
+            count["mixed"] = count.get("mixed", 0) + bool(ahead and any(i.seq.has_placeholder for i in ahead)
+                                                          and any(not i.needs_sample for i in ahead))
+            return ahead
+
+        engine.scheduler.schedule_ahead = counting_ahead
     rids = [engine.add_request(p, q) for p, q in zip(prompts, params)]
     sequences = dict(engine.requests)
     finished = {}
@@ -83,6 +96,12 @@ def test_overlap_on_cuda_graphs_gives_the_same_tokens(path):
     count = {"ahead": 0}
     assert_same(run(path, True, prompts, params, count, **cuda), run(path, False, prompts, params, **cuda))
     assert count["ahead"] >= 5
+    # Chunked prefill overlapped: decode rows fed from the device in eager mixed steps and in decode graphs.
+    prompts, params = chunked_requests()
+    cuda["max_num_batched_tokens"] = 16
+    count = {"ahead": 0}
+    assert_same(run(path, True, prompts, params, count, **cuda), run(path, False, prompts, params, **cuda))
+    assert count["prefill_ahead"] >= 10 and count["mixed"] >= 3
     assert Engine(path, **cuda).model_runner.use_cuda_graphs
 
 
@@ -106,6 +125,40 @@ def test_collecting_a_step_does_not_wait_for_work_queued_after_it(path):
         assert all(lp <= 0 for lp in log_probs)
         engine.scheduler.postprocess(scheduled, token_ids, log_probs)
         torch.cuda.synchronize()
+
+
+def chunked_requests(num: int = 8):
+    """Prompts of 11-32 tokens, longer than a 16-token step budget (chunked prefill, later prompts admitted while
+    earlier ones decode), seeded T=1 sampling, stop tokens and stop strings as in `requests`."""
+    prompts = [[(7 * i + 3 * j) % 200 + 5 for j in range(11 + 3 * i)] for i in range(num)]
+    _, params = requests(num)
+    return prompts, params
+
+
+def test_overlapped_prefill_gives_the_same_tokens_and_runs_ahead(path):
+    """Steps after prefill chunks are launched before the chunk's tokens reach the host (their decode rows read
+    them on the device, in steps that also hold prefill chunks): same tokens, log-probs and finish reasons as the
+    plain loop and as overlap without it, which never schedules a prefill step ahead."""
+    prompts, params = chunked_requests()
+    budget = dict(max_num_batched_tokens=16)
+    plain = run(path, False, prompts, params, **budget)
+    count, count_off = {"ahead": 0}, {"ahead": 0}
+    assert_same(run(path, True, prompts, params, count, **budget), plain)
+    assert count["prefill_ahead"] >= 10 and count["mixed"] >= 3
+    assert_same(run(path, True, prompts, params, count_off, overlap_prefill=False, **budget), plain)
+    assert count_off.get("prefill_ahead", 0) == 0
+    with pytest.raises(ValueError, match="overlap_prefill must be a bool"):
+        Engine(path, device="cpu", overlap_prefill=1)
+
+
+def test_overlapped_prefill_declines_when_blocks_may_run_out(path):
+    """With too few KV blocks the step after a prefill chunk is not scheduled ahead (a preemption needs the real
+    tokens): same tokens as the plain loop, and the decline happened."""
+    prompts, params = chunked_requests(6)
+    kv = dict(max_num_batched_tokens=16, kvcache_block_size=4, num_kvcache_blocks=24)
+    count = {"ahead": 0}
+    assert_same(run(path, True, prompts, params, count, **kv), run(path, False, prompts, params, **kv))
+    assert count["declined"] >= 1 and count["prefill_ahead"] >= 1
 
 
 def test_overlap_under_preemption_and_tiny_blocks(path):

@@ -187,6 +187,8 @@ class Engine:
                     input_tokens = launched.tokens[self.model_runner.staging.to_device(np.array(source_rows))]
                 self.in_flight = (ahead, self.model_runner.launch(ahead, input_tokens))
                 self.num_launched_steps += 1
+            elif self.config.overlap_prefill:
+                self._launch_scheduled_ahead(scheduled, launched)
             outputs = self._complete(scheduled, launched)
         if self.in_flight is None and self.scheduler.has_unfinished():
             scheduled = self.scheduler.schedule()
@@ -194,6 +196,24 @@ class Engine:
             self.in_flight = (scheduled, self.model_runner.launch(scheduled))
             self.num_launched_steps += 1
         return outputs
+
+    def _launch_scheduled_ahead(self, scheduled, launched) -> None:
+        """Overlapped prefill: launch the step after `scheduled` (prefill chunks, or requests waiting) before its
+        tokens reach the host (`Scheduler.schedule_ahead`); rows whose input is a placeholder read it on the device
+        from the in-flight step's sampled tokens."""
+        ahead = self.scheduler.schedule_ahead(scheduled)
+        if not ahead:
+            return
+        sample_index = {id(item.seq): index for index, item in enumerate(item for item in scheduled
+                                                                          if item.needs_sample)}
+        rows = [row for row, item in enumerate(ahead) if item.seq.has_placeholder]
+        input_tokens = input_rows = None
+        if rows:
+            to_device = self.model_runner.staging.to_device
+            sources = np.fromiter((sample_index[id(ahead[row].seq)] for row in rows), dtype=np.int64, count=len(rows))
+            input_tokens, input_rows = launched.tokens[to_device(sources)], np.array(rows, dtype=np.int64)
+        self.in_flight = (ahead, self.model_runner.launch(ahead, input_tokens, input_rows))
+        self.num_launched_steps += 1
 
     def _drain(self) -> None:
         """Finish the step in flight (overlapped scheduling) before the engine's state changes under it."""
