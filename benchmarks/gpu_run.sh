@@ -73,6 +73,14 @@ run_step() {
     engine_chunks) for tokens in 8192 32768 16384; do
                      python3 benchmarks/bench_engine.py --preset qwen3-0.6b --workload w1,w5 --skip-hf \
                        --max-num-batched-tokens $tokens || exit; done ;;
+    # Overlapped prefill on and off (W1, W5), its CUDA-graph test, and the attention kernel's configs on W1's and
+    # W5's decode shapes and W1's prefill chunk.
+    engine_overlap_prefill) for flag in --overlap-prefill --no-overlap-prefill; do
+                              python3 benchmarks/bench_engine.py --preset qwen3-0.6b --workload w1,w5 --skip-hf $flag ||
+                              exit; done ;;
+    overlap_gpu_tests) python3 -m pytest -q -m gpu tests/test_engine_overlap.py ;;
+    attention_sweep) python3 benchmarks/bench_paged_attention.py --sweep \
+                       --cases decode_256x384,decode_256x512,w5_decode_512x384,prefill_32x256 ;;
     engine_host) python3 benchmarks/bench_engine.py --workload host ;;  # host work per decode step, device faked
     rollout_io) python3 benchmarks/bench_rollout_io.py ;;  # the rollout's per-sample JSON / Sample work, host CPU only
     loop_bench) loop_bench loop_bench --train-args=--compile-model ;;  # the trainer's layers compiled (its steady speed)
