@@ -52,7 +52,7 @@ SWEEP_DECODE_CONFIGS = [
     _dot(block_n=32, num_warps=1, num_stages=4),
     _dot(block_n=32, num_warps=2, num_stages=2),
     _dot(block_n=32, num_warps=2, num_stages=3),
-    _dot(block_n=32, num_warps=2, num_stages=4),  # DOT_DECODE_CONFIG before this sweep
+    _dot(block_n=32, num_warps=2, num_stages=4),  # DOT_DECODE_CONFIG before 2026-12-02
     _dot(block_n=32, num_warps=2, num_stages=6),
     _dot(block_n=32, num_warps=4, num_stages=4),
     _dot(block_n=64, num_warps=2, num_stages=3),
@@ -64,7 +64,7 @@ SWEEP_DECODE_CONFIGS = [
 ]
 SWEEP_PREFILL_CONFIGS = [
     kernel.KernelConfig(block_m=m, block_n=n, use_dot=True, num_warps=w, num_stages=st)
-    for m, n, w, st in [(64, 64, 4, 3), (64, 32, 4, 3), (64, 128, 4, 2), (64, 64, 4, 2), (128, 64, 4, 3),
+    for m, n, w, st in [(64, 64, 4, 3), (64, 32, 4, 3),  # PREFILL_CONFIG before 2026-12-02, now (64, 128, 4, 2), (64, 64, 4, 2), (128, 64, 4, 3),
                         (128, 64, 8, 3), (128, 64, 8, 2), (128, 32, 4, 3), (128, 128, 8, 2), (32, 64, 4, 3)]
 ]
 SWEEP_SPLITS = [1, 2, 4, 8, 16]  # the automatic config at each
@@ -155,7 +155,7 @@ def bench_case(name: str, shape: dict, iters: int, sweep: bool) -> dict:
     expected = sdpa(queries.float(), keys.float(), values.float(), query_len, scale)
     out = run_kernel(case)
     sdpa_bf16 = sdpa(queries, keys, values, query_len, scale)
-    config = kernel.choose_config(shape["num_heads"] // shape["num_kv_heads"], query_len)
+    config = kernel.choose_config(shape["num_heads"] // shape["num_kv_heads"], query_len, shape["head_dim"])
     num_kv_splits = kernel.choose_num_kv_splits(
         shape["num_seqs"], shape["num_kv_heads"], case["block_tables"].shape[1] * BLOCK_SIZE, query_len,
         config.block_n, case["q"].device,
