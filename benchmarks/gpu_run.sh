@@ -79,6 +79,13 @@ run_step() {
                               python3 benchmarks/bench_engine.py --preset qwen3-0.6b --workload w1,w5 --skip-hf $flag ||
                               exit; done ;;
     overlap_gpu_tests) python3 -m pytest -q -m gpu tests/test_engine_overlap.py ;;
+    engine_kernel_gpu_tests) python3 -m pytest -q tests/test_paged_attention_kernel.py tests/test_engine_triton.py \
+                               tests/test_engine_cuda.py && python3 -m pytest -q -m gpu tests/test_engine_overlap.py ;;
+    engine_w1w5) python3 benchmarks/bench_engine.py --preset qwen3-0.6b --workload w1,w5 --hf-workloads w1,w5 ;;
+    engine_w1w5_16k) python3 benchmarks/bench_engine.py --preset qwen3-0.6b --workload w1,w5 --skip-hf \
+                       --max-num-batched-tokens 16384 ;;
+    engine_w1w5_no_overlap_prefill) python3 benchmarks/bench_engine.py --preset qwen3-0.6b --workload w1,w5 --skip-hf \
+                                      --no-overlap-prefill ;;
     attention_sweep) python3 benchmarks/bench_paged_attention.py --sweep \
                        --cases decode_256x384,decode_256x512,w5_decode_512x384,prefill_32x256 ;;
     engine_host) python3 benchmarks/bench_engine.py --workload host ;;  # host work per decode step, device faked
