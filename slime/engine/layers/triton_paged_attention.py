@@ -53,12 +53,11 @@ class KernelConfig:
 # tokens, Qwen3-0.6B heads) 66.5 us against 72.9 with 64-key tiles.
 PREFILL_CONFIG = KernelConfig(block_m=64, block_n=32, use_dot=True, num_warps=4, num_stages=3)
 REGISTER_DECODE_CONFIG = KernelConfig(block_m=0, block_n=32, use_dot=False, num_warps=4, num_stages=2)
-# Head dim 128 (Qwen3-0.6B, 256 seqs): 103.1 / 134.0 us at contexts 384 / 512 (3.9 / 4.0 TB/s). The best of the
-# 2026-12-02 sweep, 64-key tiles on 4 warps and 3 stages, ran 100.6 / 130.2 us alone; not adopted without an
-# in-engine A/B (W1's decode step varies more than that from host to host). Split-KV is slower at that batch.
-DOT_DECODE_CONFIG = KernelConfig(block_m=16, block_n=32, use_dot=True, num_warps=2, num_stages=4)
+# Head dim 128 (Qwen3-0.6B, 256 seqs): 100.6 / 130.2 us at contexts 384 / 512 (4.0 / 4.1 TB/s), against 103.1 / 134.0
+# for 32-key tiles on 2 warps; split-KV slower at that batch (2 splits: 113.5 / 143.6).
+DOT_DECODE_CONFIG = KernelConfig(block_m=16, block_n=64, use_dot=True, num_warps=4, num_stages=3)
 # Head dim <= 64 (SmolLM-135M, 512 seqs x 384 context): one warp per program over 16-key tiles, 43.8 us (3.5 TB/s)
-# against 50.8 for the head-dim-128 config; W5's median decode step 2.94-3.46 -> 2.63 ms in the engine.
+# against 50.8 for the head-dim-128 config of before (32-key tiles, 2 warps) and 48.2 for the one above.
 SMALL_HEAD_DOT_DECODE_CONFIG = KernelConfig(block_m=16, block_n=16, use_dot=True, num_warps=1, num_stages=4)
 MAX_SMALL_HEAD_DIM = 64
 
