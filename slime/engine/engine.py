@@ -25,7 +25,7 @@ from slime.engine.models import ModelConfig, load_model_config
 from slime.engine.models.weight_loader import load_checkpoint, load_weights, named_weight_shapes
 from slime.engine.request_output import RequestOutput
 from slime.engine.sampling_params import SamplingParams
-from slime.engine.scheduler import Scheduler
+from slime.engine.scheduler import Scheduler, placeholder_sources
 from slime.engine.sequence import Sequence, SequenceStatus
 from slime.engine.stop_strings import final_texts, find_new_stop
 
@@ -198,22 +198,14 @@ class Engine:
         return outputs
 
     def _launch_scheduled_ahead(self, scheduled, launched) -> None:
-        """Overlapped prefill: launch the step after `scheduled` (prefill chunks, or requests waiting) before its
-        tokens reach the host (`Scheduler.schedule_ahead`); rows whose input is a placeholder read it on the device
-        from the in-flight step's sampled tokens."""
+        """Overlapped prefill: launch the step after `scheduled` before its tokens reach the host; rows fed by a
+        placeholder read their token on the device from the in-flight step's samples."""
         ahead = self.scheduler.schedule_ahead(scheduled)
-        if not ahead:
-            return
-        sample_index = {id(item.seq): index for index, item in enumerate(item for item in scheduled
-                                                                          if item.needs_sample)}
-        rows = [row for row, item in enumerate(ahead) if item.seq.has_placeholder]
-        input_tokens = input_rows = None
-        if rows:
-            to_device = self.model_runner.staging.to_device
-            sources = np.fromiter((sample_index[id(ahead[row].seq)] for row in rows), dtype=np.int64, count=len(rows))
-            input_tokens, input_rows = launched.tokens[to_device(sources)], np.array(rows, dtype=np.int64)
-        self.in_flight = (ahead, self.model_runner.launch(ahead, input_tokens, input_rows))
-        self.num_launched_steps += 1
+        if ahead:
+            rows, sources = placeholder_sources(scheduled, ahead)
+            input_tokens = launched.tokens[self.model_runner.staging.to_device(np.array(sources))] if rows else None
+            self.in_flight = (ahead, self.model_runner.launch(ahead, input_tokens, np.array(rows) if rows else None))
+            self.num_launched_steps += 1
 
     def _drain(self) -> None:
         """Finish the step in flight (overlapped scheduling) before the engine's state changes under it."""

@@ -38,6 +38,14 @@ class ScheduledSequence:
 _seq, _num_new_tokens, _needs_sample = attrgetter("seq"), attrgetter("num_new_tokens"), attrgetter("needs_sample")
 
 
+def placeholder_sources(batch: list[ScheduledSequence], ahead: list[ScheduledSequence]) -> tuple[list[int], list[int]]:
+    """For a step scheduled ahead of `batch`: the rows of `ahead` whose input is a placeholder, and for each the
+    index of its token among `batch`'s sampled tokens (the order of `batch`'s rows that sample)."""
+    sample_index = {id(item.seq): index for index, item in enumerate(filter(_needs_sample, batch))}
+    rows = [row for row, item in enumerate(ahead) if item.seq.has_placeholder]
+    return rows, [sample_index[id(ahead[row].seq)] for row in rows]
+
+
 def is_decode_batch(batch: list[ScheduledSequence]) -> bool:
     """Every row computes one token and samples the next (C-level passes: this runs on every step's 512 rows)."""
     return set(map(_num_new_tokens, batch)) == {1} and all(map(_needs_sample, batch))
