@@ -45,6 +45,7 @@ def run(path, overlap: bool, prompts, params, count=None, **config):
 
         def counting_ahead(batch):
             ahead = original_ahead(batch)
+            assert ahead is None or len(ahead) == len(engine.scheduler.running)  # no running sequence left out
             count["prefill_ahead"] = count.get("prefill_ahead", 0) + bool(ahead)
             count["declined"] = count.get("declined", 0) + (ahead is None)
             # a step with both rows fed from the device and prefill chunks
@@ -249,3 +250,32 @@ def test_non_incremental_requests_report_only_their_finished_output(path, overla
         assert reports[rid][-1].finished and not any(o.finished for o in reports[rid][:-1])
         assert len(reports[rid]) == (len(expected["output_ids"]) if i % 2 == 0 else 1)
         assert_same([reports[rid][-1].to_dict()], [expected])
+
+
+def test_overlapped_prefill_with_rows_left_out_by_the_budget(path):
+    """A 4-token budget below the number of running sequences: steps leave running sequences out, and stop tokens
+    finish sequences of the step in flight; the step after is scheduled ahead only when its batch is exactly the
+    running set (a finished sequence in it would write to freed blocks). Same tokens as the plain loop."""
+    prompts, params = chunked_requests(8)
+    budget = dict(max_num_batched_tokens=4)
+    count = {"ahead": 0}
+    assert_same(run(path, True, prompts, params, count, **budget), run(path, False, prompts, params, **budget))
+    assert count["prefill_ahead"] >= 5 and count["declined"] >= 5
+
+
+def test_schedule_ahead_declines_a_batch_that_is_not_the_running_set(path):
+    """A batch holding a sequence the previous step finished, beside a running one it left out (so the counts
+    match), is not continued: continuing it would grow the finished sequence's freed block table."""
+    engine = Engine(path, device="cpu")
+    prompts, params = chunked_requests(4)
+    for prompt, p in zip(prompts, params):
+        engine.add_request(prompt, p)
+    scheduler = engine.scheduler
+    batch = scheduler.schedule()
+    assert len(batch) == len(scheduler.running) == 4
+    scheduler.finish(batch[1].seq, {"type": "abort"})  # finished under the batch; batch[0] "sat out"
+    num_free = scheduler.block_manager.num_free_blocks
+    assert scheduler.schedule_ahead(batch[1:]) is None
+    assert scheduler.block_manager.num_free_blocks == num_free and not batch[1].seq.has_placeholder
+    assert scheduler.schedule_ahead(batch) is None  # the counts differ
+    assert scheduler.schedule_ahead(batch[:1] + batch[2:]) is not None  # exactly the running set

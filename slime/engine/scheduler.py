@@ -177,10 +177,11 @@ class Scheduler:
         step's tokens are in, without them. Each sequence of `batch`, in order and within the token budget,
         continues as the step leaves it (a placeholder token and one KV slot for the token it samples, or the rest
         of its prompt after its chunk); then waiting requests are admitted as `schedule` admits them. None when
-        the real outcome is needed: a running sequence not in `batch`, one the pending token may end by length
-        (`schedule` would leave it out), or fewer free blocks than the continuing sequences may take (a
-        preemption needs the real tokens). A sequence the pending token ends by a stop token runs one row for
-        nothing; its token is dropped (as in `look_ahead`)."""
+        the real outcome is needed: `batch` is not exactly the running set (a sequence the previous step finished
+        is in it, or a running one sat out), a sequence the budget would leave out, one the pending token may end
+        by length (`schedule` would leave it out), or fewer free blocks than the continuing sequences may take (a
+        preemption needs the real tokens). So the step returned holds every running sequence. A sequence the
+        pending token ends by a stop token runs one row for nothing; its token is dropped (as in `look_ahead`)."""
         if len(batch) != len(self.running):
             return None
         block_manager = self.block_manager
@@ -189,9 +190,9 @@ class Scheduler:
         plan = []  # (item, tokens this step), checked in full before any state changes
         num_new_blocks = 0
         for item in batch:
-            if budget == 0:
-                break
             seq = item.seq
+            if budget == 0 or seq.status is not SequenceStatus.RUNNING:
+                return None
             if item.needs_sample:
                 if len(seq.token_ids) + 1 >= seq.max_num_tokens:
                     return None
