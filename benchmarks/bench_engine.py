@@ -93,6 +93,12 @@ def parse_args(argv=None):
     parser.add_argument("--overlap-schedule", action=argparse.BooleanOptionalAction, default=None,
                         help="the engine's overlapped scheduling (next decode step launched before the last one's "
                              "tokens reach the host); default: the engine's (on for CUDA)")
+    parser.add_argument("--overlap-prefill", action=argparse.BooleanOptionalAction, default=None,
+                        help="with overlapped scheduling, also launch the step after a prefill chunk before its "
+                             "tokens reach the host; default: the engine's (on)")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=None,
+                        help="the engine's token budget per step (the prefill chunk size, SGLang's "
+                             "--chunked-prefill-size); default: the engine's")
     parser.add_argument("--skip-hf", action="store_true", help="measure the engine only (no ratio) on every workload")
     parser.add_argument("--hf-workloads", default="w1",
                         help="comma-separated workloads on which HF generate is measured too, when they run "
@@ -142,6 +148,8 @@ def bench_engine(model_path: Path, workload: Workload, args, measure_weights_and
         max_num_seqs=len(workload.prompts),
         seed=args.seed,
         **({} if args.overlap_schedule is None else {"overlap_schedule": args.overlap_schedule}),
+        **({} if args.overlap_prefill is None else {"overlap_prefill": args.overlap_prefill}),
+        **({} if args.max_num_batched_tokens is None else {"max_num_batched_tokens": args.max_num_batched_tokens}),
     )
     init_seconds = time.perf_counter() - started
     # Warm-up: on CUDA the first decode step captures every CUDA graph; then forget the warm-up's prefixes.
@@ -207,6 +215,8 @@ def bench_engine(model_path: Path, workload: Workload, args, measure_weights_and
         "num_cached_prompt_tokens": sum(o.num_cached_tokens for o in finished),
         "block_size": runner.block_size,
         "overlap_schedule": engine.config.overlap_schedule,
+        "max_num_batched_tokens": engine.config.max_num_batched_tokens,
+        "overlap_prefill": engine.config.overlap_prefill,
     }
     if measure_weights_and_memory:
         result.update(bench_weight_update(engine, model_path, args.device))
@@ -303,6 +313,8 @@ def summarize(workload: Workload, engine: dict, hf: dict | None, args) -> dict:
         "engine_output_tokens": engine["num_output_tokens"],
         "engine_steps": engine["num_steps"],
         "overlap_schedule": engine["overlap_schedule"],
+        "max_num_batched_tokens": engine["max_num_batched_tokens"],
+        "overlap_prefill": engine["overlap_prefill"],
         "mbu": round(engine["mbu"], 4),
         "weight_gb": round(engine["weight_bytes"] / 1e9, 3),
         "bytes_read": engine["bytes_read"],

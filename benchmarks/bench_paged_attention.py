@@ -1,5 +1,6 @@
 """GPU micro-benchmark of the paged-attention Triton kernel alone (`slime/engine/layers/triton_paged_attention.py`)
-on the Qwen3-0.6B attention shape (16 query heads, 8 KV heads, head dim 128, bf16, KV block size 16), against torch
+on the Qwen3-0.6B attention shape (16 query heads, 8 KV heads, head dim 128) and SmolLM-135M's (9 / 3, head dim 64;
+W5), bf16, KV block size 16, against torch
 SDPA on the same K/V pre-gathered into dense tensors (the peer baseline: FlashAttention without paging; the gather
 itself is not timed). Prints per case: us per call, achieved GB/s over the bytes the kernel must read (K/V of the
 context once, plus q and out) against a 4.25 TB/s H200 ceiling, SDPA's time and the ratio, and the max abs error
@@ -8,14 +9,18 @@ against an fp32 SDPA reference (with bf16 SDPA's own error for scale). Summary c
     python benchmarks/bench_paged_attention.py           # the automatic config and split count, < 60 s
     python benchmarks/bench_paged_attention.py --sweep   # also decode tile/warp/stage configs and split counts
 
-Cases: decode 256 seqs x 300 context (the engine's decode step), decode 16 seqs x 4096 context (split-KV), prefill
-8 x 512 fresh prompts. Timing: CUDA events around 100 back-to-back calls after warm-up. Needs CUDA.
+Cases: decode 256 seqs x 300 / 384 / 512 context (W1's decode steps from first to last; 384 its mean), decode 16 seqs
+x 4096 context (split-KV), decode 512 x 384 on the 135M shape (W5's mean step), prefill 8 x 512 and 32 x 256 fresh
+prompts (W1's chunk). `--sweep` times every decode config at split counts 1 and 2 (and the automatic one) on the
+decode cases, and the prefill configs on the prefill cases. Timing: CUDA events around 100 back-to-back calls after
+warm-up. Needs CUDA.
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import json
 import sys
 from pathlib import Path
@@ -27,53 +32,72 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from slime.engine.layers import triton_paged_attention as kernel  # noqa: E402
 
-NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 16, 8, 128, 16
+BLOCK_SIZE = 16
+QWEN3_06B = dict(num_heads=16, num_kv_heads=8, head_dim=128)
+SMOLLM_135M = dict(num_heads=9, num_kv_heads=3, head_dim=64)
 PEAK_BYTES_PER_S = 4.25e12
 CASES = {
-    "decode_256x300": dict(num_seqs=256, context=300, query_len=1),
-    "decode_16x4096": dict(num_seqs=16, context=4096, query_len=1),
-    "prefill_8x512": dict(num_seqs=8, context=512, query_len=512),
+    "decode_256x300": dict(num_seqs=256, context=300, query_len=1, **QWEN3_06B),
+    "decode_256x384": dict(num_seqs=256, context=384, query_len=1, **QWEN3_06B),
+    "decode_256x512": dict(num_seqs=256, context=512, query_len=1, **QWEN3_06B),
+    "decode_16x4096": dict(num_seqs=16, context=4096, query_len=1, **QWEN3_06B),
+    "w5_decode_512x384": dict(num_seqs=512, context=384, query_len=1, **SMOLLM_135M),
+    "prefill_8x512": dict(num_seqs=8, context=512, query_len=512, **QWEN3_06B),
+    "prefill_32x256": dict(num_seqs=32, context=256, query_len=256, **QWEN3_06B),
 }
+_dot = functools.partial(kernel.KernelConfig, block_m=16, use_dot=True)
 SWEEP_DECODE_CONFIGS = [
-    kernel.KernelConfig(block_m=0, block_n=16, use_dot=False, num_warps=4, num_stages=2),
-    kernel.KernelConfig(block_m=0, block_n=32, use_dot=False, num_warps=2, num_stages=2),
-    kernel.KernelConfig(block_m=0, block_n=32, use_dot=False, num_warps=4, num_stages=1),
     kernel.KernelConfig(block_m=0, block_n=32, use_dot=False, num_warps=4, num_stages=2),
-    kernel.KernelConfig(block_m=0, block_n=32, use_dot=False, num_warps=8, num_stages=2),
-    kernel.KernelConfig(block_m=0, block_n=64, use_dot=False, num_warps=4, num_stages=2),
-    kernel.KernelConfig(block_m=0, block_n=64, use_dot=False, num_warps=8, num_stages=2),
-    kernel.KernelConfig(block_m=16, block_n=16, use_dot=True, num_warps=4, num_stages=3),
-    kernel.KernelConfig(block_m=16, block_n=32, use_dot=True, num_warps=4, num_stages=3),
-    kernel.KernelConfig(block_m=16, block_n=32, use_dot=True, num_warps=2, num_stages=4),
-    kernel.KernelConfig(block_m=16, block_n=64, use_dot=True, num_warps=4, num_stages=2),
-    kernel.KernelConfig(block_m=16, block_n=64, use_dot=True, num_warps=4, num_stages=3),  # the previous kernel's
+    _dot(block_n=16, num_warps=1, num_stages=4),
+    _dot(block_n=32, num_warps=1, num_stages=4),
+    _dot(block_n=32, num_warps=2, num_stages=2),
+    _dot(block_n=32, num_warps=2, num_stages=3),
+    _dot(block_n=32, num_warps=2, num_stages=4),  # DOT_DECODE_CONFIG before 2026-12-02
+    _dot(block_n=32, num_warps=2, num_stages=6),
+    _dot(block_n=32, num_warps=4, num_stages=4),
+    _dot(block_n=64, num_warps=2, num_stages=3),
+    _dot(block_n=64, num_warps=4, num_stages=2),
+    _dot(block_n=64, num_warps=4, num_stages=3),
+    _dot(block_n=64, num_warps=4, num_stages=4),
+    _dot(block_n=128, num_warps=4, num_stages=2),
+    _dot(block_n=128, num_warps=8, num_stages=2),
 ]
-SWEEP_SPLITS = [1, 2, 4, 8, 16]
+SWEEP_PREFILL_CONFIGS = [
+    kernel.KernelConfig(block_m=m, block_n=n, use_dot=True, num_warps=w, num_stages=st)
+    for m, n, w, st in [(64, 64, 4, 3), (64, 32, 4, 3),  # PREFILL_CONFIG before 2026-12-02, now (64, 128, 4, 2), (64, 64, 4, 2), (128, 64, 4, 3),
+                        (128, 64, 8, 3), (128, 64, 8, 2), (128, 32, 4, 3), (128, 128, 8, 2), (32, 64, 4, 3)]
+]
+SWEEP_SPLITS = [1, 2, 4, 8, 16]  # the automatic config at each
 
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--iters", type=int, default=100)
-    parser.add_argument("--sweep", action="store_true", help="time decode configs and split counts too (~2 min)")
+    parser.add_argument("--sweep", action="store_true", help="time kernel configs and split counts too (~2 min)")
+    parser.add_argument("--cases", default=",".join(CASES), help=f"comma-separated subset of {', '.join(CASES)}")
     args = parser.parse_args(argv)
     if args.iters < 1:
         raise ValueError(f"--iters must be >= 1, got {args.iters}")
+    args.cases = [name.strip() for name in args.cases.split(",") if name.strip()]
+    if not args.cases or set(args.cases) - set(CASES):
+        raise ValueError(f"--cases {','.join(args.cases)!r}: use names from {', '.join(CASES)}")
     if not torch.cuda.is_available():
         raise ValueError("bench_paged_attention.py needs CUDA (the kernel has no CPU build)")
     return args
 
 
-def make_case(num_seqs: int, context: int, query_len: int, seed: int = 0) -> dict:
+def make_case(num_seqs: int, context: int, query_len: int, num_heads: int, num_kv_heads: int, head_dim: int,
+              seed: int = 0) -> dict:
     """Random bf16 cache with each sequence's blocks scattered (random permutation), as after some serving."""
     generator = torch.Generator(device="cuda").manual_seed(seed)
     num_blocks_per_seq = -(-context // BLOCK_SIZE)
     num_blocks = num_seqs * num_blocks_per_seq + 8
-    cache_shape = (num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
+    cache_shape = (num_blocks, BLOCK_SIZE, num_kv_heads, head_dim)
     k_cache = torch.randn(cache_shape, generator=generator, device="cuda", dtype=torch.bfloat16)
     v_cache = torch.randn(cache_shape, generator=generator, device="cuda", dtype=torch.bfloat16)
     block_tables = torch.randperm(num_blocks, generator=generator, device="cuda")[: num_seqs * num_blocks_per_seq]
     block_tables = block_tables.view(num_seqs, num_blocks_per_seq).to(torch.int32)
-    q = torch.randn(num_seqs * query_len, NUM_HEADS, HEAD_DIM, generator=generator, device="cuda", dtype=torch.bfloat16)
+    q = torch.randn(num_seqs * query_len, num_heads, head_dim, generator=generator, device="cuda", dtype=torch.bfloat16)
     return dict(
         q=q,
         k_cache=k_cache,
@@ -82,23 +106,24 @@ def make_case(num_seqs: int, context: int, query_len: int, seed: int = 0) -> dic
         query_start_loc=torch.arange(num_seqs + 1, device="cuda", dtype=torch.int32) * query_len,
         seq_lens=torch.full((num_seqs,), context, device="cuda", dtype=torch.int32),
         max_query_len=query_len,
-        scale=HEAD_DIM**-0.5,
+        scale=head_dim**-0.5,
     )
 
 
-def dense_inputs(case: dict, num_seqs: int, context: int, query_len: int):
+def dense_inputs(case: dict, num_seqs: int, context: int, query_len: int, num_heads: int, num_kv_heads: int,
+                 head_dim: int):
     """q [seqs, heads, query_len, dim] and K/V [seqs, kv_heads, context, dim] gathered through the block table."""
     positions = torch.arange(context, device="cuda")
     slots = case["block_tables"][:, positions // BLOCK_SIZE].long() * BLOCK_SIZE + positions % BLOCK_SIZE
-    keys = case["k_cache"].view(-1, NUM_KV_HEADS, HEAD_DIM)[slots].transpose(1, 2).contiguous()
-    values = case["v_cache"].view(-1, NUM_KV_HEADS, HEAD_DIM)[slots].transpose(1, 2).contiguous()
-    queries = case["q"].view(num_seqs, query_len, NUM_HEADS, HEAD_DIM).transpose(1, 2).contiguous()
+    keys = case["k_cache"].view(-1, num_kv_heads, head_dim)[slots].transpose(1, 2).contiguous()
+    values = case["v_cache"].view(-1, num_kv_heads, head_dim)[slots].transpose(1, 2).contiguous()
+    queries = case["q"].view(num_seqs, query_len, num_heads, head_dim).transpose(1, 2).contiguous()
     return queries, keys, values
 
 
 def sdpa(queries, keys, values, query_len: int, scale: float) -> torch.Tensor:
     out = F.scaled_dot_product_attention(queries, keys, values, is_causal=query_len > 1, scale=scale, enable_gqa=True)
-    return out.transpose(1, 2).reshape(-1, NUM_HEADS, HEAD_DIM)
+    return out.transpose(1, 2).reshape(-1, queries.shape[1], queries.shape[3])
 
 
 def time_us(fn, iters: int) -> float:
@@ -114,9 +139,9 @@ def time_us(fn, iters: int) -> float:
     return start.elapsed_time(end) * 1000 / iters
 
 
-def min_bytes(num_seqs: int, context: int, query_len: int) -> int:
-    kv = 2 * num_seqs * context * NUM_KV_HEADS * HEAD_DIM * 2
-    return kv + 2 * num_seqs * query_len * NUM_HEADS * HEAD_DIM * 2
+def min_bytes(num_seqs: int, context: int, query_len: int, num_heads: int, num_kv_heads: int, head_dim: int) -> int:
+    kv = 2 * num_seqs * context * num_kv_heads * head_dim * 2
+    return kv + 2 * num_seqs * query_len * num_heads * head_dim * 2
 
 
 def run_kernel(case: dict, config=None, num_kv_splits=None) -> torch.Tensor:
@@ -130,10 +155,10 @@ def bench_case(name: str, shape: dict, iters: int, sweep: bool) -> dict:
     expected = sdpa(queries.float(), keys.float(), values.float(), query_len, scale)
     out = run_kernel(case)
     sdpa_bf16 = sdpa(queries, keys, values, query_len, scale)
-    config = kernel.choose_config(NUM_HEADS // NUM_KV_HEADS, query_len)
+    config = kernel.choose_config(shape["num_heads"] // shape["num_kv_heads"], query_len, shape["head_dim"])
     num_kv_splits = kernel.choose_num_kv_splits(
-        shape["num_seqs"], NUM_KV_HEADS, case["block_tables"].shape[1] * BLOCK_SIZE, query_len, config.block_n,
-        case["q"].device,
+        shape["num_seqs"], shape["num_kv_heads"], case["block_tables"].shape[1] * BLOCK_SIZE, query_len,
+        config.block_n, case["q"].device,
     )
     kernel_us = time_us(lambda: run_kernel(case), iters)
     sdpa_us = time_us(lambda: sdpa(queries, keys, values, query_len, scale), iters)
@@ -159,15 +184,20 @@ def bench_case(name: str, shape: dict, iters: int, sweep: bool) -> dict:
         f"(bf16 SDPA {result['sdpa_bf16_max_abs_err']:.2e}) | splits {num_kv_splits}, {config}",
         flush=True,
     )
-    if sweep and query_len == 1:
-        result["sweep"] = sweep_decode(case, expected, num_bytes, iters, num_kv_splits)
+    if sweep:
+        result["sweep"] = sweep_configs(case, expected, num_bytes, iters, num_kv_splits, decode=query_len == 1)
     return result
 
 
-def sweep_decode(case: dict, expected: torch.Tensor, num_bytes: int, iters: int, num_kv_splits: int) -> list:
-    """Every config at the automatic split count, then every split count with the automatic config."""
-    runs = [(config, num_kv_splits) for config in SWEEP_DECODE_CONFIGS]
-    runs += [(None, splits) for splits in SWEEP_SPLITS if splits != num_kv_splits]
+def sweep_configs(case: dict, expected: torch.Tensor, num_bytes: int, iters: int, num_kv_splits: int,
+                  decode: bool) -> list:
+    """Decode: every decode config at 1 and 2 splits (and the automatic count), then the automatic config at every
+    split count. Prefill: every prefill config (no splits)."""
+    if decode:
+        runs = [(config, splits) for config in SWEEP_DECODE_CONFIGS for splits in sorted({1, 2, num_kv_splits})]
+        runs += [(None, splits) for splits in SWEEP_SPLITS if splits != num_kv_splits]
+    else:
+        runs = [(config, 1) for config in SWEEP_PREFILL_CONFIGS]
     rows = []
     for config, splits in runs:
         err = (run_kernel(case, config, splits).float() - expected).abs().max().item()
@@ -185,7 +215,7 @@ def main(argv=None) -> dict:
     args = parse_args(argv)
     import triton
 
-    results = [bench_case(name, shape, args.iters, args.sweep) for name, shape in CASES.items()]
+    results = [bench_case(name, CASES[name], args.iters, args.sweep) for name in args.cases]
     device_name = torch.cuda.get_device_name()
     summary = dict(
         benchmark="paged_attention",
@@ -193,9 +223,6 @@ def main(argv=None) -> dict:
         device=device_name,
         torch=torch.__version__,
         triton=triton.__version__,
-        num_heads=NUM_HEADS,
-        num_kv_heads=NUM_KV_HEADS,
-        head_dim=HEAD_DIM,
         kv_block_size=BLOCK_SIZE,
         dtype="bfloat16",
         cases=results,

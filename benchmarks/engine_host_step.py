@@ -31,7 +31,7 @@ def bench_host_step(seed: int, num_seqs: int = 512, input_len: int = 256, output
             self.max_batch_size = max_num_seqs
             self.hidden = torch.zeros(max_num_seqs, model.config.hidden_size)
 
-        def run(self, token_inputs, block_tables, input_tokens=None):
+        def run(self, token_inputs, block_tables, input_tokens=None, input_rows=None):
             return self.hidden[: block_tables.shape[0]]
 
     generator = torch.Generator().manual_seed(seed)

@@ -68,6 +68,27 @@ run_step() {
     # batch 512 (W5) with HF's ratio, and the GRPO loop against its standalone floors.
     engine_speed) python3 benchmarks/bench_engine.py --workload host &&
                   python3 benchmarks/bench_engine.py --preset qwen3-0.6b --workload w1,w5 --hf-workloads w1,w5 ;;
+    # The prefill phase under the profiler (W1's model, then W5's), and W1 / W5 at larger prefill chunks.
+    profile_engine_prefill) python3 benchmarks/profile_engine.py --prefill &&
+                            python3 benchmarks/profile_engine.py --prefill --shape smollm-135m --num-prompts 512 ;;
+    engine_chunks) for tokens in 8192 32768 16384; do
+                     python3 benchmarks/bench_engine.py --preset qwen3-0.6b --workload w1,w5 --skip-hf \
+                       --max-num-batched-tokens $tokens || exit; done ;;
+    # Overlapped prefill on and off (W1, W5), its CUDA-graph test, and the attention kernel's configs on W1's and
+    # W5's decode shapes and W1's prefill chunk.
+    engine_overlap_prefill) for flag in --overlap-prefill --no-overlap-prefill; do
+                              python3 benchmarks/bench_engine.py --preset qwen3-0.6b --workload w1,w5 --skip-hf $flag ||
+                              exit; done ;;
+    overlap_gpu_tests) python3 -m pytest -q -m gpu tests/test_engine_overlap.py ;;
+    engine_kernel_gpu_tests) python3 -m pytest -q tests/test_paged_attention_kernel.py tests/test_engine_triton.py \
+                               tests/test_engine_cuda.py && python3 -m pytest -q -m gpu tests/test_engine_overlap.py ;;
+    engine_w1w5) python3 benchmarks/bench_engine.py --preset qwen3-0.6b --workload w1,w5 --hf-workloads w1,w5 ;;
+    engine_w1w5_16k) python3 benchmarks/bench_engine.py --preset qwen3-0.6b --workload w1,w5 --skip-hf \
+                       --max-num-batched-tokens 16384 ;;
+    engine_w1w5_no_overlap_prefill) python3 benchmarks/bench_engine.py --preset qwen3-0.6b --workload w1,w5 --skip-hf \
+                                      --no-overlap-prefill ;;
+    attention_sweep) python3 benchmarks/bench_paged_attention.py --sweep \
+                       --cases decode_256x384,decode_256x512,w5_decode_512x384,prefill_32x256 ;;
     engine_host) python3 benchmarks/bench_engine.py --workload host ;;  # host work per decode step, device faked
     rollout_io) python3 benchmarks/bench_rollout_io.py ;;  # the rollout's per-sample JSON / Sample work, host CPU only
     # The trainer's layers compiled (its steady speed); rollouts 0-1 are warm-up, dynamo's recompiles are logged.

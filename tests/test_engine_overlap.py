@@ -1,7 +1,8 @@
 """Overlapped scheduling (`overlap_schedule=True`) against the plain step loop on the same requests: identical
 tokens, log-probs and finish reasons with seeded sampling, through stops at random steps (stop tokens and stop
 strings, whose look-ahead token is dropped), length limits, preemption when KV blocks run out, requests arriving
-mid-run, aborts and weight updates; and the look-ahead really runs (it is counted)."""
+mid-run, aborts and weight updates, chunked prefill scheduled ahead (overlap_prefill); and the look-ahead really
+runs (it is counted)."""
 
 import pytest
 import torch
@@ -40,6 +41,19 @@ def run(path, overlap: bool, prompts, params, count=None, **config):
             return ahead
 
         engine.scheduler.look_ahead = counting
+        original_ahead = engine.scheduler.schedule_ahead
+
+        def counting_ahead(batch):
+            ahead = original_ahead(batch)
+            assert ahead is None or len(ahead) == len(engine.scheduler.running)  # no running sequence left out
+            count["prefill_ahead"] = count.get("prefill_ahead", 0) + bool(ahead)
+            count["declined"] = count.get("declined", 0) + (ahead is None)
+            # a step with both rows fed from the device and prefill chunks
+            count["mixed"] = count.get("mixed", 0) + bool(ahead and any(i.seq.has_placeholder for i in ahead)
+                                                          and any(not i.needs_sample for i in ahead))
+            return ahead
+
+        engine.scheduler.schedule_ahead = counting_ahead
     rids = [engine.add_request(p, q) for p, q in zip(prompts, params)]
     sequences = dict(engine.requests)
     finished = {}
@@ -83,6 +97,12 @@ def test_overlap_on_cuda_graphs_gives_the_same_tokens(path):
     count = {"ahead": 0}
     assert_same(run(path, True, prompts, params, count, **cuda), run(path, False, prompts, params, **cuda))
     assert count["ahead"] >= 5
+    # Chunked prefill overlapped: decode rows fed from the device in eager mixed steps and in decode graphs.
+    prompts, params = chunked_requests()
+    cuda["max_num_batched_tokens"] = 16
+    count = {"ahead": 0}
+    assert_same(run(path, True, prompts, params, count, **cuda), run(path, False, prompts, params, **cuda))
+    assert count["prefill_ahead"] >= 10 and count["mixed"] >= 3
     assert Engine(path, **cuda).model_runner.use_cuda_graphs
 
 
@@ -106,6 +126,40 @@ def test_collecting_a_step_does_not_wait_for_work_queued_after_it(path):
         assert all(lp <= 0 for lp in log_probs)
         engine.scheduler.postprocess(scheduled, token_ids, log_probs)
         torch.cuda.synchronize()
+
+
+def chunked_requests(num: int = 8):
+    """Prompts of 11-32 tokens, longer than a 16-token step budget (chunked prefill, later prompts admitted while
+    earlier ones decode), seeded T=1 sampling, stop tokens and stop strings as in `requests`."""
+    prompts = [[(7 * i + 3 * j) % 200 + 5 for j in range(11 + 3 * i)] for i in range(num)]
+    _, params = requests(num)
+    return prompts, params
+
+
+def test_overlapped_prefill_gives_the_same_tokens_and_runs_ahead(path):
+    """Steps after prefill chunks are launched before the chunk's tokens reach the host (their decode rows read
+    them on the device, in steps that also hold prefill chunks): same tokens, log-probs and finish reasons as the
+    plain loop and as overlap without it, which never schedules a prefill step ahead."""
+    prompts, params = chunked_requests()
+    budget = dict(max_num_batched_tokens=16)
+    plain = run(path, False, prompts, params, **budget)
+    count, count_off = {"ahead": 0}, {"ahead": 0}
+    assert_same(run(path, True, prompts, params, count, **budget), plain)
+    assert count["prefill_ahead"] >= 10 and count["mixed"] >= 3
+    assert_same(run(path, True, prompts, params, count_off, overlap_prefill=False, **budget), plain)
+    assert count_off.get("prefill_ahead", 0) == 0
+    with pytest.raises(ValueError, match="overlap_prefill must be a bool"):
+        Engine(path, device="cpu", overlap_prefill=1)
+
+
+def test_overlapped_prefill_declines_when_blocks_may_run_out(path):
+    """With too few KV blocks the step after a prefill chunk is not scheduled ahead (a preemption needs the real
+    tokens): same tokens as the plain loop, and the decline happened."""
+    prompts, params = chunked_requests(6)
+    kv = dict(max_num_batched_tokens=16, kvcache_block_size=4, num_kvcache_blocks=24)
+    count = {"ahead": 0}
+    assert_same(run(path, True, prompts, params, count, **kv), run(path, False, prompts, params, **kv))
+    assert count["declined"] >= 1 and count["prefill_ahead"] >= 1
 
 
 def test_overlap_under_preemption_and_tiny_blocks(path):
@@ -196,3 +250,32 @@ def test_non_incremental_requests_report_only_their_finished_output(path, overla
         assert reports[rid][-1].finished and not any(o.finished for o in reports[rid][:-1])
         assert len(reports[rid]) == (len(expected["output_ids"]) if i % 2 == 0 else 1)
         assert_same([reports[rid][-1].to_dict()], [expected])
+
+
+def test_overlapped_prefill_with_rows_left_out_by_the_budget(path):
+    """A 4-token budget below the number of running sequences: steps leave running sequences out, and stop tokens
+    finish sequences of the step in flight; the step after is scheduled ahead only when its batch is exactly the
+    running set (a finished sequence in it would write to freed blocks). Same tokens as the plain loop."""
+    prompts, params = chunked_requests(8)
+    budget = dict(max_num_batched_tokens=4)
+    count = {"ahead": 0}
+    assert_same(run(path, True, prompts, params, count, **budget), run(path, False, prompts, params, **budget))
+    assert count["prefill_ahead"] >= 5 and count["declined"] >= 5
+
+
+def test_schedule_ahead_declines_a_batch_that_is_not_the_running_set(path):
+    """A batch holding a sequence the previous step finished, beside a running one it left out (so the counts
+    match), is not continued: continuing it would grow the finished sequence's freed block table."""
+    engine = Engine(path, device="cpu")
+    prompts, params = chunked_requests(4)
+    for prompt, p in zip(prompts, params):
+        engine.add_request(prompt, p)
+    scheduler = engine.scheduler
+    batch = scheduler.schedule()
+    assert len(batch) == len(scheduler.running) == 4
+    scheduler.finish(batch[1].seq, {"type": "abort"})  # finished under the batch; batch[0] "sat out"
+    num_free = scheduler.block_manager.num_free_blocks
+    assert scheduler.schedule_ahead(batch[1:]) is None
+    assert scheduler.block_manager.num_free_blocks == num_free and not batch[1].seq.has_placeholder
+    assert scheduler.schedule_ahead(batch) is None  # the counts differ
+    assert scheduler.schedule_ahead(batch[:1] + batch[2:]) is not None  # exactly the running set

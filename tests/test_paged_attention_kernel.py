@@ -19,6 +19,7 @@ from slime.engine.layers.triton_paged_attention import (
     DOT_DECODE_CONFIG,
     PREFILL_CONFIG,
     REGISTER_DECODE_CONFIG,
+    SMALL_HEAD_DOT_DECODE_CONFIG,
     KernelConfig,
     choose_config,
     choose_num_kv_splits,
@@ -92,7 +93,7 @@ def dtypes_for(config):
 
 
 @pytest.mark.parametrize("config", [REGISTER_DECODE, DOT_DECODE], ids=["register", "dot"])
-@pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 2), (8, 2)], ids=["gqa2", "gqa4"])
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 2), (8, 2), (6, 2)], ids=["gqa2", "gqa4", "gqa3"])
 @pytest.mark.parametrize("num_kv_splits", [1, 4])
 def test_decode_matches_reference(config, num_heads, num_kv_heads, num_kv_splits):
     """Contexts 37 (5 tiles of 8 keys: with 4 splits of 2 tiles the last split is empty), 0 (padded row), 5, 16
@@ -112,11 +113,13 @@ def test_prefill_matches_reference(config, num_kv_splits):
         run_and_compare([7, 20, 1, 5], [13, 20, 37, 5], 4, 2, dtype, config, num_kv_splits, seed=1)
 
 
-def test_automatic_config_follows_the_group_and_the_step():
-    assert choose_config(1, 1) == REGISTER_DECODE_CONFIG  # multi-head attention: no group to fill 16 rows
-    assert choose_config(2, 1) == DOT_DECODE_CONFIG  # grouped-query: tensor cores (faster on the H200)
-    assert choose_config(8, 1) == DOT_DECODE_CONFIG
-    assert choose_config(2, 2) == PREFILL_CONFIG
+def test_automatic_config_follows_the_group_the_head_dim_and_the_step():
+    assert choose_config(1, 1, 128) == REGISTER_DECODE_CONFIG  # multi-head attention: no group to fill 16 rows
+    assert choose_config(2, 1, 128) == DOT_DECODE_CONFIG  # grouped-query: tensor cores (faster on the H200)
+    assert choose_config(8, 1, 128) == DOT_DECODE_CONFIG
+    assert choose_config(3, 1, 64) == SMALL_HEAD_DOT_DECODE_CONFIG  # SmolLM-135M's heads
+    assert choose_config(2, 1, 32) == SMALL_HEAD_DOT_DECODE_CONFIG
+    assert choose_config(2, 2, 128) == choose_config(2, 2, 64) == PREFILL_CONFIG
     assert choose_num_kv_splits(1, 1, 4096, 1, 32, torch.device("cpu")) == 1  # no split off CUDA
 
 
@@ -164,13 +167,17 @@ def test_split_choice_depends_on_batch_not_on_lengths():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("num_seqs,context", [(64, 300), (4, 2000)])
-def test_qwen3_shape_bf16_automatic_choices(num_seqs, context):
-    """Head dim 128, 16 query / 8 KV heads, block size 16, bf16, the automatic config and split count."""
+@pytest.mark.parametrize("num_seqs,context,num_heads,num_kv_heads,head_dim",
+                         [(64, 300, 16, 8, 128), (4, 2000, 16, 8, 128), (128, 300, 9, 3, 64), (4, 2000, 9, 3, 64)],
+                         ids=["qwen3-64x300", "qwen3-4x2000", "smollm-128x300", "smollm-4x2000"])
+def test_real_shapes_bf16_automatic_choices(num_seqs, context, num_heads, num_kv_heads, head_dim):
+    """Qwen3-0.6B's heads (16 query / 8 KV, head dim 128) and SmolLM-135M's (9 / 3, head dim 64: the small-head
+    decode config), block size 16, bf16, the automatic config and split count."""
     generator = torch.Generator().manual_seed(0)
     seq_lens = (torch.randint(context // 2, context, (num_seqs,), generator=generator)).tolist()
-    q, k_cache, v_cache, block_tables = make_batch([1] * num_seqs, seq_lens, 16, 8, torch.bfloat16, 0, 128, 16)
-    scale = 128**-0.5
+    q, k_cache, v_cache, block_tables = make_batch([1] * num_seqs, seq_lens, num_heads, num_kv_heads, torch.bfloat16,
+                                                   0, head_dim, 16)
+    scale = head_dim**-0.5
     out = paged_attention(
         q.cuda(), k_cache.cuda(), v_cache.cuda(), block_tables.cuda(),
         torch.arange(num_seqs + 1, dtype=torch.int32, device="cuda"),

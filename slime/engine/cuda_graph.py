@@ -98,10 +98,11 @@ class DecodeGraphs:
         self.capture_stats["graphs"] += 1
         self.capture_stats["seconds"] += time.perf_counter() - started
 
-    def run(self, token_inputs: np.ndarray, block_tables: np.ndarray,
-            input_tokens: torch.Tensor | None = None) -> torch.Tensor:
+    def run(self, token_inputs: np.ndarray, block_tables: np.ndarray, input_tokens: torch.Tensor | None = None,
+            input_rows: torch.Tensor | None = None) -> torch.Tensor:
         """token_inputs [4, n] int64 (input ids, positions, slots, seq_lens); block_tables [n, w] int32;
-        input_tokens [n] on the device, if given, replaces the input ids (tokens the host has not seen yet).
+        input_tokens [n] on the device, if given, replaces the input ids (tokens the host has not seen yet), or
+        only those of `input_rows` (on the device) when given.
         Returns hidden states [n, hidden_size] (a view into a static buffer, valid until the next run)."""
         num_seqs, width = block_tables.shape
         batch_size = next(size for size in self.batch_sizes if size >= num_seqs)
@@ -110,7 +111,9 @@ class DecodeGraphs:
         padded[:, num_seqs:] = np.array([0, 0, self.scratch_slot, 0])[:, None]
         self.staging.copy_(self.token_inputs[:, :batch_size], padded)
         self.staging.copy_(self.block_tables[:num_seqs, :width], block_tables)
-        if input_tokens is not None:
+        if input_rows is not None:
+            self.input_ids[input_rows] = input_tokens
+        elif input_tokens is not None:
             self.input_ids[:num_seqs].copy_(input_tokens)
         if batch_size not in self.graphs:
             self._capture(batch_size)

@@ -25,7 +25,7 @@ from slime.engine.models import ModelConfig, load_model_config
 from slime.engine.models.weight_loader import load_checkpoint, load_weights, named_weight_shapes
 from slime.engine.request_output import RequestOutput
 from slime.engine.sampling_params import SamplingParams
-from slime.engine.scheduler import Scheduler
+from slime.engine.scheduler import Scheduler, placeholder_sources
 from slime.engine.sequence import Sequence, SequenceStatus
 from slime.engine.stop_strings import final_texts, find_new_stop
 
@@ -187,6 +187,8 @@ class Engine:
                     input_tokens = launched.tokens[self.model_runner.staging.to_device(np.array(source_rows))]
                 self.in_flight = (ahead, self.model_runner.launch(ahead, input_tokens))
                 self.num_launched_steps += 1
+            elif self.config.overlap_prefill:
+                self._launch_scheduled_ahead(scheduled, launched)
             outputs = self._complete(scheduled, launched)
         if self.in_flight is None and self.scheduler.has_unfinished():
             scheduled = self.scheduler.schedule()
@@ -194,6 +196,16 @@ class Engine:
             self.in_flight = (scheduled, self.model_runner.launch(scheduled))
             self.num_launched_steps += 1
         return outputs
+
+    def _launch_scheduled_ahead(self, scheduled, launched) -> None:
+        """Overlapped prefill: launch the step after `scheduled` before its tokens reach the host; rows fed by a
+        placeholder read their token on the device from the in-flight step's samples."""
+        ahead = self.scheduler.schedule_ahead(scheduled)
+        if ahead:
+            rows, sources = placeholder_sources(scheduled, ahead)
+            input_tokens = launched.tokens[self.model_runner.staging.to_device(np.array(sources))] if rows else None
+            self.in_flight = (ahead, self.model_runner.launch(ahead, input_tokens, np.array(rows) if rows else None))
+            self.num_launched_steps += 1
 
     def _drain(self) -> None:
         """Finish the step in flight (overlapped scheduling) before the engine's state changes under it."""

@@ -231,17 +231,19 @@ class ModelRunner:
     # ---- one step -----------------------------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def launch(self, scheduled: list[ScheduledSequence], input_tokens: torch.Tensor | None = None):
+    def launch(self, scheduled: list[ScheduledSequence], input_tokens: torch.Tensor | None = None,
+               input_rows: np.ndarray | None = None):
         """Queue the batch's forward, sampling and the copy of the results to the host without waiting: returns the
-        LaunchedStep of the rows that sample, or None if none does. `input_tokens` ([len(scheduled)],
-        on the device) replaces the input token of every row of a decode batch: tokens sampled by the previous
-        step that the host has not seen yet (overlapped scheduling)."""
+        LaunchedStep of the rows that sample, or None if none does. `input_tokens` (on the device) are tokens
+        sampled by the previous step that the host has not seen yet (overlapped scheduling): the input token of
+        every row of a decode batch ([len(scheduled)]), or with `input_rows` that of those rows only, each a
+        one-token row (the others read theirs from the host)."""
         positions = self._decode_graph_positions(scheduled)
         if positions is not None:  # every row samples; the rows' arrays come from self.decode_rows
             sample_rows = scheduled
             # Built first: its host-to-device copies would otherwise wait behind the forward pass.
             sampling = decode_sampling(self.decode_rows, positions, self.staging, self.eos_token_ids)
-            hidden = self._forward_decode_graph(scheduled, positions, input_tokens)
+            hidden = self._forward_decode_graph(scheduled, positions, input_tokens, input_rows)
         else:
             self.decode_rows.clear()
             sample_rows = [row for row, item in enumerate(scheduled) if item.needs_sample]
@@ -249,7 +251,10 @@ class ModelRunner:
             sampled = [scheduled[row] for row in sample_rows]
             sampling = prepare_sampling(sampled, vocab_size, self.staging, self.eos_token_ids) if sample_rows else None
             input_ids, positions, meta, logits_indices = self.prepare_inputs(scheduled)
-            if input_tokens is not None:
+            if input_tokens is not None and input_rows is not None:  # row i's one token is at its end offset
+                ends = np.cumsum(np.fromiter(map(_num_new_tokens, scheduled), dtype=np.int64, count=len(scheduled)))
+                input_ids[self.staging.to_device(ends[input_rows] - 1)] = input_tokens
+            elif input_tokens is not None:
                 assert input_ids.shape == input_tokens.shape, "input_tokens needs a decode batch"
                 input_ids = input_tokens
             hidden = self.model(input_ids, positions, meta)[logits_indices]
@@ -301,13 +306,14 @@ class ModelRunner:
         return np.fromiter(map(_start, scheduled), dtype=np.int64, count=len(scheduled))
 
     def _forward_decode_graph(self, scheduled: list[ScheduledSequence], positions: np.ndarray,
-                              input_tokens: torch.Tensor | None) -> torch.Tensor:
+                              input_tokens: torch.Tensor | None, input_rows: np.ndarray | None) -> torch.Tensor:
         """Hidden states of a decode batch through a CUDA graph. With `input_tokens` (on the device) the host's
-        token ids are not read: they are placeholders of tokens still on the device."""
+        token ids of every row, or of `input_rows`, are not read: they are placeholders of tokens still on the
+        device."""
         num_seqs = len(scheduled)
         block_tables = self.decode_rows.block_tables
         token_inputs = np.empty((4, num_seqs), dtype=np.int64)
-        if input_tokens is None:
+        if input_tokens is None or input_rows is not None:
             token_inputs[0] = np.fromiter(
                 (item.seq.token_ids[item.start] for item in scheduled), dtype=np.int64, count=num_seqs
             )
@@ -319,6 +325,8 @@ class ModelRunner:
             + positions % self.block_size
         )
         token_inputs[3] = positions + 1
+        if input_rows is not None:
+            return self.decode_graphs.run(token_inputs, block_tables, input_tokens, self.staging.to_device(input_rows))
         return self.decode_graphs.run(token_inputs, block_tables, input_tokens)
 
     def prepare_inputs(self, scheduled: list[ScheduledSequence]):
@@ -374,7 +382,7 @@ class ModelRunner:
         )
         return input_ids_t, positions_t, meta, logits_indices_t
 
-_start = attrgetter("start")
+_start, _num_new_tokens = attrgetter("start"), attrgetter("num_new_tokens")
 
 
 def _padded_block_tables(tables: list[list[int]]) -> np.ndarray:

@@ -38,6 +38,14 @@ class ScheduledSequence:
 _seq, _num_new_tokens, _needs_sample = attrgetter("seq"), attrgetter("num_new_tokens"), attrgetter("needs_sample")
 
 
+def placeholder_sources(batch: list[ScheduledSequence], ahead: list[ScheduledSequence]) -> tuple[list[int], list[int]]:
+    """For a step scheduled ahead of `batch`: the rows of `ahead` whose input is a placeholder, and for each the
+    index of its token among `batch`'s sampled tokens (the order of `batch`'s rows that sample)."""
+    sample_index = {id(item.seq): index for index, item in enumerate(filter(_needs_sample, batch))}
+    rows = [row for row, item in enumerate(ahead) if item.seq.has_placeholder]
+    return rows, [sample_index[id(ahead[row].seq)] for row in rows]
+
+
 def is_decode_batch(batch: list[ScheduledSequence]) -> bool:
     """Every row computes one token and samples the next (C-level passes: this runs on every step's 512 rows)."""
     return set(map(_num_new_tokens, batch)) == {1} and all(map(_needs_sample, batch))
@@ -105,8 +113,13 @@ class Scheduler:
             scheduled.append(ScheduledSequence(seq, start, num_new_tokens, end == len(seq.token_ids)))
             budget -= num_new_tokens
             index += 1
-        # After a preemption the cache is full: admitting more would only evict again.
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not num_preempted:
+        if not num_preempted:  # after a preemption the cache is full: admitting more would only evict again
+            self._admit(scheduled, budget)
+        return scheduled
+
+    def _admit(self, scheduled: list[ScheduledSequence], budget: int) -> None:
+        """Admit waiting sequences in arrival order into `scheduled` while `budget` tokens and max_num_seqs allow."""
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             num_uncached = len(seq) - len(self.block_manager.match_prefix(seq)) * self.block_manager.block_size
             num_new_tokens = min(num_uncached, budget)
@@ -121,7 +134,6 @@ class Scheduler:
             self.running.append(seq)
             scheduled.append(ScheduledSequence.of(seq, num_new_tokens))
             budget -= num_new_tokens
-        return scheduled
 
     def look_ahead(self, batch: list[ScheduledSequence]) -> list[ScheduledSequence] | None:
         """The next decode step of `batch` (a decode step whose tokens are still on the device), scheduled now:
@@ -158,6 +170,63 @@ class Scheduler:
                     block_manager.grow(seq, num_tokens + 1)
             ahead.append(ScheduledSequence(seq, num_tokens, 1, True))
         return ahead
+
+    def schedule_ahead(self, batch: list[ScheduledSequence]) -> list[ScheduledSequence] | None:
+        """The step after `batch` (launched, its sampled tokens still on the device) scheduled now, for a batch with
+        prefill chunks or while requests wait, where `look_ahead` declines: what `schedule` would give once the
+        step's tokens are in, without them. Each sequence of `batch`, in order and within the token budget,
+        continues as the step leaves it (a placeholder token and one KV slot for the token it samples, or the rest
+        of its prompt after its chunk); then waiting requests are admitted as `schedule` admits them. None when
+        the real outcome is needed: `batch` is not exactly the running set (a sequence the previous step finished
+        is in it, or a running one sat out), a sequence the budget would leave out, one the pending token may end
+        by length (`schedule` would leave it out), or fewer free blocks than the continuing sequences may take (a
+        preemption needs the real tokens). So the step returned holds every running sequence. A sequence the
+        pending token ends by a stop token runs one row for nothing; its token is dropped (as in `look_ahead`)."""
+        if len(batch) != len(self.running):
+            return None
+        block_manager = self.block_manager
+        block_size = block_manager.block_size
+        budget = self.max_num_batched_tokens
+        plan = []  # (item, tokens this step), checked in full before any state changes
+        num_new_blocks = 0
+        for item in batch:
+            seq = item.seq
+            if budget == 0 or seq.status is not SequenceStatus.RUNNING:
+                return None
+            if item.needs_sample:
+                if len(seq.token_ids) + 1 >= seq.max_num_tokens:
+                    return None
+                num_new_tokens, end = 1, len(seq.token_ids) + 1
+            else:
+                start = item.start + item.num_new_tokens
+                num_new_tokens = min(len(seq.token_ids) - start, budget)
+                end = start + num_new_tokens
+            num_new_blocks += max(0, block_manager.num_blocks_for(end) - len(seq.block_table))
+            plan.append((item, num_new_tokens))
+            budget -= num_new_tokens
+        if num_new_blocks > block_manager.num_free_blocks:
+            return None
+        scheduled = []
+        for item, num_new_tokens in plan:
+            seq = item.seq
+            if item.needs_sample:
+                num_tokens = len(seq.token_ids)
+                seq.num_computed_tokens = num_tokens
+                seq.append_placeholder()
+                if num_tokens % block_size == 0:  # as in look_ahead: only real tokens fill a registered block
+                    block_manager.register_full_blocks(seq, num_tokens)
+                block_manager.grow(seq, num_tokens + 1)
+                scheduled.append(ScheduledSequence(seq, num_tokens, 1, True))
+            else:
+                start = item.start + item.num_new_tokens
+                end = start + num_new_tokens
+                seq.num_computed_tokens = start
+                block_manager.grow(seq, end)
+                if end // block_size > start // block_size:
+                    block_manager.register_full_blocks(seq, end)
+                scheduled.append(ScheduledSequence(seq, start, num_new_tokens, end == len(seq.token_ids)))
+        self._admit(scheduled, budget)
+        return scheduled
 
     def preempt(self, seq: Sequence) -> None:
         """Free `seq`'s blocks and requeue it first; its KV is recomputed (prefix hits permitting) on readmission."""
