@@ -25,7 +25,7 @@ from slime.engine.models import ModelConfig, load_model_config
 from slime.engine.models.weight_loader import load_checkpoint, load_weights, named_weight_shapes
 from slime.engine.request_output import RequestOutput
 from slime.engine.sampling_params import SamplingParams
-from slime.engine.scheduler import Scheduler
+from slime.engine.scheduler import Scheduler, sampled_seqs
 from slime.engine.sequence import Sequence, SequenceStatus
 from slime.engine.stop_strings import final_texts, find_new_stop
 
@@ -183,7 +183,7 @@ class Engine:
                 if len(ahead) == len(scheduled):  # every sequence continues: the tokens are the inputs as they are
                     input_tokens = launched.tokens
                 else:
-                    source_rows = [row for row, item in enumerate(scheduled) if item.seq.has_placeholder]
+                    source_rows = [row for row, seq in enumerate(sampled_seqs(scheduled)) if seq.has_placeholder]
                     input_tokens = launched.tokens[self.model_runner.staging.to_device(np.array(source_rows))]
                 self.in_flight = (ahead, self.model_runner.launch(ahead, input_tokens))
                 self.num_launched_steps += 1
@@ -209,9 +209,8 @@ class Engine:
         running = []
         if self.watched:
             watched = self.watched
-            for item in scheduled:
-                seq = item.seq
-                if not item.needs_sample or seq.status is SequenceStatus.FINISHED:
+            for seq in sampled_seqs(scheduled):
+                if seq.status is SequenceStatus.FINISHED:
                     continue
                 incremental = watched.get(seq.rid)
                 if incremental is None:

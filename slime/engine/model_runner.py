@@ -28,7 +28,7 @@ from slime.engine.models.weight_loader import load_checkpoint
 from slime.engine.sampler import sample
 from slime.engine.sampling_inputs import decode_sampling, prepare_sampling
 from slime.engine.sampling_params import SamplingParams
-from slime.engine.scheduler import ScheduledSequence, is_decode_batch
+from slime.engine.scheduler import DecodeBatch, ScheduledSequence, is_decode_batch, sampled_seqs
 from slime.engine.sequence import Sequence
 
 CPU_KV_CACHE_RAM_FRACTION = 0.25
@@ -283,9 +283,11 @@ class ModelRunner:
             self.captured_decode_graphs = True
         if len(scheduled) > self.decode_graphs.max_batch_size:
             return None
-        self.decode_rows.update([item.seq for item in scheduled])
+        self.decode_rows.update(sampled_seqs(scheduled))
         if self.decode_rows.block_tables.shape[1] > self.max_num_blocks_per_seq:
             return None
+        if isinstance(scheduled, DecodeBatch):
+            return np.array(scheduled.starts, dtype=np.int64)
         return np.fromiter(map(_start, scheduled), dtype=np.int64, count=len(scheduled))
 
     def _forward_decode_graph(self, scheduled: list[ScheduledSequence], positions: np.ndarray,
@@ -297,7 +299,7 @@ class ModelRunner:
         token_inputs = np.empty((4, num_seqs), dtype=np.int64)
         if input_tokens is None:
             token_inputs[0] = np.fromiter(
-                (item.seq.token_ids[item.start] for item in scheduled), dtype=np.int64, count=num_seqs
+                map(_token_at, self.decode_rows.seqs, positions.tolist()), dtype=np.int64, count=num_seqs
             )
         else:
             token_inputs[0] = 0
@@ -363,6 +365,10 @@ class ModelRunner:
         return input_ids_t, positions_t, meta, logits_indices_t
 
 _start = attrgetter("start")
+
+
+def _token_at(seq: Sequence, position: int) -> int:
+    return seq.token_ids[position]
 
 
 def _padded_block_tables(tables: list[list[int]]) -> np.ndarray:
