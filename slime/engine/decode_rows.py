@@ -14,7 +14,7 @@ the sequence is absent from one of the two batches and its row is dropped). Not 
 from __future__ import annotations
 
 import itertools
-from operator import attrgetter, is_
+from operator import attrgetter
 
 import numpy as np
 
@@ -34,12 +34,16 @@ def sampling_values(params, vocab_size: int) -> tuple[float, float, float, int, 
 class DecodeRows:
     def __init__(self, vocab_size: int):
         self.vocab_size = vocab_size
+        # Bumped whenever the rows may describe other sequences (so other sampling values); a steady decode step
+        # keeps it, and the sampling inputs built from the rows' values can be reused (DecodeSampling).
+        self.version = 0
         self.clear()
 
     def clear(self) -> None:
         self.seqs: list[Sequence] = []  # strong references: the ids in _row_of stay unique while cached
         self._row_of: dict[int, int] = {}
         self._allocate(0, 1)
+        self.version += 1
 
     def _allocate(self, num_rows: int, width: int) -> None:
         self.block_tables = np.zeros((num_rows, width), dtype=np.int32)
@@ -69,7 +73,7 @@ class DecodeRows:
         num_rows = len(seqs)
         num_blocks = np.fromiter(map(len, map(_block_table, seqs)), dtype=np.int64, count=num_rows)
         width = max(int(num_blocks.max()), self.block_tables.shape[1])
-        if num_rows == len(self.seqs) and all(map(is_, seqs, self.seqs)):
+        if seqs == self.seqs:  # element by element `is` (Sequence has no __eq__), in C
             # The steady decode step: the same sequences in the same rows, some of which grew a block.
             if width > self.block_tables.shape[1]:
                 self.block_tables = np.pad(self.block_tables, ((0, 0), (0, width - self.block_tables.shape[1])))
@@ -95,6 +99,7 @@ class DecodeRows:
         self.num_blocks = num_blocks
         self.seqs = seqs
         self._row_of = dict(zip(map(id, seqs), range(num_rows)))
+        self.version += 1
 
     def _write_table(self, row: int, table: list[int]) -> None:
         self.block_tables[row, : len(table)] = table

@@ -26,7 +26,7 @@ from slime.engine.layers.attention import AttentionMetadata
 from slime.engine.models import DecoderForCausalLM, ModelConfig
 from slime.engine.models.weight_loader import load_checkpoint
 from slime.engine.sampler import sample
-from slime.engine.sampling_inputs import decode_sampling, prepare_sampling
+from slime.engine.sampling_inputs import DecodeSampling, prepare_sampling
 from slime.engine.sampling_params import SamplingParams
 from slime.engine.scheduler import DecodeBatch, ScheduledSequence, is_decode_batch, sampled_seqs
 from slime.engine.sequence import Sequence
@@ -97,6 +97,7 @@ class ModelRunner:
         self.captured_decode_graphs = False  # the first DecodeGraphs captures every bucket; later ones lazily
         self.graph_capture_stats = {"graphs": 0, "seconds": 0.0}  # every capture since start-up (engine loop logs it)
         self.decode_rows = DecodeRows(model_config.vocab_size)
+        self.decode_sampling = DecodeSampling(self.staging, self.eos_token_ids)
         attention_works = self.device.type == "cuda" and triton_attention_works(self.device)
         grouped_mm = grouped_mm_works(self.device, self.dtype) if model_config.is_moe else True
         for block in self.model.moe_blocks():
@@ -228,7 +229,7 @@ class ModelRunner:
         if positions is not None:  # every row samples; the rows' arrays come from self.decode_rows
             sample_rows = scheduled
             # Built first: its host-to-device copies would otherwise wait behind the forward pass.
-            sampling = decode_sampling(self.decode_rows, positions, self.staging, self.eos_token_ids)
+            sampling = self.decode_sampling.build(self.decode_rows, positions)
             hidden = self._forward_decode_graph(scheduled, positions, input_tokens)
         else:
             self.decode_rows.clear()

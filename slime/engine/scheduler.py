@@ -17,7 +17,7 @@ from itertools import repeat
 from operator import attrgetter
 
 from slime.engine.block_manager import BlockManager
-from slime.engine.sequence import Sequence, SequenceStatus
+from slime.engine.sequence import PLACEHOLDER, Sequence, SequenceStatus
 
 
 @dataclass(slots=True)
@@ -58,6 +58,7 @@ class DecodeBatch:
         return ScheduledSequence(self.seqs[row], self.starts[row], 1, True)
 
 
+NAN = float("nan")  # the log-prob of a placeholder slot
 _seq, _num_new_tokens, _needs_sample = attrgetter("seq"), attrgetter("num_new_tokens"), attrgetter("needs_sample")
 
 
@@ -178,12 +179,17 @@ class Scheduler:
             if num_new_blocks > block_manager.num_free_blocks:
                 return None
         ahead_seqs, starts = [], []
+        # Plain statements, no calls per sequence: a call per row costs ~0.05 ms per 512-row step.
         for seq in seqs:
-            num_tokens = len(seq.token_ids)
+            token_ids = seq.token_ids
+            num_tokens = len(token_ids)
             if num_tokens + 1 >= seq.max_num_tokens:  # the pending token ends it by length: it does not continue
                 continue
             seq.num_computed_tokens = num_tokens
-            seq.append_placeholder()
+            assert not seq.has_placeholder, "at most one step may run ahead of the host"
+            token_ids.append(PLACEHOLDER)  # the slot of the token still on the device
+            seq.output_log_probs.append(NAN)
+            seq.has_placeholder = True
             if num_tokens % block_size == 0:  # the real tokens fill one more block; the placeholder needs a new one
                 block_manager.register_full_blocks(seq, num_tokens)
                 if num_tokens + 1 > len(seq.block_table) * block_size:
@@ -229,7 +235,12 @@ class Scheduler:
                 continue
             if end > seq.num_computed_tokens:
                 seq.num_computed_tokens = end
-            seq.append_token(token_id, log_prob)
+            if seq.has_placeholder:  # the slot look_ahead reserved (inline: a call per row costs ~0.1 ms a step)
+                seq.token_ids[-1] = token_id
+                seq.output_log_probs[-1] = log_prob
+                seq.has_placeholder = False
+            else:
+                seq.append_token(token_id, log_prob)
             # The full finish rules only for the few tokens that can end the sequence.
             if token_id in seq.stop_token_ids or len(seq.token_ids) >= seq.max_num_tokens:
                 reason = self.token_finish_reason(seq, token_id)
