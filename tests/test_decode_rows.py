@@ -69,10 +69,26 @@ def test_rows_kept_across_steps_equal_rows_built_from_scratch(seed, look_ahead):
     rng = random.Random(seed)
     scheduler = Scheduler(BlockManager(24, 4), max_num_seqs=8, max_num_batched_tokens=32, max_model_len=64,
                           eos_token_ids={EOS})
-    rows = DecodeRows(VOCAB)
+    rows = DecodeRows(VOCAB, 4)
     decode_sampling = DecodeSampling(HostStaging(torch.device("cpu")), {EOS})
     num_added = num_checked = num_reused = 0
     batch = previous = None
+
+    def launch(batch):
+        """What the model runner does with the rows when it launches `batch`."""
+        nonlocal num_checked, num_reused, previous
+        if batch and all(item.num_new_tokens == 1 and item.needs_sample for item in batch):
+            seqs = [item.seq for item in batch]
+            rows.update(seqs, np.array([item.start for item in batch]))
+            check(rows, seqs)
+            sampling = check_sampling(decode_sampling, rows, batch)
+            num_reused += previous is not None and sampling.seeds is previous.seeds
+            num_checked += 1
+            previous = sampling
+        else:
+            rows.clear()  # as the model runner does on an eager (prefill) step
+            previous = None
+
     for _ in range(2000):
         if num_added < 40 and rng.random() < 0.15:
             scheduler.add(random_request(rng, num_added))
@@ -82,8 +98,9 @@ def test_rows_kept_across_steps_equal_rows_built_from_scratch(seed, look_ahead):
                 break
             continue
         ahead = scheduler.look_ahead(batch) if look_ahead and batch else None
-        if ahead is not None:  # the pending tokens of `batch` land now, as the engine completes it after launching
+        if ahead is not None:  # launched first; the pending tokens of `batch` land after, as in the engine
             pending, batch = batch, ahead
+            launch(batch)
             scheduler.postprocess(pending, [rng.choice([EOS] + list(range(4, VOCAB))) for _ in pending],
                                   [0.0] * len(pending))
         else:
@@ -91,17 +108,7 @@ def test_rows_kept_across_steps_equal_rows_built_from_scratch(seed, look_ahead):
                 scheduler.postprocess(batch, [rng.randrange(3, VOCAB) for item in batch if item.needs_sample],
                                       [0.0] * sum(item.needs_sample for item in batch))
             batch = scheduler.schedule()
-        if batch and all(item.num_new_tokens == 1 and item.needs_sample for item in batch):
-            seqs = [item.seq for item in batch]
-            rows.update(seqs)
-            check(rows, seqs)
-            sampling = check_sampling(decode_sampling, rows, batch)
-            num_reused += previous is not None and sampling.seeds is previous.seeds
-            previous = sampling
-            num_checked += 1
-        else:
-            rows.clear()  # as the model runner does on an eager (prefill) step
-            previous = None
+            launch(batch)
         if not look_ahead:
             sampled = [rng.choice([EOS] + list(range(4, VOCAB))) for item in batch if item.needs_sample]
             scheduler.postprocess(batch, sampled, [0.0] * len(sampled))
@@ -116,11 +123,11 @@ def test_decode_sampling_from_kept_rows_equals_prepare_sampling():
     rng = random.Random(0)
     seqs = [random_request(rng, i) for i in range(12)]
     for seq in seqs:
-        seq.block_table = [rng.randrange(24) for _ in range(-(-len(seq) // 4))]
         for _ in range(rng.randint(0, 3)):  # some rows have generated tokens, some are still under min_new_tokens
             seq.append_token(rng.randrange(4, VOCAB), -1.0)
+        seq.block_table = [rng.randrange(24) for _ in range(-(-len(seq) // 4))]
     batch = [ScheduledSequence(seq, len(seq) - 1, 1, True) for seq in seqs]
-    rows = DecodeRows(VOCAB)
-    rows.update(seqs)
+    rows = DecodeRows(VOCAB, 4)
+    rows.update(seqs, np.array([item.start for item in batch]))
     got = check_sampling(DecodeSampling(HostStaging(torch.device("cpu")), {EOS}), rows, batch)
     assert got.banned_rows.numel() > 0  # the min_new_tokens path is exercised

@@ -96,7 +96,7 @@ class ModelRunner:
         self.decode_graphs: DecodeGraphs | None = None
         self.captured_decode_graphs = False  # the first DecodeGraphs captures every bucket; later ones lazily
         self.graph_capture_stats = {"graphs": 0, "seconds": 0.0}  # every capture since start-up (engine loop logs it)
-        self.decode_rows = DecodeRows(model_config.vocab_size)
+        self.decode_rows = DecodeRows(model_config.vocab_size, self.block_size)
         self.decode_sampling = DecodeSampling(self.staging, self.eos_token_ids)
         attention_works = self.device.type == "cuda" and triton_attention_works(self.device)
         grouped_mm = grouped_mm_works(self.device, self.dtype) if model_config.is_moe else True
@@ -284,12 +284,14 @@ class ModelRunner:
             self.captured_decode_graphs = True
         if len(scheduled) > self.decode_graphs.max_batch_size:
             return None
-        self.decode_rows.update(sampled_seqs(scheduled))
+        if isinstance(scheduled, DecodeBatch):
+            positions = np.array(scheduled.starts, dtype=np.int64)
+        else:
+            positions = np.fromiter(map(_start, scheduled), dtype=np.int64, count=len(scheduled))
+        self.decode_rows.update(sampled_seqs(scheduled), positions)
         if self.decode_rows.block_tables.shape[1] > self.max_num_blocks_per_seq:
             return None
-        if isinstance(scheduled, DecodeBatch):
-            return np.array(scheduled.starts, dtype=np.int64)
-        return np.fromiter(map(_start, scheduled), dtype=np.int64, count=len(scheduled))
+        return positions
 
     def _forward_decode_graph(self, scheduled: list[ScheduledSequence], positions: np.ndarray,
                               input_tokens: torch.Tensor | None) -> torch.Tensor:
