@@ -213,28 +213,28 @@ class Scheduler:
         order; finish sequences on EOS / stop_token_ids / max_new_tokens / max_model_len. Returns the sequences
         this step finished."""
         if isinstance(scheduled, DecodeBatch):
-            return self._append_sampled(scheduled.seqs, [start + 1 for start in scheduled.starts], token_ids,
-                                        log_probs)
-        seqs, ends = [], []
+            return self._append_sampled(scheduled.seqs, scheduled.starts, token_ids, log_probs)
+        seqs, last_positions = [], []
         for item in scheduled:
             end = item.start + item.num_new_tokens
             if item.needs_sample:
                 seqs.append(item.seq)
-                ends.append(end)
+                last_positions.append(end - 1)
             else:
                 item.seq.num_computed_tokens = end
-        return self._append_sampled(seqs, ends, token_ids, log_probs)
+        return self._append_sampled(seqs, last_positions, token_ids, log_probs)
 
-    def _append_sampled(self, seqs: list[Sequence], ends: list[int], token_ids: list[int],
+    def _append_sampled(self, seqs: list[Sequence], last_positions: list[int], token_ids: list[int],
                         log_probs: list[float]) -> list[Sequence]:
-        """postprocess for the rows that sampled: seqs[i]'s KV is computed up to ends[i], token_ids[i] is its next
-        token."""
+        """postprocess for the rows that sampled: token_ids[i] is the next token of seqs[i], sampled from the logits
+        at last_positions[i] (the last position the step computed)."""
         finished = []
-        for seq, end, token_id, log_prob in zip(seqs, ends, token_ids, log_probs):
-            if seq.status is SequenceStatus.FINISHED:  # overlapped: it stopped at the step before; drop the token
+        status_finished = SequenceStatus.FINISHED  # a local: an enum member's lookup per row costs ~0.05 ms a step
+        for seq, last_position, token_id, log_prob in zip(seqs, last_positions, token_ids, log_probs):
+            if seq.status is status_finished:  # overlapped: it stopped at the step before; drop the token
                 continue
-            if end > seq.num_computed_tokens:
-                seq.num_computed_tokens = end
+            if last_position >= seq.num_computed_tokens:
+                seq.num_computed_tokens = last_position + 1
             if seq.has_placeholder:  # the slot look_ahead reserved (inline: a call per row costs ~0.1 ms a step)
                 seq.token_ids[-1] = token_id
                 seq.output_log_probs[-1] = log_prob
