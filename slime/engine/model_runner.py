@@ -220,7 +220,7 @@ class ModelRunner:
     # ---- one step -----------------------------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def launch(self, scheduled: list[ScheduledSequence], input_tokens: torch.Tensor | None = None):
+    def launch(self, scheduled: list[ScheduledSequence] | DecodeBatch, input_tokens: torch.Tensor | None = None):
         """Queue the batch's forward, sampling and the copy of the results to the host without waiting: returns the
         LaunchedStep of the rows that sample, or None if none does. `input_tokens` ([len(scheduled)],
         on the device) replaces the input token of every row of a decode batch: tokens sampled by the previous
@@ -269,7 +269,7 @@ class ModelRunner:
         input_ids, positions, meta, _ = self.prepare_inputs(scheduled)
         return self.model.compute_logits(self.model(input_ids, positions, meta))
 
-    def _decode_graph_positions(self, scheduled: list[ScheduledSequence]) -> np.ndarray | None:
+    def _decode_graph_positions(self, scheduled: list[ScheduledSequence] | DecodeBatch) -> np.ndarray | None:
         """For a decode batch that runs through a CUDA graph (one token per row, every row samples): each row's
         position, with self.decode_rows updated to its rows; None when the batch must run eagerly."""
         if not self.use_cuda_graphs or not scheduled or len(scheduled) > self.config.max_num_seqs:
@@ -293,7 +293,7 @@ class ModelRunner:
             return None
         return positions
 
-    def _forward_decode_graph(self, scheduled: list[ScheduledSequence], positions: np.ndarray,
+    def _forward_decode_graph(self, scheduled: list[ScheduledSequence] | DecodeBatch, positions: np.ndarray,
                               input_tokens: torch.Tensor | None) -> torch.Tensor:
         """Hidden states of a decode batch through a CUDA graph. With `input_tokens` (on the device) the host's
         token ids are not read: they are placeholders of tokens still on the device."""
