@@ -30,6 +30,9 @@ from slime.engine.sequence import Sequence, SequenceStatus
 from slime.engine.stop_strings import final_texts, find_new_stop
 
 MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")
+# A module global, not `SequenceStatus.FINISHED` on every row of every step: an enum member's lookup costs
+# ~0.1 us, ~0.05 ms per 512-row step each time it is written in a per-row loop.
+_FINISHED = SequenceStatus.FINISHED
 
 
 class EngineMemoryReleasedError(RuntimeError):
@@ -209,9 +212,8 @@ class Engine:
         running = []
         if self.watched:
             watched = self.watched
-            status_finished = SequenceStatus.FINISHED  # a local: an enum member's lookup per row is slow
             for seq in sampled_seqs(scheduled):
-                if seq.status is status_finished:
+                if seq.status is _FINISHED:
                     continue
                 incremental = watched.get(seq.rid)
                 if incremental is None:
@@ -240,20 +242,20 @@ class Engine:
     def _output(self, seq: Sequence, text: str | None = None) -> RequestOutput:
         """O(1) for a running sequence (a snapshot, sliced when read); the final text of a finished one (`text` if
         the caller decoded it already)."""
-        params = seq.sampling_params
-        if seq.status is SequenceStatus.FINISHED:
+        finished = seq.status is _FINISHED
+        if finished:
             text = text if text is not None else final_texts(self.tokenizer, [seq])[0]
             detokenize = None
         else:
             text = None
-            detokenize = self._detokenizers[params.skip_special_tokens]
+            detokenize = self._detokenizers[seq.sampling_params.skip_special_tokens]
         return RequestOutput(
             seq.rid,
             seq.token_ids,
             seq.num_prompt_tokens,
             seq.output_log_probs,
             text=text,
-            finished=seq.status is SequenceStatus.FINISHED,
+            finished=finished,
             finish_reason=seq.finish_reason,
             num_cached_tokens=seq.num_cached_tokens,
             weight_version=self.weight_version,

@@ -59,6 +59,9 @@ class DecodeBatch:
 
 
 NAN = float("nan")  # the log-prob of a placeholder slot
+# A module global, not `SequenceStatus.FINISHED` on every row of every step: an enum member's lookup costs
+# ~0.1 us, ~0.05 ms per 512-row step.
+_FINISHED = SequenceStatus.FINISHED
 _seq, _num_new_tokens, _needs_sample = attrgetter("seq"), attrgetter("num_new_tokens"), attrgetter("needs_sample")
 
 
@@ -229,9 +232,8 @@ class Scheduler:
         """postprocess for the rows that sampled: token_ids[i] is the next token of seqs[i], sampled from the logits
         at last_positions[i] (the last position the step computed)."""
         finished = []
-        status_finished = SequenceStatus.FINISHED  # a local: an enum member's lookup per row costs ~0.05 ms a step
         for seq, last_position, token_id, log_prob in zip(seqs, last_positions, token_ids, log_probs):
-            if seq.status is status_finished:  # overlapped: it stopped at the step before; drop the token
+            if seq.status is _FINISHED:  # overlapped: it stopped at the step before; drop the token
                 continue
             if last_position >= seq.num_computed_tokens:
                 seq.num_computed_tokens = last_position + 1
