@@ -56,7 +56,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.engine_checkpoints import build_checkpoint, make_prompts  # noqa: E402
-from benchmarks.engine_host_step import bench_host_step  # noqa: E402
+from benchmarks.engine_host_step import HOST_STEP_PARTS, bench_host_step  # noqa: E402
 from benchmarks.engine_weights_memory import (  # noqa: E402
     bench_release_resume,
     bench_weight_update,
@@ -399,6 +399,8 @@ def main(argv=None) -> dict:
               f"median {result['host_ms_per_step_median']} ms (first 64 steps {result['host_ms_per_step_first_64']}"
               f" ms, last 64 {result['host_ms_per_step_last_64']} ms); CPU time median "
               f"{result['host_cpu_ms_per_step_median']} ms, mean {result['host_cpu_ms_per_step_mean']} ms")
+        for part, milliseconds in result["host_ms_per_step_parts"].items():
+            print(f"  {part:16s} {milliseconds:7.3f} ms  {HOST_STEP_PARTS[part]}")
         print(json.dumps(result))
         return result
     names = list(WORKLOADS) if args.workload == "all" else args.workload.split(",")

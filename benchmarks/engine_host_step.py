@@ -1,13 +1,16 @@
 """The engine's host-side time per decode step (`bench_engine.py --workload host`): 512 sequences on a tiny CPU
 model whose decode forward and sampler are replaced by trivial functions, so each step's time is scheduling, input
-preparation, output bookkeeping and stop checks (wall time, and the stepping thread's CPU time). Runs the overlapped step loop (the CUDA default) unless told
-otherwise. Measures no device work.
+preparation, output bookkeeping and stop checks (wall time, and the stepping thread's CPU time), with the median of
+each part of a step (HOST_STEP_PARTS). Runs the overlapped step loop (the CUDA default) unless told otherwise.
+Measures no device work.
 """
 
 from __future__ import annotations
 
+import contextlib
 import tempfile
 import time
+from collections import defaultdict
 from pathlib import Path
 
 import numpy as np
@@ -41,7 +44,12 @@ def bench_host_step(seed: int, num_seqs: int = 512, input_len: int = 256, output
 
     saved = model_runner_module.DecodeGraphs, model_runner_module.sample
     model_runner_module.DecodeGraphs, model_runner_module.sample = InstantDecodeGraphs, instant_sample
+    part_seconds: dict[str, float] = defaultdict(float)  # this step's time in each timed function
+    step_parts: list[dict[str, float]] = []
     try:
+        timers = contextlib.ExitStack()
+        for name, (owner, attribute) in _timed_functions().items():
+            timers.enter_context(_timed(owner, attribute, name, part_seconds))
         with tempfile.TemporaryDirectory(prefix="bench_engine_host_") as tmp:
             path = build_checkpoint(Path(tmp) / "model", TINY_SHAPE, torch.float32, "cpu", seed)
             engine = Engine(str(path), device="cpu", max_num_seqs=num_seqs, max_model_len=input_len + output_len + 16,
@@ -57,12 +65,15 @@ def bench_host_step(seed: int, num_seqs: int = 512, input_len: int = 256, output
                 is_decode = not engine.scheduler.waiting and all(
                     seq.num_computed_tokens == len(seq) - 1 for seq in engine.scheduler.running
                 )
+                part_seconds.clear()
                 started, cpu_started = time.perf_counter(), time.thread_time()
                 engine.step()
                 if is_decode:
                     step_seconds.append(time.perf_counter() - started)
                     step_cpu_seconds.append(time.thread_time() - cpu_started)
+                    step_parts.append(_step_parts(part_seconds, step_seconds[-1]))
     finally:
+        timers.close()
         model_runner_module.DecodeGraphs, model_runner_module.sample = saved
     step_ms = np.array(step_seconds) * 1e3
     cpu_ms = np.array(step_cpu_seconds) * 1e3
@@ -78,4 +89,71 @@ def bench_host_step(seed: int, num_seqs: int = 512, input_len: int = 256, output
         # CPU time of the stepping thread: what the host work costs, less exposed to other processes on the cores.
         "host_cpu_ms_per_step_median": round(float(np.median(cpu_ms)), 3),
         "host_cpu_ms_per_step_mean": round(float(cpu_ms.mean()), 3),
+        # Median wall ms of each part over the decode steps (the medians need not add up to the step's median).
+        "host_ms_per_step_parts": {
+            part: round(float(np.median([parts[part] for parts in step_parts])) * 1e3, 3) for part in HOST_STEP_PARTS
+        },
+    }
+
+
+# The parts of a decode step: what each covers (the timed function, less the parts timed inside it).
+HOST_STEP_PARTS = {
+    "look_ahead": "Scheduler.look_ahead: the next step scheduled on placeholders (overlapped loop)",
+    "decode_rows": "DecodeRows.update: the batch's block tables and per-row sampling values",
+    "sampling_inputs": "DecodeSampling.build: the sampler's per-row tensors",
+    "forward_inputs": "the decode forward's token inputs (positions, slots), the faked graph replay",
+    "launch_rest": "the rest of ModelRunner.launch: the faked sampler, the results' host copy",
+    "collect": "ModelRunner.collect: the sampled tokens as Python lists",
+    "postprocess": "Scheduler.postprocess: tokens appended, token-level stops, finishes",
+    "outputs": "the rest of Engine._complete: stop strings, RequestOutputs, detokenization",
+    "step_rest": "the rest of Engine.step (schedule() when not scheduled ahead)",
+}
+
+
+def _timed_functions() -> dict[str, tuple[object, str]]:
+    from slime.engine.decode_rows import DecodeRows
+    from slime.engine.engine import Engine
+    from slime.engine.model_runner import ModelRunner
+    from slime.engine.sampling_inputs import DecodeSampling
+    from slime.engine.scheduler import Scheduler
+
+    return {
+        "look_ahead": (Scheduler, "look_ahead"), "decode_rows": (DecodeRows, "update"),
+        "sampling_inputs": (DecodeSampling, "build"),
+        "forward_inputs": (ModelRunner, "_forward_decode_graph"), "launch": (ModelRunner, "launch"),
+        "collect": (ModelRunner, "collect"), "postprocess": (Scheduler, "postprocess"),
+        "complete": (Engine, "_complete"),
+    }
+
+
+@contextlib.contextmanager
+def _timed(owner, attribute: str, name: str, seconds: dict[str, float]):
+    """Add the wall time of every call of owner.attribute to seconds[name] while the context is open."""
+    raw = owner.__dict__[attribute] if isinstance(owner, type) else getattr(owner, attribute)
+    function = raw.__func__ if isinstance(raw, staticmethod) else raw
+
+    def timed(*args, **kwargs):
+        started = time.perf_counter()
+        try:
+            return function(*args, **kwargs)
+        finally:
+            seconds[name] += time.perf_counter() - started
+
+    setattr(owner, attribute, staticmethod(timed) if isinstance(raw, staticmethod) else timed)
+    try:
+        yield
+    finally:
+        setattr(owner, attribute, raw)
+
+
+def _step_parts(seconds: dict[str, float], step_seconds: float) -> dict[str, float]:
+    """One step's HOST_STEP_PARTS from the timed functions' totals (outer functions less the inner ones)."""
+    inner_launch = seconds["decode_rows"] + seconds["sampling_inputs"] + seconds["forward_inputs"]
+    return {
+        "look_ahead": seconds["look_ahead"], "decode_rows": seconds["decode_rows"],
+        "sampling_inputs": seconds["sampling_inputs"], "forward_inputs": seconds["forward_inputs"],
+        "launch_rest": seconds["launch"] - inner_launch, "collect": seconds["collect"],
+        "postprocess": seconds["postprocess"],
+        "outputs": seconds["complete"] - seconds["collect"] - seconds["postprocess"],
+        "step_rest": step_seconds - seconds["look_ahead"] - seconds["launch"] - seconds["complete"],
     }

@@ -1,17 +1,21 @@
 """DecodeRows (the decode batch's host arrays kept across steps) against the same arrays built from scratch, every
 decode step of a scheduler run that preempts (a small KV pool), admits requests mid-run, finishes sequences at
 random steps (EOS, lengths) and schedules ahead (overlapped scheduling's look-ahead), with per-request sampling
-parameters. No torch, no model: the sampled tokens come from a seeded RNG."""
+parameters; and the sampling inputs built from those rows (reused across steady steps) against prepare_sampling's
+from the sequences. No model: the sampled tokens come from a seeded RNG."""
 
 import random
 
 import numpy as np
 import pytest
+import torch
 
 from slime.engine.block_manager import BlockManager
 from slime.engine.decode_rows import DecodeRows, sampling_values
+from slime.engine.host_staging import HostStaging
+from slime.engine.sampling_inputs import DecodeSampling, prepare_sampling
 from slime.engine.sampling_params import SamplingParams
-from slime.engine.scheduler import Scheduler
+from slime.engine.scheduler import ScheduledSequence, Scheduler
 from slime.engine.sequence import Sequence
 
 VOCAB = 50
@@ -25,6 +29,18 @@ def expected_rows(seqs):
         tables[row, : len(seq.block_table)] = seq.block_table
     values = [sampling_values(seq.sampling_params, VOCAB) for seq in seqs]
     return tables, values
+
+
+def check_sampling(decode_sampling: DecodeSampling, rows: DecodeRows, batch) -> object:
+    """The sampling inputs DecodeSampling builds from the kept rows (reusing its device tensors while the rows stay)
+    equal those prepare_sampling builds from the batch's sequences."""
+    got = decode_sampling.build(rows, np.array([item.start for item in batch]))
+    expected = prepare_sampling(list(batch), VOCAB, decode_sampling.staging, {EOS})
+    for name in ("temperatures", "top_ks", "top_ps", "min_ps", "seeds", "steps", "banned_rows", "banned_token_ids"):
+        torch.testing.assert_close(getattr(got, name), getattr(expected, name), rtol=0, atol=0, msg=name)
+    for name in ("needs_filtering", "all_greedy", "any_greedy"):
+        assert getattr(got, name) == getattr(expected, name), name
+    return got
 
 
 def check(rows: DecodeRows, seqs):
@@ -53,9 +69,26 @@ def test_rows_kept_across_steps_equal_rows_built_from_scratch(seed, look_ahead):
     rng = random.Random(seed)
     scheduler = Scheduler(BlockManager(24, 4), max_num_seqs=8, max_num_batched_tokens=32, max_model_len=64,
                           eos_token_ids={EOS})
-    rows = DecodeRows(VOCAB)
-    num_added = num_checked = 0
-    batch = None
+    rows = DecodeRows(VOCAB, 4)
+    decode_sampling = DecodeSampling(HostStaging(torch.device("cpu")), {EOS})
+    num_added = num_checked = num_reused = 0
+    batch = previous = None
+
+    def launch(batch):
+        """What the model runner does with the rows when it launches `batch`."""
+        nonlocal num_checked, num_reused, previous
+        if batch and all(item.num_new_tokens == 1 and item.needs_sample for item in batch):
+            seqs = [item.seq for item in batch]
+            rows.update(seqs, np.array([item.start for item in batch]))
+            check(rows, seqs)
+            sampling = check_sampling(decode_sampling, rows, batch)
+            num_reused += previous is not None and sampling.seeds is previous.seeds
+            num_checked += 1
+            previous = sampling
+        else:
+            rows.clear()  # as the model runner does on an eager (prefill) step
+            previous = None
+
     for _ in range(2000):
         if num_added < 40 and rng.random() < 0.15:
             scheduler.add(random_request(rng, num_added))
@@ -65,8 +98,9 @@ def test_rows_kept_across_steps_equal_rows_built_from_scratch(seed, look_ahead):
                 break
             continue
         ahead = scheduler.look_ahead(batch) if look_ahead and batch else None
-        if ahead is not None:  # the pending tokens of `batch` land now, as the engine completes it after launching
+        if ahead is not None:  # launched first; the pending tokens of `batch` land after, as in the engine
             pending, batch = batch, ahead
+            launch(batch)
             scheduler.postprocess(pending, [rng.choice([EOS] + list(range(4, VOCAB))) for _ in pending],
                                   [0.0] * len(pending))
         else:
@@ -74,45 +108,26 @@ def test_rows_kept_across_steps_equal_rows_built_from_scratch(seed, look_ahead):
                 scheduler.postprocess(batch, [rng.randrange(3, VOCAB) for item in batch if item.needs_sample],
                                       [0.0] * sum(item.needs_sample for item in batch))
             batch = scheduler.schedule()
-        if batch and all(item.num_new_tokens == 1 and item.needs_sample for item in batch):
-            seqs = [item.seq for item in batch]
-            rows.update(seqs)
-            check(rows, seqs)
-            num_checked += 1
-        else:
-            rows.clear()  # as the model runner does on an eager (prefill) step
+            launch(batch)
         if not look_ahead:
             sampled = [rng.choice([EOS] + list(range(4, VOCAB))) for item in batch if item.needs_sample]
             scheduler.postprocess(batch, sampled, [0.0] * len(sampled))
             batch = None
     assert num_added == 40 and not scheduler.has_unfinished()
     assert num_checked > 50
+    assert num_reused > 10  # steady decode steps reused the rows' sampling tensors
 
 
 def test_decode_sampling_from_kept_rows_equals_prepare_sampling():
-    """The sampling tensors of a decode step built from DecodeRows equal those built from the sequences, banned
-    stop tokens under min_new_tokens included (a few rows still under it, mixed temperatures and filters)."""
-    import torch
-
-    from slime.engine.host_staging import HostStaging
-    from slime.engine.sampling_inputs import decode_sampling, prepare_sampling
-    from slime.engine.scheduler import ScheduledSequence
-
+    """Rows under min_new_tokens (banned stop tokens) and rows past it, built once."""
     rng = random.Random(0)
     seqs = [random_request(rng, i) for i in range(12)]
     for seq in seqs:
-        seq.block_table = [rng.randrange(24) for _ in range(-(-len(seq) // 4))]
         for _ in range(rng.randint(0, 3)):  # some rows have generated tokens, some are still under min_new_tokens
             seq.append_token(rng.randrange(4, VOCAB), -1.0)
+        seq.block_table = [rng.randrange(24) for _ in range(-(-len(seq) // 4))]
     batch = [ScheduledSequence(seq, len(seq) - 1, 1, True) for seq in seqs]
-    rows = DecodeRows(VOCAB)
-    rows.update(seqs)
-    staging = HostStaging(torch.device("cpu"))
-    positions = np.array([item.start for item in batch])
-    got = decode_sampling(rows, positions, staging, {EOS})
-    expected = prepare_sampling(batch, VOCAB, staging, {EOS})
-    assert expected.banned_rows.numel() > 0  # the min_new_tokens path is exercised
-    for name in ("temperatures", "top_ks", "top_ps", "min_ps", "seeds", "steps", "banned_rows", "banned_token_ids"):
-        torch.testing.assert_close(getattr(got, name), getattr(expected, name), rtol=0, atol=0, msg=name)
-    for name in ("needs_filtering", "all_greedy", "any_greedy"):
-        assert getattr(got, name) == getattr(expected, name), name
+    rows = DecodeRows(VOCAB, 4)
+    rows.update(seqs, np.array([item.start for item in batch]))
+    got = check_sampling(DecodeSampling(HostStaging(torch.device("cpu")), {EOS}), rows, batch)
+    assert got.banned_rows.numel() > 0  # the min_new_tokens path is exercised

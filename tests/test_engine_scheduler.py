@@ -8,8 +8,8 @@ import pytest
 
 from slime.engine.block_manager import BlockManager
 from slime.engine.sampling_params import SamplingParams
-from slime.engine.scheduler import Scheduler
-from slime.engine.sequence import Sequence, SequenceStatus
+from slime.engine.scheduler import ScheduledSequence, Scheduler
+from slime.engine.sequence import PLACEHOLDER, Sequence, SequenceStatus
 
 VOCAB = 97
 EOS = 3
@@ -198,3 +198,25 @@ def test_scheduler_imports_no_torch():
 def test_block_manager_rejects_bad_sizes():
     with pytest.raises(ValueError, match="num_blocks"):
         BlockManager(0, 4)
+
+
+def test_look_ahead_batch_reads_as_its_scheduled_sequences():
+    """The DecodeBatch that look_ahead returns (sequences and positions, no per-row objects) reads as the list of
+    ScheduledSequence a decode step is: one token at each sequence's placeholder-extended end, sampled; a sequence
+    whose pending token ends it by length sits out."""
+    scheduler, block_manager, runner = make(num_blocks=64)
+    seqs = [Sequence(f"r{i}", [5 + i, 6, 7], SamplingParams(max_new_tokens=2 + 4 * (i != 1)), i) for i in range(3)]
+    for seq in seqs:
+        scheduler.add(seq)
+    batch = scheduler.schedule()  # the prompts' prefill, which samples each sequence's first token
+    scheduler.postprocess(batch, runner.run(batch), [0.0] * len(batch))
+    batch = scheduler.schedule()  # a plain decode step: its token is in flight when the next one is scheduled
+    ahead = scheduler.look_ahead(batch)
+    continuing = [seqs[0], seqs[2]]  # seqs[1] (max_new_tokens=2) ends with the token in flight
+    assert ahead.seqs == continuing and ahead.starts == [4, 4]
+    assert list(ahead) == [ScheduledSequence(seq, 4, 1, True) for seq in continuing]
+    assert ahead[1] == ScheduledSequence(seqs[2], 4, 1, True) and len(ahead) == 2
+    assert all(seq.has_placeholder and seq.token_ids[-1] == PLACEHOLDER for seq in continuing)
+    finished = scheduler.postprocess(batch, [11, 12, 13], [0.0] * 3)
+    assert finished == [seqs[1]] and [seq.token_ids[-1] for seq in continuing] == [11, 13]
+    assert not any(seq.has_placeholder for seq in seqs)

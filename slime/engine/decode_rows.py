@@ -6,21 +6,22 @@ same sequences in the same order as the step before (the common decode step), no
 
 Numpy, no torch. Valid across consecutive decode steps only: the model runner clears it when a step runs eagerly
 (prefill) and when the KV cache is freed. Between two consecutive decode steps a sequence cannot be preempted and
-readmitted with a new block table of the same length (the scheduler never readmits in the step that preempted, so
-the sequence is absent from one of the two batches and its row is dropped). Not the step's per-token inputs
+readmitted with a new block table (the scheduler never readmits in the step that preempted, so the sequence is absent
+from one of the two batches and its row is dropped). Not the step's per-token inputs
 (positions, slots, token ids: those change every step and the model runner computes them).
 """
 
 from __future__ import annotations
 
 import itertools
-from operator import attrgetter, is_
 
 import numpy as np
 
 from slime.engine.sequence import Sequence
 
-_block_table = attrgetter("block_table")
+
+def _block_at(seq: Sequence, index: int) -> int:
+    return seq.block_table[index]
 
 
 def sampling_values(params, vocab_size: int) -> tuple[float, float, float, int, bool]:
@@ -32,14 +33,19 @@ def sampling_values(params, vocab_size: int) -> tuple[float, float, float, int, 
 
 
 class DecodeRows:
-    def __init__(self, vocab_size: int):
+    def __init__(self, vocab_size: int, block_size: int):
         self.vocab_size = vocab_size
+        self.block_size = block_size
+        # Bumped whenever the rows may describe other sequences (so other sampling values); a steady decode step
+        # keeps it, and the sampling inputs built from the rows' values can be reused (DecodeSampling).
+        self.version = 0
         self.clear()
 
     def clear(self) -> None:
         self.seqs: list[Sequence] = []  # strong references: the ids in _row_of stay unique while cached
         self._row_of: dict[int, int] = {}
         self._allocate(0, 1)
+        self.version += 1
 
     def _allocate(self, num_rows: int, width: int) -> None:
         self.block_tables = np.zeros((num_rows, width), dtype=np.int32)
@@ -64,12 +70,14 @@ class DecodeRows:
         self.needs_filtering = self.needs_filtering[rows]
         self.min_new_tokens = self.min_new_tokens[rows]
 
-    def update(self, seqs: list[Sequence]) -> None:
-        """Make row i describe seqs[i]."""
+    def update(self, seqs: list[Sequence], positions: np.ndarray) -> None:
+        """Make row i describe seqs[i], which computes the token at positions[i]. A row's table holds the blocks up
+        to that position's (all its attention reads): computed from the positions, so that a steady decode step
+        reads no sequence's table but those of the rows that crossed into a new block."""
         num_rows = len(seqs)
-        num_blocks = np.fromiter(map(len, map(_block_table, seqs)), dtype=np.int64, count=num_rows)
+        num_blocks = positions // self.block_size + 1
         width = max(int(num_blocks.max()), self.block_tables.shape[1])
-        if num_rows == len(self.seqs) and all(map(is_, seqs, self.seqs)):
+        if seqs == self.seqs:  # element by element `is` (Sequence has no __eq__), in C
             # The steady decode step: the same sequences in the same rows, some of which grew a block.
             if width > self.block_tables.shape[1]:
                 self.block_tables = np.pad(self.block_tables, ((0, 0), (0, width - self.block_tables.shape[1])))
@@ -90,15 +98,16 @@ class DecodeRows:
             self._write_changed_tables(seqs, old_num_blocks, num_blocks)
             joined_rows = np.flatnonzero(joined).tolist()
         for row in joined_rows:
-            self._write_table(row, seqs[row].block_table)
+            self._write_table(row, seqs[row].block_table, int(num_blocks[row]))
             self._fill_request_row(row, seqs[row])
         self.num_blocks = num_blocks
         self.seqs = seqs
         self._row_of = dict(zip(map(id, seqs), range(num_rows)))
+        self.version += 1
 
-    def _write_table(self, row: int, table: list[int]) -> None:
-        self.block_tables[row, : len(table)] = table
-        self.block_tables[row, len(table) :] = 0
+    def _write_table(self, row: int, table: list[int], num_blocks: int) -> None:
+        self.block_tables[row, :num_blocks] = table[:num_blocks]
+        self.block_tables[row, num_blocks:] = 0
 
     def _write_changed_tables(self, seqs: list[Sequence], old_num_blocks: np.ndarray, num_blocks: np.ndarray) -> None:
         """Rewrite the rows whose table length changed since it was written. A decode step appends at most one
@@ -109,10 +118,12 @@ class DecodeRows:
         if not len(changed):
             return
         for row in changed[grown_by[changed] != 1].tolist():
-            self._write_table(row, seqs[row].block_table)
+            self._write_table(row, seqs[row].block_table, int(num_blocks[row]))
         grew_one = changed[grown_by[changed] == 1]
-        self.block_tables[grew_one, num_blocks[grew_one] - 1] = np.fromiter(
-            (seqs[row].block_table[-1] for row in grew_one.tolist()), dtype=np.int32, count=len(grew_one))
+        last_blocks = num_blocks[grew_one] - 1
+        self.block_tables[grew_one, last_blocks] = np.fromiter(
+            map(_block_at, map(seqs.__getitem__, grew_one.tolist()), last_blocks.tolist()), dtype=np.int32,
+            count=len(grew_one))
 
     def _fill_request_row(self, row: int, seq: Sequence) -> None:
         params = seq.sampling_params

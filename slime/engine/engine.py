@@ -25,11 +25,14 @@ from slime.engine.models import ModelConfig, load_model_config
 from slime.engine.models.weight_loader import load_checkpoint, load_weights, named_weight_shapes
 from slime.engine.request_output import RequestOutput
 from slime.engine.sampling_params import SamplingParams
-from slime.engine.scheduler import Scheduler, placeholder_sources
+from slime.engine.scheduler import Scheduler, placeholder_sources, sampled_seqs
 from slime.engine.sequence import Sequence, SequenceStatus
 from slime.engine.stop_strings import final_texts, find_new_stop
 
 MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")
+# A module global, not `SequenceStatus.FINISHED` on every row of every step: an enum member's lookup costs
+# ~0.1 us, ~0.05 ms per 512-row step each time it is written in a per-row loop.
+_FINISHED = SequenceStatus.FINISHED
 
 
 class EngineMemoryReleasedError(RuntimeError):
@@ -183,7 +186,7 @@ class Engine:
                 if len(ahead) == len(scheduled):  # every sequence continues: the tokens are the inputs as they are
                     input_tokens = launched.tokens
                 else:
-                    source_rows = [row for row, item in enumerate(scheduled) if item.seq.has_placeholder]
+                    source_rows = [row for row, seq in enumerate(sampled_seqs(scheduled)) if seq.has_placeholder]
                     input_tokens = launched.tokens[self.model_runner.staging.to_device(np.array(source_rows))]
                 self.in_flight = (ahead, self.model_runner.launch(ahead, input_tokens))
                 self.num_launched_steps += 1
@@ -221,9 +224,8 @@ class Engine:
         running = []
         if self.watched:
             watched = self.watched
-            for item in scheduled:
-                seq = item.seq
-                if not item.needs_sample or seq.status is SequenceStatus.FINISHED:
+            for seq in sampled_seqs(scheduled):
+                if seq.status is _FINISHED:
                     continue
                 incremental = watched.get(seq.rid)
                 if incremental is None:
@@ -252,20 +254,20 @@ class Engine:
     def _output(self, seq: Sequence, text: str | None = None) -> RequestOutput:
         """O(1) for a running sequence (a snapshot, sliced when read); the final text of a finished one (`text` if
         the caller decoded it already)."""
-        params = seq.sampling_params
-        if seq.status is SequenceStatus.FINISHED:
+        finished = seq.status is _FINISHED
+        if finished:
             text = text if text is not None else final_texts(self.tokenizer, [seq])[0]
             detokenize = None
         else:
             text = None
-            detokenize = self._detokenizers[params.skip_special_tokens]
+            detokenize = self._detokenizers[seq.sampling_params.skip_special_tokens]
         return RequestOutput(
             seq.rid,
             seq.token_ids,
             seq.num_prompt_tokens,
             seq.output_log_probs,
             text=text,
-            finished=seq.status is SequenceStatus.FINISHED,
+            finished=finished,
             finish_reason=seq.finish_reason,
             num_cached_tokens=seq.num_cached_tokens,
             weight_version=self.weight_version,

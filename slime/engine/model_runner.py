@@ -26,9 +26,9 @@ from slime.engine.layers.attention import AttentionMetadata
 from slime.engine.models import DecoderForCausalLM, ModelConfig
 from slime.engine.models.weight_loader import load_checkpoint
 from slime.engine.sampler import sample
-from slime.engine.sampling_inputs import decode_sampling, prepare_sampling
+from slime.engine.sampling_inputs import DecodeSampling, prepare_sampling
 from slime.engine.sampling_params import SamplingParams
-from slime.engine.scheduler import ScheduledSequence, is_decode_batch
+from slime.engine.scheduler import DecodeBatch, ScheduledSequence, is_decode_batch, sampled_seqs
 from slime.engine.sequence import Sequence
 
 CPU_KV_CACHE_RAM_FRACTION = 0.25
@@ -96,7 +96,8 @@ class ModelRunner:
         self.decode_graphs: DecodeGraphs | None = None
         self.captured_decode_graphs = False  # the first DecodeGraphs captures every bucket; later ones lazily
         self.graph_capture_stats = {"graphs": 0, "seconds": 0.0}  # every capture since start-up (engine loop logs it)
-        self.decode_rows = DecodeRows(model_config.vocab_size)
+        self.decode_rows = DecodeRows(model_config.vocab_size, self.block_size)
+        self.decode_sampling = DecodeSampling(self.staging, self.eos_token_ids)
         self.kv_cache: torch.Tensor | None = None  # every layer's K and V; uninitialized on the Triton path
         self.kv_cache_zeroed = False
         attention_works = self.device.type == "cuda" and triton_attention_works(self.device)
@@ -231,7 +232,7 @@ class ModelRunner:
     # ---- one step -----------------------------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def launch(self, scheduled: list[ScheduledSequence], input_tokens: torch.Tensor | None = None,
+    def launch(self, scheduled: list[ScheduledSequence] | DecodeBatch, input_tokens: torch.Tensor | None = None,
                input_rows: np.ndarray | None = None):
         """Queue the batch's forward, sampling and the copy of the results to the host without waiting: returns the
         LaunchedStep of the rows that sample, or None if none does. `input_tokens` (on the device) are tokens
@@ -242,7 +243,7 @@ class ModelRunner:
         if positions is not None:  # every row samples; the rows' arrays come from self.decode_rows
             sample_rows = scheduled
             # Built first: its host-to-device copies would otherwise wait behind the forward pass.
-            sampling = decode_sampling(self.decode_rows, positions, self.staging, self.eos_token_ids)
+            sampling = self.decode_sampling.build(self.decode_rows, positions)
             hidden = self._forward_decode_graph(scheduled, positions, input_tokens, input_rows)
         else:
             self.decode_rows.clear()
@@ -285,7 +286,7 @@ class ModelRunner:
         input_ids, positions, meta, _ = self.prepare_inputs(scheduled)
         return self.model.compute_logits(self.model(input_ids, positions, meta))
 
-    def _decode_graph_positions(self, scheduled: list[ScheduledSequence]) -> np.ndarray | None:
+    def _decode_graph_positions(self, scheduled: list[ScheduledSequence] | DecodeBatch) -> np.ndarray | None:
         """For a decode batch that runs through a CUDA graph (one token per row, every row samples): each row's
         position, with self.decode_rows updated to its rows; None when the batch must run eagerly."""
         if not self.use_cuda_graphs or not scheduled or len(scheduled) > self.config.max_num_seqs:
@@ -300,12 +301,16 @@ class ModelRunner:
             self.captured_decode_graphs = True
         if len(scheduled) > self.decode_graphs.max_batch_size:
             return None
-        self.decode_rows.update([item.seq for item in scheduled])
+        if isinstance(scheduled, DecodeBatch):
+            positions = np.array(scheduled.starts, dtype=np.int64)
+        else:
+            positions = np.fromiter(map(_start, scheduled), dtype=np.int64, count=len(scheduled))
+        self.decode_rows.update(sampled_seqs(scheduled), positions)
         if self.decode_rows.block_tables.shape[1] > self.max_num_blocks_per_seq:
             return None
-        return np.fromiter(map(_start, scheduled), dtype=np.int64, count=len(scheduled))
+        return positions
 
-    def _forward_decode_graph(self, scheduled: list[ScheduledSequence], positions: np.ndarray,
+    def _forward_decode_graph(self, scheduled: list[ScheduledSequence] | DecodeBatch, positions: np.ndarray,
                               input_tokens: torch.Tensor | None, input_rows: np.ndarray | None) -> torch.Tensor:
         """Hidden states of a decode batch through a CUDA graph. With `input_tokens` (on the device) the host's
         token ids of every row, or of `input_rows`, are not read: they are placeholders of tokens still on the
@@ -315,7 +320,7 @@ class ModelRunner:
         token_inputs = np.empty((4, num_seqs), dtype=np.int64)
         if input_tokens is None or input_rows is not None:
             token_inputs[0] = np.fromiter(
-                (item.seq.token_ids[item.start] for item in scheduled), dtype=np.int64, count=num_seqs
+                map(_token_at, self.decode_rows.seqs, positions.tolist()), dtype=np.int64, count=num_seqs
             )
         else:
             token_inputs[0] = 0
@@ -383,6 +388,10 @@ class ModelRunner:
         return input_ids_t, positions_t, meta, logits_indices_t
 
 _start, _num_new_tokens = attrgetter("start"), attrgetter("num_new_tokens")
+
+
+def _token_at(seq: Sequence, position: int) -> int:
+    return seq.token_ids[position]
 
 
 def _padded_block_tables(tables: list[list[int]]) -> np.ndarray:

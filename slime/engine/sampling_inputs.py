@@ -1,6 +1,7 @@
 """A step's per-row sampling tensors (SamplingBatch) from its sequences' SamplingParams: for any batch from the
-sequences themselves, for a decode-graph batch from the rows DecodeRows keeps across steps. Each is sent to the
-device in two host-to-device copies (int64 and float32 rows). Not the sampling itself (`sampler.py`).
+sequences themselves (two host-to-device copies: int64 and float32 rows), for a decode-graph batch from the rows
+DecodeRows keeps across steps (DecodeSampling: one copy per steady decode step). Not the sampling itself
+(`sampler.py`).
 """
 
 from __future__ import annotations
@@ -42,22 +43,39 @@ def prepare_sampling(sampled: list[ScheduledSequence], vocab_size: int, staging:
     )
 
 
-def decode_sampling(rows: DecodeRows, positions: np.ndarray, staging: HostStaging,
-                    eos_token_ids: set[int]) -> SamplingBatch:
-    """prepare_sampling for a decode-graph batch (every row samples), from the rows' cached sampling values."""
-    steps = positions + 1 - rows.num_prompt_tokens  # tokens generated so far, the one being computed included
-    banned = ([], [])
-    if (steps < rows.min_new_tokens).any():
-        params_of_rows = [seq.sampling_params for seq in rows.seqs]
-        banned = _banned_stop_tokens(zip(range(len(rows.seqs)), params_of_rows, steps.tolist()), rows.vocab_size,
-                                     eos_token_ids)
-    temperatures = rows.float_params[0]
-    return _sampling_batch(
-        staging, rows.float_params, rows.top_ks, rows.seeds, steps, *banned,
-        needs_filtering=bool(rows.needs_filtering.any()),
-        all_greedy=not temperatures.any(),
-        any_greedy=not temperatures.all(),
-    )
+class DecodeSampling:
+    """prepare_sampling for a decode-graph batch (every row samples), from the rows' cached sampling values. Those
+    change only when the rows do (DecodeRows.version): their device tensors are sent once and reused by the steady
+    decode steps that follow, which send only the rows' step counts and banned tokens (one transfer, not two)."""
+
+    def __init__(self, staging: HostStaging, eos_token_ids: set[int]):
+        self.staging = staging
+        self.eos_token_ids = eos_token_ids
+        self._version = None
+        self._row_values: dict = {}  # the SamplingBatch fields that depend on the rows only
+
+    def build(self, rows: DecodeRows, positions: np.ndarray) -> SamplingBatch:
+        steps = positions + 1 - rows.num_prompt_tokens  # tokens generated so far, the one being computed included
+        banned_rows, banned_token_ids = [], []
+        if (steps < rows.min_new_tokens).any():
+            params_of_rows = [seq.sampling_params for seq in rows.seqs]
+            banned_rows, banned_token_ids = _banned_stop_tokens(
+                zip(range(len(rows.seqs)), params_of_rows, steps.tolist()), rows.vocab_size, self.eos_token_ids)
+        if rows.version != self._version:
+            temperatures = rows.float_params[0]
+            top_ks, seeds = self.staging.to_device_packed([rows.top_ks, rows.seeds], np.int64)
+            float_tensors = self.staging.to_device_packed(list(rows.float_params), np.float32)
+            self._row_values = dict(
+                zip(("temperatures", "top_ps", "min_ps"), float_tensors), top_ks=top_ks, seeds=seeds,
+                needs_filtering=bool(rows.needs_filtering.any()),
+                all_greedy=not temperatures.any(),
+                any_greedy=not temperatures.all(),
+            )
+            self._version = rows.version
+        steps, banned_rows, banned_token_ids = self.staging.to_device_packed(
+            [steps, np.array(banned_rows, dtype=np.int64), np.array(banned_token_ids, dtype=np.int64)], np.int64)
+        return SamplingBatch(steps=steps, banned_rows=banned_rows, banned_token_ids=banned_token_ids,
+                             **self._row_values)
 
 
 def _banned_stop_tokens(rows, vocab_size: int, eos_token_ids: set[int]) -> tuple[list[int], list[int]]:

@@ -37,7 +37,8 @@ class Sequence:
         self.output_log_probs: list[float] = []
         self.finish_reason: dict | None = None
         self.num_preemptions = 0
-        # Overlapped scheduling: the last token is still being sampled on the device (its slot holds PLACEHOLDER).
+        # Overlapped scheduling: the last token is still being sampled on the device (its slot holds PLACEHOLDER and
+        # a NaN log-prob). The scheduler reserves the slot (look_ahead) and fills it (postprocess).
         self.has_placeholder = False
         # MoE routing of every computed position, read from the cache slots when the sequence finishes
         # ([num_positions, num_moe_layers, top_k] int32 array; None unless return_routed_experts).
@@ -68,16 +69,5 @@ class Sequence:
         return self.status is SequenceStatus.FINISHED
 
     def append_token(self, token_id: int, log_prob: float) -> None:
-        if self.has_placeholder:  # the sampled token arrives for the slot reserved by append_placeholder
-            self.token_ids[-1], self.output_log_probs[-1] = token_id, log_prob
-            self.has_placeholder = False
-            return
         self.token_ids.append(token_id)
         self.output_log_probs.append(log_prob)
-
-    def append_placeholder(self) -> None:
-        """Reserve the slot of a token that is sampled but not yet on the host, so the next step can be scheduled."""
-        assert not self.has_placeholder, "at most one step may run ahead of the host"
-        self.token_ids.append(PLACEHOLDER)
-        self.output_log_probs.append(float("nan"))
-        self.has_placeholder = True
