@@ -56,7 +56,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.engine_checkpoints import build_checkpoint, make_prompts  # noqa: E402
-from benchmarks.engine_host_step import HOST_STEP_PARTS, bench_host_step  # noqa: E402
+from benchmarks.engine_host_step import HOST_STEP_PARTS, PREFILL_STEP_PARTS, bench_host_step  # noqa: E402
 from benchmarks.engine_weights_memory import (  # noqa: E402
     bench_release_resume,
     bench_weight_update,
@@ -401,6 +401,10 @@ def main(argv=None) -> dict:
               f"{result['host_cpu_ms_per_step_median']} ms, mean {result['host_cpu_ms_per_step_mean']} ms")
         for part, milliseconds in result["host_ms_per_step_parts"].items():
             print(f"  {part:16s} {milliseconds:7.3f} ms  {HOST_STEP_PARTS[part]}")
+        print(f"host-side time per prefill step ({result['num_prefill_steps']} steps, forward faked too, not overlapped): "
+              f"median {result['prefill_host_ms_per_step_median']} ms")
+        for part, milliseconds in result["prefill_host_ms_per_step_parts"].items():
+            print(f"  {part:16s} {milliseconds:7.3f} ms  {PREFILL_STEP_PARTS[part]}")
         print(json.dumps(result))
         return result
     names = list(WORKLOADS) if args.workload == "all" else args.workload.split(",")

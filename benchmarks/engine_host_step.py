@@ -1,8 +1,9 @@
 """The engine's host-side time per decode step (`bench_engine.py --workload host`): 512 sequences on a tiny CPU
 model whose decode forward and sampler are replaced by trivial functions, so each step's time is scheduling, input
 preparation, output bookkeeping and stop checks (wall time, and the stepping thread's CPU time), with the median of
-each part of a step (HOST_STEP_PARTS). Runs the overlapped step loop (the CUDA default) unless told otherwise.
-Measures no device work.
+each part of a step (HOST_STEP_PARTS); and the same for the steps that prefill, whose forward is faked too
+(PREFILL_STEP_PARTS). Runs the overlapped step loop (the CUDA default) unless told otherwise. Measures no device
+work.
 """
 
 from __future__ import annotations
@@ -42,8 +43,11 @@ def bench_host_step(seed: int, num_seqs: int = 512, input_len: int = 256, output
     def instant_sample(logits, batch):
         return torch.randint(3, TINY_SHAPE["vocab_size"], (logits.shape[0],), generator=generator), logits[:, 0]
 
-    saved = model_runner_module.DecodeGraphs, model_runner_module.sample
+    saved = model_runner_module.DecodeGraphs, model_runner_module.sample, torch.get_num_threads()
     model_runner_module.DecodeGraphs, model_runner_module.sample = InstantDecodeGraphs, instant_sample
+    # The faked device work (tensor slicing and indexing on the CPU) stays off torch's thread pool: on a loaded
+    # 2-core machine, indexing 64+ rows through it took ~7 ms (thread wake-ups), where a GPU queues one kernel.
+    torch.set_num_threads(1)
     part_seconds: dict[str, float] = defaultdict(float)  # this step's time in each timed function
     step_parts: list[dict[str, float]] = []
     try:
@@ -54,13 +58,17 @@ def bench_host_step(seed: int, num_seqs: int = 512, input_len: int = 256, output
             path = build_checkpoint(Path(tmp) / "model", TINY_SHAPE, torch.float32, "cpu", seed)
             engine = Engine(str(path), device="cpu", max_num_seqs=num_seqs, max_model_len=input_len + output_len + 16,
                             max_num_batched_tokens=max(8192, num_seqs), seed=seed, overlap_schedule=overlap_schedule)
-            engine.model_runner.use_cuda_graphs = True
-            engine.model_runner.model.compute_logits = lambda hidden, upcast=True: hidden[:, :8].float()
+            runner = engine.model_runner
+            runner.use_cuda_graphs = True
+            runner.use_triton = True  # the CUDA path's attention metadata for eager (prefill) steps
+            hidden = torch.zeros(engine.config.max_num_batched_tokens + num_seqs, runner.model.config.hidden_size)
+            runner.model.forward = lambda input_ids, positions, meta: hidden[: input_ids.shape[0]]
+            runner.model.compute_logits = lambda hidden, upcast=True: hidden[:, :8].float()
             for prompt in make_prompts(num_seqs, input_len, TINY_SHAPE["vocab_size"], seed):
                 # One SamplingParams per request, as the HTTP server parses them from each request's JSON.
                 params = SamplingParams(temperature=1.0, max_new_tokens=output_len, ignore_eos=True)
                 engine.add_request(prompt, params, incremental=incremental)
-            step_seconds, step_cpu_seconds = [], []
+            step_seconds, step_cpu_seconds, prefill_parts = [], [], []
             while engine.has_unfinished_requests():
                 is_decode = not engine.scheduler.waiting and all(
                     seq.num_computed_tokens == len(seq) - 1 for seq in engine.scheduler.running
@@ -72,9 +80,12 @@ def bench_host_step(seed: int, num_seqs: int = 512, input_len: int = 256, output
                     step_seconds.append(time.perf_counter() - started)
                     step_cpu_seconds.append(time.thread_time() - cpu_started)
                     step_parts.append(_step_parts(part_seconds, step_seconds[-1]))
+                else:
+                    prefill_parts.append(_prefill_step_parts(part_seconds, time.perf_counter() - started))
     finally:
         timers.close()
-        model_runner_module.DecodeGraphs, model_runner_module.sample = saved
+        model_runner_module.DecodeGraphs, model_runner_module.sample, num_threads = saved
+        torch.set_num_threads(num_threads)
     step_ms = np.array(step_seconds) * 1e3
     cpu_ms = np.array(step_cpu_seconds) * 1e3
     return {
@@ -90,10 +101,17 @@ def bench_host_step(seed: int, num_seqs: int = 512, input_len: int = 256, output
         "host_cpu_ms_per_step_median": round(float(np.median(cpu_ms)), 3),
         "host_cpu_ms_per_step_mean": round(float(cpu_ms.mean()), 3),
         # Median wall ms of each part over the decode steps (the medians need not add up to the step's median).
-        "host_ms_per_step_parts": {
-            part: round(float(np.median([parts[part] for parts in step_parts])) * 1e3, 3) for part in HOST_STEP_PARTS
-        },
+        "host_ms_per_step_parts": _median_ms(step_parts, HOST_STEP_PARTS),
+        # The steps that prefill (a chunk of new prompts beside the decode rows of those already in), with their
+        # forward faked too: host work that the overlapped loop does not hide (it schedules ahead only decode steps).
+        "num_prefill_steps": len(prefill_parts),
+        "prefill_host_ms_per_step_median": _median_ms(prefill_parts, ["step"])["step"],
+        "prefill_host_ms_per_step_parts": _median_ms(prefill_parts, PREFILL_STEP_PARTS),
     }
+
+
+def _median_ms(step_parts: list[dict[str, float]], names) -> dict[str, float]:
+    return {name: round(float(np.median([parts[name] for parts in step_parts])) * 1e3, 3) for name in names}
 
 
 # The parts of a decode step: what each covers (the timed function, less the parts timed inside it).
@@ -110,7 +128,17 @@ HOST_STEP_PARTS = {
 }
 
 
+PREFILL_STEP_PARTS = {
+    "schedule": "Scheduler.schedule: admissions (prefix matching, blocks), chunking, a ScheduledSequence per row",
+    "prepare_inputs": "ModelRunner.prepare_inputs: the flat token batch and attention metadata",
+    "prepare_sampling": "prepare_sampling: the sampling rows' tensors, from each row's SamplingParams",
+    "postprocess": "Scheduler.postprocess",
+    "rest": "the rest of the step (the faked forward and sampler, collect, outputs)",
+}
+
+
 def _timed_functions() -> dict[str, tuple[object, str]]:
+    import slime.engine.model_runner as model_runner_module
     from slime.engine.decode_rows import DecodeRows
     from slime.engine.engine import Engine
     from slime.engine.model_runner import ModelRunner
@@ -123,6 +151,8 @@ def _timed_functions() -> dict[str, tuple[object, str]]:
         "forward_inputs": (ModelRunner, "_forward_decode_graph"), "launch": (ModelRunner, "launch"),
         "collect": (ModelRunner, "collect"), "postprocess": (Scheduler, "postprocess"),
         "complete": (Engine, "_complete"),
+        "schedule": (Scheduler, "schedule"), "prepare_inputs": (ModelRunner, "prepare_inputs"),
+        "prepare_sampling": (model_runner_module, "prepare_sampling"),
     }
 
 
@@ -144,6 +174,12 @@ def _timed(owner, attribute: str, name: str, seconds: dict[str, float]):
         yield
     finally:
         setattr(owner, attribute, raw)
+
+
+def _prefill_step_parts(seconds: dict[str, float], step_seconds: float) -> dict[str, float]:
+    timed = ("schedule", "prepare_inputs", "prepare_sampling", "postprocess")
+    return {"step": step_seconds, **{name: seconds[name] for name in timed},
+            "rest": step_seconds - sum(seconds[name] for name in timed)}
 
 
 def _step_parts(seconds: dict[str, float], step_seconds: float) -> dict[str, float]:

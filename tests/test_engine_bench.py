@@ -58,6 +58,11 @@ def test_host_step_benchmark_times_every_decode_step():
     result = bench_engine.bench_host_step(seed=0, num_seqs=8, input_len=16, output_len=32)
     assert result["num_decode_steps"] == 31  # the first output token comes from the prefill step
     assert result["host_ms_per_step_mean"] > 0
+    # 8 x 16 prompt tokens, one chunk: its step, and the one that completes it and launches the first decode step
+    assert result["num_prefill_steps"] == 2
+    parts = {**result["host_ms_per_step_parts"], **result["prefill_host_ms_per_step_parts"]}
+    assert parts.keys() == bench_engine.HOST_STEP_PARTS.keys() | bench_engine.PREFILL_STEP_PARTS.keys()
+    assert all(milliseconds >= 0 for milliseconds in parts.values())
 
 
 def test_sharded_random_checkpoint_loads_into_engine_and_transformers(tmp_path):

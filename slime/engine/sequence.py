@@ -12,12 +12,18 @@ from slime.engine.sampling_params import SamplingParams
 
 
 PLACEHOLDER = -1  # token id of a slot whose token is still on the device
+PLACEHOLDER_LOG_PROB = float("nan")  # its log-prob until the token arrives
 
 
 class SequenceStatus(Enum):
     WAITING = auto()
     RUNNING = auto()
     FINISHED = auto()
+
+
+# SequenceStatus.FINISHED as a module global for the per-row loops of every step: an enum member's lookup through its
+# class costs ~0.1 us, ~0.05 ms per 512-row step each time a loop spells it.
+FINISHED = SequenceStatus.FINISHED
 
 
 class Sequence:
