@@ -24,16 +24,11 @@ from slime.engine.model_runner import ModelRunner
 from slime.engine.models import ModelConfig, load_model_config
 from slime.engine.models.weight_loader import load_checkpoint, load_weights, named_weight_shapes
 from slime.engine.request_output import RequestOutput
-from slime.engine.sampling_params import SamplingParams
+from slime.engine.memory_tags import EngineMemoryReleasedError, memory_tags
+from slime.engine.sampling_params import as_sampling_params
 from slime.engine.scheduler import Scheduler, placeholder_sources, sampled_seqs
 from slime.engine.sequence import FINISHED, Sequence, SequenceStatus
 from slime.engine.stop_strings import final_texts, find_new_stop
-
-MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")
-
-
-class EngineMemoryReleasedError(RuntimeError):
-    """Raised when generating or updating weights while that memory is released."""
 
 
 class Engine:
@@ -104,7 +99,7 @@ class Engine:
         With `return_routed_experts` its finished output carries the MoE routing of every position but the last
         (needs the engine's enable_return_routed_experts)."""
         self._check_resident("add a request")
-        params = _as_sampling_params(sampling_params)
+        params = as_sampling_params(sampling_params)
         if return_routed_experts and not self.config.enable_return_routed_experts:
             raise ValueError("return_routed_experts needs an engine started with enable_return_routed_experts "
                              "(the server flag --enable-return-routed-experts; slime sets it for "
@@ -285,9 +280,9 @@ class Engine:
                 raise ValueError(
                     f"sampling_params has {len(sampling_params)} entries for {len(prompts_or_token_ids)} prompts"
                 )
-            params_list = [_as_sampling_params(p) for p in sampling_params]
+            params_list = [as_sampling_params(p) for p in sampling_params]
         else:
-            params_list = [_as_sampling_params(sampling_params)] * len(prompts_or_token_ids)
+            params_list = [as_sampling_params(sampling_params)] * len(prompts_or_token_ids)
         rids = []
         results: dict[str, RequestOutput] = {}
         try:
@@ -356,7 +351,7 @@ class Engine:
         """Free device memory for `tags` (default all). Running requests are preempted and recompute on resume.
         `discard_weights`: the caller loads every weight before the next generation, so the weights are dropped,
         not copied to the host, and the engine refuses to generate until all are loaded again."""
-        tags = _memory_tags(tags)
+        tags = memory_tags(tags)
         if discard_weights and "weights" not in tags:
             raise ValueError(f"discard_weights needs the 'weights' tag among the released tags, got {tags}")
         self._drain()
@@ -370,7 +365,7 @@ class Engine:
         self.released_tags |= set(tags)
 
     def resume_memory(self, tags=None) -> None:
-        tags = _memory_tags(tags)
+        tags = memory_tags(tags)
         if "weights" in tags:
             self.model_runner.resume_weights()
         if "kv_cache" in tags and "kv_cache" in self.released_tags:
@@ -398,29 +393,8 @@ def _decode(tokenizer, token_ids: list[int], skip_special_tokens: bool) -> str:
     return tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
 
 
-def _as_sampling_params(params) -> SamplingParams:
-    if params is None:
-        return SamplingParams()
-    if isinstance(params, SamplingParams):
-        return params
-    if isinstance(params, dict):
-        return SamplingParams.from_dict(params)
-    raise ValueError(f"sampling_params must be a dict or SamplingParams, got {type(params).__name__}")
-
-
 def _same_architecture(a: ModelConfig, b: ModelConfig) -> bool:
     """Equal up to fields that do not change parameter shapes or the forward pass's structure."""
     return dataclasses.replace(a, torch_dtype=None, eos_token_ids=[]) == dataclasses.replace(
         b, torch_dtype=None, eos_token_ids=[]
     )
-
-
-def _memory_tags(tags) -> list[str]:
-    if tags is None:
-        return list(MEMORY_TAGS)
-    if isinstance(tags, str):
-        tags = [tags]
-    unknown = sorted(set(tags) - set(MEMORY_TAGS))
-    if unknown:
-        raise ValueError(f"unknown memory tags {unknown}; valid tags: {list(MEMORY_TAGS)}")
-    return list(tags)

@@ -21,8 +21,8 @@ from types import SimpleNamespace
 from typing import AsyncIterator, Callable
 
 from slime.engine.busy_period import BusyPeriod
-from slime.engine.engine import EngineMemoryReleasedError
 from slime.engine.http_protocol import RequestError
+from slime.engine.memory_tags import EngineMemoryReleasedError
 
 logger = logging.getLogger(__name__)
 

@@ -103,3 +103,14 @@ def _check_number(name: str, value, low: float, high: float | None = None, low_o
     if value < low or (low_open and value == low) or (high is not None and value > high):
         bounds = f"{'(' if low_open else '['}{low}, {high if high is not None else 'inf'}]"
         raise ValueError(f"sampling_params.{name} must be in {bounds}, got {value}")
+
+
+def as_sampling_params(params) -> SamplingParams:
+    """A request's sampling parameters: None (the defaults), a SamplingParams, or slime's / SGLang's dict."""
+    if params is None:
+        return SamplingParams()
+    if isinstance(params, SamplingParams):
+        return params
+    if isinstance(params, dict):
+        return SamplingParams.from_dict(params)
+    raise ValueError(f"sampling_params must be a dict or SamplingParams, got {type(params).__name__}")
