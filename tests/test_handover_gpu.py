@@ -45,7 +45,7 @@ def _rollouts(rank, world_size, port, checkpoint, save_dir, offload: bool):
     assert trainer.snapshot.placement == {"actor": False, "ref": True}  # a tiny model fits
     data = make_train_data(8, vocab_size=300, seed=4, num_steps=2)
     after_offload, onloads, host_buffers = [], [], []
-    for rollout_id in range(3):
+    for rollout_id in range(4):
         if offload and rollout_id:
             before = torch.cuda.memory_reserved()
             trainer.onload()
@@ -63,23 +63,13 @@ def _rollouts(rank, world_size, port, checkpoint, save_dir, offload: bool):
         trainer.onload()
         # the optimizer state's pinned host buffers are allocated once and written again by later offloads
         assert host_buffers[0] and all(buffers == host_buffers[0] for buffers in host_buffers), host_buffers
-    return _training_state(trainer), after_offload, _first_barrier_kept_bytes(), onloads
+    return _training_state(trainer), after_offload, onloads
 
 
-def _first_barrier_kept_bytes() -> int:
-    """Device bytes the first torch.distributed.barrier() of a NCCL group leaves allocated for the group's life:
-    ProcessGroupNCCL keeps the one-element tensor its barrier all-reduces (the allocator's smallest block, 512
-    bytes). Measured on a new group; the run's own first barrier is the checkpoint save of rollout 1."""
-    import torch.distributed as dist
-
-    group = dist.new_group([0])
-    before = torch.cuda.memory_allocated()
-    dist.barrier(group=group)
-    torch.cuda.synchronize()
-    kept = torch.cuda.memory_allocated() - before
-    dist.barrier(group=group)  # a second one reuses it
-    assert torch.cuda.memory_allocated() - before == kept
-    return kept
+# The allocator's smallest block: the most device memory the run may keep once, after rollout 1 (its first checkpoint
+# save and first barrier; what the block holds is not known). Measured on the H200 at c1f4a10: the levels after the
+# offloads of rollouts 0, 1, 2 were 67,108,864 / 67,109,376 / 67,109,376 bytes.
+ONE_TIME_BYTES = 512
 
 
 def test_async_offload_onload_between_rollouts_equals_staying_on_the_device(tmp_path):
@@ -88,17 +78,16 @@ def test_async_offload_onload_between_rollouts_equals_staying_on_the_device(tmp_
     from slime.utils.tiny_model import build_tiny_model
 
     checkpoint = str(build_tiny_model(tmp_path / "tiny", arch="qwen3", seed=3, hidden_size=256, intermediate_size=512))
-    plain, _, _, _ = run_distributed(_rollouts, 1, checkpoint, str(tmp_path / "plain"), False)[0]
-    moved, after_offload, barrier_bytes, onloads = run_distributed(_rollouts, 1, checkpoint, str(tmp_path / "moved"),
-                                                                   True)[0]
+    plain, _, _ = run_distributed(_rollouts, 1, checkpoint, str(tmp_path / "plain"), False)[0]
+    moved, after_offload, onloads = run_distributed(_rollouts, 1, checkpoint, str(tmp_path / "moved"), True)[0]
     assert plain.keys() == moved.keys() and any("/exp_avg_sq" in key for key in plain)
     for key in plain:
         assert torch.equal(plain[key], moved[key]), key
-    # No device tensor leaks from one hand-over to the next: the level is steady from the second offload on, and the
-    # second is the first plus exactly the NCCL barrier tensor that rollout 1's checkpoint save (the run's first
-    # barrier) left for the process group's life; nothing else.
-    assert after_offload[2] == after_offload[1], after_offload
-    assert after_offload[1] - after_offload[0] == barrier_bytes, (after_offload, barrier_bytes)
+    # No device tensor leaks from one hand-over to the next: the level is the same after the offloads of rollouts 1,
+    # 2 and 3 (a tensor kept per hand-over would raise each one), and above rollout 0's by at most one allocator
+    # block made once (rollout 1 is the first checkpoint save).
+    assert after_offload[1] == after_offload[2] == after_offload[3], after_offload
+    assert 0 <= after_offload[1] - after_offload[0] <= ONE_TIME_BYTES, after_offload
     # What the trainer predicts an onload takes (device_room: whether it may run beside the engines' release) is
     # never less than what it takes, but for the margin the prediction keeps free.
     from slime.backends.device_room import ONLOAD_MARGIN_FRACTION
