@@ -15,7 +15,6 @@ and the adapter's in-process time with the engine call excluded. Prints a table 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import statistics
 import sys

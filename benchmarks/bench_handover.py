@@ -88,7 +88,7 @@ def measure(url: str, weights, bucket_bytes: int, device: str, repeats: int) -> 
                     lambda b=bucket: [(name, tensor.clone()) for name, tensor in b])
                 built, seconds = synced(build)
                 add(f"bucket_build_{kind}", seconds)
-                serialized, seconds = synced(lambda: serialize_named_tensors(built))
+                serialized, seconds = synced(lambda b=built: serialize_named_tensors(b))
                 add(f"bucket_serialize_{kind}", seconds)
                 add(f"bucket_post_{kind}", post("/update_weights_from_tensor",
                                                 {"serialized_named_tensors": [serialized], "flush_cache": is_last}))
