@@ -5,7 +5,7 @@ A dump is `{"rollout_id": id, "samples": [Sample.to_dict(), ...]}`. The file nam
 files are JSON (readable with any tool), every other name is slime's `torch.save` file (`.pt`), so a dump written by
 slime loads here and the other way round. torch files are read with `weights_only=True`: plain containers and
 tensors, never arbitrary pickled objects. A sample's numpy arrays (R3's `rollout_routed_experts`) are written as
-tensors (`.pt`) or nested lists (`.json`) and read back as numpy arrays of their dtype (`Sample.from_dict`).
+tensors (`.pt`) or nested lists (`.json`); R3's routing is read back as the int32 array routing replay reads.
 
 Not the train-side dump (slime/backends/debug_train_data.py).
 """
@@ -46,6 +46,15 @@ def _encodable(row: dict, as_json: bool) -> dict:
         return value.tolist() if as_json else torch.from_numpy(np.ascontiguousarray(value))
 
     return {key: encode(value) for key, value in row.items()}
+
+
+def _decoded(row: dict) -> dict:
+    """A dumped sample's dict with R3's routing (a tensor in a torch file, nested lists in JSON) as the int32 numpy
+    array the rollout made ([len(tokens) - 1, num_moe_layers, top_k])."""
+    routing = row.get("rollout_routed_experts")
+    if routing is None or isinstance(routing, np.ndarray):
+        return row
+    return {**row, "rollout_routed_experts": np.asarray(routing, dtype=np.int32)}
 
 
 def _write_payload(path: Path, payload: dict) -> None:
@@ -97,7 +106,7 @@ def load_samples(path: Path, flag: str, subsample_ratio: float | None = None) ->
     except (OSError, ValueError, KeyError, TypeError, RuntimeError, pickle.UnpicklingError) as exc:
         raise ValueError(f"{flag}: {path} is not a rollout dump ({type(exc).__name__}: {exc}); write one with "
                          "--save-debug-rollout-data") from None
-    samples = [Sample.from_dict(row) for row in rows]
+    samples = [Sample.from_dict(_decoded(row)) for row in rows]
     if subsample_ratio is not None:
         keep = int(len(samples) * subsample_ratio)
         if keep == 0:

@@ -15,8 +15,6 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
-import numpy as np
-
 
 def _to_int_list(tokens) -> list[int]:
     if tokens is None:
@@ -168,9 +166,6 @@ class Sample:
         data["status"] = Sample.Status(data.get("status", Sample.Status.PENDING.value))
         data["spec_info"] = Sample.SpecInfo.from_dict(data.get("spec_info") or {})
         data["prefix_cache_info"] = Sample.PrefixCacheInfo.from_dict(data.get("prefix_cache_info") or {})
-        routing = data.get("rollout_routed_experts")
-        if routing is not None and not isinstance(routing, np.ndarray):  # a dump's tensor or nested lists
-            data["rollout_routed_experts"] = np.asarray(routing, dtype=np.int32)
         known = Sample.__dataclass_fields__
         sample = Sample(**{k: v for k, v in data.items() if k in known})
         for key, value in data.items():  # keys of newer rollout code survive as attributes
