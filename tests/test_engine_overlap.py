@@ -279,3 +279,45 @@ def test_schedule_ahead_declines_a_batch_that_is_not_the_running_set(path):
     assert scheduler.block_manager.num_free_blocks == num_free and not batch[1].seq.has_placeholder
     assert scheduler.schedule_ahead(batch) is None  # the counts differ
     assert scheduler.schedule_ahead(batch[:1] + batch[2:]) is not None  # exactly the running set
+
+
+@pytest.mark.parametrize("ahead_kind", ["decode", "prefill"])
+def test_a_failed_launch_ahead_completes_the_step_in_flight_and_flushes_the_prefix_cache(path, ahead_kind):
+    """A launch of the step scheduled ahead that raises (e.g. out of memory) leaves no placeholder token behind (the
+    step in flight is completed) and no prefix-cache entry for blocks the failed step never wrote; after the error
+    the engine aborts cleanly and then answers as a fresh engine does."""
+    prompts, params = chunked_requests(4) if ahead_kind == "prefill" else requests(4)
+    budget = dict(max_num_batched_tokens=16) if ahead_kind == "prefill" else {}
+    engine = Engine(path, device="cpu", overlap_schedule=True, **budget)
+    scheduler, runner = engine.scheduler, engine.model_runner
+    scheduled_ahead = scheduler.schedule_ahead if ahead_kind == "prefill" else scheduler.look_ahead
+    launch, armed = runner.launch, {"fail": False}
+
+    def arming(batch):  # the launch right after a successful scheduling ahead fails
+        ahead = scheduled_ahead(batch)
+        armed["fail"] = bool(ahead)
+        return ahead
+
+    def failing_launch(*args, **kwargs):
+        if armed["fail"]:
+            raise torch.cuda.OutOfMemoryError("simulated")
+        return launch(*args, **kwargs)
+
+    setattr(scheduler, "schedule_ahead" if ahead_kind == "prefill" else "look_ahead", arming)
+    runner.launch = failing_launch
+    for prompt, p in zip(prompts, params):
+        engine.add_request(prompt, p)
+    with pytest.raises(torch.cuda.OutOfMemoryError):
+        while engine.has_unfinished_requests():
+            engine.step()
+    sequences = list(engine.requests.values())
+    assert sequences and not any(seq.has_placeholder or PLACEHOLDER in seq.token_ids for seq in sequences)
+    assert not engine.block_manager.hash_to_block_id
+    engine.abort_all()
+    runner.launch = launch
+    setattr(scheduler, "schedule_ahead" if ahead_kind == "prefill" else "look_ahead", scheduled_ahead)
+    greedy = {"temperature": 0.0, "max_new_tokens": 8}
+    fresh = Engine(path, device="cpu", overlap_schedule=True, **budget)
+    answers = [engine.generate(prompts, greedy), fresh.generate(prompts, greedy)]
+    for key in ("output_ids", "output_log_probs", "finish_reason", "text"):
+        assert [o[key] for o in answers[0]] == [o[key] for o in answers[1]], key

@@ -299,6 +299,25 @@ def test_release_discarding_weights_serves_again_after_the_push(client, server, 
     assert results[0]["output_ids"] == expected["output_ids"]
 
 
+def test_resumed_with_weights_still_discarded_fails_requests_at_once(client, server, tiny_qwen3):
+    # A push that missed buckets (an engine too slow for one POST) leaves discarded weights unloaded after the
+    # resume: a request waiting since the release, and a new one, fail with 503 naming the cause instead of
+    # waiting for weights nothing will send; a full push serves again.
+    expected = generate(client, input_ids=[21, 22, 23], sampling_params=GREEDY)
+    body = {"tags": ["weights", "kv_cache", "cuda_graph"], "discard_weights": True}
+    assert client.post("/release_memory_occupation", json=body).status_code == 200
+    waiting = []
+    thread = post_in_background(server, "/generate", {"input_ids": [21, 22, 23], "sampling_params": GREEDY}, waiting)
+    time.sleep(0.3)
+    assert client.post("/resume_memory_occupation", json={"tags": body["tags"]}).status_code == 200
+    thread.join(30)
+    assert not thread.is_alive() and "discarded" in waiting[0]["message"], waiting
+    response = client.post("/generate", json={"input_ids": [21, 22, 23], "sampling_params": GREEDY})
+    assert response.status_code == 503 and "push every weight" in response.json()["message"]
+    assert client.post("/update_weights_from_disk", json={"model_path": str(tiny_qwen3)}).status_code == 200
+    assert generate(client, input_ids=[21, 22, 23], sampling_params=GREEDY)["output_ids"] == expected["output_ids"]
+
+
 @pytest.mark.parametrize(
     "path, body, field",
     [

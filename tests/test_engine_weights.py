@@ -7,6 +7,7 @@ from greedy_margin import assert_clear_greedy_margin
 from transformers import AutoModelForCausalLM
 
 from slime.engine.engine import Engine, EngineMemoryReleasedError
+from slime.engine.memory_tags import EngineWeightsMissingError
 from slime.engine.models.weight_loader import iterate_checkpoint
 from slime.engine.sampling_params import SamplingParams
 from slime.utils.tiny_model import build_tiny_model
@@ -126,12 +127,12 @@ def test_release_discarding_weights_refuses_to_generate_until_a_full_push_lands(
     storage = {p.untyped_storage().data_ptr() for p in engine.model_runner.model.parameters()}
     assert len(storage) == 1  # one allocation for all (one dtype)
     engine.resume_memory(["kv_cache", "cuda_graph"])
-    with pytest.raises(EngineMemoryReleasedError, match="discard_weights"):
+    with pytest.raises(EngineWeightsMissingError, match="discard_weights"):
         engine.generate([PROMPT], GREEDY)
     pushed = dict(iterate_checkpoint(paths[1]))
     first, rest = list(pushed.items())[:1], list(pushed.items())[1:]
     engine.update_weights_from_tensors(first, weight_version="1")  # a first bucket: still incomplete
-    with pytest.raises(EngineMemoryReleasedError, match=f"{len(engine.named_weight_shapes()) - 1} are not loaded"):
+    with pytest.raises(EngineWeightsMissingError, match=f"{len(engine.named_weight_shapes()) - 1} are not loaded"):
         engine.add_request(PROMPT, SamplingParams())
     engine.update_weights_from_tensors(rest, weight_version="1")
     after = engine.generate([PROMPT], GREEDY)[0]
@@ -157,3 +158,31 @@ def test_release_mid_generation_recomputes_on_resume(engine):
         outputs += [o for o in engine.step() if o.rid == rid and o.finished]
     assert outputs[0].output_token_ids == expected["output_ids"]
     assert outputs[0].output_log_probs == pytest.approx(expected["output_log_probs"], abs=1e-5)
+
+
+def test_a_tied_lm_head_pushed_by_its_own_name_completes_the_discarded_weights(tmp_path):
+    # tie_word_embeddings: the engine names the shared matrix model.embed_tokens.weight; a sender that pushes it as
+    # lm_head.weight loads the same tensor, and must count as having pushed it.
+    path = build_tiny_model(tmp_path / "tied", arch="qwen3", seed=2, tie_word_embeddings=True)
+    engine = Engine(str(path), device="cpu")
+    expected = engine.generate([PROMPT], GREEDY)[0]["output_ids"]
+    engine.release_memory(discard_weights=True)
+    engine.resume_memory()
+    pushed = [("lm_head.weight" if name == "model.embed_tokens.weight" else name, tensor)
+              for name, tensor in iterate_checkpoint(path) if name != "lm_head.weight"]
+    engine.update_weights_from_tensors(pushed)
+    assert not engine.weights_missing
+    assert engine.generate([PROMPT], GREEDY)[0]["output_ids"] == expected
+
+
+def test_a_discarding_release_after_a_saving_one_is_a_no_op_for_moe(tmp_path):
+    # The supervisor releases a restarted engine (saving) before the loop's release with discard_weights reaches it:
+    # the second release must not read the released (empty) expert tensors, and the weights stay the saved ones.
+    path = build_tiny_model(tmp_path / "moe", arch="qwen3_moe", seed=3)
+    engine = Engine(str(path), device="cpu")
+    expected = engine.generate([PROMPT], GREEDY)[0]["output_ids"]
+    engine.release_memory()
+    engine.release_memory(discard_weights=True)
+    engine.resume_memory()
+    assert not engine.weights_missing
+    assert engine.generate([PROMPT], GREEDY)[0]["output_ids"] == expected

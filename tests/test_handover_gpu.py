@@ -136,7 +136,8 @@ def test_engine_released_without_its_weights_then_pushed_equals_a_fresh_engine(t
     allocation, then pushed; the KV cache comes back uninitialized (Triton path) on memory this test filled with
     NaN first, so a kernel reading a slot before writing it would show. Greedy output and log-probs must equal a
     fresh engine's on the pushed weights."""
-    from slime.engine.engine import Engine, EngineMemoryReleasedError
+    from slime.engine.engine import Engine
+    from slime.engine.memory_tags import EngineWeightsMissingError
     from slime.engine.models.weight_loader import iterate_checkpoint
     from slime.utils.tiny_model import build_tiny_model
 
@@ -168,5 +169,5 @@ def test_engine_released_without_its_weights_then_pushed_equals_a_fresh_engine(t
         assert output["output_log_probs"] == pytest.approx(reference["output_log_probs"], abs=1e-3)
     engine.release_memory(None, discard_weights=True)
     engine.resume_memory(None)
-    with pytest.raises(EngineMemoryReleasedError, match="discard_weights"):
+    with pytest.raises(EngineWeightsMissingError, match="discard_weights"):
         engine.generate(prompts, greedy)

@@ -24,7 +24,7 @@ from slime.engine.model_runner import ModelRunner
 from slime.engine.models import ModelConfig, load_model_config
 from slime.engine.models.weight_loader import load_checkpoint, load_weights, named_weight_shapes
 from slime.engine.request_output import RequestOutput
-from slime.engine.memory_tags import EngineMemoryReleasedError, memory_tags
+from slime.engine.memory_tags import EngineMemoryReleasedError, EngineWeightsMissingError, memory_tags
 from slime.engine.sampling_params import as_sampling_params
 from slime.engine.scheduler import Scheduler, placeholder_sources, sampled_seqs
 from slime.engine.sequence import FINISHED, Sequence, SequenceStatus
@@ -164,7 +164,7 @@ class Engine:
         scheduled = self.scheduler.schedule()
         assert scheduled, "scheduler made no progress with unfinished requests"
         self.num_launched_steps += 1
-        return outputs + self._complete(scheduled, self.model_runner.launch(scheduled))
+        return outputs + self._complete(scheduled, self._launch(scheduled))
 
     def _overlapped_step(self) -> list[RequestOutput]:
         """Launch the step after the one in flight (scheduled ahead on placeholders, its input tokens gathered on
@@ -180,7 +180,7 @@ class Engine:
                 else:
                     source_rows = [row for row, seq in enumerate(sampled_seqs(scheduled)) if seq.has_placeholder]
                     input_tokens = launched.tokens[self.model_runner.staging.to_device(np.array(source_rows))]
-                self.in_flight = (ahead, self.model_runner.launch(ahead, input_tokens))
+                self.in_flight = (ahead, self._launch(ahead, input_tokens, in_flight=in_flight))
                 self.num_launched_steps += 1
             elif self.config.overlap_prefill:
                 self._launch_scheduled_ahead(scheduled, launched)
@@ -188,7 +188,7 @@ class Engine:
         if self.in_flight is None and self.scheduler.has_unfinished():
             scheduled = self.scheduler.schedule()
             assert scheduled, "scheduler made no progress with unfinished requests"
-            self.in_flight = (scheduled, self.model_runner.launch(scheduled))
+            self.in_flight = (scheduled, self._launch(scheduled))
             self.num_launched_steps += 1
         return outputs
 
@@ -199,8 +199,21 @@ class Engine:
         if ahead:
             rows, sources = placeholder_sources(scheduled, ahead)
             input_tokens = launched.tokens[self.model_runner.staging.to_device(np.array(sources))] if rows else None
-            self.in_flight = (ahead, self.model_runner.launch(ahead, input_tokens, np.array(rows) if rows else None))
+            self.in_flight = (ahead, self._launch(ahead, input_tokens, np.array(rows) if rows else None,
+                                                  in_flight=(scheduled, launched)))
             self.num_launched_steps += 1
+
+    def _launch(self, scheduled, input_tokens=None, input_rows=None, in_flight=None):
+        """model_runner.launch; if it raises (e.g. out of memory), first the step in flight is completed (it fills
+        the placeholders a step scheduled ahead reserved) and the prefix cache flushed (it registered blocks the
+        failed step never wrote)."""
+        try:
+            return self.model_runner.launch(scheduled, input_tokens, input_rows)
+        except BaseException:
+            if in_flight is not None:
+                self.pending_outputs.extend(self._complete(*in_flight))
+            self.block_manager.flush()
+            raise
 
     def _drain(self) -> None:
         """Finish the step in flight (overlapped scheduling) before the engine's state changes under it."""
@@ -360,7 +373,7 @@ class Engine:
                 self.scheduler.preempt(seq)
             self.flush_cache()
             self.model_runner.free_kv_cache()
-        if "weights" in tags:
+        if "weights" in tags and not self.model_runner.host_weights.released:  # a second release is a no-op
             self.model_runner.release_weights(set(self.named_weight_shapes()) if discard_weights else None)
         self.released_tags |= set(tags)
 
@@ -383,7 +396,7 @@ class Engine:
             raise EngineMemoryReleasedError(f"cannot {action}: memory {released} is released; call resume_memory first")
         if needs_valid_weights and self.weights_missing:
             missing = sorted(self.weights_missing)
-            raise EngineMemoryReleasedError(
+            raise EngineWeightsMissingError(
                 f"cannot {action}: the weights were discarded by a release with discard_weights and {len(missing)} "
                 f"are not loaded again (e.g. {missing[0]!r}); push every weight (update_weights_from_tensor / "
                 "_distributed / _disk) first")

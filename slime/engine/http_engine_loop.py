@@ -22,7 +22,7 @@ from typing import AsyncIterator, Callable
 
 from slime.engine.busy_period import BusyPeriod
 from slime.engine.http_protocol import RequestError
-from slime.engine.memory_tags import EngineMemoryReleasedError
+from slime.engine.memory_tags import EngineMemoryReleasedError, EngineWeightsMissingError
 
 logger = logging.getLogger(__name__)
 
@@ -136,6 +136,10 @@ class EngineLoop:
                                         incremental=stream.incremental)
             except EngineMemoryReleasedError:
                 return
+            except EngineWeightsMissingError as error:  # resumed without every weight pushed: waiting cannot help
+                stream = self._streams.pop(rid)
+                stream.finished = True
+                stream.loop.call_soon_threadsafe(stream.outputs.put_nowait, error)
             del self._deferred[rid]
 
     def abort(self, rid: str) -> concurrent.futures.Future:

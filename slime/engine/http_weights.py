@@ -19,8 +19,8 @@ from pathlib import Path
 import torch
 
 from slime.engine import local_checkpoint
-from slime.engine.engine import EngineMemoryReleasedError
 from slime.engine.http_protocol import RequestError, require_fields
+from slime.engine.memory_tags import EngineMemoryReleasedError
 from slime.utils import weight_transport
 from slime.utils.daemon_threads import run_in_daemon_thread
 

@@ -31,11 +31,11 @@ from slime.engine.http_protocol import (
     require_fields,
 )
 from slime.engine.http_weights import EngineWeightReceiver
+from slime.engine.memory_tags import MEMORY_TAGS, EngineWeightsMissingError
 from slime.engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
-MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")
 HEALTH_GENERATE_TIMEOUT_S = 20.0
 SERVER_VERSION = "slime-engine"
 SHUTDOWN_GRACE_S = 5
@@ -87,6 +87,10 @@ def create_app(engine, model_path: str, served_model_name: str | None = None, se
     @app.exception_handler(RequestError)
     async def _bad_request(_request: Request, error: RequestError):
         return JSONResponse(error_body(str(error)), status_code=400)
+
+    @app.exception_handler(EngineWeightsMissingError)
+    async def _weights_missing(_request: Request, error: EngineWeightsMissingError):
+        return JSONResponse(error_body(str(error), 503), status_code=503)
 
     _register_generate_routes(app, state)
     _register_control_routes(app, state)

@@ -86,7 +86,9 @@ def load_weights(model: nn.Module, named_tensors: Iterable[tuple[str, torch.Tens
             if tuple(tensor.shape) != tuple(target.shape):
                 raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)}, expected {tuple(target.shape)}")
             target.copy_(tensor)
-            loaded.add(name)
+            # a tied lm_head is the embedding: named as named_weight_shapes names it
+            tied = name == "lm_head.weight" and model.config.tie_word_embeddings
+            loaded.add("model.embed_tokens.weight" if tied else name)
     return loaded
 
 
