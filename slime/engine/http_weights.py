@@ -21,13 +21,12 @@ import torch
 from slime.engine import local_checkpoint
 from slime.engine.http_protocol import RequestError, require_fields
 from slime.engine.memory_tags import EngineMemoryReleasedError
+from slime.engine.models.weight_loader import IGNORED_SUFFIXES
 from slime.utils import weight_transport
 from slime.utils.daemon_threads import run_in_daemon_thread
 
 DEFAULT_GROUP_NAME = "weight_update_group"
 GROUP_TIMEOUT = timedelta(minutes=10)  # the trainer's rank 0 joins within its own start-up; big models load slowly
-# Buffers some checkpoints carry; the engine recomputes them (mirrors the loader's list).
-IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
 class EngineWeightReceiver:
