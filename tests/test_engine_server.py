@@ -1,6 +1,6 @@
 """The engine's HTTP server over real loopback HTTP, started as a subprocess on a tiny model: /generate (ids, text,
 batch, log-probs, streaming, concurrency), info and health endpoints, prefix cache flush, abort, pause/continue,
-memory release/resume, and bad requests answered with 400 while the server keeps serving."""
+and bad requests answered with 400 while the server keeps serving."""
 
 import json
 import threading
@@ -9,8 +9,6 @@ import time
 import httpx
 import pytest
 import torch
-
-
 
 GREEDY = {"temperature": 0.0, "max_new_tokens": 8}
 LONG = {"temperature": 1.0, "max_new_tokens": 600, "ignore_eos": True}
@@ -267,55 +265,6 @@ def test_pause_in_place_keeps_partial_progress(client, server):
     thread.join(60)
     assert results[0]["meta_info"]["finish_reason"]["type"] == "length"
     assert results[0]["meta_info"]["completion_tokens"] == 200
-
-
-def test_release_and_resume_memory(client, server):
-    expected = generate(client, input_ids=[21, 22, 23], sampling_params=GREEDY)
-    assert client.post("/release_memory_occupation", json={}).status_code == 200
-    results = []
-    thread = post_in_background(server, "/generate", {"input_ids": [21, 22, 23], "sampling_params": GREEDY}, results)
-    time.sleep(0.5)
-    assert thread.is_alive()
-    assert client.post("/resume_memory_occupation", json={"tags": ["weights"]}).status_code == 200
-    time.sleep(0.3)
-    assert thread.is_alive()  # the KV cache is still released
-    assert client.post("/resume_memory_occupation", json={"tags": ["kv_cache", "cuda_graph"]}).status_code == 200
-    thread.join(30)
-    assert results[0]["output_ids"] == expected["output_ids"]
-
-
-def test_release_discarding_weights_serves_again_after_the_push(client, server, tiny_qwen3):
-    expected = generate(client, input_ids=[21, 22, 23], sampling_params=GREEDY)
-    body = {"tags": ["weights", "kv_cache", "cuda_graph"], "discard_weights": True}
-    assert client.post("/release_memory_occupation", json=body).status_code == 200
-    results = []
-    thread = post_in_background(server, "/generate", {"input_ids": [21, 22, 23], "sampling_params": GREEDY}, results)
-    assert client.post("/resume_memory_occupation", json={"tags": ["weights"]}).status_code == 200
-    assert client.post("/update_weights_from_disk", json={"model_path": str(tiny_qwen3)}).status_code == 200
-    time.sleep(0.3)
-    assert thread.is_alive()  # the KV cache is still released
-    assert client.post("/resume_memory_occupation", json={"tags": ["kv_cache", "cuda_graph"]}).status_code == 200
-    thread.join(30)
-    assert results[0]["output_ids"] == expected["output_ids"]
-
-
-def test_resumed_with_weights_still_discarded_fails_requests_at_once(client, server, tiny_qwen3):
-    # A push that missed buckets (an engine too slow for one POST) leaves discarded weights unloaded after the
-    # resume: a request waiting since the release, and a new one, fail with 503 naming the cause instead of
-    # waiting for weights nothing will send; a full push serves again.
-    expected = generate(client, input_ids=[21, 22, 23], sampling_params=GREEDY)
-    body = {"tags": ["weights", "kv_cache", "cuda_graph"], "discard_weights": True}
-    assert client.post("/release_memory_occupation", json=body).status_code == 200
-    waiting = []
-    thread = post_in_background(server, "/generate", {"input_ids": [21, 22, 23], "sampling_params": GREEDY}, waiting)
-    time.sleep(0.3)
-    assert client.post("/resume_memory_occupation", json={"tags": body["tags"]}).status_code == 200
-    thread.join(30)
-    assert not thread.is_alive() and "discarded" in waiting[0]["message"], waiting
-    response = client.post("/generate", json={"input_ids": [21, 22, 23], "sampling_params": GREEDY})
-    assert response.status_code == 503 and "push every weight" in response.json()["message"]
-    assert client.post("/update_weights_from_disk", json={"model_path": str(tiny_qwen3)}).status_code == 200
-    assert generate(client, input_ids=[21, 22, 23], sampling_params=GREEDY)["output_ids"] == expected["output_ids"]
 
 
 @pytest.mark.parametrize(
