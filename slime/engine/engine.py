@@ -8,7 +8,6 @@ happen here. Not an HTTP layer and not a multi-process launcher.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import json
 import random
@@ -21,7 +20,7 @@ import torch
 from slime.engine.block_manager import BlockManager
 from slime.engine.config import Config
 from slime.engine.model_runner import ModelRunner
-from slime.engine.models import ModelConfig, load_model_config
+from slime.engine.models import load_model_config
 from slime.engine.models.weight_loader import load_checkpoint, load_weights, named_weight_shapes
 from slime.engine.request_output import RequestOutput
 from slime.engine.memory_tags import EngineMemoryReleasedError, EngineWeightsMissingError, memory_tags
@@ -340,7 +339,7 @@ class Engine:
 
     def update_weights_from_disk(self, model_path: str, weight_version: str | None = None) -> None:
         self._check_resident("load weights", tags=("weights",), needs_valid_weights=False)
-        if not _same_architecture(load_model_config(model_path), self.model_config):
+        if not load_model_config(model_path).same_architecture(self.model_config):
             raise ValueError(f"model_path {str(model_path)!r} has a different architecture than the engine's model")
         self._drain()
         load_checkpoint(self.model_runner.model, model_path)  # every weight, or a ValueError
@@ -404,10 +403,3 @@ class Engine:
 
 def _decode(tokenizer, token_ids: list[int], skip_special_tokens: bool) -> str:
     return tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
-
-
-def _same_architecture(a: ModelConfig, b: ModelConfig) -> bool:
-    """Equal up to fields that do not change parameter shapes or the forward pass's structure."""
-    return dataclasses.replace(a, torch_dtype=None, eos_token_ids=[]) == dataclasses.replace(
-        b, torch_dtype=None, eos_token_ids=[]
-    )

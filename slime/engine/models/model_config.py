@@ -7,7 +7,7 @@ listing what is supported. Knows nothing about modules or weights (see `decoder.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from slime.utils.moe_config import moe_layer_indices
@@ -54,6 +54,11 @@ class ModelConfig:
     @property
     def is_moe(self) -> bool:
         return bool(self.moe_layers)
+
+    def same_architecture(self, other: ModelConfig) -> bool:
+        """Equal up to fields that do not change parameter shapes or the forward pass's structure (the engine's
+        check before loading another checkpoint's weights)."""
+        return replace(self, torch_dtype=None, eos_token_ids=[]) == replace(other, torch_dtype=None, eos_token_ids=[])
 
 
 def supported_description() -> str:
