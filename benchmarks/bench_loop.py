@@ -93,16 +93,21 @@ def main() -> int:
         print(f"loop run failed (rc {loop_rc})")
         return 1
 
+    warmup = args.warmup_rollouts
+    # The loop's own numbers first: a call cut off during the floors' runs still reports them.
+    print("step time per rollout (s): " + ", ".join(f"{row['rollout_id']}: {row['perf/step_time']:.3f}"
+                                                    for row in loop_rows))
+    loop_medians = {key: steady(loop_rows, key, warmup) for key in TIMED_PHASES + PHASE_PARTS + ["perf/step_time"]}
+    print("loop medians (s): " + ", ".join(f"{k.removeprefix('perf/')} {v:.3f}" for k, v in loop_medians.items()),
+          flush=True)
+
     train_cmd, _ = train_command(args, out / "train_only")
     train_cmd += ["--debug-train-only", "--load-debug-rollout-data", str(rollouts_dir / "rollout_{rollout_id}.json")]
     train_rc = subprocess.run(train_cmd, cwd=REPO).returncode
     train_rows = read_metrics(out / "train_only")
 
     on_gpu = args.shape != "tiny"
-    warmup = args.warmup_rollouts
     steady_ids = [row["rollout_id"] for row in loop_rows if row["rollout_id"] >= warmup]
-    print("step time per rollout (s): " + ", ".join(f"{row['rollout_id']}: {row['perf/step_time']:.3f}"
-                                                    for row in loop_rows))
     engine = engine_floor(str(paths["model"]), [rollouts_dir / f"rollout_{i}.json" for i in steady_ids],
                           "cuda" if on_gpu else "cpu", temperature=1.0)
     engine_seconds = statistics.median(r["seconds"] for r in engine)
