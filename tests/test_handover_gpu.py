@@ -1,7 +1,8 @@
 """GPU checks of the colocated hand-over (skipped without CUDA): with the optimizer state moving on a side stream
 (fsdp_utils/offload.py) and the ref kept on the device (weight_snapshot.py), several train steps with an offload +
 onload between rollouts give bit for bit the parameters and optimizer state of a run without; ref log-probs from
-the device copy equal the host copy's; device memory after each offload is back to the first offload's (plus the
+the device copy equal the host copy's; a parameter written after its early copy to the host (train's end) reaches
+the host as written; device memory after each offload is back to the first offload's (plus the
 NCCL barrier tensor of the first checkpoint save); and an engine released without its weights (train.py's colocated
 release), resumed and pushed, generates what a fresh engine on the pushed weights does."""
 
@@ -58,10 +59,13 @@ def _rollouts(rank, world_size, port, checkpoint, save_dir, offload: bool):
             assert not trainer.snapshot.device_copies
             assert all(v.device.type == "cpu" for s in trainer.backend._optimizer.state.values() for v in s.values())
             after_offload.append(torch.cuda.memory_allocated())
-            host_buffers.append({local_tensor(v).data_ptr() for v in trainer.backend.training_state._host.values()})
+            offload_state = trainer.backend.training_state
+            host_buffers.append({local_tensor(v).data_ptr()
+                                 for v in [*offload_state._host.values(), *offload_state._host_params.values()]})
     if offload:
         trainer.onload()
-        # the optimizer state's pinned host buffers are allocated once and written again by later offloads
+        # the optimizer state's and the parameters' pinned host buffers are allocated once and written again by
+        # later offloads (rollout 1's save touched the optimizer: its parameters were copied again at the offload)
         assert host_buffers[0] and all(buffers == host_buffers[0] for buffers in host_buffers), host_buffers
     return _training_state(trainer), after_offload, onloads
 
@@ -94,6 +98,35 @@ def test_async_offload_onload_between_rollouts_equals_staying_on_the_device(tmp_
 
     margin = ONLOAD_MARGIN_FRACTION * torch.cuda.mem_get_info()[1]
     assert onloads and all(0 < taken <= predicted + margin for predicted, taken in onloads), onloads
+
+
+def _written_after_the_early_copy(rank, world_size, port, checkpoint, save_dir):
+    from fsdp_helpers import make_train_data
+
+    trainer = _trainer(port, checkpoint, save_dir, offload=True)
+    trainer.train(0, make_train_data(8, vocab_size=300, seed=5, num_steps=2))  # queues the early copies to the host
+    shards = lambda: {name: t.detach().cpu().clone() for name, t in trainer.backend.local_weights()}  # noqa: E731
+    trained = shards()
+    trainer.snapshot.restore("ref")  # every shard written in place after its early copy
+    written = shards()
+    trainer.offload()
+    on_host = shards()
+    trainer.onload()
+    return trained, written, on_host, shards()
+
+
+def test_a_parameter_written_after_its_early_copy_is_offloaded_as_written(tmp_path):
+    from fsdp_helpers import run_distributed
+
+    from slime.utils.tiny_model import build_tiny_model
+
+    checkpoint = str(build_tiny_model(tmp_path / "tiny", arch="qwen3", seed=7))
+    trained, written, on_host, back = run_distributed(_written_after_the_early_copy, 1, checkpoint,
+                                                      str(tmp_path / "w"))[0]
+    assert any(not torch.equal(trained[name], written[name]) for name in trained)  # the restore changed them
+    for name in written:
+        assert torch.equal(on_host[name], written[name]), name
+        assert torch.equal(back[name], written[name]), name
 
 
 def _ref_log_probs(rank, world_size, port, checkpoint, save_dir, on_host: bool):

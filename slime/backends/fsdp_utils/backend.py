@@ -188,7 +188,7 @@ class FSDPBackend(TrainBackend):
     # ---------------------------------------------------------------------------------------- memory
     def prepare_offload(self) -> None:
         if self.training_state is not None:
-            self.training_state.optimizer_state_to_host(self._optimizer)
+            self.training_state.to_host_early(self.model, self._optimizer)
 
     def offload(self) -> None:
         if self.training_state is not None:

@@ -1,20 +1,24 @@
 """TrainingStateOffload: the FSDP trainer's colocated offload / onload, with the optimizer state off the critical
 path.
 
-Onload brings the parameters back on the compute stream and waits for them (the log-prob pass reads them first);
-the optimizer state follows on a side stream from its pinned host copies, after the parameters, while the log-prob
-pass runs. Offload: the optimizer state's device-to-host copy may start right after the last optimizer step
-(`optimizer_state_to_host`; the weight push never reads it), so when the push is done only the parameters are left
-to move. Every reader or writer of the optimizer state goes through `optimizer_state_touched` first (FSDPBackend's
-`optimizer` property): the compute stream waits for a copy in flight, and the host buffers stop counting as the
-state's current value, so a later offload copies it again. Device memory is freed only after a device-wide
-synchronize, when no copy still reads it.
+Onload queues the parameters' upload on the compute stream and returns without waiting for it: every reader of
+the parameters runs on that stream, after the copies, so the train call's host work (its data, its packing) runs
+while they land. The optimizer state follows on a side stream from its pinned host copies, after the parameters,
+while the log-prob pass runs. Offload: right after the last optimizer step (`to_host_early`) the optimizer state's
+and the parameters' device-to-host copies start on the side stream, while the weight push reads the parameters (a
+read beside a read), so when the push is done the copies are mostly done too. Every reader or writer of the
+optimizer state goes through `optimizer_state_touched` first (FSDPBackend's `optimizer` property): the compute
+stream waits for a copy in flight, and the host buffers stop counting as the current value, so a later offload
+copies again; a parameter shard written in place since its early copy (a weight snapshot's restore, by its version
+counter) is copied again too. Device memory is freed only after a device-wide synchronize, when no copy still reads
+it.
 
 Parameters are swapped in place (the optimizer's references stay valid); gathered parameters (the root's, and every
 layer's with --no-reshard-after-forward) are freed first, so only the shards move. On the way back to the device,
 parameters and optimizer state each land in one allocation per dtype (flat_buffer.py), not one per tensor: after
 the offload's empty_cache every allocation is a driver call, and every free another. To the host they go through
-`.to(non_blocking=True)`, which pins from the caching host allocator: allocated once, reused by later offloads.
+`.to(non_blocking=True)`, which pins from the caching host allocator, once: later offloads copy into the same host
+tensors.
 
 Not here: the Megatron trainer's offload (megatron_utils/offload.py, by storage).
 """
@@ -31,6 +35,7 @@ from slime.backends.side_stream import SideStream
 from slime.utils.flat_buffer import flat_empty
 
 OPTIMIZER_STATE = "optimizer_state"
+PARAMETERS = "parameters"
 
 
 def optimizer_state_tensors(optimizer: torch.optim.Optimizer, on_device: bool) -> list[tuple[tuple, dict, str]]:
@@ -69,13 +74,11 @@ def uploaded(values: list[torch.Tensor], device, copying=contextlib.nullcontext(
     return [with_local(value, view) for value, view in zip(values, views)]
 
 
-def move_parameters(model: torch.nn.Module, device) -> None:
-    """Swap the model's parameter shards to `device`, non-blocking: to the host into pinned memory (`.to`), to the
-    device into one flat allocation per dtype (`place_parameters`)."""
+def parameters_to_device(model: torch.nn.Module, device) -> None:
+    """Swap the model's (resharded) parameter shards back to `device`, non-blocking, into one flat allocation per
+    dtype (`place_parameters`), unless they are there already."""
     reshard(model)
-    if torch.device(device).type == "cpu":
-        swap_module_tensors(model, lambda t: t.to("cpu", non_blocking=True))
-    elif not all(local_tensor(param).is_cuda for param in model.parameters()):  # else already there
+    if not all(local_tensor(param).is_cuda for param in model.parameters()):
         place_parameters(model, device)
 
 
@@ -106,12 +109,18 @@ class TrainingStateOffload:
         # takes it from the caching host allocator, which reuses it across offloads)
         self._host: dict[tuple[int, str], torch.Tensor] = {}
         self._host_current = False  # the host copies hold the optimizer state's current value
+        # parameter id -> its shard's host copy (pinned, reused across offloads like the state's), and the version
+        # counters of the device shards when their early copy was queued; empty: no early copy stands
+        self._host_params: dict[int, torch.Tensor] = {}
+        self._early_param_versions: dict[int, int] = {}
 
     def optimizer_state_touched(self) -> None:
         """Called before anything reads or writes the optimizer state: the compute stream waits for its copy in
         flight, and the host copies may be stale from now on."""
         self.copies.wait(OPTIMIZER_STATE)
+        self.copies.wait(PARAMETERS)  # a step writes the parameters: not while their early copy reads them
         self._host_current = False
+        self._early_param_versions = {}  # and the step bumps no version counter: the early copy is stale
 
     def optimizer_state_to_host(self, optimizer: torch.optim.Optimizer) -> None:
         """Start copying the (device) optimizer state to the host, after the work queued so far (the last optimizer
@@ -122,14 +131,33 @@ class TrainingStateOffload:
             self._host = {id_key: self._into_host_copy(id_key, state[key]) for id_key, state, key in entries}
         self._host_current = True
 
+    def to_host_early(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        """After the rollout's last optimizer step: start the optimizer state's and the parameter shards' copies to
+        the host; the offload after the weight push then mostly waits for copies already done."""
+        self.optimizer_state_to_host(optimizer)
+        reshard(model)
+        params = list(model.parameters())
+        with self.copies.copying(PARAMETERS):
+            self._host_params = {id(param): self._into_host_copy(id(param), param, self._host_params)
+                                 for param in params}
+        self._early_param_versions = {id(param): local_tensor(param)._version for param in params}
+
+    def _early_parameter(self, param: torch.Tensor) -> torch.Tensor | None:
+        """`param`'s early host copy if it still holds the shard's value (no optimizer touch, no in-place write
+        since), else None. Called after a synchronize: the copy is complete."""
+        version = self._early_param_versions.get(id(param))
+        if version is None or local_tensor(param)._version != version:
+            return None
+        return self._host_params[id(param)]
+
     @torch.no_grad()
-    def _into_host_copy(self, id_key: tuple, value: torch.Tensor) -> torch.Tensor:
+    def _into_host_copy(self, id_key, value: torch.Tensor, hosts: dict | None = None) -> torch.Tensor:
         """`value`'s host copy, queued: into its last host copy when that has the same layout, else a new one. So
         the run pins one set of host buffers: a new set per offload would pin another 4.8 GB for a 0.6B model while
         the last is still referenced (likely most of the 1.7 s unaccounted in an H200 run's second rollout). The
         last copy's readers are done or ordered before: the onload's upload from it ran earlier on this same side
         stream, and nothing reads it as the state once the state is back on the device."""
-        host = self._host.get(id_key)
+        host = (self._host if hosts is None else hosts).get(id_key)
         source = local_tensor(value)
         if host is None or local_tensor(host).shape != source.shape or local_tensor(host).dtype != source.dtype:
             return value.to("cpu", non_blocking=True)
@@ -140,16 +168,26 @@ class TrainingStateOffload:
         """Parameters and optimizer state to the host; returns once every copy is done and the cache released."""
         if not self._host_current:
             self.optimizer_state_to_host(optimizer)
-        move_parameters(model, "cpu")
-        torch.cuda.synchronize(self.device)  # both streams: the host copies are complete, no copy reads the device
-        self.copies.wait(OPTIMIZER_STATE)  # already complete: drops the event
+        reshard(model)
+        torch.cuda.synchronize(self.device)  # both streams: the early copies are complete
+        self.copies.wait(OPTIMIZER_STATE)  # already complete: drop the events
+        self.copies.wait(PARAMETERS)
+        early = {id(param): self._early_parameter(param) for param in model.parameters()}
+        swap_module_tensors(model, lambda t: early.get(id(t)) if early.get(id(t)) is not None
+                            else t.to("cpu", non_blocking=True))
+        torch.cuda.synchronize(self.device)  # the copies of what changed since: no copy reads the device
+        # the shards' host storage, held beside the parameters' (the next early copy writes into it)
+        self._host_params = {id(param): param.detach() for param in model.parameters()}
+        self._early_param_versions = {}
         for id_key, state, key in optimizer_state_tensors(optimizer, on_device=True):
             state[key] = self._host[id_key]
         torch.cuda.empty_cache()
 
     def onload(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
-        """Parameters back (waited for); the optimizer state's upload queued behind them on the side stream."""
-        move_parameters(model, self.device)
+        """Parameters' upload queued on the compute stream (not waited for: their readers are ordered after it on
+        that stream; the pinned host blocks are kept until the copies are done, by the caching host allocator's
+        events and by `_host_params`); the optimizer state's queued behind them on the side stream."""
+        parameters_to_device(model, self.device)
         entries = optimizer_state_tensors(optimizer, on_device=False)
         from_host_copies = (not optimizer_state_tensors(optimizer, on_device=True)
                             and all(state[key] is self._host.get(id_key) for id_key, state, key in entries))
@@ -159,4 +197,3 @@ class TrainingStateOffload:
         for (_, state, key), value in zip(entries, moved):
             state[key] = value
         self._host_current = from_host_copies  # until the first touch: an offload before it has nothing to copy
-        torch.cuda.current_stream(self.device).synchronize()  # the parameters only
