@@ -1,6 +1,7 @@
 """The FSDP trainer's side of the colocated hand-over on one GPU, alone: `TrainFlow.offload()` (the optimizer state's
-copy already started after the last step, as in a run) and `onload()` (returns once the parameters are back; the
-optimizer state follows on a side stream), with the bytes each moves and the effective bandwidth. The model is a
+and the parameters' copies already started after the last step, as in a run, and done here before the offload is
+timed) and `onload()` (returns once the uploads are queued: the parameters on the compute stream, the optimizer state
+on a side stream; `onload_all` waits for both), with the bytes each moves and the effective bandwidth. The model is a
 random Qwen3-shaped checkpoint with a ref (--use-kl-loss), fp32 master parameters, fused AdamW. Prints one JSON
 line of medians, milliseconds. Not a pass/fail test; the device operations alone: handover_primitives.py.
 
@@ -54,7 +55,7 @@ def main() -> None:
     times: dict[str, list[float]] = {}
     sizes = {}
     for rollout_id in range(cli.repeats + 1):
-        trainer.train(rollout_id, data)  # its last step starts the optimizer state's copy to the host
+        trainer.train(rollout_id, data)  # its last step starts the optimizer state's and the parameters' copies to the host
         torch.cuda.synchronize()
         sizes = {"param_gb": tensor_bytes(trainer.model.parameters()) / 1e9,
                  "optimizer_state_gb": tensor_bytes(v for s in optimizer.state.values() for v in s.values()
@@ -70,7 +71,7 @@ def main() -> None:
         torch.cuda.synchronize()
         onload_all = time.perf_counter() - start
         if rollout_id:  # the first round pins the host memory
-            for key, seconds in (("offload", offload), ("onload_to_parameters", onload), ("onload_all", onload_all)):
+            for key, seconds in (("offload", offload), ("onload_call", onload), ("onload_all", onload_all)):
                 times.setdefault(key, []).append(seconds)
     medians = {key: statistics.median(values) for key, values in times.items()}
     moved_gb = sum(sizes.values())

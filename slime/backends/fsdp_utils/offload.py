@@ -142,13 +142,11 @@ class TrainingStateOffload:
                                  for param in params}
         self._early_param_versions = {id(param): local_tensor(param)._version for param in params}
 
-    def _early_parameter(self, param: torch.Tensor) -> torch.Tensor | None:
-        """`param`'s early host copy if it still holds the shard's value (no optimizer touch, no in-place write
-        since), else None. Called after a synchronize: the copy is complete."""
+    def _early_copy_current(self, param: torch.Tensor) -> bool:
+        """Whether `param`'s early host copy still holds the shard's value: no optimizer touch and no in-place
+        write since it was queued."""
         version = self._early_param_versions.get(id(param))
-        if version is None or local_tensor(param)._version != version:
-            return None
-        return self._host_params[id(param)]
+        return version is not None and local_tensor(param)._version == version
 
     @torch.no_grad()
     def _into_host_copy(self, id_key, value: torch.Tensor, hosts: dict | None = None) -> torch.Tensor:
@@ -169,16 +167,21 @@ class TrainingStateOffload:
         if not self._host_current:
             self.optimizer_state_to_host(optimizer)
         reshard(model)
-        torch.cuda.synchronize(self.device)  # both streams: the early copies are complete
+        params = list(model.parameters())
+        stale = [param for param in params if not self._early_copy_current(param)]
+        if stale:  # written since their early copy, or none was made: copied again, into the same host buffers
+            with self.copies.copying(PARAMETERS):
+                self._host_params.update((id(param), self._into_host_copy(id(param), param, self._host_params))
+                                         for param in stale)
+        torch.cuda.synchronize(self.device)  # both streams: every host copy is complete, no copy reads the device
         self.copies.wait(OPTIMIZER_STATE)  # already complete: drop the events
         self.copies.wait(PARAMETERS)
-        early = {id(param): self._early_parameter(param) for param in model.parameters()}
-        swap_module_tensors(model, lambda t: early.get(id(t)) if early.get(id(t)) is not None
-                            else t.to("cpu", non_blocking=True))
-        torch.cuda.synchronize(self.device)  # the copies of what changed since: no copy reads the device
-        # the shards' host storage, held beside the parameters' (the next early copy writes into it)
-        self._host_params = {id(param): param.detach() for param in model.parameters()}
         self._early_param_versions = {}
+        # The parameters take their host copies' storage (as new Parameter objects: the host copies stay as they
+        # are, the next early copy writes into them); gradients and buffers move one by one.
+        on_host = {id(param): self._host_params[id(param)] for param in params}
+        swap_module_tensors(model, lambda t: on_host[id(t)] if id(t) in on_host else t.to("cpu", non_blocking=True))
+        torch.cuda.synchronize(self.device)
         for id_key, state, key in optimizer_state_tensors(optimizer, on_device=True):
             state[key] = self._host[id_key]
         torch.cuda.empty_cache()
