@@ -204,3 +204,40 @@ def test_engine_released_without_its_weights_then_pushed_equals_a_fresh_engine(t
     engine.resume_memory(None)
     with pytest.raises(EngineWeightsMissingError, match="discard_weights"):
         engine.generate(prompts, greedy)
+
+
+def test_decode_graphs_kept_across_colocated_releases_generate_as_a_fresh_engine(tmp_path):
+    """train.py's colocated cycle on a built-in engine (weights discarded, no cuda_graph tag: the graphs are parked),
+    three times, the pushed checkpoint alternating: every cycle generates what a fresh engine on the pushed weights
+    does, whether the resume kept the graphs (same addresses) or captured new ones. Which it was is printed: the
+    first cycle cannot keep them (the weights come back as one flat allocation instead of one per tensor)."""
+    from slime.engine.engine import Engine
+    from slime.engine.models.weight_loader import iterate_checkpoint
+    from slime.utils.tiny_model import build_tiny_model
+
+    checkpoints = [build_tiny_model(tmp_path / name, arch="qwen3", initializer_range=0.2, seed=seed)
+                   for seed, name in enumerate(["first", "second"])]
+    prompts = [[10, 20, 30, 40, 50], list(range(5, 40))] * 3
+    greedy = {"temperature": 0.0, "max_new_tokens": 64, "ignore_eos": True}
+    expected = []
+    for checkpoint in checkpoints:
+        fresh = Engine(str(checkpoint), device="cuda", num_kvcache_blocks=256)
+        expected.append(fresh.generate(prompts, greedy))
+        del fresh
+        gc.collect()
+    engine = Engine(str(checkpoints[0]), device="cuda", num_kvcache_blocks=256)
+    engine.generate(prompts, greedy)
+    assert engine.model_runner.decode_graphs is not None
+    kept = []
+    for cycle, which in enumerate([1, 0, 1, 0]):
+        engine.release_memory(["weights", "kv_cache"], discard_weights=True)
+        engine.resume_memory(["weights"])
+        engine.update_weights_from_tensors(list(iterate_checkpoint(checkpoints[which])), weight_version=str(cycle))
+        engine.resume_memory(["kv_cache", "cuda_graph"])
+        kept.append(engine.model_runner.decode_graphs is not None)
+        outputs = engine.generate(prompts, greedy)
+        for output, reference in zip(outputs, expected[which]):
+            assert output["output_ids"] == reference["output_ids"], (cycle, kept)
+            assert output["output_log_probs"] == pytest.approx(reference["output_log_probs"], abs=1e-3)
+    print(f"decode graphs kept by the resume of cycles 0-3: {kept}")
+    assert not kept[0]
