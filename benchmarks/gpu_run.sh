@@ -17,7 +17,7 @@ loop_bench() {  # TAG [smoke flags]: bench_loop.py; its metrics come back as $OU
   local tag=$1; shift
   python3 benchmarks/bench_loop.py /tmp/$tag "$@"; local rc=$?
   cp /tmp/$tag/loop/metrics.jsonl $OUT/${tag}_metrics.jsonl
-  cat /tmp/$tag/loop/engine_*.log 2>/dev/null | grep -i "captured\|engine busy\|decode CUDA graphs" | tail -24; return $rc
+  cat /tmp/$tag/loop/engine_*.log 2>/dev/null | grep -i "captured\|engine busy" | tail -12; return $rc
 }
 run_step() {
   case $1 in
