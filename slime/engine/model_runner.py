@@ -17,9 +17,8 @@ import numpy as np
 import torch
 
 from slime.engine.config import Config
-from slime.engine.cuda_graph import DecodeGraphs, ParkedGraphs, baked_addresses
+from slime.engine.cuda_graph import DecodeGraphs
 from slime.engine.decode_rows import DecodeRows
-from slime.engine.device import resolve_device, resolve_dtype
 from slime.engine.host_staging import HostStaging
 from slime.engine.host_weights import HostWeights
 from slime.engine.kernel_checks import grouped_mm_works, triton_attention_works, triton_fused_kernels_work
@@ -47,6 +46,22 @@ class LaunchedStep:
     tokens: torch.Tensor
     results: torch.Tensor
     ready: torch.cuda.Event | None
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device='cuda' but CUDA is not available; use device='cpu'")
+    return torch.device(device)
+
+
+def resolve_dtype(dtype: str, device: torch.device, checkpoint_dtype: str | None) -> torch.dtype:
+    if dtype != "auto":
+        return getattr(torch, dtype)
+    if device.type == "cpu":
+        return torch.float32
+    return torch.float16 if checkpoint_dtype == "float16" else torch.bfloat16
 
 
 class ModelRunner:
@@ -79,7 +94,6 @@ class ModelRunner:
         max_model_len = config.max_model_len or model_config.max_position_embeddings
         self.max_num_blocks_per_seq = min(-(-max_model_len // self.block_size), self.num_kvcache_blocks)
         self.decode_graphs: DecodeGraphs | None = None
-        self.parked_graphs = ParkedGraphs()  # while a release that keeps the graphs' memory has freed what they read
         self.captured_decode_graphs = False  # the first DecodeGraphs captures every bucket; later ones lazily
         self.graph_capture_stats = {"graphs": 0, "seconds": 0.0}  # every capture since start-up (engine loop logs it)
         self.decode_rows = DecodeRows(model_config.vocab_size, self.block_size)
@@ -105,7 +119,6 @@ class ModelRunner:
             self.kv_cache_zeroed = True
         self.use_cuda_graphs = enabled and cuda_graphs and not self.config.enforce_eager
         self.decode_graphs = None
-        self.parked_graphs.clear()
         self.model.set_use_triton(enabled if fused is None else fused)
 
     # ---- memory -------------------------------------------------------------------------------------------------
@@ -182,24 +195,6 @@ class ModelRunner:
         slots = np.asarray(block_table, dtype=np.int64)[positions // self.block_size] * self.block_size
         slots += positions % self.block_size
         return self.routed_experts[self.staging.to_device(slots)].cpu().numpy()
-
-    def park_decode_graphs(self, keep: bool) -> None:
-        """Before a release: the decode graphs set aside with the addresses they bake in (`keep`: the release keeps
-        their own memory), else dropped."""
-        if keep and self.decode_graphs is not None:
-            self.parked_graphs.park(self.decode_graphs, self._baked_addresses())
-        elif not keep:
-            self.parked_graphs.clear()
-        self.decode_graphs = None
-
-    def unpark_decode_graphs(self) -> None:
-        """After a resume of the weights and KV cache: the parked graphs back if those came back where they were."""
-        graphs = self.parked_graphs.take(self._baked_addresses())
-        if graphs is not None:
-            self.decode_graphs = graphs
-
-    def _baked_addresses(self) -> tuple[int, ...]:
-        return baked_addresses(self.model, self.kv_cache, self.routed_experts)
 
     def release_weights(self, discard_names: set[str] | None = None) -> None:
         """Free the parameters' device storage, copied to the host first unless discarded: `discard_names` are the
