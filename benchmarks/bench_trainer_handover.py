@@ -1,7 +1,7 @@
 """The FSDP trainer's side of the colocated hand-over on one GPU, alone: `TrainFlow.offload()` (the optimizer state's
 and the parameters' copies already started after the last step, as in a run, and done here before the offload is
-timed) and `onload()` (returns once the uploads are queued: the parameters on the compute stream, the optimizer state
-on a side stream; `onload_all` waits for both), with the bytes each moves and the effective bandwidth. The model is a
+timed) and `onload()` (returns once the parameters are back; the optimizer state follows on a side stream, which
+`onload_all` waits for too), with the bytes each moves and the effective bandwidth. The model is a
 random Qwen3-shaped checkpoint with a ref (--use-kl-loss), fp32 master parameters, fused AdamW. Prints one JSON
 line of medians, milliseconds. Not a pass/fail test; the device operations alone: handover_primitives.py.
 
@@ -71,7 +71,7 @@ def main() -> None:
         torch.cuda.synchronize()
         onload_all = time.perf_counter() - start
         if rollout_id:  # the first round pins the host memory
-            for key, seconds in (("offload", offload), ("onload_call", onload), ("onload_all", onload_all)):
+            for key, seconds in (("offload", offload), ("onload_to_parameters", onload), ("onload_all", onload_all)):
                 times.setdefault(key, []).append(seconds)
     medians = {key: statistics.median(values) for key, values in times.items()}
     moved_gb = sum(sizes.values())

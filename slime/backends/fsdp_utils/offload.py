@@ -1,10 +1,10 @@
 """TrainingStateOffload: the FSDP trainer's colocated offload / onload, with the optimizer state off the critical
 path.
 
-Onload queues the parameters' upload on the compute stream and returns without waiting for it: every reader of
-the parameters runs on that stream, after the copies, so the train call's host work (its data, its packing) runs
-while they land. The optimizer state follows on a side stream from its pinned host copies, after the parameters,
-while the log-prob pass runs. Offload: right after the last optimizer step (`to_host_early`) the optimizer state's
+Onload brings the parameters back on the compute stream and waits for them (the log-prob pass reads them first;
+returning before they landed only moved the wait into that pass, and made it longer: H200, RESULTS.md); the
+optimizer state follows on a side stream from its pinned host copies, after the parameters, while the log-prob pass
+runs. Offload: right after the last optimizer step (`to_host_early`) the optimizer state's
 and the parameters' device-to-host copies start on the side stream, while the weight push reads the parameters (a
 read beside a read), so when the push is done the copies are mostly done too. Every reader or writer of the
 optimizer state goes through `optimizer_state_touched` first (FSDPBackend's `optimizer` property): the compute
@@ -187,9 +187,7 @@ class TrainingStateOffload:
         torch.cuda.empty_cache()
 
     def onload(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
-        """Parameters' upload queued on the compute stream (not waited for: their readers are ordered after it on
-        that stream; the pinned host blocks are kept until the copies are done, by the caching host allocator's
-        events and by `_host_params`); the optimizer state's queued behind them on the side stream."""
+        """Parameters back (waited for); the optimizer state's upload queued behind them on the side stream."""
         parameters_to_device(model, self.device)
         entries = optimizer_state_tensors(optimizer, on_device=False)
         from_host_copies = (not optimizer_state_tensors(optimizer, on_device=True)
@@ -200,3 +198,4 @@ class TrainingStateOffload:
         for (_, state, key), value in zip(entries, moved):
             state[key] = value
         self._host_current = from_host_copies  # until the first touch: an offload before it has nothing to copy
+        torch.cuda.current_stream(self.device).synchronize()  # the parameters only
