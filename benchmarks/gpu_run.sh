@@ -94,6 +94,10 @@ run_step() {
     # The trainer's layers compiled (its steady speed); rollouts 0-1 are warm-up, dynamo's recompiles are logged.
     loop_bench) TORCH_LOGS=recompiles loop_bench loop_bench --train-args=--compile-model --num-rollout 7 --warmup-rollouts 2 ;;
     loop_bench_eager) loop_bench loop_bench_eager ;;
+    # The same with the engine's KV cache sized near the rollout's need (~40 GB for its 14.7 GB of KV) instead of 90%
+    # of the device: the colocated hand-over frees and allocates it every rollout (120 GB: 409 ms alone).
+    loop_bench_kv_sized) TORCH_LOGS=recompiles loop_bench loop_bench_kv_sized \
+                           "--train-args=--compile-model --sglang-mem-fraction-static 0.3" --num-rollout 7 --warmup-rollouts 2 ;;
     # The colocated hand-over's parts (release, resumes, per-bucket push: per-tensor vs packed handles, WeightSender)
     # against a real engine server, Qwen3-0.6B shape in bf16; then the CUDA IPC push into the real engine.
     # Then the device operations they are made of, alone (allocation, pinned / pageable copies, KV zero fill), and
