@@ -98,6 +98,10 @@ run_step() {
     # of the device: the colocated hand-over frees and allocates it every rollout (120 GB: 409 ms alone).
     loop_bench_kv_sized) TORCH_LOGS=recompiles loop_bench loop_bench_kv_sized \
                            "--train-args=--compile-model --sglang-mem-fraction-static 0.3" --num-rollout 7 --warmup-rollouts 2 ;;
+    # And with the trainer staying on the GPU (slime's "no offload in colocate"): only the engine releases and resumes.
+    loop_bench_resident) TORCH_LOGS=recompiles loop_bench loop_bench_resident \
+                           "--train-args=--compile-model --sglang-mem-fraction-static 0.3 --no-offload-train" \
+                           --num-rollout 7 --warmup-rollouts 2 ;;
     # The colocated hand-over's parts (release, resumes, per-bucket push: per-tensor vs packed handles, WeightSender)
     # against a real engine server, Qwen3-0.6B shape in bf16; then the CUDA IPC push into the real engine.
     # Then the device operations they are made of, alone (allocation, pinned / pageable copies, KV zero fill), and
