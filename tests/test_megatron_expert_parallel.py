@@ -36,8 +36,13 @@ def _ep_run(rank, world_size, port, checkpoint, save_dir):
     from slime.backends.megatron_utils.micro_batches import run_micro_batches
     from slime.backends.megatron_utils.optimizer import build_distributed_optimizer, clip_grad_norm, wrap_data_parallel
 
+    # Adam's eps well above the smallest gradients: its first step moves a weight by lr * g / (|g| + eps), which
+    # for |g| near the default 1e-8 turns the gradients' rounding (EP=2 sums in another order; ~1e-11 here, and it
+    # differs between CPUs) into weight differences of ~5e-6. At 1e-4 a weight moves at most lr / eps = 100 times
+    # its gradient's difference, so the updated weights stay comparable to 1e-6.
     args = make_megatron_args(checkpoint, "--expert-model-parallel-size", world_size, "--lr", "1e-2",
-                              "--lr-warmup-iters", "0", "--weight-decay", "0", world_size=world_size)
+                              "--lr-warmup-iters", "0", "--weight-decay", "0", "--adam-eps", "1e-4",
+                              world_size=world_size)
     chunks, hf_config = build_megatron(args, rank, world_size, port)
     ddp_chunks = wrap_data_parallel(chunks)  # the backend's path: DDP grad buffers, the distributed optimizer
     optimizer, _ = build_distributed_optimizer(args, ddp_chunks, torch.float32)
