@@ -62,6 +62,20 @@ def with_local(value: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
+def into_host_copy(host: torch.Tensor | None, value: torch.Tensor) -> torch.Tensor:
+    """`value`'s host copy, queued: into `host` (its last host copy) when that has the same layout, else a new one
+    (pinned, from the caching host allocator). So the run pins one set of host buffers: a new set per offload would
+    pin another 4.8 GB for a 0.6B model while the last is still referenced (likely most of the 1.7 s unaccounted in
+    an H200 run's second rollout). The last copy's readers are done or ordered before: the onload's uploads from it
+    were queued earlier, and each copy into it starts after the work queued so far (SideStream.copying)."""
+    source = local_tensor(value)
+    if host is None or local_tensor(host).shape != source.shape or local_tensor(host).dtype != source.dtype:
+        return value.to("cpu", non_blocking=True)
+    local_tensor(host).copy_(source, non_blocking=True)
+    return host
+
+
+@torch.no_grad()
 def uploaded(values: list[torch.Tensor], device, copying=contextlib.nullcontext()) -> list[torch.Tensor]:
     """Device copies of `values` (host tensors or DTensors with host shards) in views of one allocation per dtype
     (flat_buffer.py), allocated on the current stream; the non-blocking copies queued inside `copying` (default:
@@ -128,7 +142,7 @@ class TrainingStateOffload:
         keeps the layout (a DTensor built with `from_local` would move a host shard back to the mesh's device)."""
         entries = optimizer_state_tensors(optimizer, on_device=True)
         with self.copies.copying(OPTIMIZER_STATE):
-            self._host = {id_key: self._into_host_copy(id_key, state[key]) for id_key, state, key in entries}
+            self._host = {id_key: into_host_copy(self._host.get(id_key), state[key]) for id_key, state, key in entries}
         self._host_current = True
 
     def to_host_early(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
@@ -137,30 +151,21 @@ class TrainingStateOffload:
         self.optimizer_state_to_host(optimizer)
         reshard(model)
         params = list(model.parameters())
-        with self.copies.copying(PARAMETERS):
-            self._host_params = {id(param): self._into_host_copy(id(param), param, self._host_params)
-                                 for param in params}
+        self._parameters_to_host(params)
         self._early_param_versions = {id(param): local_tensor(param)._version for param in params}
+
+    def _parameters_to_host(self, params: list[torch.Tensor]) -> None:
+        """Queue the copies of `params`' shards into their host copies (new ones the first time), on the side
+        stream after the work queued so far."""
+        with self.copies.copying(PARAMETERS):
+            self._host_params.update((id(param), into_host_copy(self._host_params.get(id(param)), param))
+                                     for param in params)
 
     def _early_copy_current(self, param: torch.Tensor) -> bool:
         """Whether `param`'s early host copy still holds the shard's value: no optimizer touch and no in-place
         write since it was queued."""
         version = self._early_param_versions.get(id(param))
         return version is not None and local_tensor(param)._version == version
-
-    @torch.no_grad()
-    def _into_host_copy(self, id_key, value: torch.Tensor, hosts: dict | None = None) -> torch.Tensor:
-        """`value`'s host copy, queued: into its last host copy when that has the same layout, else a new one. So
-        the run pins one set of host buffers: a new set per offload would pin another 4.8 GB for a 0.6B model while
-        the last is still referenced (likely most of the 1.7 s unaccounted in an H200 run's second rollout). The
-        last copy's readers are done or ordered before: the onload's upload from it ran earlier on this same side
-        stream, and nothing reads it as the state once the state is back on the device."""
-        host = (self._host if hosts is None else hosts).get(id_key)
-        source = local_tensor(value)
-        if host is None or local_tensor(host).shape != source.shape or local_tensor(host).dtype != source.dtype:
-            return value.to("cpu", non_blocking=True)
-        local_tensor(host).copy_(source, non_blocking=True)
-        return host
 
     def offload(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
         """Parameters and optimizer state to the host; returns once every copy is done and the cache released."""
@@ -170,9 +175,7 @@ class TrainingStateOffload:
         params = list(model.parameters())
         stale = [param for param in params if not self._early_copy_current(param)]
         if stale:  # written since their early copy, or none was made: copied again, into the same host buffers
-            with self.copies.copying(PARAMETERS):
-                self._host_params.update((id(param), self._into_host_copy(id(param), param, self._host_params))
-                                         for param in stale)
+            self._parameters_to_host(stale)
         torch.cuda.synchronize(self.device)  # both streams: every host copy is complete, no copy reads the device
         self.copies.wait(OPTIMIZER_STATE)  # already complete: drop the events
         self.copies.wait(PARAMETERS)
@@ -181,7 +184,7 @@ class TrainingStateOffload:
         # are, the next early copy writes into them); gradients and buffers move one by one.
         on_host = {id(param): self._host_params[id(param)] for param in params}
         swap_module_tensors(model, lambda t: on_host[id(t)] if id(t) in on_host else t.to("cpu", non_blocking=True))
-        torch.cuda.synchronize(self.device)
+        torch.cuda.synchronize(self.device)  # the gradients' and buffers' copies
         for id_key, state, key in optimizer_state_tensors(optimizer, on_device=True):
             state[key] = self._host[id_key]
         torch.cuda.empty_cache()
