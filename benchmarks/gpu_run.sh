@@ -102,6 +102,11 @@ run_step() {
     loop_bench_resident) TORCH_LOGS=recompiles loop_bench loop_bench_resident \
                            "--train-args=--compile-model --sglang-mem-fraction-static 0.3 --no-offload-train" \
                            --num-rollout 7 --warmup-rollouts 2 ;;
+    # Neither side offloads (slime's --no-offload-train --no-offload-rollout under --colocate): the hand-over is the
+    # weight push alone, and the engine keeps its CUDA graphs (weights and KV cache stay where they are).
+    loop_bench_no_offload) TORCH_LOGS=recompiles loop_bench loop_bench_no_offload \
+                           "--train-args=--compile-model --sglang-mem-fraction-static 0.3 --no-offload-train --no-offload-rollout" \
+                           --num-rollout 7 --warmup-rollouts 2 ;;
     # The colocated hand-over's parts (release, resumes, per-bucket push: per-tensor vs packed handles, WeightSender)
     # against a real engine server, Qwen3-0.6B shape in bf16; then the CUDA IPC push into the real engine.
     # Then the device operations they are made of, alone (allocation, pinned / pageable copies, KV zero fill), and
