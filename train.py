@@ -63,13 +63,18 @@ def create_training_models(args, placements, rollout_manager):
     return actor, critic, start_rollout_id
 
 
-def hand_over_to_train(args, actor, rollout_manager) -> dict:
-    """Colocated: the engines release their memory and the trainer takes its own back (update_weights times the way
-    back). The engines drop their weights rather than save them: update_weights pushes every weight before they
-    generate again. The trainer's onload runs during the release when it fits beside the engines' memory."""
+def rollout_and_hand_over(args, actor, rollout_manager, rollout_id) -> tuple[list, dict]:
+    """The rollout, then (colocated) the hand-over of the devices to the trainer while the manager turns the samples
+    into train data: the engines release their memory (first in the manager's queue) and the trainer takes its own
+    back, beside the release when it fits beside the engines' memory. The engines drop their weights rather than
+    save them: update_weights pushes every weight before they generate again. Returns (train data refs, metrics)."""
+    ray.get(rollout_manager.rollout.remote(rollout_id))
+    if args.debug_rollout_only:
+        return ray.get(rollout_manager.train_data.remote(rollout_id))
     start = time.perf_counter()
     metrics = {}
     release = rollout_manager.offload.remote(discard_weights=True) if args.offload_rollout else None
+    train_data = rollout_manager.train_data.remote(rollout_id)
     if args.offload_train:
         with timed(metrics, "perf/train_onload_time"):
             if release is None:
@@ -78,7 +83,11 @@ def hand_over_to_train(args, actor, rollout_manager) -> dict:
                 metrics["perf/train_onload_beside_release"] = float(actor.onload_beside(release))
     if release is not None:
         metrics["perf/engine_release_time"] = ray.get(release)
-    return {**metrics, "perf/hand_over_to_train_time": time.perf_counter() - start}
+    metrics["perf/hand_over_to_train_time"] = time.perf_counter() - start
+    data_refs, rollout_metrics = ray.get(train_data)
+    # what the trainer waited for the train data beyond the hand-over (the manager's postprocess runs beside it)
+    metrics["perf/train_data_wait_time"] = time.perf_counter() - start - metrics["perf/hand_over_to_train_time"]
+    return data_refs, {**rollout_metrics, **metrics}
 
 
 def update_weights(args, actor, rollout_manager, rollout_id) -> dict:
@@ -159,12 +168,11 @@ def train(args) -> str:
             if args.eval_datasets and rollout_id == 0 and not args.skip_eval_before_train:
                 metrics.update(ray.get(rollout_manager.eval.remote(rollout_id)))
 
-            data_refs, rollout_metrics = ray.get(rollout_manager.generate.remote(rollout_id))
+            data_refs, rollout_metrics = rollout_and_hand_over(args, actor, rollout_manager, rollout_id)
             metrics.update(rollout_metrics)
             if args.debug_rollout_only:
                 logger.log(rollout_id, metrics, print_fn=progress.write)
                 continue
-            metrics.update(hand_over_to_train(args, actor, rollout_manager))
             metrics.update(train_on_rollout(args, actor, critic, rollout_id, data_refs))
             if should_save(args, rollout_id, num_rollout):
                 save(actor, critic, rollout_manager, rollout_id)

@@ -38,7 +38,8 @@ TIMED_PHASES = ["perf/rollout_time", "perf/hand_over_to_train_time", "perf/log_p
 PHASE_PARTS = ["perf/rollout_first_group_time", "perf/rollout_last_group_time", "perf/rollout_postprocess_time",
                "perf/engine_release_time", "perf/train_onload_time", "perf/engine_resume_weights_time",
                "perf/weight_push_time", "perf/train_offload_time", "perf/engine_resume_kv_time",
-               "perf/train_onload_beside_release"]  # 1: the onload ran during the engines' release
+               "perf/train_onload_beside_release",  # 1: the onload ran during the engines' release
+               "perf/train_data_wait_time"]  # the manager's postprocess beyond the hand-over it runs beside
 
 
 def engine_floor(model_path: str, rollout_files: list[Path], device: str, temperature: float) -> list[dict]:

@@ -65,6 +65,7 @@ class RolloutManager:
         self.eval_rollout = load_function(args.eval_function_path or args.rollout_function_path,
                                           "--eval-function-path")
         self.state_before_rollout: dict[int, dict] = {}
+        self.rollout_done = None  # (rollout id, samples, function metrics, seconds) from `rollout` to `train_data`
         self.router = None
         self.supervisor = None
         self.rollout_thread = DaemonThreadPool(max_workers=1, thread_name_prefix="slime-rollout-fn")
@@ -176,6 +177,13 @@ class RolloutManager:
 
     def generate(self, rollout_id: int) -> tuple[list, dict]:
         """Run one rollout; returns (one ObjectRef of train data per trainer rank, rollout metrics)."""
+        self.rollout(rollout_id)
+        return self.train_data(rollout_id)
+
+    def rollout(self, rollout_id: int) -> None:
+        """The first half of `generate`: the rollout's samples, kept for `train_data`. Returns once they are all
+        back, so the colocated loop can start the memory hand-over (engine release, trainer onload) while this
+        actor's `train_data` runs."""
         start = time.perf_counter()
         self.state_before_rollout = {rollout_id: copy.deepcopy(self.data_source.state_dict())}
         try:
@@ -183,7 +191,16 @@ class RolloutManager:
         except BaseException:
             self.debug_dump_writer.flush()  # the last rollout's dump is on disk before this failure ends the run
             raise
-        rollout_time = time.perf_counter() - start
+        self.rollout_done = (rollout_id, samples, function_metrics, time.perf_counter() - start)
+
+    def train_data(self, rollout_id: int) -> tuple[list, dict]:
+        """The second half of `generate`: rollout `rollout_id`'s samples (the last `rollout` run) as train data, one
+        ObjectRef per trainer rank, and the rollout's metrics."""
+        if self.rollout_done is None or self.rollout_done[0] != rollout_id:
+            raise RuntimeError(f"train_data({rollout_id}) without rollout({rollout_id}) before it")
+        _, samples, function_metrics, rollout_time = self.rollout_done
+        self.rollout_done = None
+        start = time.perf_counter()
         if self.args.save_debug_rollout_data and not self.args.load_debug_rollout_data:  # written in the background
             self.debug_dump_writer.save(dump_path(self.args.save_debug_rollout_data, rollout_id), rollout_id, samples)
         assign_rollout_ids(samples)
@@ -207,7 +224,7 @@ class RolloutManager:
         metrics["rollout/dropped_for_even_split"] = num_dropped
         refs = [ray.put(d) for d in per_rank]
         # after the samples are back: train data, metrics, the debug dump's copy, the hand-off to the object store
-        metrics["perf/rollout_postprocess_time"] = time.perf_counter() - start - rollout_time
+        metrics["perf/rollout_postprocess_time"] = time.perf_counter() - start
         return refs, metrics
 
     def eval(self, rollout_id: int) -> dict:
