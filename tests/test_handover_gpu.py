@@ -16,11 +16,12 @@ import torch
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 
-def _trainer(port, checkpoint, save_dir, *extra, offload: bool):
+def _trainer(port, checkpoint, save_dir, *extra, offload: bool, **overrides):
     from fsdp_helpers import make_args, make_trainer
 
     args = make_args(checkpoint, "--lr", "1e-3", "--micro-batch-size", "2", "--use-kl-loss", "--kl-loss-coef", "0.1",
-                     "--ref-load", checkpoint, "--save", save_dir, *extra, device="cuda", offload_train=offload)
+                     "--ref-load", checkpoint, "--save", save_dir, *extra, device="cuda", offload_train=offload,
+                     **overrides)
     return make_trainer(args, port=port, with_ref=True)
 
 
@@ -162,6 +163,24 @@ def test_ref_log_probs_from_the_device_copy_equal_the_host_copys(tmp_path):
         assert torch.equal(ref_dev[i], initial_dev[i]), i  # the ref is the initial checkpoint
         assert torch.equal(actor_dev[i], actor_host[i]), i  # the actor's weights came back after the ref pass
     assert any(not torch.equal(actor_dev[i], initial_dev[i]) for i in range(8))  # training moved the actor
+
+
+def _colocated_placement(rank, world_size, port, checkpoint, save_dir, offload_rollout: bool):
+    trainer = _trainer(port, checkpoint, save_dir, offload=False, colocate=True, offload_rollout=offload_rollout)
+    return trainer.snapshot.placement, sorted(trainer.snapshot.device_copies)
+
+
+@pytest.mark.parametrize("offload_rollout", [False, True])
+def test_a_colocated_trainer_that_keeps_its_state_keeps_its_ref_on_the_device_where_it_fits(tmp_path, offload_rollout):
+    """--colocate --no-offload-train: the ref's device copy is placed at start-up against the memory free beside the
+    engines (here none), and made there, instead of every ref pass copying weight sets over PCIe."""
+    from fsdp_helpers import run_distributed
+
+    from slime.utils.tiny_model import build_tiny_model
+
+    checkpoint = str(build_tiny_model(tmp_path / "tiny", arch="qwen3", seed=5))
+    placement, on_device = run_distributed(_colocated_placement, 1, checkpoint, str(tmp_path / "s"), offload_rollout)[0]
+    assert placement == {"actor": False, "ref": True} and on_device == ["ref"], (placement, on_device)
 
 
 def test_engine_released_without_its_weights_then_pushed_equals_a_fresh_engine(tmp_path):

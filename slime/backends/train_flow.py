@@ -90,8 +90,9 @@ class TrainFlow:
             raise ValueError("--use-routing-replay / --use-rollout-routing-replay: this policy has no MoE router "
                              f"the {type(backend).__name__} can replay (a dense model?)")
         self.with_ref = bool(with_ref) and bool(args.ref_load)
-        # Colocated offload: the engines hold the device until the first hand-over, then release it while we train.
-        engines_release_memory = bool(args.colocate and args.offload_rollout)
+        # Colocated offload, both sides: the engines release the device while we train; our copies leave before they
+        # take it back. Otherwise (--no-offload-train) our copies stay beside the engines' memory, which counts as used.
+        engines_release_memory = bool(args.colocate and args.offload_rollout and args.offload_train)
         if not engines_release_memory:
             place_weight_sets(self.snapshot, args, self.device, self.with_ref, engines_release_memory)
         # Reference and OPD teacher: other weight sets of the same architecture, kept as host shards.

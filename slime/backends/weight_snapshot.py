@@ -139,9 +139,10 @@ class WeightSnapshot:
 def place_weight_sets(snapshot: WeightSnapshot, args, device: torch.device, with_ref: bool,
                       engines_release_memory: bool) -> None:
     """The weight sets swapped in every step (the actor's transient save, the ref, the OPD teacher) live on the
-    device where it has room; not with --weight-snapshots-on-host, nor when the engines share the device without
-    offload (they size their memory from what is free)."""
-    if device.type != "cuda" or args.weight_snapshots_on_host or (args.colocate and not args.offload_train):
+    device where it has room; not with --weight-snapshots-on-host. Engines that share the device and keep their
+    memory while this process trains (colocated without offload) count as used: the sets take what is free beside
+    them, else stay on the host (each ref pass then copies ~3 weight sets over PCIe)."""
+    if device.type != "cuda" or args.weight_snapshots_on_host:
         return
     backed = {"ref": with_ref, "teacher": bool(args.opd_teacher_load)}
     if any(backed.values()):
