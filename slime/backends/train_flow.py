@@ -90,8 +90,7 @@ class TrainFlow:
             raise ValueError("--use-routing-replay / --use-rollout-routing-replay: this policy has no MoE router "
                              f"the {type(backend).__name__} can replay (a dense model?)")
         self.with_ref = bool(with_ref) and bool(args.ref_load)
-        # Colocated offload, both sides: the engines release the device while we train; our copies leave before they
-        # take it back. Otherwise (--no-offload-train) our copies stay beside the engines' memory, which counts as used.
+        # Both sides offload: our copies leave before the engines take the device back; else theirs counts as used.
         engines_release_memory = bool(args.colocate and args.offload_rollout and args.offload_train)
         if not engines_release_memory:
             place_weight_sets(self.snapshot, args, self.device, self.with_ref, engines_release_memory)
