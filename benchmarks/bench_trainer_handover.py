@@ -65,9 +65,6 @@ def main() -> None:
             suffix = "" if trainer.weights.onload_into_ref_pass else "_plain"
             times.setdefault("onload_plus_log_prob" + suffix, []).append(
                 metrics["perf/log_prob_time"] + onload_started)
-            for key, seconds in metrics.items():  # the onload's parts inside the trainer
-                if key.startswith("perf/trainer_onload_"):
-                    times.setdefault(key.removeprefix("perf/trainer_").removesuffix("_time") + suffix, []).append(seconds)
         torch.cuda.synchronize()
         sizes = {"param_gb": tensor_bytes(trainer.model.parameters()) / 1e9,
                  "optimizer_state_gb": tensor_bytes(v for s in optimizer.state.values() for v in s.values()

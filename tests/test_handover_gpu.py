@@ -67,7 +67,6 @@ def _rollouts(rank, world_size, port, checkpoint, save_dir, offload: bool):
                                  for v in [*offload_state._host.values(), *offload_state._host_params.values()]})
     if offload:
         trainer.onload()
-        trainer.weights.actor_live()  # the onload left the ref live for a ref pass; the state read is the actor's
         # the optimizer state's and the parameters' pinned host buffers are allocated once and written again by
         # later offloads (rollout 1's save touched the optimizer: its parameters were copied again at the offload)
         assert host_buffers[0] and all(buffers == host_buffers[0] for buffers in host_buffers), host_buffers

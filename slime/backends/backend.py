@@ -175,11 +175,6 @@ class TrainBackend(ABC):
     # their own values (live_weights.py: an onload straight into a ref pass).
     onload_takes_sources = False
 
-    @property
-    def onload_parts(self) -> dict[str, float]:
-        """Seconds of the last onload's parts, by name (its metrics); none by default."""
-        return {}
-
     def onload(self, sources: dict[str, torch.Tensor] | None = None) -> None:
         """Back to the device after `offload`; with `sources` (where `onload_takes_sources`), the parameters named
         there take those values instead of their own."""

@@ -19,20 +19,16 @@ from __future__ import annotations
 from contextlib import contextmanager
 
 from slime.backends.backend import TrainBackend
-from slime.backends.device_room import DeviceRoom
 from slime.backends.weight_snapshot import WeightSnapshot
-from slime.utils.misc import timed
 
 ACTOR = "actor"
 REF = "ref"
 
 
 class LiveWeights:
-    def __init__(self, snapshot: WeightSnapshot, backend: TrainBackend, device_room: DeviceRoom):
+    def __init__(self, snapshot: WeightSnapshot, backend: TrainBackend):
         self.snapshot = snapshot
         self.backend = backend
-        self.device_room = device_room  # told what each offload frees that the next onload takes back
-        self.onload_metrics: dict[str, float] = {}  # the last onload's parts in seconds (take_onload_metrics)
         self.ref_pass_each_step = False  # set by the flow: every train step starts with a ref pass
         self.onload_into_ref_pass = True  # False: the plain onload always (a benchmark compares the two)
         self.live: str = ACTOR
@@ -72,23 +68,10 @@ class LiveWeights:
 
     def offload(self) -> None:
         self.actor_live()
-        with self.device_room.measuring_offload(self.offload_bytes_not_coming_back()):
-            self.snapshot.offload()
-            self.backend.offload()
-
-    def take_onload_metrics(self) -> dict[str, float]:
-        """The last onload's seconds, in all and by part (once: the train step after it reports them)."""
-        metrics, self.onload_metrics = self.onload_metrics, {}
-        return metrics
+        self.snapshot.offload()
+        self.backend.offload()
 
     def onload(self) -> None:
-        metrics = {}
-        with timed(metrics, "perf/trainer_onload_time"):
-            self._onload()
-        self.onload_metrics = {**metrics, **{f"perf/trainer_onload_{part}_time": seconds
-                                             for part, seconds in self.backend.onload_parts.items()}}
-
-    def _onload(self) -> None:
         """The weight sets' uploads first (the ref pass reads them first), on a side stream beside the parameters;
         or, offloaded with a ref pass next, the parameters holding the ref (module docstring)."""
         actor_values = list(self.backend.local_weights())

@@ -64,7 +64,7 @@ class TrainFlow:
         self.pass_entropy: dict[str, dict[int, torch.Tensor]] = {}  # --use-rollout-entropy, by log-prob pass
         self.snapshot = WeightSnapshot(backend.local_weights)  # weight sets by tag (none for the critic)
         self.device_room = DeviceRoom(self.device)  # what an onload takes back, and whether it fits now
-        self.weights = LiveWeights(self.snapshot, backend, self.device_room)  # the live set, switches, offload
+        self.weights = LiveWeights(self.snapshot, backend)  # which set the live tensors hold, and the switches
 
     @property
     def model(self):
@@ -293,7 +293,6 @@ class TrainFlow:
         if self.with_ref and args.ref_update_interval and (rollout_id + 1) % args.ref_update_interval == 0:
             self.snapshot.save("ref")  # the reference follows the actor every --ref-update-interval rollouts
         metrics.update(self._summarise(step_metrics, "train/"))
-        metrics.update(self.weights.take_onload_metrics())
         if args.save_debug_train_data:
             save_debug_train_data(args.save_debug_train_data, rollout_id,
                                   rank_train_data(data, {**per_sample, "returns": self.last_returns}), self.backend)
@@ -402,7 +401,8 @@ class TrainFlow:
     def offload(self) -> None:
         """GPU: free the weight sets' device copies, move parameters and optimizer state to host memory and release
         the cache. CPU: nothing to do."""
-        self.weights.offload()
+        with self.device_room.measuring_offload(self.weights.offload_bytes_not_coming_back()):
+            self.weights.offload()
 
     def onload(self) -> None:
         """Back on the device; with a ref pass next, the live tensors may hold the ref until it (live_weights.py)."""

@@ -202,10 +202,6 @@ class FSDPBackend(TrainBackend):
 
     onload_takes_sources = True
 
-    @property
-    def onload_parts(self) -> dict[str, float]:
-        return self.training_state.onload_parts if self.training_state is not None else {}
-
     def onload(self, sources=None) -> None:
         if self.training_state is not None:
             self.training_state.onload(self.model, self._optimizer, sources)

@@ -33,7 +33,6 @@ from torch.distributed.tensor import DTensor
 from slime.backends.fsdp_utils.model import reshard
 from slime.backends.side_stream import SideStream
 from slime.utils.flat_buffer import flat_empty
-from slime.utils.misc import timed
 
 OPTIMIZER_STATE = "optimizer_state"
 PARAMETERS = "parameters"
@@ -51,12 +50,6 @@ def optimizer_state_tensors(optimizer: torch.optim.Optimizer, on_device: bool) -
 def local_tensor(value: torch.Tensor) -> torch.Tensor:
     """This rank's shard of an optimizer-state tensor (FSDP2's state is DTensors, like its parameters)."""
     return value.to_local() if isinstance(value, DTensor) else value
-
-
-def own_local(value: torch.Tensor) -> torch.Tensor:
-    """The tensor object a DTensor holds as its shard (`to_local` may return a view of it where grad is enabled), or
-    `value` itself: what `set_` re-points in place."""
-    return value._local_tensor if isinstance(value, DTensor) else value
 
 
 def with_local(value: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
@@ -89,14 +82,6 @@ def uploaded(values: list[torch.Tensor], device, copying=contextlib.nullcontext(
     (flat_buffer.py), allocated on the current stream; the non-blocking copies queued inside `copying` (default:
     on the current stream too). `copy_from`: per value, a host tensor of its local shape to copy instead of its
     own data (None: its own; a dtype of its own is converted on the device)."""
-    views = uploaded_shards(values, device, copying, copy_from)
-    return [with_local(value, view) for value, view in zip(values, views)]
-
-
-@torch.no_grad()
-def uploaded_shards(values: list[torch.Tensor], device, copying=contextlib.nullcontext(),
-                    copy_from: list[torch.Tensor | None] | None = None) -> list[torch.Tensor]:
-    """`uploaded`'s device shards alone, not wrapped."""
     locals_ = [local_tensor(value) for value in values]
     views = flat_empty([(local.shape, local.dtype) for local in locals_], device)
     sources = [other if other is not None else local
@@ -104,7 +89,7 @@ def uploaded_shards(values: list[torch.Tensor], device, copying=contextlib.nullc
     with copying:
         for view, source in zip(views, sources):
             view.copy_(source, non_blocking=True)
-    return views
+    return [with_local(value, view) for value, view in zip(values, views)]
 
 
 def parameters_to_device(model: torch.nn.Module, device, sources: dict[str, torch.Tensor] | None = None) -> None:
@@ -145,16 +130,11 @@ class TrainingStateOffload:
         # (parameter id, state key) -> the state tensor's host copy (pinned: DTensor.to("cpu", non_blocking=True)
         # takes it from the caching host allocator, which reuses it across offloads)
         self._host: dict[tuple[int, str], torch.Tensor] = {}
-        # (parameter id, state key) -> the device state tensor (a DTensor) while offloaded, its shard emptied: the
-        # onload points it at the new device shard again (`set_`) instead of wrapping a new DTensor per tensor
-        # (DTensor.from_local is ~50 us of host time each; a 0.6B model's Adam state is 620 tensors)
-        self._device_values: dict[tuple[int, str], torch.Tensor] = {}
         self._host_current = False  # the host copies hold the optimizer state's current value
         # parameter id -> its shard's host copy (pinned, reused across offloads like the state's), and the version
         # counters of the device shards when their early copy was queued; empty: no early copy stands
         self._host_params: dict[int, torch.Tensor] = {}
         self._early_param_versions: dict[int, int] = {}
-        self.onload_parts: dict[str, float] = {}  # seconds of the last onload's host work and wait, by part
 
     def optimizer_state_touched(self) -> None:
         """Called before anything reads or writes the optimizer state: the compute stream waits for its copy in
@@ -214,8 +194,6 @@ class TrainingStateOffload:
         swap_module_tensors(model, lambda t: on_host[id(t)] if id(t) in on_host else t.to("cpu", non_blocking=True))
         torch.cuda.synchronize(self.device)  # the gradients' and buffers' copies
         for id_key, state, key in optimizer_state_tensors(optimizer, on_device=True):
-            self._device_values[id_key] = state[key]
-            own_local(state[key]).set_()  # its device memory goes (no other reference after the swap above)
             state[key] = self._host[id_key]
         torch.cuda.empty_cache()
 
@@ -223,27 +201,14 @@ class TrainingStateOffload:
                sources: dict[str, torch.Tensor] | None = None) -> None:
         """Parameters back (waited for), holding `sources` where given (place_parameters); the optimizer state's
         upload queued behind them on the side stream."""
-        parts = self.onload_parts = {}
-        with timed(parts, "parameters_queued"):
-            parameters_to_device(model, self.device, sources)
-        with timed(parts, "optimizer_state_queued"):
-            self._optimizer_state_to_device(optimizer)
-        with timed(parts, "parameters_waited"):
-            torch.cuda.current_stream(self.device).synchronize()  # the parameters only
-
-    def _optimizer_state_to_device(self, optimizer: torch.optim.Optimizer) -> None:
+        parameters_to_device(model, self.device, sources)
         entries = optimizer_state_tensors(optimizer, on_device=False)
         from_host_copies = (not optimizer_state_tensors(optimizer, on_device=True)
                             and all(state[key] is self._host.get(id_key) for id_key, state, key in entries))
         # Allocated on the compute stream, copied on the side stream after the parameters (they are needed first);
         # the compute stream waits for the copies at the first touch, and frees them only after a synchronize.
-        values = [state[key] for _, state, key in entries]
-        shards = uploaded_shards(values, self.device, self.copies.copying(OPTIMIZER_STATE))
-        for (id_key, state, key), value, shard in zip(entries, values, shards):
-            device_value = self._device_values.pop(id_key, None)
-            if device_value is not None and device_value.shape == value.shape and device_value.dtype == value.dtype:
-                own_local(device_value).set_(shard)
-                state[key] = device_value
-            else:
-                state[key] = with_local(value, shard)
+        moved = uploaded([state[key] for _, state, key in entries], self.device, self.copies.copying(OPTIMIZER_STATE))
+        for (_, state, key), value in zip(entries, moved):
+            state[key] = value
         self._host_current = from_host_copies  # until the first touch: an offload before it has nothing to copy
+        torch.cuda.current_stream(self.device).synchronize()  # the parameters only
