@@ -39,8 +39,7 @@ PHASE_PARTS = ["perf/rollout_first_group_time", "perf/rollout_last_group_time", 
                "perf/engine_release_time", "perf/train_onload_time", "perf/engine_resume_weights_time",
                "perf/weight_push_time", "perf/train_offload_time", "perf/engine_resume_kv_time",
                "perf/train_onload_beside_release",  # 1: the onload ran during the engines' release
-               "perf/train_data_wait_time",  # the manager's postprocess beyond the hand-over it runs beside
-               "perf/train_time"]  # train.py's train call: the log-prob passes, the steps and the call around them
+               "perf/train_data_wait_time"]  # the manager's postprocess beyond the hand-over it runs beside
 
 
 def engine_floor(model_path: str, rollout_files: list[Path], device: str, temperature: float) -> list[dict]:

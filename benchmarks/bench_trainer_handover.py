@@ -1,11 +1,9 @@
 """The FSDP trainer's side of the colocated hand-over on one GPU, alone: `TrainFlow.offload()` (the optimizer state's
 and the parameters' copies already started after the last step, as in a run, and done here before the offload is
-timed) and `onload()` (returns once the parameters are back; the rest follows on side streams), and what a train
-step waits for from the onload's start to the end of its log-prob passes (`onload_plus_log_prob`: the ref pass
-first, the side streams' uploads beside it), with the onload straight into the ref pass (live_weights.py) and the
-plain one (`_plain`) in alternate rounds. The model is a random Qwen3-shaped checkpoint with a ref (--use-kl-loss),
-fp32 master parameters, fused AdamW. Prints one JSON line of medians, milliseconds. Not a pass/fail test; the
-device operations alone: handover_primitives.py.
+timed) and `onload()` (returns once the parameters are back; the optimizer state follows on a side stream, which
+`onload_all` waits for too), with the bytes each moves and the effective bandwidth. The model is a
+random Qwen3-shaped checkpoint with a ref (--use-kl-loss), fp32 master parameters, fused AdamW. Prints one JSON
+line of medians, milliseconds. Not a pass/fail test; the device operations alone: handover_primitives.py.
 
     python benchmarks/bench_trainer_handover.py --model-shape qwen3-0.6b
 """
@@ -56,15 +54,8 @@ def main() -> None:
     optimizer = trainer.backend._optimizer  # not the property: reading sizes must not count as a touch
     times: dict[str, list[float]] = {}
     sizes = {}
-    onload_started = None
-    for rollout_id in range(2 * cli.repeats + 2):
-        # its log-prob passes follow the last round's onload (the ref pass first); its last step starts the
-        # optimizer state's and the parameters' copies to the host
-        metrics = trainer.train(rollout_id, data)
-        if rollout_id > 1:  # rounds 0 and 1 pin the host memory
-            suffix = "" if trainer.weights.onload_into_ref_pass else "_plain"
-            times.setdefault("onload_plus_log_prob" + suffix, []).append(
-                metrics["perf/log_prob_time"] + onload_started)
+    for rollout_id in range(cli.repeats + 1):
+        trainer.train(rollout_id, data)  # its last step starts the optimizer state's and the parameters' copies to the host
         torch.cuda.synchronize()
         sizes = {"param_gb": tensor_bytes(trainer.model.parameters()) / 1e9,
                  "optimizer_state_gb": tensor_bytes(v for s in optimizer.state.values() for v in s.values()
@@ -74,18 +65,21 @@ def main() -> None:
         start = time.perf_counter()
         trainer.offload()
         offload = time.perf_counter() - start
-        trainer.weights.onload_into_ref_pass = rollout_id % 2 == 1
-        suffix = "" if trainer.weights.onload_into_ref_pass else "_plain"
         start = time.perf_counter()
-        trainer.onload()  # no synchronize after it: the side streams' uploads overlap the log-prob passes
-        onload_started = time.perf_counter() - start
-        if rollout_id > 1:
-            times.setdefault("offload", []).append(offload)
-            times.setdefault("onload_to_parameters" + suffix, []).append(onload_started)
+        trainer.onload()
+        onload = time.perf_counter() - start
+        torch.cuda.synchronize()
+        onload_all = time.perf_counter() - start
+        if rollout_id:  # the first round pins the host memory
+            for key, seconds in (("offload", offload), ("onload_to_parameters", onload), ("onload_all", onload_all)):
+                times.setdefault(key, []).append(seconds)
     medians = {key: statistics.median(values) for key, values in times.items()}
+    moved_gb = sum(sizes.values())
     print(json.dumps({"shape": cli.model_shape, "device": torch.cuda.get_device_name(), **sizes,
                       "onload_bytes_gb": trainer.device_room.onload_bytes / 1e9,
-                      **{f"{key}_ms": round(seconds * 1e3, 2) for key, seconds in medians.items()}}))
+                      **{f"{key}_ms": round(seconds * 1e3, 2) for key, seconds in medians.items()},
+                      "onload_all_gb_per_s": round(moved_gb / medians["onload_all"], 2)}))
+
 
 if __name__ == "__main__":
     main()

@@ -115,10 +115,6 @@ run_step() {
               python3 benchmarks/handover_primitives.py --shape qwen3-0.6b &&
               python3 benchmarks/bench_trainer_handover.py --model-shape qwen3-0.6b &&
               python3 -m pytest -q tests/test_fsdp_weight_push.py -k cuda ;;
-    # The trainer's onload straight into its ref pass (live_weights.py; bf16 weight sets): the GPU tests that check
-    # it bit for bit, then its timing beside the plain onload's.
-    trainer_handover) python3 -m pytest -q tests/test_handover_gpu.py tests/test_fsdp_gpu.py &&
-                      python3 benchmarks/bench_trainer_handover.py --model-shape qwen3-0.6b ;;
     rollout_postprocess) python3 benchmarks/bench_rollout_postprocess.py ;;  # the manager's work after the samples are back, host CPU only
     # MoE (issue 16): Qwen3-30B-A3B's layer shapes, 8 layers, 64 experts, top-8 (3.2B params, 0.9B active).
     moe_gpu_tests) python3 -m pytest -q tests/test_engine_moe_cuda.py tests/test_engine_moe.py ;;

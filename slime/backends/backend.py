@@ -167,17 +167,8 @@ class TrainBackend(ABC):
     def offload(self) -> None:
         """Move parameters and optimizer state to the host (GPU); nothing on the CPU."""
 
-    # The dtype the forward computes with where it casts the parameters to it first (FSDP's mixed precision: bf16
-    # over fp32 shards): forward-only weight sets (ref, teacher, pushed versions) are kept in it. None: theirs.
-    weight_set_dtype: torch.dtype | None = None
-
-    # Whether `onload` takes `sources`: host tensors by local weight name to fill the parameters with instead of
-    # their own values (live_weights.py: an onload straight into a ref pass).
-    onload_takes_sources = False
-
-    def onload(self, sources: dict[str, torch.Tensor] | None = None) -> None:
-        """Back to the device after `offload`; with `sources` (where `onload_takes_sources`), the parameters named
-        there take those values instead of their own."""
+    def onload(self) -> None:
+        """Back to the device after `offload`."""
 
     # ---------------------------------------------------------------------------------------- collectives
     def all_reduce(self, tensor: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:

@@ -29,7 +29,6 @@ from slime.backends.advantages import compute_advantages
 from slime.backends.backend import TrainBackend
 from slime.backends.debug_train_data import rank_train_data, save_debug_train_data
 from slime.backends.device_room import DeviceRoom
-from slime.backends.live_weights import LiveWeights
 from slime.backends.loss import (LossReducer, MicroBatchTensors, aggregation_mode, can_reuse_log_probs_in_loss,
                                  get_loss_function)
 from slime.backends.packing import float_tensors, outputs_per_sample, to_device
@@ -64,7 +63,6 @@ class TrainFlow:
         self.pass_entropy: dict[str, dict[int, torch.Tensor]] = {}  # --use-rollout-entropy, by log-prob pass
         self.snapshot = WeightSnapshot(backend.local_weights)  # weight sets by tag (none for the critic)
         self.device_room = DeviceRoom(self.device)  # what an onload takes back, and whether it fits now
-        self.weights = LiveWeights(self.snapshot, backend)  # which set the live tensors hold, and the switches
 
     @property
     def model(self):
@@ -92,8 +90,6 @@ class TrainFlow:
             raise ValueError("--use-routing-replay / --use-rollout-routing-replay: this policy has no MoE router "
                              f"the {type(backend).__name__} can replay (a dense model?)")
         self.with_ref = bool(with_ref) and bool(args.ref_load)
-        self.snapshot.set_dtype = backend.weight_set_dtype
-        self.weights.ref_pass_each_step = self.with_ref and (args.use_kl_loss or args.kl_coef != 0)
         # Both sides offload: our copies leave before the engines take the device back; else theirs counts as used.
         engines_release_memory = bool(args.colocate and args.offload_rollout and args.offload_train)
         if not engines_release_memory:
@@ -160,8 +156,10 @@ class TrainFlow:
     # ---------------------------------------------------------------------------------------------- train
     def _log_probs_with(self, tag: str, schedule, num_samples: int) -> list[torch.Tensor]:
         """Log-probs under the saved weight set `tag` ("ref", "teacher"), then back to the actor's weights."""
-        with self.weights.under(tag):
-            by_index = self.compute_log_probs(schedule, store_prefix=f"{tag}_")
+        self.snapshot.save("actor")
+        self.snapshot.restore(tag)
+        by_index = self.compute_log_probs(schedule, store_prefix=f"{tag}_")
+        self.snapshot.restore("actor")
         return [by_index[i] for i in range(num_samples)]
 
     def _prepare(self, data: dict, values: list[torch.Tensor] | None = None):
@@ -179,9 +177,8 @@ class TrainFlow:
         rollout_log_probs = (float_tensors(data["rollout_log_probs"])
                              if data.get("rollout_log_probs") else None)
         ref_log_probs = None
-        if self.weights.ref_pass_each_step:
+        if self.with_ref and (args.use_kl_loss or args.kl_coef != 0):
             ref_log_probs = self._log_probs_with("ref", log_prob_schedule, num_samples)
-        self.weights.actor_live()  # the ref pass took the set an onload left live; else it goes now
         if args.use_rollout_logprobs:
             if rollout_log_probs is None:
                 raise ValueError("--use-rollout-logprobs but the rollout returned no log-probs")
@@ -379,12 +376,10 @@ class TrainFlow:
     def save_model(self, rollout_id: int, run_state: dict | None = None) -> str:
         if not self.args.save:
             raise ValueError("save_model needs --save (the checkpoint root folder)")
-        self.weights.actor_live()
         return self.backend.save_checkpoint(rollout_id, run_state)
 
     def update_weights(self, engine_urls: list[str] | None = None, weight_version=None, mode: str | None = None) -> dict:
         """Push the current weights to the engines (connecting first when `engine_urls` or `mode` changed)."""
-        self.weights.actor_live()
         if engine_urls is not None and (list(engine_urls) != self.weight_updater.engine_urls
                                         or (mode and mode != self.weight_updater.mode)):
             self.weight_updater.connect(engine_urls, mode or self.weight_updater.mode)
@@ -401,9 +396,11 @@ class TrainFlow:
     def offload(self) -> None:
         """GPU: free the weight sets' device copies, move parameters and optimizer state to host memory and release
         the cache. CPU: nothing to do."""
-        with self.device_room.measuring_offload(self.weights.offload_bytes_not_coming_back()):
-            self.weights.offload()
+        with self.device_room.measuring_offload(self.snapshot.unbacked_device_bytes()):
+            self.snapshot.offload()
+            self.backend.offload()
 
     def onload(self) -> None:
-        """Back on the device; with a ref pass next, the live tensors may hold the ref until it (live_weights.py)."""
-        self.weights.onload()
+        """The weight sets' uploads first (the ref pass reads them first), on a side stream beside the parameters."""
+        self.snapshot.onload()
+        self.backend.onload()

@@ -7,10 +7,8 @@ device has room: `device_tags`) keep a device copy while the trainer is on the d
 them are device-to-device copies. A tag placed "backed" (the ref, the teacher: they change only when saved) also
 keeps its host copy: `offload` frees its device copy at no copy cost and `onload` uploads it again on a side stream,
 which a restore waits for on the stream. An unbacked tag (the actor's transient save around a ref pass) has no host
-copy and is dropped on offload; it must be saved again before a restore. Every tag but the actor's may be kept in
-a lower dtype (`set_dtype`: the backend's forward dtype, where its forward casts the parameters to it first: the
-sets only run forward-only passes, so the passes are the same at a fraction of the bytes). Backend-neutral: it sees
-only the (name, tensor) pairs the backend says this process holds.
+copy and is dropped on offload; it must be saved again before a restore. Backend-neutral: it sees only the
+(name, tensor) pairs the backend says this process holds.
 """
 
 from __future__ import annotations
@@ -45,7 +43,6 @@ class WeightSnapshot:
         self.device_copies: dict[str, dict[str, torch.Tensor]] = {}
         self.placement: dict[str, bool] = {}  # tag kept on the device -> backed by a host copy
         self.uploads: SideStream | None = None
-        self.set_dtype: torch.dtype | None = None  # the dtype of every tag but the actor's (None: the weights')
 
     def place_on_device(self, device: torch.device, tags: list[str], engines_release_memory: bool = False) -> None:
         """Decide once, before saving them, which of `tags` (in priority order) keep a device copy: as many as fit
@@ -71,7 +68,7 @@ class WeightSnapshot:
             store = self.device_copies.setdefault(tag, {})
             new = [(name, tensor) for name, tensor in weights if name not in store]
             if new:  # one allocation per dtype (flat_buffer.py): the actor's transient copy is made every step
-                views = flat_empty([(tensor.shape, self._dtype(tag, tensor)) for _, tensor in new], new[0][1].device)
+                views = flat_empty([(tensor.shape, tensor.dtype) for _, tensor in new], new[0][1].device)
                 store.update((name, view) for (name, _), view in zip(new, views))
             for name, tensor in weights:
                 store[name].copy_(tensor)  # same stream as every reader of the live tensors: no sync
@@ -85,7 +82,7 @@ class WeightSnapshot:
         store = self.tags.setdefault(tag, {})
         for name, tensor in weights:
             if name not in store:
-                store[name] = torch.empty(tensor.shape, dtype=self._dtype(tag, tensor), device="cpu", pin_memory=pin)
+                store[name] = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu", pin_memory=pin)
             store[name].copy_(tensor, non_blocking=True)
         if pin:
             torch.cuda.current_stream().synchronize()  # the copies above only, not a side stream's
@@ -121,28 +118,18 @@ class WeightSnapshot:
             del self.device_copies[tag]
 
     @torch.no_grad()
-    def onload(self, skip: tuple[str, ...] = ()) -> None:
-        """Upload the backed tags' host copies (but `skip`'s) on the side stream; a save, restore or drop of a tag
-        waits for it."""
+    def onload(self) -> None:
+        """Upload the backed tags' host copies on the side stream; a save, restore or drop of a tag waits for it."""
         for tag, backed in self.placement.items():
-            if backed and tag in self.tags and tag not in self.device_copies and tag not in skip:
-                self.upload(tag, list(self.tags[tag].items()))
-
-    @torch.no_grad()
-    def upload(self, tag: str, host_weights: list[tuple[str, torch.Tensor]]) -> None:
-        """`tag`'s device copy from host tensors (its own host copy, or the offloaded parameters' pinned copies for
-        the actor's), queued on the side stream after the work queued so far; a save, restore or drop of `tag`
-        waits for it. The host tensors must stay unwritten until then (the side stream's rule)."""
-        views = flat_empty([(tensor.shape, tensor.dtype) for _, tensor in host_weights], self.uploads.device)
-        store = {name: view for (name, _), view in zip(host_weights, views)}
-        with self.uploads.copying(tag):
-            for name, tensor in host_weights:
-                store[name].copy_(tensor, non_blocking=True)
-        self.device_copies[tag] = store
-
-    def _dtype(self, tag: str, tensor: torch.Tensor) -> torch.dtype:
-        """A copy's dtype: the weights' own for the actor (its exact training state), else `set_dtype` where set."""
-        return tensor.dtype if tag == "actor" or self.set_dtype is None else self.set_dtype
+            if not backed or tag not in self.tags or tag in self.device_copies:
+                continue
+            host = self.tags[tag]
+            views = flat_empty([(tensor.shape, tensor.dtype) for tensor in host.values()], self.uploads.device)
+            store = dict(zip(host, views))
+            with self.uploads.copying(tag):
+                for name, tensor in host.items():
+                    store[name].copy_(tensor, non_blocking=True)
+            self.device_copies[tag] = store
 
     def _wait(self, tag: str) -> None:
         if self.uploads is not None:

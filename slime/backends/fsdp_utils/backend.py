@@ -92,12 +92,6 @@ class FSDPBackend(TrainBackend):
         if self.training_state is not None:
             self.training_state.optimizer_state_touched()
 
-    @property
-    def weight_set_dtype(self) -> torch.dtype | None:
-        """bf16 under mixed precision: every fp32 shard is cast to bf16 (round to nearest even, as a copy is) before
-        any forward reads it, so a bf16 weight set gives the same forward-only passes at half the bytes."""
-        return torch.bfloat16 if ShardOptions.from_args(self.args, self.device).mixed_precision else None
-
     # ----------------------------------------------------------------------------------------- building
     def build_policy(self, weights_path: str) -> None:
         args = self.args
@@ -200,8 +194,6 @@ class FSDPBackend(TrainBackend):
         if self.training_state is not None:
             self.training_state.offload(self.model, self._optimizer)
 
-    onload_takes_sources = True
-
-    def onload(self, sources=None) -> None:
+    def onload(self) -> None:
         if self.training_state is not None:
-            self.training_state.onload(self.model, self._optimizer, sources)
+            self.training_state.onload(self.model, self._optimizer)

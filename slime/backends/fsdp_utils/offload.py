@@ -76,39 +76,31 @@ def into_host_copy(host: torch.Tensor | None, value: torch.Tensor) -> torch.Tens
 
 
 @torch.no_grad()
-def uploaded(values: list[torch.Tensor], device, copying=contextlib.nullcontext(),
-             copy_from: list[torch.Tensor | None] | None = None) -> list[torch.Tensor]:
+def uploaded(values: list[torch.Tensor], device, copying=contextlib.nullcontext()) -> list[torch.Tensor]:
     """Device copies of `values` (host tensors or DTensors with host shards) in views of one allocation per dtype
     (flat_buffer.py), allocated on the current stream; the non-blocking copies queued inside `copying` (default:
-    on the current stream too). `copy_from`: per value, a host tensor of its local shape to copy instead of its
-    own data (None: its own; a dtype of its own is converted on the device)."""
+    on the current stream too)."""
     locals_ = [local_tensor(value) for value in values]
     views = flat_empty([(local.shape, local.dtype) for local in locals_], device)
-    sources = [other if other is not None else local
-               for local, other in zip(locals_, copy_from or [None] * len(locals_))]
     with copying:
-        for view, source in zip(views, sources):
-            view.copy_(source, non_blocking=True)
+        for view, local in zip(views, locals_):
+            view.copy_(local, non_blocking=True)
     return [with_local(value, view) for value, view in zip(values, views)]
 
 
-def parameters_to_device(model: torch.nn.Module, device, sources: dict[str, torch.Tensor] | None = None) -> None:
+def parameters_to_device(model: torch.nn.Module, device) -> None:
     """Swap the model's (resharded) parameter shards back to `device`, non-blocking, into one flat allocation per
     dtype (`place_parameters`), unless they are there already."""
     reshard(model)
     if not all(local_tensor(param).is_cuda for param in model.parameters()):
-        place_parameters(model, device, sources)
+        place_parameters(model, device)
 
 
-def place_parameters(model: torch.nn.Module, device, sources: dict[str, torch.Tensor] | None = None) -> None:
+def place_parameters(model: torch.nn.Module, device) -> None:
     """Copy the (resharded) parameter shards into one allocation per dtype on `device` and swap them in; buffers
-    (and any gradient) move one by one. `sources`: host shards by parameter name copied in instead of the
-    parameters' own values (another weight set of the same layout; a dtype of their own is converted on the
-    device)."""
-    named = list(model.named_parameters())
-    params = [param for _, param in named]
-    views = uploaded(params, device, copy_from=[(sources or {}).get(name) for name, _ in named])
-    placed = {id(param): moved for param, moved in zip(params, views)}
+    (and any gradient) move one by one."""
+    params = list(model.parameters())
+    placed = {id(param): moved for param, moved in zip(params, uploaded(params, device))}
     swap_module_tensors(model, lambda t: placed[id(t)] if id(t) in placed else t.to(device, non_blocking=True))
 
 
@@ -197,11 +189,9 @@ class TrainingStateOffload:
             state[key] = self._host[id_key]
         torch.cuda.empty_cache()
 
-    def onload(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-               sources: dict[str, torch.Tensor] | None = None) -> None:
-        """Parameters back (waited for), holding `sources` where given (place_parameters); the optimizer state's
-        upload queued behind them on the side stream."""
-        parameters_to_device(model, self.device, sources)
+    def onload(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        """Parameters back (waited for); the optimizer state's upload queued behind them on the side stream."""
+        parameters_to_device(model, self.device)
         entries = optimizer_state_tensors(optimizer, on_device=False)
         from_host_copies = (not optimizer_state_tensors(optimizer, on_device=True)
                             and all(state[key] is self._host.get(id_key) for id_key, state, key in entries))

@@ -229,6 +229,6 @@ class MegatronBackend(TrainBackend):
                                   drop=[buffer.grad_data for buffer in buffers if buffer.grad_data is not None])
             torch.cuda.empty_cache()
 
-    def onload(self, sources=None) -> None:
+    def onload(self) -> None:
         if self.device.type == "cuda":
             self._offload.onload()
