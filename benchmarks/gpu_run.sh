@@ -36,6 +36,9 @@ run_step() {
     trainer_gpu_tests) python3 -m pytest -q tests/test_fsdp_gpu.py ;;
     # async optimizer-state moves, flat onloads, device ref copies, the engine's discarding release and uninitialized KV
     handover_gpu_tests) python3 -m pytest -q tests/test_handover_gpu.py tests/test_fsdp_gpu.py tests/test_engine_cuda.py tests/test_engine_triton.py ;;
+    offload_gpu_tests) python3 -m pytest -q -s tests/test_handover_gpu.py tests/test_fsdp_gpu.py tests/test_host_storage_copies.py \
+                         tests/test_megatron_offload.py ;;  # the trainers' offload by storage (host_storage_copies.py)
+    trainer_handover) python3 benchmarks/bench_trainer_handover.py --model-shape qwen3-0.6b ;;
     trainer_flags_gpu_tests) python3 -m pytest -q tests/test_trainer_flags_gpu.py ;;  # slime's trainer-side flags
     engine_quick_tests) python3 -m pytest -q -m gpu tests/test_engine_cuda.py tests/test_engine_overlap.py tests/test_engine_server_gpu.py ;;
     memory_gpu_tests) python3 -m pytest -q tests/test_fsdp_gpu.py tests/test_engine_cuda.py ;;

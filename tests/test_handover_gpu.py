@@ -58,16 +58,19 @@ def _rollouts(rank, world_size, port, checkpoint, save_dir, offload: bool):
         if offload:
             trainer.offload()
             assert not trainer.snapshot.device_copies
-            assert all(v.device.type == "cpu" for s in trainer.backend._optimizer.state.values() for v in s.values())
+            on_device = [local_tensor(v) for s in trainer.backend._optimizer.state.values() for v in s.values()
+                         if local_tensor(v).is_cuda] + [local_tensor(p) for p in trainer.model.parameters()]
+            assert on_device and all(t.untyped_storage().nbytes() == 0 for t in on_device)  # released
             after_offload.append(torch.cuda.memory_allocated())
             offload_state = trainer.backend.training_state
-            host_buffers.append({local_tensor(v).data_ptr()
-                                 for v in [*offload_state._host.values(), *offload_state._host_params.values()]})
+            host_buffers.append([offload_state.host[kind].host_buffer_pointer() for kind in ("parameters",
+                                                                                          "optimizer_state")])
     if offload:
         trainer.onload()
         # the optimizer state's and the parameters' pinned host buffers are allocated once and written again by
-        # later offloads (rollout 1's save touched the optimizer: its parameters were copied again at the offload)
-        assert host_buffers[0] and all(buffers == host_buffers[0] for buffers in host_buffers), host_buffers
+        # later offloads (rollout 1's save touched the optimizer: its parameters were copied again at the offload),
+        # the first offload's tensors of one storage each and the later ones' flat buffers alike
+        assert None not in host_buffers[0] and all(buffers == host_buffers[0] for buffers in host_buffers), host_buffers
     return _training_state(trainer), after_offload, onloads
 
 
@@ -111,7 +114,8 @@ def _written_after_the_early_copy(rank, world_size, port, checkpoint, save_dir):
     trainer.snapshot.restore("ref")  # every shard written in place after its early copy
     written = shards()
     trainer.offload()
-    on_host = shards()
+    on_host = {name: trainer.backend.training_state.host_value(t).clone()
+               for name, t in trainer.backend.local_weights()}
     trainer.onload()
     return trained, written, on_host, shards()
 

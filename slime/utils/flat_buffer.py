@@ -21,7 +21,7 @@ def flat_empty(specs: list[tuple[torch.Size, torch.dtype]], device) -> list[torc
     for shape, dtype in specs:
         offset = sizes.get(dtype, 0)
         offsets.append(offset)
-        step = max(1, ALIGNMENT_BYTES // torch.empty((), dtype=dtype).element_size())
+        step = max(1, ALIGNMENT_BYTES // dtype.itemsize)
         sizes[dtype] = offset + -(-torch.Size(shape).numel() // step) * step
     buffers = {dtype: torch.empty(size, dtype=dtype, device=device) for dtype, size in sizes.items()}
     return [buffers[dtype][offset:offset + torch.Size(shape).numel()].view(shape)

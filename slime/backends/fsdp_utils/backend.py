@@ -92,6 +92,12 @@ class FSDPBackend(TrainBackend):
         if self.training_state is not None:
             self.training_state.optimizer_state_touched()
 
+    def _require_on_device(self, what: str) -> None:
+        """Offloaded, the parameters' and the optimizer state's device storages are empty (offload.py): reading
+        them would read freed memory."""
+        if self.training_state is not None and self.training_state.offloaded:
+            raise RuntimeError(f"{what} needs the trainer's state, which is offloaded: call onload() first")
+
     # ----------------------------------------------------------------------------------------- building
     def build_policy(self, weights_path: str) -> None:
         args = self.args
@@ -121,10 +127,12 @@ class FSDPBackend(TrainBackend):
         return checkpoint.resolve_load_dir(load)
 
     def load_training_state(self, resume_dir: Path) -> int:
+        self._require_on_device("loading a checkpoint")
         return checkpoint.load_training_state(resume_dir, self.model, self.optimizer, self.scheduler, self.rank)
 
     def save_checkpoint(self, rollout_id: int, run_state: dict | None, save_root: str | None = None) -> str:
         args = self.args
+        self._require_on_device("saving a checkpoint")
         path = checkpoint.save_checkpoint(
             save_root or args.save, rollout_id, self.model, self.optimizer, self.scheduler,
             hf_checkpoint=args.hf_checkpoint, rank=self.rank, save_optim=not args.no_save_optim,
@@ -135,6 +143,7 @@ class FSDPBackend(TrainBackend):
     # ---------------------------------------------------------------------------------------- compute
     @torch.no_grad()
     def forward_only(self, micro_batches: list[PackedMicroBatch]) -> list:
+        self._require_on_device("a forward pass")
         self.model.eval()
         try:
             outputs = []
@@ -147,6 +156,7 @@ class FSDPBackend(TrainBackend):
             self.model.train()
 
     def forward_backward(self, micro_batches: list[PackedMicroBatch], loss_of: LossOf) -> list[dict]:
+        self._require_on_device("a train step")
         metrics = []
         for index, micro_batch in enumerate(micro_batches):
             micro_batch = micro_batch.to(self.device)
@@ -183,6 +193,7 @@ class FSDPBackend(TrainBackend):
             yield name, (param.to_local() if isinstance(param, DTensor) else param)
 
     def hf_weights(self, dtype: torch.dtype | None):
+        self._require_on_device("gathering the weights")
         return iter_full_parameters(self.model, dtype)
 
     # ---------------------------------------------------------------------------------------- memory
