@@ -32,17 +32,19 @@ def test_gpu_train_offload_onload(tmp_path):
     on_device = torch.cuda.memory_allocated()
     # The actor's transient device copy (taken around the ref pass, weight_snapshot.py) is dropped, not restored.
     transient = sum(t.numel() * t.element_size() for t in trainer.snapshot.device_copies.get("actor", {}).values())
+    snapshot_bytes = sum(t.numel() * t.element_size() for store in trainer.snapshot.device_copies.values()
+                         for t in store.values())
     trainer.offload()
     released = [t for t in local + [v.to_local() if isinstance(v, DTensor) else v
                                     for s in trainer.backend._optimizer.state.values() for v in s.values()]
                 if t.is_cuda]
     assert len(released) > len(local) and all(t.untyped_storage().nbytes() == 0 for t in released)
-    print("offload freed", on_device - torch.cuda.memory_allocated(), "of", state_bytes)
+    # The parameter shards, Adam's moments and the weight sets' device copies all leave (measured on an H200:
+    # 25.5 MB freed, 15.3 of state and 10.2 of copies); before the offload by storage, about one fp32 copy of the
+    # shards stayed allocated, never explained.
+    assert on_device - torch.cuda.memory_allocated() >= 0.99 * (state_bytes + snapshot_bytes)
     with pytest.raises(RuntimeError, match="offloaded: call onload"):  # its storages are empty: no reading them
         trainer.backend.hf_weights(None)
-    # Adam's moments leave the device for sure. (Measured on an H200: about one fp32 copy of the parameter shards
-    # stays allocated after offload; not yet explained, so only the optimizer state's share is asserted.)
-    assert on_device - torch.cuda.memory_allocated() >= 0.95 * state_bytes * 2 / 3
     trainer.onload()
     assert all(p.device.type == "cuda" for p in trainer.model.parameters())
     assert [id(p) for p in trainer.model.parameters()] == param_ids  # the optimizer still holds these
