@@ -34,8 +34,12 @@ def bucket_batch_sizes(max_num_seqs: int) -> list[int]:
 
 class DecodeGraphs:
     def __init__(self, model: nn.Module, max_num_seqs: int, max_num_blocks_per_seq: int, scratch_slot: int,
-                 staging: HostStaging, capture_all: bool = True, capture_stats: dict | None = None):
+                 staging: HostStaging, capture_all: bool = True, capture_stats: dict | None = None,
+                 warmed_batch_sizes: set[int] | None = None):
         self.model = model
+        # batch sizes whose forward ran in this process before (kernels compiled and tuned for them): a capture
+        # again after a memory release (lazy, inside a rollout) skips the warm-up forward; kept by the owner
+        self.warmed_batch_sizes = warmed_batch_sizes if warmed_batch_sizes is not None else set()
         # graphs captured and seconds spent (warm-up forward included), summed by the owner across DecodeGraphs
         self.capture_stats = capture_stats if capture_stats is not None else {"graphs": 0, "seconds": 0.0}
         self.staging = staging
@@ -83,12 +87,16 @@ class DecodeGraphs:
                     self.batch_sizes[-1], time.perf_counter() - started)
 
     def _capture(self, batch_size: int) -> None:
-        """Capture one bucket. Its warm-up forward writes K/V only to the scratch slot (the slots it reads are those
-        of the last replay or zeros) and its hidden rows are overwritten by the replay that follows."""
+        """Capture one bucket, after a warm-up forward the first time this process captures its size (Triton
+        compilation and tuning, cuBLAS workspaces). The warm-up writes K/V only to the scratch slot (the slots it
+        reads are those of the last replay or zeros) and its hidden rows are overwritten by the replay that
+        follows."""
         started = time.perf_counter()
         saved_slots = self.slot_mapping[:batch_size].clone()
         self.slot_mapping[:batch_size].fill_(self.scratch_slot)
-        self._forward(batch_size)  # warm-up: Triton compilation, cuBLAS workspaces
+        if batch_size not in self.warmed_batch_sizes:
+            self._forward(batch_size)
+            self.warmed_batch_sizes.add(batch_size)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
             self._forward(batch_size)

@@ -96,6 +96,7 @@ class ModelRunner:
         self.decode_graphs: DecodeGraphs | None = None
         self.captured_decode_graphs = False  # the first DecodeGraphs captures every bucket; later ones lazily
         self.graph_capture_stats = {"graphs": 0, "seconds": 0.0}  # every capture since start-up (engine loop logs it)
+        self.warmed_decode_batch_sizes: set[int] = set()  # captured once: a capture again needs no warm-up
         self.decode_rows = DecodeRows(model_config.vocab_size, self.block_size)
         self.decode_sampling = DecodeSampling(self.staging, self.eos_token_ids)
         self.kv_cache: torch.Tensor | None = None  # every layer's K and V; uninitialized on the Triton path
@@ -297,6 +298,7 @@ class ModelRunner:
             self.decode_graphs = DecodeGraphs(
                 self.model, self.config.max_num_seqs, self.max_num_blocks_per_seq, self.scratch_slot, self.staging,
                 capture_all=not self.captured_decode_graphs, capture_stats=self.graph_capture_stats,
+                warmed_batch_sizes=self.warmed_decode_batch_sizes,
             )
             self.captured_decode_graphs = True
         if len(scheduled) > self.decode_graphs.max_batch_size:
