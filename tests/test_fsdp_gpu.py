@@ -45,10 +45,16 @@ def test_gpu_train_offload_onload(tmp_path):
     assert on_device - torch.cuda.memory_allocated() >= 0.99 * (state_bytes + snapshot_bytes)
     with pytest.raises(RuntimeError, match="offloaded: call onload"):  # its storages are empty: no reading them
         trainer.backend.hf_weights(None)
+    with trainer.backend.resident():  # what a checkpoint of an offloaded model (the PPO critic's) goes through
+        assert not trainer.backend.offloaded
+        resident = {name: tensor.detach().cpu() for name, tensor in trainer.backend.hf_weights(None)}
+    assert trainer.backend.offloaded and torch.cuda.memory_allocated() <= on_device - state_bytes
     trainer.onload()
     assert all(p.device.type == "cuda" for p in trainer.model.parameters())
     assert [id(p) for p in trainer.model.parameters()] == param_ids  # the optimizer still holds these
     before = {n: p.full_tensor().clone() for n, p in trainer.model.named_parameters()}
+    onloaded = {name: tensor.detach().cpu() for name, tensor in trainer.backend.hf_weights(None)}
+    assert resident.keys() == onloaded.keys() and all(torch.equal(t, onloaded[n]) for n, t in resident.items())
     assert torch.cuda.memory_allocated() >= on_device - transient - 0.05 * state_bytes
     second = trainer.train(1, data)
     assert second["train/kl_loss"] != 0.0

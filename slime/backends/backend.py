@@ -170,6 +170,25 @@ class TrainBackend(ABC):
     def onload(self) -> None:
         """Back to the device after `offload`."""
 
+    @property
+    def offloaded(self) -> bool:
+        """Whether the state is offloaded now: its device storages are empty (FSDP and Megatron offload by
+        storage), so nothing may read it before `onload`."""
+        return False
+
+    @contextlib.contextmanager
+    def resident(self):
+        """The state on the device inside the block (onloaded and offloaded again around it when offloaded): for a
+        checkpoint of an offloaded model (the PPO critic is saved between its updates)."""
+        was_offloaded = self.offloaded
+        if was_offloaded:
+            self.onload()
+        try:
+            yield
+        finally:
+            if was_offloaded:
+                self.offload()
+
     # ---------------------------------------------------------------------------------------- collectives
     def all_reduce(self, tensor: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
         """In-place reduction over the data-parallel group (a no-op on one replica)."""

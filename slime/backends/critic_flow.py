@@ -73,7 +73,8 @@ class CriticFlow(TrainFlow):
     def save_model(self, rollout_id: int, run_state: dict | None = None) -> str:
         if not self.args.save:
             raise ValueError("save_model needs --save (the checkpoint root folder)")
-        return self.backend.save_checkpoint(rollout_id, None, save_root=os.path.join(self.args.save, CRITIC_SUBDIR))
+        with self.backend.resident():  # saved between its updates: offloaded with --offload-train
+            return self.backend.save_checkpoint(rollout_id, None, save_root=os.path.join(self.args.save, CRITIC_SUBDIR))
 
     def update_weights(self, *args, **kwargs) -> dict:
         raise ValueError("the critic has no weights to push to the rollout engines; push the actor's")

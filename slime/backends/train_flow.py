@@ -376,7 +376,8 @@ class TrainFlow:
     def save_model(self, rollout_id: int, run_state: dict | None = None) -> str:
         if not self.args.save:
             raise ValueError("save_model needs --save (the checkpoint root folder)")
-        return self.backend.save_checkpoint(rollout_id, run_state)
+        with self.backend.resident():
+            return self.backend.save_checkpoint(rollout_id, run_state)
 
     def update_weights(self, engine_urls: list[str] | None = None, weight_version=None, mode: str | None = None) -> dict:
         """Push the current weights to the engines (connecting first when `engine_urls` or `mode` changed)."""

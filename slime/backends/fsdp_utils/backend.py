@@ -92,10 +92,14 @@ class FSDPBackend(TrainBackend):
         if self.training_state is not None:
             self.training_state.optimizer_state_touched()
 
+    @property
+    def offloaded(self) -> bool:
+        return self.training_state is not None and self.training_state.offloaded
+
     def _require_on_device(self, what: str) -> None:
         """Offloaded, the parameters' and the optimizer state's device storages are empty (offload.py): reading
         them would read freed memory."""
-        if self.training_state is not None and self.training_state.offloaded:
+        if self.offloaded:
             raise RuntimeError(f"{what} needs the trainer's state, which is offloaded: call onload() first")
 
     # ----------------------------------------------------------------------------------------- building

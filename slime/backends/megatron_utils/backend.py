@@ -232,3 +232,7 @@ class MegatronBackend(TrainBackend):
     def onload(self) -> None:
         if self.device.type == "cuda":
             self._offload.onload()
+
+    @property
+    def offloaded(self) -> bool:
+        return self._offload.offloaded
