@@ -114,8 +114,10 @@ def _written_after_the_early_copy(rank, world_size, port, checkpoint, save_dir):
     trainer.snapshot.restore("ref")  # every shard written in place after its early copy
     written = shards()
     trainer.offload()
-    on_host = {name: trainer.backend.training_state.host_value(t).clone()
-               for name, t in trainer.backend.local_weights()}
+    with pytest.raises(RuntimeError, match="offloaded: call onload"):  # the storages are empty now
+        shards()
+    on_host = {name: trainer.backend.training_state.host_value(param).clone()
+               for name, param in trainer.model.named_parameters()}
     trainer.onload()
     return trained, written, on_host, shards()
 

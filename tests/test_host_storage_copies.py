@@ -78,3 +78,19 @@ def test_releasing_bytes_never_copied_is_refused_and_dropped_bytes_come_back_zer
     copies.release(storages_of([never]), keep_bytes=False)
     copies.restore()
     assert torch.equal(copied, torch.ones(3)) and torch.equal(never, torch.zeros(2))
+
+
+def test_no_copy_while_released_and_no_host_value_once_restored():
+    tensor = torch.arange(6, dtype=torch.float32)
+    copies = HostStorageCopies()
+    copies.copy_to_host(storages_of([tensor]))
+    with pytest.raises(KeyError):  # not released: the device holds the value, the host copy may be stale
+        copies.host_value(tensor)
+    copies.release(storages_of([tensor]))
+    with pytest.raises(RuntimeError, match="restore first"):  # a new layout would lose the released bytes
+        copies.copy_to_host([])
+    assert torch.equal(copies.host_value(tensor), torch.arange(6, dtype=torch.float32))
+    copies.restore()
+    with pytest.raises(KeyError):
+        copies.host_value(tensor)
+    assert torch.equal(tensor, torch.arange(6, dtype=torch.float32))

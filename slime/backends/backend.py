@@ -176,6 +176,11 @@ class TrainBackend(ABC):
         storage), so nothing may read it before `onload`."""
         return False
 
+    def require_on_device(self, what: str) -> None:
+        """Refuse `what` while offloaded: the device storages are empty, and reading them reads freed memory."""
+        if self.offloaded:
+            raise RuntimeError(f"{what} needs the trainer's state, which is offloaded: call onload() first")
+
     @contextlib.contextmanager
     def resident(self):
         """The state on the device inside the block (onloaded and offloaded again around it when offloaded): for a

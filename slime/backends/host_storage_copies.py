@@ -49,6 +49,7 @@ class HostStorageCopies:
         self._buffer: torch.Tensor | None = None  # uint8, pinned when the storages are on a GPU
         self._slots: dict[int, tuple[int, int]] = {}  # storage key -> (offset, nbytes) in the buffer
         self._released: list[tuple[torch.UntypedStorage, int, bool]] = []  # (storage, nbytes, its bytes kept)
+        self._released_keys: set[int] = set()
 
     @property
     def released(self) -> bool:
@@ -62,7 +63,10 @@ class HostStorageCopies:
                      only: list[torch.UntypedStorage] | None = None) -> None:
         """Queue the copies of `storages`' bytes (or of `only`, some of them, whose host bytes are stale) into the
         host buffer, on the current stream. A different set of storages than the last is laid out anew and copied
-        whole: the other slots' bytes belong to the old layout."""
+        whole: the other slots' bytes belong to the old layout. Refused while storages are released: their bytes
+        are only in the host buffer, at the current layout."""
+        if self._released:
+            raise RuntimeError("copying to the host while storages are released would lose their bytes; restore first")
         if self._lay_out(storages):
             only = None
         for storage in storages if only is None else only:
@@ -78,15 +82,23 @@ class HostStorageCopies:
         if slots == self._slots:
             return False
         if self._buffer is None or self._buffer.numel() < end:
-            self._buffer = None  # the old one goes back to the host allocator before the new one is taken
             pin = any(storage.device.type == "cuda" for storage in storages)
+            if self._buffer is not None and pin:  # outgrown (Adam's state came after the first offload): the
+                self._buffer = None  # host allocator keeps a freed pinned block cached, rounded up to a power of 2
+                empty_host_cache = getattr(getattr(torch.accelerator, "memory", None), "empty_host_cache", None)
+                if empty_host_cache is not None:
+                    empty_host_cache()
             self._buffer = torch.empty(end, dtype=torch.uint8, pin_memory=pin)
         self._slots = slots
         return True
 
     def host_value(self, tensor: torch.Tensor) -> torch.Tensor:
-        """`tensor`'s value in its storage's host copy (a view of the host buffer)."""
-        offset, _ = self._slots[storage_key(tensor.untyped_storage())]
+        """A released `tensor`'s value in its storage's host copy (a view of the host buffer); KeyError for a
+        tensor not released here (once restored, the host copy may be stale)."""
+        key = storage_key(tensor.untyped_storage())
+        if key not in self._released_keys:
+            raise KeyError("the tensor's storage is not released here")
+        offset, _ = self._slots[key]
         itemsize = tensor.dtype.itemsize  # slots start ALIGNMENT_BYTES-aligned: a whole number of elements in
         return self._buffer.view(tensor.dtype).as_strided(tensor.shape, tensor.stride(),
                                                           offset // itemsize + tensor.storage_offset())
@@ -101,12 +113,14 @@ class HostStorageCopies:
             if keep_bytes and storage_key(storage) not in self._slots:
                 raise AssertionError("a storage released with its bytes kept was never copied to the host")
             self._released.append((storage, storage.nbytes(), keep_bytes))
+            self._released_keys.add(storage_key(storage))
             storage.resize_(0)
 
     def restore(self, copying=contextlib.nullcontext()) -> None:
         """Allocate every released storage again, on the current stream, and queue its bytes' copy back inside
         `copying` (the current stream by default); forgotten ones are zeroed."""
         released, self._released = self._released, []
+        self._released_keys = set()
         for storage, nbytes, _ in released:
             storage.resize_(nbytes)
         with copying:
@@ -121,3 +135,4 @@ class HostStorageCopies:
     def forget_released(self) -> None:
         """The released storages stay empty: their tensors were given new storages (from `host_value`)."""
         self._released = []
+        self._released_keys = set()

@@ -393,6 +393,11 @@ class TrainFlow:
             self.pushed_versions = self.pushed_versions[-2:]
         return result
 
+    def update_weights_resident(self, *args) -> dict:
+        """`update_weights` from either state: an offloaded trainer is onloaded around the push."""
+        with self.backend.resident():
+            return self.update_weights(*args)
+
     # ---------------------------------------------------------------------------------------- offload
     def offload(self) -> None:
         """GPU: free the weight sets' device copies, move parameters and optimizer state to host memory and release

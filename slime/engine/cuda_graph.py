@@ -96,12 +96,12 @@ class DecodeGraphs:
         self.slot_mapping[:batch_size].fill_(self.scratch_slot)
         if batch_size not in self.warmed_batch_sizes:
             self._forward(batch_size)
-            self.warmed_batch_sizes.add(batch_size)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
             self._forward(batch_size)
         self.pool = graph.pool() if self.pool is None else self.pool
         self.graphs[batch_size] = graph
+        self.warmed_batch_sizes.add(batch_size)
         self.slot_mapping[:batch_size].copy_(saved_slots)
         self.capture_stats["graphs"] += 1
         self.capture_stats["seconds"] += time.perf_counter() - started

@@ -166,8 +166,11 @@ class RayTrainGroup:
     def save_model(self, rollout_id: int, run_state: dict | None = None) -> None:
         self._all("save_model", rollout_id, run_state)
 
-    def update_weights(self, engine_urls: list[str], weight_version: str) -> dict:
-        return self._all("update_weights", engine_urls, weight_version, weight_update_mode(self.args))[0]
+    def update_weights(self, engine_urls: list[str], weight_version: str, resident: bool = False) -> dict:
+        """Push the weights to `engine_urls`. `resident`: from whatever state the trainer is in (an offloaded one
+        comes back for the push and leaves again: a restarted engine's weights, in the middle of a rollout)."""
+        method = "update_weights_resident" if resident else "update_weights"
+        return self._all(method, engine_urls, weight_version, weight_update_mode(self.args))[0]
 
     def offload(self) -> None:
         self._all("offload")

@@ -338,11 +338,9 @@ class EngineSupervisor:
             if self.weight_version is not None:  # else nothing was pushed yet: all engines run the checkpoint's
                 if self.trainer is None:
                     return  # the driver's next push reaches them (get_engine_urls)
-                if self.args.offload_train:
-                    self.trainer.onload()
-                self.trainer.update_weights([s.url for s in pending], weight_version=self.weight_version)
-                if self.args.offload_train:
-                    self.trainer.offload()
+                # an offloaded trainer comes back for the push and leaves again; one on the device stays
+                self.trainer.update_weights([s.url for s in pending], weight_version=self.weight_version,
+                                            resident=True)
             self._join_router(pending)
 
     def _join_router(self, slots: list[EngineSlot]) -> None:

@@ -96,11 +96,6 @@ class FSDPBackend(TrainBackend):
     def offloaded(self) -> bool:
         return self.training_state is not None and self.training_state.offloaded
 
-    def _require_on_device(self, what: str) -> None:
-        """Offloaded, the parameters' and the optimizer state's device storages are empty (offload.py): reading
-        them would read freed memory."""
-        if self.offloaded:
-            raise RuntimeError(f"{what} needs the trainer's state, which is offloaded: call onload() first")
 
     # ----------------------------------------------------------------------------------------- building
     def build_policy(self, weights_path: str) -> None:
@@ -125,18 +120,19 @@ class FSDPBackend(TrainBackend):
         self.optimizer, self.scheduler = build_optimizer(self.args, self.model.parameters(), lr=lr)
 
     def load_hf_weights(self, path: str) -> None:
+        self.require_on_device("loading weights")
         load_full_weights(self.model, read_hf_weights(path))
 
     def resolve_load_dir(self, load: str | None) -> Path | None:
         return checkpoint.resolve_load_dir(load)
 
     def load_training_state(self, resume_dir: Path) -> int:
-        self._require_on_device("loading a checkpoint")
+        self.require_on_device("loading a checkpoint")
         return checkpoint.load_training_state(resume_dir, self.model, self.optimizer, self.scheduler, self.rank)
 
     def save_checkpoint(self, rollout_id: int, run_state: dict | None, save_root: str | None = None) -> str:
         args = self.args
-        self._require_on_device("saving a checkpoint")
+        self.require_on_device("saving a checkpoint")
         path = checkpoint.save_checkpoint(
             save_root or args.save, rollout_id, self.model, self.optimizer, self.scheduler,
             hf_checkpoint=args.hf_checkpoint, rank=self.rank, save_optim=not args.no_save_optim,
@@ -147,7 +143,7 @@ class FSDPBackend(TrainBackend):
     # ---------------------------------------------------------------------------------------- compute
     @torch.no_grad()
     def forward_only(self, micro_batches: list[PackedMicroBatch]) -> list:
-        self._require_on_device("a forward pass")
+        self.require_on_device("a forward pass")
         self.model.eval()
         try:
             outputs = []
@@ -160,7 +156,7 @@ class FSDPBackend(TrainBackend):
             self.model.train()
 
     def forward_backward(self, micro_batches: list[PackedMicroBatch], loss_of: LossOf) -> list[dict]:
-        self._require_on_device("a train step")
+        self.require_on_device("a train step")
         metrics = []
         for index, micro_batch in enumerate(micro_batches):
             micro_batch = micro_batch.to(self.device)
@@ -192,12 +188,13 @@ class FSDPBackend(TrainBackend):
 
     # ---------------------------------------------------------------------------------------- weights
     def local_weights(self):
+        self.require_on_device("reading the weights")
         reshard(self.model)  # the root stays unsharded after a forward: its parameters must be the shards
         for name, param in self.model.named_parameters():
             yield name, (param.to_local() if isinstance(param, DTensor) else param)
 
     def hf_weights(self, dtype: torch.dtype | None):
-        self._require_on_device("gathering the weights")
+        self.require_on_device("gathering the weights")
         return iter_full_parameters(self.model, dtype)
 
     # ---------------------------------------------------------------------------------------- memory

@@ -179,7 +179,10 @@ class TrainingStateOffload:
         stale = [param for param in params if not self._early_copy_current(param)]
         if stale:  # written since their early copy, or none was made: copied again, into the same host buffer
             self._parameters_to_host(params, stale)
-        rest = storages_of([*model.buffers(), *(local_tensor(p.grad) for p in params if p.grad is not None)])
+        param_keys = {storage_key(storage) for storage in parameter_storages(params)}
+        rest = [storage for storage in storages_of([*model.buffers(),
+                                                     *(local_tensor(p.grad) for p in params if p.grad is not None)])
+                if storage_key(storage) not in param_keys]  # a buffer viewing a weight leaves with the weights
         self.host[BUFFERS].copy_to_host(rest)
         torch.cuda.synchronize(self.device)  # both streams: every host copy is complete, no copy reads the device
         self.copies.wait(OPTIMIZER_STATE)  # already complete: drop the events

@@ -131,6 +131,7 @@ class MegatronBackend(TrainBackend):
 
     def load_hf_weights(self, path: str) -> None:
         """--ref-load / --opd-teacher-load: an HF folder or a torch_dist checkpoint of this backend."""
+        self.require_on_device("loading weights")
         self._load_weights(path)
 
     def resolve_load_dir(self, load: str | None) -> Path | None:
@@ -142,10 +143,12 @@ class MegatronBackend(TrainBackend):
         return folder
 
     def load_training_state(self, resume_dir: Path) -> int:
+        self.require_on_device("loading a checkpoint")
         return checkpoint.load_training_state(resume_dir, self.model_chunks, self.optimizer, self.scheduler)
 
     def save_checkpoint(self, rollout_id: int, run_state: dict | None, save_root: str | None = None) -> str:
         args = self.args
+        self.require_on_device("saving a checkpoint")
         path = checkpoint.save_checkpoint(save_root or args.save, rollout_id, self.model_chunks, self.optimizer,
                                           self.scheduler, save_optim=not args.no_save_optim, run_state=run_state,
                                           hf_checkpoint=args.hf_checkpoint)
@@ -164,6 +167,7 @@ class MegatronBackend(TrainBackend):
 
     @torch.no_grad()
     def forward_only(self, micro_batches: list[PackedMicroBatch]) -> list:
+        self.require_on_device("a forward pass")
         try:
             return self._run(micro_batches)
         finally:
@@ -171,6 +175,7 @@ class MegatronBackend(TrainBackend):
                 chunk.train()
 
     def forward_backward(self, micro_batches: list[PackedMicroBatch], loss_of: LossOf) -> list[dict]:
+        self.require_on_device("a train step")
         if self.router_losses is not None:
             self.router_losses.start(len(micro_batches), self.dp_size)
         metrics = self._run(micro_batches, loss_of)
@@ -197,11 +202,13 @@ class MegatronBackend(TrainBackend):
 
     # ---------------------------------------------------------------------------------------- weights
     def local_weights(self):
+        self.require_on_device("reading the weights")
         for index, chunk in enumerate(self.model_chunks):
             for name, param in chunk.named_parameters():
                 yield f"{index}.{name}", param
 
     def hf_weights(self, dtype: torch.dtype | None):
+        self.require_on_device("gathering the weights")
         return model_hf_weights(self.model_chunks, self.hf_config, dtype)
 
     # ---------------------------------------------------------------------------------------- memory
