@@ -32,9 +32,9 @@ from slime.backends.device_room import DeviceRoom
 from slime.backends.loss import (LossReducer, MicroBatchTensors, aggregation_mode, can_reuse_log_probs_in_loss,
                                  get_loss_function)
 from slime.backends.packing import float_tensors, outputs_per_sample, to_device
+from slime.backends.rank_metrics import global_masked_mean, mismatch_metrics, router_agreement_metrics
 from slime.backends.routing_replay import (
     ReplayStage,
-    agreement_metrics,
     attach_records,
     attach_rollout_routing,
     log_prob_stage,
@@ -46,7 +46,7 @@ from slime.backends.weight_snapshot import WeightSnapshot, place_weight_sets
 from slime.utils.checkpoint_state import weights_at_step
 from slime.utils.engine_access import engine_admin_headers
 from slime.utils.misc import load_function, seed_everything
-from slime.utils.ppo_utils import apply_opd_advantage, compute_mismatch_metrics, loss_denominator
+from slime.utils.ppo_utils import apply_opd_advantage, loss_denominator
 
 logger = logging.getLogger(__name__)
 
@@ -190,9 +190,10 @@ class TrainFlow:
             old_log_probs = [old[i] for i in range(num_samples)]
         else:
             old_log_probs = None
-        metrics = self._router_agreement_metrics()
+        metrics = router_agreement_metrics(self.backend, args, self.device)
         if rollout_log_probs is not None and old_log_probs is not None and not args.use_rollout_logprobs:
-            metrics.update(self._mismatch_metrics(old_log_probs, rollout_log_probs, loss_masks))
+            metrics.update(mismatch_metrics(self.backend, args, old_log_probs, rollout_log_probs, loss_masks,
+                                            self.device))
         advantages = returns = None
         if args.loss_type != "sft_loss" and args.compute_advantages_and_returns:
             advantages, returns = compute_advantages(args, data["rewards"], loss_masks, old_log_probs, ref_log_probs,
@@ -202,7 +203,7 @@ class TrainFlow:
                 advantages = [apply_opd_advantage(a, o, t, args.opd_kl_coef)
                               for a, o, t in zip(advantages, old_log_probs, teacher)]
                 reverse_kl = [o - t for o, t in zip(old_log_probs, teacher)]
-                metrics["train/opd_reverse_kl"] = self._global_masked_mean(reverse_kl, loss_masks)
+                metrics["train/opd_reverse_kl"] = global_masked_mean(self.backend, reverse_kl, loss_masks, self.device)
         # sample_mean divides each sample's token sum by its rollout's (siblings of a fan-out share one mean)
         rollout_token_counts = data.get("rollout_mask_sums") or [float(m.sum()) for m in loss_masks]
         rollout_sizes = data.get("rollout_num_samples") or [1] * len(loss_masks)
@@ -214,7 +215,8 @@ class TrainFlow:
         for prefix, entropies in self.pass_entropy.items():  # --use-rollout-entropy: slime's entropy, ref_entropy
             key = f"{prefix.rstrip('_') or 'old'}_entropy"
             per_sample[key] = [entropies[i] for i in range(num_samples)]
-            metrics[f"rollout/{prefix}entropy"] = self._global_masked_mean(per_sample[key], loss_masks)
+            metrics[f"rollout/{prefix}entropy"] = global_masked_mean(self.backend, per_sample[key], loss_masks,
+                                                                     self.device)
         return schedule, per_sample, metrics
 
     def _log_probs_of_generating_weights(self, data: dict, schedule, num_samples: int) -> list[torch.Tensor]:
@@ -243,19 +245,6 @@ class TrainFlow:
             raise ValueError("--use-opd: the train data has no teacher_log_probs; pass --opd-teacher-load or have the "
                              "custom rollout / generate function set Sample.teacher_log_probs")
         return float_tensors(data["teacher_log_probs"])
-
-    def _router_agreement_metrics(self) -> dict:
-        """R3: how often the trainer's free routing matched the engine's in the old-policy pass, over all ranks."""
-        replay = self.backend.routing_replay
-        if replay is None or not self.args.use_rollout_routing_replay:
-            return {}
-        return agreement_metrics(self._all_reduce(replay.take_agreement().to(self.device)).cpu())
-
-    def _global_masked_mean(self, values: list[torch.Tensor], masks: list[torch.Tensor]) -> float:
-        sums = torch.tensor([float(sum((v * m).sum() for v, m in zip(values, masks))),
-                             float(sum(m.sum() for m in masks))], dtype=torch.float64, device=self.device)
-        total, count = self._all_reduce(sums).tolist()
-        return total / max(count, 1.0)
 
     def returns_for_critic(self, rollout_id: int, data: dict, values: list[torch.Tensor]) -> list[torch.Tensor]:
         """PPO during --num-critic-only-steps: the critic's targets (GAE with the reward KL), no policy update."""
@@ -311,16 +300,6 @@ class TrainFlow:
     def _policy_loss(self, outputs, batch: MicroBatchTensors, reduce: LossReducer):
         log_probs, entropy = outputs
         return self.loss_fn(self.args, log_probs, entropy, batch, reduce)
-
-    def _mismatch_metrics(self, old_log_probs, rollout_log_probs, loss_masks) -> dict:
-        """Rank-local distribution of exp(train - rollout); quantiles averaged over ranks (approximate)."""
-        local = compute_mismatch_metrics(old_log_probs, rollout_log_probs, loss_masks,
-                                         self.args.eps_clip, self.args.eps_clip_high)
-        local.pop("train_rollout_logprob_abs_diff")
-        keys = sorted(local)
-        values = torch.stack([local[k].float().nan_to_num(0.0) for k in keys]).to(self.device)
-        values = self._all_reduce(values) / self.backend.dp_size
-        return {f"train/{k}": float(v) for k, v in zip(keys, values.tolist())}
 
     def _train_step(self, micro_batches, per_sample: dict, compute_loss) -> dict:
         """One optimizer step; compute_loss(outputs, tensors, reduce) -> (loss share, metric shares), where outputs
