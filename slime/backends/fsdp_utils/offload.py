@@ -29,6 +29,8 @@ Not here: the Megatron trainer's offload (megatron_utils/offload.py, by storage 
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from torch.distributed.tensor import DTensor
 
@@ -65,12 +67,13 @@ def with_local(value: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def flat_copies(sources: list[torch.Tensor], device) -> list[torch.Tensor]:
-    """Device copies of `sources` (local tensors) in views of one allocation per dtype, allocated and copied
-    (non-blocking) on the current stream."""
+def flat_copies(sources: list[torch.Tensor], device, copying=contextlib.nullcontext()) -> list[torch.Tensor]:
+    """Device copies of `sources` (local tensors) in views of one allocation per dtype, allocated on the current
+    stream; the non-blocking copies queued inside `copying` (default: on the current stream too)."""
     views = flat_empty([(source.shape, source.dtype) for source in sources], device)
-    for view, source in zip(views, sources):
-        view.copy_(source, non_blocking=True)
+    with copying:
+        for view, source in zip(views, sources):
+            view.copy_(source, non_blocking=True)
     return views
 
 
@@ -224,10 +227,8 @@ class TrainingStateOffload:
         state_host = self.host[OPTIMIZER_STATE]
         entries = moving_state_entries(optimizer)
         values = [state[key] for state, key in entries]
-        views = flat_empty([(local_tensor(v).shape, local_tensor(v).dtype) for v in values], self.device)
-        with self.copies.copying(OPTIMIZER_STATE):
-            for view, value in zip(views, values):
-                view.copy_(state_host.host_value(local_tensor(value)), non_blocking=True)
+        views = flat_copies([state_host.host_value(local_tensor(value)) for value in values], self.device,
+                            self.copies.copying(OPTIMIZER_STATE))
         state_host.forget_released()
         for (state, key), value, view in zip(entries, values, views):
             state[key] = with_local(value, view)
