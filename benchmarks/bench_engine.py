@@ -99,6 +99,13 @@ def parse_args(argv=None):
     parser.add_argument("--max-num-batched-tokens", type=int, default=None,
                         help="the engine's token budget per step (the prefill chunk size, SGLang's "
                              "--chunked-prefill-size); default: the engine's")
+    parser.add_argument("--num-kvcache-blocks", type=int, default=None,
+                        help="the engine's KV-cache size in blocks (default: from --gpu-memory-utilization)")
+    parser.add_argument("--kv-cache-dtype", default=None,
+                        help="the engine's KV-cache dtype (auto, fp8_e4m3, fp8_e5m2; default: the engine's, the model "
+                             "dtype); MBU then counts the bytes of that cache")
+    parser.add_argument("--gpu-memory-utilization", type=float, default=None,
+                        help="the engine's share of device memory for weights and KV cache (default: the engine's)")
     parser.add_argument("--skip-hf", action="store_true", help="measure the engine only (no ratio) on every workload")
     parser.add_argument("--hf-workloads", default="w1",
                         help="comma-separated workloads on which HF generate is measured too, when they run "
@@ -107,6 +114,8 @@ def parse_args(argv=None):
     parser.add_argument("--trace-steps", type=int, default=0,
                         help="diagnosis: profile the first N steps of each timed run (host calls and GPU kernels) and "
                              "print where their time went; the run's tok/s then includes the profiler's overhead")
+    parser.add_argument("--print-steps", action="store_true",
+                        help="diagnosis: print every step's wall time (ms) of each timed run, in order")
     args = parser.parse_args(argv)
     for name, value in PRESETS[args.preset].items():
         if getattr(args, name) is None:
@@ -150,6 +159,8 @@ def bench_engine(model_path: Path, workload: Workload, args, measure_weights_and
         **({} if args.overlap_schedule is None else {"overlap_schedule": args.overlap_schedule}),
         **({} if args.overlap_prefill is None else {"overlap_prefill": args.overlap_prefill}),
         **({} if args.max_num_batched_tokens is None else {"max_num_batched_tokens": args.max_num_batched_tokens}),
+        **{name: getattr(args, name) for name in ("num_kvcache_blocks", "gpu_memory_utilization", "kv_cache_dtype")
+           if getattr(args, name) is not None},
     )
     init_seconds = time.perf_counter() - started
     # Warm-up: on CUDA the first decode step captures every CUDA graph; then forget the warm-up's prefixes.
@@ -193,6 +204,8 @@ def bench_engine(model_path: Path, workload: Workload, args, measure_weights_and
     print(f"  step timeline (ms): first 12 {step_ms[:12].tolist()}, last 3 {step_ms[-3:].tolist()}; p10/p50/p90/p99 "
           + "/".join(f"{np.percentile(step_ms, q):.2f}" for q in (10, 50, 90, 99))
           + f"; sum of steps over 5 ms: {step_ms[step_ms > 5].sum():.0f} ms of {1000 * seconds:.0f}")
+    if args.print_steps:
+        print("  every step (ms): " + " ".join(f"{t:.1f}" for t in step_ms))
 
     runner = engine.model_runner
     weight_bytes = sum(p.numel() * p.element_size() for p in runner.model.parameters())
@@ -217,6 +230,7 @@ def bench_engine(model_path: Path, workload: Workload, args, measure_weights_and
         "overlap_schedule": engine.config.overlap_schedule,
         "max_num_batched_tokens": engine.config.max_num_batched_tokens,
         "overlap_prefill": engine.config.overlap_prefill,
+        "kv_cache_dtype": str(runner.kv_dtype).removeprefix("torch."),
     }
     if measure_weights_and_memory:
         result.update(bench_weight_update(engine, model_path, args.device))

@@ -38,7 +38,11 @@ SMOLLM_135M = dict(num_heads=9, num_kv_heads=3, head_dim=64)
 PEAK_BYTES_PER_S = 4.25e12
 CASES = {
     "decode_256x300": dict(num_seqs=256, context=300, query_len=1, **QWEN3_06B),
+    "decode_256x320": dict(num_seqs=256, context=320, query_len=1, **QWEN3_06B),
+    "decode_256x321": dict(num_seqs=256, context=321, query_len=1, **QWEN3_06B),  # one key past a 64-key tile
+    "decode_256x352": dict(num_seqs=256, context=352, query_len=1, **QWEN3_06B),
     "decode_256x384": dict(num_seqs=256, context=384, query_len=1, **QWEN3_06B),
+    "decode_256x480": dict(num_seqs=256, context=480, query_len=1, **QWEN3_06B),
     "decode_256x512": dict(num_seqs=256, context=512, query_len=1, **QWEN3_06B),
     "decode_16x4096": dict(num_seqs=16, context=4096, query_len=1, **QWEN3_06B),
     "w5_decode_512x384": dict(num_seqs=512, context=384, query_len=1, **SMOLLM_135M),
@@ -55,6 +59,9 @@ SWEEP_DECODE_CONFIGS = [
     _dot(block_n=32, num_warps=2, num_stages=4),  # DOT_DECODE_CONFIG before 2026-12-02
     _dot(block_n=32, num_warps=2, num_stages=6),
     _dot(block_n=32, num_warps=4, num_stages=4),
+    _dot(block_n=32, num_warps=4, num_stages=3),
+    _dot(block_n=16, num_warps=2, num_stages=4),
+    _dot(block_n=16, num_warps=4, num_stages=4),
     _dot(block_n=64, num_warps=2, num_stages=3),
     _dot(block_n=64, num_warps=4, num_stages=2),
     _dot(block_n=64, num_warps=4, num_stages=3),
@@ -74,6 +81,9 @@ def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--iters", type=int, default=100)
     parser.add_argument("--sweep", action="store_true", help="time kernel configs and split counts too (~2 min)")
+    parser.add_argument("--spread-gb", type=float, default=0.0,
+                        help="allocate each of the K and V caches this large and scatter the used blocks over all of "
+                             "it, as in an engine whose cache fills the device (default: just the blocks needed)")
     parser.add_argument("--cases", default=",".join(CASES), help=f"comma-separated subset of {', '.join(CASES)}")
     args = parser.parse_args(argv)
     if args.iters < 1:
@@ -87,15 +97,21 @@ def parse_args(argv=None):
 
 
 def make_case(num_seqs: int, context: int, query_len: int, num_heads: int, num_kv_heads: int, head_dim: int,
-              seed: int = 0) -> dict:
-    """Random bf16 cache with each sequence's blocks scattered (random permutation), as after some serving."""
+              seed: int = 0, spread_gb: float = 0.0) -> dict:
+    """Random bf16 cache with each sequence's blocks scattered (random permutation), as after some serving; with
+    `spread_gb`, over a cache of that many GB each for K and V (only the used blocks hold random values)."""
     generator = torch.Generator(device="cuda").manual_seed(seed)
     num_blocks_per_seq = -(-context // BLOCK_SIZE)
-    num_blocks = num_seqs * num_blocks_per_seq + 8
+    num_used = num_seqs * num_blocks_per_seq
+    block_bytes = BLOCK_SIZE * num_kv_heads * head_dim * 2
+    num_blocks = max(num_used + 8, int(spread_gb * 1e9 // block_bytes))
     cache_shape = (num_blocks, BLOCK_SIZE, num_kv_heads, head_dim)
-    k_cache = torch.randn(cache_shape, generator=generator, device="cuda", dtype=torch.bfloat16)
-    v_cache = torch.randn(cache_shape, generator=generator, device="cuda", dtype=torch.bfloat16)
-    block_tables = torch.randperm(num_blocks, generator=generator, device="cuda")[: num_seqs * num_blocks_per_seq]
+    block_tables = torch.randperm(num_blocks, generator=generator, device="cuda")[:num_used]
+    k_cache = torch.empty(cache_shape, device="cuda", dtype=torch.bfloat16)
+    v_cache = torch.empty(cache_shape, device="cuda", dtype=torch.bfloat16)
+    for cache in (k_cache, v_cache):
+        cache[block_tables] = torch.randn((num_used, *cache_shape[1:]), generator=generator, device="cuda",
+                                          dtype=torch.bfloat16)
     block_tables = block_tables.view(num_seqs, num_blocks_per_seq).to(torch.int32)
     q = torch.randn(num_seqs * query_len, num_heads, head_dim, generator=generator, device="cuda", dtype=torch.bfloat16)
     return dict(
@@ -148,8 +164,8 @@ def run_kernel(case: dict, config=None, num_kv_splits=None) -> torch.Tensor:
     return kernel.paged_attention(**case, config=config, num_kv_splits=num_kv_splits)
 
 
-def bench_case(name: str, shape: dict, iters: int, sweep: bool) -> dict:
-    case = make_case(**shape)
+def bench_case(name: str, shape: dict, iters: int, sweep: bool, spread_gb: float = 0.0) -> dict:
+    case = make_case(**shape, spread_gb=spread_gb)
     queries, keys, values = dense_inputs(case, **shape)
     scale, query_len = case["scale"], shape["query_len"]
     expected = sdpa(queries.float(), keys.float(), values.float(), query_len, scale)
@@ -215,7 +231,7 @@ def main(argv=None) -> dict:
     args = parse_args(argv)
     import triton
 
-    results = [bench_case(name, CASES[name], args.iters, args.sweep) for name in args.cases]
+    results = [bench_case(name, CASES[name], args.iters, args.sweep, args.spread_gb) for name in args.cases]
     device_name = torch.cuda.get_device_name()
     summary = dict(
         benchmark="paged_attention",

@@ -23,6 +23,24 @@ run_step() {
   case $1 in
     gpu_tests) python3 -m pytest -q -m gpu tests ;;
     profile_engine) python3 benchmarks/profile_engine.py ;;
+    profile_w1_prefill) python3 benchmarks/profile_engine.py --prefill ;;
+    engine_w1_steps) python3 benchmarks/bench_engine.py --preset qwen3-0.6b --workload w1 --skip-hf --print-steps ;;
+    # Decode attention in the engine vs alone: aligned / unaligned contexts, a cache spread over most of the device,
+    # and W1 with a KV cache sized to its need (9,000 blocks, 16 GB) instead of 90% of the device.
+    attention_spread) python3 benchmarks/bench_paged_attention.py --cases decode_256x300,decode_256x320,decode_256x321,decode_256x384 &&
+                      python3 benchmarks/bench_paged_attention.py --cases decode_256x300,decode_256x321,decode_256x384 --spread-gb 50 ;;
+    attention_sweep_unaligned) python3 benchmarks/bench_paged_attention.py --sweep --iters 50 \
+                                 --cases decode_256x300,decode_256x321,decode_256x352,decode_256x480 ;;
+    engine_w1_16k) python3 benchmarks/bench_engine.py --preset qwen3-0.6b --workload w1,w5 --skip-hf --print-steps --max-num-batched-tokens 16384 ;;
+    # The fp8 KV cache: its kernels (store, attention, self-checks) compiled, then W1 / W5 in bf16 and fp8 KV.
+    fp8_kv_gpu_tests) python3 -m pytest -q tests/test_engine_triton.py tests/test_paged_attention_kernel.py \
+                        tests/test_engine_kv_cache_dtype.py tests/test_engine_cuda.py -k "fp8 or kv_cache or cuda" ;;
+    engine_fp8_kv) python3 benchmarks/bench_engine.py --preset qwen3-0.6b --workload w1,w5 --skip-hf --kv-cache-dtype fp8_e4m3 ;;
+    # Rollout/trainer log-prob mismatch with the fp8 KV cache against the bf16 one, same task (dense: 0.0073-0.0074).
+    grpo_fp8_kv) grpo colocated --num-rollout 3 --task-dir /tmp/fp8_task "--train-args=--get-mismatch-metrics --sglang-kv-cache-dtype fp8_e4m3" ;;
+    grpo_bf16_kv) grpo colocated --num-rollout 3 --task-dir /tmp/fp8_task --train-args=--get-mismatch-metrics ;;
+    engine_w1_small_kv) python3 benchmarks/bench_engine.py --preset qwen3-0.6b --workload w1 --skip-hf --print-steps --num-kvcache-blocks 9000 ;;
+    decode_gemm) python3 benchmarks/bench_decode_gemm.py --quick ;;  # decode matmuls: cuBLAS vs Triton tiles / split-K
     profile_engine_w5) python3 benchmarks/profile_engine.py --shape smollm-135m --num-prompts 512 ;;  # W5: host- or GPU-bound?
     bench_engine) python3 benchmarks/bench_engine.py --preset qwen3-0.6b ;;
     agent_adapter) python3 benchmarks/bench_agent_adapter.py --shape qwen3-0.6b --device cuda ;;

@@ -51,9 +51,17 @@ def test_derived_fields(setup):
     (["--sglang-disable-overlap-schedule"], {"overlap_schedule": False}),
     (["--sglang-disable-overlap-schedule=false"], {"overlap_schedule": True}),
     (["--sglang-disable-cuda-graph"], {"enforce_eager": True}),
+    (["--sglang-kv-cache-dtype", "fp8_e4m3"], {"kv_cache_dtype": "fp8_e4m3"}),
 ])
 def test_sglang_switches_map_onto_engine_config(setup, flags, expected):
     assert parse_args(base(setup, *flags)).engine_config == expected
+
+
+def test_fp4_kv_cache_is_refused_for_the_built_in_engine_only(setup):
+    with pytest.raises(ArgumentError, match="--sglang-kv-cache-dtype fp4_e2m1: .*fp4 needs --rollout-backend sglang"):
+        parse_args(base(setup, "--sglang-kv-cache-dtype", "fp4_e2m1"))
+    assert parse_args(base(setup, "--sglang-kv-cache-dtype", "fp4_e2m1", "--rollout-backend", "sglang")).engine_config \
+        == {"kv_cache_dtype": "fp4_e2m1"}  # SGLang gets the flag itself; the built-in engine's config is not used
 
 
 def test_algorithm_derived_fields(setup):

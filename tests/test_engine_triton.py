@@ -14,6 +14,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 pytest.importorskip("triton")
 
+from slime.engine.dtypes import to_cache_dtype
 from slime.engine.layers.activation import SiluAndMul
 from slime.engine.layers.rmsnorm import RMSNorm
 from slime.engine.layers.rotary import RotaryEmbedding
@@ -159,6 +160,36 @@ def test_qkv_rope_store_equals_norm_rope_and_cache_writes(dtype, qk_norm):
     untouched = torch.ones(16, dtype=torch.bool, device=DEVICE)
     untouched[slots] = False
     assert (flat_k[untouched] == 7).all() and (flat_v[untouched] == 7).all()
+
+
+# The Triton interpreter (3.9 here) rounds to fp8 wrongly where rounding up crosses a power of two (1.96 -> 1.0).
+@pytest.mark.skipif(DEVICE != "cuda", reason="needs CUDA: the Triton interpreter's fp8 rounding is wrong")
+@pytest.mark.parametrize("cache_dtype", [torch.float8_e4m3fn, torch.float8_e5m2], ids=["e4m3", "e5m2"])
+def test_qkv_rope_store_into_an_fp8_cache_rounds_and_saturates_as_torch(cache_dtype):
+    """--kv-cache-dtype fp8: the slots hold exactly what the torch path stores (`to_cache_dtype` of norm_rope(k)
+    and of v: rounded to nearest, values past the type's largest one saturated, not NaN); q stays in qkv's dtype."""
+    generator = torch.Generator().manual_seed(0)
+    num_heads, num_kv_heads, head_dim, dtype = 4, 2, 32, torch.bfloat16 if DEVICE == "cuda" else torch.float32
+    qkv = torch.randn(5, (num_heads + 2 * num_kv_heads) * head_dim, generator=generator)
+    qkv[:, (num_heads + num_kv_heads) * head_dim:] *= 3e4  # v past fp8_e4m3's 448 (and, some, e5m2's 57344)
+    qkv = qkv.to(DEVICE, dtype)
+    rotary = RotaryEmbedding(head_dim, 64, 10000.0).to(DEVICE)
+    positions = torch.tensor([0, 3, 63, 7, 7], device=DEVICE)
+    slots = torch.tensor([9, 0, 4, 15, 2], device=DEVICE)
+    k_norm = RMSNorm(head_dim, 1e-6).to(DEVICE, dtype)
+    k_cache = torch.zeros((4, 4, num_kv_heads, head_dim), dtype=cache_dtype, device=DEVICE)
+    v_cache = k_cache.clone()
+    q = qkv_rope_store(qkv, k_norm.weight, k_norm.weight, 1e-6, rotary.cos, rotary.sin, positions, slots, k_cache,
+                       v_cache, num_heads)
+    assert q.dtype == dtype
+    _, k_in, v_in = qkv.split([num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=1)
+    expected_k = to_cache_dtype(norm_rope(k_in.view(5, -1, head_dim), k_norm.weight, 1e-6, rotary.cos, rotary.sin,
+                                          positions), cache_dtype)
+    expected_v = to_cache_dtype(v_in.view(5, -1, head_dim), cache_dtype)
+    flat_k, flat_v = k_cache.view(16, num_kv_heads, head_dim), v_cache.view(16, num_kv_heads, head_dim)
+    assert torch.equal(flat_k[slots].float(), expected_k.float())
+    assert torch.equal(flat_v[slots].float(), expected_v.float())
+    assert flat_v[slots].float().abs().max() == torch.finfo(cache_dtype).max  # saturated, finite
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -15,6 +15,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 pytest.importorskip("triton")
 
+from slime.engine.dtypes import to_cache_dtype  # noqa: E402
 from slime.engine.layers.triton_paged_attention import (
     DOT_DECODE_CONFIG,
     PREFILL_CONFIG,
@@ -111,6 +112,27 @@ def test_prefill_matches_reference(config, num_kv_splits):
     a decode token riding along, a fresh 5-token prompt."""
     for dtype in dtypes_for(config):
         run_and_compare([7, 20, 1, 5], [13, 20, 37, 5], 4, 2, dtype, config, num_kv_splits, seed=1)
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float8_e4m3fn, torch.float8_e5m2], ids=["e4m3", "e5m2"])
+@pytest.mark.parametrize("config", [REGISTER_DECODE, DOT_DECODE, SMALL_PREFILL], ids=["register", "dot", "prefill"])
+def test_fp8_cache_is_read_back_in_the_query_dtype(cache_dtype, config):
+    """An fp8 KV cache (--kv-cache-dtype fp8_e4m3 / fp8_e5m2): the kernel reads it back exactly, so its output is
+    the reference attention over the cache's own (rounded) values, at the query dtype's tolerance."""
+    query_lens, seq_lens = ([1] * 4, [37, 5, 16, 1]) if config is not SMALL_PREFILL else ([7, 20, 1], [13, 20, 37])
+    for dtype in dtypes_for(config):
+        q, k_cache, v_cache, block_tables = make_batch(query_lens, seq_lens, 4, 2, dtype, seed=2)
+        k_cache, v_cache = to_cache_dtype(k_cache, cache_dtype), to_cache_dtype(v_cache, cache_dtype)
+        scale = q.shape[-1] ** -0.5
+        out = paged_attention(
+            q.to(DEVICE), k_cache.to(DEVICE), v_cache.to(DEVICE), block_tables.to(DEVICE),
+            torch.tensor([0] + query_lens, device=DEVICE).cumsum(0).to(torch.int32),
+            torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE), max(query_lens), scale, config=config,
+        )
+        assert out.dtype == dtype
+        expected = reference(q, k_cache.double(), v_cache.double(), block_tables, query_lens, seq_lens, scale)
+        tolerance = 1e-4 if dtype == torch.float32 else 2e-2
+        torch.testing.assert_close(out.cpu().double(), expected, atol=tolerance, rtol=tolerance)
 
 
 def test_automatic_config_follows_the_group_the_head_dim_and_the_step():

@@ -11,6 +11,8 @@ from dataclasses import dataclass, fields
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
+# SGLang's --kv-cache-dtype spellings (less fp4) plus the torch names; slime.engine.dtypes maps them to torch dtypes.
+KV_CACHE_DTYPES = ("auto", "bf16", "bfloat16", "float16", "float32", "fp8_e4m3", "fp8_e5m2")
 
 
 @dataclass
@@ -29,6 +31,10 @@ class Config:
     enforce_eager: always run the model eagerly; False = on CUDA with the Triton attention path, decode steps
         replay CUDA graphs captured at bucketed batch sizes (1, 2, 4, 8, 16, 32, ... up to max_num_seqs).
     dtype: weight and activation dtype; "auto" = float32 on CPU, the checkpoint's dtype (bf16 if fp32) on CUDA.
+    kv_cache_dtype: the KV cache's dtype (SGLang's --kv-cache-dtype): "auto" = the model dtype; "fp8_e4m3" or
+        "fp8_e5m2" store K and V in 8 bits with no scale (saturated at the type's largest value), halving the
+        bytes each decode step's attention reads against bf16: faster long decodes, at the price of rounding K/V
+        (rollout log-probs then differ more from the trainer's; measure it with --get-mismatch-metrics).
     device: "cpu", "cuda" or "auto" (cuda when available).
     seed: seed of the engine's sampling RNG (requests without sampling_seed draw their seed from it).
     overlap_schedule: in steady decode, launch step N+1 (its input tokens read on the device from step N's
@@ -55,6 +61,7 @@ class Config:
     num_kvcache_blocks: int | None = None
     enforce_eager: bool = False
     dtype: str = "auto"
+    kv_cache_dtype: str = "auto"
     device: str = "auto"
     seed: int = 0
     overlap_schedule: bool | None = None
@@ -78,6 +85,8 @@ class Config:
             raise ValueError(f"overlap_schedule must be a bool or None (on for CUDA), got {self.overlap_schedule!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {sorted(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
         if self.device not in DEVICES:
             raise ValueError(f"device must be one of {DEVICES}, got {self.device!r}")
         if not isinstance(self.seed, int) or isinstance(self.seed, bool):

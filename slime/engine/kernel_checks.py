@@ -11,17 +11,19 @@ import warnings
 import numpy as np
 import torch
 
+from slime.engine.dtypes import FP8_DTYPES, to_cache_dtype
 
-def triton_attention_works(device: torch.device) -> bool:
+
+def triton_attention_works(device: torch.device, kv_dtype: torch.dtype = torch.float32) -> bool:
     """Whether the Triton paged-attention kernels import, compile and match SDPA here on a small prefill chunk over
-    a cached prefix and on a decode step of two sequences (the two kernel variants); if not, warn and let the
-    engine run the pure-torch path."""
+    a cached prefix and on a decode step of two sequences (the two kernel variants), reading a cache in `kv_dtype`
+    (fp8: against SDPA over the same cache read back); if not, warn and let the engine run the pure-torch path."""
     try:
         from slime.engine.layers.triton_paged_attention import paged_attention
 
         generator = torch.Generator(device=device).manual_seed(0)
-        k_cache = torch.randn(2, 4, 2, 64, device=device, generator=generator)
-        v_cache = torch.randn(2, 4, 2, 64, device=device, generator=generator)
+        k_cache, v_cache = (to_cache_dtype(torch.randn(2, 4, 2, 64, device=device, generator=generator), kv_dtype)
+                            for _ in range(2))
         cases = [  # (block tables, query lengths, sequence lengths after the step)
             ([[1, 0]], [5], [8]),
             ([[1, 0], [0, 1]], [1, 1], [8, 6]),
@@ -33,7 +35,7 @@ def triton_attention_works(device: torch.device) -> bool:
                                   query_start_loc, torch.tensor(seq_lens, dtype=torch.int32, device=device),
                                   max(query_lens), 0.125)
             expected = torch.cat([
-                _sdpa_reference(q[start:start + query_len], k_cache, v_cache, table, seq_len)
+                _sdpa_reference(q[start:start + query_len], k_cache.float(), v_cache.float(), table, seq_len)
                 for table, query_len, seq_len, start in zip(tables, query_lens, seq_lens, query_start_loc.tolist())
             ])
             torch.testing.assert_close(out, expected, atol=1e-3, rtol=1e-3)
@@ -56,9 +58,10 @@ def _sdpa_reference(q, k_cache, v_cache, table: list[int], seq_len: int) -> torc
                                           enable_gqa=True).transpose(0, 1)
 
 
-def triton_fused_kernels_work(device: torch.device) -> bool:
-    """Whether the fused kernels the decoder runs (RMSNorm, add + RMSNorm, q/k norm + rotary + K/V cache writes,
-    SiLU-and-mul) match the torch modules here; if not, warn and keep the torch modules for those stages."""
+def triton_fused_kernels_work(device: torch.device, kv_dtype: torch.dtype = torch.float32) -> bool:
+    """Whether the fused kernels the decoder runs (RMSNorm, add + RMSNorm, q/k norm + rotary + K/V cache writes
+    into a cache in `kv_dtype`, SiLU-and-mul) match the torch modules here; if not, warn and keep the torch modules
+    for those stages."""
     try:
         from slime.engine.layers.activation import SiluAndMul
         from slime.engine.layers.rmsnorm import RMSNorm
@@ -77,14 +80,19 @@ def triton_fused_kernels_work(device: torch.device) -> bool:
         rotary = RotaryEmbedding(128, 16, 10000.0).to(device)
         positions = torch.arange(3, device=device) * 5
         qkv = x[:, :8].reshape(3, 8 * 128)  # 4 q heads, 2 k heads, 2 v heads
-        k_cache, v_cache = torch.zeros(2, 2, 4, 2, 128, device=device)
+        k_cache, v_cache = torch.zeros(2, 2, 4, 2, 128, device=device, dtype=kv_dtype)
         slots = torch.tensor([5, 0, 3], device=device)
         got_q = qkv_rope_store(qkv, norm.weight, norm.weight, norm.eps, rotary.cos, rotary.sin, positions, slots,
                                k_cache, v_cache, 4)
         expected_q, expected_k = rotary(positions, norm(x[:, :4]), norm(x[:, 4:6]))
         torch.testing.assert_close(got_q, expected_q, atol=1e-4, rtol=1e-4)
-        torch.testing.assert_close(k_cache.view(8, 2, 128)[slots], expected_k, atol=1e-4, rtol=1e-4)
-        torch.testing.assert_close(v_cache.view(8, 2, 128)[slots], x[:, 6:8])
+        if kv_dtype in FP8_DTYPES:  # the kernel rounds fp32 to fp8 once, as to_cache_dtype; 1e-4 apart may round apart
+            expected_k, expected_v = to_cache_dtype(expected_k, kv_dtype), to_cache_dtype(x[:, 6:8], kv_dtype)
+            tolerance = dict(atol=1e-3, rtol=torch.finfo(kv_dtype).eps)
+        else:
+            expected_v, tolerance = x[:, 6:8], dict(atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(k_cache.view(8, 2, 128)[slots].float(), expected_k.float(), **tolerance)
+        torch.testing.assert_close(v_cache.view(8, 2, 128)[slots].float(), expected_v.float(), **tolerance)
         return True
     except Exception as error:
         warnings.warn(f"fused Triton kernels unavailable ({type(error).__name__}: {error}); using torch modules")

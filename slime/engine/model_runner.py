@@ -19,6 +19,7 @@ import torch
 from slime.engine.config import Config
 from slime.engine.cuda_graph import DecodeGraphs
 from slime.engine.decode_rows import DecodeRows
+from slime.engine.dtypes import resolve_device, resolve_dtype, resolve_kv_cache_dtype
 from slime.engine.host_staging import HostStaging
 from slime.engine.host_weights import HostWeights
 from slime.engine.kernel_checks import grouped_mm_works, triton_attention_works, triton_fused_kernels_work
@@ -48,22 +49,6 @@ class LaunchedStep:
     ready: torch.cuda.Event | None
 
 
-def resolve_device(device: str) -> torch.device:
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if device == "cuda" and not torch.cuda.is_available():
-        raise ValueError("device='cuda' but CUDA is not available; use device='cpu'")
-    return torch.device(device)
-
-
-def resolve_dtype(dtype: str, device: torch.device, checkpoint_dtype: str | None) -> torch.dtype:
-    if dtype != "auto":
-        return getattr(torch, dtype)
-    if device.type == "cpu":
-        return torch.float32
-    return torch.float16 if checkpoint_dtype == "float16" else torch.bfloat16
-
-
 class ModelRunner:
     def __init__(self, config: Config, model_config: ModelConfig, eos_token_ids: set[int]):
         self.config = config
@@ -71,6 +56,7 @@ class ModelRunner:
         self.model_config = model_config
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device, model_config.torch_dtype)
+        self.kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, self.dtype)
         self.block_size = config.kvcache_block_size
         self.staging = HostStaging(self.device)
         # Build in the target dtype (not .to(dtype) afterwards, which would also round the fp32 RoPE tables).
@@ -101,12 +87,13 @@ class ModelRunner:
         self.decode_sampling = DecodeSampling(self.staging, self.eos_token_ids)
         self.kv_cache: torch.Tensor | None = None  # every layer's K and V; uninitialized on the Triton path
         self.kv_cache_zeroed = False
-        attention_works = self.device.type == "cuda" and triton_attention_works(self.device)
+        attention_works = self.device.type == "cuda" and triton_attention_works(self.device, self.kv_dtype)
         grouped_mm = grouped_mm_works(self.device, self.dtype) if model_config.is_moe else True
         for block in self.model.moe_blocks():
             block.experts.use_grouped_mm = grouped_mm
         # The per-expert fallback reads group sizes on the host, which a CUDA graph cannot capture.
-        self.set_use_triton(attention_works, fused=attention_works and triton_fused_kernels_work(self.device),
+        self.set_use_triton(attention_works,
+                            fused=attention_works and triton_fused_kernels_work(self.device, self.kv_dtype),
                             cuda_graphs=grouped_mm)
         self.allocate_kv_cache()
 
@@ -127,7 +114,7 @@ class ModelRunner:
     @property
     def bytes_per_block(self) -> int:
         c = self.model_config
-        element_size = torch.empty((), dtype=self.dtype).element_size()
+        element_size = torch.empty((), dtype=self.kv_dtype).element_size()
         kv_bytes = 2 * c.num_hidden_layers * self.block_size * c.num_key_value_heads * c.head_dim * element_size
         routing_bytes = len(c.moe_layers) * c.num_experts_per_tok * 4 * self.block_size
         return kv_bytes + (routing_bytes if self.config.enable_return_routed_experts else 0)
@@ -166,7 +153,7 @@ class ModelRunner:
         # the whole cache on every colocated resume costs a device-wide memset.
         self.kv_cache_zeroed = not self.use_triton
         allocate = torch.zeros if self.kv_cache_zeroed else torch.empty
-        cache = self.kv_cache = allocate((len(layers), 2, *shape), dtype=self.dtype, device=self.device)
+        cache = self.kv_cache = allocate((len(layers), 2, *shape), dtype=self.kv_dtype, device=self.device)
         for attn, (keys, values) in zip(layers, cache):
             attn.k_cache, attn.v_cache = keys, values
         if self.config.enable_return_routed_experts:

@@ -33,6 +33,12 @@ SGLANG_FLAG_TO_ENGINE_CONFIG = {
     "sglang_disable_cuda_graph": ("enforce_eager", bool),
     "sglang_disable_overlap_schedule": ("overlap_schedule", "negated bool"),
     "sglang_dtype": ("dtype", str),
+    "sglang_kv_cache_dtype": ("kv_cache_dtype", str),
+}
+# SGLang flag values the built-in engine cannot honour -> why (refused when the run uses the built-in engine).
+UNSUPPORTED_BY_ENGINE = {
+    ("sglang_kv_cache_dtype", "fp4_e2m1"): "the built-in engine's KV cache is in the model dtype or fp8 (fp8_e4m3, "
+                                           "fp8_e5m2); fp4 needs --rollout-backend sglang",
 }
 # Flags of slime's own with the sglang prefix, and flags registered elsewhere (slime.utils.engine_access).
 SLIME_SGLANG_FLAGS = ("--sglang-router-ip", "--sglang-router-port", "--sglang-router-request-timeout-secs",
@@ -133,6 +139,8 @@ def engine_config_from_sglang_flags(args) -> tuple[dict, list[str]]:
             unused.append("--" + dest.replace("_", "-"))
             continue
         field, kind = SGLANG_FLAG_TO_ENGINE_CONFIG[dest]
+        if (dest, value) in UNSUPPORTED_BY_ENGINE and args.rollout_backend == "slime":
+            raise ArgumentError(f"--{dest.replace('_', '-')} {value}: {UNSUPPORTED_BY_ENGINE[dest, value]}")
         try:
             config[field] = (not value) if kind == "negated bool" else kind(value)
         except ValueError:

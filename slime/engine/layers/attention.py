@@ -16,6 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from slime.engine.dtypes import FP8_DTYPES, to_cache_dtype
+
 
 @dataclass
 class AttentionMetadata:
@@ -69,10 +71,12 @@ class PagedAttention(nn.Module):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """q: [num_tokens, num_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim].
         Returns [num_tokens, num_heads * head_dim]."""
-        flat_k_cache = self.k_cache.view(-1, self.num_kv_heads, self.head_dim)
-        flat_v_cache = self.v_cache.view(-1, self.num_kv_heads, self.head_dim)
-        flat_k_cache.index_copy_(0, meta.slot_mapping, k.to(flat_k_cache.dtype))
-        flat_v_cache.index_copy_(0, meta.slot_mapping, v.to(flat_v_cache.dtype))
+        for cache, values in ((self.k_cache, k), (self.v_cache, v)):
+            flat = cache.view(-1, self.num_kv_heads, self.head_dim)
+            rounded = to_cache_dtype(values, cache.dtype)
+            if cache.dtype in FP8_DTYPES:  # index_copy_ has no fp8 kernel on the CPU: copy the bytes
+                flat, rounded = flat.view(torch.uint8), rounded.view(torch.uint8)
+            flat.index_copy_(0, meta.slot_mapping, rounded)
         return self.attend(q, meta)
 
     def attend(self, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
@@ -96,8 +100,8 @@ class PagedAttention(nn.Module):
 
     def _torch_attention(self, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         num_seqs, max_query_len = meta.num_seqs, meta.max_query_len
-        keys = self._gather(self.k_cache, meta.key_slots)
-        values = self._gather(self.v_cache, meta.key_slots)
+        keys = self._gather(self.k_cache, meta.key_slots).to(q.dtype)  # an fp8 cache is read back in q's dtype
+        values = self._gather(self.v_cache, meta.key_slots).to(q.dtype)
         is_decode = max_query_len == 1 and q.shape[0] == num_seqs  # token i is sequence i's only query
         if is_decode:
             padded_q = q.view(num_seqs, 1, self.num_heads, self.head_dim)

@@ -15,6 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
+from slime.engine.dtypes import FP8_DTYPES
+
 
 @triton.jit
 def _rms_norm_kernel(x_ptr, weight_ptr, out_ptr, stride_x, stride_out, num_columns, eps, BLOCK: tl.constexpr):
@@ -94,8 +96,9 @@ def add_rms_norm(
 
 @triton.jit
 def _norm_rope_heads(x_ptr, x_row, stride_x_head, out_ptr, out_row, stride_out_head, weight_ptr, cos, sin, num_heads,
-                     eps, HALF: tl.constexpr, BLOCK_H: tl.constexpr, HAS_NORM: tl.constexpr):
-    """One token's heads: optional per-head RMSNorm, then rotary with this position's cos / sin [1, HALF]."""
+                     eps, HALF: tl.constexpr, BLOCK_H: tl.constexpr, HAS_NORM: tl.constexpr, LIMIT: tl.constexpr):
+    """One token's heads: optional per-head RMSNorm, then rotary with this position's cos / sin [1, HALF], rounded
+    to x's dtype and stored in out's; LIMIT > 0 (an fp8 out) clamps to +-LIMIT before that store."""
     heads = tl.arange(0, BLOCK_H)
     half = tl.arange(0, HALF)
     valid = (heads < num_heads)[:, None]
@@ -112,8 +115,16 @@ def _norm_rope_heads(x_ptr, x_row, stride_x_head, out_ptr, out_row, stride_out_h
         x2 = (w2[None, :] * (x2f * inv_rms[:, None]).to(dtype)).to(dtype)
     x1f, x2f = x1.to(tl.float32), x2.to(tl.float32)
     out_offsets = out_row + heads[:, None] * stride_out_head + half[None, :]
-    tl.store(out_ptr + out_offsets, (x1f * cos - x2f * sin).to(dtype), mask=valid)
-    tl.store(out_ptr + out_offsets + HALF, (x2f * cos + x1f * sin).to(dtype), mask=valid)
+    tl.store(out_ptr + out_offsets, _saturate((x1f * cos - x2f * sin).to(dtype), LIMIT, out_ptr), mask=valid)
+    tl.store(out_ptr + out_offsets + HALF, _saturate((x2f * cos + x1f * sin).to(dtype), LIMIT, out_ptr), mask=valid)
+
+
+@triton.jit
+def _saturate(x, LIMIT: tl.constexpr, out_ptr):
+    """x in out_ptr's dtype; with LIMIT > 0 clamped to +-LIMIT first (fp8 has no room for larger values)."""
+    if LIMIT > 0:
+        x = tl.minimum(tl.maximum(x.to(tl.float32), -LIMIT), LIMIT)
+    return x.to(out_ptr.dtype.element_ty)
 
 
 @triton.jit
@@ -149,7 +160,7 @@ def _norm_rope_kernel(
     token = tl.program_id(0).to(tl.int64)
     cos, sin = _rotary_of(cos_ptr, sin_ptr, positions_ptr, token, stride_table, HALF)
     _norm_rope_heads(x_ptr, token * stride_x_token, stride_x_head, out_ptr, token * stride_out_token,
-                     stride_out_head, weight_ptr, cos, sin, num_heads, eps, HALF, BLOCK_H, HAS_NORM)
+                     stride_out_head, weight_ptr, cos, sin, num_heads, eps, HALF, BLOCK_H, HAS_NORM, 0.0)
 
 
 @triton.jit
@@ -157,6 +168,7 @@ def _qkv_rope_store_kernel(
     qkv_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr, q_weight_ptr, k_weight_ptr, cos_ptr, sin_ptr,
     positions_ptr, stride_qkv_token, stride_table, num_heads, num_kv_heads, eps,
     HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_KV: tl.constexpr, HAS_NORM: tl.constexpr,
+    CACHE_LIMIT: tl.constexpr,
 ):
     """Program per token: q heads normed and rotated into q_out [tokens, heads, dim]; k heads normed, rotated and
     written to the flat K cache at the token's slot; v heads copied to the V cache at that slot."""
@@ -165,14 +177,14 @@ def _qkv_rope_store_kernel(
     slot_row = tl.load(slot_mapping_ptr + token).to(tl.int64) * num_kv_heads * (2 * HALF)
     qkv_row = token * stride_qkv_token
     _norm_rope_heads(qkv_ptr, qkv_row, 2 * HALF, q_out_ptr, token * num_heads * (2 * HALF), 2 * HALF, q_weight_ptr,
-                     cos, sin, num_heads, eps, HALF, BLOCK_H, HAS_NORM)
+                     cos, sin, num_heads, eps, HALF, BLOCK_H, HAS_NORM, 0.0)
     _norm_rope_heads(qkv_ptr, qkv_row + num_heads * (2 * HALF), 2 * HALF, k_cache_ptr, slot_row, 2 * HALF,
-                     k_weight_ptr, cos, sin, num_kv_heads, eps, HALF, BLOCK_KV, HAS_NORM)
+                     k_weight_ptr, cos, sin, num_kv_heads, eps, HALF, BLOCK_KV, HAS_NORM, CACHE_LIMIT)
     heads = tl.arange(0, BLOCK_KV)[:, None]
     dims = tl.arange(0, 2 * HALF)[None, :]
     valid = heads < num_kv_heads
     v = tl.load(qkv_ptr + qkv_row + (num_heads + num_kv_heads) * (2 * HALF) + heads * (2 * HALF) + dims, mask=valid)
-    tl.store(v_cache_ptr + slot_row + heads * (2 * HALF) + dims, v, mask=valid)
+    tl.store(v_cache_ptr + slot_row + heads * (2 * HALF) + dims, _saturate(v, CACHE_LIMIT, v_cache_ptr), mask=valid)
 
 
 def qkv_rope_store(
@@ -190,12 +202,14 @@ def qkv_rope_store(
 ) -> torch.Tensor:
     """The attention's input stage in one launch: qkv [num_tokens, (heads + 2 kv_heads) * head_dim] -> q
     [num_tokens, heads, head_dim] after optional per-head RMSNorm and rotary; k (likewise) and v are written into
-    the caches [blocks, block_size, kv_heads, head_dim] at `slot_mapping`. Equals norm_rope on q and k followed by
-    the caches' index_copy_, in three launches fewer per layer."""
+    the caches [blocks, block_size, kv_heads, head_dim] at `slot_mapping` (into an fp8 cache rounded from qkv's
+    dtype by the store, which saturates as `dtypes.to_cache_dtype`). Equals norm_rope on q and k followed by the
+    caches' index_copy_, in three launches fewer per layer."""
     num_tokens = qkv.shape[0]
     num_kv_heads, head_dim = k_cache.shape[-2:]
     assert qkv.stride(-1) == 1 and qkv.shape[1] == (num_heads + 2 * num_kv_heads) * head_dim
-    assert k_cache.is_contiguous() and v_cache.is_contiguous() and k_cache.dtype == qkv.dtype == v_cache.dtype
+    assert k_cache.is_contiguous() and v_cache.is_contiguous() and k_cache.dtype == v_cache.dtype
+    assert k_cache.dtype == qkv.dtype or k_cache.dtype in FP8_DTYPES, "the cache is in qkv's dtype or an fp8 one"
     assert cos.is_contiguous() and sin.is_contiguous() and (q_weight is None) == (k_weight is None)
     q = torch.empty(num_tokens, num_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
     if num_tokens:
@@ -205,6 +219,7 @@ def qkv_rope_store(
             cos, sin, positions, qkv.stride(0), cos.stride(0), num_heads, num_kv_heads, eps,
             HALF=head_dim // 2, BLOCK_H=triton.next_power_of_2(num_heads),
             BLOCK_KV=triton.next_power_of_2(num_kv_heads), HAS_NORM=q_weight is not None,
+            CACHE_LIMIT=float(torch.finfo(k_cache.dtype).max) if k_cache.dtype in FP8_DTYPES else 0.0,
         )
     return q
 

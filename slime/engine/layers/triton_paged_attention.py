@@ -136,8 +136,9 @@ def _paged_attention_kernel(
         slot_offsets = block_ids.to(tl.int64) * stride_cache_block + (offs_n % KV_BLOCK_SIZE) * stride_cache_slot
         slot_offsets += cache_head_offset
         kv_offsets = slot_offsets[:, None] + offs_d[None, :]  # [BLOCK_N, HEAD_DIM], head_dim contiguous
-        k = tl.load(k_cache_ptr + kv_offsets, mask=key_valid[:, None], other=0.0)
-        v = tl.load(v_cache_ptr + kv_offsets, mask=key_valid[:, None], other=0.0)
+        # An fp8 cache is read back in q's dtype (a no-op for a cache in the model dtype).
+        k = tl.load(k_cache_ptr + kv_offsets, mask=key_valid[:, None], other=0.0).to(q_ptr.dtype.element_ty)
+        v = tl.load(v_cache_ptr + kv_offsets, mask=key_valid[:, None], other=0.0).to(q_ptr.dtype.element_ty)
         if USE_DOT:
             if IEEE_DOT:
                 scores = tl.dot(q, tl.trans(k), input_precision="ieee")
@@ -259,7 +260,8 @@ def paged_attention(
     num_kv_splits: int | None = None,
     config: KernelConfig | None = None,
 ) -> torch.Tensor:
-    """q [num_tokens, num_heads, head_dim]; caches [num_blocks, block_size, num_kv_heads, head_dim];
+    """q [num_tokens, num_heads, head_dim]; caches [num_blocks, block_size, num_kv_heads, head_dim] in q's dtype or
+    an fp8 one (read back in q's dtype);
     block_tables [num_seqs, max_num_blocks] int32; query_start_loc [num_seqs + 1] int32 (cumulative query lengths);
     seq_lens [num_seqs] int32 (tokens in the cache after this step). Returns [num_tokens, num_heads, head_dim].
 
