@@ -39,6 +39,7 @@ run_step() {
     # Rollout/trainer log-prob mismatch with the fp8 KV cache against the bf16 one, same task (dense: 0.0073-0.0074).
     grpo_fp8_kv) grpo colocated --num-rollout 3 --task-dir /tmp/fp8_task "--train-args=--get-mismatch-metrics --sglang-kv-cache-dtype fp8_e4m3" ;;
     grpo_bf16_kv) grpo colocated --num-rollout 3 --task-dir /tmp/fp8_task --train-args=--get-mismatch-metrics ;;
+    attention_gpu_tests) python3 -m pytest -q tests/test_paged_attention_kernel.py ;;
     engine_w1_small_kv) python3 benchmarks/bench_engine.py --preset qwen3-0.6b --workload w1 --skip-hf --print-steps --num-kvcache-blocks 9000 ;;
     decode_gemm) python3 benchmarks/bench_decode_gemm.py --quick ;;  # decode matmuls: cuBLAS vs Triton tiles / split-K
     profile_engine_w5) python3 benchmarks/profile_engine.py --shape smollm-135m --num-prompts 512 ;;  # W5: host- or GPU-bound?

@@ -53,13 +53,13 @@ class KernelConfig:
 # tokens, Qwen3-0.6B heads) 66.5 us against 72.9 with 64-key tiles.
 PREFILL_CONFIG = KernelConfig(block_m=64, block_n=32, use_dot=True, num_warps=4, num_stages=3)
 REGISTER_DECODE_CONFIG = KernelConfig(block_m=0, block_n=32, use_dot=False, num_warps=4, num_stages=2)
-# Head dim 128 (Qwen3-0.6B, 256 seqs): 100.6 / 130.2 us at contexts 384 / 512 (4.0 / 4.1 TB/s), against 103.1 / 134.0
-# for 32-key tiles on 2 warps; split-KV slower at that batch (2 splits: 113.5 / 143.6).
-DOT_DECODE_CONFIG = KernelConfig(block_m=16, block_n=64, use_dot=True, num_warps=4, num_stages=3)
-# Head dim <= 64 (SmolLM-135M, 512 seqs x 384 context): one warp per program over 16-key tiles, 43.8 us (3.5 TB/s)
-# against 50.8 for the head-dim-128 config of before (32-key tiles, 2 warps) and 48.2 for the one above.
-SMALL_HEAD_DOT_DECODE_CONFIG = KernelConfig(block_m=16, block_n=16, use_dot=True, num_warps=1, num_stages=4)
-MAX_SMALL_HEAD_DIM = 64
+# Head dim 128 (Qwen3-0.6B, 256 seqs), at the contexts a decode run passes through (2026-12-03 sweep): one warp per
+# program over 16-key tiles, 83.6 / 90.4 / 97.0 / 126.4 us at contexts 300 / 321 / 352 / 480, against 87.2 / 96.6 /
+# 100.2 / 129.6 for 64-key tiles on 4 warps (the config before, chosen at contexts 384 and 512, multiples of its
+# tile: a context one key past a 64-key tile paid for most of a whole tile). Split-KV is slower at that batch.
+DOT_DECODE_CONFIG = KernelConfig(block_m=16, block_n=16, use_dot=True, num_warps=1, num_stages=4)
+# Head dim 64 (SmolLM-135M, 512 seqs x 384 context): the same config, 43.8 us (3.5 TB/s) against 50.8 for 32-key
+# tiles on 2 warps and 48.2 for 64-key tiles on 4 warps.
 
 
 # The block-table width changes from step to step: one compiled kernel for all widths, not one per divisibility.
@@ -218,14 +218,14 @@ def _num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def choose_config(num_queries_per_kv: int, max_query_len: int, head_dim: int) -> KernelConfig:
-    """Decode (one query token per sequence) gets a decode config, by group size and head dim; any prefill chunk
-    the prefill one."""
+def choose_config(num_queries_per_kv: int, max_query_len: int) -> KernelConfig:
+    """Decode (one query token per sequence) gets a decode config, by group size (the same for every head dim
+    since the 2026-12-03 sweep); any prefill chunk the prefill one."""
     if max_query_len > 1:
         return PREFILL_CONFIG
     if triton.next_power_of_2(num_queries_per_kv) <= MAX_REGISTER_DECODE_GROUP:
         return REGISTER_DECODE_CONFIG
-    return SMALL_HEAD_DOT_DECODE_CONFIG if head_dim <= MAX_SMALL_HEAD_DIM else DOT_DECODE_CONFIG
+    return DOT_DECODE_CONFIG
 
 
 def choose_num_kv_splits(
@@ -272,7 +272,7 @@ def paged_attention(
     assert head_dim & (head_dim - 1) == 0 and head_dim >= 16, "head_dim must be a power of two >= 16"
     num_queries_per_kv = num_heads // num_kv_heads
     num_seqs, max_num_blocks = block_tables.shape
-    config = config or choose_config(num_queries_per_kv, max_query_len, head_dim)
+    config = config or choose_config(num_queries_per_kv, max_query_len)
     block_m = config.block_m or triton.next_power_of_2(num_queries_per_kv)
     if config.use_dot and block_m < 16:
         raise ValueError(f"config {config}: tensor-core tiles need block_m >= 16")
