@@ -32,9 +32,11 @@ class Config:
         replay CUDA graphs captured at bucketed batch sizes (1, 2, 4, 8, 16, 32, ... up to max_num_seqs).
     dtype: weight and activation dtype; "auto" = float32 on CPU, the checkpoint's dtype (bf16 if fp32) on CUDA.
     kv_cache_dtype: the KV cache's dtype (SGLang's --kv-cache-dtype): "auto" = the model dtype; "fp8_e4m3" or
-        "fp8_e5m2" store K and V in 8 bits with no scale (saturated at the type's largest value), halving the
-        bytes each decode step's attention reads against bf16: faster long decodes, at the price of rounding K/V
-        (rollout log-probs then differ more from the trainer's; measure it with --get-mismatch-metrics).
+        "fp8_e5m2" store K and V in 8 bits with no scale (saturated at the type's largest value): half the
+        cache's bytes of bf16 (twice the tokens fit) and of what attention reads, at the price of rounding K/V
+        (rollout log-probs then differ more from the trainer's; measure it with --get-mismatch-metrics). On an
+        H200 it sped up a 135M model's decode 1.5x, not Qwen3-0.6B's (the in-register conversion of 128-wide
+        heads costs what the halved reads save; benchmarks/RESULTS.md).
     device: "cpu", "cuda" or "auto" (cuda when available).
     seed: seed of the engine's sampling RNG (requests without sampling_seed draw their seed from it).
     overlap_schedule: in steady decode, launch step N+1 (its input tokens read on the device from step N's
