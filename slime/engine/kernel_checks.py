@@ -16,14 +16,16 @@ from slime.engine.dtypes import FP8_DTYPES, to_cache_dtype
 
 def triton_attention_works(device: torch.device, kv_dtype: torch.dtype = torch.float32) -> bool:
     """Whether the Triton paged-attention kernels import, compile and match SDPA here on a small prefill chunk over
-    a cached prefix and on a decode step of two sequences (the two kernel variants), reading a cache in `kv_dtype`
-    (fp8: against SDPA over the same cache read back); if not, warn and let the engine run the pure-torch path."""
+    a cached prefix and on a decode step of two sequences (the two kernel variants), in float32, or reading an fp8
+    cache when `kv_dtype` is one (against SDPA over the same cache read back); if not, warn and let the engine run
+    the pure-torch path."""
     try:
         from slime.engine.layers.triton_paged_attention import paged_attention
 
         generator = torch.Generator(device=device).manual_seed(0)
-        k_cache, v_cache = (to_cache_dtype(torch.randn(2, 4, 2, 64, device=device, generator=generator), kv_dtype)
-                            for _ in range(2))
+        cache_dtype = kv_dtype if kv_dtype in FP8_DTYPES else torch.float32  # q is float32: so is a 16-bit cache
+        k_cache, v_cache = (to_cache_dtype(torch.randn(2, 4, 2, 64, device=device, generator=generator),
+                                           cache_dtype) for _ in range(2))
         cases = [  # (block tables, query lengths, sequence lengths after the step)
             ([[1, 0]], [5], [8]),
             ([[1, 0], [0, 1]], [1, 1], [8, 6]),
@@ -59,9 +61,10 @@ def _sdpa_reference(q, k_cache, v_cache, table: list[int], seq_len: int) -> torc
 
 
 def triton_fused_kernels_work(device: torch.device, kv_dtype: torch.dtype = torch.float32) -> bool:
-    """Whether the fused kernels the decoder runs (RMSNorm, add + RMSNorm, q/k norm + rotary + K/V cache writes
-    into a cache in `kv_dtype`, SiLU-and-mul) match the torch modules here; if not, warn and keep the torch modules
-    for those stages."""
+    """Whether the fused kernels the decoder runs (RMSNorm, add + RMSNorm, q/k norm + rotary + K/V cache writes,
+    SiLU-and-mul) match the torch modules here, in float32, the cache writes into an fp8 cache when `kv_dtype` is
+    one (a 16-bit cache is in the model's dtype, as qkv); if not, warn and keep the torch modules for those
+    stages."""
     try:
         from slime.engine.layers.activation import SiluAndMul
         from slime.engine.layers.rmsnorm import RMSNorm
@@ -80,7 +83,8 @@ def triton_fused_kernels_work(device: torch.device, kv_dtype: torch.dtype = torc
         rotary = RotaryEmbedding(128, 16, 10000.0).to(device)
         positions = torch.arange(3, device=device) * 5
         qkv = x[:, :8].reshape(3, 8 * 128)  # 4 q heads, 2 k heads, 2 v heads
-        k_cache, v_cache = torch.zeros(2, 2, 4, 2, 128, device=device, dtype=kv_dtype)
+        cache_dtype = kv_dtype if kv_dtype in FP8_DTYPES else x.dtype
+        k_cache, v_cache = torch.zeros(2, 2, 4, 2, 128, device=device, dtype=cache_dtype)
         slots = torch.tensor([5, 0, 3], device=device)
         got_q = qkv_rope_store(qkv, norm.weight, norm.weight, norm.eps, rotary.cos, rotary.sin, positions, slots,
                                k_cache, v_cache, 4)
