@@ -190,8 +190,8 @@ def test_split_choice_depends_on_batch_not_on_lengths():
                          [(64, 300, 16, 8, 128), (4, 2000, 16, 8, 128), (128, 300, 9, 3, 64), (4, 2000, 9, 3, 64)],
                          ids=["qwen3-64x300", "qwen3-4x2000", "smollm-128x300", "smollm-4x2000"])
 def test_real_shapes_bf16_automatic_choices(num_seqs, context, num_heads, num_kv_heads, head_dim):
-    """Qwen3-0.6B's heads (16 query / 8 KV, head dim 128) and SmolLM-135M's (9 / 3, head dim 64: the small-head
-    decode config), block size 16, bf16, the automatic config and split count."""
+    """Qwen3-0.6B's heads (16 query / 8 KV, head dim 128) and SmolLM-135M's (9 / 3, head dim 64), one decode
+    config for both, block size 16, bf16, the automatic config and split count."""
     generator = torch.Generator().manual_seed(0)
     seq_lens = (torch.randint(context // 2, context, (num_seqs,), generator=generator)).tolist()
     q, k_cache, v_cache, block_tables = make_batch([1] * num_seqs, seq_lens, num_heads, num_kv_heads, torch.bfloat16,

@@ -3,13 +3,14 @@ and values read straight from the block cache through the block table, with no g
 
 One program handles one sequence, one KV head and BLOCK_M rows, where a row is (query token, query head of that
 KV head's group), so grouped-query heads share each K/V tile they load. K and V tiles are loaded as
-[BLOCK_N, HEAD_DIM], the cache's contiguous axis last, so each key is one run of HEAD_DIM * 2 bytes.
+[BLOCK_N, HEAD_DIM], the cache's contiguous axis last, so each key is one run of HEAD_DIM elements (an fp8 cache's
+are read back in q's dtype).
 
 - Prefill (any chunk of more than one query token): BLOCK_M = 64 rows, QK^T and PV on tensor cores (`tl.dot`).
-- Decode (one query token per sequence) with a small group (<= 4 query heads per KV head): BLOCK_M = the group,
-  no tensor cores: a broadcast multiply and a sum, so no row is padding and the tiles stay in registers (no shared
-  memory buffers), so more programs fit on an SM to keep loads in flight. Decode is bound by reading K/V: the
-  decode configs below are the ones to tune with `benchmarks/bench_paged_attention.py --sweep`.
+- Decode (one query token per sequence), multi-head (one query head per KV head): BLOCK_M = 1, no tensor cores,
+  a broadcast multiply and a sum in registers. Grouped-query heads: BLOCK_M = 16 rows (the group, padded) on
+  tensor cores over 16-key tiles on one warp. Decode is bound by reading K/V: the decode configs below are the
+  ones to tune with `benchmarks/bench_paged_attention.py --sweep`, at contexts that are not multiples of a tile.
 - Split-KV (flash-decoding): when there are too few (sequence, KV head) programs to fill the GPU, each one is
   split into NUM_KV_SPLITS programs over consecutive key ranges that write unnormalized partial results, and a
   second kernel merges them. The split count depends only on shapes (batch size, heads, block-table width, SM
