@@ -28,6 +28,15 @@ def log_probs(outputs):
     return torch.tensor([lp for output in outputs for lp in output["output_log_probs"]], dtype=torch.float64)
 
 
+def log_prob_difference_where_drawn_alike(outputs, reference_outputs):
+    """|log-prob difference| over the requests whose tokens match the reference's. Same seeds: the draws match
+    unless a rounding moved a score across another (then the log-probs are of other tokens, not comparable)."""
+    same = [o["output_ids"] == e["output_ids"] for o, e in zip(outputs, reference_outputs)]
+    assert any(same)
+    return torch.cat([(log_probs([o]) - log_probs([e])).abs()
+                      for o, e, equal in zip(outputs, reference_outputs, same) if equal])
+
+
 @pytest.mark.parametrize("kv_cache_dtype, torch_dtype", [("fp8_e4m3", torch.float8_e4m3fn),
                                                          ("fp8_e5m2", torch.float8_e5m2)])
 def test_fp8_cache_stores_a_quarter_of_the_bytes_and_rounds_k_and_v(path, kv_cache_dtype, torch_dtype):
@@ -38,12 +47,7 @@ def test_fp8_cache_stores_a_quarter_of_the_bytes_and_rounds_k_and_v(path, kv_cac
     assert engine.model_runner.bytes_per_block * 4 == full.model_runner.bytes_per_block
     assert engine.model_runner.kv_cache.element_size() == 1
     assert all(len(output["output_ids"]) == 12 for output in outputs)
-    # Same seeds: the draws match unless a rounding moved a score across another (then the log-probs are of
-    # other tokens and not comparable); where they match, the log-probs are a little apart.
-    same = [o["output_ids"] == e["output_ids"] for o, e in zip(outputs, full_outputs)]
-    assert any(same)
-    difference = torch.cat([(log_probs([o]) - log_probs([e])).abs()
-                            for o, e, equal in zip(outputs, full_outputs, same) if equal])
+    difference = log_prob_difference_where_drawn_alike(outputs, full_outputs)
     assert difference.max() > 1e-6, "an fp8 cache that changes nothing is not rounding K/V"
     assert difference.max() < 0.5, "K/V read back as something else than their rounded values"
 
@@ -82,8 +86,5 @@ def test_fp8_cache_on_cuda_runs_the_triton_path_and_cuda_graphs(path):
     assert engine.model_runner.kv_cache.dtype == torch.float8_e4m3fn
     outputs, full_outputs = engine.generate(PROMPTS, PARAMS), full.generate(PROMPTS, PARAMS)
     assert engine.model_runner.decode_graphs is not None  # the decode steps replayed graphs
-    same = [o["output_ids"] == e["output_ids"] for o, e in zip(outputs, full_outputs)]
-    assert any(same)
-    difference = torch.cat([(log_probs([o]) - log_probs([e])).abs()
-                            for o, e, equal in zip(outputs, full_outputs, same) if equal])
+    difference = log_prob_difference_where_drawn_alike(outputs, full_outputs)
     assert 0 < difference.max() < 0.5
