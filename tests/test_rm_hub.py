@@ -225,7 +225,7 @@ def test_batched_rm_per_sample_and_group(custom_rm):
 async def _with_reward_server(handler, body):
     app = web.Application()
     app.router.add_post("/reward", handler)
-    runner = web.AppRunner(app)
+    runner = web.AppRunner(app, shutdown_timeout=1.0)  # a handler that hangs on purpose must not hold cleanup 60 s
     await runner.setup()
     port = find_free_port()
     await web.TCPSite(runner, "127.0.0.1", port).start()
