@@ -5,7 +5,6 @@ from __future__ import annotations
 import io
 import os
 import random
-import socket
 import traceback
 
 import torch
@@ -76,28 +75,6 @@ def rank_slice(data: dict, rank: int, world_size: int) -> dict:
     return out
 
 
-def free_port_block(size: int = 8) -> int:
-    """A base port whose `size` ports from base up are all free now, picked below the kernel's ephemeral range
-    (32768+ on Linux): an outgoing connection is never given one of them, so a worker can open its process
-    groups on port, port + 1, ... one after another without another socket taking a port in between."""
-    rng = random.SystemRandom()
-    for _ in range(100):
-        base = rng.randrange(20000, 32768 - size)
-        sockets = []
-        try:
-            for port in range(base, base + size):
-                sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-                sockets.append(sock)
-                sock.bind(("127.0.0.1", port))
-            return base
-        except OSError:
-            continue
-        finally:
-            for sock in sockets:
-                sock.close()
-    raise RuntimeError(f"no block of {size} free ports found in 20000-32767")
-
-
 def _worker(rank, world_size, port, fn, payload, queue):
     try:
         os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -115,10 +92,10 @@ def _worker(rank, world_size, port, fn, payload, queue):
 
 def run_distributed(fn, world_size: int, *payload, timeout: float = 300.0) -> list:
     """Run fn(rank, world_size, port, *payload) in `world_size` spawned processes; return results by rank.
-    Ports port .. port + 7 are free for fn's process groups (see free_port_block)."""
+    Ports port .. port + 7 are free for fn's process groups, one after another."""
     ctx = mp.get_context("spawn")
     queue = ctx.SimpleQueue()
-    port = free_port_block()
+    port = find_free_port(count=8)
     procs = [ctx.Process(target=_worker, args=(r, world_size, port, fn, payload, queue)) for r in range(world_size)]
     for p in procs:
         p.start()

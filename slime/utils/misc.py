@@ -47,10 +47,43 @@ def load_functions(path: str, flag: str) -> list:
     return functions
 
 
-def find_free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
+def _ephemeral_port_range() -> tuple[int, int] | None:
+    """The kernel's range for outgoing connections' local ports (Linux), or None where it cannot be read."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low, high = map(int, f.read().split())
+        return low, high
+    except (OSError, ValueError):
+        return None
+
+
+def _all_bindable(host: str, ports: range) -> bool:
+    sockets = []
+    try:
+        for port in ports:
+            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            sockets.append(sock)
+            sock.bind((host, port))
+        return True
+    except OSError:
+        return False
+    finally:
+        for sock in sockets:
+            sock.close()
+
+
+def find_free_port(host: str = "127.0.0.1", count: int = 1) -> int:
+    """A port free now, with the `count - 1` ports after it. It is picked below the kernel's ephemeral range where
+    there is room, so no outgoing connection can be given it between this pick and the listener's bind (a port
+    the kernel hands out, as binding port 0 does, can be; CI saw that as EADDRINUSE)."""
+    ephemeral = _ephemeral_port_range()
+    low, high = (10000, ephemeral[0]) if ephemeral and ephemeral[0] > 10000 + 1000 + count else (1024, 65536)
+    rng = random.SystemRandom()
+    for _ in range(200):
+        base = rng.randrange(low, high - count + 1)
+        if _all_bindable(host, range(base, base + count)):
+            return base
+    raise RuntimeError(f"no {count} consecutive free port(s) found on {host} in {low}-{high - 1}")
 
 
 def seed_everything(seed: int) -> None:
