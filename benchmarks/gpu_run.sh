@@ -25,12 +25,19 @@ run_step() {
     profile_engine) python3 benchmarks/profile_engine.py ;;
     profile_w1_prefill) python3 benchmarks/profile_engine.py --prefill ;;
     engine_w1_steps) python3 benchmarks/bench_engine.py --preset qwen3-0.6b --workload w1 --skip-hf --print-steps ;;
+    engine_w1w5_new) python3 benchmarks/bench_engine.py --preset qwen3-0.6b --workload w1,w5 --skip-hf --print-steps ;;
     # Decode attention in the engine vs alone: aligned / unaligned contexts, a cache spread over most of the device,
     # and W1 with a KV cache sized to its need (9,000 blocks, 16 GB) instead of 90% of the device.
     attention_spread) python3 benchmarks/bench_paged_attention.py --cases decode_256x300,decode_256x320,decode_256x321,decode_256x384 &&
                       python3 benchmarks/bench_paged_attention.py --cases decode_256x300,decode_256x321,decode_256x384 --spread-gb 50 ;;
     attention_sweep_unaligned) python3 benchmarks/bench_paged_attention.py --sweep --iters 50 \
                                  --cases decode_256x300,decode_256x321,decode_256x352,decode_256x480 ;;
+    # A/B in the engine: W1 on the decode attention config before 866b2fa (64-key tiles, 4 warps), file restored after.
+    engine_w1_old_attention) f=slime/engine/layers/triton_paged_attention.py; cp $f /tmp/attention.py.bak
+                             sed -i 's/^DOT_DECODE_CONFIG = .*/DOT_DECODE_CONFIG = KernelConfig(block_m=16, block_n=64, use_dot=True, num_warps=4, num_stages=3)/' $f
+                             grep -n "^DOT_DECODE_CONFIG" $f
+                             python3 benchmarks/bench_engine.py --preset qwen3-0.6b --workload w1,w5 --skip-hf --print-steps; rc=$?
+                             cp /tmp/attention.py.bak $f; return $rc ;;
     engine_w1_16k) python3 benchmarks/bench_engine.py --preset qwen3-0.6b --workload w1,w5 --skip-hf --print-steps --max-num-batched-tokens 16384 ;;
     # The fp8 KV cache: its kernels (store, attention, self-checks) compiled, then W1 / W5 in bf16 and fp8 KV.
     fp8_kv_gpu_tests) python3 -m pytest -q tests/test_engine_triton.py tests/test_paged_attention_kernel.py \
