@@ -14,7 +14,12 @@ and old-policy passes cost) is timed separately.
 Effective tokens/s counts real tokens only (padding is waste). FLOPs of a train step = 6 * params * tokens
 (forward 2, backward 4, per parameter per token) + causal attention 6 * layers * length^2 * heads * head_dim per
 sample (the half of 12 * L * T^2 * width that the causal mask keeps); the log-prob pass is a third of that (forward
-only). MFU = FLOPs / time / peak, peak = 795 TFLOP/s (measured bf16 matmul on one H200). GPU only.
+only). MFU = FLOPs / time / peak, peak = 795 TFLOP/s (measured bf16 matmul on one H200).
+
+`--device cpu` runs the same comparison on the CPU in fp32 (the quickstart's case: `--model-shape quickstart
+--num-samples 128 --prompt-length 30 --min-response 1 --max-response 12 --max-tokens-per-gpu 4096`); MFU is then
+not meaningful. `--attn-implementation sdpa` gives slime's trainer transformers' sdpa over the packed row (a dense
+block-diagonal mask) instead of its own packed attention, for a before/after in one run.
 """
 
 from __future__ import annotations
@@ -44,12 +49,29 @@ SHAPES = {
                              num_experts=64, num_experts_per_tok=8, norm_topk_prob=True, num_hidden_layers=8,
                              num_attention_heads=32, num_key_value_heads=4, head_dim=128, vocab_size=151936,
                              tie_word_embeddings=False),
+    # examples/quickstart's model (task.py): 0.8M parameters
+    "quickstart": dict(hidden_size=128, intermediate_size=384, num_hidden_layers=4, num_attention_heads=4,
+                       num_key_value_heads=2, head_dim=32, vocab_size=300),
     "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2, head_dim=16, vocab_size=512),
 }
 
 
-def build_checkpoint(shape: str, out_dir: Path) -> Path:
+def sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def peak_memory(device: str) -> int:
+    return torch.cuda.max_memory_allocated() if device == "cuda" else 0
+
+
+def reset_peak_memory(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+
+
+def build_checkpoint(shape: str, out_dir: Path, device: str = "cuda") -> Path:
     from transformers import AutoModelForCausalLM
 
     from slime.utils.tiny_model import tiny_config
@@ -59,11 +81,12 @@ def build_checkpoint(shape: str, out_dir: Path) -> Path:
     arch = overrides.pop("arch", "qwen3")
     config = tiny_config(arch, vocab_size=vocab_size, max_position_embeddings=8192, **overrides)
     torch.manual_seed(0)
-    with torch.device("cuda"):  # random bf16 weights built on the GPU: seconds, even for 4B
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    with torch.device(device):  # random bf16 weights built on the GPU: seconds, even for 4B
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16 if device == "cuda" else torch.float32)
     model.save_pretrained(out_dir)
     del model
-    torch.cuda.empty_cache()
+    if device == "cuda":
+        torch.cuda.empty_cache()
     return out_dir
 
 
@@ -94,11 +117,15 @@ def model_flops(num_params, lengths, num_layers, attention_width):
 
 def run_slime(checkpoint, tokens, response_lengths, rewards, opts, backend: str = "fsdp"):
     from slime.backends.factory import create_trainer
+    from slime.backends.fsdp_utils import backend as fsdp_backend
     from slime.utils.arguments import parse_args
     from slime.utils.misc import find_free_port
 
+    if opts.attn_implementation == "sdpa":  # the before of a before/after: transformers' dense-mask sdpa
+        fsdp_backend.attention_implementation = lambda: "sdpa"
+    device = opts.device
     argv = ["--hf-checkpoint", str(checkpoint), "--rollout-batch-size", str(len(tokens)), "--num-rollout", "10",
-            "--rm-type", "math", "--device", "cuda", "--lr", "1e-6", "--use-dynamic-batch-size",
+            "--rm-type", "math", "--device", device, "--lr", "1e-6", "--use-dynamic-batch-size",
             "--max-tokens-per-gpu", str(opts.max_tokens_per_gpu), "--train-backend", backend]
     if opts.recompute_activations:
         argv.append("--recompute-activations")
@@ -117,11 +144,11 @@ def run_slime(checkpoint, tokens, response_lengths, rewards, opts, backend: str 
     trainer.train(0, data)  # warm-up
     schedule = trainer._schedule(data)
     trainer.compute_log_probs(schedule)  # warm-up
-    torch.cuda.synchronize()
+    sync(device)
     start = time.perf_counter()
     for _ in range(opts.num_iters):
         trainer.compute_log_probs(schedule)
-    torch.cuda.synchronize()
+    sync(device)
     log_prob_seconds = (time.perf_counter() - start) / opts.num_iters
     if opts.profile:
         from benchmarks.gpu_trace import busy_microseconds, idle_gaps
@@ -136,16 +163,17 @@ def run_slime(checkpoint, tokens, response_lengths, rewards, opts, backend: str 
         print(f"profiled train step: {wall:.3f} s wall, GPU busy {busy_us / 1e6:.3f} s ({num_events} kernels/copies)")
         for gap_us, before, after in idle_gaps(prof, 12):
             print(f"  GPU idle {gap_us / 1e3:7.2f} ms between {before!r} and {after!r}")
-    torch.cuda.reset_peak_memory_stats()
+    reset_peak_memory(device)
     start = time.perf_counter()
     for rollout_id in range(opts.num_iters):
         trainer.train(rollout_id + 1, data)
-    torch.cuda.synchronize()
+    sync(device)
     seconds = (time.perf_counter() - start) / opts.num_iters
     num_params = sum(p.numel() for p in trainer.model.parameters())
-    retries = torch.cuda.memory_stats().get("num_alloc_retries", 0)
-    print(f"slime: allocator retries (cache flushed to satisfy a cudaMalloc) so far: {retries}")
-    return seconds, log_prob_seconds, torch.cuda.max_memory_allocated(), num_params
+    if device == "cuda":
+        retries = torch.cuda.memory_stats().get("num_alloc_retries", 0)
+        print(f"slime: allocator retries (cache flushed to satisfy a cudaMalloc) so far: {retries}")
+    return seconds, log_prob_seconds, peak_memory(device), num_params
 
 
 def release_trainer():
@@ -165,13 +193,15 @@ def release_trainer():
 
 def run_baseline(checkpoint, tokens, response_lengths, rewards, opts):
     """transformers forward on right-padded micro-batches, fp32 log_softmax over the full logits, the same
-    sample-mean GRPO loss; bf16 parameters and fused AdamW (the FACTS.md peer baseline setup)."""
+    sample-mean GRPO loss; bf16 parameters and fused AdamW (the FACTS.md peer baseline setup; fp32 on the CPU)."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.bfloat16, attn_implementation="sdpa").cuda()
+    device = opts.device
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=dtype, attn_implementation="sdpa").to(device)
     if opts.recompute_activations:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6, betas=(0.9, 0.98), fused=True)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6, betas=(0.9, 0.98), fused=device == "cuda")
 
     def step():
         optimizer.zero_grad(set_to_none=True)
@@ -187,8 +217,8 @@ def run_baseline(checkpoint, tokens, response_lengths, rewards, opts):
                 attention[row, :len(tokens[i])] = 1
                 loss_mask[row, len(tokens[i]) - response_lengths[i] - 1:len(tokens[i]) - 1] = 1
                 advantages[row] = rewards[i]
-            input_ids, attention = input_ids.cuda(), attention.cuda()
-            loss_mask, advantages = loss_mask.cuda(), advantages.cuda()
+            input_ids, attention = input_ids.to(device), attention.to(device)
+            loss_mask, advantages = loss_mask.to(device), advantages.to(device)
             logits = model(input_ids=input_ids, attention_mask=attention, use_cache=False).logits[:, :-1].float()
             log_probs = torch.log_softmax(logits, -1).gather(-1, input_ids[:, 1:, None]).squeeze(-1)
             ratio = torch.exp(log_probs - log_probs.detach())
@@ -199,13 +229,13 @@ def run_baseline(checkpoint, tokens, response_lengths, rewards, opts):
         optimizer.step()
 
     step()  # warm-up
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
+    sync(device)
+    reset_peak_memory(device)
     start = time.perf_counter()
     for _ in range(opts.num_iters):
         step()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - start) / opts.num_iters, torch.cuda.max_memory_allocated()
+    sync(device)
+    return (time.perf_counter() - start) / opts.num_iters, peak_memory(device)
 
 
 def run_baseline_that_fits(checkpoint, tokens, response_lengths, rewards, opts):
@@ -245,22 +275,26 @@ def main():
     parser.add_argument("--num-iters", type=int, default=3)
     parser.add_argument("--skip-baseline", action="store_true")
     parser.add_argument("--profile", action="store_true", help="print the GPU kernels of one slime step first")
+    parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
+    parser.add_argument("--attn-implementation", choices=["slime_varlen", "sdpa"], default="slime_varlen",
+                        help="slime trainer's attention over packed rows (sdpa: the dense-mask path, for comparison)")
     opts = parser.parse_args()
-    if not torch.cuda.is_available():
-        raise SystemExit("bench_train.py needs a CUDA GPU")
+    if opts.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("bench_train.py needs a CUDA GPU (or --device cpu)")
 
     shape = SHAPES[opts.model_shape]
     tokens, response_lengths, rewards = make_samples(opts.num_samples, opts.prompt_length, opts.min_response,
                                                      opts.max_response, shape["vocab_size"])
     lengths = [len(t) for t in tokens]
     with tempfile.TemporaryDirectory() as tmp:
-        checkpoint = build_checkpoint(opts.model_shape, Path(tmp))
+        checkpoint = build_checkpoint(opts.model_shape, Path(tmp), opts.device)
         megatron = None
         if opts.backend == "megatron":
             megatron = run_slime(checkpoint, tokens, response_lengths, rewards, opts, "megatron")
             release_trainer()
         slime_s, log_prob_s, slime_mem, num_params = run_slime(checkpoint, tokens, response_lengths, rewards, opts)
-        torch.cuda.empty_cache()
+        if opts.device == "cuda":
+            torch.cuda.empty_cache()
         base_s, base_mem = (None, None) if opts.skip_baseline else run_baseline_that_fits(
             checkpoint, tokens, response_lengths, rewards, opts)
 
@@ -269,7 +303,9 @@ def main():
     log_prob_flops = flops / 3  # forward only: a third of forward + backward
     result = {
         "bench": "train_step", "model_shape": opts.model_shape, "num_params": num_params,
-        "num_samples": opts.num_samples, "num_tokens": sum(lengths), "gpu": torch.cuda.get_device_name(),
+        "num_samples": opts.num_samples, "num_tokens": sum(lengths),
+        "device": torch.cuda.get_device_name() if opts.device == "cuda" else "cpu",
+        "num_threads": torch.get_num_threads(), "attn_implementation": opts.attn_implementation,
         "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"),
         "slime_seconds": slime_s, "slime_tokens_per_s": sum(lengths) / slime_s,
         "slime_mfu": flops / slime_s / PEAK_FLOPS, "slime_peak_memory_gb": slime_mem / 2**30,

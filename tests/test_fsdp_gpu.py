@@ -96,7 +96,7 @@ def test_gpu_varlen_packed_log_probs_match_per_sample_forward(tmp_path):
     from slime.utils.tiny_model import build_tiny_model
 
     device = torch.device("cuda")
-    assert varlen_supported(device) and attention_implementation(device) == VARLEN
+    assert varlen_supported(device) and attention_implementation() == VARLEN
     checkpoint = build_tiny_model(tmp_path / "tiny", arch="qwen3", seed=5, hidden_size=256, intermediate_size=512,
                                   num_attention_heads=4, num_key_value_heads=2, head_dim=64)
     generator = torch.Generator().manual_seed(0)

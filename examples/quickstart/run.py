@@ -52,9 +52,11 @@ def main() -> None:
     paths = build_task(run_dir / "task", seed=opts.seed)
     # The optimizer settings this recipe was tuned with, given explicitly: the backends default them differently
     # (slime's Megatron defaults: --adam-beta2 0.999, --weight-decay 0.01, linear decay).
-    common = ["--actor-num-gpus-per-node", "2", "--seed", str(opts.seed), "--micro-batch-size", "8",
-              "--train-backend", opts.train_backend, "--adam-beta2", "0.98", "--weight-decay", "0",
-              "--lr-decay-style", "constant"]
+    # Each optimizer step's samples go to a rank as one packed micro-batch (dynamic batch sizes: at most 4096
+    # tokens, and a step here is ~1,300 per rank): the same loss as 8-sample micro-batches, ~2x faster on a CPU.
+    common = ["--actor-num-gpus-per-node", "2", "--seed", str(opts.seed), "--use-dynamic-batch-size",
+              "--max-tokens-per-gpu", "4096", "--train-backend", opts.train_backend, "--adam-beta2", "0.98",
+              "--weight-decay", "0", "--lr-decay-style", "constant"]
     # The GRPO phase starts from the SFT model as an HF folder (the engines load it): the FSDP backend's
     # checkpoints are HF folders; the Megatron backend's are torch_dist, so it writes one with --save-hf.
     sft_hf = run_dir / "sft_hf" / f"rollout_{opts.sft_rollouts - 1}"

@@ -100,7 +100,7 @@ class FSDPBackend(TrainBackend):
     # ----------------------------------------------------------------------------------------- building
     def build_policy(self, weights_path: str) -> None:
         args = self.args
-        hf_model = load_hf_model(weights_path, attention_implementation(self.device))
+        hf_model = load_hf_model(weights_path, attention_implementation())
         self.hf_config = hf_model.config
         self.routing_replay, self.router_trace = install_routers(hf_model, args.moe_router_dtype) or (None, None)
         freeze_parameters(args, hf_model.named_parameters())  # HF names; before sharding, which keeps the flags
@@ -109,7 +109,7 @@ class FSDPBackend(TrainBackend):
         self._finish_build(args.lr)
 
     def build_critic(self, weights_path: str) -> None:
-        hf_model = load_hf_model(weights_path, attention_implementation(self.device))
+        hf_model = load_hf_model(weights_path, attention_implementation())
         self.hf_config = hf_model.config
         self.model = build_value_model(hf_model, self.mesh, ShardOptions.from_args(self.args, self.device),
                                        value_head_weight=read_hf_weights(weights_path).get(VALUE_HEAD_KEY))

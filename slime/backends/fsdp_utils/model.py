@@ -15,7 +15,7 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from slime.backends.fsdp_utils.attention import VARLEN, varlen_supported
+from slime.backends.fsdp_utils.attention import VARLEN
 from slime.backends.fsdp_utils.expert_weights import per_expert_tensors, stacked_tensor
 from slime.backends.fsdp_utils.attention import register as register_varlen
 from slime.backends.packing import PackedMicroBatch
@@ -50,7 +50,7 @@ class PolicyModel(nn.Module):
 def packed_hidden_states(hf_model: nn.Module, input_ids, position_ids, cu_seqlens=None, max_seqlen=None):
     """Final hidden states [num_tokens, hidden] of one packed row. No attention mask and no cache. sdpa:
     transformers derives a block-diagonal causal mask from the restarting position_ids. slime_varlen:
-    cu_seqlens marks the samples for FlashAttention's varlen kernel."""
+    cu_seqlens marks the samples (attention.py)."""
     varlen = {}
     if hf_model.config._attn_implementation == VARLEN:
         varlen = dict(cu_seq_lens_q=cu_seqlens, cu_seq_lens_k=cu_seqlens, max_length_q=max_seqlen,
@@ -59,15 +59,16 @@ def packed_hidden_states(hf_model: nn.Module, input_ids, position_ids, cu_seqlen
     return outputs.last_hidden_state[0]
 
 
-def attention_implementation(device: torch.device) -> str:
-    """FlashAttention varlen on the GPU when this torch has it, else sdpa (CPU: exact with packed positions)."""
-    return register_varlen() if varlen_supported(device) else "sdpa"
+def attention_implementation() -> str:
+    """`slime_varlen` on every device: FlashAttention's varlen kernel on a GPU that has it, length-bucketed sdpa
+    elsewhere (attention.py); never the dense [T, T] mask of plain sdpa over a packed row."""
+    return register_varlen()
 
 
 def load_hf_model(path: str, attn_implementation: str = "sdpa") -> nn.Module:
     """fp32 weights on the host. sdpa: with packed position_ids and no mask, transformers builds a dense
-    block-diagonal causal mask, exact on every device but quadratic in the packed length; `slime_varlen` (see
-    attention.py) is the GPU path."""
+    block-diagonal causal mask, exact but quadratic in the packed length; the trainer loads `slime_varlen`
+    (attention.py)."""
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation=attn_implementation)

@@ -3,9 +3,9 @@ sample of a packed row, never across samples.
 
 megatron-core's local `DotProductAttention` refuses packed sequences (`packed_seq_params` must be None) and
 materialises [batch, heads, T, T] scores; Transformer Engine's core (the TE spec) handles THD itself. This module
-takes the place of the local core: on a GPU with FlashAttention it runs the project's varlen kernel
-(slime/backends/fsdp_utils/attention.py, grouped K/V read directly); elsewhere torch's sdpa, one sample at a time
-(exact, no [T, T] mask over the whole row). Input as Megatron's `Attention` hands it over for qkv_format "thd":
+takes the place of the local core with the FSDP backend's `packed_causal_attention`
+(slime/backends/fsdp_utils/attention.py): the varlen FlashAttention kernel on a GPU that has it (grouped K/V read
+directly), elsewhere sdpa over length-bucketed padded samples (exact, no [T, T] mask over the whole row). Input as Megatron's `Attention` hands it over for qkv_format "thd":
 query [T, heads, D], key / value [T, kv_heads, D] (this rank's heads); output [T, heads * D].
 
 With context parallelism (context_parallel.py's layout; `cu_seqlens` are then those of the padded full row) K / V
@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from megatron.core.transformer.module import MegatronModule
 
-from slime.backends.fsdp_utils.attention import flash_varlen_causal, varlen_supported
+from slime.backends.fsdp_utils.attention import packed_causal_attention
 from slime.backends.megatron_utils.context_parallel import CpLayout, context_parallel_group, gather_sequence
 
 
@@ -40,19 +40,10 @@ class PackedCoreAttention(MegatronModule):
         cu_seqlens = packed_seq_params.cu_seqlens_q
         if self.cp_size > 1:
             out = self._context_parallel_attention(query, key, value, packed_seq_params.cp_layout)
-        elif varlen_supported(query.device):
-            out, _ = flash_varlen_causal(query.contiguous(), key.contiguous(), value.contiguous(), cu_seqlens,
-                                         int(packed_seq_params.max_seqlen_q), self.softmax_scale)
         else:
-            out = torch.cat([self._sample_attention(query[start:end], key[start:end], value[start:end])
-                             for start, end in zip(cu_seqlens[:-1].tolist(), cu_seqlens[1:].tolist())])
+            out = packed_causal_attention(query, key, value, cu_seqlens, int(packed_seq_params.max_seqlen_q),
+                                          self.softmax_scale)
         return out.reshape(out.shape[0], -1)
-
-    def _sample_attention(self, query, key, value):
-        q, k, v = (t.transpose(0, 1)[None] for t in (query, key, value))  # [1, heads, t, D]
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.softmax_scale,
-                                             enable_gqa=q.shape[1] != k.shape[1])
-        return out[0].transpose(0, 1)
 
     def _context_parallel_attention(self, query, key, value, layout: CpLayout):
         group = context_parallel_group()
