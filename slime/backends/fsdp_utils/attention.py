@@ -56,14 +56,16 @@ def packed_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c
     [T, Hq, D]. FlashAttention's varlen kernel where it runs, else length-bucketed padded sdpa (module docstring)."""
     if varlen_supported(q.device):
         return flash_varlen_causal(q.contiguous(), k.contiguous(), v.contiguous(), cu_seqlens, max_seqlen, scale)[0]
-    return bucketed_causal_attention(q, k, v, cu_seqlens.tolist(), scale)
+    return bucketed_causal_attention(q, k, v, cu_seqlens, scale)
 
 
-def bucketed_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: list[int],
+@torch.compiler.disable  # data-dependent shapes: under --compile-model it runs eager (tracing it recompiled per row)
+def bucketed_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
                               scale: float) -> torch.Tensor:
     """The non-flash path of `packed_causal_attention`: samples with lengths in (M/2, M] share one sdpa call,
     right-padded to their longest (padding gathers the sample's own last token: never seen by a real query)."""
-    starts, ends = cu_seqlens[:-1], cu_seqlens[1:]
+    bounds = cu_seqlens.tolist()
+    starts, ends = bounds[:-1], bounds[1:]
     buckets: dict[int, list[int]] = {}
     for sample, (start, end) in enumerate(zip(starts, ends)):
         buckets.setdefault((end - start - 1).bit_length(), []).append(sample)
