@@ -36,6 +36,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.engine_weights_memory import free_device_memory, synchronize  # noqa: E402
+
 PEAK_FLOPS = 795e12
 SHAPES = {
     "qwen3-0.6b": dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
@@ -57,11 +59,6 @@ SHAPES = {
 }
 
 
-def sync(device: str) -> None:
-    if device == "cuda":
-        torch.cuda.synchronize()
-
-
 def peak_memory(device: str) -> int:
     return torch.cuda.max_memory_allocated() if device == "cuda" else 0
 
@@ -81,12 +78,11 @@ def build_checkpoint(shape: str, out_dir: Path, device: str = "cuda") -> Path:
     arch = overrides.pop("arch", "qwen3")
     config = tiny_config(arch, vocab_size=vocab_size, max_position_embeddings=8192, **overrides)
     torch.manual_seed(0)
-    with torch.device(device):  # random bf16 weights built on the GPU: seconds, even for 4B
+    with torch.device(device):  # random weights built on the device (bf16 on a GPU: seconds, even for 4B)
         model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16 if device == "cuda" else torch.float32)
     model.save_pretrained(out_dir)
     del model
-    if device == "cuda":
-        torch.cuda.empty_cache()
+    free_device_memory(device)
     return out_dir
 
 
@@ -144,11 +140,11 @@ def run_slime(checkpoint, tokens, response_lengths, rewards, opts, backend: str 
     trainer.train(0, data)  # warm-up
     schedule = trainer._schedule(data)
     trainer.compute_log_probs(schedule)  # warm-up
-    sync(device)
+    synchronize(device)
     start = time.perf_counter()
     for _ in range(opts.num_iters):
         trainer.compute_log_probs(schedule)
-    sync(device)
+    synchronize(device)
     log_prob_seconds = (time.perf_counter() - start) / opts.num_iters
     if opts.profile:
         from benchmarks.gpu_trace import busy_microseconds, idle_gaps
@@ -167,7 +163,7 @@ def run_slime(checkpoint, tokens, response_lengths, rewards, opts, backend: str 
     start = time.perf_counter()
     for rollout_id in range(opts.num_iters):
         trainer.train(rollout_id + 1, data)
-    sync(device)
+    synchronize(device)
     seconds = (time.perf_counter() - start) / opts.num_iters
     num_params = sum(p.numel() for p in trainer.model.parameters())
     if device == "cuda":
@@ -229,12 +225,12 @@ def run_baseline(checkpoint, tokens, response_lengths, rewards, opts):
         optimizer.step()
 
     step()  # warm-up
-    sync(device)
+    synchronize(device)
     reset_peak_memory(device)
     start = time.perf_counter()
     for _ in range(opts.num_iters):
         step()
-    sync(device)
+    synchronize(device)
     return (time.perf_counter() - start) / opts.num_iters, peak_memory(device)
 
 
@@ -293,8 +289,7 @@ def main():
             megatron = run_slime(checkpoint, tokens, response_lengths, rewards, opts, "megatron")
             release_trainer()
         slime_s, log_prob_s, slime_mem, num_params = run_slime(checkpoint, tokens, response_lengths, rewards, opts)
-        if opts.device == "cuda":
-            torch.cuda.empty_cache()
+        free_device_memory(opts.device)
         base_s, base_mem = (None, None) if opts.skip_baseline else run_baseline_that_fits(
             checkpoint, tokens, response_lengths, rewards, opts)
 

@@ -5,8 +5,9 @@ megatron-core's local `DotProductAttention` refuses packed sequences (`packed_se
 materialises [batch, heads, T, T] scores; Transformer Engine's core (the TE spec) handles THD itself. This module
 takes the place of the local core with the FSDP backend's `packed_causal_attention`
 (slime/backends/fsdp_utils/attention.py): the varlen FlashAttention kernel on a GPU that has it (grouped K/V read
-directly), elsewhere sdpa over length-bucketed padded samples (exact, no [T, T] mask over the whole row). Input as Megatron's `Attention` hands it over for qkv_format "thd":
-query [T, heads, D], key / value [T, kv_heads, D] (this rank's heads); output [T, heads * D].
+directly), elsewhere sdpa over length-bucketed padded samples (exact, no [T, T] mask over the whole row). Input as
+Megatron's `Attention` hands it over for qkv_format "thd": query [T, heads, D], key / value [T, kv_heads, D] (this
+rank's heads); output [T, heads * D].
 
 With context parallelism (context_parallel.py's layout; `cu_seqlens` are then those of the padded full row) K / V
 are gathered over the CP group and each local query chunk attends to its sample's keys up to its own global
