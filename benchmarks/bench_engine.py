@@ -46,7 +46,9 @@ import gc
 import json
 import platform
 import sys
+import queue
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -177,16 +179,26 @@ def bench_engine(model_path: Path, workload: Workload, args, measure_weights_and
     gc.collect()
     gc.freeze()  # as the engine server does after start-up (slime.utils.misc.freeze_startup_objects)
     pauses = gc_pauses()
+    # The finished requests' texts are decoded on another thread, as the server's event loop decodes them
+    # (stop_strings.decode_final_texts), inside the timed run.
+    text_batches: queue.SimpleQueue = queue.SimpleQueue()
+    text_reader = threading.Thread(target=_decode_texts, args=(text_batches,), daemon=True)
+    text_reader.start()
     started = time.perf_counter()
     finished = []
     step_ends = []
     tracer = StepTracer(args.device) if args.trace_steps else None
     while engine.has_unfinished_requests():
-        finished.extend(output for output in engine.step() if output.finished)
+        step_finished = [output for output in engine.step() if output.finished]
+        if step_finished:
+            finished.extend(step_finished)
+            text_batches.put(step_finished)
         step_ends.append(time.perf_counter())
         if tracer is not None and len(step_ends) == args.trace_steps:
             tracer.stop_and_print()
             tracer = None
+    text_batches.put(None)
+    text_reader.join()
     synchronize(args.device)
     seconds = time.perf_counter() - started
     gc.callbacks.remove(pauses.callback)
@@ -314,6 +326,13 @@ def _remove_tree(path: Path) -> None:
     shutil.rmtree(path, ignore_errors=True)
 
 
+def _decode_texts(batches: queue.SimpleQueue) -> None:
+    from slime.engine.stop_strings import decode_final_texts
+
+    while (batch := batches.get()) is not None:
+        decode_final_texts(batch)
+
+
 def main(argv=None) -> dict:
     import transformers
 
@@ -338,6 +357,7 @@ def main(argv=None) -> dict:
               f"median {result['host_ms_per_step_median']} ms (first 64 steps {result['host_ms_per_step_first_64']}"
               f" ms, last 64 {result['host_ms_per_step_last_64']} ms); CPU time median "
               f"{result['host_cpu_ms_per_step_median']} ms, mean {result['host_cpu_ms_per_step_mean']} ms")
+        print(f"steps in which requests finished (ms, number): {result['host_ms_finishing_steps']}")
         for part, milliseconds in result["host_ms_per_step_parts"].items():
             print(f"  {part:16s} {milliseconds:7.3f} ms  {HOST_STEP_PARTS[part]}")
         print(f"host-side time per prefill step ({result['num_prefill_steps']} steps, forward faked too, not overlapped): "

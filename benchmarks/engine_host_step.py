@@ -68,14 +68,16 @@ def bench_host_step(seed: int, num_seqs: int = 512, input_len: int = 256, output
                 # One SamplingParams per request, as the HTTP server parses them from each request's JSON.
                 params = SamplingParams(temperature=1.0, max_new_tokens=output_len, ignore_eos=True)
                 engine.add_request(prompt, params, incremental=incremental)
-            step_seconds, step_cpu_seconds, prefill_parts = [], [], []
+            step_seconds, step_cpu_seconds, prefill_parts, finishing_seconds = [], [], [], []
             while engine.has_unfinished_requests():
                 is_decode = not engine.scheduler.waiting and all(
                     seq.num_computed_tokens == len(seq) - 1 for seq in engine.scheduler.running
                 )
                 part_seconds.clear()
                 started, cpu_started = time.perf_counter(), time.thread_time()
-                engine.step()
+                num_finished = sum(output.finished for output in engine.step())
+                if num_finished:
+                    finishing_seconds.append((time.perf_counter() - started, num_finished))
                 if is_decode:
                     step_seconds.append(time.perf_counter() - started)
                     step_cpu_seconds.append(time.thread_time() - cpu_started)
@@ -104,6 +106,8 @@ def bench_host_step(seed: int, num_seqs: int = 512, input_len: int = 256, output
         "host_ms_per_step_parts": _median_ms(step_parts, HOST_STEP_PARTS),
         # The steps that prefill (a chunk of new prompts beside the decode rows of those already in), with their
         # forward faked too: host work that the overlapped loop does not hide (it schedules ahead only decode steps).
+        # The steps in which requests finished, (wall ms, number finished): their texts are left to the consumer.
+        "host_ms_finishing_steps": [(round(seconds * 1e3, 3), count) for seconds, count in finishing_seconds],
         "num_prefill_steps": len(prefill_parts),
         "prefill_host_ms_per_step_median": _median_ms(prefill_parts, ["step"])["step"],
         "prefill_host_ms_per_step_parts": _median_ms(prefill_parts, PREFILL_STEP_PARTS),

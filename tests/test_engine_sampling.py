@@ -173,6 +173,34 @@ def test_generate_accepts_strings(setup):
         engine.add_request([10**6], SamplingParams())
 
 
+def test_a_step_leaves_finished_texts_to_the_consumer(setup):
+    """The engine's step does not decode a finished request's text: each output carries it pending, read alone
+    or decoded with the others in one batch (what the server's event loop does), the same trimmed final text."""
+    from slime.engine.stop_strings import FinalText, decode_final_texts
+
+    engine, _ = setup
+    ids = greedy(engine)["output_ids"]
+    stop = engine.tokenizer.decode(ids[12:14])
+    cases = [{"stop": [stop]}, {"stop_token_ids": [ids[5]]}, {"max_new_tokens": 9},
+             {"stop": [stop], "skip_special_tokens": False}]
+    expected = [greedy(engine, **case)["text"] for case in cases]  # Engine.generate: the batch path
+    for case in cases:
+        engine.add_request(PROMPT, SamplingParams(**{"temperature": 0.0, "max_new_tokens": 30, "ignore_eos": True,
+                                                     **case}))
+    outputs = []
+    while engine.has_unfinished_requests():
+        outputs.extend(output for output in engine.step() if output.finished)
+    assert len(outputs) == len(cases)
+    assert all(isinstance(output.pending_detokenize, FinalText) for output in outputs)
+    alone = [output.pending_detokenize(output.output_token_ids) for output in outputs]
+    decode_final_texts(outputs)
+    assert all(output.pending_detokenize is None for output in outputs)
+    by_request = sorted(range(len(outputs)), key=lambda i: outputs[i].rid)
+    assert [outputs[i].text for i in by_request] == [alone[i] for i in by_request]
+    assert sorted(output.text for output in outputs) == sorted(expected)
+    assert expected[0] == expected[3] and stop not in expected[0] and len(set(expected)) == 3
+
+
 def test_final_texts_of_a_batch_equal_one_by_one_decoding(setup):
     """Requests finishing in the same step are decoded in one batched call: the same texts as decoding each alone,
     with each request's own stop trimming and skip_special_tokens."""

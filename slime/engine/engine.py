@@ -27,7 +27,7 @@ from slime.engine.memory_tags import EngineMemoryReleasedError, EngineWeightsMis
 from slime.engine.sampling_params import as_sampling_params
 from slime.engine.scheduler import Scheduler, placeholder_sources, sampled_seqs
 from slime.engine.sequence import FINISHED, Sequence, SequenceStatus
-from slime.engine.stop_strings import final_texts, find_new_stop
+from slime.engine.stop_strings import FinalText, decode_final_texts, find_new_stop
 
 
 class Engine:
@@ -245,8 +245,7 @@ class Engine:
         for seq in finished:
             self.requests.pop(seq.rid, None)
             self.watched.pop(seq.rid, None)
-        outputs = [self._output(seq) for seq in running]
-        return outputs + [self._output(seq, text) for seq, text in zip(finished, final_texts(self.tokenizer, finished))]
+        return [self._output(seq) for seq in running] + [self._output(seq) for seq in finished]
 
     def _read_routed_experts(self, seq: Sequence) -> None:
         """At finish, while `seq` holds its blocks: the routing of positions [0, len - 1) (the last token never went
@@ -255,22 +254,17 @@ class Engine:
             num_positions = min(len(seq) - 1, seq.num_computed_tokens)
             seq.routed_experts = self.model_runner.read_routed_experts(seq.block_table, num_positions)
 
-    def _output(self, seq: Sequence, text: str | None = None) -> RequestOutput:
-        """O(1) for a running sequence (a snapshot, sliced when read); the final text of a finished one (`text` if
-        the caller decoded it already)."""
+    def _output(self, seq: Sequence) -> RequestOutput:
+        """O(1): a snapshot of the sequence, sliced when read. Its text, a finished request's final text (trimmed at
+        its stop) included, is decoded when first read, by the consumer (stop_strings.decode_final_texts)."""
         finished = seq.status is FINISHED
-        if finished:
-            text = text if text is not None else final_texts(self.tokenizer, [seq])[0]
-            detokenize = None
-        else:
-            text = None
-            detokenize = self._detokenizers[seq.sampling_params.skip_special_tokens]
+        detokenize = (FinalText(self.tokenizer, seq) if finished
+                      else self._detokenizers[seq.sampling_params.skip_special_tokens])
         return RequestOutput(
             seq.rid,
             seq.token_ids,
             seq.num_prompt_tokens,
             seq.output_log_probs,
-            text=text,
             finished=finished,
             finish_reason=seq.finish_reason,
             num_cached_tokens=seq.num_cached_tokens,
@@ -309,6 +303,7 @@ class Engine:
             for rid in rids:  # leave no orphaned requests behind
                 self.abort_request(rid)
             raise
+        decode_final_texts(list(results.values()))
         return [results[rid].to_dict() for rid in rids]
 
     # ---- weights ------------------------------------------------------------------------------------------------

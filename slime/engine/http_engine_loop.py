@@ -23,6 +23,7 @@ from typing import AsyncIterator, Callable
 from slime.engine.busy_period import BusyPeriod
 from slime.engine.http_protocol import RequestError
 from slime.engine.memory_tags import EngineMemoryReleasedError, EngineWeightsMissingError
+from slime.engine.stop_strings import decode_final_texts
 
 logger = logging.getLogger(__name__)
 
@@ -285,6 +286,8 @@ class EngineLoop:
 
 
 def _put_all(items: list) -> None:
+    """On the event loop's thread: a step's finished requests' texts, decoded in one batch, off the engine's."""
+    decode_final_texts([output for _, output in items])
     for outputs, output in items:
         outputs.put_nowait(output)
 

@@ -83,6 +83,15 @@ class RequestOutput:
         return self._text
 
     @property
+    def pending_detokenize(self) -> Callable[[list[int]], str] | None:
+        """The detokenize callable while the text is not decoded yet, else None."""
+        return self._detokenize if self._text is None else None
+
+    def fill_text(self, text: str) -> None:
+        """The text, decoded elsewhere (several outputs at once: stop_strings.decode_final_texts)."""
+        self._text = text
+
+    @property
     def num_prompt_tokens(self) -> int:
         return self._num_prompt_tokens
 

@@ -24,6 +24,32 @@ def find_new_stop(tokenizer, output_token_ids: list[int], params: SamplingParams
     return None
 
 
+class FinalText:
+    """A finished request's final text, decoded when first read (RequestOutput's detokenize callable): the engine's
+    step leaves the decoding to the output's consumer, the server's event-loop thread (`decode_final_texts`)."""
+
+    __slots__ = ("tokenizer", "seq")
+
+    def __init__(self, tokenizer, seq):
+        self.tokenizer, self.seq = tokenizer, seq  # a finished sequence no longer changes
+
+    def __call__(self, output_token_ids: list[int]) -> str:
+        return final_texts(self.tokenizer, [self.seq])[0]
+
+
+def decode_final_texts(outputs) -> None:
+    """Decode the final texts of the finished outputs not read yet, in one batched call (decode_many: a fast
+    tokenizer's decode_batch runs in parallel and releases the GIL). The server's event loop calls it as a step's
+    outputs arrive, so a cohort finishing together costs the engine's thread nothing (it held the step ~10 ms for
+    32 requests of 256 tokens when the step decoded them)."""
+    pending = [(output, output.pending_detokenize) for output in outputs if output.finished]
+    pending = [(output, final) for output, final in pending if isinstance(final, FinalText)]
+    if pending:
+        texts = final_texts(pending[0][1].tokenizer, [final.seq for _, final in pending])
+        for (output, _), text in zip(pending, texts):
+            output.fill_text(text)
+
+
 def final_texts(tokenizer, seqs) -> list[str]:
     """The final text of each finished sequence: its output decoded, trimmed at its stop (a stop token is dropped, a
     stop string cut) unless no_stop_trim. Decoded in one call per skip_special_tokens setting (see decode_many)."""
