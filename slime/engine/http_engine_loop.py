@@ -287,7 +287,10 @@ class EngineLoop:
 
 def _put_all(items: list) -> None:
     """On the event loop's thread: a step's finished requests' texts, decoded in one batch, off the engine's."""
-    decode_final_texts([output for _, output in items])
+    try:
+        decode_final_texts([output for _, output in items])
+    except Exception:  # the outputs must still reach their waiters: each text is then decoded when read
+        logger.exception("decoding a step's finished texts in one batch failed")
     for outputs, output in items:
         outputs.put_nowait(output)
 
