@@ -8,6 +8,7 @@ against an fp32 SDPA reference (with bf16 SDPA's own error for scale). Summary c
 
     python benchmarks/bench_paged_attention.py           # the automatic config and split count, < 60 s
     python benchmarks/bench_paged_attention.py --sweep   # also decode tile/warp/stage configs and split counts
+    python benchmarks/bench_paged_attention.py --kv-cache-dtype fp8_e4m3   # an fp8 cache: tiles in fp16 vs bf16
 
 Cases: decode 256 seqs x 300 / 384 / 512 context (W1's decode steps from first to last; 384 its mean), decode 16 seqs
 x 4096 context (split-KV), decode 512 x 384 on the 135M shape (W5's mean step), prefill 8 x 512 and 32 x 256 fresh
@@ -30,6 +31,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from slime.engine.dtypes import to_cache_dtype  # noqa: E402
 from slime.engine.layers import triton_paged_attention as kernel  # noqa: E402
 
 BLOCK_SIZE = 16
@@ -84,6 +86,9 @@ def parse_args(argv=None):
     parser.add_argument("--spread-gb", type=float, default=0.0,
                         help="allocate each of the K and V caches this large and scatter the used blocks over all of "
                              "it, as in an engine whose cache fills the device (default: just the blocks needed)")
+    parser.add_argument("--kv-cache-dtype", choices=["bf16", "fp8_e4m3"], default="bf16",
+                        help="the cache's dtype; fp8_e4m3 times the kernel with its tiles computed in fp16 "
+                             "(FP8_KV_IN_FP16, the default) and in bf16, one after the other")
     parser.add_argument("--cases", default=",".join(CASES), help=f"comma-separated subset of {', '.join(CASES)}")
     args = parser.parse_args(argv)
     if args.iters < 1:
@@ -97,9 +102,10 @@ def parse_args(argv=None):
 
 
 def make_case(num_seqs: int, context: int, query_len: int, num_heads: int, num_kv_heads: int, head_dim: int,
-              seed: int = 0, spread_gb: float = 0.0) -> dict:
-    """Random bf16 cache with each sequence's blocks scattered (random permutation), as after some serving; with
-    `spread_gb`, over a cache of that many GB each for K and V (only the used blocks hold random values)."""
+              seed: int = 0, spread_gb: float = 0.0, cache_dtype: torch.dtype = torch.bfloat16) -> dict:
+    """Random cache with each sequence's blocks scattered (random permutation), as after some serving; with
+    `spread_gb`, over a cache of that many GB each for K and V (only the used blocks hold random values). An fp8
+    `cache_dtype` holds the bf16 values rounded as the engine stores them (dtypes.to_cache_dtype)."""
     generator = torch.Generator(device="cuda").manual_seed(seed)
     num_blocks_per_seq = -(-context // BLOCK_SIZE)
     num_used = num_seqs * num_blocks_per_seq
@@ -112,6 +118,8 @@ def make_case(num_seqs: int, context: int, query_len: int, num_heads: int, num_k
     for cache in (k_cache, v_cache):
         cache[block_tables] = torch.randn((num_used, *cache_shape[1:]), generator=generator, device="cuda",
                                           dtype=torch.bfloat16)
+    if cache_dtype != torch.bfloat16:
+        k_cache, v_cache = to_cache_dtype(k_cache, cache_dtype), to_cache_dtype(v_cache, cache_dtype)
     block_tables = block_tables.view(num_seqs, num_blocks_per_seq).to(torch.int32)
     q = torch.randn(num_seqs * query_len, num_heads, head_dim, generator=generator, device="cuda", dtype=torch.bfloat16)
     return dict(
@@ -131,8 +139,8 @@ def dense_inputs(case: dict, num_seqs: int, context: int, query_len: int, num_he
     """q [seqs, heads, query_len, dim] and K/V [seqs, kv_heads, context, dim] gathered through the block table."""
     positions = torch.arange(context, device="cuda")
     slots = case["block_tables"][:, positions // BLOCK_SIZE].long() * BLOCK_SIZE + positions % BLOCK_SIZE
-    keys = case["k_cache"].view(-1, num_kv_heads, head_dim)[slots].transpose(1, 2).contiguous()
-    values = case["v_cache"].view(-1, num_kv_heads, head_dim)[slots].transpose(1, 2).contiguous()
+    keys = case["k_cache"].view(-1, num_kv_heads, head_dim)[slots].to(torch.bfloat16).transpose(1, 2).contiguous()
+    values = case["v_cache"].view(-1, num_kv_heads, head_dim)[slots].to(torch.bfloat16).transpose(1, 2).contiguous()
     queries = case["q"].view(num_seqs, query_len, num_heads, head_dim).transpose(1, 2).contiguous()
     return queries, keys, values
 
@@ -155,8 +163,9 @@ def time_us(fn, iters: int) -> float:
     return start.elapsed_time(end) * 1000 / iters
 
 
-def min_bytes(num_seqs: int, context: int, query_len: int, num_heads: int, num_kv_heads: int, head_dim: int) -> int:
-    kv = 2 * num_seqs * context * num_kv_heads * head_dim * 2
+def min_bytes(num_seqs: int, context: int, query_len: int, num_heads: int, num_kv_heads: int, head_dim: int,
+              kv_element_size: int = 2) -> int:
+    kv = 2 * num_seqs * context * num_kv_heads * head_dim * kv_element_size
     return kv + 2 * num_seqs * query_len * num_heads * head_dim * 2
 
 
@@ -164,8 +173,9 @@ def run_kernel(case: dict, config=None, num_kv_splits=None) -> torch.Tensor:
     return kernel.paged_attention(**case, config=config, num_kv_splits=num_kv_splits)
 
 
-def bench_case(name: str, shape: dict, iters: int, sweep: bool, spread_gb: float = 0.0) -> dict:
-    case = make_case(**shape, spread_gb=spread_gb)
+def bench_case(name: str, shape: dict, iters: int, sweep: bool, spread_gb: float = 0.0,
+               cache_dtype: torch.dtype = torch.bfloat16) -> dict:
+    case = make_case(**shape, spread_gb=spread_gb, cache_dtype=cache_dtype)
     queries, keys, values = dense_inputs(case, **shape)
     scale, query_len = case["scale"], shape["query_len"]
     expected = sdpa(queries.float(), keys.float(), values.float(), query_len, scale)
@@ -178,7 +188,10 @@ def bench_case(name: str, shape: dict, iters: int, sweep: bool, spread_gb: float
     )
     kernel_us = time_us(lambda: run_kernel(case), iters)
     sdpa_us = time_us(lambda: sdpa(queries, keys, values, query_len, scale), iters)
-    num_bytes = min_bytes(**shape)
+    num_bytes = min_bytes(**shape, kv_element_size=case["k_cache"].element_size())
+    fp8_tiles = "fp16" if kernel.FP8_KV_IN_FP16 else "bf16"
+    if cache_dtype != torch.bfloat16:
+        name = f"{name} fp8 ({fp8_tiles} tiles)"
     result = dict(
         case=name,
         **shape,
@@ -231,7 +244,15 @@ def main(argv=None) -> dict:
     args = parse_args(argv)
     import triton
 
-    results = [bench_case(name, CASES[name], args.iters, args.sweep, args.spread_gb) for name in args.cases]
+    if args.kv_cache_dtype == "bf16":
+        results = [bench_case(name, CASES[name], args.iters, args.sweep, args.spread_gb) for name in args.cases]
+    else:  # the fp8 cache read in fp16 tiles, then in bf16 ones (the kernel's switch), same cases
+        results = []
+        for in_fp16 in (True, False):
+            kernel.FP8_KV_IN_FP16 = in_fp16
+            results += [bench_case(name, CASES[name], args.iters, args.sweep, args.spread_gb, torch.float8_e4m3fn)
+                        for name in args.cases]
+        kernel.FP8_KV_IN_FP16 = True
     device_name = torch.cuda.get_device_name()
     summary = dict(
         benchmark="paged_attention",
@@ -241,12 +262,13 @@ def main(argv=None) -> dict:
         triton=triton.__version__,
         kv_block_size=BLOCK_SIZE,
         dtype="bfloat16",
+        kv_cache_dtype=args.kv_cache_dtype,
         cases=results,
     )
     print("=" * 72)
     print(f"| paged attention, {device_name}, torch {torch.__version__}, triton {triton.__version__}")
     for row in results:
-        print(f"| {row['case']:<16} {row['kernel_us']:8.1f} us {row['kernel_gb_s']:7.0f} GB/s "
+        print(f"| {row['case']:<32} {row['kernel_us']:8.1f} us {row['kernel_gb_s']:7.0f} GB/s "
               f"({100 * row['kernel_fraction_of_peak']:3.0f}% peak)  SDPA {row['sdpa_us']:8.1f} us  "
               f"err {row['max_abs_err']:.1e}")
     print("=" * 72)

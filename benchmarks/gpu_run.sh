@@ -42,6 +42,12 @@ run_step() {
     # The fp8 KV cache: its kernels (store, attention, self-checks) compiled, then W1 / W5 in bf16 and fp8 KV.
     fp8_kv_gpu_tests) python3 -m pytest -q tests/test_engine_triton.py tests/test_paged_attention_kernel.py \
                         tests/test_engine_kv_cache_dtype.py tests/test_engine_cuda.py -k "fp8 or kv_cache or cuda" ;;
+    # An fp8 cache's tiles in fp16 (FP8_KV_IN_FP16) vs bf16: the kernel alone (configs swept at W1's mean and W5's
+    # step), then the fp8 tests on the GPU.
+    attention_fp8) python3 benchmarks/bench_paged_attention.py --kv-cache-dtype fp8_e4m3 --iters 50 \
+                     --cases decode_256x300,decode_256x480,prefill_32x256 &&
+                   python3 benchmarks/bench_paged_attention.py --kv-cache-dtype fp8_e4m3 --iters 50 --sweep \
+                     --cases decode_256x384,w5_decode_512x384 | grep -v "splits  2" ;;
     engine_fp8_kv) python3 benchmarks/bench_engine.py --preset qwen3-0.6b --workload w1,w5 --skip-hf --kv-cache-dtype fp8_e4m3 ;;
     # Rollout/trainer log-prob mismatch with the fp8 KV cache against the bf16 one, same task (dense: 0.0073-0.0074).
     grpo_fp8_kv) grpo colocated --num-rollout 3 --task-dir /tmp/fp8_task "--train-args=--get-mismatch-metrics --sglang-kv-cache-dtype fp8_e4m3" ;;

@@ -134,6 +134,28 @@ def test_fp8_cache_is_read_back_in_the_query_dtype(cache_dtype, config):
         torch.testing.assert_close(out.cpu().double(), expected, atol=tolerance, rtol=tolerance)
 
 
+@pytest.mark.parametrize("config", [REGISTER_DECODE, DOT_DECODE], ids=["register", "dot"])
+def test_bf16_queries_past_fp16_range_over_an_fp8_cache_stay_finite(config):
+    """bf16 queries over an fp8 cache are computed in fp16 (FP8_KV_IN_FP16): a query element beyond fp16's range is
+    clamped to it, not turned into inf (whose scores would make the softmax NaN)."""
+    if torch.bfloat16 not in dtypes_for(config):
+        pytest.skip("the Triton interpreter's bf16 tl.dot is wrong; the GPU run covers this config")
+    query_lens, seq_lens = [1] * 3, [9, 5, 16]
+    q, k_cache, v_cache, block_tables = make_batch(query_lens, seq_lens, 4, 2, torch.bfloat16, seed=3)
+    q[0, 1, :4] = 1e5  # past fp16's 65504
+    k_cache, v_cache = to_cache_dtype(k_cache, torch.float8_e4m3fn), to_cache_dtype(v_cache, torch.float8_e4m3fn)
+    scale = 1e-3 / q.shape[-1] ** 0.5  # keeps the clamped scores in a range where the softmax is not one-hot
+    out = paged_attention(
+        q.to(DEVICE), k_cache.to(DEVICE), v_cache.to(DEVICE), block_tables.to(DEVICE),
+        torch.tensor([0] + query_lens, device=DEVICE).cumsum(0).to(torch.int32),
+        torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE), 1, scale, config=config,
+    )
+    assert torch.isfinite(out).all()
+    clamped = q.double().clamp(-65504, 65504)
+    expected = reference(clamped, k_cache.double(), v_cache.double(), block_tables, query_lens, seq_lens, scale)
+    torch.testing.assert_close(out.cpu().double(), expected, atol=2e-2, rtol=2e-2)
+
+
 def test_automatic_config_follows_the_group_and_the_step():
     assert choose_config(1, 1) == REGISTER_DECODE_CONFIG  # multi-head attention: no group to fill 16 rows
     assert choose_config(2, 1) == DOT_DECODE_CONFIG  # grouped-query: tensor cores (faster on the H200)

@@ -3,8 +3,9 @@ and values read straight from the block cache through the block table, with no g
 
 One program handles one sequence, one KV head and BLOCK_M rows, where a row is (query token, query head of that
 KV head's group), so grouped-query heads share each K/V tile they load. K and V tiles are loaded as
-[BLOCK_N, HEAD_DIM], the cache's contiguous axis last, so each key is one run of HEAD_DIM elements (an fp8 cache's
-are read back in q's dtype).
+[BLOCK_N, HEAD_DIM], the cache's contiguous axis last, so each key is one run of HEAD_DIM elements. An fp8 cache
+with bf16 queries is computed in fp16 (FP8_KV_IN_FP16): e4m3 -> fp16 is one native conversion per two elements on
+Hopper (e4m3 -> bf16 goes through fp32), exact, and fp16 keeps more of q's and p's mantissa than bf16.
 
 - Prefill (any chunk of more than one query token): BLOCK_M = 64 rows, QK^T and PV on tensor cores (`tl.dot`).
 - Decode (one query token per sequence), multi-head (one query head per KV head): BLOCK_M = 1, no tensor cores,
@@ -37,6 +38,9 @@ import triton.language as tl
 MAX_REGISTER_DECODE_GROUP = 1
 MAX_KV_SPLITS = 16
 SPLIT_KV_TARGET_PROGRAMS_PER_SM = 4  # split decode until (seqs x KV heads x splits) reaches this many per SM
+# An fp8 cache read by bf16 queries: the tiles in fp16 (q clamped to fp16's range), not in q's dtype. A module switch
+# so that benchmarks/bench_paged_attention.py can time both in one run.
+FP8_KV_IN_FP16 = True
 
 
 @dataclass(frozen=True)
@@ -94,6 +98,7 @@ def _paged_attention_kernel(
     NUM_KV_SPLITS: tl.constexpr,
     USE_DOT: tl.constexpr,
     IEEE_DOT: tl.constexpr,
+    KV_IN_FP16: tl.constexpr,
 ):
     seq = tl.program_id(0)
     row_block = tl.program_id(1)
@@ -113,6 +118,8 @@ def _paged_attention_kernel(
     offs_d = tl.arange(0, HEAD_DIM)
     q_offsets = (query_start + query_index).to(tl.int64)[:, None] * stride_q_token + head[:, None] * stride_q_head
     q = tl.load(q_ptr + q_offsets + offs_d[None, :], mask=row_valid[:, None], other=0.0)
+    if KV_IN_FP16:
+        q = tl.minimum(tl.maximum(q.to(tl.float32), -65504.0), 65504.0).to(tl.float16)  # fp16's range
     if not USE_DOT:
         q = q.to(tl.float32)
     query_position = first_query_position + query_index
@@ -137,9 +144,9 @@ def _paged_attention_kernel(
         slot_offsets = block_ids.to(tl.int64) * stride_cache_block + (offs_n % KV_BLOCK_SIZE) * stride_cache_slot
         slot_offsets += cache_head_offset
         kv_offsets = slot_offsets[:, None] + offs_d[None, :]  # [BLOCK_N, HEAD_DIM], head_dim contiguous
-        # An fp8 cache is read back in q's dtype (a no-op for a cache in the model dtype).
-        k = tl.load(k_cache_ptr + kv_offsets, mask=key_valid[:, None], other=0.0).to(q_ptr.dtype.element_ty)
-        v = tl.load(v_cache_ptr + kv_offsets, mask=key_valid[:, None], other=0.0).to(q_ptr.dtype.element_ty)
+        # An fp8 cache is read back in fp16 (KV_IN_FP16) or q's dtype (a no-op for a cache in the model dtype).
+        k = tl.load(k_cache_ptr + kv_offsets, mask=key_valid[:, None], other=0.0).to(q.dtype)
+        v = tl.load(v_cache_ptr + kv_offsets, mask=key_valid[:, None], other=0.0).to(q.dtype)
         if USE_DOT:
             if IEEE_DOT:
                 scores = tl.dot(q, tl.trans(k), input_precision="ieee")
@@ -262,7 +269,7 @@ def paged_attention(
     config: KernelConfig | None = None,
 ) -> torch.Tensor:
     """q [num_tokens, num_heads, head_dim]; caches [num_blocks, block_size, num_kv_heads, head_dim] in q's dtype or
-    an fp8 one (read back in q's dtype);
+    an fp8 one (read back in fp16 for bf16 queries, see FP8_KV_IN_FP16, else in q's dtype);
     block_tables [num_seqs, max_num_blocks] int32; query_start_loc [num_seqs + 1] int32 (cumulative query lengths);
     seq_lens [num_seqs] int32 (tokens in the cache after this step). Returns [num_tokens, num_heads, head_dim].
 
@@ -322,6 +329,7 @@ def paged_attention(
         NUM_KV_SPLITS=num_kv_splits,
         USE_DOT=config.use_dot,
         IEEE_DOT=q.dtype == torch.float32,
+        KV_IN_FP16=FP8_KV_IN_FP16 and q.dtype == torch.bfloat16 and k_cache.element_size() == 1,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )
