@@ -86,14 +86,25 @@ def parse_args(argv=None):
     parser.add_argument("--spread-gb", type=float, default=0.0,
                         help="allocate each of the K and V caches this large and scatter the used blocks over all of "
                              "it, as in an engine whose cache fills the device (default: just the blocks needed)")
+    parser.add_argument("--sweep-decode-configs", default="",
+                        help="with --sweep: only these decode configs, as BLOCK_NxWARPSxSTAGES tensor-core tiles, "
+                             "comma-separated (e.g. 16x1x4,64x2x3); default: the whole list")
     parser.add_argument("--kv-cache-dtype", choices=["bf16", "fp8_e4m3"], default="bf16",
                         help="the cache's dtype; fp8_e4m3 times the kernel with its tiles computed in fp16 "
                              "(FP8_KV_IN_FP16, the default) and in bf16, one after the other")
+    parser.add_argument("--fp8-tiles", choices=["both", "fp16"], default="both",
+                        help="with an fp8 cache: time fp16 and bf16 tiles (default), or the fp16 ones only")
     parser.add_argument("--cases", default=",".join(CASES), help=f"comma-separated subset of {', '.join(CASES)}")
     args = parser.parse_args(argv)
     if args.iters < 1:
         raise ValueError(f"--iters must be >= 1, got {args.iters}")
     args.cases = [name.strip() for name in args.cases.split(",") if name.strip()]
+    try:
+        args.sweep_decode_configs = [_dot(block_n=n, num_warps=w, num_stages=st) for n, w, st in (
+            map(int, item.split("x")) for item in args.sweep_decode_configs.split(",") if item.strip())]
+    except ValueError:
+        raise ValueError(f"--sweep-decode-configs {args.sweep_decode_configs!r}: use BLOCK_NxWARPSxSTAGES items, "
+                         "e.g. 16x1x4,64x2x3") from None
     if not args.cases or set(args.cases) - set(CASES):
         raise ValueError(f"--cases {','.join(args.cases)!r}: use names from {', '.join(CASES)}")
     if not torch.cuda.is_available():
@@ -174,7 +185,7 @@ def run_kernel(case: dict, config=None, num_kv_splits=None) -> torch.Tensor:
 
 
 def bench_case(name: str, shape: dict, iters: int, sweep: bool, spread_gb: float = 0.0,
-               cache_dtype: torch.dtype = torch.bfloat16) -> dict:
+               cache_dtype: torch.dtype = torch.bfloat16, decode_configs=None) -> dict:
     case = make_case(**shape, spread_gb=spread_gb, cache_dtype=cache_dtype)
     queries, keys, values = dense_inputs(case, **shape)
     scale, query_len = case["scale"], shape["query_len"]
@@ -214,16 +225,18 @@ def bench_case(name: str, shape: dict, iters: int, sweep: bool, spread_gb: float
         flush=True,
     )
     if sweep:
-        result["sweep"] = sweep_configs(case, expected, num_bytes, iters, num_kv_splits, decode=query_len == 1)
+        result["sweep"] = sweep_configs(case, expected, num_bytes, iters, num_kv_splits, decode=query_len == 1,
+                                        decode_configs=decode_configs)
     return result
 
 
 def sweep_configs(case: dict, expected: torch.Tensor, num_bytes: int, iters: int, num_kv_splits: int,
-                  decode: bool) -> list:
+                  decode: bool, decode_configs=None) -> list:
     """Decode: every decode config at 1 and 2 splits (and the automatic count), then the automatic config at every
     split count. Prefill: every prefill config (no splits)."""
     if decode:
-        runs = [(config, splits) for config in SWEEP_DECODE_CONFIGS for splits in sorted({1, 2, num_kv_splits})]
+        runs = [(config, splits) for config in decode_configs or SWEEP_DECODE_CONFIGS
+                for splits in sorted({1, 2, num_kv_splits})]
         runs += [(None, splits) for splits in SWEEP_SPLITS if splits != num_kv_splits]
     else:
         runs = [(config, 1) for config in SWEEP_PREFILL_CONFIGS]
@@ -245,13 +258,14 @@ def main(argv=None) -> dict:
     import triton
 
     if args.kv_cache_dtype == "bf16":
-        results = [bench_case(name, CASES[name], args.iters, args.sweep, args.spread_gb) for name in args.cases]
+        results = [bench_case(name, CASES[name], args.iters, args.sweep, args.spread_gb,
+                              decode_configs=args.sweep_decode_configs) for name in args.cases]
     else:  # the fp8 cache read in fp16 tiles, then in bf16 ones (the kernel's switch), same cases
         results = []
-        for in_fp16 in (True, False):
+        for in_fp16 in (True, False) if args.fp8_tiles == "both" else (True,):
             kernel.FP8_KV_IN_FP16 = in_fp16
-            results += [bench_case(name, CASES[name], args.iters, args.sweep, args.spread_gb, torch.float8_e4m3fn)
-                        for name in args.cases]
+            results += [bench_case(name, CASES[name], args.iters, args.sweep, args.spread_gb, torch.float8_e4m3fn,
+                                   args.sweep_decode_configs) for name in args.cases]
         kernel.FP8_KV_IN_FP16 = True
     device_name = torch.cuda.get_device_name()
     summary = dict(
