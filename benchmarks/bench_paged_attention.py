@@ -192,7 +192,8 @@ def bench_case(name: str, shape: dict, iters: int, sweep: bool, spread_gb: float
     expected = sdpa(queries.float(), keys.float(), values.float(), query_len, scale)
     out = run_kernel(case)
     sdpa_bf16 = sdpa(queries, keys, values, query_len, scale)
-    config = kernel.choose_config(shape["num_heads"] // shape["num_kv_heads"], query_len)
+    config = kernel.choose_config(shape["num_heads"] // shape["num_kv_heads"], query_len,
+                                  fp8_cache=case["k_cache"].element_size() == 1)
     num_kv_splits = kernel.choose_num_kv_splits(
         shape["num_seqs"], shape["num_kv_heads"], case["block_tables"].shape[1] * BLOCK_SIZE, query_len,
         config.block_n, case["q"].device,

@@ -18,6 +18,7 @@ pytest.importorskip("triton")
 from slime.engine.dtypes import to_cache_dtype  # noqa: E402
 from slime.engine.layers.triton_paged_attention import (
     DOT_DECODE_CONFIG,
+    FP8_DOT_DECODE_CONFIG,
     PREFILL_CONFIG,
     REGISTER_DECODE_CONFIG,
     KernelConfig,
@@ -161,6 +162,8 @@ def test_automatic_config_follows_the_group_and_the_step():
     assert choose_config(2, 1) == DOT_DECODE_CONFIG  # grouped-query: tensor cores (faster on the H200)
     assert choose_config(8, 1) == choose_config(3, 1) == DOT_DECODE_CONFIG  # 3: SmolLM-135M's heads
     assert choose_config(2, 2) == choose_config(1, 7) == PREFILL_CONFIG
+    assert choose_config(2, 1, fp8_cache=True) == FP8_DOT_DECODE_CONFIG != DOT_DECODE_CONFIG  # wider tiles for fp8
+    assert choose_config(2, 9, fp8_cache=True) == PREFILL_CONFIG
     assert choose_num_kv_splits(1, 1, 4096, 1, 32, torch.device("cpu")) == 1  # no split off CUDA
 
 
@@ -211,13 +214,16 @@ def test_split_choice_depends_on_batch_not_on_lengths():
 @pytest.mark.parametrize("num_seqs,context,num_heads,num_kv_heads,head_dim",
                          [(64, 300, 16, 8, 128), (4, 2000, 16, 8, 128), (128, 300, 9, 3, 64), (4, 2000, 9, 3, 64)],
                          ids=["qwen3-64x300", "qwen3-4x2000", "smollm-128x300", "smollm-4x2000"])
-def test_real_shapes_bf16_automatic_choices(num_seqs, context, num_heads, num_kv_heads, head_dim):
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float8_e4m3fn], ids=["bf16-cache", "fp8-cache"])
+def test_real_shapes_bf16_automatic_choices(num_seqs, context, num_heads, num_kv_heads, head_dim, cache_dtype):
     """Qwen3-0.6B's heads (16 query / 8 KV, head dim 128) and SmolLM-135M's (9 / 3, head dim 64), one decode
-    config for both, block size 16, bf16, the automatic config and split count."""
+    config for both (another for an fp8 cache, read in fp16 tiles), block size 16, bf16 queries, the automatic
+    config and split count."""
     generator = torch.Generator().manual_seed(0)
     seq_lens = (torch.randint(context // 2, context, (num_seqs,), generator=generator)).tolist()
     q, k_cache, v_cache, block_tables = make_batch([1] * num_seqs, seq_lens, num_heads, num_kv_heads, torch.bfloat16,
                                                    0, head_dim, 16)
+    k_cache, v_cache = to_cache_dtype(k_cache, cache_dtype), to_cache_dtype(v_cache, cache_dtype)
     scale = head_dim**-0.5
     out = paged_attention(
         q.cuda(), k_cache.cuda(), v_cache.cuda(), block_tables.cuda(),

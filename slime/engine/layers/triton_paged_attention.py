@@ -65,6 +65,11 @@ REGISTER_DECODE_CONFIG = KernelConfig(block_m=0, block_n=32, use_dot=False, num_
 DOT_DECODE_CONFIG = KernelConfig(block_m=16, block_n=16, use_dot=True, num_warps=1, num_stages=4)
 # Head dim 64 (SmolLM-135M, 512 seqs x 384 context): the same config, 43.8 us (3.5 TB/s) against 50.8 for 32-key
 # tiles on 2 warps and 48.2 for 64-key tiles on 4 warps.
+# An fp8 cache (fp16 tiles, 2026-12-03 sweep, us at contexts 300 / 321 / 384 / 480 for Qwen3-0.6B's heads, then W5's
+# step): 64-key tiles on 2 warps 69.2 / 78.0 / 79.9 / 101.2, 46.5, against 70.2 / 75.7 / 85.6 / 103.9, 55.7 for the
+# bf16 decode config above (the best per case: 68.6 / 74.2 / 79.7 / 100.6, 43.1). Half the bytes per key: a tile
+# twice as wide keeps as many bytes in flight.
+FP8_DOT_DECODE_CONFIG = KernelConfig(block_m=16, block_n=64, use_dot=True, num_warps=2, num_stages=3)
 
 
 # The block-table width changes from step to step: one compiled kernel for all widths, not one per divisibility.
@@ -226,14 +231,14 @@ def _num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def choose_config(num_queries_per_kv: int, max_query_len: int) -> KernelConfig:
-    """Decode (one query token per sequence) gets a decode config, by group size (the same for every head dim
-    since the 2026-12-03 sweep); any prefill chunk the prefill one."""
+def choose_config(num_queries_per_kv: int, max_query_len: int, fp8_cache: bool = False) -> KernelConfig:
+    """Decode (one query token per sequence) gets a decode config, by group size and the cache's element size (the
+    same for every head dim since the 2026-12-03 sweeps); any prefill chunk the prefill one."""
     if max_query_len > 1:
         return PREFILL_CONFIG
     if triton.next_power_of_2(num_queries_per_kv) <= MAX_REGISTER_DECODE_GROUP:
         return REGISTER_DECODE_CONFIG
-    return DOT_DECODE_CONFIG
+    return FP8_DOT_DECODE_CONFIG if fp8_cache else DOT_DECODE_CONFIG
 
 
 def choose_num_kv_splits(
@@ -280,7 +285,7 @@ def paged_attention(
     assert head_dim & (head_dim - 1) == 0 and head_dim >= 16, "head_dim must be a power of two >= 16"
     num_queries_per_kv = num_heads // num_kv_heads
     num_seqs, max_num_blocks = block_tables.shape
-    config = config or choose_config(num_queries_per_kv, max_query_len)
+    config = config or choose_config(num_queries_per_kv, max_query_len, fp8_cache=k_cache.element_size() == 1)
     block_m = config.block_m or triton.next_power_of_2(num_queries_per_kv)
     if config.use_dot and block_m < 16:
         raise ValueError(f"config {config}: tensor-core tiles need block_m >= 16")
