@@ -52,6 +52,7 @@ run_step() {
     attention_fp8_sweep) python3 benchmarks/bench_paged_attention.py --kv-cache-dtype fp8_e4m3 --fp8-tiles fp16 \
                            --iters 50 --sweep --sweep-decode-configs 16x1x4,32x1x4,32x1x3,64x1x3,64x2x3,64x2x4,32x2x4,128x4x2 \
                            --cases decode_256x300,decode_256x321,decode_256x384,decode_256x480,w5_decode_512x384 | grep "best\|kernel" ;;
+    engine_fp8_kv_16k) python3 benchmarks/bench_engine.py --preset qwen3-0.6b --workload w1,w5 --skip-hf --kv-cache-dtype fp8_e4m3 --max-num-batched-tokens 16384 ;;
     engine_fp8_kv) python3 benchmarks/bench_engine.py --preset qwen3-0.6b --workload w1,w5 --skip-hf --kv-cache-dtype fp8_e4m3 ;;
     # Rollout/trainer log-prob mismatch with the fp8 KV cache against the bf16 one, same task (dense: 0.0073-0.0074).
     grpo_fp8_kv) grpo colocated --num-rollout 3 --task-dir /tmp/fp8_task "--train-args=--get-mismatch-metrics --sglang-kv-cache-dtype fp8_e4m3" ;;
