@@ -263,6 +263,31 @@ def test_overlapped_prefill_with_rows_left_out_by_the_budget(path):
     assert count["prefill_ahead"] >= 5 and count["declined"] >= 5
 
 
+def test_every_chunk_of_a_w1_shaped_prefill_is_scheduled_ahead(path):
+    """W1's shape scaled down (all requests at once, every prompt the same length, a budget of several whole
+    prompts, decode rows of earlier chunks taking budget too): each step while requests wait is scheduled ahead,
+    so the GPU never waits for the host between two prefill chunks (an H200 profile of W1 found it ~40% idle
+    there; the cause must be on the launch side, not a declining scheduler)."""
+    engine = Engine(path, device="cpu", overlap_schedule=True, max_num_batched_tokens=256, max_num_seqs=64)
+    vocab = engine.model_runner.model.config.vocab_size
+    for i in range(64):
+        engine.add_request([5 + (7 * i + j) % (vocab - 5) for j in range(64)],
+                           {"temperature": 1.0, "max_new_tokens": 16, "ignore_eos": True, "sampling_seed": i})
+    scheduler, declined, ahead = engine.scheduler, [], []
+    original = scheduler.schedule_ahead
+
+    def counting(batch):
+        waiting = len(scheduler.waiting)
+        result = original(batch)
+        (ahead if result else declined).append(waiting)
+        return result
+
+    scheduler.schedule_ahead = counting
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert len(ahead) >= 15 and not [waiting for waiting in declined if waiting]  # 4,096 prompt tokens / 256
+
+
 def test_schedule_ahead_declines_a_batch_that_is_not_the_running_set(path):
     """A batch holding a sequence the previous step finished, beside a running one it left out (so the counts
     match), is not continued: continuing it would grow the finished sequence's freed block table."""
