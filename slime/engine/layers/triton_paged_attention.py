@@ -285,7 +285,8 @@ def paged_attention(
     assert head_dim & (head_dim - 1) == 0 and head_dim >= 16, "head_dim must be a power of two >= 16"
     num_queries_per_kv = num_heads // num_kv_heads
     num_seqs, max_num_blocks = block_tables.shape
-    config = config or choose_config(num_queries_per_kv, max_query_len, fp8_cache=k_cache.element_size() == 1)
+    fp8_cache = k_cache.element_size() == 1
+    config = config or choose_config(num_queries_per_kv, max_query_len, fp8_cache=fp8_cache)
     block_m = config.block_m or triton.next_power_of_2(num_queries_per_kv)
     if config.use_dot and block_m < 16:
         raise ValueError(f"config {config}: tensor-core tiles need block_m >= 16")
@@ -334,7 +335,7 @@ def paged_attention(
         NUM_KV_SPLITS=num_kv_splits,
         USE_DOT=config.use_dot,
         IEEE_DOT=q.dtype == torch.float32,
-        KV_IN_FP16=FP8_KV_IN_FP16 and q.dtype == torch.bfloat16 and k_cache.element_size() == 1,
+        KV_IN_FP16=FP8_KV_IN_FP16 and fp8_cache and q.dtype == torch.bfloat16,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )
