@@ -192,8 +192,8 @@ def test_a_colocated_trainer_that_keeps_its_state_keeps_its_ref_on_the_device_wh
 
 def test_engine_released_without_its_weights_then_pushed_equals_a_fresh_engine(tmp_path):
     """train.py's colocated release: the weights discarded (not copied to the host), resumed as one uninitialized
-    allocation, then pushed; the KV cache comes back uninitialized (Triton path) on memory this test filled with
-    NaN first, so a kernel reading a slot before writing it would show. Greedy output and log-probs must equal a
+    allocation, then pushed; the KV cache comes back uninitialized (Triton path), and this test fills it with NaN
+    before generating, so a kernel reading a slot before writing it would show. Greedy output and log-probs must equal a
     fresh engine's on the pushed weights."""
     from slime.engine.engine import Engine
     from slime.engine.memory_tags import EngineWeightsMissingError
@@ -210,18 +210,13 @@ def test_engine_released_without_its_weights_then_pushed_equals_a_fresh_engine(t
     gc.collect()  # its blocks back to the allocator now, not in the middle of the hand-over below
     engine = Engine(str(first), device="cuda", num_kvcache_blocks=256)
     assert engine.model_runner.use_triton and not engine.model_runner.kv_cache_zeroed
-    kv_shape, kv_dtype = engine.model_runner.kv_cache.shape, engine.model_runner.kv_cache.dtype
     assert engine.generate(prompts, greedy)[0]["output_ids"] != expected[0]["output_ids"]
     engine.release_memory(None, discard_weights=True)
     assert engine.model_runner.host_weights.buffers is None
     engine.resume_memory(["weights"])
     engine.update_weights_from_tensors(list(iterate_checkpoint(second)), weight_version="1")
-    garbage = torch.full(kv_shape, float("nan"), dtype=kv_dtype, device="cuda")
-    garbage_address = garbage.data_ptr()
-    del garbage  # back to the caching allocator, which hands the same block to the KV cache's resume
     engine.resume_memory(["kv_cache", "cuda_graph"])
-    assert engine.model_runner.kv_cache.data_ptr() == garbage_address
-    assert torch.isnan(engine.model_runner.kv_cache).any()
+    engine.model_runner.kv_cache.fill_(float("nan"))
     outputs = engine.generate(prompts, greedy)
     for output, reference in zip(outputs, expected):
         assert output["output_ids"] == reference["output_ids"]
@@ -230,3 +225,44 @@ def test_engine_released_without_its_weights_then_pushed_equals_a_fresh_engine(t
     engine.resume_memory(None)
     with pytest.raises(EngineWeightsMissingError, match="discard_weights"):
         engine.generate(prompts, greedy)
+
+
+def test_decode_graphs_kept_across_colocated_releases_generate_as_a_fresh_engine(tmp_path):
+    """train.py's colocated cycle on a built-in engine (weights discarded, no cuda_graph tag: the graphs are parked),
+    four times, the pushed checkpoint alternating: every cycle generates what a fresh engine on the pushed weights
+    does, and from the second cycle on the resume keeps the graphs (weights and KV cache back at the same addresses,
+    device_arena.py) and no graph is captured again. The first cycle cannot keep them: the weights move into their
+    arena at the first release."""
+    from slime.engine.engine import Engine
+    from slime.engine.models.weight_loader import iterate_checkpoint
+    from slime.utils.tiny_model import build_tiny_model
+
+    checkpoints = [build_tiny_model(tmp_path / name, arch="qwen3", initializer_range=0.2, seed=seed)
+                   for seed, name in enumerate(["first", "second"])]
+    prompts = [[10, 20, 30, 40, 50], list(range(5, 40))] * 3
+    greedy = {"temperature": 0.0, "max_new_tokens": 64, "ignore_eos": True}
+    expected = []
+    for checkpoint in checkpoints:
+        fresh = Engine(str(checkpoint), device="cuda", num_kvcache_blocks=256)
+        expected.append(fresh.generate(prompts, greedy))
+        del fresh
+        gc.collect()
+    engine = Engine(str(checkpoints[0]), device="cuda", num_kvcache_blocks=256)
+    engine.generate(prompts, greedy)
+    runner = engine.model_runner
+    assert runner.decode_graphs is not None and runner.kv_storage.buffers.stable
+    kept, captures = [], []
+    for cycle, which in enumerate([1, 0, 1, 0]):
+        engine.release_memory(["weights", "kv_cache"], discard_weights=True)
+        engine.resume_memory(["weights"])
+        engine.update_weights_from_tensors(list(iterate_checkpoint(checkpoints[which])), weight_version=str(cycle))
+        engine.resume_memory(["kv_cache", "cuda_graph"])
+        kept.append(runner.decode_graphs is not None)
+        graphs_before = runner.graph_capture_stats["graphs"]
+        outputs = engine.generate(prompts, greedy)
+        captures.append(runner.graph_capture_stats["graphs"] - graphs_before)
+        for output, reference in zip(outputs, expected[which]):
+            assert output["output_ids"] == reference["output_ids"], (cycle, kept)
+            assert output["output_log_probs"] == pytest.approx(reference["output_log_probs"], abs=1e-3)
+    print(f"decode graphs kept by the resume of cycles 0-3: {kept}; graphs captured per cycle: {captures}")
+    assert kept == [False, True, True, True] and captures[1:] == [0, 0, 0]

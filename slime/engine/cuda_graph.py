@@ -3,11 +3,14 @@ sizes, replayed with static input buffers so a decode step costs a few copies an
 hundreds of kernel launches from Python.
 
 A batch of n sequences runs in the smallest bucket >= n; the padded rows write their K/V to a scratch cache slot
-that no sequence owns and attend nothing (seq_len 0). Graphs bake in the addresses of the weights and the KV cache:
-the model runner drops them whenever either is freed and builds a new DecodeGraphs on the next decode step. The
-first one captures every bucket up front (kernel compilation happens at start-up, not mid-run); later ones, after a
-release / resume of memory (colocated RL: once per rollout), capture a bucket when a batch first needs it, since
-re-capturing all of them took 0.55-0.73 s per rollout on an H200 while a rollout uses a few. Not used for prefill,
+that no sequence owns and attend nothing (seq_len 0). Graphs bake in the addresses of the weights and the KV cache.
+A release of either that keeps the graphs' own memory (no `cuda_graph` tag; the colocated loop's) parks them
+(`ParkedGraphs`) with those addresses, and the resume takes them back when every address came back the same (the
+weights and the KV cache live at fixed addresses where the driver allows, device_arena.py); otherwise, and after a
+release of `cuda_graph`, the model runner drops them and builds a new DecodeGraphs on the next decode step. The
+first one captures every bucket up front (kernel compilation happens at start-up, not mid-run); later ones capture a
+bucket when a batch first needs it, since re-capturing all of them took 0.55-0.73 s per rollout on an H200 while a
+rollout uses a few (each lazy capture still cost 10-45 ms of a rollout). Not used for prefill,
 on CPU, with enforce_eager, or beyond the largest bucket (the eager path runs those).
 """
 
@@ -127,3 +130,34 @@ class DecodeGraphs:
             self._capture(batch_size)
         self.graphs[batch_size].replay()
         return self.hidden[:num_seqs]
+
+
+def baked_addresses(model: nn.Module, *tensors: torch.Tensor | None) -> tuple[int, ...]:
+    """The device addresses a decode graph bakes in that a memory release frees: every weight's, and `tensors`'
+    (the KV cache, the routed-experts record; None: not allocated)."""
+    return (*(param.data_ptr() for param in model.parameters()),
+            *(tensor.data_ptr() if tensor is not None else 0 for tensor in tensors))
+
+
+class ParkedGraphs:
+    """Decode graphs set aside while the memory they read is released, with the addresses they bake in."""
+
+    def __init__(self):
+        self.graphs: DecodeGraphs | None = None
+        self.addresses: tuple[int, ...] = ()
+
+    def park(self, graphs: DecodeGraphs, addresses: tuple[int, ...]) -> None:
+        self.graphs, self.addresses = graphs, addresses
+
+    def take(self, addresses: tuple[int, ...]) -> DecodeGraphs | None:
+        """The parked graphs if `addresses` (after a resume) are those they bake in, else None; either way they
+        leave the parking (graphs not taken are freed with their memory pool)."""
+        graphs, same = self.graphs, addresses == self.addresses
+        self.clear()
+        if graphs is not None:
+            logger.info("decode CUDA graphs %s", "kept across the release (weights and KV cache at the same "
+                        "addresses)" if same else "dropped: the resume moved the weights or the KV cache")
+        return graphs if same else None
+
+    def clear(self) -> None:
+        self.graphs, self.addresses = None, ()

@@ -362,6 +362,7 @@ class Engine:
         if discard_weights and "weights" not in tags:
             raise ValueError(f"discard_weights needs the 'weights' tag among the released tags, got {tags}")
         self._drain()
+        self.model_runner.park_decode_graphs(keep="cuda_graph" not in tags)
         if "kv_cache" in tags and "kv_cache" not in self.released_tags:
             for seq in list(self.scheduler.running):
                 self.scheduler.preempt(seq)
@@ -378,6 +379,8 @@ class Engine:
         if "kv_cache" in tags and "kv_cache" in self.released_tags:
             self.model_runner.allocate_kv_cache()
         self.released_tags -= set(tags)
+        if not self.released_tags & {"weights", "kv_cache"}:
+            self.model_runner.unpark_decode_graphs()
 
     @property
     def weights_missing(self) -> set[str]:

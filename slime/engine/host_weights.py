@@ -7,27 +7,28 @@ pinning a model's worth of host memory took most of a release (0.7-1.1 s for 1.2
 itself tens of milliseconds; a colocated RL run releases once per rollout. On the CPU the copy is the parameters'
 own storage.
 
-A discarding release copies nothing (a colocated run pushes every weight after each resume, so a copy would be
-overwritten unread); its resume is one allocation per dtype, the parameters views of it, and the weights hold
-garbage until loaded: `missing` is the set of checkpoint names not loaded since the discard, and the engine
-refuses to generate while it is not empty. Not here: the KV cache (model_runner.py) or the CUDA graphs that hold
-the weights' addresses.
+From the first release on, the parameters live in one StableBuffers (device_arena.py): every resume puts each
+weight back at the address it had after the first one, so decode CUDA graphs captured since stay valid. A
+discarding release copies nothing (a colocated run pushes every weight after each resume, so a copy would be
+overwritten unread); its resume maps the storage, and the weights hold garbage until loaded: `missing` is the set
+of checkpoint names not loaded since the discard, and the engine refuses to generate while it is not empty. Not
+here: the KV cache (model_runner.py) or the CUDA graphs that hold the weights' addresses (cuda_graph.py).
 """
 
 from __future__ import annotations
 
 import torch
 
-from slime.utils.flat_buffer import flat_empty
+from slime.engine.device_arena import StableBuffers
 
 
 class HostWeights:
     def __init__(self, device: torch.device):
         self.device = device
-        self.buffers: dict[str, torch.Tensor] | None = None
+        self.buffers: dict[str, torch.Tensor] | None = None  # host copies, kept for the next release on CUDA
+        self.discarded = False  # the last release copied nothing
+        self.storage: StableBuffers | None = None  # the parameters' device storage from the first release on
         self.released = False
-        # name -> (shape, dtype) of every parameter while released by discarding (no buffer holds the shapes)
-        self.discarded: dict[str, tuple[torch.Size, torch.dtype]] | None = None
         self.missing: set[str] = set()
 
     def release(self, model: torch.nn.Module, weight_names: set[str] | None = None) -> None:
@@ -36,52 +37,47 @@ class HostWeights:
         already released."""
         if self.released:
             return
-        if weight_names is not None:
-            self.discarded = {name: (param.shape, param.dtype) for name, param in model.named_parameters()}
-            self.missing = set(weight_names)
-            for param in model.parameters():
-                param.data = torch.empty(0, dtype=param.dtype, device=self.device)
-            self.released = True
-            return
+        params = dict(model.named_parameters())
+        if self.storage is None:
+            self.storage = StableBuffers(self.device, [(param.shape, param.dtype) for param in params.values()])
         on_cuda = self.device.type == "cuda"
-        if self.buffers is None or not on_cuda:
-            self.buffers = {}
-        for name, param in model.named_parameters():
-            if not on_cuda:
-                self.buffers[name] = param.data
-            else:
+        self.discarded = weight_names is not None
+        if self.discarded:
+            self.missing = set(weight_names)
+        elif not on_cuda:
+            self.buffers = {name: param.data for name, param in params.items()}
+        else:
+            self.buffers = self.buffers or {}
+            for name, param in params.items():
                 buffer = self.buffers.get(name)
                 if buffer is None or buffer.shape != param.shape or buffer.dtype != param.dtype:
                     buffer = self.buffers[name] = torch.empty(param.shape, dtype=param.dtype, pin_memory=True)
                 buffer.copy_(param.data, non_blocking=True)
-            param.data = torch.empty(0, dtype=param.dtype, device=self.device)
-        if on_cuda:
             torch.cuda.synchronize(self.device)
+        for param in params.values():
+            param.data = torch.empty(0, dtype=param.dtype, device=self.device)
+        self.storage.free()
         self.released = True
 
     def resume(self, model: torch.nn.Module) -> None:
-        """Put the host copy back on the device, or after a discard allocate the storage uninitialized; a no-op
-        when not released."""
+        """Put the host copy back on the device, or after a discard map the storage uninitialized; a no-op when not
+        released."""
         if not self.released:
             return
-        if self.discarded is not None:
-            self._allocate(model)
+        params = dict(model.named_parameters())
+        if not self.discarded and self.device.type != "cuda":
+            for name, param in params.items():
+                param.data = self.buffers[name]  # on the CPU the copy is the parameters' own storage
+            self.buffers = None
         else:
-            for name, param in model.named_parameters():
-                param.data = self.buffers[name].to(self.device, non_blocking=True)
-            if self.device.type == "cuda":
+            for (name, param), view in zip(params.items(), self.storage.allocate()):
+                param.data = view
+                if not self.discarded:
+                    view.copy_(self.buffers[name], non_blocking=True)
+            if not self.discarded:
                 torch.cuda.synchronize(self.device)
-            else:
-                self.buffers = None  # on the CPU they are the parameters' storage again
         self.released = False
 
     def loaded(self, names) -> None:
         """Checkpoint names just copied into the model (after a discard, the weights are valid once all are)."""
         self.missing.difference_update(names)
-
-    def _allocate(self, model: torch.nn.Module) -> None:
-        """One device allocation per dtype for all parameters, not one per parameter (each is a driver call)."""
-        params = dict(model.named_parameters())
-        for name, view in zip(self.discarded, flat_empty(list(self.discarded.values()), self.device)):
-            params[name].data = view
-        self.discarded = None

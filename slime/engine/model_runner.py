@@ -9,7 +9,6 @@ to / restore from a host copy, host_weights.py). It does not schedule, check sto
 from __future__ import annotations
 
 import itertools
-import os
 from dataclasses import dataclass
 from operator import attrgetter
 
@@ -17,12 +16,13 @@ import numpy as np
 import torch
 
 from slime.engine.config import Config
-from slime.engine.cuda_graph import DecodeGraphs
+from slime.engine.cuda_graph import DecodeGraphs, ParkedGraphs, baked_addresses
 from slime.engine.decode_rows import DecodeRows
 from slime.engine.dtypes import resolve_device, resolve_dtype, resolve_kv_cache_dtype
 from slime.engine.host_staging import HostStaging
 from slime.engine.host_weights import HostWeights
 from slime.engine.kernel_checks import grouped_mm_works, triton_attention_works, triton_fused_kernels_work
+from slime.engine.kv_cache import KVCacheStorage, bytes_per_block, num_blocks_from_memory
 from slime.engine.layers.attention import AttentionMetadata
 from slime.engine.models import DecoderForCausalLM, ModelConfig
 from slime.engine.models.weight_loader import load_checkpoint
@@ -31,8 +31,6 @@ from slime.engine.sampling_inputs import DecodeSampling, prepare_sampling
 from slime.engine.sampling_params import SamplingParams
 from slime.engine.scheduler import DecodeBatch, ScheduledSequence, is_decode_batch, sampled_seqs
 from slime.engine.sequence import Sequence
-
-CPU_KV_CACHE_RAM_FRACTION = 0.25
 
 
 @dataclass
@@ -74,17 +72,20 @@ class ModelRunner:
         load_checkpoint(self.model, config.model)
         self.routed_experts: torch.Tensor | None = None
         self.host_weights = HostWeights(self.device)
-        self.num_kvcache_blocks = config.num_kvcache_blocks or self._num_blocks_from_memory()
+        self.num_kvcache_blocks = config.num_kvcache_blocks or num_blocks_from_memory(
+            config, model_config, self.device, self.bytes_per_block)
         # One extra cache block past those the block manager hands out: CUDA-graph padding rows write there.
         self.scratch_slot = self.num_kvcache_blocks * self.block_size
         max_model_len = config.max_model_len or model_config.max_position_embeddings
         self.max_num_blocks_per_seq = min(-(-max_model_len // self.block_size), self.num_kvcache_blocks)
         self.decode_graphs: DecodeGraphs | None = None
+        self.parked_graphs = ParkedGraphs()  # while a release that keeps the graphs' memory has freed what they read
         self.captured_decode_graphs = False  # the first DecodeGraphs captures every bucket; later ones lazily
         self.graph_capture_stats = {"graphs": 0, "seconds": 0.0}  # every capture since start-up (engine loop logs it)
         self.warmed_decode_batch_sizes: set[int] = set()  # captured once: a capture again needs no warm-up
         self.decode_rows = DecodeRows(model_config.vocab_size, self.block_size)
         self.decode_sampling = DecodeSampling(self.staging, self.eos_token_ids)
+        self.kv_storage: KVCacheStorage | None = None
         self.kv_cache: torch.Tensor | None = None  # every layer's K and V; uninitialized on the Triton path
         self.kv_cache_zeroed = False
         attention_works = self.device.type == "cuda" and triton_attention_works(self.device, self.kv_dtype)
@@ -107,35 +108,14 @@ class ModelRunner:
             self.kv_cache_zeroed = True
         self.use_cuda_graphs = enabled and cuda_graphs and not self.config.enforce_eager
         self.decode_graphs = None
+        self.parked_graphs.clear()
         self.model.set_use_triton(enabled if fused is None else fused)
 
     # ---- memory -------------------------------------------------------------------------------------------------
 
     @property
     def bytes_per_block(self) -> int:
-        c = self.model_config
-        element_size = torch.empty((), dtype=self.kv_dtype).element_size()
-        kv_bytes = 2 * c.num_hidden_layers * self.block_size * c.num_key_value_heads * c.head_dim * element_size
-        routing_bytes = len(c.moe_layers) * c.num_experts_per_tok * 4 * self.block_size
-        return kv_bytes + (routing_bytes if self.config.enable_return_routed_experts else 0)
-
-    def _num_blocks_from_memory(self) -> int:
-        if self.device.type == "cuda":
-            free, total = torch.cuda.mem_get_info(self.device)
-            used = total - free
-            budget = total * self.config.gpu_memory_utilization - used
-        else:
-            total_ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-            budget = total_ram * min(self.config.gpu_memory_utilization, CPU_KV_CACHE_RAM_FRACTION)
-        max_model_len = self.config.max_model_len or self.model_config.max_position_embeddings
-        wanted = self.config.max_num_seqs * ((max_model_len + self.block_size - 1) // self.block_size)
-        num_blocks = min(wanted, int(budget // self.bytes_per_block))
-        if num_blocks < 1:
-            raise ValueError(
-                f"gpu_memory_utilization={self.config.gpu_memory_utilization} leaves no memory for the KV cache; "
-                "raise it or set num_kvcache_blocks"
-            )
-        return num_blocks
+        return bytes_per_block(self.config, self.model_config, self.kv_dtype)
 
     @property
     def has_kv_cache(self) -> bool:
@@ -143,29 +123,27 @@ class ModelRunner:
 
     def allocate_kv_cache(self) -> None:
         c = self.model_config
-        shape = (self.num_kvcache_blocks + 1, self.block_size, c.num_key_value_heads, c.head_dim)
-        layers = self.model.attention_layers()
-        # One allocation for every layer's K and V, not two per layer: a colocated run frees and re-allocates the
-        # cache on every hand-over, and each device allocation and free is a driver call of its own.
+        layers, blocks = self.model.attention_layers(), self.model.moe_blocks()
+        if self.kv_storage is None:
+            # One storage for every layer's K and V (and the routing record), not two tensors per layer: a colocated
+            # run frees and re-allocates the cache on every hand-over, and each allocation is a driver call.
+            routing = (len(blocks), c.num_experts_per_tok) if self.config.enable_return_routed_experts else None
+            block_shape = (self.num_kvcache_blocks + 1, self.block_size, c.num_key_value_heads, c.head_dim)
+            self.kv_storage = KVCacheStorage(self.device, len(layers), block_shape, self.kv_dtype, routing)
         # The pure-torch path needs zeros: its masked-out slots enter SDPA multiplied by 0, and NaN garbage would
         # survive that. The Triton kernels load only slots below each sequence's length, all written before any read
         # (cached prefix, earlier chunks, the step's own K/V), so there the cache is left uninitialized: zeroing
         # the whole cache on every colocated resume costs a device-wide memset.
         self.kv_cache_zeroed = not self.use_triton
-        allocate = torch.zeros if self.kv_cache_zeroed else torch.empty
-        cache = self.kv_cache = allocate((len(layers), 2, *shape), dtype=self.kv_dtype, device=self.device)
-        for attn, (keys, values) in zip(layers, cache):
+        self.kv_cache, self.routed_experts = self.kv_storage.allocate(zeroed=self.kv_cache_zeroed)
+        for attn, (keys, values) in zip(layers, self.kv_cache):
             attn.k_cache, attn.v_cache = keys, values
-        if self.config.enable_return_routed_experts:
-            # Indexed by cache slot like the K/V, so prefix-cache hits keep the routing of the tokens they skip.
-            blocks = self.model.moe_blocks()
-            self.routed_experts = torch.full((shape[0] * self.block_size, len(blocks), c.num_experts_per_tok), -1,
-                                             dtype=torch.int32, device=self.device)
-            for index, block in enumerate(blocks):
-                block.routed_experts_cache = self.routed_experts[:, index]
+        # Indexed by cache slot like the K/V, so prefix-cache hits keep the routing of the tokens they skip.
+        for index, block in enumerate(blocks if self.routed_experts is not None else []):
+            block.routed_experts_cache = self.routed_experts[:, index]
 
     def free_kv_cache(self) -> None:
-        self.decode_graphs = None  # they hold the cache's addresses
+        self.decode_graphs = None  # they hold the cache's addresses (parked first by a release that keeps them)
         self.decode_rows.clear()
         self.kv_cache = None
         for attn in self.model.attention_layers():
@@ -174,7 +152,26 @@ class ModelRunner:
         for block in self.model.moe_blocks():
             block.routed_experts_cache = None
         self.routed_experts = None
+        self.kv_storage.free()
         self._empty_device_cache()
+
+    def park_decode_graphs(self, keep: bool) -> None:
+        """Before a release: the decode graphs set aside with the addresses they bake in (`keep`: the release keeps
+        their own memory), else dropped."""
+        if keep and self.decode_graphs is not None:
+            self.parked_graphs.park(self.decode_graphs, self._baked_addresses())
+        elif not keep:
+            self.parked_graphs.clear()
+        self.decode_graphs = None
+
+    def unpark_decode_graphs(self) -> None:
+        """After a resume of the weights and KV cache: the parked graphs back if those came back where they were."""
+        graphs = self.parked_graphs.take(self._baked_addresses())
+        if graphs is not None:
+            self.decode_graphs = graphs
+
+    def _baked_addresses(self) -> tuple[int, ...]:
+        return baked_addresses(self.model, self.kv_cache, self.routed_experts)
 
     def read_routed_experts(self, block_table: list[int], num_positions: int) -> np.ndarray:
         """The routing recorded for positions [0, num_positions) of a sequence holding `block_table`:

@@ -262,12 +262,14 @@ class RolloutManager:
         """Every engine releases its memory. `discard_weights`: the caller pushes every weight before the engines
         generate again (train.py's colocated loop: a full push follows each release), so they drop their weights
         instead of copying them to the host, and their resume of the weights is an allocation. Only the built-in
-        engines started by this run take that field (SGLang's payload has none). Returns its seconds."""
+        engines started by this run take that field (SGLang's payload has none); they also keep their CUDA graphs'
+        own memory (tens of MB of activations: no `cuda_graph` tag), so the graphs are not captured again: their
+        weights and KV cache come back at the same addresses (engine/device_arena.py). Returns its seconds."""
         start = time.perf_counter()
-        tags = ["weights", "kv_cache", "cuda_graph"]
+        ours = self.args.rollout_backend == "slime" and not self.args.rollout_external
+        tags = ["weights", "kv_cache"] + ([] if ours else ["cuda_graph"])
         if self.supervisor:
             self.supervisor.memory_released(tags)  # first: no heartbeat reaches an engine in the middle
-        ours = self.args.rollout_backend == "slime" and not self.args.rollout_external
         discard = {"discard_weights": True} if discard_weights and ours else {}
         self._post_all("/release_memory_occupation", {"tags": tags, **discard})
         return time.perf_counter() - start

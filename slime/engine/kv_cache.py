@@ -1,0 +1,69 @@
+"""The engine's KV cache as memory: how many blocks fit (`num_blocks_from_memory`), the bytes of one block, and the
+storage of every layer's K and V (and, for MoE models that record routing, the routed experts of every cache slot)
+in one StableBuffers, so a colocated run's free and re-allocation on every hand-over puts the cache back at the same
+address (device_arena.py) and the decode CUDA graphs that bake it in stay valid.
+
+Not here: which slots a sequence owns (block_manager.py), binding the views to the attention layers
+(model_runner.py), or reading and writing the cache (layers/attention.py).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from slime.engine.config import Config
+from slime.engine.device_arena import StableBuffers
+from slime.engine.models import ModelConfig
+
+CPU_KV_CACHE_RAM_FRACTION = 0.25
+
+
+def bytes_per_block(config: Config, model_config: ModelConfig, kv_dtype: torch.dtype) -> int:
+    c = model_config
+    element_size = torch.empty((), dtype=kv_dtype).element_size()
+    kv_bytes = 2 * c.num_hidden_layers * config.kvcache_block_size * c.num_key_value_heads * c.head_dim * element_size
+    routing_bytes = len(c.moe_layers) * c.num_experts_per_tok * 4 * config.kvcache_block_size
+    return kv_bytes + (routing_bytes if config.enable_return_routed_experts else 0)
+
+
+def num_blocks_from_memory(config: Config, model_config: ModelConfig, device: torch.device, block_bytes: int) -> int:
+    """The blocks that fit in gpu_memory_utilization of the device less what is in use (on the CPU, of the RAM,
+    capped at CPU_KV_CACHE_RAM_FRACTION), and no more than max_num_seqs sequences of max_model_len need."""
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        budget = total * config.gpu_memory_utilization - (total - free)
+    else:
+        total_ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        budget = total_ram * min(config.gpu_memory_utilization, CPU_KV_CACHE_RAM_FRACTION)
+    max_model_len = config.max_model_len or model_config.max_position_embeddings
+    wanted = config.max_num_seqs * -(-max_model_len // config.kvcache_block_size)
+    num_blocks = min(wanted, int(budget // block_bytes))
+    if num_blocks < 1:
+        raise ValueError(f"gpu_memory_utilization={config.gpu_memory_utilization} leaves no memory for the KV "
+                         "cache; raise it or set num_kvcache_blocks")
+    return num_blocks
+
+
+class KVCacheStorage:
+    """[num_layers, 2, num_slots // block_size, block_size, kv_heads, head_dim] K/V and, when `num_moe_layers` and
+    `top_k` are given, [num_slots, num_moe_layers, top_k] int32 routed experts (-1: none recorded)."""
+
+    def __init__(self, device: torch.device, num_layers: int, block_shape: tuple[int, ...], kv_dtype: torch.dtype,
+                 routing_shape: tuple[int, int] | None = None):
+        num_blocks, block_size = block_shape[:2]
+        specs = [((num_layers, 2, *block_shape), kv_dtype)]
+        if routing_shape is not None:
+            specs.append(((num_blocks * block_size, *routing_shape), torch.int32))
+        self.buffers = StableBuffers(device, specs)
+
+    def allocate(self, zeroed: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The K/V cache (uninitialized unless `zeroed`) and the routed-experts record (or None)."""
+        cache, *routing = self.buffers.allocate()
+        if zeroed:
+            cache.zero_()
+        return cache, (routing[0].fill_(-1) if routing else None)
+
+    def free(self) -> None:
+        self.buffers.free()
