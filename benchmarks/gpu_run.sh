@@ -72,6 +72,10 @@ run_step() {
     train_4b_profile) python3 benchmarks/bench_train.py --model-shape qwen3-4b --compile-model --profile --skip-baseline --num-iters 1 ;;
     trainer_gpu_tests) python3 -m pytest -q tests/test_fsdp_gpu.py ;;
     # async optimizer-state moves, flat onloads, device ref copies, the engine's discarding release and uninitialized KV
+    # Weights and KV cache at fixed addresses (device_arena.py): the arena itself, the engine's graphs kept across
+    # colocated releases (against fresh engines), the engine's CUDA tests (memory given back on release).
+    arena_gpu_tests) python3 -m pytest -q -s tests/test_device_arena.py tests/test_parked_graphs.py tests/test_engine_cuda.py \
+                       tests/test_handover_gpu.py -k "arena or stable or graph or engine or cuda" ;;
     handover_gpu_tests) python3 -m pytest -q tests/test_handover_gpu.py tests/test_fsdp_gpu.py tests/test_engine_cuda.py tests/test_engine_triton.py ;;
     offload_gpu_tests) python3 -m pytest -q -s tests/test_handover_gpu.py tests/test_fsdp_gpu.py tests/test_host_storage_copies.py \
                          tests/test_megatron_offload.py ;;  # the trainers' offload by storage (host_storage_copies.py)
