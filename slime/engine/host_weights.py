@@ -7,8 +7,9 @@ pinning a model's worth of host memory took most of a release (0.7-1.1 s for 1.2
 itself tens of milliseconds; a colocated RL run releases once per rollout. On the CPU the copy is the parameters'
 own storage.
 
-From the first release on, the parameters live in one StableBuffers (device_arena.py): every resume puts each
-weight back at the address it had after the first one, so decode CUDA graphs captured since stay valid. A
+The parameters live in one StableBuffers (device_arena.py), from start-up where the device maps memory at fixed
+addresses (`place`), else from the first release: every resume puts each weight back at the same address, so
+decode CUDA graphs captured before the release stay valid. A
 discarding release copies nothing (a colocated run pushes every weight after each resume, so a copy would be
 overwritten unread); its resume maps the storage, and the weights hold garbage until loaded: `missing` is the set
 of checkpoint names not loaded since the discard, and the engine refuses to generate while it is not empty. Not
@@ -30,6 +31,22 @@ class HostWeights:
         self.storage: StableBuffers | None = None  # the parameters' device storage from the first release on
         self.released = False
         self.missing: set[str] = set()
+
+    def place(self, model: torch.nn.Module) -> None:
+        """Move the parameters into their storage now, where it keeps its addresses (a CUDA device whose driver
+        maps memory at fixed addresses), before any CUDA graph bakes them in: the graphs captured at start-up then
+        stay valid across every release. Elsewhere a no-op (the storage is made at the first release)."""
+        if self.device.type != "cuda" or self.storage is not None:
+            return
+        params = dict(model.named_parameters())
+        storage = StableBuffers(self.device, [(param.shape, param.dtype) for param in params.values()])
+        if not storage.stable:
+            return
+        self.storage = storage
+        for param, view in zip(params.values(), storage.allocate()):
+            view.copy_(param.data)
+            param.data = view
+        torch.cuda.empty_cache()  # the load's allocations, before the KV cache is sized from the free memory
 
     def release(self, model: torch.nn.Module, weight_names: set[str] | None = None) -> None:
         """Free every parameter's device storage, copied to the host first, or discarded when `weight_names` (the

@@ -72,6 +72,7 @@ class ModelRunner:
         load_checkpoint(self.model, config.model)
         self.routed_experts: torch.Tensor | None = None
         self.host_weights = HostWeights(self.device)
+        self.host_weights.place(self.model)
         self.num_kvcache_blocks = config.num_kvcache_blocks or num_blocks_from_memory(
             config, model_config, self.device, self.bytes_per_block)
         # One extra cache block past those the block manager hands out: CUDA-graph padding rows write there.
