@@ -23,11 +23,13 @@ async def run_in_daemon_thread(function, *args, **kwargs):
 
     def run():
         try:
-            result = function(*args, **kwargs)
-        except BaseException as error:  # noqa: BLE001 - handed to the awaiting coroutine
-            loop.call_soon_threadsafe(_settle, future, None, error)
-        else:
-            loop.call_soon_threadsafe(_settle, future, result, None)
+            result, error = function(*args, **kwargs), None
+        except BaseException as raised:  # noqa: BLE001 - handed to the awaiting coroutine
+            result, error = None, raised
+        try:
+            loop.call_soon_threadsafe(_settle, future, result, error)
+        except RuntimeError:  # the loop closed while the call ran (its caller gave up, the process is ending)
+            pass
 
     name = f"slime-{getattr(function, '__name__', 'call')}"
     threading.Thread(target=run, name=name, daemon=True).start()
