@@ -8,6 +8,8 @@ colocated release)."""
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
 
@@ -102,3 +104,20 @@ def test_a_cuda_graph_on_arena_memory_reads_it_after_a_remap():
     source.copy_(torch.arange(1024, dtype=torch.float32, device=device))
     graph.replay()
     torch.testing.assert_close(target, 2 * torch.arange(1024, dtype=torch.float32, device=device))
+
+
+@cuda
+def test_an_arena_nothing_references_gives_its_memory_back():
+    device = torch.device("cuda", torch.cuda.current_device())
+    num_bytes, margin = 1 << 30, 64 << 20
+    free_before = torch.cuda.mem_get_info(device)[0]
+    arena = DeviceArena(device, num_bytes)
+    view = arena.map()
+    del arena
+    gc.collect()
+    assert torch.cuda.mem_get_info(device)[0] <= free_before - num_bytes  # the view keeps the arena mapped
+    view.fill_(1)
+    torch.cuda.synchronize(device)
+    del view
+    gc.collect()
+    assert torch.cuda.mem_get_info(device)[0] >= free_before - margin

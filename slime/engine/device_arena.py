@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import weakref
 
 import torch
 
@@ -91,19 +92,37 @@ def _get_driver() -> _Driver:
 
 
 class _DeviceBytes:
-    """A device pointer as a __cuda_array_interface__ (torch.as_tensor wraps it without copying or owning it)."""
+    """A device pointer as a __cuda_array_interface__ (torch.as_tensor wraps it without copying). A tensor made from
+    it keeps it alive, and through `owner` the arena: the addresses are not given back while a view exists."""
 
-    def __init__(self, address: int, num_bytes: int):
+    def __init__(self, owner: DeviceArena, address: int, num_bytes: int):
+        self.owner = owner
         self.__cuda_array_interface__ = {"shape": (num_bytes,), "typestr": "|u1", "data": (address, False),
                                          "strides": None, "version": 2}
+
+
+def _give_back(driver: _Driver, device: torch.device, address: int, num_bytes: int, mapping: dict) -> None:
+    """Unmap and free an arena nothing references any more (its finalizer); quiet at interpreter exit, when the
+    driver may already be gone."""
+    try:
+        if mapping.get("handle") is not None:
+            torch.cuda.synchronize(device)
+            driver("cuMemUnmap", address, num_bytes)
+            driver("cuMemRelease", mapping.pop("handle"))
+        driver("cuMemAddressFree", address, num_bytes)
+    except Exception:  # noqa: BLE001 - a finalizer must not raise
+        logger.debug("freeing a device arena at %#x failed", address, exc_info=True)
 
 
 class DeviceArena:
     """`num_bytes` (rounded up to the driver's granularity) of device addresses reserved at construction; `map`
     backs them with fresh physical memory and returns them as one uint8 tensor, `unmap` gives the memory back to
-    the device (the addresses stay reserved), `close` gives the addresses back too."""
+    the device (the addresses stay reserved), `close` gives the addresses back too. So does the garbage collector
+    once neither the arena nor a tensor made by `map` is referenced: an engine dropped unreleased frees its memory."""
 
     def __init__(self, device: torch.device, num_bytes: int):
+        if device.index is None:
+            device = torch.device(device.type, torch.cuda.current_device())
         self.device = device
         self.driver = _get_driver()
         torch.cuda.synchronize(device)  # the device's primary context is current on this thread from here on
@@ -120,14 +139,16 @@ class DeviceArena:
         address = ctypes.c_uint64()
         self.driver("cuMemAddressReserve", ctypes.byref(address), self.num_bytes, 0, 0, 0)
         self.address = address.value
-        self.handle: int | None = None
+        self.mapping: dict = {}  # "handle": the physical memory mapped now, if any (shared with the finalizer)
+        self._finalizer = weakref.finalize(self, _give_back, self.driver, device, self.address, self.num_bytes,
+                                           self.mapping)
 
     @property
     def mapped(self) -> bool:
-        return self.handle is not None
+        return self.mapping.get("handle") is not None
 
     def map(self) -> torch.Tensor:
-        if self.handle is None:
+        if not self.mapped:
             handle = ctypes.c_uint64()
             self.driver("cuMemCreate", ctypes.byref(handle), self.num_bytes, ctypes.byref(self.prop), 0)
             try:
@@ -135,23 +156,22 @@ class DeviceArena:
             except DriverError:
                 self.driver("cuMemRelease", handle.value)
                 raise
-            self.handle = handle.value
+            self.mapping["handle"] = handle.value
             access = _AccessDesc(location=self.prop.location, flags=_ACCESS_READ_WRITE)
             self.driver("cuMemSetAccess", self.address, self.num_bytes, ctypes.byref(access), 1)
-        return torch.as_tensor(_DeviceBytes(self.address, self.num_bytes), device=self.device)
+        return torch.as_tensor(_DeviceBytes(self, self.address, self.num_bytes), device=self.device)
 
     def unmap(self) -> None:
         """Give the physical memory back; every kernel queued on the device finishes first."""
-        if self.handle is None:
+        if not self.mapped:
             return
         torch.cuda.synchronize(self.device)
         self.driver("cuMemUnmap", self.address, self.num_bytes)
-        self.driver("cuMemRelease", self.handle)
-        self.handle = None
+        self.driver("cuMemRelease", self.mapping.pop("handle"))
 
     def close(self) -> None:
-        self.unmap()
-        self.driver("cuMemAddressFree", self.address, self.num_bytes)
+        """Unmap and give the addresses back now (otherwise done when nothing references the arena)."""
+        self._finalizer()
 
 
 _supported: dict[torch.device, bool] = {}
