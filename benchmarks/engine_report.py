@@ -49,7 +49,7 @@ def summarize(workload: Workload, engine: dict, hf: dict | None, preset: str) ->
         cachable = (prompt_len - 1) // block_size * block_size / prompt_len
         summary["prefix_cache_hit_rate_max"] = round(summary["prefix_cache_hit_rate_ideal"] * cachable, 4)
     for key in ("weight_update_seconds", "weight_update_bytes", "release_seconds", "resume_seconds",
-                "released_allocated_bytes", "released_device_free_bytes", "resumed_allocated_bytes"):
+                "released_device_free_bytes", "resumed_device_bytes"):
         if key in engine:
             value = engine[key]
             summary[key] = round(value, 4) if isinstance(value, float) else value
@@ -76,9 +76,9 @@ def print_workload(summary: dict, flush: bool = False) -> None:
         line += (f"\n  weight update (full state dict, on-device tensors): {summary['weight_update_seconds']:.3f} s "
                  f"for {summary['weight_update_bytes'] / 1e9:.2f} GB")
         line += f"\n  release {summary['release_seconds']:.3f} s, resume {summary['resume_seconds']:.3f} s"
-        if summary["released_allocated_bytes"] is not None:
-            line += (f"; freed {summary['released_allocated_bytes'] / 2**30:.2f} GiB allocated, "
-                     f"{summary['released_device_free_bytes'] / 2**30:.2f} GiB device free memory")
+        if summary["released_device_free_bytes"] is not None:
+            line += (f"; device memory freed {summary['released_device_free_bytes'] / 2**30:.2f} GiB, taken back "
+                     f"{summary['resumed_device_bytes'] / 2**30:.2f} GiB")
     if "warning" in summary:
         line += f"\n  WARNING: {summary['warning']}"
     print(line, flush=flush)
