@@ -121,3 +121,31 @@ def test_an_arena_nothing_references_gives_its_memory_back():
     del view
     gc.collect()
     assert torch.cuda.mem_get_info(device)[0] >= free_before - margin
+
+
+class _RefusingLibrary:
+    """Stands in for libcuda where none is loaded (this CPU): every call answers `result`, and the error string
+    call fills in a message, as the driver does."""
+
+    def __init__(self, result: int):
+        self.result = result
+
+    def __getattr__(self, name):
+        if name == "cuGetErrorString":
+            def error_string(result, message_pointer):
+                message_pointer._obj.value = b"refused"
+                return 0
+            return error_string
+        return lambda *args: self.result
+
+
+def test_driver_errors_name_the_call_and_out_of_memory_is_torchs_error():
+    from slime.engine import device_arena
+
+    driver = device_arena._Driver.__new__(device_arena._Driver)
+    driver.lib = _RefusingLibrary(2)
+    with pytest.raises(torch.OutOfMemoryError, match="cuMemCreate failed: CUresult 2 .*gpu_memory_utilization"):
+        driver("cuMemCreate")
+    driver.lib = _RefusingLibrary(1)
+    with pytest.raises(device_arena.DriverError, match=r"cuMemMap failed: CUresult 1 \(refused\)"):
+        driver("cuMemMap")

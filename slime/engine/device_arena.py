@@ -30,6 +30,7 @@ _ALLOCATION_TYPE_PINNED = 1
 _LOCATION_TYPE_DEVICE = 1
 _ACCESS_READ_WRITE = 3
 _GRANULARITY_MINIMUM = 0
+_ERROR_OUT_OF_MEMORY = 2
 
 
 class _Location(ctypes.Structure):
@@ -78,7 +79,12 @@ class _Driver:
         if result != 0:
             message = ctypes.c_char_p()
             self.lib.cuGetErrorString(result, ctypes.byref(message))
-            raise DriverError(f"{name} failed: CUresult {result} ({(message.value or b'?').decode()})")
+            error = f"{name} failed: CUresult {result} ({(message.value or b'?').decode()})"
+            if result == _ERROR_OUT_OF_MEMORY:  # the type torch's own allocations raise, so callers catch one
+                raise torch.OutOfMemoryError(f"{error}: the device has no room for the engine's weights or KV cache "
+                                             "(lower --sglang-mem-fraction-static / gpu_memory_utilization, or "
+                                             "free the memory first)")
+            raise DriverError(error)
 
 
 _driver: _Driver | None = None
