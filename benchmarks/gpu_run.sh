@@ -78,7 +78,8 @@ run_step() {
                        tests/test_handover_gpu.py -k "arena or stable or graph or engine or cuda" ;;
     # The engine alone generating a GRPO rollout's shape fresh vs right after a colocated release cycle.
     generate_after_release) python3 benchmarks/bench_generate_after_release.py /tmp/after_release ;;
-    arena_quick_gpu_tests) python3 -m pytest -q -s tests/test_device_arena.py tests/test_handover_gpu.py -k "arena or stable or graphs_kept" ;;
+    arena_quick_gpu_tests) python3 -m pytest -q -s tests/test_device_arena.py tests/test_parked_graphs.py tests/test_engine_moe_cuda.py \
+                             tests/test_handover_gpu.py -k "arena or stable or graph or routing or released_without" ;;
     handover_gpu_tests) python3 -m pytest -q tests/test_handover_gpu.py tests/test_fsdp_gpu.py tests/test_engine_cuda.py tests/test_engine_triton.py ;;
     offload_gpu_tests) python3 -m pytest -q -s tests/test_handover_gpu.py tests/test_fsdp_gpu.py tests/test_host_storage_copies.py \
                          tests/test_megatron_offload.py ;;  # the trainers' offload by storage (host_storage_copies.py)

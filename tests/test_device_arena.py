@@ -20,7 +20,6 @@ SPECS = [((3, 5), torch.float32), ((7,), torch.bfloat16), ((0, 4), torch.float32
          ((2, 2), torch.float8_e4m3fn), ((1,), torch.float64)]
 
 
-
 def cuda(test):
     return pytest.mark.gpu(pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")(test))
 

@@ -67,7 +67,6 @@ class _Driver:
             "cuMemMap": [u64, size, size, u64, u64],
             "cuMemUnmap": [u64, size],
             "cuMemSetAccess": [u64, size, ctypes.POINTER(_AccessDesc), size],
-            "cuCtxGetCurrent": [ctypes.POINTER(ctypes.c_void_p)],
             "cuGetErrorString": [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)],
         }
         for name, argtypes in signatures.items():
@@ -107,9 +106,16 @@ class _DeviceBytes:
                                          "strides": None, "version": 2}
 
 
+_deferred: list[tuple] = []  # arenas collected while a CUDA graph was being captured: given back at the next map
+
+
 def _give_back(driver: _Driver, device: torch.device, address: int, num_bytes: int, mapping: dict) -> None:
     """Unmap and free an arena nothing references any more (its finalizer); quiet at interpreter exit, when the
-    driver may already be gone."""
+    driver may already be gone. During a CUDA graph capture (another engine's, in this process) the synchronize
+    would break the capture, so the arena waits in `_deferred`."""
+    if torch.cuda.is_current_stream_capturing():
+        _deferred.append((driver, device, address, num_bytes, mapping))
+        return
     try:
         if mapping.get("handle") is not None:
             torch.cuda.synchronize(device)
@@ -118,6 +124,11 @@ def _give_back(driver: _Driver, device: torch.device, address: int, num_bytes: i
         driver("cuMemAddressFree", address, num_bytes)
     except Exception:  # noqa: BLE001 - a finalizer must not raise
         logger.debug("freeing a device arena at %#x failed", address, exc_info=True)
+
+
+def _give_back_deferred() -> None:
+    while _deferred and not torch.cuda.is_current_stream_capturing():
+        _give_back(*_deferred.pop())
 
 
 class DeviceArena:
@@ -131,13 +142,10 @@ class DeviceArena:
             device = torch.device(device.type, torch.cuda.current_device())
         self.device = device
         self.driver = _get_driver()
-        torch.cuda.synchronize(device)  # the device's primary context is current on this thread from here on
-        current = ctypes.c_void_p()
-        self.driver("cuCtxGetCurrent", ctypes.byref(current))
-        if not current.value:
-            raise DriverError(f"no CUDA context is current on this thread for {device}")
+        torch.cuda.synchronize(device)  # the device's primary context exists before the first driver call
+        _give_back_deferred()
         self.prop = _AllocationProp(type=_ALLOCATION_TYPE_PINNED,
-                                    location=_Location(_LOCATION_TYPE_DEVICE, device.index or 0))
+                                    location=_Location(_LOCATION_TYPE_DEVICE, device.index))
         granularity = ctypes.c_size_t()
         self.driver("cuMemGetAllocationGranularity", ctypes.byref(granularity), ctypes.byref(self.prop),
                     _GRANULARITY_MINIMUM)
@@ -155,16 +163,21 @@ class DeviceArena:
 
     def map(self) -> torch.Tensor:
         if not self.mapped:
+            _give_back_deferred()
             handle = ctypes.c_uint64()
             self.driver("cuMemCreate", ctypes.byref(handle), self.num_bytes, ctypes.byref(self.prop), 0)
+            mapped = False
             try:
                 self.driver("cuMemMap", self.address, self.num_bytes, 0, handle.value, 0)
-            except DriverError:
+                mapped = True
+                access = _AccessDesc(location=self.prop.location, flags=_ACCESS_READ_WRITE)
+                self.driver("cuMemSetAccess", self.address, self.num_bytes, ctypes.byref(access), 1)
+            except BaseException:  # nothing half-mapped stays behind: a retry starts from scratch
+                if mapped:
+                    self.driver("cuMemUnmap", self.address, self.num_bytes)
                 self.driver("cuMemRelease", handle.value)
                 raise
             self.mapping["handle"] = handle.value
-            access = _AccessDesc(location=self.prop.location, flags=_ACCESS_READ_WRITE)
-            self.driver("cuMemSetAccess", self.address, self.num_bytes, ctypes.byref(access), 1)
         return torch.as_tensor(_DeviceBytes(self, self.address, self.num_bytes), device=self.device)
 
     def unmap(self) -> None:
@@ -194,7 +207,7 @@ def arena_supported(device: torch.device) -> bool:
             arena.map().fill_(1)
             arena.close()
             _supported[device] = True
-        except (OSError, AttributeError, DriverError) as error:
+        except (OSError, AttributeError, DriverError, torch.OutOfMemoryError) as error:
             logger.warning("device memory at stable addresses unavailable (%s): freed engine memory comes back at "
                            "new addresses, and CUDA graphs are captured again after each release", error)
             _supported[device] = False

@@ -363,13 +363,17 @@ class Engine:
             raise ValueError(f"discard_weights needs the 'weights' tag among the released tags, got {tags}")
         self._drain()
         self.model_runner.park_decode_graphs(keep="cuda_graph" not in tags)
-        if "kv_cache" in tags and "kv_cache" not in self.released_tags:
-            for seq in list(self.scheduler.running):
-                self.scheduler.preempt(seq)
-            self.flush_cache()
-            self.model_runner.free_kv_cache()
-        if "weights" in tags and not self.model_runner.host_weights.released:  # a second release is a no-op
-            self.model_runner.release_weights(set(self.named_weight_shapes()) if discard_weights else None)
+        try:
+            if "kv_cache" in tags and "kv_cache" not in self.released_tags:
+                for seq in list(self.scheduler.running):
+                    self.scheduler.preempt(seq)
+                self.flush_cache()
+                self.model_runner.free_kv_cache()
+            if "weights" in tags and not self.model_runner.host_weights.released:  # a second release: a no-op
+                self.model_runner.release_weights(set(self.named_weight_shapes()) if discard_weights else None)
+        except BaseException:
+            self.model_runner.parked_graphs.clear()  # not both back for sure: the next decode captures anew
+            raise
         self.released_tags |= set(tags)
 
     def resume_memory(self, tags=None) -> None:

@@ -9,8 +9,7 @@ own storage.
 
 The parameters live in one StableBuffers (device_arena.py), from start-up where the device maps memory at fixed
 addresses (`place`), else from the first release: every resume puts each weight back at the same address, so
-decode CUDA graphs captured before the release stay valid. A
-discarding release copies nothing (a colocated run pushes every weight after each resume, so a copy would be
+decode CUDA graphs captured before the release stay valid. A discarding release copies nothing (a colocated run pushes every weight after each resume, so a copy would be
 overwritten unread); its resume maps the storage, and the weights hold garbage until loaded: `missing` is the set
 of checkpoint names not loaded since the discard, and the engine refuses to generate while it is not empty. Not
 here: the KV cache (model_runner.py) or the CUDA graphs that hold the weights' addresses (cuda_graph.py).
@@ -33,9 +32,11 @@ class HostWeights:
         self.missing: set[str] = set()
 
     def place(self, model: torch.nn.Module) -> None:
-        """Move the parameters into their storage now, where it keeps its addresses (a CUDA device whose driver
-        maps memory at fixed addresses), before any CUDA graph bakes them in: the graphs captured at start-up then
-        stay valid across every release. Elsewhere a no-op (the storage is made at the first release)."""
+        """Before the checkpoint is loaded (every element of every parameter is then written): the parameters'
+        storage made now, where it keeps its addresses (a CUDA device whose driver maps memory at fixed
+        addresses), so CUDA graphs captured at start-up stay valid across every release. The constructor's
+        tensors go first, so the model is on the device once at the peak, not twice. Elsewhere a no-op (the
+        storage is made at the first release)."""
         if self.device.type != "cuda" or self.storage is not None:
             return
         params = dict(model.named_parameters())
@@ -43,10 +44,16 @@ class HostWeights:
         if not storage.stable:
             return
         self.storage = storage
+        for param in params.values():
+            param.data = torch.empty(0, dtype=param.dtype, device=self.device)
+        torch.cuda.empty_cache()
         for param, view in zip(params.values(), storage.allocate()):
-            view.copy_(param.data)
             param.data = view
-        torch.cuda.empty_cache()  # the load's allocations, before the KV cache is sized from the free memory
+
+    @property
+    def stable(self) -> bool:
+        """Whether a resume puts every parameter back at the address it has now."""
+        return self.storage is not None and self.storage.stable
 
     def release(self, model: torch.nn.Module, weight_names: set[str] | None = None) -> None:
         """Free every parameter's device storage, copied to the host first, or discarded when `weight_names` (the

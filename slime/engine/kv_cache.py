@@ -65,5 +65,10 @@ class KVCacheStorage:
             cache.zero_()
         return cache, (routing[0].fill_(-1) if routing else None)
 
+    @property
+    def stable(self) -> bool:
+        """Whether an allocation after a free puts the cache back at the same address."""
+        return self.buffers.stable
+
     def free(self) -> None:
         self.buffers.free()

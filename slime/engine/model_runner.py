@@ -69,10 +69,10 @@ class ModelRunner:
         if config.enable_return_routed_experts and not model_config.is_moe:
             raise ValueError(f"enable_return_routed_experts: {model_config.model_type} is not a mixture-of-experts "
                              "model")
-        load_checkpoint(self.model, config.model)
-        self.routed_experts: torch.Tensor | None = None
         self.host_weights = HostWeights(self.device)
         self.host_weights.place(self.model)
+        load_checkpoint(self.model, config.model)
+        self.routed_experts: torch.Tensor | None = None
         self.num_kvcache_blocks = config.num_kvcache_blocks or num_blocks_from_memory(
             config, model_config, self.device, self.bytes_per_block)
         # One extra cache block past those the block manager hands out: CUDA-graph padding rows write there.
@@ -158,7 +158,9 @@ class ModelRunner:
 
     def park_decode_graphs(self, keep: bool) -> None:
         """Before a release: the decode graphs set aside with the addresses they bake in (`keep`: the release keeps
-        their own memory), else dropped."""
+        their own memory), else dropped; dropped too where the weights or the KV cache would not come back at the
+        same addresses (no arena: keeping them would only hold their memory through the trainer's turn)."""
+        keep = keep and self.host_weights.stable and self.kv_storage is not None and self.kv_storage.stable
         if keep and self.decode_graphs is not None:
             self.parked_graphs.park(self.decode_graphs, self._baked_addresses())
         elif not keep:
