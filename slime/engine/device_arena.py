@@ -113,10 +113,10 @@ def _give_back(driver: _Driver, device: torch.device, address: int, num_bytes: i
     """Unmap and free an arena nothing references any more (its finalizer); quiet at interpreter exit, when the
     driver may already be gone. During a CUDA graph capture (another engine's, in this process) the synchronize
     would break the capture, so the arena waits in `_deferred`."""
-    if torch.cuda.is_current_stream_capturing():
-        _deferred.append((driver, device, address, num_bytes, mapping))
-        return
     try:
+        if torch.cuda.is_current_stream_capturing():
+            _deferred.append((driver, device, address, num_bytes, mapping))
+            return
         if mapping.get("handle") is not None:
             torch.cuda.synchronize(device)
             driver("cuMemUnmap", address, num_bytes)
