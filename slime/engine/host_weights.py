@@ -9,10 +9,11 @@ own storage.
 
 The parameters live in one StableBuffers (device_arena.py), from start-up where the device maps memory at fixed
 addresses (`place`), else from the first release: every resume puts each weight back at the same address, so
-decode CUDA graphs captured before the release stay valid. A discarding release copies nothing (a colocated run pushes every weight after each resume, so a copy would be
-overwritten unread); its resume maps the storage, and the weights hold garbage until loaded: `missing` is the set
-of checkpoint names not loaded since the discard, and the engine refuses to generate while it is not empty. Not
-here: the KV cache (model_runner.py) or the CUDA graphs that hold the weights' addresses (cuda_graph.py).
+decode CUDA graphs captured before the release stay valid. A discarding release copies nothing (a colocated run
+pushes every weight after each resume, so a copy would be overwritten unread); its resume maps the storage, and the
+weights hold garbage until loaded: `missing` is the set of checkpoint names not loaded since the discard, and the
+engine refuses to generate while it is not empty. Not here: the KV cache (kv_cache.py) or the CUDA graphs that hold
+the weights' addresses (cuda_graph.py).
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ class HostWeights:
         if self.device.type != "cuda" or self.storage is not None:
             return
         params = dict(model.named_parameters())
-        storage = StableBuffers(self.device, [(param.shape, param.dtype) for param in params.values()])
+        storage = _storage_for(params, self.device)
         if not storage.stable:
             return
         self.storage = storage
@@ -63,7 +64,7 @@ class HostWeights:
             return
         params = dict(model.named_parameters())
         if self.storage is None:
-            self.storage = StableBuffers(self.device, [(param.shape, param.dtype) for param in params.values()])
+            self.storage = _storage_for(params, self.device)
         on_cuda = self.device.type == "cuda"
         self.discarded = weight_names is not None
         if self.discarded:
@@ -105,3 +106,7 @@ class HostWeights:
     def loaded(self, names) -> None:
         """Checkpoint names just copied into the model (after a discard, the weights are valid once all are)."""
         self.missing.difference_update(names)
+
+
+def _storage_for(params: dict[str, torch.nn.Parameter], device: torch.device) -> StableBuffers:
+    return StableBuffers(device, [(param.shape, param.dtype) for param in params.values()])
