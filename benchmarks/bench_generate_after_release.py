@@ -81,7 +81,6 @@ def main() -> None:
     for _ in range(cli.repeats):
         rows.append(run("fresh"))
         engine.release_memory(["weights", "kv_cache"], discard_weights=True)
-        torch.cuda.synchronize() if device == "cuda" else None
         engine.resume_memory(["weights"])
         engine.update_weights_from_tensors(weights, weight_version="pushed")
         engine.resume_memory(["kv_cache", "cuda_graph"])

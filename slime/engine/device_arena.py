@@ -22,7 +22,7 @@ import weakref
 
 import torch
 
-from slime.utils.flat_buffer import flat_empty, flat_layout
+from slime.utils.flat_buffer import flat_empty, flat_layout, flat_views
 
 logger = logging.getLogger(__name__)
 
@@ -232,9 +232,7 @@ class StableBuffers:
         """Uninitialized tensors of the specs (an arena's come back at the addresses of the last allocation)."""
         if self.arena is None:
             return flat_empty(self.specs, self.device)
-        memory = self.arena.map()
-        return [memory[offset:offset + shape.numel() * dtype.itemsize].view(dtype).view(shape)
-                for (shape, dtype), offset in zip(self.specs, self.offsets)]
+        return flat_views(self.arena.map(), self.specs, self.offsets)
 
     def free(self) -> None:
         """Give an arena's memory back (ordinary allocations go when their last view does)."""

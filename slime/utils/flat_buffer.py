@@ -5,8 +5,9 @@ kernels and compiled code expect aligned inputs).
 Why: a colocated hand-over brings a model's worth of tensors back to the device on every step (the trainer's
 parameters, optimizer state and weight snapshots; the engine's weights), right after an empty_cache, so each tensor
 allocated on its own is a driver call (cudaMalloc), and freeing them one cudaFree each. Not here: the copies into
-the views (the callers, on whichever stream they choose). `flat_layout` gives the same alignment for tensors of
-mixed dtypes laid out in one byte buffer (engine/device_arena.py maps such a buffer at fixed addresses).
+the views (the callers, on whichever stream they choose). `flat_layout` is the layout (the same alignment, tensors
+of mixed dtypes in one byte buffer) and `flat_views` the tensors of such a buffer (engine/device_arena.py maps one
+at fixed addresses).
 """
 
 from __future__ import annotations
@@ -17,16 +18,18 @@ ALIGNMENT_BYTES = 512  # the CUDA caching allocator's block granularity
 
 
 def flat_empty(specs: list[tuple[torch.Size, torch.dtype]], device) -> list[torch.Tensor]:
-    """Contiguous tensors of (shape, dtype) `specs`, in order, sharing one allocation per dtype on `device`."""
-    offsets, sizes = [], {}
-    for shape, dtype in specs:
-        offset = sizes.get(dtype, 0)
-        offsets.append(offset)
-        step = max(1, ALIGNMENT_BYTES // dtype.itemsize)
-        sizes[dtype] = offset + -(-torch.Size(shape).numel() // step) * step
-    buffers = {dtype: torch.empty(size, dtype=dtype, device=device) for dtype, size in sizes.items()}
-    return [buffers[dtype][offset:offset + torch.Size(shape).numel()].view(shape)
-            for (shape, dtype), offset in zip(specs, offsets)]
+    """Contiguous tensors of (shape, dtype) `specs`, in order, sharing one allocation per dtype on `device`, laid
+    out as `flat_layout` lays out each dtype's tensors."""
+    views: list[torch.Tensor | None] = [None] * len(specs)
+    for dtype in dict.fromkeys(dtype for _, dtype in specs):
+        indices = [index for index, (_, spec_dtype) in enumerate(specs) if spec_dtype == dtype]
+        offsets, num_bytes = flat_layout([specs[index] for index in indices])
+        buffer = torch.empty(num_bytes // dtype.itemsize, dtype=dtype, device=device)
+        for index, offset in zip(indices, offsets):
+            shape = torch.Size(specs[index][0])
+            start = offset // dtype.itemsize
+            views[index] = buffer[start:start + shape.numel()].view(shape)
+    return views
 
 
 def flat_layout(specs: list[tuple[torch.Size, torch.dtype]]) -> tuple[list[int], int]:
@@ -37,3 +40,10 @@ def flat_layout(specs: list[tuple[torch.Size, torch.dtype]]) -> tuple[list[int],
         offsets.append(num_bytes)
         num_bytes += -(-torch.Size(shape).numel() * dtype.itemsize // ALIGNMENT_BYTES) * ALIGNMENT_BYTES
     return offsets, num_bytes
+
+
+def flat_views(memory: torch.Tensor, specs: list[tuple[torch.Size, torch.dtype]],
+               offsets: list[int]) -> list[torch.Tensor]:
+    """The tensors of `specs` as views of the uint8 buffer `memory` at the byte `offsets` of `flat_layout`."""
+    return [memory[offset:offset + torch.Size(shape).numel() * dtype.itemsize].view(dtype).view(shape)
+            for (shape, dtype), offset in zip(specs, offsets)]
