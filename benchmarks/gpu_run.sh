@@ -59,9 +59,9 @@ run_step() {
     grpo_bf16_kv) grpo colocated --num-rollout 3 --task-dir /tmp/fp8_task --train-args=--get-mismatch-metrics ;;
     attention_gpu_tests) python3 -m pytest -q tests/test_paged_attention_kernel.py ;;
     engine_w1_small_kv) python3 benchmarks/bench_engine.py --preset qwen3-0.6b --workload w1 --skip-hf --print-steps --num-kvcache-blocks 9000 ;;
-    decode_gemm) python3 benchmarks/bench_decode_gemm.py --quick ;;
+    decode_gemm) python3 benchmarks/bench_decode_gemm.py --quick ;;  # decode matmuls: cuBLAS vs Triton tiles / split-K
     # The decode graph with the batch's halves on two streams (out of phase or not) against one stream.
-    decode_streams) python3 benchmarks/bench_decode_streams.py ;;  # decode matmuls: cuBLAS vs Triton tiles / split-K
+    decode_streams) python3 benchmarks/bench_decode_streams.py ;;
     profile_engine_w5) python3 benchmarks/profile_engine.py --shape smollm-135m --num-prompts 512 ;;  # W5: host- or GPU-bound?
     bench_engine) python3 benchmarks/bench_engine.py --preset qwen3-0.6b ;;
     agent_adapter) python3 benchmarks/bench_agent_adapter.py --shape qwen3-0.6b --device cuda ;;
