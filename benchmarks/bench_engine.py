@@ -98,6 +98,9 @@ def parse_args(argv=None):
     parser.add_argument("--overlap-prefill", action=argparse.BooleanOptionalAction, default=None,
                         help="with overlapped scheduling, also launch the step after a prefill chunk before its "
                              "tokens reach the host; default: the engine's (on)")
+    parser.add_argument("--prefill-cuda-graphs", action=argparse.BooleanOptionalAction, default=None,
+                        help="prefill and mixed steps through piecewise CUDA graphs (prefill_graphs.py); default: "
+                             "the engine's (on)")
     parser.add_argument("--max-num-batched-tokens", type=int, default=None,
                         help="the engine's token budget per step (the prefill chunk size, SGLang's "
                              "--chunked-prefill-size); default: the engine's")
@@ -160,6 +163,7 @@ def bench_engine(model_path: Path, workload: Workload, args, measure_weights_and
         seed=args.seed,
         **({} if args.overlap_schedule is None else {"overlap_schedule": args.overlap_schedule}),
         **({} if args.overlap_prefill is None else {"overlap_prefill": args.overlap_prefill}),
+        **({} if args.prefill_cuda_graphs is None else {"prefill_cuda_graphs": args.prefill_cuda_graphs}),
         **({} if args.max_num_batched_tokens is None else {"max_num_batched_tokens": args.max_num_batched_tokens}),
         **{name: getattr(args, name) for name in ("num_kvcache_blocks", "gpu_memory_utilization", "kv_cache_dtype")
            if getattr(args, name) is not None},
@@ -242,6 +246,7 @@ def bench_engine(model_path: Path, workload: Workload, args, measure_weights_and
         "overlap_schedule": engine.config.overlap_schedule,
         "max_num_batched_tokens": engine.config.max_num_batched_tokens,
         "overlap_prefill": engine.config.overlap_prefill,
+        "prefill_cuda_graphs": engine.config.prefill_cuda_graphs and runner.use_cuda_graphs,
         "kv_cache_dtype": str(runner.kv_dtype).removeprefix("torch."),
     }
     if measure_weights_and_memory:

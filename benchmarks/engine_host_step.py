@@ -38,13 +38,25 @@ def bench_host_step(seed: int, num_seqs: int = 512, input_len: int = 256, output
         def run(self, token_inputs, block_tables, input_tokens=None, input_rows=None):
             return self.hidden[: block_tables.shape[0]]
 
+    class InstantPrefillGraphs:  # the piecewise prefill graphs' replays and attention launches, faked
+        def __init__(self, model, max_num_tokens, *_, **__):
+            self.hidden = torch.zeros(max_num_tokens, model.config.hidden_size)
+
+        def fits(self, num_tokens):
+            return num_tokens <= self.hidden.shape[0]
+
+        def run(self, input_ids, positions, meta):
+            return self.hidden[: input_ids.shape[0]]
+
     generator = torch.Generator().manual_seed(seed)
 
     def instant_sample(logits, batch):
         return torch.randint(3, TINY_SHAPE["vocab_size"], (logits.shape[0],), generator=generator), logits[:, 0]
 
-    saved = model_runner_module.DecodeGraphs, model_runner_module.sample, torch.get_num_threads()
-    model_runner_module.DecodeGraphs, model_runner_module.sample = InstantDecodeGraphs, instant_sample
+    saved = (model_runner_module.DecodeGraphs, model_runner_module.PrefillGraphs, model_runner_module.sample,
+             torch.get_num_threads())
+    model_runner_module.DecodeGraphs, model_runner_module.PrefillGraphs = InstantDecodeGraphs, InstantPrefillGraphs
+    model_runner_module.sample = instant_sample
     # The faked device work (tensor slicing and indexing on the CPU) stays off torch's thread pool: on a loaded
     # 2-core machine, indexing 64+ rows through it took ~7 ms (thread wake-ups), where a GPU queues one kernel.
     torch.set_num_threads(1)
@@ -86,7 +98,8 @@ def bench_host_step(seed: int, num_seqs: int = 512, input_len: int = 256, output
                     prefill_parts.append(_prefill_step_parts(part_seconds, time.perf_counter() - started))
     finally:
         timers.close()
-        model_runner_module.DecodeGraphs, model_runner_module.sample, num_threads = saved
+        (model_runner_module.DecodeGraphs, model_runner_module.PrefillGraphs, model_runner_module.sample,
+         num_threads) = saved
         torch.set_num_threads(num_threads)
     step_ms = np.array(step_seconds) * 1e3
     cpu_ms = np.array(step_cpu_seconds) * 1e3

@@ -24,6 +24,7 @@ def summarize(workload: Workload, engine: dict, hf: dict | None, preset: str) ->
         "overlap_schedule": engine["overlap_schedule"],
         "max_num_batched_tokens": engine["max_num_batched_tokens"],
         "overlap_prefill": engine["overlap_prefill"],
+        "prefill_cuda_graphs": engine["prefill_cuda_graphs"],
         "mbu": round(engine["mbu"], 4),
         "weight_gb": round(engine["weight_bytes"] / 1e9, 3),
         "bytes_read": engine["bytes_read"],

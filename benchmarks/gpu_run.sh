@@ -60,6 +60,12 @@ run_step() {
     attention_gpu_tests) python3 -m pytest -q tests/test_paged_attention_kernel.py ;;
     engine_w1_small_kv) python3 benchmarks/bench_engine.py --preset qwen3-0.6b --workload w1 --skip-hf --print-steps --num-kvcache-blocks 9000 ;;
     decode_gemm) python3 benchmarks/bench_decode_gemm.py --quick ;;  # decode matmuls: cuBLAS vs Triton tiles / split-K
+    # Piecewise prefill graphs (prefill_graphs.py): their tests on CUDA (against the eager forward, whole generations,
+    # the engine's CUDA and release tests with them on), then W1 / W5 with them and without them, same call.
+    prefill_graphs_gpu_tests) python3 -m pytest -q -s tests/test_prefill_graphs.py tests/test_engine_cuda.py tests/test_parked_graphs.py \
+                                tests/test_handover_gpu.py tests/test_engine_moe_cuda.py tests/test_engine_kv_cache_dtype.py -k "cuda or graph or arena or stable or engine" ;;
+    engine_prefill_graphs_ab) python3 benchmarks/bench_engine.py --preset qwen3-0.6b --workload w1,w5 --skip-hf --print-steps &&
+                              python3 benchmarks/bench_engine.py --preset qwen3-0.6b --workload w1,w5 --skip-hf --print-steps --no-prefill-cuda-graphs ;;
     # The decode graph with the batch's halves on two streams (out of phase or not) against one stream.
     decode_streams) python3 benchmarks/bench_decode_streams.py ;;
     profile_engine_w5) python3 benchmarks/profile_engine.py --shape smollm-135m --num-prompts 512 ;;  # W5: host- or GPU-bound?
@@ -148,6 +154,12 @@ run_step() {
     # of the device: the colocated hand-over frees and allocates it every rollout (120 GB: 409 ms alone).
     loop_bench_kv_sized) TORCH_LOGS=recompiles loop_bench loop_bench_kv_sized \
                            "--train-args=--compile-model --sglang-mem-fraction-static 0.3" --num-rollout 7 --warmup-rollouts 2 ;;
+    # The same with the engine's prefill and mixed steps eager (Config.prefill_cuda_graphs off; file restored after).
+    loop_bench_kv_sized_eager_prefill) f=slime/engine/config.py; cp $f /tmp/config.py.bak
+                           sed -i 's/^    prefill_cuda_graphs: bool = True/    prefill_cuda_graphs: bool = False/' $f; grep -n "prefill_cuda_graphs: bool" $f
+                           TORCH_LOGS=recompiles loop_bench loop_bench_kv_sized_eager_prefill \
+                             "--train-args=--compile-model --sglang-mem-fraction-static 0.3" --num-rollout 7 --warmup-rollouts 2; rc=$?
+                           cp /tmp/config.py.bak $f; return $rc ;;
     # And with the trainer staying on the GPU (slime's "no offload in colocate"): only the engine releases and resumes.
     loop_bench_resident) TORCH_LOGS=recompiles loop_bench loop_bench_resident \
                            "--train-args=--compile-model --sglang-mem-fraction-static 0.3 --no-offload-train" \

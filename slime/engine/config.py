@@ -30,6 +30,9 @@ class Config:
     num_kvcache_blocks: explicit number of KV-cache blocks; None = size from memory as above.
     enforce_eager: always run the model eagerly; False = on CUDA with the Triton attention path, decode steps
         replay CUDA graphs captured at bucketed batch sizes (1, 2, 4, 8, 16, 32, ... up to max_num_seqs).
+    prefill_cuda_graphs: with CUDA graphs on (not enforce_eager), prefill and mixed steps of up to
+        max_num_batched_tokens tokens also replay graphs: every layer's work but the attention, captured piecewise at
+        bucketed token counts (prefill_graphs.py; SGLang's piecewise CUDA graph). False runs those steps eagerly.
     dtype: weight and activation dtype; "auto" = float32 on CPU, the checkpoint's dtype (bf16 if fp32) on CUDA.
     kv_cache_dtype: the KV cache's dtype (SGLang's --kv-cache-dtype): "auto" = the model dtype; "fp8_e4m3" or
         "fp8_e5m2" store K and V in 8 bits with no scale (saturated at the type's largest value): half the
@@ -62,6 +65,7 @@ class Config:
     gpu_memory_utilization: float = 0.9
     num_kvcache_blocks: int | None = None
     enforce_eager: bool = False
+    prefill_cuda_graphs: bool = True
     dtype: str = "auto"
     kv_cache_dtype: str = "auto"
     device: str = "auto"
@@ -80,7 +84,7 @@ class Config:
                 _require_positive_int(name, getattr(self, name))
         if not isinstance(self.gpu_memory_utilization, (int, float)) or not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
-        for name in ("enforce_eager", "overlap_prefill", "enable_return_routed_experts"):
+        for name in ("enforce_eager", "prefill_cuda_graphs", "overlap_prefill", "enable_return_routed_experts"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if self.overlap_schedule is not None and not isinstance(self.overlap_schedule, bool):

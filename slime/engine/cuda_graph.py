@@ -140,22 +140,24 @@ def baked_addresses(model: nn.Module, *tensors: torch.Tensor | None) -> tuple[in
 
 
 class ParkedGraphs:
-    """Decode graphs set aside while the memory they read is released, with the addresses they bake in."""
+    """CUDA graphs (DecodeGraphs, or prefill_graphs.PrefillGraphs: `kind` names them in the log) set aside while
+    the memory they read is released, with the addresses they bake in."""
 
-    def __init__(self):
-        self.graphs: DecodeGraphs | None = None
+    def __init__(self, kind: str = "decode"):
+        self.kind = kind
+        self.graphs = None
         self.addresses: tuple[int, ...] = ()
 
-    def park(self, graphs: DecodeGraphs, addresses: tuple[int, ...]) -> None:
+    def park(self, graphs, addresses: tuple[int, ...]) -> None:
         self.graphs, self.addresses = graphs, addresses
 
-    def take(self, addresses: tuple[int, ...]) -> DecodeGraphs | None:
+    def take(self, addresses: tuple[int, ...]):
         """The parked graphs if `addresses` (after a resume) are those they bake in, else None; either way they
         leave the parking (graphs not taken are freed with their memory pool)."""
         graphs, same = self.graphs, addresses == self.addresses
         self.clear()
         if graphs is not None:
-            logger.info("decode CUDA graphs %s", "kept across the release (weights and KV cache at the same "
+            logger.info("%s CUDA graphs %s", self.kind, "kept across the release (weights and KV cache at the same "
                         "addresses)" if same else "dropped: the resume moved the weights or the KV cache")
         return graphs if same else None
 

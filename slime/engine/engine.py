@@ -362,7 +362,7 @@ class Engine:
         if discard_weights and "weights" not in tags:
             raise ValueError(f"discard_weights needs the 'weights' tag among the released tags, got {tags}")
         self._drain()
-        self.model_runner.park_decode_graphs(keep="cuda_graph" not in tags)
+        self.model_runner.park_graphs(keep="cuda_graph" not in tags)
         try:
             if "kv_cache" in tags and "kv_cache" not in self.released_tags:
                 for seq in list(self.scheduler.running):
@@ -372,7 +372,7 @@ class Engine:
             if "weights" in tags and not self.model_runner.host_weights.released:  # a second release: a no-op
                 self.model_runner.release_weights(set(self.named_weight_shapes()) if discard_weights else None)
         except BaseException:
-            self.model_runner.parked_graphs.clear()  # not both back for sure: the next decode captures anew
+            self.model_runner.clear_parked_graphs()  # not both back for sure: the next steps capture anew
             raise
         self.released_tags |= set(tags)
 
@@ -384,7 +384,7 @@ class Engine:
             self.model_runner.allocate_kv_cache()
         self.released_tags -= set(tags)
         if not self.released_tags & {"weights", "kv_cache"}:
-            self.model_runner.unpark_decode_graphs()
+            self.model_runner.unpark_graphs()
 
     @property
     def weights_missing(self) -> set[str]:

@@ -8,7 +8,6 @@ to / restore from a host copy, host_weights.py). It does not schedule, check sto
 
 from __future__ import annotations
 
-import itertools
 from dataclasses import dataclass
 from operator import attrgetter
 
@@ -26,10 +25,12 @@ from slime.engine.kv_cache import KVCacheStorage, bytes_per_block, num_blocks_fr
 from slime.engine.layers.attention import AttentionMetadata
 from slime.engine.models import DecoderForCausalLM, ModelConfig
 from slime.engine.models.weight_loader import load_checkpoint
+from slime.engine.prefill_graphs import PrefillGraphs
 from slime.engine.sampler import sample
 from slime.engine.sampling_inputs import DecodeSampling, prepare_sampling
 from slime.engine.sampling_params import SamplingParams
 from slime.engine.scheduler import DecodeBatch, ScheduledSequence, is_decode_batch, sampled_seqs
+from slime.engine.step_inputs import flat_batch
 from slime.engine.sequence import Sequence
 
 
@@ -80,8 +81,12 @@ class ModelRunner:
         max_model_len = config.max_model_len or model_config.max_position_embeddings
         self.max_num_blocks_per_seq = min(-(-max_model_len // self.block_size), self.num_kvcache_blocks)
         self.decode_graphs: DecodeGraphs | None = None
-        self.parked_graphs = ParkedGraphs()  # while a release that keeps the graphs' memory has freed what they read
+        self.prefill_graphs: PrefillGraphs | None = None
+        # while a release that keeps the graphs' memory has freed what they read: decode's, prefill's
+        self.parked_graphs, self.parked_prefill_graphs = ParkedGraphs(), ParkedGraphs("prefill")
         self.captured_decode_graphs = False  # the first DecodeGraphs captures every bucket; later ones lazily
+        self.captured_prefill_graphs = False  # likewise the first PrefillGraphs
+        self.warmed_prefill_sizes: set[int] = set()
         self.graph_capture_stats = {"graphs": 0, "seconds": 0.0}  # every capture since start-up (engine loop logs it)
         self.warmed_decode_batch_sizes: set[int] = set()  # captured once: a capture again needs no warm-up
         self.decode_rows = DecodeRows(model_config.vocab_size, self.block_size)
@@ -108,8 +113,8 @@ class ModelRunner:
             self.kv_cache.zero_()  # the pure-torch path reads masked slots (allocate_kv_cache)
             self.kv_cache_zeroed = True
         self.use_cuda_graphs = enabled and cuda_graphs and not self.config.enforce_eager
-        self.decode_graphs = None
-        self.parked_graphs.clear()
+        self.decode_graphs = self.prefill_graphs = None
+        self.clear_parked_graphs()
         self.model.set_use_triton(enabled if fused is None else fused)
 
     # ---- memory -------------------------------------------------------------------------------------------------
@@ -144,7 +149,7 @@ class ModelRunner:
             block.routed_experts_cache = self.routed_experts[:, index]
 
     def free_kv_cache(self) -> None:
-        self.decode_graphs = None  # they hold the cache's addresses (parked first by a release that keeps them)
+        self.decode_graphs = self.prefill_graphs = None  # they hold the cache's addresses (parked first if kept)
         self.decode_rows.clear()
         self.kv_cache = None
         for attn in self.model.attention_layers():
@@ -156,22 +161,29 @@ class ModelRunner:
         self.kv_storage.free()
         self._empty_device_cache()
 
-    def park_decode_graphs(self, keep: bool) -> None:
-        """Before a release: the decode graphs set aside with the addresses they bake in (`keep`: the release keeps
-        their own memory), else dropped; dropped too where the weights or the KV cache would not come back at the
-        same addresses (no arena: keeping them would only hold their memory through the trainer's turn)."""
+    def park_graphs(self, keep: bool) -> None:
+        """Before a release: the decode and prefill graphs set aside with the addresses they bake in (`keep`: the
+        release keeps their own memory), else dropped; dropped too where the weights or the KV cache would not come
+        back at the same addresses (no arena: keeping them would only hold their memory through the trainer's
+        turn)."""
         keep = keep and self.host_weights.stable and self.kv_storage is not None and self.kv_storage.stable
-        if keep and self.decode_graphs is not None:
-            self.parked_graphs.park(self.decode_graphs, self._baked_addresses())
-        elif not keep:
-            self.parked_graphs.clear()
-        self.decode_graphs = None
+        for parked, graphs in ((self.parked_graphs, self.decode_graphs),
+                               (self.parked_prefill_graphs, self.prefill_graphs)):
+            if keep and graphs is not None:
+                parked.park(graphs, self._baked_addresses())
+            elif not keep:
+                parked.clear()
+        self.decode_graphs = self.prefill_graphs = None
 
-    def unpark_decode_graphs(self) -> None:
+    def unpark_graphs(self) -> None:
         """After a resume of the weights and KV cache: the parked graphs back if those came back where they were."""
-        graphs = self.parked_graphs.take(self._baked_addresses())
-        if graphs is not None:
-            self.decode_graphs = graphs
+        addresses = self._baked_addresses()
+        self.decode_graphs = self.parked_graphs.take(addresses) or self.decode_graphs
+        self.prefill_graphs = self.parked_prefill_graphs.take(addresses) or self.prefill_graphs
+
+    def clear_parked_graphs(self) -> None:
+        self.parked_graphs.clear()
+        self.parked_prefill_graphs.clear()
 
     def _baked_addresses(self) -> tuple[int, ...]:
         return baked_addresses(self.model, self.kv_cache, self.routed_experts)
@@ -189,7 +201,7 @@ class ModelRunner:
         checkpoint names that must all be loaded again before the weights are valid (host_weights.py)."""
         if self.host_weights.released:
             return
-        self.decode_graphs = None  # they hold the weights' addresses
+        self.decode_graphs = self.prefill_graphs = None  # they hold the weights' addresses
         self.host_weights.release(self.model, discard_names)
         self._empty_device_cache()
 
@@ -246,7 +258,7 @@ class ModelRunner:
             elif input_tokens is not None:
                 assert input_ids.shape == input_tokens.shape, "input_tokens needs a decode batch"
                 input_ids = input_tokens
-            hidden = self.model(input_ids, positions, meta)[logits_indices]
+            hidden = self._forward(input_ids, positions, meta)[logits_indices]
         if not sample_rows:
             return None
         tokens, log_probs = sample(self.model.compute_logits(hidden, upcast=False), sampling)
@@ -257,6 +269,20 @@ class ModelRunner:
         ready = torch.cuda.Event()
         ready.record()
         return LaunchedStep(tokens, host, ready)
+
+    def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """A step's forward outside the decode graphs: through the piecewise prefill graphs where they apply."""
+        if not (self.use_cuda_graphs and self.config.prefill_cuda_graphs and meta.uses_triton):
+            return self.model(input_ids, positions, meta)
+        if self.prefill_graphs is None:
+            self.prefill_graphs = PrefillGraphs(
+                self.model, self.config.max_num_batched_tokens, self.scratch_slot,
+                capture_all=not self.captured_prefill_graphs, capture_stats=self.graph_capture_stats,
+                warmed_sizes=self.warmed_prefill_sizes)
+            self.captured_prefill_graphs = True
+        if not self.prefill_graphs.fits(input_ids.shape[0]):
+            return self.model(input_ids, positions, meta)
+        return self.prefill_graphs.run(input_ids, positions, meta)
 
     @staticmethod
     def collect(launched: LaunchedStep | None) -> tuple[list[int], list[float]]:
@@ -324,69 +350,12 @@ class ModelRunner:
         return self.decode_graphs.run(token_inputs, block_tables, input_tokens)
 
     def prepare_inputs(self, scheduled: list[ScheduledSequence]):
-        """(input_ids, positions, AttentionMetadata, logits_indices) on the device; the metadata is filled for the
-        Triton path or the torch path."""
-        num_seqs = len(scheduled)
-        starts = np.fromiter((item.start for item in scheduled), dtype=np.int64, count=num_seqs)
-        query_lens = np.fromiter((item.num_new_tokens for item in scheduled), dtype=np.int64, count=num_seqs)
-        input_ids = []
-        for item in scheduled:
-            input_ids.extend(item.seq.token_ids[item.start : item.start + item.num_new_tokens])
-        block_tables = _padded_block_tables([item.seq.block_table for item in scheduled])
-        num_tokens = len(input_ids)
-        cu_seqlens = np.cumsum(query_lens)
-        token_seq_index = np.repeat(np.arange(num_seqs), query_lens)
-        token_query_index = np.arange(num_tokens) - (cu_seqlens - query_lens)[token_seq_index]
-        positions = starts[token_seq_index] + token_query_index
-        slot_mapping = (
-            block_tables[token_seq_index, positions // self.block_size].astype(np.int64) * self.block_size
-            + positions % self.block_size
-        )
-        logits_indices = (cu_seqlens - 1)[[i for i, item in enumerate(scheduled) if item.needs_sample]]
-        max_query_len = int(query_lens.max())
-        to_device = self.staging.to_device
-        input_ids_t, positions_t, slot_mapping_t, logits_indices_t = self.staging.to_device_packed(
-            [np.asarray(input_ids, dtype=np.int64), positions, slot_mapping, logits_indices], np.int64
-        )
-        if self.use_triton:
-            query_start_loc, seq_lens, flat_tables = self.staging.to_device_packed(
-                [np.concatenate([[0], cu_seqlens]), starts + query_lens, block_tables.ravel()], np.int32
-            )
-            meta = AttentionMetadata(
-                slot_mapping=slot_mapping_t,
-                block_tables=flat_tables.view(block_tables.shape),
-                max_query_len=max_query_len,
-                query_start_loc=query_start_loc,
-                seq_lens=seq_lens,
-            )
-            return input_ids_t, positions_t, meta, logits_indices_t
-        query_positions = starts[:, None] + np.arange(max_query_len)[None, :]
-        query_positions = np.where(np.arange(max_query_len)[None, :] < query_lens[:, None], query_positions, 0)
-        key_positions = np.arange(block_tables.shape[1] * self.block_size)
-        attn_mask = (key_positions[None, None, :] <= query_positions[:, :, None])[:, None]
-        key_slots = (block_tables.astype(np.int64)[:, :, None] * self.block_size + np.arange(self.block_size))
-        meta = AttentionMetadata(
-            slot_mapping=slot_mapping_t,
-            block_tables=to_device(block_tables.astype(np.int64)),
-            max_query_len=max_query_len,
-            key_slots=to_device(key_slots.reshape(num_seqs, -1)),
-            token_seq_index=to_device(token_seq_index),
-            token_query_index=to_device(token_query_index),
-            attn_mask=to_device(attn_mask),
-        )
-        return input_ids_t, positions_t, meta, logits_indices_t
+        """(input_ids, positions, AttentionMetadata, logits_indices) on the device (step_inputs.py)."""
+        return flat_batch(scheduled, self.block_size, self.staging, self.use_triton)
+
 
 _start, _num_new_tokens = attrgetter("start"), attrgetter("num_new_tokens")
 
 
 def _token_at(seq: Sequence, position: int) -> int:
     return seq.token_ids[position]
-
-
-def _padded_block_tables(tables: list[list[int]]) -> np.ndarray:
-    """[num_seqs, longest table] int32, padded with block 0 (never read: masked by context lengths)."""
-    lengths = np.fromiter(map(len, tables), dtype=np.int64, count=len(tables))
-    padded = np.zeros((len(tables), int(lengths.max())), dtype=np.int32)
-    flat = np.fromiter(itertools.chain.from_iterable(tables), dtype=np.int32, count=int(lengths.sum()))
-    padded[np.arange(padded.shape[1])[None, :] < lengths[:, None]] = flat  # row-major, as the chain
-    return padded

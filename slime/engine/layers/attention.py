@@ -68,24 +68,23 @@ class PagedAttention(nn.Module):
         self.k_cache = torch.empty(0)
         self.v_cache = torch.empty(0)
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """q: [num_tokens, num_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim].
-        Returns [num_tokens, num_heads * head_dim]."""
+    def store(self, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        """Write the step's k, v [num_tokens, num_kv_heads, head_dim] into the cache at `slot_mapping`."""
         for cache, values in ((self.k_cache, k), (self.v_cache, v)):
             flat = cache.view(-1, self.num_kv_heads, self.head_dim)
             rounded = to_cache_dtype(values, cache.dtype)
             if cache.dtype in FP8_DTYPES:  # index_copy_ has no fp8 kernel on the CPU: copy the bytes
                 flat, rounded = flat.view(torch.uint8), rounded.view(torch.uint8)
-            flat.index_copy_(0, meta.slot_mapping, rounded)
-        return self.attend(q, meta)
+            flat.index_copy_(0, slot_mapping, rounded)
 
-    def attend(self, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """Attention of q over the cache, whose slots already hold this batch's K/V (`forward` writes them; the
-        decoder's fused input kernel writes them itself)."""
+    def attend(self, q: torch.Tensor, meta: AttentionMetadata, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Attention of q [num_tokens, num_heads, head_dim] over the cache, whose slots already hold this batch's
+        K/V (`store`, or the decoder's fused input kernel). Returns [num_tokens, num_heads * head_dim], written
+        into `out` (same shape, contiguous) when given."""
         if meta.uses_triton:
             from slime.engine.layers.triton_paged_attention import paged_attention
 
-            out = paged_attention(
+            attended = paged_attention(
                 q.contiguous(),
                 self.k_cache,
                 self.v_cache,
@@ -94,9 +93,11 @@ class PagedAttention(nn.Module):
                 meta.seq_lens,
                 meta.max_query_len,
                 self.scale,
+                out=None if out is None else out.view(q.shape),
             )
-            return out.reshape(-1, self.num_heads * self.head_dim)
-        return self._torch_attention(q, meta)
+            return attended.reshape(-1, self.num_heads * self.head_dim)
+        attended = self._torch_attention(q, meta)
+        return attended if out is None else out.copy_(attended)
 
     def _torch_attention(self, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         num_seqs, max_query_len = meta.num_seqs, meta.max_query_len

@@ -199,19 +199,21 @@ def qkv_rope_store(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     num_heads: int,
+    q_out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The attention's input stage in one launch: qkv [num_tokens, (heads + 2 kv_heads) * head_dim] -> q
     [num_tokens, heads, head_dim] after optional per-head RMSNorm and rotary; k (likewise) and v are written into
     the caches [blocks, block_size, kv_heads, head_dim] at `slot_mapping` (into an fp8 cache rounded from qkv's
     dtype by the store, which saturates as `dtypes.to_cache_dtype`). Equals norm_rope on q and k followed by the
-    caches' index_copy_, in three launches fewer per layer."""
+    caches' index_copy_, in three launches fewer per layer. q is written into `q_out` (contiguous) when given."""
     num_tokens = qkv.shape[0]
     num_kv_heads, head_dim = k_cache.shape[-2:]
     assert qkv.stride(-1) == 1 and qkv.shape[1] == (num_heads + 2 * num_kv_heads) * head_dim
     assert k_cache.is_contiguous() and v_cache.is_contiguous() and k_cache.dtype == v_cache.dtype
     assert k_cache.dtype == qkv.dtype or k_cache.dtype in FP8_DTYPES, "the cache is in qkv's dtype or an fp8 one"
     assert cos.is_contiguous() and sin.is_contiguous() and (q_weight is None) == (k_weight is None)
-    q = torch.empty(num_tokens, num_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
+    q = torch.empty(num_tokens, num_heads, head_dim, dtype=qkv.dtype, device=qkv.device) if q_out is None else q_out
+    assert q.shape == (num_tokens, num_heads, head_dim) and q.dtype == qkv.dtype and q.is_contiguous()
     if num_tokens:
         _qkv_rope_store_kernel[(num_tokens,)](
             qkv, q, k_cache, v_cache, slot_mapping,

@@ -272,13 +272,15 @@ def paged_attention(
     *,
     num_kv_splits: int | None = None,
     config: KernelConfig | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q [num_tokens, num_heads, head_dim]; caches [num_blocks, block_size, num_kv_heads, head_dim] in q's dtype or
     an fp8 one (read back in fp16 for bf16 queries, see FP8_KV_IN_FP16, else in q's dtype);
     block_tables [num_seqs, max_num_blocks] int32; query_start_loc [num_seqs + 1] int32 (cumulative query lengths);
     seq_lens [num_seqs] int32 (tokens in the cache after this step). Returns [num_tokens, num_heads, head_dim].
 
-    `num_kv_splits` (a power of two) and `config` override the automatic choices (tests, benchmarks)."""
+    `num_kv_splits` (a power of two) and `config` override the automatic choices (tests, benchmarks); the result
+    is written into `out` (q's shape and dtype, contiguous) when given."""
     num_tokens, num_heads, head_dim = q.shape
     _, kv_block_size, num_kv_heads, _ = k_cache.shape
     assert k_cache.stride() == v_cache.stride() and k_cache.stride(-1) == 1 and q.stride(-1) == 1
@@ -297,7 +299,9 @@ def paged_attention(
     if num_kv_splits < 1 or num_kv_splits & (num_kv_splits - 1):
         raise ValueError(f"num_kv_splits must be a power of two >= 1, got {num_kv_splits}")
 
-    out = torch.empty_like(q)
+    if out is None:
+        out = torch.empty_like(q)
+    assert out.shape == q.shape and out.dtype == q.dtype and out.is_contiguous()
     if num_kv_splits == 1:
         kernel_out, split_max, split_sum = out, out, out  # the split buffers are not touched
     else:

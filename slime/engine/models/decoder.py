@@ -39,7 +39,11 @@ class DecoderAttention(nn.Module):
         self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim)
         self.use_triton = False  # fused q/k norm + rotary kernel (set by the model runner on CUDA)
 
-    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def project(self, positions: torch.Tensor, hidden: torch.Tensor, slot_mapping: torch.Tensor,
+                q_out: torch.Tensor | None = None) -> torch.Tensor:
+        """The attention's input stage: q [num_tokens, heads, head_dim] normed and rotated (into `q_out` when
+        given), with this step's K/V written into the cache at `slot_mapping` (one fused kernel after the qkv
+        matmul with `use_triton`)."""
         qkv = self.qkv_proj(hidden)
         if self.use_triton:  # norms, rotary and the K/V cache writes in one kernel
             from slime.engine.layers.triton_fused import qkv_rope_store
@@ -47,13 +51,9 @@ class DecoderAttention(nn.Module):
             rotary = self.rotary[0]
             q_weight, k_weight = (self.q_norm.weight, self.k_norm.weight) if self.qk_norm else (None, None)
             eps = self.q_norm.eps if self.qk_norm else 0.0
-            q = qkv_rope_store(qkv, q_weight, k_weight, eps, rotary.cos, rotary.sin, positions, meta.slot_mapping,
-                               self.attn.k_cache, self.attn.v_cache, self.num_heads)
-            return self.o_proj(self.attn.attend(q, meta))
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(-1, self.num_heads, self.head_dim)
-        k = k.view(-1, self.num_kv_heads, self.head_dim)
-        v = v.view(-1, self.num_kv_heads, self.head_dim)
+            return qkv_rope_store(qkv, q_weight, k_weight, eps, rotary.cos, rotary.sin, positions, slot_mapping,
+                                  self.attn.k_cache, self.attn.v_cache, self.num_heads, q_out)
+        v = qkv[:, self.q_size + self.kv_size :].view(-1, self.num_kv_heads, self.head_dim)
         # q and k heads side by side: their norms and the rotation run once for both (fewer ops per layer).
         qk = qkv[:, : self.q_size + self.kv_size].view(-1, self.num_heads + self.num_kv_heads, self.head_dim)
         if self.qk_norm:
@@ -61,7 +61,11 @@ class DecoderAttention(nn.Module):
                                 self.k_norm.weight.expand(self.num_kv_heads, -1)])
             qk = torch_rms_norm(qk, weight, self.q_norm.eps)
         q, k = self.rotary[0].rotate(positions, qk).split([self.num_heads, self.num_kv_heads], dim=1)
-        return self.o_proj(self.attn(q, k, v, meta))
+        self.attn.store(k, v, slot_mapping)
+        return q if q_out is None else q_out.copy_(q)
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        return self.o_proj(self.attn.attend(self.project(positions, hidden, meta.slot_mapping), meta))
 
 
 class DecoderLayer(nn.Module):
@@ -73,18 +77,25 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = SparseMoeBlock(config) if self.is_sparse else DenseMLP(config.hidden_size, config.intermediate_size)
 
+    def input_norm(self, hidden: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """hidden: the previous sub-layer's output (the embeddings for the first layer, with residual None);
+        residual: the residual stream before it. Returns the attention's normed input and the residual stream."""
+        if residual is None:
+            return self.input_layernorm(hidden), hidden
+        return self.input_layernorm.add_and_norm(hidden, residual)
+
+    def feed_forward(self, attention_out: torch.Tensor, residual: torch.Tensor,
+                     slot_mapping: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """After the attention (its o_proj output): the MLP's output and the residual stream it must be added to.
+        Each add is fused with the norm after it."""
+        normed, residual = self.post_attention_layernorm.add_and_norm(attention_out, residual)
+        return (self.mlp(normed, slot_mapping) if self.is_sparse else self.mlp(normed)), residual
+
     def forward(
         self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None, meta: AttentionMetadata
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """hidden: the previous sub-layer's output (the embeddings for the first layer, with residual None);
-        residual: the residual stream before it. Each add is fused with the norm after it; returns the MLP's
-        output and the residual stream it must be added to."""
-        if residual is None:
-            residual, normed = hidden, self.input_layernorm(hidden)
-        else:
-            normed, residual = self.input_layernorm.add_and_norm(hidden, residual)
-        normed, residual = self.post_attention_layernorm.add_and_norm(self.self_attn(positions, normed, meta), residual)
-        return (self.mlp(normed, meta.slot_mapping) if self.is_sparse else self.mlp(normed)), residual
+        normed, residual = self.input_norm(hidden, residual)
+        return self.feed_forward(self.self_attn(positions, normed, meta), residual, meta.slot_mapping)
 
 
 class DecoderModel(nn.Module):
@@ -102,9 +113,11 @@ class DecoderModel(nn.Module):
         hidden, residual = self.embed_tokens(input_ids), None
         for layer in self.layers:
             hidden, residual = layer(positions, hidden, residual, meta)
-        if residual is None:  # no layers
-            return self.norm(hidden)
-        return self.norm.add_and_norm(hidden, residual)[0]
+        return self.final_norm(hidden, residual)
+
+    def final_norm(self, hidden: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
+        """The last layer's output added to the residual stream and normed (residual None: no layers)."""
+        return self.norm(hidden) if residual is None else self.norm.add_and_norm(hidden, residual)[0]
 
 
 class DecoderForCausalLM(nn.Module):
