@@ -51,12 +51,13 @@ def bench_host_step(seed: int, num_seqs: int = 512, input_len: int = 256, output
     generator = torch.Generator().manual_seed(seed)
 
     def instant_sample(logits, batch):
-        return torch.randint(3, TINY_SHAPE["vocab_size"], (logits.shape[0],), generator=generator), logits[:, 0]
+        tokens = torch.randint(3, TINY_SHAPE["vocab_size"], (logits.shape[0],), generator=generator)
+        return tokens, torch.stack([tokens.double(), logits[:, 0].double()])
 
-    saved = (model_runner_module.DecodeGraphs, model_runner_module.PrefillGraphs, model_runner_module.sample,
+    saved = (model_runner_module.DecodeGraphs, model_runner_module.PrefillGraphs, model_runner_module.sample_results,
              torch.get_num_threads())
     model_runner_module.DecodeGraphs, model_runner_module.PrefillGraphs = InstantDecodeGraphs, InstantPrefillGraphs
-    model_runner_module.sample = instant_sample
+    model_runner_module.sample_results = instant_sample
     # The faked device work (tensor slicing and indexing on the CPU) stays off torch's thread pool: on a loaded
     # 2-core machine, indexing 64+ rows through it took ~7 ms (thread wake-ups), where a GPU queues one kernel.
     torch.set_num_threads(1)
@@ -98,7 +99,7 @@ def bench_host_step(seed: int, num_seqs: int = 512, input_len: int = 256, output
                     prefill_parts.append(_prefill_step_parts(part_seconds, time.perf_counter() - started))
     finally:
         timers.close()
-        (model_runner_module.DecodeGraphs, model_runner_module.PrefillGraphs, model_runner_module.sample,
+        (model_runner_module.DecodeGraphs, model_runner_module.PrefillGraphs, model_runner_module.sample_results,
          num_threads) = saved
         torch.set_num_threads(num_threads)
     step_ms = np.array(step_seconds) * 1e3

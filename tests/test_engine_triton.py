@@ -218,6 +218,27 @@ def test_fused_sample_matches_the_torch_reference(vocab_size, dtype):
     torch.testing.assert_close(log_probs, expected, atol=2e-5, rtol=1e-5)
 
 
+def test_fused_results_are_the_host_copy_and_row_keys_mask_as_torch():
+    """fused_sample_results: results[0] the tokens exactly, results[1] the log-probs, both float64; the rows' noise
+    keys, computed in the kernel from int64 seeds and steps, are torch's (noise_row_keys) for seeds and steps past
+    32 bits and negative ones, so the draws are draw_scores' argmax."""
+    from slime.engine.triton_sampler import fused_sample_results
+
+    generator = torch.Generator().manual_seed(1)
+    logits = (torch.randn(6, 3000, generator=generator) * 3).to(DEVICE)
+    temperatures = torch.tensor([1.0, 0.9, 1.0, 0.0, 1.2, 1.0], device=DEVICE)
+    seeds = torch.tensor([2**40 + 5, -7, 2**63 - 1, 4, -(2**35), 11], device=DEVICE)
+    steps = torch.tensor([0, 2**31 + 3, 17, 1, 2**33, 0], device=DEVICE)
+    tokens, results = fused_sample_results(logits, temperatures, seeds, steps)
+    assert tokens.dtype == torch.int64 and results.dtype == torch.float64 and results.shape == (2, 6)
+    assert torch.equal(results[0], tokens.double())
+    scores = draw_scores(logits, temperatures, seeds, steps)
+    assert ((tokens == scores.argmax(-1)) | near_tie_rows(scores)).all(), (tokens, scores.argmax(-1))
+    divisors = torch.where(temperatures == 0, torch.ones_like(temperatures), temperatures)
+    expected = torch.log_softmax(logits.double() / divisors[:, None].double(), -1).gather(1, tokens[:, None])
+    torch.testing.assert_close(results[1], expected.squeeze(1), atol=2e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("sampler", ["fused", "torch"])
 def test_draws_follow_the_softmax(sampler):
     """Frequencies of many seeded draws from one row of logits match softmax(logits / T): each of the five likely

@@ -26,7 +26,7 @@ from slime.engine.layers.attention import AttentionMetadata
 from slime.engine.models import DecoderForCausalLM, ModelConfig
 from slime.engine.models.weight_loader import load_checkpoint
 from slime.engine.prefill_graphs import PrefillGraphs
-from slime.engine.sampler import sample
+from slime.engine.sampler import sample_results
 from slime.engine.sampling_inputs import DecodeSampling, prepare_sampling
 from slime.engine.sampling_params import SamplingParams
 from slime.engine.scheduler import DecodeBatch, ScheduledSequence, is_decode_batch, sampled_seqs
@@ -261,8 +261,7 @@ class ModelRunner:
             hidden = self._forward(input_ids, positions, meta)[logits_indices]
         if not sample_rows:
             return None
-        tokens, log_probs = sample(self.model.compute_logits(hidden, upcast=False), sampling)
-        results = torch.stack([tokens.double(), log_probs.double()])  # token ids are exact in float64
+        tokens, results = sample_results(self.model.compute_logits(hidden, upcast=False), sampling)
         if self.device.type != "cuda":
             return LaunchedStep(tokens, results, None)
         host = results.to("cpu", non_blocking=True)  # lands in pinned memory

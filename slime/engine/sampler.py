@@ -95,11 +95,11 @@ def _noise_bits(seeds, steps, columns):
 
 def sample(logits: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor]:
     """logits [num_rows, vocab] (any float dtype; the math is float32) -> (token ids [num_rows], log-probs)."""
-    fused = logits.is_cuda and _triton_sampler_available()
-    if fused and not batch.needs_filtering and not batch.banned_rows.numel():
+    if _fused_alone(logits, batch):
         from slime.engine.triton_sampler import fused_sample
 
         return fused_sample(logits, batch.temperatures, batch.seeds, batch.steps)
+    fused = logits.is_cuda and _triton_sampler_available()
     is_greedy = batch.temperatures == 0
     scaled = logits.float() / temperature_divisors(batch.temperatures)[:, None]
 
@@ -125,6 +125,23 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Tensor, to
     # log_softmax at the sampled token only, without materialising [num_rows, vocab] log-probs
     log_probs = scaled.gather(1, tokens[:, None]).squeeze(1) - torch.logsumexp(scaled, dim=-1)
     return tokens, log_probs
+
+
+def sample_results(logits: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    """As `sample`, returning (token ids [num_rows], results [2, num_rows] float64: the token ids, exact in float64,
+    and the log-probs), the layout of the copy to the host; the fused path writes the results in its own kernel."""
+    if _fused_alone(logits, batch):
+        from slime.engine.triton_sampler import fused_sample_results
+
+        return fused_sample_results(logits, batch.temperatures, batch.seeds, batch.steps)
+    tokens, log_probs = sample(logits, batch)
+    return tokens, torch.stack([tokens.double(), log_probs.double()])
+
+
+def _fused_alone(logits: torch.Tensor, batch: SamplingBatch) -> bool:
+    """Whether the fused kernel does the whole draw: on CUDA, no top-k / top-p / min-p and no banned tokens."""
+    return (logits.is_cuda and not batch.needs_filtering and not batch.banned_rows.numel()
+            and _triton_sampler_available())
 
 
 def near_tie_rows(scores: torch.Tensor, tolerance: float = 1e-4) -> torch.Tensor:
