@@ -66,6 +66,8 @@ run_step() {
                                 tests/test_handover_gpu.py tests/test_engine_moe_cuda.py tests/test_engine_kv_cache_dtype.py -k "cuda or graph or arena or stable or engine" ;;
     engine_prefill_graphs_ab) python3 benchmarks/bench_engine.py --preset qwen3-0.6b --workload w1,w5 --skip-hf --print-steps &&
                               python3 benchmarks/bench_engine.py --preset qwen3-0.6b --workload w1,w5 --skip-hf --print-steps --no-prefill-cuda-graphs ;;
+    # The fused sampler's tests compiled (noise keys in the kernel, the merge kernel), then W1 / W5.
+    sampler_gpu_tests) python3 -m pytest -q tests/test_engine_triton.py tests/test_engine_sampling.py -k "sample or draws or fused or sampling" ;;
     # The decode graph with the batch's halves on two streams (out of phase or not) against one stream.
     decode_streams) python3 benchmarks/bench_decode_streams.py ;;
     profile_engine_w5) python3 benchmarks/profile_engine.py --shape smollm-135m --num-prompts 512 ;;  # W5: host- or GPU-bound?
