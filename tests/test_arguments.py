@@ -51,6 +51,8 @@ def test_derived_fields(setup):
     (["--sglang-disable-overlap-schedule"], {"overlap_schedule": False}),
     (["--sglang-disable-overlap-schedule=false"], {"overlap_schedule": True}),
     (["--sglang-disable-cuda-graph"], {"enforce_eager": True}),
+    (["--sglang-piecewise-cuda-graph-max-tokens", "2048"], {"prefill_cuda_graph_max_tokens": 2048}),
+    (["--sglang-cuda-graph-max-bs-prefill", "512"], {"prefill_cuda_graph_max_tokens": 512}),
     (["--sglang-kv-cache-dtype", "fp8_e4m3"], {"kv_cache_dtype": "fp8_e4m3"}),
 ])
 def test_sglang_switches_map_onto_engine_config(setup, flags, expected):

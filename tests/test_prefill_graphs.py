@@ -68,6 +68,16 @@ def test_pieces_padded_to_their_bucket_equal_the_forward_and_write_the_same_cach
         assert pieces.layers[0].is_sparse
 
 
+def test_prefill_graph_flags_are_validated_by_name():
+    from slime.engine.config import Config
+
+    with pytest.raises(ValueError, match="prefill_cuda_graphs must be a bool"):
+        Config(model="m", prefill_cuda_graphs="yes")
+    with pytest.raises(ValueError, match="prefill_cuda_graph_max_tokens must be a positive int"):
+        Config(model="m", prefill_cuda_graph_max_tokens=0)
+    assert Config(model="m", prefill_cuda_graph_max_tokens=512).prefill_cuda_graph_max_tokens == 512
+
+
 def test_a_step_past_the_largest_bucket_runs_the_eager_forward(tmp_path):
     engine = Engine(str(build_tiny_model(tmp_path / "m", arch="qwen3")), device="cpu", num_kvcache_blocks=32)
     pieces = PrefillGraphs(engine.model_runner.model, 32, engine.model_runner.scratch_slot, use_graphs=False)
@@ -118,3 +128,7 @@ def test_engine_with_prefill_graphs_generates_what_the_eager_engine_does(tmp_pat
         outputs[prefill_graphs] = [out["token_ids"] for out in engine.generate(prompts, params)]
         assert (engine.model_runner.prefill_graphs is not None) == prefill_graphs
     assert outputs[True] == outputs[False]
+    capped = Engine(model, device="cuda", dtype="float32", max_num_batched_tokens=96, num_kvcache_blocks=128,
+                    prefill_cuda_graph_max_tokens=40)  # the 96-token chunks run eagerly, the shorter steps not
+    assert [out["token_ids"] for out in capped.generate(prompts, params)] == outputs[False]
+    assert capped.model_runner.prefill_graphs.sizes == [16, 32, 48]

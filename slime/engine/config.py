@@ -33,6 +33,9 @@ class Config:
     prefill_cuda_graphs: with CUDA graphs on (not enforce_eager), prefill and mixed steps of up to
         max_num_batched_tokens tokens also replay graphs: every layer's work but the attention, captured piecewise at
         bucketed token counts (prefill_graphs.py; SGLang's piecewise CUDA graph). False runs those steps eagerly.
+    prefill_cuda_graph_max_tokens: the largest step (in tokens) the prefill graphs are captured for (SGLang's
+        --piecewise-cuda-graph-max-tokens); longer steps run eagerly. None = max_num_batched_tokens. Lower it to
+        hold less memory in the graphs' pool (their activations at that many tokens) and capture fewer graphs.
     dtype: weight and activation dtype; "auto" = float32 on CPU, the checkpoint's dtype (bf16 if fp32) on CUDA.
     kv_cache_dtype: the KV cache's dtype (SGLang's --kv-cache-dtype): "auto" = the model dtype; "fp8_e4m3" or
         "fp8_e5m2" store K and V in 8 bits with no scale (saturated at the type's largest value): half the
@@ -66,6 +69,7 @@ class Config:
     num_kvcache_blocks: int | None = None
     enforce_eager: bool = False
     prefill_cuda_graphs: bool = True
+    prefill_cuda_graph_max_tokens: int | None = None
     dtype: str = "auto"
     kv_cache_dtype: str = "auto"
     device: str = "auto"
@@ -79,7 +83,7 @@ class Config:
             raise ValueError(f"model must be a non-empty checkpoint path, got {self.model!r}")
         for name in ("max_num_seqs", "max_num_batched_tokens", "kvcache_block_size"):
             _require_positive_int(name, getattr(self, name))
-        for name in ("max_model_len", "num_kvcache_blocks"):
+        for name in ("max_model_len", "num_kvcache_blocks", "prefill_cuda_graph_max_tokens"):
             if getattr(self, name) is not None:
                 _require_positive_int(name, getattr(self, name))
         if not isinstance(self.gpu_memory_utilization, (int, float)) or not 0 < self.gpu_memory_utilization <= 1:

@@ -274,8 +274,10 @@ class ModelRunner:
         if not (self.use_cuda_graphs and self.config.prefill_cuda_graphs and meta.uses_triton):
             return self.model(input_ids, positions, meta)
         if self.prefill_graphs is None:
+            max_tokens = min(self.config.prefill_cuda_graph_max_tokens or self.config.max_num_batched_tokens,
+                             self.config.max_num_batched_tokens)
             self.prefill_graphs = PrefillGraphs(
-                self.model, self.config.max_num_batched_tokens, self.scratch_slot,
+                self.model, max_tokens, self.scratch_slot,
                 capture_all=not self.captured_prefill_graphs, capture_stats=self.graph_capture_stats,
                 warmed_sizes=self.warmed_prefill_sizes)
             self.captured_prefill_graphs = True

@@ -31,6 +31,7 @@ SGLANG_FLAG_TO_ENGINE_CONFIG = {
     "sglang_max_prefill_tokens": ("max_num_batched_tokens", int),
     "sglang_page_size": ("kvcache_block_size", int),
     "sglang_disable_cuda_graph": ("enforce_eager", bool),
+    "sglang_cuda_graph_max_bs_prefill": ("prefill_cuda_graph_max_tokens", int),  # --piecewise-cuda-graph-max-tokens
     "sglang_disable_overlap_schedule": ("overlap_schedule", "negated bool"),
     "sglang_dtype": ("dtype", str),
     "sglang_kv_cache_dtype": ("kv_cache_dtype", str),
