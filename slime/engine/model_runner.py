@@ -30,8 +30,8 @@ from slime.engine.sampler import sample_results
 from slime.engine.sampling_inputs import DecodeSampling, prepare_sampling
 from slime.engine.sampling_params import SamplingParams
 from slime.engine.scheduler import DecodeBatch, ScheduledSequence, is_decode_batch, sampled_seqs
-from slime.engine.step_inputs import flat_batch
 from slime.engine.sequence import Sequence
+from slime.engine.step_inputs import flat_batch
 
 
 @dataclass
