@@ -37,6 +37,13 @@ def bucket_token_counts(max_num_tokens: int) -> list[int]:
     return sorted(size for size in sizes if size <= largest)
 
 
+def _reserved_after_emptying(device: torch.device) -> int:
+    """Device memory torch's allocator holds once its unused cached blocks are given back: what the graphs' pool
+    and buffers add to it is what they hold for good (the warm-up passes' activations are given back)."""
+    torch.cuda.empty_cache()
+    return torch.cuda.memory_reserved(device)
+
+
 @dataclass
 class _Bucket:
     """One token count's pieces in order, and the final hidden states the last one writes."""
@@ -60,6 +67,7 @@ class PrefillGraphs:
         self.capture_stats = capture_stats if capture_stats is not None else {"graphs": 0, "seconds": 0.0}
         self.warmed_sizes = warmed_sizes if warmed_sizes is not None else set()
         config, parameter = model.config, next(model.parameters())
+        reserved_before = _reserved_after_emptying(parameter.device) if use_graphs and capture_all else 0
         max_size = self.sizes[-1]
         self.token_inputs = torch.zeros(3, max_size, dtype=torch.int64, device=parameter.device)
         self.input_ids, self.positions, self.slot_mapping = self.token_inputs
@@ -77,9 +85,10 @@ class PrefillGraphs:
             for size in reversed(self.sizes):
                 self._capture(size)
             torch.cuda.synchronize()
-            logger.info("captured piecewise prefill CUDA graphs for %d token counts up to %d (%d graphs) in %.2f s",
-                        len(self.sizes), max_size, len(self.sizes) * (len(self.layers) + 1),
-                        time.perf_counter() - started)
+            logger.info("captured piecewise prefill CUDA graphs for %d token counts up to %d (%d graphs) in %.2f s, "
+                        "holding %.2f GiB of device memory (prefill_cuda_graph_max_tokens lowers it)", len(self.sizes),
+                        max_size, len(self.sizes) * (len(self.layers) + 1), time.perf_counter() - started,
+                        (_reserved_after_emptying(parameter.device) - reserved_before) / 2**30)
 
     def fits(self, num_tokens: int) -> bool:
         return num_tokens <= self.sizes[-1]
