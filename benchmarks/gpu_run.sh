@@ -66,6 +66,16 @@ run_step() {
                                 tests/test_handover_gpu.py tests/test_engine_moe_cuda.py tests/test_engine_kv_cache_dtype.py -k "cuda or graph or arena or stable or engine" ;;
     engine_prefill_graphs_ab) python3 benchmarks/bench_engine.py --preset qwen3-0.6b --workload w1,w5 --skip-hf --print-steps &&
                               python3 benchmarks/bench_engine.py --preset qwen3-0.6b --workload w1,w5 --skip-hf --print-steps --no-prefill-cuda-graphs ;;
+    # The prefill graphs' tests, then the device memory their pool holds for Qwen3-0.6B at 8192 / 16384 tokens (the log).
+    prefill_graphs_final) python3 -m pytest -q tests/test_prefill_graphs.py &&
+                          for tokens in 8192 16384; do python3 -c "
+import logging, sys, tempfile, torch; from pathlib import Path; sys.path.insert(0, '.')
+logging.basicConfig(level=logging.INFO, format='%(message)s')
+from benchmarks.engine_checkpoints import QWEN3_06B_SHAPE, build_checkpoint
+from slime.engine.engine import Engine
+path = build_checkpoint(Path(tempfile.mkdtemp()), QWEN3_06B_SHAPE, torch.bfloat16, 'cuda', seed=0)
+Engine(str(path), device='cuda', dtype='bfloat16', max_num_seqs=256, max_model_len=1024, max_num_batched_tokens=$tokens)
+" 2>&1 | grep "piecewise"; done ;;
     # The fused sampler's tests compiled (noise keys in the kernel, the merge kernel), then W1 / W5.
     sampler_gpu_tests) python3 -m pytest -q tests/test_engine_triton.py tests/test_engine_sampling.py -k "sample or draws or fused or sampling" ;;
     # The decode graph with the batch's halves on two streams (out of phase or not) against one stream.
