@@ -35,7 +35,8 @@ class Config:
         bucketed token counts (prefill_graphs.py; SGLang's piecewise CUDA graph). False runs those steps eagerly.
     prefill_cuda_graph_max_tokens: the largest step (in tokens) the prefill graphs are captured for (SGLang's
         --piecewise-cuda-graph-max-tokens); longer steps run eagerly. None = max_num_batched_tokens. Lower it to
-        hold less memory in the graphs' pool (their activations at that many tokens) and capture fewer graphs.
+        hold less memory in the graphs' pool (their activations at that many tokens: 0.34 GiB for Qwen3-0.6B at
+        8192 tokens, 0.71 GiB at 16384, on an H200) and capture fewer graphs.
     dtype: weight and activation dtype; "auto" = float32 on CPU, the checkpoint's dtype (bf16 if fp32) on CUDA.
     kv_cache_dtype: the KV cache's dtype (SGLang's --kv-cache-dtype): "auto" = the model dtype; "fp8_e4m3" or
         "fp8_e5m2" store K and V in 8 bits with no scale (saturated at the type's largest value): half the
