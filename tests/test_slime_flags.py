@@ -94,6 +94,22 @@ def test_sglang_backend_gets_every_given_sglang_flag(base):
     assert args.engine_config == {"gpu_memory_utilization": 0.7, "overlap_schedule": True}
 
 
+def test_switches_sharing_a_value_flags_destination_pass_as_themselves(base):
+    """SGLang's --disable-piecewise-cuda-graph stores a constant into cuda_graph_backend_prefill, which
+    --cuda-graph-backend-prefill sets to a value: each reaches SGLang as itself (not as the value flag with
+    'True'), and the built-in engine maps the switch onto its prefill graphs."""
+    args = parse_args(base + ["--sglang-disable-piecewise-cuda-graph"])
+    flags = sglang_server_flags(args)
+    assert "--disable-piecewise-cuda-graph" in flags and "--cuda-graph-backend-prefill" not in flags
+    assert args.engine_config == {"prefill_cuda_graphs": False}
+    args = parse_args(base + ["--sglang-cuda-graph-backend-prefill", "full"])
+    flags = sglang_server_flags(args)
+    assert flags[flags.index("--cuda-graph-backend-prefill") + 1] == "full"
+    assert "--disable-piecewise-cuda-graph" not in flags
+    assert args.engine_config == {}  # no meaning to the built-in engine (warned as unused)
+    assert parse_args(base + ["--sglang-enforce-piecewise-cuda-graph"]).engine_config == {"prefill_cuda_graphs": True}
+
+
 def test_router_flags_reach_a_real_router(base):
     from slime.ray.router import RouterProcess, list_workers
 

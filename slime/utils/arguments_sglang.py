@@ -22,6 +22,20 @@ SNAPSHOT = json.loads((Path(__file__).with_name("sglang_server_flags.json")).rea
 SGLANG_SERVER_FLAGS = SNAPSHOT["flags"]
 SNAPSHOT_TYPES = {"int": int, "float": float}  # the snapshot's value types; other values stay strings
 
+# Switches that store a constant into a destination a value flag also sets (SGLang's --disable-piecewise-cuda-graph
+# and --enforce-piecewise-cuda-graph into cuda_graph_backend_prefill): here each keeps a destination named after
+# itself, so it reaches SGLang as itself and the built-in engine can tell the switches apart.
+_VALUE_DESTS = {spec["dest"] for spec in SGLANG_SERVER_FLAGS if spec["takes_value"]}
+
+
+def _dest_of(spec: dict) -> str:
+    """The argparse destination of a snapshot flag: sglang_<SGLang's dest>, or sglang_<flag> for the switches
+    above."""
+    if not spec["takes_value"] and spec["dest"] in _VALUE_DESTS:
+        return "sglang_" + spec["flags"][0][2:].replace("-", "_")
+    return "sglang_" + spec["dest"]
+
+
 # --sglang-* flags that mean something to the built-in engine -> (Config field, type).
 SGLANG_FLAG_TO_ENGINE_CONFIG = {
     "sglang_mem_fraction_static": ("gpu_memory_utilization", float),
@@ -32,6 +46,8 @@ SGLANG_FLAG_TO_ENGINE_CONFIG = {
     "sglang_page_size": ("kvcache_block_size", int),
     "sglang_disable_cuda_graph": ("enforce_eager", bool),
     "sglang_cuda_graph_max_bs_prefill": ("prefill_cuda_graph_max_tokens", int),  # --piecewise-cuda-graph-max-tokens
+    "sglang_disable_piecewise_cuda_graph": ("prefill_cuda_graphs", "negated bool"),
+    "sglang_enforce_piecewise_cuda_graph": ("prefill_cuda_graphs", bool),
     "sglang_disable_overlap_schedule": ("overlap_schedule", "negated bool"),
     "sglang_dtype": ("dtype", str),
     "sglang_kv_cache_dtype": ("kv_cache_dtype", str),
@@ -72,7 +88,7 @@ def add_sglang_arguments(parser) -> None:
         flags = [flag for flag in flags if flag not in parser._option_string_actions]
         if not flags:
             continue
-        dest = "sglang_" + spec["dest"]
+        dest = _dest_of(spec)
         if spec["takes_value"]:
             g.add_argument(*flags, dest=dest, default=None, nargs=spec["nargs"], choices=spec["choices"],
                            help=argparse.SUPPRESS)  # typed by type_sglang_values (SGLang checks ranges)
@@ -109,7 +125,7 @@ def closest_flag_error(token: str, parser) -> str:
 
 def given_sglang_flags(args) -> dict:
     """{dest: value} of the SGLang server flags this run gives (not None)."""
-    dests = {"sglang_" + spec["dest"] for spec in SGLANG_SERVER_FLAGS}
+    dests = {_dest_of(spec) for spec in SGLANG_SERVER_FLAGS}
     return {dest: getattr(args, dest) for dest in sorted(dests) if getattr(args, dest, None) is not None}
 
 
@@ -119,7 +135,7 @@ def type_sglang_values(args) -> None:
     from slime.utils.validate_args import ArgumentError
 
     for spec in SGLANG_SERVER_FLAGS:
-        dest, kind = "sglang_" + spec["dest"], SNAPSHOT_TYPES.get(spec["type"])
+        dest, kind = _dest_of(spec), SNAPSHOT_TYPES.get(spec["type"])
         value = getattr(args, dest, None)
         if kind is None or value is None:
             continue
@@ -153,9 +169,9 @@ def sglang_server_flags(args) -> list[str]:
     """The given --sglang-* server flags as SGLang's own command-line flags (for --rollout-backend sglang)."""
     by_dest = {}
     for spec in SGLANG_SERVER_FLAGS:  # a dest some deprecated aliases share: its own flag is the canonical one
-        canonical = spec["flags"][0] == "--" + spec["dest"].replace("_", "-")
-        if canonical or "sglang_" + spec["dest"] not in by_dest:
-            by_dest["sglang_" + spec["dest"]] = spec
+        dest = _dest_of(spec)
+        if dest == "sglang_" + spec["flags"][0][2:].replace("-", "_") or dest not in by_dest:
+            by_dest[dest] = spec
     command = []
     for dest, value in given_sglang_flags(args).items():
         spec = by_dest[dest]
