@@ -16,6 +16,7 @@ on CPU, with enforce_eager, or beyond the largest bucket (the eager path runs th
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 
@@ -27,6 +28,18 @@ from slime.engine.host_staging import HostStaging
 from slime.engine.layers.attention import AttentionMetadata
 
 logger = logging.getLogger(__name__)
+
+
+@contextlib.contextmanager
+def slots_on_scratch(slot_mapping: torch.Tensor, scratch_slot: int):
+    """While capturing (and warming up): every row of `slot_mapping` writes its K/V to the scratch slot that no
+    sequence owns; the rows' slots are put back after."""
+    saved = slot_mapping.clone()
+    slot_mapping.fill_(scratch_slot)
+    try:
+        yield
+    finally:
+        slot_mapping.copy_(saved)
 
 
 def bucket_batch_sizes(max_num_seqs: int) -> list[int]:
@@ -95,17 +108,15 @@ class DecodeGraphs:
         reads are those of the last replay or zeros) and its hidden rows are overwritten by the replay that
         follows."""
         started = time.perf_counter()
-        saved_slots = self.slot_mapping[:batch_size].clone()
-        self.slot_mapping[:batch_size].fill_(self.scratch_slot)
-        if batch_size not in self.warmed_batch_sizes:
-            self._forward(batch_size)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            self._forward(batch_size)
+        with slots_on_scratch(self.slot_mapping[:batch_size], self.scratch_slot):
+            if batch_size not in self.warmed_batch_sizes:
+                self._forward(batch_size)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool):
+                self._forward(batch_size)
         self.pool = graph.pool() if self.pool is None else self.pool
         self.graphs[batch_size] = graph
         self.warmed_batch_sizes.add(batch_size)
-        self.slot_mapping[:batch_size].copy_(saved_slots)
         self.capture_stats["graphs"] += 1
         self.capture_stats["seconds"] += time.perf_counter() - started
 

@@ -6,7 +6,7 @@ layer's attention input; the last piece ends with the final norm. The attention 
 the step's real metadata, since its grid depends on the batch's sequences and their lengths. An 8192-token chunk of
 a 28-layer model then costs 29 graph replays and 28 attention launches from Python instead of ~370 launches, which
 on an H200 left the device idle ~40% of W1's prefill phase (benchmarks/RESULTS.md). vLLM calls this piecewise CUDA
-graphs; SGLang has it as --enable-piecewise-cuda-graph.
+graphs; SGLang (0.5.15) has them on unless --disable-piecewise-cuda-graph.
 
 A step of n tokens runs in the smallest bucket >= n. The rows past n read stale inputs; their K/V (and MoE routing)
 go to the scratch cache slot that no sequence owns, the attention computes the n real rows only, and their outputs
@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from slime.engine.cuda_graph import slots_on_scratch
 from slime.engine.layers.attention import AttentionMetadata
 
 logger = logging.getLogger(__name__)
@@ -117,14 +118,22 @@ class PrefillGraphs:
         output is held until the next piece is captured, then released to the pool: at replay the next piece has
         read it before any later piece can reuse its memory."""
         started = time.perf_counter()
-        saved_slots = self.slot_mapping[:size].clone()
-        self.slot_mapping[:size].fill_(self.scratch_slot)
-        if size not in self.warmed_sizes:
-            residual = None
-            for index in range(len(self.layers) + 1):
-                _, residual = self._piece(index, size, residual)
-        # One synchronisation per bucket, not per piece: torch.cuda.graph() also empties the allocator's caches at
-        # every capture, which made 406 captures take 5.6 s of an H200 engine's start-up.
+        with slots_on_scratch(self.slot_mapping[:size], self.scratch_slot):
+            if size not in self.warmed_sizes:
+                residual = None
+                for index in range(len(self.layers) + 1):
+                    _, residual = self._piece(index, size, residual)
+            graphs, hidden = self._capture_pieces(size)
+        self.buckets[size] = bucket = _Bucket(graphs, hidden)
+        self.warmed_sizes.add(size)
+        self.capture_stats["graphs"] += len(graphs)
+        self.capture_stats["seconds"] += time.perf_counter() - started
+        return bucket
+
+    def _capture_pieces(self, size: int) -> tuple[list[torch.cuda.CUDAGraph], torch.Tensor]:
+        """The pieces' graphs and the last one's output. One synchronisation per bucket, not per piece:
+        torch.cuda.graph() also empties the allocator's caches at every capture, which made 406 captures take 5.6 s
+        of an H200 engine's start-up."""
         graphs, residual, hidden = [], None, None
         self.capture_stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(self.capture_stream):
@@ -138,12 +147,7 @@ class PrefillGraphs:
                 self.pool = graph.pool() if self.pool is None else self.pool
                 graphs.append(graph)
         torch.cuda.current_stream().wait_stream(self.capture_stream)
-        self.slot_mapping[:size].copy_(saved_slots)
-        self.buckets[size] = bucket = _Bucket(graphs, hidden)
-        self.warmed_sizes.add(size)
-        self.capture_stats["graphs"] += len(graphs)
-        self.capture_stats["seconds"] += time.perf_counter() - started
-        return bucket
+        return graphs, hidden
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """The model's forward of n tokens (as `model(input_ids, positions, meta)`, Triton metadata, n within the
