@@ -21,11 +21,11 @@ from slime.ray.actor_group import RayTrainGroup, train_with_critic
 from slime.ray.placement_group import create_placement_groups, init_ray
 from slime.ray.rollout import RolloutManager
 from slime.ray.run_failures import RUN_FAILURES, failure_message
-from slime.utils.arguments import parse_args
+from slime.config.arguments import parse_args
 from slime.utils.checkpoint_state import load_run_state, should_save
 from slime.utils.metrics import MetricsLogger, write_args
 from slime.utils.misc import timed
-from slime.utils.validate_megatron_args import require_train_backend
+from slime.config.validate_megatron import require_train_backend
 
 
 def create_rollout_manager(args, placements):

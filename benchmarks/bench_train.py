@@ -114,7 +114,7 @@ def model_flops(num_params, lengths, num_layers, attention_width):
 def run_slime(checkpoint, tokens, response_lengths, rewards, opts, backend: str = "fsdp"):
     from slime.backends.factory import create_trainer
     from slime.backends.fsdp_utils import backend as fsdp_backend
-    from slime.utils.arguments import parse_args
+    from slime.config.arguments import parse_args
     from slime.utils.misc import find_free_port
 
     if opts.attn_implementation == "sdpa":  # the before of a before/after: transformers' dense-mask sdpa

@@ -37,7 +37,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=4)
     cli = parser.parse_args()
     from slime.backends.factory import create_trainer
-    from slime.utils.arguments import parse_args
+    from slime.config.arguments import parse_args
     from slime.utils.misc import find_free_port
 
     checkpoint = build_checkpoint(cli.model_shape, Path(tempfile.mkdtemp()) / "model")

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from slime.utils.arguments import parse_args
+from slime.config.arguments import parse_args
 from slime.utils.misc import find_free_port
 
 

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from slime.utils.arguments import parse_args
-from slime.utils.validate_args import ArgumentError
+from slime.config.arguments import parse_args
+from slime.config.errors import ArgumentError
 
 REPO = Path(__file__).resolve().parents[1]
 QWEN3_06B_CONFIG = {

@@ -10,10 +10,10 @@ import torch
 
 from slime.backends.fsdp_utils.checkpoint import load_training_state, resolve_load_dir, save_checkpoint
 from slime.rollout.dataset import PromptFormat, load_prompt_samples
-from slime.utils.arguments import build_parser, parse_args
+from slime.config.arguments import build_parser, parse_args
 from slime.utils.checkpoint_state import CheckpointError, load_run_state
-from slime.utils.flag_ranges import ANY, FLAG_RANGES
-from slime.utils.validate_args import HOOK_FLAGS, ArgumentError
+from slime.config.flag_ranges import ANY, FLAG_RANGES
+from slime.config.validate import HOOK_FLAGS, ArgumentError
 
 
 def reward_without_label(args, sample):

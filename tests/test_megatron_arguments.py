@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from slime.backends.megatron_utils.arguments import MEGATRON_FLAGS
-from slime.utils.arguments import build_parser, parse_args
-from slime.utils.validate_args import ArgumentError
+from slime.config.flags_megatron import MEGATRON_FLAGS
+from slime.config.arguments import build_parser, parse_args
+from slime.config.errors import ArgumentError
 
 from megatron_arg_helpers import HF_CONFIGS, base, data, write_model  # noqa: F401 (data: a fixture)
 
@@ -26,7 +26,7 @@ STOCK = REPO / "tests/data/slime_recipes"
 # Recipe checkpoint folder -> the model it is.
 RECIPE_MODELS = {"Qwen3-4B": "qwen3-4B", "Qwen3-4B-Base": "qwen3-4B", "Qwen3-30B-A3B": "qwen3-30B-A3B",
                  "GLM-Z1-9B-0414": "glm4-9B"}
-# Megatron's MoE flags are slime/utils/moe_arguments.py's (branch moe); a checkout without them parses the recipes
+# Megatron's MoE flags are slime/config/flags_moe.py's (branch moe); a checkout without them parses the recipes
 # without these.
 MOE_TRAINER_FLAGS = {"--num-experts", "--moe-router-topk", "--moe-ffn-hidden-size",
                      "--moe-shared-expert-intermediate-size", "--moe-layer-freq", "--moe-router-score-function",

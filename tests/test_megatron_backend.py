@@ -132,7 +132,7 @@ def test_torch_dist_checkpoint_saved_at_cp2_resumes_at_cp1(tiny_checkpoint, tmp_
 
 
 def test_save_hf_is_for_the_megatron_backend(tiny_checkpoint):
-    from slime.utils.validate_args import ArgumentError
+    from slime.config.errors import ArgumentError
 
     with pytest.raises(ArgumentError, match="--save-hf: the FSDP backend's --save folders are Hugging Face"):
         make_args(tiny_checkpoint, "--save-hf", "/tmp/unused_{rollout_id}")

@@ -180,7 +180,7 @@ def test_grouped_experts_equal_sequential_and_checkpoints_move_between_them(moe_
      "allgather gathers an equal number of tokens"),
 ])
 def test_dispatcher_types_that_cannot_run_are_refused_at_parse_time(moe_checkpoint, flags, refusal):
-    from slime.utils.validate_args import ArgumentError
+    from slime.config.errors import ArgumentError
 
     with pytest.raises(ArgumentError, match=refusal) as error:
         make_megatron_args(moe_checkpoint, *flags, world_size=2)
@@ -198,7 +198,7 @@ def test_dispatcher_layouts_that_can_run_parse(moe_checkpoint):
 
 
 def test_grouped_experts_without_transformer_engine_need_whole_experts(moe_checkpoint):
-    from slime.utils.validate_megatron_args import unbuilt_megatron_features
+    from slime.config.validate_megatron import unbuilt_megatron_features
 
     args = make_megatron_args(moe_checkpoint, "--moe-grouped-gemm", "--sequence-parallel", world_size=2, tp=2)
     assert args.expert_tensor_parallel_size == 2  # Megatron's default: the tensor-parallel size

@@ -6,11 +6,11 @@ import logging
 
 import pytest
 
-from slime.backends.megatron_utils.arguments import INERT
-from slime.utils import validate_megatron_args
-from slime.utils.arguments import parse_args
-from slime.utils.validate_args import ArgumentError
-from slime.utils.validate_megatron_args import require_train_backend
+from slime.config.flags_megatron import INERT
+from slime.config import validate_megatron as validate_megatron_args
+from slime.config.arguments import parse_args
+from slime.config.errors import ArgumentError
+from slime.config.validate_megatron import require_train_backend
 
 from megatron_arg_helpers import base, data  # noqa: F401 (data: a fixture)
 
@@ -146,7 +146,7 @@ def test_megatron_backend_must_import_at_start(tmp_path, data, monkeypatch):
     with pytest.raises(ArgumentError, match="no Megatron training backend.*--train-backend fsdp without "
                                             "--tensor-model-parallel-size 2$"):
         require_train_backend(args)
-    monkeypatch.setattr(validate_megatron_args, "MEGATRON_BACKEND_MODULE", "slime.backends.megatron_utils.arguments")
+    monkeypatch.setattr(validate_megatron_args, "MEGATRON_BACKEND_MODULE", "slime.config.flags_megatron")
     require_train_backend(args)
     require_train_backend(parse_args(base(tmp_path, data)))  # fsdp: nothing to check
     require_train_backend(parse_args(base(tmp_path, data, "--device", "cpu", "--actor-num-gpus-per-node", "2",

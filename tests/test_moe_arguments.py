@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from slime.utils.arguments import parse_args
-from slime.utils.validate_args import ArgumentError
+from slime.config.arguments import parse_args
+from slime.config.errors import ArgumentError
 
 QWEN3_30B_A3B_CONFIG = {
     "model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"], "num_hidden_layers": 48,

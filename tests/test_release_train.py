@@ -51,7 +51,7 @@ def test_released_train_processes_come_back_exactly(task, tmp_path):
 
 
 def test_release_train_rules_name_the_flag(base, tmp_path):
-    from slime.utils.arguments import parse_args
+    from slime.config.arguments import parse_args
 
     base = [*base, "--release-train", "--output-dir", str(tmp_path)]
     disk = ["--update-weight-transport", "disk", "--update-weight-disk-dir", str(tmp_path / "w")]

@@ -101,7 +101,7 @@ def stack(tmp_path_factory):
 
 
 def make_args(stack, prompts, *extra):
-    from slime.utils.arguments import parse_args
+    from slime.config.arguments import parse_args
 
     path = stack["root"] / f"prompts_{len(prompts)}.jsonl"
     path.write_text("".join(json.dumps({"input": p, "label": "19"}) + "\n" for p in prompts))

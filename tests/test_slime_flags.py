@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from slime.utils import flag_status
-from slime.utils.arguments import build_parser, parse_args
-from slime.utils.arguments_sglang import sglang_server_flags
-from slime.utils.validate_args import ArgumentError
+from slime.config import flag_status
+from slime.config.arguments import build_parser, parse_args
+from slime.config.flags_sglang import sglang_server_flags
+from slime.config.errors import ArgumentError
 
 REPO = Path(__file__).resolve().parents[1]
 SLIME_FLAGS = json.loads((REPO / "tests/slime_upstream/slime_flags.json").read_text())["flags"]

@@ -10,10 +10,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from slime.utils.arguments import parse_args
+from slime.config.arguments import parse_args
 from slime.utils.debug_dump import load_samples, save_samples
 from slime.utils.types import Sample
-from slime.utils.validate_args import ArgumentError
+from slime.config.errors import ArgumentError
 
 CONFIG = {"model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"], "num_hidden_layers": 2, "hidden_size": 64,
           "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
@@ -84,7 +84,7 @@ def test_dump_details_and_the_log_probs_budget_default(model, tmp_path):
 
 
 def test_megatron_config_path_gives_the_actor_its_overrides(model, tmp_path):
-    from slime.utils.megatron_role_config import role_args
+    from slime.config.megatron_role_config import role_args
 
     config = tmp_path / "megatron.yaml"
     config.write_text("megatron:\n  - name: default\n    role: actor\n    overrides:\n      lr: 1e-2\n"
@@ -96,7 +96,7 @@ def test_megatron_config_path_gives_the_actor_its_overrides(model, tmp_path):
 
 
 def test_megatron_config_critic_entry_sets_the_critics_learning_rate(model, tmp_path):
-    from slime.utils.megatron_role_config import role_args
+    from slime.config.megatron_role_config import role_args
 
     config = tmp_path / "megatron.yaml"
     config.write_text("megatron:\n  - {name: default, role: critic, overrides: {lr: 1e-5}}\n")

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from slime.ray.engine_actor import engine_server_command
-from slime.utils.arguments import parse_args
+from slime.config.arguments import parse_args
 
 from test_slime_flags import base  # noqa: F401  (the fixture: a minimal run's flags over a config-only model)
 

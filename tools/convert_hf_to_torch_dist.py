@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 def parse_args(argv=None):
-    from slime.backends.megatron_utils.arguments import add_megatron_arguments
+    from slime.config.flags_megatron import add_megatron_arguments
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--hf-checkpoint", required=True, help="the Hugging Face folder to convert")
@@ -34,7 +34,7 @@ def parse_args(argv=None):
     args.virtual_pipeline_model_parallel_size = None
     args.custom_model_provider_path = None  # the converter builds the model of config.json
     args.bf16 = False  # the HF weights are copied as they are, in fp32 (lossless for bf16 checkpoints)
-    # The trainer's MoE flags (slime/utils/moe_arguments.py): conversion runs no router and no experts, and both
+    # The trainer's MoE flags (slime/config/flags_moe.py): conversion runs no router and no experts, and both
     # expert layouts write the same torch_dist entries.
     args.moe_router_dtype = args.moe_token_dispatcher_type = None
     args.moe_grouped_gemm = False

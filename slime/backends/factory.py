@@ -10,7 +10,7 @@ def create_trainer(args, rank: int, world_size: int, master_addr: str, master_po
         raise ValueError(f"unknown train group role {role!r}; expected actor or critic")
     if args.train_backend == "megatron":
         from slime.backends.megatron_utils.backend import MegatronBackend
-        from slime.utils.megatron_role_config import role_args
+        from slime.config.megatron_role_config import role_args
 
         args = role_args(args, role)  # --megatron-config-path: the role's overrides
         backend = MegatronBackend(args, rank, world_size, master_addr, master_port)

@@ -1,7 +1,7 @@
 """Engine configuration: one small dataclass with vLLM's knob names, validated on construction.
 
 This is what `Engine(model_path, **config)` accepts. It is not the slime CLI (that lives in
-`slime.utils.arguments` and turns `--sglang-*` flags into these fields) and it holds no model architecture
+`slime.config.arguments` and turns `--sglang-*` flags into these fields) and it holds no model architecture
 facts: those are read from the checkpoint's config.json by `slime.engine.models`.
 """
 

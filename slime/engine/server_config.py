@@ -5,7 +5,7 @@ Launchers (the Ray engine actor) write one JSON file, `{"model_path": ..., "engi
 "server": {api_key, admin_api_key, allow_remote_admin, max_request_bytes, weights_dir_allowlist}}`, readable by
 the owner only, and pass `--config-file`: typed values cross the process boundary as they are (no boolean lost to
 flag re-serialisation) and keys never appear on a command line (`ps` shows command lines to every local user).
-Flags given on the command line win over the file. Not the slime CLI (`slime.utils.arguments`).
+Flags given on the command line win over the file. Not the slime CLI (`slime.config.arguments`).
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from slime.engine.http_launch import launch_process
 from slime.engine.server_config import write_config_file
-from slime.utils.arguments_sglang import sglang_server_flags
+from slime.config.flags_sglang import sglang_server_flags
 from slime.utils.misc import find_free_port
 
 

@@ -17,7 +17,7 @@ from slime.utils.flops_balance import linear_coefficient, workloads
 from slime.utils.misc import load_function
 from slime.utils.ppo_utils import compute_rloo_advantages, group_mean_std
 from slime.utils.types import Sample, Status
-from slime.utils.validate_megatron_args import hf_text_config
+from slime.utils.hf_config import hf_text_config
 
 GROUP_NORMALISED_ESTIMATORS = ("grpo", "gspo", "cispo", "reinforce_plus_plus_baseline")
 GROUP_STD_EPS = 1e-6  # as normalize_group_rewards

@@ -1,7 +1,7 @@
 """Evaluation rollouts of the default rollout function, and the pass@k estimator.
 
 `eval_rollout(args, rollout_id)` generates n responses for every prompt of every eval dataset (`--eval-config` or
-`--eval-prompt-data`, slime.utils.eval_config) with that dataset's settings (its own, else `eval.defaults`, else
+`--eval-prompt-data`, slime.config.eval_datasets) with that dataset's settings (its own, else `eval.defaults`, else
 `--eval-*`, else `--rollout-*`), scores them, and returns
 `{name: {"rewards": [...], "truncated": [...], "samples": [...]}}`, samples ordered by prompt then sample, so
 `rewards[i * n : (i + 1) * n]` are the n rewards of prompt i (what `compute_pass_at_k` takes).
@@ -15,7 +15,7 @@ import math
 
 from slime.rollout.dataset import EvalDataset, load_eval_datasets
 from slime.rollout.sglang_rollout import GenerateState, build_sampling_params, generate_group
-from slime.utils.eval_config import EvalDatasetConfig, resolve_eval_datasets
+from slime.config.eval_datasets import EvalDatasetConfig, resolve_eval_datasets
 from slime.utils.http_utils import run
 from slime.utils.types import Sample
 

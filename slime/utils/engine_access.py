@@ -17,15 +17,6 @@ SECRET_ARGS = ("sglang_api_key", "sglang_admin_api_key", "wandb_key")
 REDACTED = "<redacted>"
 
 
-def add_engine_access_arguments(parser) -> None:
-    g = parser.add_argument_group("engine access")
-    g.add_argument("--sglang-api-key", default=None,
-                   help="bearer token the engines (every route but /health) and the router require")
-    g.add_argument("--sglang-admin-api-key", default=None,
-                   help="bearer token of the engines' weight / memory / abort routes (built-in engine: a random "
-                        "per-run key when not given)")
-
-
 def ensure_admin_key(args) -> None:
     """Give a built-in-engine run its own admin key when the user named none."""
     if getattr(args, "sglang_admin_api_key", None) is None and getattr(args, "rollout_backend", "slime") == "slime":

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import logging
 
+from slime.config.errors import ArgumentError, cli_flag
+
 logger = logging.getLogger(__name__)
 
 _CUDA_TOOLING = "CUDA memory / profiler tooling of slime's Megatron actor"
@@ -58,26 +60,20 @@ REFUSED = {
 }
 
 
-def _flag(dest: str) -> str:
-    return "--" + dest.replace("_", "-")
-
-
 def check_flag_status(args, defaults: dict) -> list[str]:
     """Raise ValueError for a REFUSED flag set to anything but its default; return the INERT flags that are set
     (and warn about them once)."""
-    from slime.utils.validate_args import ArgumentError
-
     for dest, why in REFUSED.items():
         if getattr(args, dest) != defaults[dest]:
-            raise ArgumentError(f"{_flag(dest)} {getattr(args, dest)!r}: {why}")
+            raise ArgumentError(f"{cli_flag(dest)} {getattr(args, dest)!r}: {why}")
     inert = [dest for dest in INERT if getattr(args, dest) != defaults[dest]]
     if inert:
         logger.warning("these slime flags have no effect here (docs/slime-flags.md says why): %s",
-                       ", ".join(_flag(dest) for dest in inert))
+                       ", ".join(cli_flag(dest) for dest in inert))
     return inert
 
 # slime flags defined by other parts of this project (so not in the modules next to this one).
-_MEGATRON_FLAGS = "a Megatron flag whose default slime resets: slime/backends/megatron_utils/arguments.py"
+_MEGATRON_FLAGS = "a Megatron flag whose default slime resets: slime/config/flags_megatron.py"
 _FAULT_TOLERANCE = "fault tolerance: its flags live with the RolloutManager's engine health checks"
 _ROUTING_REPLAY = "MoE routing replay (R3): its flags live with the MoE trainer support"
 DEFINED_ELSEWHERE = {

@@ -18,6 +18,8 @@ from pathlib import Path
 
 from sglang_router.launch_router import RouterArgs
 
+from slime.config.errors import ArgumentError
+
 SNAPSHOT = json.loads((Path(__file__).with_name("sglang_server_flags.json")).read_text())
 SGLANG_SERVER_FLAGS = SNAPSHOT["flags"]
 SNAPSHOT_TYPES = {"int": int, "float": float}  # the snapshot's value types; other values stay strings
@@ -132,8 +134,6 @@ def given_sglang_flags(args) -> dict:
 def type_sglang_values(args) -> None:
     """The given --sglang-* values as SGLang types them (int / float; the rest stay strings); ArgumentError
     naming the flag for a value that is not one."""
-    from slime.utils.validate_args import ArgumentError
-
     for spec in SGLANG_SERVER_FLAGS:
         dest, kind = _dest_of(spec), SNAPSHOT_TYPES.get(spec["type"])
         value = getattr(args, dest, None)
@@ -148,8 +148,6 @@ def type_sglang_values(args) -> None:
 
 def engine_config_from_sglang_flags(args) -> tuple[dict, list[str]]:
     """(built-in engine Config fields from the given --sglang-* flags, the given flags it has no use for)."""
-    from slime.utils.validate_args import ArgumentError
-
     config, unused = {}, []
     for dest, value in given_sglang_flags(args).items():
         if dest not in SGLANG_FLAG_TO_ENGINE_CONFIG:

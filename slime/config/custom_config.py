@@ -12,14 +12,14 @@ from pathlib import Path
 
 import yaml
 
+from slime.config.errors import ArgumentError
+
 logger = logging.getLogger(__name__)
 
 
 def apply_custom_config(args) -> None:
     if not args.custom_config_path:
         return
-    from slime.utils.validate_args import ArgumentError
-
     path = Path(args.custom_config_path)
     try:
         data = yaml.safe_load(path.read_text()) or {}

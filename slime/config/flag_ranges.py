@@ -54,7 +54,7 @@ FLAG_RANGES = {
     "num_attention_heads": AT_LEAST_1, "num_query_groups": AT_LEAST_1, "kv_channels": AT_LEAST_1,
     "vocab_size": AT_LEAST_1, "rotary_base": POSITIVE, "layernorm_epsilon": POSITIVE, "seq_length": AT_LEAST_1,
     "max_position_embeddings": AT_LEAST_1, "rotary_percent": TOP_P,
-    # megatron (slime/backends/megatron_utils/arguments.py)
+    # megatron (slime/config/flags_megatron.py)
     "tensor_model_parallel_size": AT_LEAST_1, "pipeline_model_parallel_size": AT_LEAST_1,
     "num_layers_per_virtual_pipeline_stage": AT_LEAST_1, "num_virtual_stages_per_pipeline_rank": AT_LEAST_1,
     "context_parallel_size": AT_LEAST_1, "expert_model_parallel_size": AT_LEAST_1,

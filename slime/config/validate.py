@@ -21,15 +21,15 @@ from pathlib import Path
 from slime.utils.checkpoint_state import (CheckpointError, critic_checkpoint, resume_dir,
                                           starts_fresh_without_checkpoint, weights_at_step)
 from slime.utils.engine_access import external_engine_url
-from slime.utils.flag_ranges import ANY, FLAG_RANGES
+from slime.config.errors import ArgumentError, cli_flag, require
+from slime.config.flag_ranges import ANY, FLAG_RANGES
 from slime.utils.misc import load_function, load_functions
-from slime.utils.moe_arguments import check_moe_args
+from slime.config.flags_moe import check_moe_args
+from slime.config.validate_megatron import validate_megatron_args, validate_megatron_batches
+from slime.config.validate_trainer import check_trainer_flags
+from slime.config.validate_weight_sync import check_release_train, check_weight_sync_flags
 
 logger = logging.getLogger(__name__)
-
-
-class ArgumentError(ValueError):
-    """A bad flag or flag combination."""
 
 
 # Flags naming a user function by dotted path: imported and checked callable before anything starts.
@@ -58,21 +58,12 @@ def resolve_rollout_backend(args) -> None:
 CKPT_STEP_FLAGS = {"ref_load": "ref_ckpt_step", "opd_teacher_load": "opd_teacher_ckpt_step"}
 
 
-def _require(condition: bool, message: str) -> None:
-    if not condition:
-        raise ArgumentError(message)
-
-
-def _flag(dest: str) -> str:
-    return "--" + dest.replace("_", "-")
-
-
 def _check_ranges(args) -> None:
     for dest, allowed in FLAG_RANGES.items():
         value = getattr(args, dest)
         for item in value if isinstance(value, list) else [value]:
-            _require(allowed is ANY or item is None or allowed.allows(item),
-                     f"{_flag(dest)} {item}: must be {allowed}")
+            require(allowed is ANY or item is None or allowed.allows(item),
+                     f"{cli_flag(dest)} {item}: must be {allowed}")
 
 
 def _check_hooks(args) -> None:
@@ -81,7 +72,7 @@ def _check_hooks(args) -> None:
     for dest, path in paths:
         if path is not None:
             try:
-                load_function(path, _flag(dest))
+                load_function(path, cli_flag(dest))
             except ValueError as exc:
                 raise ArgumentError(str(exc)) from None
     _check_tools(args)
@@ -100,7 +91,7 @@ def _check_tools(args) -> None:
         get_parser(args.tool_call_parser)
     except ValueError as exc:
         raise ArgumentError(str(exc)) from None
-    _require(args.max_turns > 1 or not (args.tool_functions_path or args.env_path),
+    require(args.max_turns > 1 or not (args.tool_functions_path or args.env_path),
              "--tool-functions-path / --env-path need --max-turns > 1 (a conversation of one turn never uses them)")
 
 
@@ -113,31 +104,31 @@ def _check_resume(args) -> None:
             critic_checkpoint(actor_dir)
     except CheckpointError as exc:
         raise ArgumentError(str(exc)) from None
-    _require(not args.load_if_exists or args.load, "--load-if-exists needs --load (the folder to resume from)")
+    require(not args.load_if_exists or args.load, "--load-if-exists needs --load (the folder to resume from)")
 
 
 def _check_paths(args) -> None:
     if args.load_debug_rollout_data is None or not args.debug_train_only:
-        _require(args.hf_checkpoint is not None, "--hf-checkpoint is required: a Hugging Face model folder")
+        require(args.hf_checkpoint is not None, "--hf-checkpoint is required: a Hugging Face model folder")
     if args.hf_checkpoint is not None:
         config = Path(args.hf_checkpoint) / "config.json"
-        _require(config.is_file(), f"--hf-checkpoint {args.hf_checkpoint}: no config.json there; "
+        require(config.is_file(), f"--hf-checkpoint {args.hf_checkpoint}: no config.json there; "
                                    "point it at a Hugging Face model folder")
     for flag in ("ref_load", "opd_teacher_load", "critic_load"):
         path = getattr(args, flag)
         step_flag = CKPT_STEP_FLAGS.get(flag)
         if step_flag and getattr(args, step_flag) is not None:  # slime's: a step of a --save folder's checkpoints
-            _require(path is not None, f"{_flag(step_flag)} picks a checkpoint step of {_flag(flag)}; pass it")
+            require(path is not None, f"{cli_flag(step_flag)} picks a checkpoint step of {cli_flag(flag)}; pass it")
             try:
-                path = weights_at_step(path, getattr(args, step_flag), _flag(step_flag))
+                path = weights_at_step(path, getattr(args, step_flag), cli_flag(step_flag))
             except CheckpointError as exc:
                 raise ArgumentError(str(exc)) from None
         if path is not None:
-            _require((Path(path) / "config.json").is_file(),
+            require((Path(path) / "config.json").is_file(),
                      f"--{flag.replace('_', '-')} {path}: not a Hugging Face model folder (no config.json)")
     if args.prompt_data is not None:
         data_path = args.prompt_data.split("@[")[0]
-        _require(Path(data_path).is_file(), f"--prompt-data {data_path}: file not found")
+        require(Path(data_path).is_file(), f"--prompt-data {data_path}: file not found")
 
 
 def _resolve_cluster(args) -> None:
@@ -148,7 +139,7 @@ def _resolve_cluster(args) -> None:
     args.world_size = args.actor_num_nodes * args.actor_num_gpus_per_node
     args.rollout_external = args.rollout_external_engine_addrs is not None  # slime's name
     if args.rollout_external:
-        _require(not args.colocate, "--colocate shares this run's devices with engines it starts; external engines "
+        require(not args.colocate, "--colocate shares this run's devices with engines it starts; external engines "
                                     "(--rollout-external-engine-addrs) run elsewhere: drop one of the two")
         try:
             args.rollout_external_engine_urls = [external_engine_url(a) for a in args.rollout_external_engine_addrs]
@@ -165,47 +156,47 @@ def _resolve_cluster(args) -> None:
         args.offload_rollout = bool(args.offload_rollout or args.offload)
     if args.rollout_num_gpus is None:
         args.rollout_num_gpus = 1
-    _require(args.rollout_num_gpus % args.rollout_num_gpus_per_engine == 0,
+    require(args.rollout_num_gpus % args.rollout_num_gpus_per_engine == 0,
              f"--rollout-num-gpus {args.rollout_num_gpus} is not a multiple of "
              f"--rollout-num-gpus-per-engine {args.rollout_num_gpus_per_engine}")
-    _require(args.rollout_num_gpus_per_engine == 1 or args.rollout_backend == "sglang",
+    require(args.rollout_num_gpus_per_engine == 1 or args.rollout_backend == "sglang",
              "the built-in engine runs one device per engine; use --rollout-num-gpus-per-engine 1 "
              "(or --rollout-backend sglang for tensor parallel engines)")
     args.rollout_num_engines = (len(args.rollout_external_engine_urls) if args.rollout_external
                                 else args.rollout_num_gpus // args.rollout_num_gpus_per_engine)
     external_router = args.sglang_router_ip is not None or args.sglang_router_port is not None
-    _require(not external_router or (args.sglang_router_ip and args.sglang_router_port),
+    require(not external_router or (args.sglang_router_ip and args.sglang_router_port),
              "--sglang-router-ip and --sglang-router-port go together")
     args.use_external_router = bool(external_router)
 
 
 def _resolve_batches(args) -> None:
-    _require(args.rollout_batch_size is not None, "--rollout-batch-size (prompts per rollout) is required")
+    require(args.rollout_batch_size is not None, "--rollout-batch-size (prompts per rollout) is required")
     samples_per_rollout = args.rollout_batch_size * args.n_samples_per_prompt
     if args.num_steps_per_rollout is not None:
         derived = samples_per_rollout // args.num_steps_per_rollout
-        _require(args.global_batch_size in (None, derived) and derived * args.num_steps_per_rollout == samples_per_rollout,
+        require(args.global_batch_size in (None, derived) and derived * args.num_steps_per_rollout == samples_per_rollout,
                  f"--rollout-batch-size x --n-samples-per-prompt ({samples_per_rollout}) must equal "
                  f"--global-batch-size ({args.global_batch_size}) x --num-steps-per-rollout ({args.num_steps_per_rollout})")
         args.global_batch_size = derived
     elif args.global_batch_size is None:
         args.global_batch_size = samples_per_rollout
-    _require(samples_per_rollout % args.global_batch_size == 0,
+    require(samples_per_rollout % args.global_batch_size == 0,
              f"--rollout-batch-size x --n-samples-per-prompt ({samples_per_rollout}) must be a multiple of "
              f"--global-batch-size ({args.global_batch_size})")
     args.num_steps_per_rollout = samples_per_rollout // args.global_batch_size
-    _require(args.global_batch_size % args.data_parallel_size == 0,
+    require(args.global_batch_size % args.data_parallel_size == 0,
              f"--global-batch-size {args.global_batch_size} must divide evenly over {args.data_parallel_size} "
              "data-parallel ranks (--actor-num-nodes x --actor-num-gpus-per-node trainer processes over "
              "--tensor-model-parallel-size x --pipeline-model-parallel-size x --context-parallel-size)")
     if args.use_dynamic_batch_size:
-        _require(args.max_tokens_per_gpu is not None, "--use-dynamic-batch-size needs --max-tokens-per-gpu")
+        require(args.max_tokens_per_gpu is not None, "--use-dynamic-batch-size needs --max-tokens-per-gpu")
     if args.over_sampling_batch_size is None:
         args.over_sampling_batch_size = args.rollout_batch_size
-    _require(args.over_sampling_batch_size >= args.rollout_batch_size,
+    require(args.over_sampling_batch_size >= args.rollout_batch_size,
              f"--over-sampling-batch-size {args.over_sampling_batch_size} must be >= "
              f"--rollout-batch-size {args.rollout_batch_size}")
-    _require(args.num_rollout is not None or args.num_epoch is not None or args.debug_train_only
+    require(args.num_rollout is not None or args.num_epoch is not None or args.debug_train_only
              or args.load_debug_rollout_data is not None,
              "give --num-rollout or --num-epoch (how long to train)")
 
@@ -214,34 +205,34 @@ def _resolve_algorithm(args) -> None:
     if args.eps_clip_high is None:
         args.eps_clip_high = args.eps_clip
     uses_kl = args.kl_coef != 0 or args.use_kl_loss
-    _require(not uses_kl or args.ref_load is not None,
+    require(not uses_kl or args.ref_load is not None,
              "KL (--kl-coef or --use-kl-loss) needs a reference model: pass --ref-load (usually the "
              "--hf-checkpoint folder)")
-    _require(not (args.kl_coef != 0 and args.use_kl_loss and args.kl_loss_coef != 0),
+    require(not (args.kl_coef != 0 and args.use_kl_loss and args.kl_loss_coef != 0),
              "--kl-coef (KL in the reward) and --use-kl-loss --kl-loss-coef (KL in the loss) exclude each other")
     if args.advantage_estimator in ("reinforce_plus_plus", "reinforce_plus_plus_baseline"):
-        _require(args.normalize_advantages, f"--advantage-estimator {args.advantage_estimator} needs "
+        require(args.normalize_advantages, f"--advantage-estimator {args.advantage_estimator} needs "
                                             "--normalize-advantages")
-    _require(not (args.use_rollout_logprobs and args.use_tis),
+    require(not (args.use_rollout_logprobs and args.use_tis),
              "--use-rollout-logprobs and --use-tis exclude each other (TIS corrects recomputed old log-probs "
              "towards the rollout's)")
-    _require(args.loss_type != "custom_loss" or args.custom_loss_function_path,
+    require(args.loss_type != "custom_loss" or args.custom_loss_function_path,
              "--loss-type custom_loss needs --custom-loss-function-path")
     custom_rollout = (args.custom_generate_function_path is not None
                       or args.rollout_function_path != "slime.rollout.sglang_rollout.generate_rollout")
-    _require(not args.use_opd or args.opd_teacher_load or custom_rollout,
+    require(not args.use_opd or args.opd_teacher_load or custom_rollout,
              "--use-opd needs teacher log-probs: --opd-teacher-load DIR (the trainer computes them), or a custom "
              "--custom-generate-function-path / --rollout-function-path that sets Sample.teacher_log_probs")
-    _require(args.opd_teacher_load is None or args.use_opd, "--opd-teacher-load is only used with --use-opd")
+    require(args.opd_teacher_load is None or args.use_opd, "--opd-teacher-load is only used with --use-opd")
     if args.use_opd and args.opd_type is None:  # slime requires it; the teacher folder says which one is meant
         args.opd_type = "megatron" if args.opd_teacher_load else "sglang"
-    _require(args.opd_type != "megatron" or args.opd_teacher_load,
+    require(args.opd_type != "megatron" or args.opd_teacher_load,
              "--opd-type megatron: the trainer computes the teacher log-probs, so it needs --opd-teacher-load DIR")
-    _require(args.opd_type != "sglang" or args.opd_teacher_load is None,
+    require(args.opd_type != "sglang" or args.opd_teacher_load is None,
              "--opd-type sglang: teacher log-probs come from the rollout (Sample.teacher_log_probs); drop "
              "--opd-teacher-load or use --opd-type megatron")
-    _require(args.opd_type is None or args.use_opd, "--opd-type is only used with --use-opd")
-    _require(args.compute_advantages_and_returns or args.loss_type != "policy_loss",
+    require(args.opd_type is None or args.use_opd, "--opd-type is only used with --use-opd")
+    require(args.compute_advantages_and_returns or args.loss_type != "policy_loss",
              "--disable-compute-advantages-and-returns leaves the policy loss without advantages; use it with "
              "--loss-type sft_loss or custom_loss")
     if args.advantage_estimator == "cispo" and args.eps_clip < 1.0:  # slime's warning
@@ -251,32 +242,32 @@ def _resolve_algorithm(args) -> None:
     if args.n_samples_per_prompt == 1:
         args.grpo_std_normalization = False
     args.use_critic = args.advantage_estimator == "ppo"
-    _require(args.use_critic or args.critic_load is None, "--critic-load is only used with --advantage-estimator ppo")
+    require(args.use_critic or args.critic_load is None, "--critic-load is only used with --advantage-estimator ppo")
     if args.critic_lr is None:
         args.critic_lr = args.lr
     if args.loss_agg_mode is None:
         args.loss_agg_mode = "token_mean" if args.calculate_per_token_loss else "sample_mean"
-    _require(not args.calculate_per_token_loss or args.loss_agg_mode == "token_mean",
+    require(not args.calculate_per_token_loss or args.loss_agg_mode == "token_mean",
              f"--calculate-per-token-loss contradicts --loss-agg-mode {args.loss_agg_mode}; pass only one")
     args.calculate_per_token_loss = args.loss_agg_mode == "token_mean"
     if args.loss_agg_mode == "constant" and args.loss_agg_constant is None:
-        _require(args.rollout_max_response_len is not None,
+        require(args.rollout_max_response_len is not None,
                  "--loss-agg-mode constant needs --loss-agg-constant or --rollout-max-response-len (its default)")
         args.loss_agg_constant = float(args.rollout_max_response_len)
-    _require(args.loss_agg_constant is None or args.loss_agg_mode == "constant",
+    require(args.loss_agg_constant is None or args.loss_agg_mode == "constant",
              "--loss-agg-constant is only used with --loss-agg-mode constant")
-    _require(args.tis_mode == "truncate" or args.use_tis, f"--tis-mode {args.tis_mode} needs --use-tis")
-    _require(args.custom_tis_function_path is None or args.use_tis,
+    require(args.tis_mode == "truncate" or args.use_tis, f"--tis-mode {args.tis_mode} needs --use-tis")
+    require(args.custom_tis_function_path is None or args.use_tis,
              "--custom-tis-function-path replaces the TIS weights of --use-tis; pass --use-tis too")
     if args.loss_type == "policy_loss" and not args.debug_rollout_only:
-        _require(args.rm_type is not None or args.custom_rm_path is not None
+        require(args.rm_type is not None or args.custom_rm_path is not None
                  or args.rollout_function_path != "slime.rollout.sglang_rollout.generate_rollout",
                  "no reward: pass --rm-type (e.g. math, deepscaler, dapo, f1, gpqa, remote_rm) or --custom-rm-path")
-    _require(args.rm_type != "remote_rm" or args.rm_url, "--rm-type remote_rm needs --rm-url")
+    require(args.rm_type != "remote_rm" or args.rm_url, "--rm-type remote_rm needs --rm-url")
 
 
 def _resolve_eval_and_output(args) -> None:
-    from slime.utils.eval_config import resolve_eval_datasets
+    from slime.config.eval_datasets import resolve_eval_datasets
 
     try:
         args.eval_datasets = resolve_eval_datasets(args)
@@ -284,35 +275,35 @@ def _resolve_eval_and_output(args) -> None:
         raise ArgumentError(str(exc)) from None
     source = "--eval-config" if args.eval_config else "--eval-prompt-data"
     for dataset in args.eval_datasets:
-        _require(Path(dataset.path.split("@[")[0]).is_file(),
+        require(Path(dataset.path.split("@[")[0]).is_file(),
                  f"{source} {dataset.name}: file {dataset.path} not found")
     if args.eval_datasets:  # slime's: the flat name/path list of every dataset
         args.eval_prompt_data = [item for dataset in args.eval_datasets for item in (dataset.name, dataset.path)]
     if args.eval_max_context_len is None:  # slime's default
         args.eval_max_context_len = args.rollout_max_context_len
-    _require(args.eval_interval is None or args.eval_datasets,
+    require(args.eval_interval is None or args.eval_datasets,
              "--eval-interval needs eval datasets (--eval-prompt-data or --eval-config)")
-    _require(args.save_interval is None or args.save, "--save-interval needs --save")
+    require(args.save_interval is None or args.save, "--save-interval needs --save")
     if args.output_dir is None:
         args.output_dir = os.path.join("runs", time.strftime("%Y%m%d-%H%M%S") + f"-{os.getpid()}")
 
 
 def _resolve_debug(args) -> None:
     """slime's debug and replay flags (docs/fault-tolerance.md): a replay of saved rollouts needs no engines."""
-    from slime.utils.validate_trainer_flags import resolve_debug_dumps
+    from slime.config.validate_trainer import resolve_debug_dumps
 
     resolve_debug_dumps(args)
     for flag in ("save_debug_rollout_data", "load_debug_rollout_data"):
         template = getattr(args, flag)
-        _require(template is None or "{rollout_id}" in template,
-                 f"{_flag(flag)} {template}: the path needs a {{rollout_id}} placeholder (one file per rollout), "
+        require(template is None or "{rollout_id}" in template,
+                 f"{cli_flag(flag)} {template}: the path needs a {{rollout_id}} placeholder (one file per rollout), "
                  "e.g. runs/debug/rollout_{rollout_id}.json")
     if args.load_debug_rollout_data is not None:
         args.debug_train_only = True  # as slime: training replays the saved rollouts, no engine starts
-    _require(not (args.debug_rollout_only and args.debug_train_only),
+    require(not (args.debug_rollout_only and args.debug_train_only),
              "--debug-rollout-only (engines only) and --debug-train-only / --load-debug-rollout-data (trainer only) "
              "exclude each other")
-    _require(not (args.use_fault_tolerance and args.debug_train_only),
+    require(not (args.use_fault_tolerance and args.debug_train_only),
              "--use-fault-tolerance watches rollout engines; --debug-train-only / --load-debug-rollout-data start none")
 
 
@@ -325,15 +316,12 @@ SLIME_HOOK_DESTS = {"custom_megatron_init_path": "custom_init_path",
 def validate_args(args) -> None:
     for slime_dest, dest in SLIME_HOOK_DESTS.items():
         setattr(args, slime_dest, getattr(args, dest))
-    from slime.utils.validate_megatron_args import validate_megatron_args, validate_megatron_batches
-    from slime.utils.validate_trainer_flags import check_trainer_flags
-    from slime.utils.validate_weight_sync import check_release_train, check_weight_sync_flags
 
     _resolve_debug(args)
     _check_ranges(args)
     _check_hooks(args)
     _check_paths(args)
-    check_moe_args(args, _require)
+    check_moe_args(args, require)
     _resolve_cluster(args)
     check_weight_sync_flags(args)
     validate_megatron_args(args)

@@ -12,28 +12,28 @@ from __future__ import annotations
 from pathlib import Path
 
 from slime.utils import weight_delta
-from slime.utils.validate_args import _flag, _require
+from slime.config.errors import cli_flag, require
 
 
 def check_weight_sync_flags(args) -> None:
-    _require(args.update_weight_transport != "disk" or args.update_weight_disk_dir,
+    require(args.update_weight_transport != "disk" or args.update_weight_disk_dir,
              "--update-weight-transport disk needs --update-weight-disk-dir: a folder the trainer writes and every "
              "engine can read")
     if args.update_weight_mode == "delta":
-        _require(args.update_weight_transport == "disk", "--update-weight-mode delta needs --update-weight-transport "
+        require(args.update_weight_transport == "disk", "--update-weight-mode delta needs --update-weight-transport "
                                                          f"disk, got {args.update_weight_transport!r}")
-        _require(not args.colocate, "--update-weight-mode delta is not for --colocate: colocated engines get the "
+        require(not args.colocate, "--update-weight-mode delta is not for --colocate: colocated engines get the "
                                     "weights by handle, no bytes travel that a delta could save")
-        _require(args.update_weight_local_checkpoint_dir, "--update-weight-mode delta needs "
+        require(args.update_weight_local_checkpoint_dir, "--update-weight-mode delta needs "
                  "--update-weight-local-checkpoint-dir: the engines' host-local checkpoint the deltas apply to")
         missing = " ".join(weight_delta.missing_packages(args.update_weight_delta_checksum))
-        _require(not missing, f"--update-weight-mode delta with --update-weight-delta-checksum "
+        require(not missing, f"--update-weight-mode delta with --update-weight-delta-checksum "
                               f"{args.update_weight_delta_checksum} needs: pip install {missing} (scripts/setup.sh "
                               "installs zstandard and xxhash; blake3 is not installed by default)")
     for dest in ("update_weight_local_checkpoint_dir", "custom_update_weight_post_write_path",
                  "update_weight_disk_keep_files"):
-        _require(not getattr(args, dest) or args.update_weight_transport == "disk",
-                 f"{_flag(dest)} is only used with --update-weight-transport disk")
+        require(not getattr(args, dest) or args.update_weight_transport == "disk",
+                 f"{cli_flag(dest)} is only used with --update-weight-transport disk")
     for dest in ("update_weight_disk_dir", "update_weight_local_checkpoint_dir"):
         if getattr(args, dest):  # absolute: the engine servers and trainer processes may not share a cwd
             setattr(args, dest, str(Path(getattr(args, dest)).absolute()))
@@ -46,15 +46,15 @@ def check_release_train(args) -> None:
     --use-fault-tolerance, whose restarted engines get their weights from the (then released) trainer."""
     if not args.release_train:
         return
-    _require(args.train_backend == "megatron", "--release-train needs --train-backend megatron (as in slime)")
-    _require(not args.use_critic, "--release-train does not train a critic (--advantage-estimator ppo), as in slime")
-    _require(not args.keep_old_actor, "--release-train cannot --keep-old-actor: the kept weights live in the train "
+    require(args.train_backend == "megatron", "--release-train needs --train-backend megatron (as in slime)")
+    require(not args.use_critic, "--release-train does not train a critic (--advantage-estimator ppo), as in slime")
+    require(not args.keep_old_actor, "--release-train cannot --keep-old-actor: the kept weights live in the train "
                                       "processes it ends")
-    _require(args.save, "--release-train needs --save: the train processes come back from its latest checkpoint")
-    _require(args.update_weight_mode == "full" and args.update_weight_transport == "disk",
+    require(args.save, "--release-train needs --save: the train processes come back from its latest checkpoint")
+    require(args.update_weight_mode == "full" and args.update_weight_transport == "disk",
              "--release-train needs --update-weight-transport disk (and --update-weight-mode full): the engines "
              "load the weights from disk after the train processes are gone")
-    _require(not args.use_fault_tolerance, "--release-train with --use-fault-tolerance: an engine restarted during "
+    require(not args.use_fault_tolerance, "--release-train with --use-fault-tolerance: an engine restarted during "
                                            "a rollout gets its weights from the train processes, which are released "
                                            "then; drop one of the two")
     if args.colocate:

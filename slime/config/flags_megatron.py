@@ -1,14 +1,14 @@
 """Megatron-LM's command-line flags, as slime's recipes pass them: names, dests and defaults of megatron-core
 0.16.1's `megatron/training/arguments.py` (plus three switches of slime's patched Megatron).
 
-`add_megatron_arguments(parser)` registers them; `slime.utils.arguments` calls it once. PARALLELISM and TRAINING
-flags are applied (their rules live in `slime.utils.validate_megatron_args`). MODEL_SHAPE flags describe the
+`add_megatron_arguments(parser)` registers them; `slime.config.arguments` calls it once. PARALLELISM and TRAINING
+flags are applied (their rules live in `slime.config.validate_megatron`). MODEL_SHAPE flags describe the
 architecture, which both backends build from `--hf-checkpoint`'s config.json: those config.json states too are
 checked against it. Every other flag carries the reason it changes nothing here (`inert_because`: the INERT and MOE
 groups, the architecture switches), and a run that sets one is told once at start-up (`inert_flag_notices`).
-Megatron's MoE shape, router and load-balancing flags are slime/utils/moe_arguments.py's, not this module's; the
+Megatron's MoE shape, router and load-balancing flags are slime/config/flags_moe.py's, not this module's; the
 Megatron flags the project already had under the same name (`--micro-batch-size`, `--lr`, `--clip-grad`, ...) stay
-in `slime.utils.arguments`. docs/megatron-flags.md is the table of all of them.
+in `slime.config.arguments`. docs/megatron-flags.md is the table of all of them.
 
 This module parses nothing itself and imports nothing of megatron-core: the FSDP backend uses the same flags.
 """
@@ -115,7 +115,7 @@ MODEL_SHAPE = [
     MegatronFlag("--v-head-dim", {"type": int, "default": 128}, _ARCHITECTURE),
 ]
 
-# Megatron's MoE flags that slime/utils/moe_arguments.py (the MoE trainer's flags) does not define: --num-experts,
+# Megatron's MoE flags that slime/config/flags_moe.py (the MoE trainer's flags) does not define: --num-experts,
 # --moe-router-topk, --moe-ffn-hidden-size, --moe-layer-freq, --moe-aux-loss-coeff, ... are that module's. A name
 # it takes as well stays its own (add_megatron_arguments skips it).
 _ROUTING_FROM_HF = "routing is built from config.json (the engine routes the same way)"
