@@ -36,7 +36,7 @@ def timed(fn, num_iters):
 
 
 def main():
-    from slime.backends.fsdp_utils.attention import flash_varlen_causal
+    from slime.backends.attention import flash_varlen_causal
     from slime.backends.packing import cu_seqlens_of
     from slime.backends.packing import split_micro_batches
 

@@ -23,7 +23,7 @@ def build_megatron(args, rank: int, world_size: int, port: int):
     from transformers import AutoConfig
 
     from slime.backends.megatron_utils.cpu_shim import apply_cpu_shim
-    from slime.backends.fsdp_utils.backend import init_default_group
+    from slime.backends.process_group import init_default_group
     from slime.backends.megatron_utils.parallel import init_model_parallel
 
     cpu = torch.device("cpu")

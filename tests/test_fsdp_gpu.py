@@ -90,7 +90,7 @@ def test_gpu_varlen_packed_log_probs_match_per_sample_forward(tmp_path):
     path, in bf16, with grouped-query attention and samples of unequal lengths."""
     from transformers import AutoModelForCausalLM
 
-    from slime.backends.fsdp_utils.attention import VARLEN, varlen_supported
+    from slime.backends.attention import VARLEN, varlen_supported
     from slime.backends.packing import pack_samples
     from slime.backends.fsdp_utils.model import PolicyModel, attention_implementation
     from slime.utils.tiny_model import build_tiny_model

@@ -8,7 +8,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from slime.backends.fsdp_utils.checkpoint import load_training_state, resolve_load_dir, save_checkpoint
+from slime.backends.fsdp_utils.checkpoint import load_training_state, save_checkpoint
+from slime.backends.checkpoint_files import resolve_load_dir
 from slime.rollout.dataset import PromptFormat, load_prompt_samples
 from slime.config.arguments import build_parser, parse_args
 from slime.utils.checkpoint_state import CheckpointError, load_run_state

@@ -25,7 +25,7 @@ def _relative_error(got: torch.Tensor, expected: torch.Tensor) -> float:
 def _compare_on_gpu(rank, world_size, port, checkpoint):
     from transformers import AutoConfig
 
-    from slime.backends.fsdp_utils.backend import init_default_group
+    from slime.backends.process_group import init_default_group
     from slime.backends.megatron_utils.parallel import init_model_parallel
 
     cuda = torch.device("cuda", 0)

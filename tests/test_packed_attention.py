@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from slime.backends.fsdp_utils.attention import VARLEN, bucketed_causal_attention, packed_causal_attention
+from slime.backends.attention import VARLEN, bucketed_causal_attention, packed_causal_attention
 from slime.backends.packing import cu_seqlens_of, pack_samples
 
 

@@ -15,13 +15,13 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 pytest.importorskip("triton")
 
-from slime.backends.fsdp_utils import triton_log_probs
-from slime.backends.fsdp_utils.log_probs import (
+from slime.backends import triton_log_probs
+from slime.backends.log_probs import (
     chunked_log_probs_and_entropy,
     torch_chunked_log_probs_and_entropy,
     uses_fused_path,
 )
-from slime.backends.fsdp_utils.triton_log_probs import FusedChunkedLogProbs, logits_stats
+from slime.backends.triton_log_probs import FusedChunkedLogProbs, logits_stats
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # The interpreter casts fp32 to bf16 by truncation, compiled Triton rounds to nearest (as torch): a truncated

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from slime.backends.fsdp_utils.checkpoint import resolve_load_dir
+from slime.backends.checkpoint_files import resolve_load_dir
 from slime.backends.loss import LossReducer, MicroBatchTensors, value_loss
 from slime.backends.packing import float_tensors, outputs_per_sample
 from slime.backends.train_flow import TrainFlow

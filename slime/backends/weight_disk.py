@@ -27,7 +27,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from slime.backends.fsdp_utils.checkpoint import copy_hf_extra_files
+from slime.backends.checkpoint_files import copy_hf_extra_files
 from slime.utils import weight_delta
 
 

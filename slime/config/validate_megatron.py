@@ -16,9 +16,7 @@ check (train.py / train_async.py) that the chosen backend can be imported and ru
 from __future__ import annotations
 
 import importlib.util
-import json
 import logging
-from pathlib import Path
 
 from slime.config.flags_megatron import MEGATRON_FLAGS
 from slime.config.errors import ArgumentError, cli_flag, require

@@ -47,7 +47,7 @@ class TrainRayActor:
         if rendezvous_file is not None:  # the trainer then finds its default group made
             import torch.distributed as dist
 
-            from slime.backends.fsdp_utils.backend import PROCESS_GROUP_TIMEOUT
+            from slime.backends.process_group import PROCESS_GROUP_TIMEOUT
 
             backend = "nccl" if args.device == "cuda" else "gloo"
             dist.init_process_group(backend, init_method=f"file://{rendezvous_file}", rank=rank,

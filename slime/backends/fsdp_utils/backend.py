@@ -14,12 +14,9 @@ Not here: the RL flows (slime/backends/train_flow.py, critic_flow.py).
 from __future__ import annotations
 
 import logging
-import os
-from datetime import timedelta
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
@@ -38,32 +35,14 @@ from slime.backends.fsdp_utils.model import (
 from slime.backends.fsdp_utils.moe_router import install_routers
 from slime.backends.fsdp_utils.offload import TrainingStateOffload
 from slime.backends.fsdp_utils.optimizer import build_optimizer, clip_grad_norm
-from slime.backends.fsdp_utils.value_model import VALUE_HEAD_KEY, build_value_model
+from slime.backends.fsdp_utils.value_model import build_value_model
+from slime.backends.checkpoint_files import VALUE_HEAD_KEY
 from slime.backends.moe_aux_loss import router_losses
 from slime.backends.packing import PackedMicroBatch
 from slime.backends.param_freeze import freeze_parameters
+from slime.backends.process_group import init_default_group, training_device
 
 logger = logging.getLogger(__name__)
-
-# The default group's timeout, here or where a launcher creates the group first (slime/ray/actor_group.py).
-PROCESS_GROUP_TIMEOUT = timedelta(minutes=30)
-
-
-def training_device(args, rank: int) -> torch.device:
-    """This rank's GPU when training on CUDA (--device cuda, or auto with a GPU), else the CPU."""
-    if args.device == "cuda" or (args.device in (None, "auto") and torch.cuda.is_available()):
-        local_rank = int(os.environ.get("LOCAL_RANK", rank % max(torch.cuda.device_count(), 1)))
-        torch.cuda.set_device(local_rank)
-        return torch.device("cuda", local_rank)
-    return torch.device("cpu")
-
-
-def init_default_group(device: torch.device, rank: int, world_size: int, master_addr: str, master_port: int) -> None:
-    """The default process group (nccl on GPUs, gloo on the CPU), unless a launcher made it already."""
-    if not dist.is_initialized():
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
-                                init_method=f"tcp://{master_addr}:{master_port}", rank=rank, world_size=world_size,
-                                timeout=PROCESS_GROUP_TIMEOUT)
 
 
 class FSDPBackend(TrainBackend):

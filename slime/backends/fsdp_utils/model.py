@@ -15,11 +15,11 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from slime.backends.fsdp_utils.attention import VARLEN
+from slime.backends.attention import VARLEN
 from slime.backends.fsdp_utils.expert_weights import per_expert_tensors, stacked_tensor
-from slime.backends.fsdp_utils.attention import register as register_varlen
+from slime.backends.attention import register as register_varlen
 from slime.backends.packing import PackedMicroBatch
-from slime.backends.fsdp_utils.log_probs import chunked_log_probs_and_entropy
+from slime.backends.log_probs import chunked_log_probs_and_entropy
 
 HF_PREFIX = "hf_model."
 

@@ -14,8 +14,6 @@ from torch import nn
 from slime.backends.packing import PackedMicroBatch
 from slime.backends.fsdp_utils.model import ShardOptions, packed_hidden_states, shard_model
 
-VALUE_HEAD_KEY = "value_head.weight"
-
 
 class ValueModel(nn.Module):
     def __init__(self, hf_model: nn.Module):

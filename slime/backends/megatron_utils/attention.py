@@ -4,7 +4,7 @@ sample of a packed row, never across samples.
 megatron-core's local `DotProductAttention` refuses packed sequences (`packed_seq_params` must be None) and
 materialises [batch, heads, T, T] scores; Transformer Engine's core (the TE spec) handles THD itself. This module
 takes the place of the local core with the FSDP backend's `packed_causal_attention`
-(slime/backends/fsdp_utils/attention.py): the varlen FlashAttention kernel on a GPU that has it (grouped K/V read
+(slime/backends/attention.py): the varlen FlashAttention kernel on a GPU that has it (grouped K/V read
 directly), elsewhere sdpa over length-bucketed padded samples (exact, no [T, T] mask over the whole row). Input as
 Megatron's `Attention` hands it over for qkv_format "thd": query [T, heads, D], key / value [T, kv_heads, D] (this
 rank's heads); output [T, heads * D].
@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from megatron.core.transformer.module import MegatronModule
 
-from slime.backends.fsdp_utils.attention import packed_causal_attention
+from slime.backends.attention import packed_causal_attention
 from slime.backends.megatron_utils.context_parallel import CpLayout, context_parallel_group, gather_sequence
 
 

@@ -37,8 +37,8 @@ import torch
 import torch.distributed as dist
 
 from slime.backends.backend import LossOf, TrainBackend, reset_adam_state
-from slime.backends.fsdp_utils.backend import init_default_group, training_device
-from slime.backends.fsdp_utils.checkpoint import resolve_load_dir
+from slime.backends.process_group import init_default_group, training_device
+from slime.backends.checkpoint_files import resolve_load_dir
 from slime.backends.megatron_utils import checkpoint
 from slime.backends.megatron_utils.cpu_shim import apply_cpu_shim
 from slime.backends.megatron_utils.grads import finalize_grads

@@ -14,7 +14,7 @@ from typing import Iterator
 import torch
 import torch.distributed as dist
 
-from slime.backends.fsdp_utils.checkpoint import copy_hf_extra_files
+from slime.backends.checkpoint_files import copy_hf_extra_files
 from slime.backends.megatron_utils import tp_shards
 from slime.backends.megatron_utils.hf_mapping import mapping_for
 from slime.backends.megatron_utils.grads import is_expert

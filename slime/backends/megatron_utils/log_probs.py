@@ -2,7 +2,7 @@
 
 - TP = 1: the output layer hands back its input (`return_hidden_states`), and the log-probs come from the hidden
   states of the response positions and the output weight through the project's chunked head
-  (slime/backends/fsdp_utils/log_probs.py: the fused Triton kernels on CUDA, the chunked torch path elsewhere), so
+  (slime/backends/log_probs.py: the fused Triton kernels on CUDA, the chunked torch path elsewhere), so
   no [tokens, vocabulary] logits exist at once, as in the FSDP backend;
 - TP > 1: from vocab-parallel logits, each tensor-parallel rank holding the logits of its slice of the (padded)
   vocabulary, [N, V / tp]; the full-vocabulary logits are never gathered. All-reduces over the TP group (max, sum
@@ -19,7 +19,7 @@ import types
 
 import torch
 
-from slime.backends.fsdp_utils.log_probs import chunked_log_probs_and_entropy
+from slime.backends.log_probs import chunked_log_probs_and_entropy
 
 
 def _hidden_states_out(self, input_, weight=None, runtime_gather_output=None, **kwargs):

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import torch
 
-from slime.backends.fsdp_utils.optimizer import learning_rate, total_optimizer_steps, trainable_parameters
+from slime.backends.lr_schedule import learning_rate, total_optimizer_steps, trainable_parameters
 from slime.backends.stateless_adam import StatelessAdam
 
 

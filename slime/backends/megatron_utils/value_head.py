@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from slime.backends.fsdp_utils.value_model import VALUE_HEAD_KEY
+from slime.backends.checkpoint_files import VALUE_HEAD_KEY
 from slime.backends.packing import PackedMicroBatch, to_device
 
 OUTPUT_LAYER_KEY = "output_layer.weight"

@@ -87,7 +87,7 @@ def chunked_log_probs_and_entropy(hidden: torch.Tensor, weight: torch.Tensor, ta
     CUDA tensors take the fused Triton path when triton is installed; anything else the torch path.
     """
     if uses_fused_path(hidden, weight):
-        from slime.backends.fsdp_utils.triton_log_probs import FusedChunkedLogProbs
+        from slime.backends.triton_log_probs import FusedChunkedLogProbs
 
         function, default_chunk_size = FusedChunkedLogProbs, FUSED_DEFAULT_CHUNK_SIZE
     else:
