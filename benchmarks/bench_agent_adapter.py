@@ -122,7 +122,7 @@ def main() -> None:
     parser.add_argument("--prompt-words", type=int, default=200)
     opts = parser.parse_args()
 
-    from slime.engine.http_launch import launch_server
+    from slime.engine.server.launch import launch_server
     from slime.ray.router import RouterProcess, register_worker
     from slime.utils.http_utils import run
 

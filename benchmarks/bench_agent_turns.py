@@ -25,7 +25,7 @@ from types import SimpleNamespace
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from slime.engine.http_launch import launch_server  # noqa: E402
+from slime.engine.server.launch import launch_server  # noqa: E402
 from slime.ray.router import RouterProcess, register_worker  # noqa: E402
 from slime.rollout import multi_turn  # noqa: E402
 from slime.utils.http_utils import run  # noqa: E402

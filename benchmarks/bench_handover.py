@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.engine_checkpoints import SHAPES, TINY_LARGE_SHAPE, build_checkpoint  # noqa: E402
 from slime.backends.weight_sender import WeightSender, iter_buckets  # noqa: E402
-from slime.engine.http_launch import launch_server  # noqa: E402
+from slime.engine.server.launch import launch_server  # noqa: E402
 from slime.engine.models.weight_loader import iterate_checkpoint  # noqa: E402
 from slime.utils.blocking_http import blocking_client  # noqa: E402
 from slime.utils.weight_transport import pack_named_tensors, serialize_named_tensors  # noqa: E402

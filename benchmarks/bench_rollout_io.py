@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import orjson  # noqa: E402
 from fastapi.encoders import jsonable_encoder  # noqa: E402
 
-from slime.engine.http_protocol import generate_response  # noqa: E402
+from slime.engine.server.protocol import generate_response  # noqa: E402
 from slime.engine.request_output import RequestOutput  # noqa: E402
 from slime.rollout.dataset import load_tokenizer, prompt_token_ids  # noqa: E402
 from slime.rollout.sglang_rollout import _append_output, group_prompt_ids  # noqa: E402

@@ -54,7 +54,7 @@ def tiny_qwen3(tmp_path_factory):
 def server(tiny_qwen3, tmp_path_factory, request):
     """A real engine server subprocess on the tiny checkpoint, one per test module (extra flags: the module's
     SERVER_ARGS)."""
-    from slime.engine.http_launch import launch_server
+    from slime.engine.server.launch import launch_server
 
     extra_args = getattr(request.module, "SERVER_ARGS", [])
     process = launch_server(tiny_qwen3, extra_args=extra_args, log_path=tmp_path_factory.mktemp("log") / "server.log")

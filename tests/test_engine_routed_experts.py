@@ -70,7 +70,7 @@ def test_routing_request_needs_the_engine_flag(moe_checkpoint, tiny_qwen3):
 
 
 def test_http_routed_experts_wire_format_and_start_len(moe_checkpoint, tmp_path):
-    from slime.engine.http_launch import launch_server
+    from slime.engine.server.launch import launch_server
 
     hf = AutoModelForCausalLM.from_pretrained(str(moe_checkpoint), dtype=torch.float32).eval()
     server = launch_server(moe_checkpoint, extra_args=["--enable-return-routed-experts", "--device", "cpu"],

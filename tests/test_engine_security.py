@@ -14,7 +14,7 @@ import time
 import httpx
 import pytest
 
-from slime.engine.http_guard import AccessPolicy
+from slime.engine.server.guard import AccessPolicy
 
 API_KEY, ADMIN_KEY = "user-key-1", "admin-key-2"
 SERVER_ARGS = ["--api-key", API_KEY, "--admin-api-key", ADMIN_KEY, "--max-request-bytes", str(4 * 1024 * 1024)]
@@ -127,7 +127,7 @@ def test_disk_loads_only_from_allowed_folders(client, tiny_qwen3):
 
 
 def test_sigterm_ends_a_server_waiting_on_a_closed_weight_group_port(tiny_qwen3, tmp_path):
-    from slime.engine.http_launch import launch_server
+    from slime.engine.server.launch import launch_server
 
     closed = socket.socket()
     closed.bind(("127.0.0.1", 0))  # bound, never listening: the rendezvous keeps retrying

@@ -355,7 +355,7 @@ def test_client_disconnect_aborts_the_request(client, server, stream):
 
 
 def test_cli_maps_engine_flags_and_sglang_aliases():
-    from slime.engine.server_config import parse_settings
+    from slime.engine.server.config import parse_settings
 
     settings = parse_settings(
         ["--model-path", "m", "--max-running-requests", "8", "--context-length", "512", "--enforce-eager",
@@ -368,7 +368,7 @@ def test_cli_maps_engine_flags_and_sglang_aliases():
 
 
 def test_config_file_carries_typed_values_and_keys_and_flags_win(tmp_path):
-    from slime.engine.server_config import parse_settings, write_config_file
+    from slime.engine.server.config import parse_settings, write_config_file
 
     path = write_config_file(tmp_path / "engine.json", "ckpt", {"overlap_schedule": False, "enforce_eager": False,
                                                                 "max_num_seqs": 4},

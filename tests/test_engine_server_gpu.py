@@ -11,7 +11,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from slime.engine.http_launch import launch_server
+from slime.engine.server.launch import launch_server
 
 pytestmark = pytest.mark.gpu
 

@@ -8,8 +8,8 @@ from dataclasses import dataclass
 
 import pytest
 
-from slime.engine.http_engine_loop import EngineLoop
-from slime.engine.http_protocol import RequestError
+from slime.engine.server.engine_loop import EngineLoop
+from slime.engine.server.protocol import RequestError
 
 
 @dataclass
@@ -185,7 +185,7 @@ def test_a_request_that_reports_only_its_end_never_makes_the_loop_back_off(tiny_
     batches, so the driver must keep stepping instead of sleeping IDLE_WAIT_S per step (a 256-token rollout sample
     took 12 s instead of 0.8 s on an H200 that way)."""
     from slime.engine.engine import Engine
-    from slime.engine.http_engine_loop import IDLE_WAIT_S, MAX_EMPTY_STEPS_BEFORE_BACKOFF
+    from slime.engine.server.engine_loop import IDLE_WAIT_S, MAX_EMPTY_STEPS_BEFORE_BACKOFF
 
     loop = EngineLoop(Engine(str(tiny_qwen3), device="cpu"))
     backoffs = []
@@ -221,7 +221,7 @@ def test_a_busy_period_counts_its_steps_requests_and_tokens(engine_loop, caplog)
         await asyncio.wrap_future(engine_loop.set_hold("paused", False))
         return await asyncio.gather(*tasks)
 
-    with caplog.at_level("INFO", logger="slime.engine.busy_period"):
+    with caplog.at_level("INFO", logger="slime.engine.server.busy_period"):
         asyncio.run(main())
         for _ in range(100):  # the period ends at the driver's next idle wait
             if engine_loop.busy.last is not None and not engine_loop.busy.active:

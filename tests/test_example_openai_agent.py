@@ -25,7 +25,7 @@ from examples.openai_agent import generate as agent_generate
 from examples.openai_agent.agent import GET_WEATHER, AgentResult, AgentTurn, ToolError, WeatherService, run_agent
 from examples.openai_agent.reward import final_answer_reward, score
 from examples.openai_agent.task import CONDITIONS, build_task
-from slime.engine.http_launch import launch_server
+from slime.engine.server.launch import launch_server
 from slime.ray.router import RouterProcess, register_worker
 from slime.rollout.dataset import PromptFormat, load_prompt_samples
 from slime.utils.http_utils import run

@@ -1,5 +1,5 @@
 """`--rollout-external-engine-addrs`: train.py runs on an engine server it did not start (a real
-`python -m slime.engine.server` process started by the test on 127.0.0.1), registers it with its router, syncs
+`python -m slime.engine.server.app` process started by the test on 127.0.0.1), registers it with its router, syncs
 weights into it over disk deltas (sft_loss, so that the step surely changes weights), and leaves it running; the
 engine watch ends a run whose external engine goes away; a run whose external engine does not answer at the start
 stops with an error naming it."""
@@ -13,8 +13,8 @@ import httpx
 import pytest
 import torch
 
-from slime.engine import local_checkpoint
-from slime.engine.http_launch import launch_server
+from slime.engine.server import local_checkpoint
+from slime.engine.server.launch import launch_server
 from slime.utils.misc import find_free_port
 
 REPO = Path(__file__).resolve().parents[1]

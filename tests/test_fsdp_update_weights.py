@@ -16,7 +16,6 @@ from slime.backends.packing import pack_samples
 from slime.utils.misc import find_free_port
 from slime.utils.tiny_model import build_tiny_model
 
-pytest.importorskip("slime.engine.server")
 
 
 @pytest.fixture(params=[("qwen3", []), ("qwen3_moe", [])], ids=["fp32", "moe_fp32"])

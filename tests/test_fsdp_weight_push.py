@@ -17,7 +17,7 @@ import torch.distributed as dist
 from fsdp_helpers import full_params, make_args, make_train_data, make_trainer
 
 from slime.backends import weight_sender as update_weight
-from slime.engine.http_launch import launch_server
+from slime.engine.server.launch import launch_server
 from slime.utils.tiny_model import build_tiny_model
 
 ENGINE_SEED, TRAINER_SEED = 9, 8

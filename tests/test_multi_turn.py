@@ -14,7 +14,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from slime.engine.http_launch import launch_server
+from slime.engine.server.launch import launch_server
 from slime.ray.router import RouterProcess, register_worker
 from slime.rollout import multi_turn
 from slime.rollout.dataset import load_tokenizer

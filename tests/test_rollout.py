@@ -15,7 +15,7 @@ from types import SimpleNamespace
 import httpx
 import pytest
 
-from slime.engine.http_launch import launch_server
+from slime.engine.server.launch import launch_server
 from slime.ray.router import RouterProcess
 from slime.ray.router import register_worker as router_register_worker
 from slime.rollout import sglang_rollout

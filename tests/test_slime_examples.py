@@ -176,7 +176,7 @@ def build_stop_saying_model(out_dir: Path, seed: int = 1) -> Path:
 
 @pytest.fixture(scope="module")
 def user_simulator(tmp_path_factory):
-    from slime.engine.http_launch import launch_server
+    from slime.engine.server.launch import launch_server
 
     model = build_stop_saying_model(tmp_path_factory.mktemp("stop_user"))
     process = launch_server(model, log_path=tmp_path_factory.mktemp("log") / "user_simulator.log")

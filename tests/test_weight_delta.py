@@ -1,5 +1,5 @@
 """The disk weight-sync format (slime.utils.weight_delta) and the engine's local checkpoint that deltas apply to
-(slime.engine.local_checkpoint), on real safetensors folders written by the trainer's DiskWeightWriter."""
+(slime.engine.server.local_checkpoint), on real safetensors folders written by the trainer's DiskWeightWriter."""
 
 import json
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from slime.backends.weight_disk import DiskWeightWriter
-from slime.engine import local_checkpoint
+from slime.engine.server import local_checkpoint
 from slime.utils import weight_delta
 
 

@@ -19,7 +19,7 @@ import pytest
 import torch
 from fsdp_helpers import full_params, make_args, make_train_data, make_trainer
 
-from slime.engine.http_launch import launch_server
+from slime.engine.server.launch import launch_server
 from slime.utils import weight_delta
 from slime.utils.tiny_model import build_tiny_model
 

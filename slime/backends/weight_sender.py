@@ -136,7 +136,7 @@ class _OneInFlight:
 
 
 class WeightSender:
-    """The trainer side of a weight update (the engine side is `slime.engine.http_weights.EngineWeightReceiver`):
+    """The trainer side of a weight update (the engine side is `slime.engine.server.weights.EngineWeightReceiver`):
     sends the tensors `named_tensors(dtype)` yields to the connected engines; every rank calls `update`, rank 0
     talks HTTP with `headers` (the engines' admin key). `on_gpu`: where the weights live (the broadcast group's
     backend follows it). `disk_sync`: the settings of "disk" mode (None: that mode is not available)."""

@@ -1,7 +1,7 @@
 """The built-in inference engine's Python API: add requests, step the continuous-batching loop, abort, update
 weights (versioned), release / resume memory, and a blocking `generate`.
 
-Single-threaded and synchronous: the HTTP server (`server.py`) drives `step()` from its own loop. Composes the
+Single-threaded and synchronous: the HTTP server (`server/app.py`) drives `step()` from its own loop. Composes the
 scheduler, block manager, model runner and sampler; finish rules for text (stop strings) and detokenization
 happen here. Not an HTTP layer and not a multi-process launcher.
 """

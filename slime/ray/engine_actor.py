@@ -1,6 +1,6 @@
 """One rollout engine as a Ray actor: it owns an engine HTTP server child process on its device.
 
-The built-in engine (`python -m slime.engine.server`) is the default; `--rollout-backend sglang` launches a real
+The built-in engine (`python -m slime.engine.server.app`) is the default; `--rollout-backend sglang` launches a real
 SGLang server with the same HTTP API instead. The actor is scheduled on a placement-group bundle, so the child
 inherits that bundle's device (Ray sets CUDA_VISIBLE_DEVICES); everything else talks to the server over HTTP.
 """
@@ -12,8 +12,8 @@ import os
 import sys
 from pathlib import Path
 
-from slime.engine.http_launch import launch_process
-from slime.engine.server_config import write_config_file
+from slime.engine.server.launch import launch_process
+from slime.engine.server.config import write_config_file
 from slime.config.flags_sglang import sglang_server_flags
 from slime.utils.misc import find_free_port
 

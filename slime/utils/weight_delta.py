@@ -10,7 +10,7 @@ kinds, told apart by its `model.safetensors.index.json` metadata:
   checksum of the weight's new bytes (`checksum_format`: xxh3-128, blake3 or adler32).
 Byte-level and dtype-blind: a delta applies to the bytes of the tensor the previous version holds.
 
-Not the writer (slime.backends.weight_disk) and not the reader (slime.engine.local_checkpoint); numpy only.
+Not the writer (slime.backends.weight_disk) and not the reader (slime.engine.server.local_checkpoint); numpy only.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Weight-update endpoints of the engine server: from tensors (shared memory / CUDA IPC handles), from a
 torch.distributed broadcast, and from disk (plus /pull_weights, which first brings a host-local checkpoint up to a
-published version: slime.engine.local_checkpoint). All validation happens before any parameter is touched, so a
+published version: slime.engine.server.local_checkpoint). All validation happens before any parameter is touched, so a
 rejected update (unknown name, wrong shape) leaves the model exactly as it was.
 
 Receiving a broadcast and deserializing handles happen off the driver thread (they do not touch the engine); only
@@ -18,8 +18,8 @@ from pathlib import Path
 
 import torch
 
-from slime.engine import local_checkpoint
-from slime.engine.http_protocol import RequestError, require_fields
+from slime.engine.server import local_checkpoint
+from slime.engine.server.protocol import RequestError, require_fields
 from slime.engine.memory_tags import EngineMemoryReleasedError
 from slime.engine.models.weight_loader import IGNORED_SUFFIXES
 from slime.utils import weight_transport

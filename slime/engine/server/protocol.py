@@ -58,7 +58,7 @@ class GenerateRequest:
     return_text_in_logprobs: bool
     stream: bool
     # SGLang's: the routing of positions [routed_experts_start_len, len(tokens) - 1) in meta_info["routed_experts"];
-    # None = not given (the server decides, see server.py).
+    # None = not given (the server decides, see app.py).
     return_routed_experts: bool | None = None
     routed_experts_start_len: int = 0
 

@@ -3,7 +3,7 @@ pending (continuous batching across all HTTP requests) and hands each request's 
 
 Every engine mutation (add, abort, weight update, cache flush, memory release) is a command queued to this thread
 and run between two steps, so the HTTP event loop never touches the engine while it steps. Pausing stops steps
-(in-flight requests wait) but still runs commands. Not the HTTP layer (`server.py`) and not the engine.
+(in-flight requests wait) but still runs commands. Not the HTTP layer (`app.py`) and not the engine.
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import AsyncIterator, Callable
 
-from slime.engine.busy_period import BusyPeriod
-from slime.engine.http_protocol import RequestError
+from slime.engine.server.busy_period import BusyPeriod
+from slime.engine.server.protocol import RequestError
 from slime.engine.memory_tags import EngineMemoryReleasedError, EngineWeightsMissingError
 from slime.engine.stop_strings import decode_final_texts
 

@@ -4,7 +4,7 @@ so the engine and a real SGLang server are interchangeable behind sglang-router.
 
     python -m slime.engine.server --model-path DIR [--host 127.0.0.1] [--port 30000] [--max-num-seqs 64 ...]
 
-One process, one Engine, one driver thread stepping it (`http_engine_loop.py`). Not a multi-engine launcher
+One process, one Engine, one driver thread stepping it (`engine_loop.py`). Not a multi-engine launcher
 (Ray actors start one server per engine) and not a router.
 """
 
@@ -20,17 +20,17 @@ from pathlib import Path
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
-from slime.engine.http_engine_loop import EngineLoop
-from slime.engine.http_guard import AccessPolicy, GuardMiddleware
-from slime.engine.http_io import json_response, read_json, sse_line, unless_disconnected
-from slime.engine.http_protocol import (
+from slime.engine.server.engine_loop import EngineLoop
+from slime.engine.server.guard import AccessPolicy, GuardMiddleware
+from slime.engine.server.io import json_response, read_json, sse_line, unless_disconnected
+from slime.engine.server.protocol import (
     RequestError,
     error_body,
     generate_response,
     parse_generate_request,
     require_fields,
 )
-from slime.engine.http_weights import EngineWeightReceiver
+from slime.engine.server.weights import EngineWeightReceiver
 from slime.engine.memory_tags import MEMORY_TAGS, EngineWeightsMissingError
 from slime.engine.sampling_params import SamplingParams
 
@@ -69,7 +69,7 @@ def create_app(engine, model_path: str, served_model_name: str | None = None, se
     """The FastAPI app serving `engine` behind `policy` (keys, admin routes, body limit; default: open on loopback,
     admin routes for loopback peers only); its driver thread starts and stops with the app. /update_weights_from_disk
     loads only from `weight_dirs` (default: the checkpoint's parent folder)."""
-    from slime.engine.openai_api import register_openai_routes
+    from slime.engine.server.openai_api import register_openai_routes
 
     weight_dirs = weight_dirs or [Path(model_path).resolve().parent]
     state = ServerState(engine, model_path, served_model_name or model_path, server_args or {}, weight_dirs)
@@ -350,7 +350,7 @@ def main(argv: list[str] | None = None) -> None:
     import uvicorn
 
     from slime.engine.engine import Engine
-    from slime.engine.server_config import parse_settings
+    from slime.engine.server.config import parse_settings
     from slime.utils.misc import freeze_startup_objects
 
     settings = parse_settings(argv)
@@ -369,6 +369,3 @@ def main(argv: list[str] | None = None) -> None:
     uvicorn.run(app, host=settings.host, port=settings.port, log_level=settings.log_level, access_log=False,
                 timeout_graceful_shutdown=SHUTDOWN_GRACE_S)
 
-
-if __name__ == "__main__":
-    main()

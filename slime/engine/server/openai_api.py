@@ -4,7 +4,7 @@ can be rolled out on the built-in engine.
 
 Log-probs are those of the sampled token (the engine computes no top-k alternatives), so `top_logprobs` must be 0
 and completions' `logprobs` must be 0. Fields the engine cannot honour (penalties, logit_bias, tools, echo, ...)
-are rejected with HTTP 400 naming the field rather than silently ignored. Not the native API (`server.py`).
+are rejected with HTTP 400 naming the field rather than silently ignored. Not the native API (`app.py`).
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ import uuid
 from fastapi import FastAPI, Request
 from fastapi.responses import PlainTextResponse, StreamingResponse
 
-from slime.engine.http_io import json_response, read_json, sse_line, unless_disconnected
-from slime.engine.http_protocol import RequestError
+from slime.engine.server.io import json_response, read_json, sse_line, unless_disconnected
+from slime.engine.server.protocol import RequestError
 from slime.engine.sampling_params import SamplingParams
 
 # OpenAI / SGLang request fields -> SamplingParams fields (the extras are SGLang's, sent via `extra_body`).

@@ -15,7 +15,7 @@ import orjson
 from fastapi import Request
 from fastapi.responses import Response
 
-from slime.engine.http_protocol import RequestError
+from slime.engine.server.protocol import RequestError
 
 DISCONNECT_POLL_S = 0.5
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 from slime.engine.config import Config
-from slime.engine.http_guard import DEFAULT_MAX_REQUEST_BYTES, AccessPolicy
+from slime.engine.server.guard import DEFAULT_MAX_REQUEST_BYTES, AccessPolicy
 
 # SGLang launch-flag spellings accepted as aliases of Config fields, so scripts written for SGLang keep working.
 SGLANG_ALIASES = {
@@ -59,7 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--port", type=int, default=None, help="port (default 30000)")
     parser.add_argument("--served-model-name", default=None, help="model name in /v1/models (default: model path)")
     parser.add_argument("--log-level", default=None, choices=["debug", "info", "warning", "error"])
-    access = parser.add_argument_group("access (slime.engine.http_guard)")
+    access = parser.add_argument_group("access (slime.engine.server.guard)")
     access.add_argument("--api-key", default=None, help="bearer token every route but /health requires")
     access.add_argument("--admin-api-key", default=None,
                         help="bearer token the routes that change weights or state require (default: --api-key)")
