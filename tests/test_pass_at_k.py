@@ -2,7 +2,7 @@
 
 import pytest
 
-from slime.rollout.eval import compute_pass_at_k
+from slime.rollout.eval_metrics import compute_pass_at_k
 
 
 def test_pass_at_k_matches_the_combinatorial_definition():

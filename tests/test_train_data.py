@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from slime.ray.rollout import eval_metrics
+from slime.rollout.eval_metrics import eval_metrics
 from slime.ray.train_data import (
     data_parallel_rank,
     post_process_rewards,

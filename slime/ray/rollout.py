@@ -26,7 +26,7 @@ from slime.ray.router import RouterProcess, list_workers, register_worker
 from slime.ray.train_data import assign_rollout_ids, rollout_metrics, samples_to_train_data, split_train_data
 from slime.rollout.base_types import call_rollout_fn
 from slime.rollout.data_source import create_data_source
-from slime.rollout.eval import compute_pass_at_k
+from slime.rollout.eval_metrics import eval_metrics
 from slime.rollout.rm_hub.math_verify_pool import shutdown_pool as shutdown_reward_workers
 from slime.utils.blocking_http import blocking_client
 from slime.utils.daemon_threads import DaemonThreadPool
@@ -42,19 +42,6 @@ def _flatten(samples) -> list[Sample]:
         out.extend(_flatten(item) if isinstance(item, (list, tuple)) else [item])
     return out
 
-
-def eval_metrics(name: str, samples: list[Sample], rewards: list[float], n_per_prompt: int) -> dict:
-    metrics = {f"eval/{name}": sum(rewards) / max(len(rewards), 1)}
-    if samples:
-        metrics[f"eval/{name}-truncated_ratio"] = sum(s.status.value == "truncated" for s in samples) / len(samples)
-    by_prompt: dict = {}
-    for s, r in zip(samples, rewards):
-        by_prompt.setdefault(s.group_index, []).append(r)
-    k = 1
-    while by_prompt and k <= min(len(rs) for rs in by_prompt.values()):
-        metrics[f"eval/{name}-pass@{k}"] = compute_pass_at_k(list(by_prompt.values()), k)
-        k *= 2
-    return metrics
 
 
 class RolloutManager:

@@ -17,6 +17,7 @@ from slime.utils.flops_balance import linear_coefficient, workloads
 from slime.utils.misc import load_function
 from slime.utils.ppo_utils import compute_rloo_advantages, group_mean_std
 from slime.utils.types import Sample, Status
+from slime.rollout.eval_metrics import compute_pass_at_k
 from slime.utils.hf_config import hf_text_config
 
 GROUP_NORMALISED_ESTIMATORS = ("grpo", "gspo", "cispo", "reinforce_plus_plus_baseline")
@@ -251,7 +252,6 @@ def rollout_metrics(args, samples: list[Sample], raw_rewards: list[float]) -> di
 def optional_rollout_metrics(args, samples: list[Sample], raw_rewards: list[float], groups: list[list[float]]) -> dict:
     """--log-passrate (pass@2^k over each group, a reward > 0 counts as passed), --log-reward-category KEY (mean
     reward per value of metadata[KEY]), --log-correct-samples (response length of the samples with reward > 0)."""
-    from slime.rollout.eval import compute_pass_at_k
 
     metrics = {}
     if getattr(args, "log_passrate", False) and groups:

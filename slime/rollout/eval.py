@@ -11,29 +11,15 @@ from __future__ import annotations
 
 import asyncio
 import copy
-import math
 
 from slime.rollout.dataset import EvalDataset, load_eval_datasets
-from slime.rollout.sglang_rollout import GenerateState, build_sampling_params, generate_group
+from slime.rollout.generate import GenerateState, build_sampling_params, generate_group
 from slime.config.eval_datasets import EvalDatasetConfig, resolve_eval_datasets
 from slime.utils.http_utils import run
 from slime.utils.types import Sample
 
 _dataset_cache: dict[tuple, list[EvalDataset]] = {}
 
-
-def compute_pass_at_k(rewards_per_prompt: list[list[float]], k: int) -> float:
-    """Mean over prompts of the unbiased pass@k estimate 1 - C(n - c, k) / C(n, k) (Chen et al., 2021),
-    where n is the number of samples of the prompt and c how many have reward > 0."""
-    if not rewards_per_prompt:
-        raise ValueError("compute_pass_at_k needs at least one prompt")
-    total = 0.0
-    for rewards in rewards_per_prompt:
-        n, c = len(rewards), sum(1 for r in rewards if r > 0)
-        if not 1 <= k <= n:
-            raise ValueError(f"pass@{k} needs 1 <= k <= samples per prompt ({n})")
-        total += 1.0 - math.comb(n - c, k) / math.comb(n, k)
-    return total / len(rewards_per_prompt)
 
 
 def _eval_reward_value(args, sample: Sample) -> float:
