@@ -15,7 +15,8 @@ from slime.engine.decode_rows import DecodeRows, sampling_values
 from slime.engine.host_staging import HostStaging
 from slime.engine.sampling_inputs import DecodeSampling, prepare_sampling
 from slime.engine.sampling_params import SamplingParams
-from slime.engine.scheduler import ScheduledSequence, Scheduler
+from slime.engine.scheduled_batch import ScheduledSequence
+from slime.engine.scheduler import Scheduler
 from slime.engine.sequence import Sequence
 
 VOCAB = 50

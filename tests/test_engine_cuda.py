@@ -9,7 +9,7 @@ from transformers import AutoModelForCausalLM
 
 from slime.engine.engine import Engine
 from slime.engine.sampling_params import SamplingParams
-from slime.engine.scheduler import ScheduledSequence
+from slime.engine.scheduled_batch import ScheduledSequence
 from slime.engine.sequence import Sequence
 from slime.utils.tiny_model import build_tiny_model
 

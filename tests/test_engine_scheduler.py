@@ -8,7 +8,8 @@ import pytest
 
 from slime.engine.block_manager import BlockManager
 from slime.engine.sampling_params import SamplingParams
-from slime.engine.scheduler import ScheduledSequence, Scheduler
+from slime.engine.scheduled_batch import ScheduledSequence
+from slime.engine.scheduler import Scheduler
 from slime.engine.sequence import PLACEHOLDER, Sequence, SequenceStatus
 
 VOCAB = 97
@@ -189,7 +190,8 @@ def test_scheduler_imports_no_torch():
     import subprocess
 
     code = (
-        "import sys; import slime.engine.scheduler, slime.engine.block_manager, slime.engine.sequence; "
+        "import sys; import slime.engine.scheduler, slime.engine.block_manager, slime.engine.sequence, "
+        "slime.engine.overlap, slime.engine.scheduled_batch; "
         "assert 'torch' not in sys.modules, 'torch imported'"
     )
     subprocess.run([sys.executable, "-c", code], check=True)

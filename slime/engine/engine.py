@@ -14,7 +14,6 @@ import random
 import uuid
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from slime.engine.block_manager import BlockManager
@@ -25,12 +24,14 @@ from slime.engine.models.weight_loader import load_checkpoint, load_weights, nam
 from slime.engine.request_output import RequestOutput
 from slime.engine.memory_tags import EngineMemoryReleasedError, EngineWeightsMissingError, memory_tags
 from slime.engine.sampling_params import as_sampling_params
-from slime.engine.scheduler import Scheduler, placeholder_sources, sampled_seqs
+from slime.engine.overlap import OverlappedStepping
+from slime.engine.scheduled_batch import sampled_seqs
+from slime.engine.scheduler import Scheduler
 from slime.engine.sequence import FINISHED, Sequence, SequenceStatus
 from slime.engine.stop_strings import FinalText, decode_final_texts, find_new_stop
 
 
-class Engine:
+class Engine(OverlappedStepping):
     def __init__(self, model_path: str, **config):
         from transformers import AutoTokenizer
 
@@ -164,61 +165,6 @@ class Engine:
         assert scheduled, "scheduler made no progress with unfinished requests"
         self.num_launched_steps += 1
         return outputs + self._complete(scheduled, self._launch(scheduled))
-
-    def _overlapped_step(self) -> list[RequestOutput]:
-        """Launch the step after the one in flight (scheduled ahead on placeholders, its input tokens gathered on
-        the device), then wait for the one in flight; without a step in flight, launch one normally."""
-        in_flight, self.in_flight = self.in_flight, None
-        outputs = []
-        if in_flight is not None:
-            scheduled, launched = in_flight
-            ahead = self.scheduler.look_ahead(scheduled) if launched is not None else None
-            if ahead:
-                if len(ahead) == len(scheduled):  # every sequence continues: the tokens are the inputs as they are
-                    input_tokens = launched.tokens
-                else:
-                    source_rows = [row for row, seq in enumerate(sampled_seqs(scheduled)) if seq.has_placeholder]
-                    input_tokens = launched.tokens[self.model_runner.staging.to_device(np.array(source_rows))]
-                self.in_flight = (ahead, self._launch(ahead, input_tokens, in_flight=in_flight))
-                self.num_launched_steps += 1
-            elif self.config.overlap_prefill:
-                self._launch_scheduled_ahead(scheduled, launched)
-            outputs = self._complete(scheduled, launched)
-        if self.in_flight is None and self.scheduler.has_unfinished():
-            scheduled = self.scheduler.schedule()
-            assert scheduled, "scheduler made no progress with unfinished requests"
-            self.in_flight = (scheduled, self._launch(scheduled))
-            self.num_launched_steps += 1
-        return outputs
-
-    def _launch_scheduled_ahead(self, scheduled, launched) -> None:
-        """Overlapped prefill: launch the step after `scheduled` before its tokens reach the host; rows fed by a
-        placeholder read their token on the device from the in-flight step's samples."""
-        ahead = self.scheduler.schedule_ahead(scheduled)
-        if ahead:
-            rows, sources = placeholder_sources(scheduled, ahead)
-            input_tokens = launched.tokens[self.model_runner.staging.to_device(np.array(sources))] if rows else None
-            self.in_flight = (ahead, self._launch(ahead, input_tokens, np.array(rows) if rows else None,
-                                                  in_flight=(scheduled, launched)))
-            self.num_launched_steps += 1
-
-    def _launch(self, scheduled, input_tokens=None, input_rows=None, in_flight=None):
-        """model_runner.launch; if it raises (e.g. out of memory), first the step in flight is completed (it fills
-        the placeholders a step scheduled ahead reserved) and the prefix cache flushed (it registered blocks the
-        failed step never wrote)."""
-        try:
-            return self.model_runner.launch(scheduled, input_tokens, input_rows)
-        except BaseException:
-            if in_flight is not None:
-                self.pending_outputs.extend(self._complete(*in_flight))
-            self.block_manager.flush()
-            raise
-
-    def _drain(self) -> None:
-        """Finish the step in flight (overlapped scheduling) before the engine's state changes under it."""
-        if self.in_flight is not None:
-            (scheduled, launched), self.in_flight = self.in_flight, None
-            self.pending_outputs.extend(self._complete(scheduled, launched))
 
     def _complete(self, scheduled, launched) -> list[RequestOutput]:
         """Wait for a launched step's tokens, apply them and the stop rules; the outputs of its finished requests

@@ -29,7 +29,7 @@ from slime.engine.prefill_graphs import PrefillGraphs
 from slime.engine.sampler import sample_results
 from slime.engine.sampling_inputs import DecodeSampling, prepare_sampling
 from slime.engine.sampling_params import SamplingParams
-from slime.engine.scheduler import DecodeBatch, ScheduledSequence, is_decode_batch, sampled_seqs
+from slime.engine.scheduled_batch import DecodeBatch, ScheduledSequence, is_decode_batch, sampled_seqs
 from slime.engine.sequence import Sequence
 from slime.engine.step_inputs import flat_batch
 

@@ -11,7 +11,7 @@ import numpy as np
 from slime.engine.decode_rows import DecodeRows, sampling_values
 from slime.engine.host_staging import HostStaging
 from slime.engine.sampler import SamplingBatch
-from slime.engine.scheduler import ScheduledSequence
+from slime.engine.scheduled_batch import ScheduledSequence
 
 
 def prepare_sampling(sampled: list[ScheduledSequence], vocab_size: int, staging: HostStaging,

@@ -11,7 +11,7 @@ import numpy as np
 
 from slime.engine.host_staging import HostStaging
 from slime.engine.layers.attention import AttentionMetadata
-from slime.engine.scheduler import ScheduledSequence
+from slime.engine.scheduled_batch import ScheduledSequence
 
 
 def flat_batch(scheduled: list[ScheduledSequence], block_size: int, staging: HostStaging, use_triton: bool):
