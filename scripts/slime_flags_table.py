@@ -1,4 +1,4 @@
-"""Write docs/slime-flags.md: every flag of THUDM/slime's arguments.py with its status here.
+"""Write docs/reference/slime-flags.md: every flag of THUDM/slime's arguments.py with its status here.
 
     python scripts/slime_flags_table.py            # rewrite the table
     python scripts/slime_flags_table.py --check    # exit 1 if the committed table is out of date
@@ -21,7 +21,7 @@ from slime.config import flag_status  # noqa: E402
 from slime.config.arguments import build_parser  # noqa: E402
 
 SNAPSHOT = REPO / "tests" / "slime_upstream" / "slime_flags.json"
-TABLE = REPO / "docs" / "slime-flags.md"
+TABLE = REPO / "docs" / "reference" / "slime-flags.md"
 HEADER = """# slime's flags here
 
 Every flag of THUDM/slime's own `slime/config/arguments.py` (commit 624b824a; Megatron's and SGLang's flags are not
@@ -73,7 +73,7 @@ def render() -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--check", action="store_true", help="exit 1 if docs/slime-flags.md is out of date")
+    parser.add_argument("--check", action="store_true", help="exit 1 if docs/reference/slime-flags.md is out of date")
     if parser.parse_args().check:
         if TABLE.read_text() != render():
             sys.exit(f"{TABLE} is out of date: run python scripts/slime_flags_table.py")

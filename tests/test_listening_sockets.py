@@ -1,6 +1,6 @@
 """A local run (no --ray-address) listens on loopback only: every socket of every process of a short real
 train.py run (Ray's GCS, raylet, workers and agents, the trainer ranks and their gloo group, the engine server,
-the sglang-router) is bound to 127.0.0.1 or ::1 (docs/security.md, "What listens where")."""
+the sglang-router) is bound to 127.0.0.1 or ::1 (docs/guides/security.md, "What listens where")."""
 
 import pytest
 from run_processes import is_loopback, kill_leftovers, small_grpo_argv, start_run, wait_gone, watch

@@ -67,7 +67,7 @@ def _without(flags: list[str], dropped) -> list[str]:
 
 # ---- names and defaults ---------------------------------------------------------------------------------------
 
-# Where this project's default differs from megatron-core 0.16.1's on purpose (docs/megatron-flags.md says why).
+# Where this project's default differs from megatron-core 0.16.1's on purpose (docs/guides/megatron-parallelism.md says why).
 DEFAULT_DEVIATIONS = {"--num-query-groups", "--rotary-base", "--rotary-percent", "--norm-epsilon", "--normalization",
                       "--position-embedding-type", "--untie-embeddings-and-output-weights",
                       "--attention-dropout", "--hidden-dropout", "--lr", "--adam-beta2", "--weight-decay",
@@ -107,7 +107,7 @@ def test_every_megatron_flag_of_slimes_recipes_is_accepted():
 
 
 def test_docs_table_lists_every_flag_with_its_status():
-    table = (REPO / "docs/megatron-flags.md").read_text()
+    table = (REPO / "docs/guides/megatron-parallelism.md").read_text()
     rows = {m.group(1): m.group(2) for m in re.finditer(r"^\| `(--[a-z0-9-]+)`[^|]*\| ([a-z ]+) \|", table, re.M)}
     for flag in MEGATRON_FLAGS:
         assert flag.option in rows, flag.option

@@ -54,7 +54,7 @@ def test_statuses_name_real_flags_and_the_docs_table_is_current():
     check = subprocess.run([sys.executable, "scripts/slime_flags_table.py", "--check"], cwd=REPO,
                            capture_output=True, text=True)
     assert check.returncode == 0, check.stderr
-    table = (REPO / "docs/slime-flags.md").read_text()
+    table = (REPO / "docs/reference/slime-flags.md").read_text()
     assert all(f"| `{row['flag']}` |" in table for row in SLIME_FLAGS)
 
 

@@ -14,7 +14,7 @@ CONTRACTS = "tests/slime_upstream/plugin_contracts"
 
 # Tests of slime's source text, not of its behaviour: each reads one of slime's own files by path and looks for the
 # line that calls the hook. This project calls the same hooks with the same arguments from its own files
-# (docs/slime-compat.md); the signature-and-call checks of the same file pass.
+# (docs/migrating/slime-compat.md); the signature-and-call checks of the same file pass.
 SOURCE_TEXT_TESTS = {
     "custom_rollout_log": "reads slime/observability/rollout_metrics.py (no such module here)",
     "custom_eval_rollout_log": "reads slime/observability/rollout_metrics.py (no such module here)",
