@@ -5,11 +5,11 @@
 
 One table per argument group, in the parser's order: the flag (with its aliases), its default, where it comes from
 and what this project does with it, and its help text. The status comes from the tables the parser itself uses:
-`slime.utils.flag_status` (slime's inert and refused flags), the Megatron flags' `inert_because` (their help says
-"no effect here: ..."), the `--sglang-*` -> built-in engine mapping of `slime.utils.arguments_sglang`, and the two
+`slime.config.flag_status` (slime's inert and refused flags), the Megatron flags' `inert_because` (their help says
+"no effect here: ..."), the `--sglang-*` -> built-in engine mapping of `slime.config.flags_sglang`, and the two
 committed snapshots of the upstream parsers (THUDM/slime's flags, megatron-core 0.16.1's flags) for the origin.
 tests/test_docs_flag_reference.py regenerates the page in memory and fails when the committed one differs.
-The parser is imported only through `slime.utils.arguments`.
+The parser is imported only through `slime.config.arguments`.
 """
 
 from __future__ import annotations
@@ -22,19 +22,19 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from slime.utils import arguments
+from slime.config import arguments
 
 PAGE = REPO / "docs" / "reference" / "flags.md"
 SLIME_SNAPSHOT = REPO / "tests" / "slime_upstream" / "slime_flags.json"
 MEGATRON_SNAPSHOT = REPO / "tests" / "data" / "megatron_core_0.16.1_flags.json"
 MEGATRON_INERT_PREFIX = "no effect here: "
-# Megatron's MoE flags live in slime/utils/moe_arguments.py (not in the Megatron snapshot, which covers
+# Megatron's MoE flags live in slime/config/flags_moe.py (not in the Megatron snapshot, which covers
 # megatron_utils/arguments.py): every --moe-* flag there and --num-experts are Megatron's names.
 MEGATRON_MOE_OPTIONS = ("--moe-", "--num-experts")
 
 HEADER = """# Flag reference
 
-Every flag `train.py` and `train_async.py` accept, generated from the parser (`slime.utils.arguments.build_parser`)
+Every flag `train.py` and `train_async.py` accept, generated from the parser (`slime.config.arguments.build_parser`)
 by `python scripts/gen_flag_reference.py`; `tests/test_docs_flag_reference.py` fails when a flag is added or
 changed without regenerating this page. One table per argument group, in the parser's order.
 
@@ -86,7 +86,8 @@ def _default(action: argparse.Action) -> str:
 
 
 def _status(action: argparse.Action, group_title: str, slime_flags: set[str], megatron_options: set[str]) -> str:
-    from slime.utils import arguments_sglang, flag_status
+    from slime.config import flag_status
+    from slime.config import flags_sglang
 
     dest = action.dest
     if dest in flag_status.REFUSED:
@@ -96,14 +97,14 @@ def _status(action: argparse.Action, group_title: str, slime_flags: set[str], me
     if action.help and action.help.startswith(MEGATRON_INERT_PREFIX):
         return "Megatron, inert: " + action.help[len(MEGATRON_INERT_PREFIX):]
     if group_title.startswith("sglang") and dest.startswith("sglang_") and dest not in slime_flags:
-        if dest in arguments_sglang.SGLANG_FLAG_TO_ENGINE_CONFIG:
-            field, _ = arguments_sglang.SGLANG_FLAG_TO_ENGINE_CONFIG[dest]
+        if dest in flags_sglang.SGLANG_FLAG_TO_ENGINE_CONFIG:
+            field, _ = flags_sglang.SGLANG_FLAG_TO_ENGINE_CONFIG[dest]
             refused = [f"`{value}` needs `--rollout-backend sglang`"
-                       for (refused_dest, value) in arguments_sglang.UNSUPPORTED_BY_ENGINE if refused_dest == dest]
+                       for (refused_dest, value) in flags_sglang.UNSUPPORTED_BY_ENGINE if refused_dest == dest]
             return f"SGLang; built-in engine: `{field}`" + "".join("; " + r for r in refused)
         return "SGLang; unused by the built-in engine"
     if group_title.startswith("router") and dest.startswith("router_"):
-        if dest in arguments_sglang.ROUTER_OWNED:
+        if dest in flags_sglang.ROUTER_OWNED:
             return "sglang-router; set by slime's router launcher (`slime.ray.router`)"
         return "sglang-router"
     if dest in slime_flags or any(option in slime_flags for option in action.option_strings):

@@ -23,7 +23,7 @@ from pathlib import Path
 import httpx
 import psutil
 
-from slime.rollout.generate import generate as default_generate
+from slime.rollout.sglang_rollout import generate as default_generate
 
 PROBE_TOKENS = [5, 17, 33, 8, 21, 2, 40, 11]
 _calls = itertools.count()

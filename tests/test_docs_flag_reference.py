@@ -4,7 +4,7 @@ changed without `python scripts/gen_flag_reference.py` fails here. Also checks t
 import importlib.util
 from pathlib import Path
 
-from slime.utils.arguments import build_parser
+from slime.config.arguments import build_parser
 
 REPO = Path(__file__).resolve().parents[1]
 PAGE = REPO / "docs" / "reference" / "flags.md"

@@ -90,7 +90,7 @@ async def two_segments(args, sample, sampling_params):
 
 def test_generate_function_returning_siblings_gives_them_one_rollout_id():
     from slime.utils.http_utils import run
-    from slime.rollout.generate import GenerateState, generate_and_rm
+    from slime.rollout.sglang_rollout import GenerateState, generate_and_rm
 
     args = SimpleNamespace(sglang_router_ip="127.0.0.1", sglang_router_port=1, sglang_server_concurrency=2,
                            rollout_num_engines=1, custom_generate_function_path=f"{__name__}.two_segments",

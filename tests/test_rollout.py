@@ -22,8 +22,7 @@ from slime.rollout import sglang_rollout
 from slime.utils import http_utils
 from slime.rollout.data_source import RolloutDataSourceWithBuffer
 from slime.rollout.dataset import load_tokenizer
-from slime.rollout.sglang_rollout import generate_rollout
-from slime.rollout.generate import build_sampling_params, generate
+from slime.rollout.sglang_rollout import build_sampling_params, generate, generate_rollout
 from slime.utils.misc import find_free_port
 from slime.utils.types import Sample
 

@@ -18,8 +18,7 @@ import pytest
 
 from slime.rollout.data_source import RolloutDataSourceWithBuffer
 from slime.rollout.dataset import load_tokenizer
-from slime.rollout.sglang_rollout import generate_rollout
-from slime.rollout.generate import generate
+from slime.rollout.sglang_rollout import generate, generate_rollout
 from slime.utils.misc import find_free_port
 from slime.utils.types import Sample
 from router_helpers import launch_router, register_worker, stop

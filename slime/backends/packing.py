@@ -107,7 +107,7 @@ def pack_samples(tokens: list[list[int]], response_lengths: list[int], sample_in
 
 
 def step_sample_indices(num_samples: int, num_steps: int) -> list[list[int]]:
-    """Sample i of a rank's lists belongs to step i // (num_samples // num_steps) (docs/internals.md)."""
+    """Sample i of a rank's lists belongs to step i // (num_samples // num_steps) (docs/contracts/train-data.md)."""
     if num_steps < 1 or num_samples % num_steps != 0 or num_samples == 0:
         raise ValueError(f"{num_samples} train samples on this rank cannot be split into {num_steps} equal "
                          "optimizer steps (global_batch_size x num_steps_per_rollout must match the rollout)")

@@ -17,7 +17,7 @@ of about --update-weight-buffer-size bytes and sends each bucket to every engine
   again), and each engine loads it (POST /update_weights_from_disk {model_path, weight_version}). The folder is
   removed afterwards unless --update-weight-disk-keep-files.
 In tensor and disk mode an engine that cannot be reached (its process died) is skipped for the rest of the push and
-named in the result (`unreachable_engines`); the engine watch restarts it (docs/fault-tolerance.md).
+named in the result (`unreachable_engines`); the engine watch restarts it (docs/guides/fault-tolerance.md).
 
 Tensors travel in the engines' dtype when every engine reports the same one in GET /get_server_info (bf16 engines
 get half the bytes of the fp32 master weights, rounded as the engine would round them itself); otherwise in the
@@ -102,7 +102,7 @@ def _post_all(urls: list[str], path: str, payload_for_url, headers: dict | None 
 
 def _post_each_reachable(urls: list[str], path: str, payload_for_url, headers: dict | None = None) -> list[str]:
     """Like _post_all, but an engine that cannot be reached (its process is gone) is skipped, not an error: the
-    others still get the whole push, and the engine watch restarts the lost one (docs/fault-tolerance.md).
+    others still get the whole push, and the engine watch restarts the lost one (docs/guides/fault-tolerance.md).
     Returns the URLs that could not be reached."""
     import httpx
 

@@ -133,7 +133,7 @@ def add_rollout_arguments(parser):
 
 
 def add_fault_tolerance_arguments(parser):
-    g = parser.add_argument_group("fault tolerance (docs/fault-tolerance.md)")
+    g = parser.add_argument_group("fault tolerance (docs/guides/fault-tolerance.md)")
     g.add_argument("--use-fault-tolerance", action="store_true",
                    help="health-check the engines during rollouts; a dead or hung engine leaves the router at once, "
                         "its requests go to the others, and it restarts with the trainer's current weights")

@@ -166,7 +166,7 @@ def check_supported(dataset: EvalDatasetConfig) -> None:
     """ValueError if the dataset sets one of slime's keys this project does not act on."""
     for key in UNSUPPORTED_KEYS:
         if getattr(dataset, key) is not None:
-            raise ValueError(f"eval dataset {dataset.name}: {key} is not supported here (docs/slime-compat.md)")
+            raise ValueError(f"eval dataset {dataset.name}: {key} is not supported here (docs/migrating/slime-compat.md)")
 
 
 def parse_eval_prompt_data(value) -> list[tuple[str, str]]:

@@ -1,6 +1,6 @@
 """Which of slime's flags cannot act here, and what a run that sets one is told.
 
-Two kinds, each with the reason (docs/slime-flags.md lists every slime flag with its status):
+Two kinds, each with the reason (docs/reference/slime-flags.md lists every slime flag with its status):
 - `INERT`: accepted, no effect here (a Megatron or CUDA-vendor switch, slime's own CI checks, a value only a
   plugin reads). A run that sets one to anything but its default gets one warning at start-up naming them all.
 - `REFUSED`: a feature of slime this project does not have (yet); setting the flag to anything but its default is
@@ -68,7 +68,7 @@ def check_flag_status(args, defaults: dict) -> list[str]:
             raise ArgumentError(f"{cli_flag(dest)} {getattr(args, dest)!r}: {why}")
     inert = [dest for dest in INERT if getattr(args, dest) != defaults[dest]]
     if inert:
-        logger.warning("these slime flags have no effect here (docs/slime-flags.md says why): %s",
+        logger.warning("these slime flags have no effect here (docs/reference/slime-flags.md says why): %s",
                        ", ".join(cli_flag(dest) for dest in inert))
     return inert
 

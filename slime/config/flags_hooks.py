@@ -2,7 +2,7 @@
 hooks, rollout log hooks, trainer loss hooks, and `--custom-config-path` (a YAML of extra attributes set on args).
 
 Registration only (`add_hook_arguments`); every dotted path here is imported and checked callable at parse time
-(`validate_args.HOOK_FLAGS`). Signatures are slime's (docs/slime-flags.md lists them).
+(`validate_args.HOOK_FLAGS`). Signatures are slime's (docs/reference/slime-flags.md lists them).
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ checked against it. Every other flag carries the reason it changes nothing here 
 groups, the architecture switches), and a run that sets one is told once at start-up (`inert_flag_notices`).
 Megatron's MoE shape, router and load-balancing flags are slime/config/flags_moe.py's, not this module's; the
 Megatron flags the project already had under the same name (`--micro-batch-size`, `--lr`, `--clip-grad`, ...) stay
-in `slime.config.arguments`. docs/megatron-flags.md is the table of all of them.
+in `slime.config.arguments`. docs/guides/megatron-parallelism.md is the table of all of them.
 
 This module parses nothing itself and imports nothing of megatron-core: the FSDP backend uses the same flags.
 """

@@ -26,7 +26,7 @@ def add_weight_sync_arguments(parser):
     g.add_argument("--update-weights-interval", type=int, default=1)
     g.add_argument("--update-weight-mode", choices=["full", "delta"], default="full",
                    help="delta (with --update-weight-transport disk): write only the bytes that changed since the "
-                        "last push, checksum-verified by the engines (docs/weight-sync.md)")
+                        "last push, checksum-verified by the engines (docs/concepts/weight-sync.md)")
     g.add_argument("--update-weight-transport", choices=["nccl", "disk"], default="nccl",
                    help="nccl: the trainer sends the weights to the engines (NCCL between GPUs, tensors over HTTP "
                         "on the CPU); disk: it writes a Hugging Face checkpoint under --update-weight-disk-dir and "

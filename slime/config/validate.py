@@ -289,7 +289,7 @@ def _resolve_eval_and_output(args) -> None:
 
 
 def _resolve_debug(args) -> None:
-    """slime's debug and replay flags (docs/fault-tolerance.md): a replay of saved rollouts needs no engines."""
+    """slime's debug and replay flags (docs/guides/fault-tolerance.md): a replay of saved rollouts needs no engines."""
     from slime.config.validate_trainer import resolve_debug_dumps
 
     resolve_debug_dumps(args)

@@ -1,4 +1,4 @@
-"""The rules of slime's weight-sync flags (docs/weight-sync.md), slime's own: disk needs its folder; delta needs
+"""The rules of slime's weight-sync flags (docs/concepts/weight-sync.md), slime's own: disk needs its folder; delta needs
 the disk transport and the engines' local checkpoint folder, and is not for --colocate; the disk-only flags need
 the disk transport. Derived: the two folders become absolute paths (trainer and engine processes may not share a
 working directory). `check_release_train`: --release-train's rules (slime's, and one more). `validate_args` calls

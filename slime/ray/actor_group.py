@@ -96,7 +96,7 @@ class RayTrainGroup:
         if role == "actor" and weight_update_mode(args) == "distributed" and not args.debug_train_only:
             logger.warning("the weight broadcast group's rendezvous (a torch TCPStore on trainer rank 0) listens "
                            "beyond loopback, on every interface, while the trainer and the engines connect "
-                           "(docs/security.md)")
+                           "(docs/guides/security.md)")
         self.actors = self._start_actors(args)
 
     def _start_actors(self, args) -> list:

@@ -5,7 +5,7 @@ On GPU machines a bundle is `{"GPU": 1, "CPU": 1}`; without a GPU a bundle is `{
 on the same bundles; disaggregated runs give the engines their own bundles after the trainer's.
 
 A local run (no `--ray-address`) is a private single-host cluster bound to loopback: Ray's GCS, raylet, workers,
-agents and metrics ports, and the trainer's gloo / NCCL sockets, listen on 127.0.0.1 only (docs/security.md,
+agents and metrics ports, and the trainer's gloo / NCCL sockets, listen on 127.0.0.1 only (docs/guides/security.md,
 "What listens where").
 """
 
@@ -57,7 +57,7 @@ def init_ray(args) -> None:
     if args.ray_address:
         if os.environ.get("RAY_AUTH_MODE") == "disabled":
             logger.warning("--ray-address %s with RAY_AUTH_MODE=disabled: Ray token auth is off, so anyone who can "
-                           "reach the cluster's ports can run code on it; unset RAY_AUTH_MODE (docs/security.md)",
+                           "reach the cluster's ports can run code on it; unset RAY_AUTH_MODE (docs/guides/security.md)",
                            args.ray_address)
         ray.init(address=args.ray_address, runtime_env={"env_vars": env_vars}, log_to_driver=True)
         return
@@ -79,7 +79,7 @@ def init_ray(args) -> None:
     node_ip = ray.util.get_node_ip_address()
     if node_ip != LOOPBACK:
         logger.warning("the local Ray cluster listens beyond loopback, on %s: this Ray version ignored "
-                       "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 (docs/security.md)", node_ip)
+                       "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 (docs/guides/security.md)", node_ip)
 
 
 def _num_devices(args) -> int:
