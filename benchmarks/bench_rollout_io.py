@@ -32,7 +32,7 @@ from fastapi.encoders import jsonable_encoder  # noqa: E402
 from slime.engine.server.protocol import generate_response  # noqa: E402
 from slime.engine.request_output import RequestOutput  # noqa: E402
 from slime.rollout.dataset import load_tokenizer, prompt_token_ids  # noqa: E402
-from slime.rollout.sglang_rollout import _append_output, group_prompt_ids  # noqa: E402
+from slime.rollout.generate_request import _append_output, group_prompt_ids
 from slime.utils.tiny_model import build_tiny_model  # noqa: E402
 from slime.utils.types import Sample  # noqa: E402
 

@@ -22,7 +22,8 @@ from slime.rollout import sglang_rollout
 from slime.utils import http_utils
 from slime.rollout.data_source import RolloutDataSourceWithBuffer
 from slime.rollout.dataset import load_tokenizer
-from slime.rollout.sglang_rollout import build_sampling_params, generate, generate_rollout
+from slime.rollout.sglang_rollout import generate, generate_rollout
+from slime.rollout.generate_request import build_sampling_params
 from slime.utils.misc import find_free_port
 from slime.utils.types import Sample
 

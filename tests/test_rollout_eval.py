@@ -7,7 +7,8 @@ import json
 import pytest
 
 from slime.rollout.dataset import load_tokenizer
-from slime.rollout.sglang_rollout import build_sampling_params, generate_rollout
+from slime.rollout.sglang_rollout import generate_rollout
+from slime.rollout.generate_request import build_sampling_params
 from slime.utils.types import Sample
 from test_rollout import make_args, reference_log_probs, stack  # noqa: F401 (fixtures)
 

@@ -6,7 +6,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from slime.rollout.sglang_rollout import group_prompt_ids
+from slime.rollout.generate_request import group_prompt_ids
 from slime.utils.tiny_model import build_tiny_model
 from slime.utils.types import Sample
 

@@ -24,7 +24,7 @@ import functools
 
 from slime.rollout.dataset import render_chat_prompt, tokenizer_for
 from slime.rollout.environment import check_step_result, make_environment, maybe_await
-from slime.rollout.sglang_rollout import sample_continuation
+from slime.rollout.generate_request import sample_continuation
 from slime.rollout.tools import (DEFAULT_MAX_TOOL_RESPONSE_CHARS, DEFAULT_TOOL_TIMEOUT_S, load_tools,
                                  run_tool_call)
 from slime.utils.tool_parsers import get_parser, stop_strings_for

@@ -4,7 +4,12 @@
 Training: keep `--rollout-batch-size` groups in flight (fetched `--over-sampling-batch-size` at a time), score each
 finished group, pass it through `--dynamic-sampling-filter-path`, and once enough groups are accepted abort the rest
 on every engine; with `--partial-rollout` the half-generated groups go back to the data source's buffer and are
-continued next time. Evaluation (`evaluation=True`) is in eval.py.
+continued next time. Evaluation (`evaluation=True`, `eval_rollout`): n responses for every prompt of every eval
+dataset (`--eval-config` or `--eval-prompt-data`) with that dataset's settings, returned as
+`{name: {"rewards", "truncated", "samples"}}`, samples ordered by prompt then sample (what pass@k takes).
+
+One request's pieces are in generate_request.py and scoring in scoring.py; `GenerateState`, `generate`,
+`generate_and_rm` and `generate_group` stay here, where slime's plugins and tests import and patch them.
 
 Training returns `RolloutFnTrainOutput(groups, metrics)`: the metrics (drop counts, reward failures, prefix-cache
 hit rate) travel with the samples.
@@ -16,64 +21,37 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import copy
 import functools
-import inspect
 import logging
-import operator
 import time
 import uuid
 
 from tqdm import tqdm
 
 from slime.rollout.base_types import RolloutFnTrainOutput
+from slime.rollout.dataset import EvalDataset, load_eval_datasets
+from slime.rollout.generate_request import (  # noqa: F401 (slime's plugins import these from here)
+    build_sampling_params,
+    generate_group_in_one_request,
+    group_prompt_ids,
+    load_hook,
+    sample_continuation,
+    takes_evaluation,
+)
+from slime.rollout.scoring import is_scorable, score_samples
+from slime.config.eval_datasets import EvalDatasetConfig, resolve_eval_datasets
 from slime.rollout.filter_hub.base_types import call_dynamic_filter, should_drop_dynamic_filter_output
 from slime.rollout.dataset import prompt_token_ids, tokenizer_for
-from slime.rollout.resend import post_generate
 from slime.utils.http_utils import abort_all_requests, router_url, run
-from slime.rollout.routed_experts import routed_experts_request, store_routed_experts
 from slime.utils.engine_access import engine_admin_headers, router_headers
-from slime.rollout.rm_hub import async_rm, batched_async_rm
 from slime.rollout.sample_hooks import apply_rollout_sample_hooks
 from slime.utils.misc import load_function
 from slime.utils.types import Sample
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_REQUEST_TIMEOUT_S = 14400.0
 MULTI_TURN_GENERATE = "slime.rollout.multi_turn.generate"  # the generate function when --max-turns > 1
-
-
-@functools.lru_cache(maxsize=32)
-def _load_hook(path: str, flag: str):
-    return load_function(path, flag)
-
-
-def _takes_evaluation(generate_fn) -> bool:
-    """slime passes `evaluation=` to a generate function whose signature has that parameter."""
-    return "evaluation" in inspect.signature(generate_fn).parameters
-
-
-def build_sampling_params(args, evaluation: bool = False) -> dict:
-    """SGLang sampling params from the `--rollout-*` flags (`--eval-*` first when evaluating)."""
-
-    def pick(name: str):
-        value = getattr(args, f"eval_{name}", None) if evaluation else None
-        return value if value is not None else getattr(args, f"rollout_{name}", None)
-
-    params = {
-        "temperature": pick("temperature"),
-        "top_p": pick("top_p"),
-        "top_k": pick("top_k"),
-        "max_new_tokens": pick("max_response_len"),
-        "stop": pick("stop"),
-        "stop_token_ids": pick("stop_token_ids"),
-        "min_new_tokens": pick("min_new_tokens"),
-        "skip_special_tokens": bool(getattr(args, "rollout_skip_special_tokens", False)),
-        "no_stop_trim": True,
-    }
-    if params["max_new_tokens"] is None:
-        raise ValueError("--rollout-max-response-len is required by the default rollout (max new tokens per sample)")
-    return {key: value for key, value in params.items() if value is not None}
 
 
 class GenerateState:
@@ -123,116 +101,13 @@ async def generate(args, sample: Sample, sampling_params: dict) -> Sample:
     return sample
 
 
-async def sample_continuation(args, sample: Sample, sampling_params: dict) -> str:
-    """One POST /generate continuing `sample.tokens`: appends the sampled ids (loss mask 1, the engine's log-probs)
-    and the text, sets the status from the finish reason, counts prefix-cache hits; returns the text sampled."""
-    routing = routed_experts_request(args, sample)
-    payload = {"input_ids": sample.tokens, "sampling_params": sampling_params, "return_logprob": True, **routing}
-    output = await _post_generate(args, payload, sample)
-    return _append_output(args, sample, output, routing.get("routed_experts_start_len", 0))
 
 
-async def _post_generate(args, payload: dict, sample: Sample):
-    """POST /generate through the router, routed by the sample's session; under fault tolerance re-sent (counted
-    on `sample`) while its engine is recovered."""
-    timeout = getattr(args, "sglang_router_request_timeout_secs", None) or DEFAULT_REQUEST_TIMEOUT_S
-    headers = {**router_headers(args), **({"X-SMG-Routing-Key": sample.session_id} if sample.session_id else {})}
-    return await post_generate(args, f"{router_url(args)}/generate", payload, sample, timeout=timeout,
-                               headers=headers)
-
-
-_LOG_PROB, _TOKEN_ID = operator.itemgetter(0), operator.itemgetter(1)  # of an output_token_logprobs entry
-
-
-def _append_output(args, sample: Sample, output: dict, routed_experts_start_len: int) -> str:
-    """Apply one /generate result to `sample` (see sample_continuation); returns the text sampled."""
-    meta = output.get("meta_info", {})
-    logprob_items = meta.get("output_token_logprobs")
-    if logprob_items is None:
-        raise ValueError(f"{router_url(args)}/generate answered without meta_info.output_token_logprobs "
-                         "(return_logprob was requested): not an SGLang-compatible engine?")
-    text = output.get("text", "")
-    # append_response_tokens makes them ints and floats
-    sample.append_response_tokens(args, tokens=list(map(_TOKEN_ID, logprob_items)),
-                                  log_probs=list(map(_LOG_PROB, logprob_items)), meta_info=meta, text=text)
-    # The engine echoes the start it used (sglang-router 0.3.2 drops the field from the request).
-    store_routed_experts(args, sample, meta, meta.get("routed_experts_start_len", routed_experts_start_len))
-    return text
-
-
-def group_prompt_ids(args, group: list[Sample]) -> list[int] | None:
-    """The prompt ids of a group that one /generate with sampling_params.n can sample: fresh samples of one prompt
-    that the default generate function would sample one by one (no generate hook, one turn, nothing generated yet,
-    no per-sample hooks after generation). None when the group must go sample by sample."""
-    if len(group) < 2 or getattr(args, "custom_generate_function_path", None) or (getattr(args, "max_turns", None)
-                                                                                  or 1) > 1:
-        return None
-    if getattr(args, "rollout_sample_hook_path", None):
-        return None
-    if any(s.generate_function_path or s.tokens or s.response_length or s.status != Sample.Status.PENDING
-           for s in group):
-        return None
-    if any(_prompt_key(s) != _prompt_key(group[0]) for s in group[1:]):
-        return None
-    tokenizer = tokenizer_for(args)
-    if tokenizer is None:
-        raise ValueError("the default rollout needs --hf-checkpoint: its tokenizer turns prompts into token ids")
-    # Once per group, not per sample: a prompt through the chat template and the tokenizer costs milliseconds.
-    return prompt_token_ids(tokenizer, group[0])
-
-
-def _prompt_key(sample: Sample):
-    """What a sample's prompt ids are made from (prompt_token_ids): the prompt and, for chat messages, the tools."""
-    tools = sample.metadata.get("tools") if isinstance(sample.metadata, dict) else None
-    return sample.prompt, tools
-
-
-async def generate_group_in_one_request(args, group: list[Sample], prompt_ids: list[int], sampling_params: dict,
-                                        state: GenerateState) -> None:
-    """The group's n samples from one /generate with SGLang's sampling_params.n (one HTTP round trip and one
-    response instead of n; the engine admits the copies together, so they share the prompt's KV blocks)."""
-    async with state.semaphore:
-        if state.aborted:
-            for sample in group:
-                sample.status = Sample.Status.ABORTED
-            return
-        for sample in group:
-            sample.tokens = list(prompt_ids)
-        payload = {"input_ids": prompt_ids, "sampling_params": {**sampling_params, "n": len(group)},
-                   "return_logprob": True, **routed_experts_request(args, group[0])}  # R3: each sample's routing
-        outputs = await _post_generate(args, payload, group[0])
-    if not isinstance(outputs, list) or len(outputs) != len(group):
-        raise RuntimeError(f"/generate with sampling_params.n={len(group)} answered {type(outputs).__name__} "
-                           f"of {len(outputs) if isinstance(outputs, list) else 1} result(s); the engine must "
-                           "support SGLang's parallel sampling")
-    num_resends = group[0].metadata.get("num_resends")  # a re-sent request re-sends every sample of the group
-    for sample, output in zip(group, outputs):
-        if num_resends:
-            sample.metadata["num_resends"] = num_resends
-        _append_output(args, sample, output, routed_experts_start_len=0)
 
 
 def _flatten(items) -> list[Sample]:
     return [s for item in items for s in (item if isinstance(item, list) else [item])]
 
-
-def _is_scorable(samples: list[Sample]) -> bool:
-    return all(s.status != Sample.Status.ABORTED for s in samples)
-
-
-async def _score(args, samples: list[Sample], state: GenerateState, batched: bool) -> None:
-    """Fill missing rewards via rm_hub; a sample whose reward function failed counts in state.num_reward_failures."""
-    todo = [s for s in samples if s.reward is None]
-    if not todo:
-        return
-    if batched:
-        rewards = await batched_async_rm(args, todo)
-    else:
-        rewards = await asyncio.gather(*(async_rm(args, s) for s in todo))
-    for sample, reward in zip(todo, rewards):
-        sample.reward = reward
-        if sample.metadata.get("reward_error"):
-            state.num_reward_failures += 1
 
 
 async def generate_and_rm(args, sample: Sample, sampling_params: dict, evaluation: bool = False, *,
@@ -254,7 +129,7 @@ async def generate_and_rm(args, sample: Sample, sampling_params: dict, evaluatio
                 hook_path = MULTI_TURN_GENERATE
             # paths were checked at start-up with their flag's name (validate_args); this imports the module once
             generate_fn = load_function(hook_path) if hook_path else generate
-            kwargs = {"evaluation": evaluation} if _takes_evaluation(generate_fn) else {}
+            kwargs = {"evaluation": evaluation} if takes_evaluation(generate_fn) else {}
             sample = await generate_fn(args, sample, dict(sampling_params), **kwargs)  # a copy: hooks edit theirs
         sample = await apply_rollout_sample_hooks(args, sample, **hook_kwargs)
     samples = sample if isinstance(sample, list) else [sample]
@@ -263,8 +138,8 @@ async def generate_and_rm(args, sample: Sample, sampling_params: dict, evaluatio
         shared = shared if shared is not None else uuid.uuid4().int >> 65  # fan-out siblings: one rollout
         for s in samples:
             s.rollout_id = shared
-    if not getattr(args, "group_rm", False) and _is_scorable(samples):
-        await _score(args, samples, state, batched=isinstance(sample, list))
+    if not getattr(args, "group_rm", False) and is_scorable(samples):
+        await score_samples(args, samples, state, batched=isinstance(sample, list))
     return sample
 
 
@@ -277,14 +152,14 @@ async def generate_group(args, group: list[Sample], sampling_params: dict, state
     prompt_ids = group_prompt_ids(args, group)
     if prompt_ids is not None:
         await generate_group_in_one_request(args, group, prompt_ids, sampling_params, state)
-        if not group_rm and _is_scorable(group):
-            await _score(args, group, state, batched=False)
+        if not group_rm and is_scorable(group):
+            await score_samples(args, group, state, batched=False)
     else:
         results = await asyncio.gather(*(generate_and_rm(args, s, sampling_params, state.evaluation, state=state)
                                          for s in group))
         group = _flatten(results)
-    if group_rm and _is_scorable(group):
-        await _score(args, group, state, batched=True)
+    if group_rm and is_scorable(group):
+        await score_samples(args, group, state, batched=True)
     return group
 
 
@@ -294,7 +169,7 @@ async def _generate_rollout_async(args, rollout_id: int, data_source) -> tuple[l
     target = int(args.rollout_batch_size)
     over_sampling = int(getattr(args, "over_sampling_batch_size", None) or target)
     filter_path = getattr(args, "dynamic_sampling_filter_path", None)
-    dynamic_filter = _load_hook(filter_path, "--dynamic-sampling-filter-path") if filter_path else None
+    dynamic_filter = load_hook(filter_path, "--dynamic-sampling-filter-path") if filter_path else None
 
     accepted: list[list[Sample]] = []
     leftovers: list[list[Sample]] = []
@@ -324,7 +199,7 @@ async def _generate_rollout_async(args, rollout_id: int, data_source) -> tuple[l
             for position, task in enumerate(done):
                 group = task.result()
                 returned.append(group)
-                if not _is_scorable(group):  # aborted on the engine side (e.g. a weight update): try again later
+                if not is_scorable(group):  # aborted on the engine side (e.g. a weight update): try again later
                     leftovers.append(group)
                     continue
                 verdict = call_dynamic_filter(dynamic_filter, args, group)
@@ -362,9 +237,9 @@ async def _generate_rollout_async(args, rollout_id: int, data_source) -> tuple[l
         num_returned = len(returnable)
 
     if getattr(args, "rollout_sample_filter_path", None):  # marks Sample.remove_sample on what not to train on
-        _load_hook(args.rollout_sample_filter_path, "--rollout-sample-filter-path")(args, accepted)
+        load_hook(args.rollout_sample_filter_path, "--rollout-sample-filter-path")(args, accepted)
     if getattr(args, "rollout_all_samples_process_path", None):
-        _load_hook(args.rollout_all_samples_process_path, "--rollout-all-samples-process-path")(
+        load_hook(args.rollout_all_samples_process_path, "--rollout-all-samples-process-path")(
             args, sorted(returned, key=lambda g: g[0].index), data_source)
 
     samples = [s for g in accepted for s in g]
@@ -387,10 +262,73 @@ async def _generate_rollout_async(args, rollout_id: int, data_source) -> tuple[l
 
 def generate_rollout(args, rollout_id: int, data_source, evaluation: bool = False):
     """Training: `RolloutFnTrainOutput` of `--rollout-batch-size` accepted groups (list[list[Sample]], sorted by
-    index) and the rollout's metrics. Evaluation: {dataset name: {"rewards", "truncated", "samples"}} (eval.py)."""
+    index) and the rollout's metrics. Evaluation: {dataset name: {"rewards", "truncated", "samples"}} (`eval_rollout`)."""
     if evaluation:
-        from slime.rollout.eval import eval_rollout
 
         return eval_rollout(args, rollout_id)
     groups, metrics = run(_generate_rollout_async(args, rollout_id, data_source))
     return RolloutFnTrainOutput(groups, metrics)
+
+
+_dataset_cache: dict[tuple, list[EvalDataset]] = {}
+
+
+def _eval_reward_value(args, sample: Sample) -> float:
+    reward = sample.reward
+    if isinstance(reward, dict):
+        key = getattr(args, "eval_reward_key", None) or getattr(args, "reward_key", None)
+        if key is None or key not in reward:
+            raise ValueError(f"eval reward is a dict with keys {sorted(reward)}; pick one with --eval-reward-key")
+        reward = reward[key]
+    return float(reward) if reward is not None else 0.0
+
+
+def _cached_eval_datasets(args) -> list[EvalDataset]:
+    configs = args.eval_datasets if hasattr(args, "eval_datasets") else resolve_eval_datasets(args)
+    key = (tuple(repr(c) for c in configs), getattr(args, "hf_checkpoint", None))
+    if key not in _dataset_cache:
+        _dataset_cache[key] = load_eval_datasets(args)
+    return _dataset_cache[key]
+
+
+def dataset_sampling_params(args, config: EvalDatasetConfig) -> dict:
+    """The eval sampling params with the dataset's own settings (already resolved against the flags)."""
+    params = build_sampling_params(args, evaluation=True)
+    params.update({"temperature": config.temperature, "top_p": config.top_p, "top_k": config.top_k,
+                   "max_new_tokens": config.max_response_len, "stop": config.stop,
+                   "stop_token_ids": config.stop_token_ids, "min_new_tokens": config.min_new_tokens,
+                   "skip_special_tokens": config.skip_special_tokens, "no_stop_trim": config.no_stop_trim})
+    return {key: value for key, value in params.items() if value is not None}
+
+
+async def _eval_dataset(args, dataset: EvalDataset, state: GenerateState) -> dict:
+    sampling_params = dataset_sampling_params(args, dataset.config)
+    n = int(dataset.config.n_samples_per_eval_prompt or 1)
+    groups = []
+    for prompt_index, prompt in enumerate(dataset.samples):
+        group = []
+        for j in range(n):
+            sample = copy.deepcopy(prompt)
+            sample.group_index, sample.index = prompt_index, prompt_index * n + j
+            group.append(sample)
+        groups.append(group)
+    results = await asyncio.gather(*(generate_group(args, g, sampling_params, state) for g in groups))
+    samples = [s for group in results for s in group]
+    return {
+        "rewards": [_eval_reward_value(args, s) for s in samples],
+        "truncated": [s.status == Sample.Status.TRUNCATED for s in samples],
+        "samples": samples,
+    }
+
+
+async def _eval_rollout_async(args, rollout_id: int) -> dict:
+    datasets = _cached_eval_datasets(args)
+    if not datasets:
+        raise ValueError("evaluation needs --eval-prompt-data (name path [name path ...])")
+    state = GenerateState(args, rollout_id=rollout_id, evaluation=True)
+    results = await asyncio.gather(*(_eval_dataset(args, d, state) for d in datasets))
+    return {dataset.name: result for dataset, result in zip(datasets, results)}
+
+
+def eval_rollout(args, rollout_id: int) -> dict:
+    return run(_eval_rollout_async(args, rollout_id))

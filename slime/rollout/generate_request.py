@@ -1,0 +1,143 @@
+"""One `/generate` request of the default rollout and what comes back: sampling params from the flags, the POST
+(resent on a weight update's abort), the answer appended to the Sample (tokens, log-probs, routed experts, status),
+and a group sharing its prompt sent as one request with n > 1. Plain functions of args and Samples; the rollout
+loop, `generate` and `generate_and_rm` are sglang_rollout.py's (slime's plugins patch them there).
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import operator
+
+from slime.rollout.dataset import prompt_token_ids, tokenizer_for
+from slime.rollout.resend import post_generate
+from slime.rollout.routed_experts import routed_experts_request, store_routed_experts
+from slime.utils.engine_access import router_headers
+from slime.utils.http_utils import router_url
+from slime.utils.misc import load_function
+from slime.utils.types import Sample
+
+_LOG_PROB, _TOKEN_ID = operator.itemgetter(0), operator.itemgetter(1)  # of an output_token_logprobs entry
+
+
+DEFAULT_REQUEST_TIMEOUT_S = 14400.0
+
+
+@functools.lru_cache(maxsize=32)
+def load_hook(path: str, flag: str):
+    return load_function(path, flag)
+
+
+def takes_evaluation(generate_fn) -> bool:
+    """slime passes `evaluation=` to a generate function whose signature has that parameter."""
+    return "evaluation" in inspect.signature(generate_fn).parameters
+
+
+def build_sampling_params(args, evaluation: bool = False) -> dict:
+    """SGLang sampling params from the `--rollout-*` flags (`--eval-*` first when evaluating)."""
+
+    def pick(name: str):
+        value = getattr(args, f"eval_{name}", None) if evaluation else None
+        return value if value is not None else getattr(args, f"rollout_{name}", None)
+
+    params = {
+        "temperature": pick("temperature"),
+        "top_p": pick("top_p"),
+        "top_k": pick("top_k"),
+        "max_new_tokens": pick("max_response_len"),
+        "stop": pick("stop"),
+        "stop_token_ids": pick("stop_token_ids"),
+        "min_new_tokens": pick("min_new_tokens"),
+        "skip_special_tokens": bool(getattr(args, "rollout_skip_special_tokens", False)),
+        "no_stop_trim": True,
+    }
+    if params["max_new_tokens"] is None:
+        raise ValueError("--rollout-max-response-len is required by the default rollout (max new tokens per sample)")
+    return {key: value for key, value in params.items() if value is not None}
+
+
+async def sample_continuation(args, sample: Sample, sampling_params: dict) -> str:
+    """One POST /generate continuing `sample.tokens`: appends the sampled ids (loss mask 1, the engine's log-probs)
+    and the text, sets the status from the finish reason, counts prefix-cache hits; returns the text sampled."""
+    routing = routed_experts_request(args, sample)
+    payload = {"input_ids": sample.tokens, "sampling_params": sampling_params, "return_logprob": True, **routing}
+    output = await _post_generate(args, payload, sample)
+    return _append_output(args, sample, output, routing.get("routed_experts_start_len", 0))
+
+
+async def _post_generate(args, payload: dict, sample: Sample):
+    """POST /generate through the router, routed by the sample's session; under fault tolerance re-sent (counted
+    on `sample`) while its engine is recovered."""
+    timeout = getattr(args, "sglang_router_request_timeout_secs", None) or DEFAULT_REQUEST_TIMEOUT_S
+    headers = {**router_headers(args), **({"X-SMG-Routing-Key": sample.session_id} if sample.session_id else {})}
+    return await post_generate(args, f"{router_url(args)}/generate", payload, sample, timeout=timeout,
+                               headers=headers)
+
+
+def _append_output(args, sample: Sample, output: dict, routed_experts_start_len: int) -> str:
+    """Apply one /generate result to `sample` (see sample_continuation); returns the text sampled."""
+    meta = output.get("meta_info", {})
+    logprob_items = meta.get("output_token_logprobs")
+    if logprob_items is None:
+        raise ValueError(f"{router_url(args)}/generate answered without meta_info.output_token_logprobs "
+                         "(return_logprob was requested): not an SGLang-compatible engine?")
+    text = output.get("text", "")
+    # append_response_tokens makes them ints and floats
+    sample.append_response_tokens(args, tokens=list(map(_TOKEN_ID, logprob_items)),
+                                  log_probs=list(map(_LOG_PROB, logprob_items)), meta_info=meta, text=text)
+    # The engine echoes the start it used (sglang-router 0.3.2 drops the field from the request).
+    store_routed_experts(args, sample, meta, meta.get("routed_experts_start_len", routed_experts_start_len))
+    return text
+
+
+def group_prompt_ids(args, group: list[Sample]) -> list[int] | None:
+    """The prompt ids of a group that one /generate with sampling_params.n can sample: fresh samples of one prompt
+    that the default generate function would sample one by one (no generate hook, one turn, nothing generated yet,
+    no per-sample hooks after generation). None when the group must go sample by sample."""
+    if len(group) < 2 or getattr(args, "custom_generate_function_path", None) or (getattr(args, "max_turns", None)
+                                                                                  or 1) > 1:
+        return None
+    if getattr(args, "rollout_sample_hook_path", None):
+        return None
+    if any(s.generate_function_path or s.tokens or s.response_length or s.status != Sample.Status.PENDING
+           for s in group):
+        return None
+    if any(_prompt_key(s) != _prompt_key(group[0]) for s in group[1:]):
+        return None
+    tokenizer = tokenizer_for(args)
+    if tokenizer is None:
+        raise ValueError("the default rollout needs --hf-checkpoint: its tokenizer turns prompts into token ids")
+    # Once per group, not per sample: a prompt through the chat template and the tokenizer costs milliseconds.
+    return prompt_token_ids(tokenizer, group[0])
+
+
+def _prompt_key(sample: Sample):
+    """What a sample's prompt ids are made from (prompt_token_ids): the prompt and, for chat messages, the tools."""
+    tools = sample.metadata.get("tools") if isinstance(sample.metadata, dict) else None
+    return sample.prompt, tools
+
+
+async def generate_group_in_one_request(args, group: list[Sample], prompt_ids: list[int], sampling_params: dict,
+                                        state) -> None:
+    """`state`: the rollout's GenerateState (sglang_rollout.py). The group's n samples from one /generate with SGLang's sampling_params.n (one HTTP round trip and one
+    response instead of n; the engine admits the copies together, so they share the prompt's KV blocks)."""
+    async with state.semaphore:
+        if state.aborted:
+            for sample in group:
+                sample.status = Sample.Status.ABORTED
+            return
+        for sample in group:
+            sample.tokens = list(prompt_ids)
+        payload = {"input_ids": prompt_ids, "sampling_params": {**sampling_params, "n": len(group)},
+                   "return_logprob": True, **routed_experts_request(args, group[0])}  # R3: each sample's routing
+        outputs = await _post_generate(args, payload, group[0])
+    if not isinstance(outputs, list) or len(outputs) != len(group):
+        raise RuntimeError(f"/generate with sampling_params.n={len(group)} answered {type(outputs).__name__} "
+                           f"of {len(outputs) if isinstance(outputs, list) else 1} result(s); the engine must "
+                           "support SGLang's parallel sampling")
+    num_resends = group[0].metadata.get("num_resends")  # a re-sent request re-sends every sample of the group
+    for sample, output in zip(group, outputs):
+        if num_resends:
+            sample.metadata["num_resends"] = num_resends
+        _append_output(args, sample, output, routed_experts_start_len=0)
