@@ -264,7 +264,6 @@ def generate_rollout(args, rollout_id: int, data_source, evaluation: bool = Fals
     """Training: `RolloutFnTrainOutput` of `--rollout-batch-size` accepted groups (list[list[Sample]], sorted by
     index) and the rollout's metrics. Evaluation: {dataset name: {"rewards", "truncated", "samples"}} (`eval_rollout`)."""
     if evaluation:
-
         return eval_rollout(args, rollout_id)
     groups, metrics = run(_generate_rollout_async(args, rollout_id, data_source))
     return RolloutFnTrainOutput(groups, metrics)
