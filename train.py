@@ -111,9 +111,7 @@ def update_weights(args, actor, rollout_manager, rollout_id) -> dict:
         with timed(parts, "perf/engine_resume_kv_time"):
             ray.get(rollout_manager.onload.remote(["kv_cache", "cuda_graph"]))
     # update_weights_time spans the push and the memory hand-over around it; weight_push_* is the push alone.
-    return {**parts, "perf/update_weights_time": time.perf_counter() - start, "perf/weight_push_time": push["seconds"],
-            "perf/weight_push_gb": push["bytes"] / 1e9, "perf/weight_push_buckets": push["num_buckets"],
-            "perf/weight_push_gb_per_s": push["bytes"] / 1e9 / max(push["seconds"], 1e-9), **push["metrics"]}
+    return {**parts, "perf/update_weights_time": time.perf_counter() - start, **push.log_metrics()}
 
 
 def train_on_rollout(args, actor, critic, rollout_id, data_refs) -> dict:

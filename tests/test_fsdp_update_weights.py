@@ -74,7 +74,7 @@ def test_pushed_weights_reproduce_trainer_log_probs(engine):
     for mode, version in (("tensor", "1"), ("distributed", "2")):
         trainer.train(int(version), make_train_data(8, vocab_size=300, seed=int(version)))
         timings = trainer.update_weights([url], weight_version=version, mode=mode)
-        assert timings["num_buckets"] > 1 and timings["bytes"] > 0
+        assert timings.num_buckets > 1 and timings.bytes > 0
         output_ids, after, engine_version = _engine_sample(url, prompt)
         expected = _trainer_log_probs(trainer, prompt, output_ids)
         assert engine_version == version
@@ -92,7 +92,7 @@ def test_an_engine_lost_during_a_push_is_skipped_and_the_others_get_it_all(engin
     trainer.train(1, make_train_data(8, vocab_size=300, seed=1))
     lost = f"http://127.0.0.1:{find_free_port()}"  # nothing listens there: a dead engine
     timings = trainer.update_weights([lost, url], weight_version="1", mode="tensor")
-    assert timings["unreachable_engines"] == [lost] and timings["num_buckets"] > 1
+    assert timings.unreachable_engines == [lost] and timings.num_buckets > 1
     prompt = [5, 17, 33, 42]
     output_ids, log_probs, engine_version = _engine_sample(url, prompt)
     assert engine_version == "1"
@@ -115,6 +115,6 @@ def test_weights_travel_in_the_engines_dtype(engine):
             trainer.weight_updater.dtype = forced
             timings = trainer.update_weights([url], weight_version=f"{mode}-{forced}", mode=mode)
             assert trainer.weight_updater.push_dtype == (forced or torch.bfloat16)
-            assert timings["bytes"] == num_param_bytes // (1 if forced else 2)
+            assert timings.bytes == num_param_bytes // (1 if forced else 2)
             results[mode, forced] = _engine_sample(url, prompt)[:2]
     assert len({repr(result) for result in results.values()}) == 1, results

@@ -151,8 +151,8 @@ def test_weight_push_delivers_every_parameter(engine, checkpoints, trainers, mon
 
     assert {e["path"] for e in sent} == {f"/update_weights_from_{'tensor' if mode == 'tensor' else 'distributed'}"}
     names = bucket_names if mode == "tensor" else [e["names"] for e in sent]
-    assert timings["num_buckets"] == len(sent) == len(names) > 2
-    assert timings["bytes"] == sum(v.numel() * v.element_size() for v in expected.values())
+    assert timings.num_buckets == len(sent) == len(names) > 2
+    assert timings.bytes == sum(v.numel() * v.element_size() for v in expected.values())
     assert sorted(n for bucket in names for n in bucket) == sorted(expected)  # each parameter once
     assert [e["flush_cache"] for e in sent] == [False] * (len(sent) - 1) + [True]
     assert [e["weight_version"] for e in sent] == [None] * (len(sent) - 1) + [version]

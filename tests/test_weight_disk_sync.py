@@ -106,14 +106,14 @@ def test_full_disk_sync_loads_the_trainers_weights(engine, folders, tmp_path):
     result = trainer.update_weights([engine.url], weight_version="3", mode="disk")
 
     folder = folders["root"] / "pushes" / "weight_v000003"
-    assert result["num_buckets"] > 2 and result["unreachable_engines"] == []
+    assert result.num_buckets > 2 and result.unreachable_engines == []
     written = _folder_tensors(folder)
     weights = _trainer_weights(trainer)
     assert sorted(written) == sorted(weights) and all(torch.equal(written[k], weights[k]) for k in weights)
-    assert len(list(folder.glob("*.safetensors"))) == result["num_buckets"]  # one file per bucket
+    assert len(list(folder.glob("*.safetensors"))) == result.num_buckets  # one file per bucket
     assert (folder / "config.json").is_file() and not folder.with_suffix(".tmp").exists()
     assert "delta_encoding" not in weight_delta.read_index(folder)["metadata"]
-    assert result["metrics"]["perf/update_weights_density"] == 1.0
+    assert result.metrics["perf/update_weights_density"] == 1.0
     synced, version = _engine_log_probs(engine.url)
     assert version == "3" and synced != before
     _assert_engine_holds(engine.url, folders, weights)
@@ -159,7 +159,7 @@ def test_delta_syncs_keep_the_engine_bit_identical(engine, folders, tmp_path, de
         result = trainer.update_weights([engine.url], weight_version=str(version), mode="disk")
         folder = pushes / f"weight_v{version:06d}"
         metadata = weight_delta.read_index(folder)["metadata"]
-        density = result["metrics"]["perf/update_weights_density"]
+        density = result.metrics["perf/update_weights_density"]
         if previous is None:  # the first push to these engines is a full version
             assert "delta_encoding" not in metadata and density == 1.0
         else:
@@ -249,8 +249,8 @@ def test_megatron_tp2_delta_pushes_reach_the_engine(engine, folders):
     local = folders["root"] / "local_megatron"
     (results, weights), _ = run_distributed(_megatron_delta_pushes, 2, folders["trainer"],
                                             str(folders["root"] / "pushes"), str(local), engine.url)
-    assert results[0]["metrics"]["perf/update_weights_density"] == 1.0  # the first push: a full version
-    assert 0 < results[1]["metrics"]["perf/update_weights_density"] <= 1.0
+    assert results[0].metrics["perf/update_weights_density"] == 1.0  # the first push: a full version
+    assert 0 < results[1].metrics["perf/update_weights_density"] <= 1.0
     local_tensors = _folder_tensors(local)
     assert sorted(local_tensors) == sorted(weights)
     assert all(torch.equal(local_tensors[k], weights[k].to(local_tensors[k].dtype)) for k in weights)

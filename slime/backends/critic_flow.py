@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import NoReturn
 
 import torch
 
@@ -25,6 +26,7 @@ from slime.backends.packing import float_tensors, outputs_per_sample
 from slime.backends.train_flow import TrainFlow
 from slime.utils.checkpoint_state import CRITIC_SUBDIR, critic_checkpoint
 from slime.utils.misc import seed_everything
+from slime.utils.train_data_types import TrainData
 
 
 def critic_resume_dir(load: str | None) -> Path | None:
@@ -51,12 +53,12 @@ class CriticFlow(TrainFlow):
         return args.start_rollout_id or 0
 
     @torch.no_grad()
-    def compute_values(self, rollout_id: int, data: dict) -> list[torch.Tensor]:
+    def compute_values(self, rollout_id: int, data: TrainData) -> list[torch.Tensor]:
         """Values (CPU, fp32) of every sample's response tokens under the current critic weights."""
         by_index = outputs_per_sample(self._schedule(data), self.backend.forward_only)
         return [by_index[i] for i in range(len(data["tokens"]))]
 
-    def train(self, rollout_id: int, data: dict, values: list[torch.Tensor], returns: list[torch.Tensor]) -> dict:
+    def train(self, rollout_id: int, data: TrainData, values: list[torch.Tensor], returns: list[torch.Tensor]) -> dict:
         """Fit the values to `returns` (from the actor); `values` are this critic's own pre-update values."""
         if len(values) != len(data["tokens"]) or len(returns) != len(data["tokens"]):
             raise ValueError(f"critic got {len(values)} values and {len(returns)} returns for "
@@ -76,5 +78,5 @@ class CriticFlow(TrainFlow):
         with self.backend.resident():  # saved between its updates: offloaded with --offload-train
             return self.backend.save_checkpoint(rollout_id, None, save_root=os.path.join(self.args.save, CRITIC_SUBDIR))
 
-    def update_weights(self, *args, **kwargs) -> dict:
+    def update_weights(self, *args, **kwargs) -> NoReturn:
         raise ValueError("the critic has no weights to push to the rollout engines; push the actor's")

@@ -24,6 +24,8 @@ import enum
 import numpy as np
 import torch
 
+from slime.utils.train_data_types import TrainData
+
 
 class ReplayStage(str, enum.Enum):
     FALLTHROUGH = "fallthrough"
@@ -157,7 +159,7 @@ def log_prob_stage(args, store_prefix: str) -> ReplayStage:
     return ReplayStage.FALLTHROUGH
 
 
-def attach_rollout_routing(schedule, data: dict, replay: RoutingReplay) -> None:
+def attach_rollout_routing(schedule, data: TrainData, replay: RoutingReplay) -> None:
     """R3: give every packed micro-batch of the schedule the engine's routing of its samples."""
     records = data.get("rollout_routed_experts")
     if records is None:

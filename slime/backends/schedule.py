@@ -21,9 +21,10 @@ from slime.backends.packing import (
     step_sample_indices,
 )
 from slime.utils.flops_balance import balanced_micro_batches, linear_coefficient
+from slime.utils.train_data_types import TrainData
 
 
-def train_schedule(args, data: dict, backend, max_tokens_per_gpu: int | None = None) -> list[list[PackedMicroBatch]]:
+def train_schedule(args, data: TrainData, backend, max_tokens_per_gpu: int | None = None) -> list[list[PackedMicroBatch]]:
     """Per optimizer step, this rank's packed micro-batches; with dynamic batch sizes at most `max_tokens_per_gpu`
     (default --max-tokens-per-gpu) tokens each. Collective over the data-parallel group (`backend.all_reduce`)."""
     tokens = data["tokens"]
@@ -49,7 +50,7 @@ def train_schedule(args, data: dict, backend, max_tokens_per_gpu: int | None = N
             for bins, target in zip(bins_per_step, targets)]
 
 
-def forward_only_schedule(args, data: dict, backend, schedule: list[list[PackedMicroBatch]]):
+def forward_only_schedule(args, data: TrainData, backend, schedule: list[list[PackedMicroBatch]]):
     """The forward-only passes' micro-batches: --log-probs-max-tokens-per-gpu tokens each with dynamic batch sizes
     (they keep no activations for a backward, so they can take more), else `schedule` itself."""
     if not args.use_dynamic_batch_size or args.log_probs_max_tokens_per_gpu == args.max_tokens_per_gpu:

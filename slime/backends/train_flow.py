@@ -29,10 +29,19 @@ from slime.backends.advantages import compute_advantages
 from slime.backends.backend import TrainBackend
 from slime.backends.debug_train_data import rank_train_data, save_debug_train_data
 from slime.backends.device_room import DeviceRoom
-from slime.backends.loss import (LossReducer, MicroBatchTensors, aggregation_mode, can_reuse_log_probs_in_loss,
-                                 get_loss_function)
+from slime.backends.loss import (
+    LossReducer,
+    MicroBatchTensors,
+    aggregation_mode,
+    can_reuse_log_probs_in_loss,
+    get_loss_function,
+)
 from slime.backends.packing import float_tensors, outputs_per_sample, to_device
-from slime.backends.rank_metrics import global_masked_mean, mismatch_metrics, router_agreement_metrics
+from slime.backends.rank_metrics import (
+    global_masked_mean,
+    mismatch_metrics,
+    router_agreement_metrics,
+)
 from slime.backends.routing_replay import (
     ReplayStage,
     attach_records,
@@ -41,12 +50,14 @@ from slime.backends.routing_replay import (
 )
 from slime.backends.schedule import forward_only_schedule, train_schedule
 from slime.backends.weight_disk import disk_sync_from_args
+from slime.backends.weight_push_result import WeightPushResult
 from slime.backends.weight_sender import WeightSender
 from slime.backends.weight_snapshot import WeightSnapshot, place_weight_sets
 from slime.utils.checkpoint_state import weights_at_step
 from slime.utils.engine_access import engine_admin_headers
 from slime.utils.misc import load_function, seed_everything
 from slime.utils.ppo_utils import apply_opd_advantage, loss_denominator
+from slime.utils.train_data_types import TrainData
 
 logger = logging.getLogger(__name__)
 
@@ -118,7 +129,7 @@ class TrainFlow:
         return getattr(args, "start_rollout_id", None) or 0
 
     # -------------------------------------------------------------------------------------------- schedule
-    def _schedule(self, data: dict) -> list[list]:
+    def _schedule(self, data: TrainData) -> list[list]:
         return train_schedule(self.args, data, self.backend)
 
     def _all_reduce(self, tensor: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
@@ -162,7 +173,7 @@ class TrainFlow:
         self.snapshot.restore("actor")
         return [by_index[i] for i in range(num_samples)]
 
-    def _prepare(self, data: dict, values: list[torch.Tensor] | None = None):
+    def _prepare(self, data: TrainData, values: list[torch.Tensor] | None = None):
         """Old/ref/teacher log-probs, advantages and returns of a rank's data: (schedule, per-sample, metrics)."""
         args = self.args
         num_samples = len(data["tokens"])
@@ -219,7 +230,7 @@ class TrainFlow:
                                                                      self.device)
         return schedule, per_sample, metrics
 
-    def _log_probs_of_generating_weights(self, data: dict, schedule, num_samples: int) -> list[torch.Tensor]:
+    def _log_probs_of_generating_weights(self, data: TrainData, schedule, num_samples: int) -> list[torch.Tensor]:
         """--keep-old-actor: old log-probs under the pushed weights each sample was generated with (its last
         weight version), not the current ones (async training is a rollout behind)."""
         versions = data.get("weight_versions")
@@ -238,7 +249,7 @@ class TrainFlow:
                     result[i] = by_version[i]
         return result
 
-    def _teacher_log_probs(self, data: dict, schedule, num_samples: int) -> list[torch.Tensor]:
+    def _teacher_log_probs(self, data: TrainData, schedule, num_samples: int) -> list[torch.Tensor]:
         if self.args.opd_teacher_load:
             return self._log_probs_with("teacher", schedule, num_samples)
         if not data.get("teacher_log_probs"):
@@ -246,11 +257,11 @@ class TrainFlow:
                              "custom rollout / generate function set Sample.teacher_log_probs")
         return float_tensors(data["teacher_log_probs"])
 
-    def returns_for_critic(self, rollout_id: int, data: dict, values: list[torch.Tensor]) -> list[torch.Tensor]:
+    def returns_for_critic(self, rollout_id: int, data: TrainData, values: list[torch.Tensor]) -> list[torch.Tensor]:
         """PPO during --num-critic-only-steps: the critic's targets (GAE with the reward KL), no policy update."""
         return self._prepare(data, values)[1]["returns"]
 
-    def train(self, rollout_id: int, data: dict, values: list[torch.Tensor] | None = None) -> dict:
+    def train(self, rollout_id: int, data: TrainData, values: list[torch.Tensor] | None = None) -> dict:
         """`num_steps_per_rollout` optimizer steps on a rank's data (`values`: the critic's, for ppo). The returns
         computed on the way (the critic's targets) are kept in `self.last_returns`."""
         args = self.args
@@ -358,7 +369,8 @@ class TrainFlow:
         with self.backend.resident():
             return self.backend.save_checkpoint(rollout_id, run_state)
 
-    def update_weights(self, engine_urls: list[str] | None = None, weight_version=None, mode: str | None = None) -> dict:
+    def update_weights(self, engine_urls: list[str] | None = None, weight_version=None,
+                       mode: str | None = None) -> WeightPushResult:
         """Push the current weights to the engines (connecting first when `engine_urls` or `mode` changed)."""
         if engine_urls is not None and (list(engine_urls) != self.weight_updater.engine_urls
                                         or (mode and mode != self.weight_updater.mode)):
@@ -372,7 +384,7 @@ class TrainFlow:
             self.pushed_versions = self.pushed_versions[-2:]
         return result
 
-    def update_weights_resident(self, *args) -> dict:
+    def update_weights_resident(self, *args) -> WeightPushResult:
         """`update_weights` from either state: an offloaded trainer is onloaded around the push."""
         with self.backend.resident():
             return self.update_weights(*args)

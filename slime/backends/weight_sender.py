@@ -36,6 +36,7 @@ import torch
 import torch.distributed as dist
 
 from slime.backends.weight_disk import DiskSync
+from slime.backends.weight_push_result import WeightPushResult
 from slime.utils.blocking_http import blocking_client
 from slime.utils.weight_delta import parse_version
 from slime.utils.weight_transport import (
@@ -198,9 +199,9 @@ class WeightSender:
         """The dtype tensors travel in: the one asked for, else the engines', else (None) the parameters' own."""
         return self.dtype or self.engines_dtype
 
-    def update(self, weight_version) -> dict:
-        """Send every parameter; returns {"seconds", "bytes", "num_buckets", "unreachable_engines", "metrics"}
-        (metrics: disk mode's perf/update_weights_density and perf/update_weights_wire_bytes, as slime logs)."""
+    def update(self, weight_version) -> WeightPushResult:
+        """Send every parameter (metrics: disk mode's perf/update_weights_density and perf/update_weights_wire_bytes,
+        as slime logs)."""
         start = time.perf_counter()
         num_bytes, num_buckets = 0, 0
         self.unreachable_urls = []
@@ -226,8 +227,8 @@ class WeightSender:
                        "perf/update_weights_wire_bytes": stats["wire_bytes"]}
         if dist.is_initialized():
             dist.barrier()
-        return {"seconds": time.perf_counter() - start, "bytes": num_bytes, "num_buckets": num_buckets,
-                "unreachable_engines": list(self.unreachable_urls), "metrics": metrics}
+        return WeightPushResult(seconds=time.perf_counter() - start, bytes=num_bytes, num_buckets=num_buckets,
+                                unreachable_engines=list(self.unreachable_urls), metrics=metrics)
 
     def _load_from_disk(self, weight_version) -> None:
         """Publish the written version and have every reachable engine load it."""

@@ -19,11 +19,13 @@ from pathlib import Path
 
 import ray
 
+from slime.backends.weight_push_result import WeightPushResult
 from slime.ray.placement_group import TRAIN_ACTOR_FRACTION, DevicePlacement
 from slime.ray.train_data import data_parallel_rank
 from slime.ray.train_failures import get_from_ranks
 from slime.utils.checkpoint_state import latest_checkpoint
 from slime.utils.misc import find_free_port
+from slime.utils.train_data_types import TrainData
 
 logger = logging.getLogger(__name__)
 
@@ -56,9 +58,33 @@ class TrainRayActor:
 
         self.trainer = create_trainer(args, rank, world_size, master_addr, master_port, role=role)
 
-    def call(self, method: str, *args, **kwargs):
-        """Any trainer method; ObjectRefs passed as top-level arguments arrive resolved."""
-        return getattr(self.trainer, method)(*args, **kwargs)
+    # The trainer's methods the driver calls, one by one (ObjectRefs passed as top-level arguments arrive resolved).
+    def init(self, with_ref: bool) -> int:
+        return self.trainer.init(with_ref)
+
+    def train(self, rollout_id: int, data: TrainData, *critic_targets) -> dict:
+        """The policy's train step (`critic_targets` empty), or the critic's (values, returns)."""
+        return self.trainer.train(rollout_id, data, *critic_targets)
+
+    def compute_values(self, rollout_id: int, data: TrainData) -> list:
+        return self.trainer.compute_values(rollout_id, data)
+
+    def save_model(self, rollout_id: int, run_state: dict | None) -> str:
+        return self.trainer.save_model(rollout_id, run_state)
+
+    def update_weights(self, engine_urls: list[str], weight_version: str, mode: str,
+                       resident: bool = False) -> WeightPushResult:
+        """Push to `engine_urls`; `resident`: from whatever state the trainer is in (an offloaded one comes back for
+        the push and leaves again)."""
+        if resident:
+            return self.trainer.update_weights_resident(engine_urls, weight_version, mode)
+        return self.trainer.update_weights(engine_urls, weight_version, mode)
+
+    def offload(self) -> None:
+        self.trainer.offload()
+
+    def onload(self) -> None:
+        self.trainer.onload()
 
     def onload_beside(self, engines_release: list) -> bool:
         """The trainer's onload while the engines release their memory (`engines_release`: the release's ObjectRef
@@ -71,7 +97,7 @@ class TrainRayActor:
         return beside
 
     @ray.method(num_returns=2)
-    def train_for_critic(self, rollout_id: int, data: dict, values: list, train_policy: bool):
+    def train_for_critic(self, rollout_id: int, data: TrainData, values: list, train_policy: bool):
         """PPO actor: GAE from the critic's `values`; trains only if `train_policy`. Returns (metrics, returns)."""
         if not train_policy:
             return {}, self.trainer.returns_for_critic(rollout_id, data, values)
@@ -113,9 +139,6 @@ class RayTrainGroup:
                     args, rank, world_size, master_addr, master_port, self.role, rendezvous_file)
                 for rank in range(world_size)]
 
-    def _all(self, method: str, *args, **kwargs) -> list:
-        return self.get([actor.call.remote(method, *args, **kwargs) for actor in self.actors])
-
     def get(self, refs: list) -> list:
         """The ranks' results; a dead rank raises TrainActorDiedError naming it and the checkpoint to --load."""
         return get_from_ranks(refs, self.actors, self.role, self.args.save)
@@ -123,7 +146,7 @@ class RayTrainGroup:
     def init(self, with_ref: bool) -> int:
         """Build models and optimizer on every rank; returns the rollout id to start from."""
         self.with_ref = with_ref
-        return self._all("init", with_ref)[0]
+        return self.get([actor.init.remote(with_ref) for actor in self.actors])[0]
 
     def release(self) -> None:
         """--release-train: end every rank's process, and with it all the memory it held (slime's `release`);
@@ -157,26 +180,27 @@ class RayTrainGroup:
 
     def async_train(self, rollout_id: int, data_refs: list) -> list:
         # Each rank gets its own ObjectRef as a top-level argument, so Ray hands it the dict directly.
-        return [actor.call.remote("train", rollout_id, ref)
+        return [actor.train.remote(rollout_id, ref)
                 for actor, ref in zip(self.actors, self.rank_data(data_refs))]
 
     def train(self, rollout_id: int, data_refs: list) -> dict:
         return self.get(self.async_train(rollout_id, data_refs))[0]
 
     def save_model(self, rollout_id: int, run_state: dict | None = None) -> None:
-        self._all("save_model", rollout_id, run_state)
+        self.get([actor.save_model.remote(rollout_id, run_state) for actor in self.actors])
 
-    def update_weights(self, engine_urls: list[str], weight_version: str, resident: bool = False) -> dict:
+    def update_weights(self, engine_urls: list[str], weight_version: str, resident: bool = False) -> WeightPushResult:
         """Push the weights to `engine_urls`. `resident`: from whatever state the trainer is in (an offloaded one
         comes back for the push and leaves again: a restarted engine's weights, in the middle of a rollout)."""
-        method = "update_weights_resident" if resident else "update_weights"
-        return self._all(method, engine_urls, weight_version, weight_update_mode(self.args))[0]
+        mode = weight_update_mode(self.args)
+        return self.get([actor.update_weights.remote(engine_urls, weight_version, mode, resident)
+                         for actor in self.actors])[0]
 
     def offload(self) -> None:
-        self._all("offload")
+        self.get([actor.offload.remote() for actor in self.actors])
 
     def onload(self) -> None:
-        self._all("onload")
+        self.get([actor.onload.remote() for actor in self.actors])
 
     def onload_beside(self, engines_release) -> bool:
         """Every rank's onload while the engines' release (an ObjectRef) is in flight (TrainRayActor.onload_beside);
@@ -192,11 +216,11 @@ def train_with_critic(args, actor: RayTrainGroup, critic: RayTrainGroup, rollout
     rank_data = critic.rank_data(data_refs)  # tensor / pipeline peers share their data-parallel rank's data
     if args.offload_train:
         critic.onload()
-    value_refs = [c.call.remote("compute_values", rollout_id, ref) for c, ref in zip(critic.actors, rank_data)]
+    value_refs = [c.compute_values.remote(rollout_id, ref) for c, ref in zip(critic.actors, rank_data)]
     train_policy = rollout_id >= args.num_critic_only_steps
     pairs = [a.train_for_critic.remote(rollout_id, ref, values, train_policy)
              for a, ref, values in zip(actor.actors, rank_data, value_refs)]
-    critic_refs = [c.call.remote("train", rollout_id, ref, values, returns)
+    critic_refs = [c.train.remote(rollout_id, ref, values, returns)
                    for c, ref, values, (_, returns) in zip(critic.actors, rank_data, value_refs, pairs)]
     metrics = actor.get([metric_ref for metric_ref, _ in pairs])[0]
     metrics.update(critic.get(critic_refs)[0])

@@ -13,12 +13,13 @@ from collections import defaultdict
 
 import torch
 
+from slime.rollout.eval_metrics import compute_pass_at_k
 from slime.utils.flops_balance import linear_coefficient, workloads
+from slime.utils.hf_config import hf_text_config
 from slime.utils.misc import load_function
 from slime.utils.ppo_utils import compute_rloo_advantages, group_mean_std
+from slime.utils.train_data_types import TrainData
 from slime.utils.types import Sample, Status
-from slime.rollout.eval_metrics import compute_pass_at_k
-from slime.utils.hf_config import hf_text_config
 
 GROUP_NORMALISED_ESTIMATORS = ("grpo", "gspo", "cispo", "reinforce_plus_plus_baseline")
 GROUP_STD_EPS = 1e-6  # as normalize_group_rewards
@@ -71,7 +72,7 @@ def _group_of(sample: Sample) -> int:
 CONVERTED_KEYS = ("tokens", "response_lengths", "loss_masks", "rewards", "raw_reward")  # a custom conversion's
 
 
-def samples_to_train_data(args, samples: list[Sample]) -> dict:
+def samples_to_train_data(args, samples: list[Sample]) -> TrainData:
     """The per-sample lists the trainer reads; `--custom-convert-samples-to-train-data-path` may build them
     (`fn(args, samples) -> dict` with at least CONVERTED_KEYS; the per-rollout sums are filled in when absent)."""
     if getattr(args, "custom_convert_samples_to_train_data_path", None):
@@ -173,7 +174,7 @@ def data_parallel_rank(args, rank: int) -> int:
     return (rank // replica_width) % args.data_parallel_size
 
 
-def split_train_data(args, data: dict, rollout_id: int) -> tuple[list[dict], int]:
+def split_train_data(args, data: TrainData, rollout_id: int) -> tuple[list[TrainData], int]:
     """Split into one dict per data-parallel rank, step by step, so every rank holds the same number of samples
     of every optimizer step. Returns (per-rank dicts, number of samples dropped to make the split even); the
     train group hands dict `data_parallel_rank(args, rank)` to process `rank`."""
