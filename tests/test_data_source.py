@@ -10,7 +10,7 @@ from slime.rollout.data_source import (
 )
 from slime.rollout.dataset import load_eval_datasets
 from slime.utils.data import parse_path_spec
-from slime.config.eval_datasets import parse_eval_prompt_data
+from slime.utils.eval_config import parse_eval_prompt_data
 from slime.utils.types import Sample
 
 

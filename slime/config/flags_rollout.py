@@ -1,6 +1,6 @@
 """slime's data, eval, network and rollout-buffer flags beyond the core groups of `arguments.py`.
 
-Registration only. `--eval-config` is read by `slime.config.eval_datasets`; the rollout-buffer values are read by
+Registration only. `--eval-config` is read by `slime.utils.eval_config`; the rollout-buffer values are read by
 rollout functions that talk to slime's external trajectory buffer.
 """
 
@@ -19,7 +19,7 @@ def add_rollout_extra_arguments(parser):
     g.add_argument("--multimodal-keys", type=_json_object, default=None)
     g.add_argument("--eval-config", default=None, metavar="YAML",
                    help="multi-dataset eval: eval: {defaults: {...}, datasets: [{name, path, ...}]} (overrides "
-                        "--eval-prompt-data); per-dataset keys are those of slime.config.eval_datasets")
+                        "--eval-prompt-data); per-dataset keys are those of slime.utils.eval_config")
     g.add_argument("--eval-tool-key", default=None)
     g.add_argument("--eval-max-prompt-len", type=int, default=None)
     g.add_argument("--eval-min-new-tokens", type=int, default=None)

@@ -267,7 +267,7 @@ def _resolve_algorithm(args) -> None:
 
 
 def _resolve_eval_and_output(args) -> None:
-    from slime.config.eval_datasets import resolve_eval_datasets
+    from slime.utils.eval_config import resolve_eval_datasets
 
     try:
         args.eval_datasets = resolve_eval_datasets(args)

@@ -17,7 +17,7 @@ from typing import Any
 
 from slime.rollout.rm_hub import reward_uses_labels
 from slime.utils.data import parse_path_spec, read_rows
-from slime.config.eval_datasets import EvalDatasetConfig, resolve_eval_datasets
+from slime.utils.eval_config import EvalDatasetConfig, resolve_eval_datasets
 from slime.utils.types import Sample
 
 logger = logging.getLogger(__name__)

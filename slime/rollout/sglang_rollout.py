@@ -40,7 +40,7 @@ from slime.rollout.generate_request import (  # noqa: F401 (slime's plugins impo
     takes_evaluation,
 )
 from slime.rollout.scoring import is_scorable, score_samples
-from slime.config.eval_datasets import EvalDatasetConfig, resolve_eval_datasets
+from slime.utils.eval_config import EvalDatasetConfig, resolve_eval_datasets
 from slime.rollout.filter_hub.base_types import call_dynamic_filter, should_drop_dynamic_filter_output
 from slime.rollout.dataset import prompt_token_ids, tokenizer_for
 from slime.utils.http_utils import abort_all_requests, router_url, run

@@ -1,4 +1,4 @@
-"""Evaluation datasets and their settings (slime's `slime.config.eval_datasets`): `--eval-config` YAML or
+"""Evaluation datasets and their settings (slime's `slime.utils.eval_config`): `--eval-config` YAML or
 `--eval-prompt-data name path ...`, resolved per dataset as dataset entry > `eval.defaults` > flags.
 
 `--eval-config` holds `eval: {defaults: {...}, datasets: [{name, path, ...}]}` (or the mapping itself; datasets may be
