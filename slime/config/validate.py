@@ -21,6 +21,7 @@ from pathlib import Path
 from slime.utils.checkpoint_state import (CheckpointError, critic_checkpoint, resume_dir,
                                           starts_fresh_without_checkpoint, weights_at_step)
 from slime.utils.engine_access import external_engine_url
+from slime.utils.eval_config import resolve_eval_datasets
 from slime.config.errors import ArgumentError, cli_flag, require
 from slime.config.flag_ranges import ANY, FLAG_RANGES
 from slime.utils.misc import load_function, load_functions
@@ -267,8 +268,6 @@ def _resolve_algorithm(args) -> None:
 
 
 def _resolve_eval_and_output(args) -> None:
-    from slime.utils.eval_config import resolve_eval_datasets
-
     try:
         args.eval_datasets = resolve_eval_datasets(args)
     except (ValueError, TypeError) as exc:
