@@ -40,6 +40,7 @@ from slime.backends.checkpoint_files import VALUE_HEAD_KEY
 from slime.backends.moe_aux_loss import router_losses
 from slime.backends.packing import PackedMicroBatch
 from slime.backends.param_freeze import freeze_parameters
+from slime.backends.checkpoint_files import resolve_load_dir
 from slime.backends.process_group import init_default_group, training_device
 
 logger = logging.getLogger(__name__)
@@ -103,7 +104,7 @@ class FSDPBackend(TrainBackend):
         load_full_weights(self.model, read_hf_weights(path))
 
     def resolve_load_dir(self, load: str | None) -> Path | None:
-        return checkpoint.resolve_load_dir(load)
+        return resolve_load_dir(load)
 
     def load_training_state(self, resume_dir: Path) -> int:
         self.require_on_device("loading a checkpoint")
