@@ -40,8 +40,8 @@ run_step() {
                              cp /tmp/attention.py.bak $f; return $rc ;;
     engine_w1_16k) python3 benchmarks/bench_engine.py --preset qwen3-0.6b --workload w1,w5 --skip-hf --print-steps --max-num-batched-tokens 16384 ;;
     # The fp8 KV cache: its kernels (store, attention, self-checks) compiled, then W1 / W5 in bf16 and fp8 KV.
-    fp8_kv_gpu_tests) python3 -m pytest -q tests/test_engine_triton.py tests/test_paged_attention_kernel.py \
-                        tests/test_engine_kv_cache_dtype.py tests/test_engine_cuda.py -k "fp8 or kv_cache or cuda" ;;
+    fp8_kv_gpu_tests) python3 -m pytest -q tests/engine/test_triton_kernels.py tests/engine/layers/test_paged_attention.py \
+                        tests/engine/test_kv_cache.py tests/engine/test_engine_cuda.py -k "fp8 or kv_cache or cuda" ;;
     # An fp8 cache's tiles in fp16 (FP8_KV_IN_FP16) vs bf16: the kernel alone (configs swept at W1's mean and W5's
     # step), then the fp8 tests on the GPU.
     attention_fp8) python3 benchmarks/bench_paged_attention.py --kv-cache-dtype fp8_e4m3 --iters 50 \
@@ -57,17 +57,17 @@ run_step() {
     # Rollout/trainer log-prob mismatch with the fp8 KV cache against the bf16 one, same task (dense: 0.0073-0.0074).
     grpo_fp8_kv) grpo colocated --num-rollout 3 --task-dir /tmp/fp8_task "--train-args=--get-mismatch-metrics --sglang-kv-cache-dtype fp8_e4m3" ;;
     grpo_bf16_kv) grpo colocated --num-rollout 3 --task-dir /tmp/fp8_task --train-args=--get-mismatch-metrics ;;
-    attention_gpu_tests) python3 -m pytest -q tests/test_paged_attention_kernel.py ;;
+    attention_gpu_tests) python3 -m pytest -q tests/engine/layers/test_paged_attention.py ;;
     engine_w1_small_kv) python3 benchmarks/bench_engine.py --preset qwen3-0.6b --workload w1 --skip-hf --print-steps --num-kvcache-blocks 9000 ;;
     decode_gemm) python3 benchmarks/bench_decode_gemm.py --quick ;;  # decode matmuls: cuBLAS vs Triton tiles / split-K
     # Piecewise prefill graphs (prefill_graphs.py): their tests on CUDA (against the eager forward, whole generations,
     # the engine's CUDA and release tests with them on), then W1 / W5 with them and without them, same call.
-    prefill_graphs_gpu_tests) python3 -m pytest -q -s tests/test_prefill_graphs.py tests/test_engine_cuda.py tests/test_parked_graphs.py \
-                                tests/test_handover_gpu.py tests/test_engine_moe_cuda.py tests/test_engine_kv_cache_dtype.py -k "cuda or graph or arena or stable or engine" ;;
+    prefill_graphs_gpu_tests) python3 -m pytest -q -s tests/engine/test_prefill_graphs.py tests/engine/test_engine_cuda.py tests/engine/test_parked_graphs.py \
+                                tests/backends/test_handover_gpu.py tests/engine/models/test_moe_cuda.py tests/engine/test_kv_cache.py -k "cuda or graph or arena or stable or engine" ;;
     engine_prefill_graphs_ab) python3 benchmarks/bench_engine.py --preset qwen3-0.6b --workload w1,w5 --skip-hf --print-steps &&
                               python3 benchmarks/bench_engine.py --preset qwen3-0.6b --workload w1,w5 --skip-hf --print-steps --no-prefill-cuda-graphs ;;
     # The prefill graphs' tests, then the device memory their pool holds for Qwen3-0.6B at 8192 / 16384 tokens (the log).
-    prefill_graphs_final) python3 -m pytest -q tests/test_prefill_graphs.py &&
+    prefill_graphs_final) python3 -m pytest -q tests/engine/test_prefill_graphs.py &&
                           for tokens in 8192 16384; do python3 -c "
 import logging, sys, tempfile, torch; from pathlib import Path; sys.path.insert(0, '.')
 logging.basicConfig(level=logging.INFO, format='%(message)s')
@@ -77,7 +77,7 @@ path = build_checkpoint(Path(tempfile.mkdtemp()), QWEN3_06B_SHAPE, torch.bfloat1
 Engine(str(path), device='cuda', dtype='bfloat16', max_num_seqs=256, max_model_len=1024, max_num_batched_tokens=$tokens)
 " 2>&1 | grep "piecewise"; done ;;
     # The fused sampler's tests compiled (noise keys in the kernel, the merge kernel), then W1 / W5.
-    sampler_gpu_tests) python3 -m pytest -q tests/test_engine_triton.py tests/test_engine_sampling.py -k "sample or draws or fused or sampling" ;;
+    sampler_gpu_tests) python3 -m pytest -q tests/engine/test_triton_kernels.py tests/engine/test_sampler.py -k "sample or draws or fused or sampling" ;;
     # The decode graph with the batch's halves on two streams (out of phase or not) against one stream.
     decode_streams) python3 benchmarks/bench_decode_streams.py ;;
     profile_engine_w5) python3 benchmarks/profile_engine.py --shape smollm-135m --num-prompts 512 ;;  # W5: host- or GPU-bound?
@@ -90,23 +90,23 @@ Engine(str(path), device='cuda', dtype='bfloat16', max_num_seqs=256, max_model_l
     bench_train) python3 benchmarks/bench_train.py ;;
     bench_train_profile) python3 benchmarks/bench_train.py --profile --skip-baseline --num-iters 2 ;;
     train_4b_profile) python3 benchmarks/bench_train.py --model-shape qwen3-4b --compile-model --profile --skip-baseline --num-iters 1 ;;
-    trainer_gpu_tests) python3 -m pytest -q tests/test_fsdp_gpu.py ;;
+    trainer_gpu_tests) python3 -m pytest -q tests/backends/fsdp_utils/test_backend_gpu.py ;;
     # async optimizer-state moves, flat onloads, device ref copies, the engine's discarding release and uninitialized KV
     # Weights and KV cache at fixed addresses (device_arena.py): the arena itself, the engine's graphs kept across
     # colocated releases (against fresh engines), the engine's CUDA tests (memory given back on release).
-    arena_gpu_tests) python3 -m pytest -q -s tests/test_device_arena.py tests/test_parked_graphs.py tests/test_engine_cuda.py \
-                       tests/test_handover_gpu.py -k "arena or stable or graph or engine or cuda" ;;
+    arena_gpu_tests) python3 -m pytest -q -s tests/engine/test_device_arena.py tests/engine/test_parked_graphs.py tests/engine/test_engine_cuda.py \
+                       tests/backends/test_handover_gpu.py -k "arena or stable or graph or engine or cuda" ;;
     # The engine alone generating a GRPO rollout's shape fresh vs right after a colocated release cycle.
     generate_after_release) python3 benchmarks/bench_generate_after_release.py /tmp/after_release ;;
-    arena_quick_gpu_tests) python3 -m pytest -q -s tests/test_device_arena.py tests/test_parked_graphs.py tests/test_engine_moe_cuda.py \
-                             tests/test_handover_gpu.py -k "arena or stable or graph or routing or released_without" ;;
-    handover_gpu_tests) python3 -m pytest -q tests/test_handover_gpu.py tests/test_fsdp_gpu.py tests/test_engine_cuda.py tests/test_engine_triton.py ;;
-    offload_gpu_tests) python3 -m pytest -q -s tests/test_handover_gpu.py tests/test_fsdp_gpu.py tests/test_host_storage_copies.py \
-                         tests/test_megatron_offload.py ;;  # the trainers' offload by storage (host_storage_copies.py)
+    arena_quick_gpu_tests) python3 -m pytest -q -s tests/engine/test_device_arena.py tests/engine/test_parked_graphs.py tests/engine/models/test_moe_cuda.py \
+                             tests/backends/test_handover_gpu.py -k "arena or stable or graph or routing or released_without" ;;
+    handover_gpu_tests) python3 -m pytest -q tests/backends/test_handover_gpu.py tests/backends/fsdp_utils/test_backend_gpu.py tests/engine/test_engine_cuda.py tests/engine/test_triton_kernels.py ;;
+    offload_gpu_tests) python3 -m pytest -q -s tests/backends/test_handover_gpu.py tests/backends/fsdp_utils/test_backend_gpu.py tests/backends/test_host_storage_copies.py \
+                         tests/backends/megatron_utils/test_offload.py ;;  # the trainers' offload by storage (host_storage_copies.py)
     trainer_handover) python3 benchmarks/bench_trainer_handover.py --model-shape qwen3-0.6b ;;
-    trainer_flags_gpu_tests) python3 -m pytest -q tests/test_trainer_flags_gpu.py ;;  # slime's trainer-side flags
-    engine_quick_tests) python3 -m pytest -q -m gpu tests/test_engine_cuda.py tests/test_engine_overlap.py tests/test_engine_server_gpu.py ;;
-    memory_gpu_tests) python3 -m pytest -q tests/test_fsdp_gpu.py tests/test_engine_cuda.py ;;
+    trainer_flags_gpu_tests) python3 -m pytest -q tests/backends/test_train_flow_flags_gpu.py ;;  # slime's trainer-side flags
+    engine_quick_tests) python3 -m pytest -q -m gpu tests/engine/test_engine_cuda.py tests/engine/test_overlap.py tests/engine/server/test_app_gpu.py ;;
+    memory_gpu_tests) python3 -m pytest -q tests/backends/fsdp_utils/test_backend_gpu.py tests/engine/test_engine_cuda.py ;;
     train_06b) python3 benchmarks/bench_train.py --model-shape qwen3-0.6b --micro-batch-size 4 ;;
     train_06b_compile) python3 benchmarks/bench_train.py --model-shape qwen3-0.6b --compile-model --skip-baseline ;;
     train_06b_32k) python3 benchmarks/bench_train.py --model-shape qwen3-0.6b --max-tokens-per-gpu 32768 --skip-baseline ;;
@@ -114,7 +114,7 @@ Engine(str(path), device='cuda', dtype='bfloat16', max_num_seqs=256, max_model_l
     train_17b) python3 benchmarks/bench_train.py --model-shape qwen3-1.7b --micro-batch-size 2 ;;
     train_17b_compile) python3 benchmarks/bench_train.py --model-shape qwen3-1.7b --compile-model --skip-baseline ;;
     train_4b) python3 benchmarks/bench_train.py --model-shape qwen3-4b --micro-batch-size 2 ;;
-    kernel_tests) python3 -m pytest -q tests/test_fsdp_gpu.py tests/test_triton_log_probs.py tests/test_fsdp_log_probs.py tests/test_paged_attention_kernel.py tests/test_engine_triton.py ;;
+    kernel_tests) python3 -m pytest -q tests/backends/fsdp_utils/test_backend_gpu.py tests/backends/test_triton_log_probs.py tests/backends/test_log_probs.py tests/engine/layers/test_paged_attention.py tests/engine/test_triton_kernels.py ;;
     bench_attention) python3 benchmarks/bench_paged_attention.py --sweep ;;
     bench_log_probs) python3 benchmarks/bench_log_probs.py ;;
     bench_varlen) python3 benchmarks/bench_varlen_attention.py --model-shape qwen3-4b ;;
@@ -127,10 +127,10 @@ Engine(str(path), device='cuda', dtype='bfloat16', max_num_seqs=256, max_model_l
     train_4b_c_skip) python3 benchmarks/bench_train.py --model-shape qwen3-4b --compile-model --skip-baseline ;;
     train_4b_c_es) PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True python3 benchmarks/bench_train.py --model-shape qwen3-4b --compile-model --micro-batch-size 2 ;;
     train_4b_c_8k) PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True python3 benchmarks/bench_train.py --model-shape qwen3-4b --compile-model --micro-batch-size 2 --max-tokens-per-gpu 8192 ;;
-    overlap_tests) python3 -m pytest -q -m gpu tests/test_engine_overlap.py tests/test_host_staging.py tests/test_engine_cuda.py ;;
-    engine_gpu_tests) python3 -m pytest -q tests/test_engine_triton.py tests/test_engine_overlap.py tests/test_host_staging.py tests/test_engine_cuda.py tests/test_engine_server_gpu.py ;;
+    overlap_tests) python3 -m pytest -q -m gpu tests/engine/test_overlap.py tests/engine/test_host_staging.py tests/engine/test_engine_cuda.py ;;
+    engine_gpu_tests) python3 -m pytest -q tests/engine/test_triton_kernels.py tests/engine/test_overlap.py tests/engine/test_host_staging.py tests/engine/test_engine_cuda.py tests/engine/server/test_app_gpu.py ;;
     train_06b_32k_rc) python3 benchmarks/bench_train.py --model-shape qwen3-0.6b --max-tokens-per-gpu 32768 --recompute-activations --compile-model --skip-baseline ;;
-    ft_colocated) SLIME_RUN_SLOW=1 python3 -m pytest -q tests/test_fault_tolerance.py -k colocated ;;  # engine killed mid-rollout
+    ft_colocated) SLIME_RUN_SLOW=1 python3 -m pytest -q tests/e2e/test_fault_tolerance.py -k colocated ;;  # engine killed mid-rollout
     grpo_smoke) grpo colocated ;;
     # The RL-speed issue: host work per decode step (CPU, device faked) on this host, W1 and the 135M shape at
     # batch 512 (W5) with HF's ratio, and the GRPO loop against its standalone floors.
@@ -147,9 +147,9 @@ Engine(str(path), device='cuda', dtype='bfloat16', max_num_seqs=256, max_model_l
     engine_overlap_prefill) for flag in --overlap-prefill --no-overlap-prefill; do
                               python3 benchmarks/bench_engine.py --preset qwen3-0.6b --workload w1,w5 --skip-hf $flag ||
                               exit; done ;;
-    overlap_gpu_tests) python3 -m pytest -q -m gpu tests/test_engine_overlap.py ;;
-    engine_kernel_gpu_tests) python3 -m pytest -q tests/test_paged_attention_kernel.py tests/test_engine_triton.py \
-                               tests/test_engine_cuda.py && python3 -m pytest -q -m gpu tests/test_engine_overlap.py ;;
+    overlap_gpu_tests) python3 -m pytest -q -m gpu tests/engine/test_overlap.py ;;
+    engine_kernel_gpu_tests) python3 -m pytest -q tests/engine/layers/test_paged_attention.py tests/engine/test_triton_kernels.py \
+                               tests/engine/test_engine_cuda.py && python3 -m pytest -q -m gpu tests/engine/test_overlap.py ;;
     engine_w1w5) python3 benchmarks/bench_engine.py --preset qwen3-0.6b --workload w1,w5 --hf-workloads w1,w5 ;;
     engine_w1w5_16k) python3 benchmarks/bench_engine.py --preset qwen3-0.6b --workload w1,w5 --skip-hf \
                        --max-num-batched-tokens 16384 ;;
@@ -188,10 +188,10 @@ Engine(str(path), device='cuda', dtype='bfloat16', max_num_seqs=256, max_model_l
     handover) python3 benchmarks/bench_handover.py /tmp/handover &&
               python3 benchmarks/handover_primitives.py --shape qwen3-0.6b &&
               python3 benchmarks/bench_trainer_handover.py --model-shape qwen3-0.6b &&
-              python3 -m pytest -q tests/test_fsdp_weight_push.py -k cuda ;;
+              python3 -m pytest -q tests/backends/test_weight_sender.py -k cuda ;;
     rollout_postprocess) python3 benchmarks/bench_rollout_postprocess.py ;;  # the manager's work after the samples are back, host CPU only
     # MoE (issue 16): Qwen3-30B-A3B's layer shapes, 8 layers, 64 experts, top-8 (3.2B params, 0.9B active).
-    moe_gpu_tests) python3 -m pytest -q tests/test_engine_moe_cuda.py tests/test_engine_moe.py ;;
+    moe_gpu_tests) python3 -m pytest -q tests/engine/models/test_moe_cuda.py tests/engine/models/test_moe.py ;;
     moe_engine) python3 benchmarks/engine_checkpoints.py qwen3-30b-a3b-8l /tmp/moe_ckpt && python3 benchmarks/bench_engine.py --preset qwen3-0.6b --model-path /tmp/moe_ckpt ;;
     moe_train) python3 benchmarks/bench_train.py --model-shape qwen3-30b-a3b-8l --micro-batch-size 2 ;;
     moe_train_c) python3 benchmarks/bench_train.py --model-shape qwen3-30b-a3b-8l --micro-batch-size 2 --compile-model ;;
@@ -199,15 +199,15 @@ Engine(str(path), device='cuda', dtype='bfloat16', max_num_seqs=256, max_model_l
     moe_grpo_free) grpo colocated --shape qwen3-30b-a3b-8l --num-rollout 3 --task-dir /tmp/moe_task --train-args=--get-mismatch-metrics ;;
     grpo_compiled) grpo colocated --train-args=--compile-model ;;
     # --train-backend megatron (TP=1) beside the FSDP backend and the transformers baseline, then a colocated GRPO run.
-    megatron_gpu_tests) python3 -m pytest -q tests/test_megatron_model.py tests/test_megatron_backend.py -k "not tp2" ;;
+    megatron_gpu_tests) python3 -m pytest -q tests/backends/megatron_utils/test_model.py tests/backends/megatron_utils/test_backend.py -k "not tp2" ;;
     train_06b_megatron) python3 benchmarks/bench_train.py --backend megatron --model-shape qwen3-0.6b --micro-batch-size 4 ;;
     train_17b_megatron) python3 benchmarks/bench_train.py --backend megatron --model-shape qwen3-1.7b --micro-batch-size 2 ;;
     # 4B: 8k-token micro-batches (at 16k the Megatron step's activations do not fit beside its fp32 grad buffer)
     train_4b_megatron) PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True python3 benchmarks/bench_train.py --backend megatron --model-shape qwen3-4b --micro-batch-size 2 --max-tokens-per-gpu 8192 ;;
-    megatron_offload_gpu_tests) python3 -m pytest -q -m gpu tests/test_megatron_offload.py ;;  # colocated offload, fp32 and bf16
+    megatron_offload_gpu_tests) python3 -m pytest -q -m gpu tests/backends/megatron_utils/test_offload.py ;;  # colocated offload, fp32 and bf16
     grpo_megatron) grpo colocated --train-args=--train-backend=megatron ;;
     # PPO with the Megatron critic, colocated (the critic's device memory offloaded outside its values and update).
-    megatron_critic_gpu_tests) python3 -m pytest -q -m gpu tests/test_megatron_critic.py ;;  # the critic's offload, bf16
+    megatron_critic_gpu_tests) python3 -m pytest -q -m gpu tests/backends/megatron_utils/test_critic.py ;;  # the critic's offload, bf16
     ppo_megatron) grpo colocated --num-rollout 3 "--train-args=--train-backend=megatron --advantage-estimator=ppo --num-critic-only-steps=1" ;;
     # MoE on --train-backend megatron (issues 15/16): the 8-layer Qwen3-30B-A3B shape with R3, then routing freely.
     moe_grpo_megatron_r3) grpo colocated --shape qwen3-30b-a3b-8l --num-rollout 3 --task-dir /tmp/moe_task "--train-args=--train-backend=megatron --use-rollout-routing-replay --get-mismatch-metrics" ;;
@@ -219,15 +219,15 @@ Engine(str(path), device='cuda', dtype='bfloat16', max_num_seqs=256, max_model_l
     # megatron-core's SequentialMLP loop on the same shape; the grouped path's GPU test.
     moe_train_megatron) python3 benchmarks/bench_train.py --backend megatron --model-shape qwen3-30b-a3b-8l --micro-batch-size 2 --moe-grouped-gemm ;;
     moe_train_megatron_sequential) python3 benchmarks/bench_train.py --backend megatron --model-shape qwen3-30b-a3b-8l --skip-baseline ;;
-    moe_megatron_gpu_tests) python3 -m pytest -q tests/test_megatron_grouped_experts_gpu.py ;;
+    moe_megatron_gpu_tests) python3 -m pytest -q tests/backends/megatron_utils/test_grouped_experts_gpu.py ;;
     # Two GPUs (nvidia-h200-x2): the multi-GPU issue's runs.
-    multi_gpu_tests) python3 -m pytest -q tests/test_fsdp_multi_gpu.py tests/test_fsdp_weight_push.py ;;
-    weight_sync_gpu_tests) python3 -m pytest -q tests/test_weight_disk_sync.py tests/test_weight_delta.py ;;  # disk / delta sync from a CUDA trainer (needs a bundle with xxhash, zstandard)
+    multi_gpu_tests) python3 -m pytest -q tests/backends/fsdp_utils/test_multi_gpu.py tests/backends/test_weight_sender.py ;;
+    weight_sync_gpu_tests) python3 -m pytest -q tests/backends/test_weight_disk.py tests/engine/server/test_local_checkpoint.py ;;  # disk / delta sync from a CUDA trainer (needs a bundle with xxhash, zstandard)
     grpo_disagg) grpo disaggregated ;;
     grpo_colocated2) grpo colocated-2 ;;
     grpo_async) grpo disaggregated --async ;;
-    megatron_vpp_gpu_tests) python3 -m pytest -q tests/test_megatron_multi_gpu.py -k vpp ;;  # PP=2 x VPP=2 over NCCL vs PP=1
-    megatron_cp_gpu_tests) python3 -m pytest -q tests/test_megatron_multi_gpu.py -k cp2 ;;  # CP=2 over NCCL (2 GPUs) vs CP=1
+    megatron_vpp_gpu_tests) python3 -m pytest -q tests/backends/megatron_utils/test_multi_gpu.py -k vpp ;;  # PP=2 x VPP=2 over NCCL vs PP=1
+    megatron_cp_gpu_tests) python3 -m pytest -q tests/backends/megatron_utils/test_multi_gpu.py -k cp2 ;;  # CP=2 over NCCL (2 GPUs) vs CP=1
     *) echo "unknown step $1"; return 2 ;;
   esac
 }

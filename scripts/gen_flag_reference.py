@@ -8,7 +8,7 @@ and what this project does with it, and its help text. The status comes from the
 `slime.config.flag_status` (slime's inert and refused flags), the Megatron flags' `inert_because` (their help says
 "no effect here: ..."), the `--sglang-*` -> built-in engine mapping of `slime.config.flags_sglang`, and the two
 committed snapshots of the upstream parsers (THUDM/slime's flags, megatron-core 0.16.1's flags) for the origin.
-tests/test_docs_flag_reference.py regenerates the page in memory and fails when the committed one differs.
+tests/docs/test_flag_reference.py regenerates the page in memory and fails when the committed one differs.
 The parser is imported only through `slime.config.arguments`.
 """
 
@@ -35,7 +35,7 @@ MEGATRON_MOE_OPTIONS = ("--moe-", "--num-experts")
 HEADER = """# Flag reference
 
 Every flag `train.py` and `train_async.py` accept, generated from the parser (`slime.config.arguments.build_parser`)
-by `python scripts/gen_flag_reference.py`; `tests/test_docs_flag_reference.py` fails when a flag is added or
+by `python scripts/gen_flag_reference.py`; `tests/docs/test_flag_reference.py` fails when a flag is added or
 changed without regenerating this page. One table per argument group, in the parser's order.
 
 The **status** column says where the flag comes from and what this project does with it:

@@ -4,7 +4,7 @@
     python scripts/slime_flags_table.py --check    # exit 1 if the committed table is out of date
 
 Statuses come from `slime.config.flag_status` (inert, refused, defined elsewhere, default changed); every other
-slime flag works as slime's does. tests/test_slime_flags.py runs --check.
+slime flag works as slime's does. tests/config/test_flag_status.py runs --check.
 """
 
 from __future__ import annotations

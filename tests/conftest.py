@@ -20,7 +20,7 @@ if not torch.cuda.is_available():
 
 def pytest_ignore_collect(collection_path, config):
     """slime's plugin contract tests put stubs in sys.modules for ray, transformers and sglang_router when those are
-    not imported yet, which would break every later test of a session: tests/test_slime_plugin_contracts.py runs
+    not imported yet, which would break every later test of a session: tests/compat/test_slime_plugin_contracts.py runs
     them in a fresh interpreter (SLIME_PLUGIN_CONTRACTS=1)."""
     if collection_path.name == "plugin_contracts" and os.environ.get("SLIME_PLUGIN_CONTRACTS") != "1":
         return True

@@ -1,7 +1,7 @@
 """Start-up self-checks of the engine's Triton kernels (and of torch's grouped_mm for MoE experts) on this machine:
 each kernel family must import, compile and match its torch reference on a small case before the model runner uses
 it; any failure (no triton, a compile error, a wrong result) warns and keeps the torch path. Not a test suite:
-tests/test_engine_triton.py checks the kernels themselves.
+tests/engine/test_triton_kernels.py checks the kernels themselves.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """One rollout engine as a Ray actor: it owns an engine HTTP server child process on its device.
 
-The built-in engine (`python -m slime.engine.server.app`) is the default; `--rollout-backend sglang` launches a real
+The built-in engine (`python -m slime.engine.server`) is the default; `--rollout-backend sglang` launches a real
 SGLang server with the same HTTP API instead. The actor is scheduled on a placement-group bundle, so the child
 inherits that bundle's device (Ray sets CUDA_VISIBLE_DEVICES); everything else talks to the server over HTTP.
 """

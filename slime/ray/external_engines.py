@@ -1,4 +1,4 @@
-"""Engines started outside the run (`--rollout-external-engine-addrs`, e.g. `python -m slime.engine.server.app ...` or
+"""Engines started outside the run (`--rollout-external-engine-addrs`, e.g. `python -m slime.engine.server ...` or
 an SGLang server): the RolloutManager checks that each answers, registers it with the router and the trainer pushes
 weights to it like to its own engines; the engine watch (engine_health.py) checks it with GET /health, and a failed
 one ends the run. The run never starts, kills or restarts them.
@@ -34,7 +34,7 @@ def connect_external_engines(args) -> list[str]:
         while (problem := health_problem(url, headers)) is not None:
             if time.monotonic() > deadline:
                 raise EngineFailureError(f"--rollout-external-engine-addrs: no engine answers at {url} ({problem}); "
-                                         "start it first (e.g. python -m slime.engine.server.app --model-path ... "
+                                         "start it first (e.g. python -m slime.engine.server --model-path ... "
                                          "--port ...)")
             time.sleep(1.0)
     return list(args.rollout_external_engine_urls)

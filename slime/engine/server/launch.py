@@ -1,4 +1,4 @@
-"""Start `python -m slime.engine.server.app` as a child process and wait until it answers GET /health.
+"""Start `python -m slime.engine.server` as a child process and wait until it answers GET /health.
 
 For tests, benchmarks and launchers that want a real engine server on this host. Not a process supervisor: no
 restarts, no log rotation; the caller owns the process and calls `stop()`.
