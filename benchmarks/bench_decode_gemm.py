@@ -159,7 +159,7 @@ def bench_shape(name: str, rows: int, out_features: int, in_features: int, num_l
     for config in configs(quick):
         try:
             out = linear(x, weights[0], config=config)
-        except Exception as error:  # a config the compiler refuses (shared memory) is skipped, named
+        except Exception as error:  # noqa: BLE001 - a config the compiler refuses (shared memory) is skipped, named
             print(f"  {name} {config}: skipped ({type(error).__name__})")
             continue
         error = (out.float() - reference).abs().max().item()

@@ -22,7 +22,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from slime.config import arguments
+from slime.config import arguments  # noqa: E402
 
 PAGE = REPO / "docs" / "reference" / "flags.md"
 SLIME_SNAPSHOT = REPO / "tests" / "slime_upstream" / "slime_flags.json"

@@ -42,8 +42,10 @@ def triton_attention_works(device: torch.device, kv_dtype: torch.dtype = torch.f
             ])
             torch.testing.assert_close(out, expected, atol=1e-3, rtol=1e-3)
         return True
-    except Exception as error:  # any failure (no triton, compile error, wrong result) means: use the torch path
-        warnings.warn(f"Triton paged attention unavailable ({type(error).__name__}: {error}); using the torch path")
+    # any failure (no triton, compile error, wrong result) means: use the torch path
+    except Exception as error:  # noqa: BLE001
+        warnings.warn(f"Triton paged attention unavailable ({type(error).__name__}: {error}); using the torch path",
+                      stacklevel=2)
         return False
 
 
@@ -98,8 +100,9 @@ def triton_fused_kernels_work(device: torch.device, kv_dtype: torch.dtype = torc
         torch.testing.assert_close(k_cache.view(8, 2, 128)[slots].float(), expected_k.float(), **tolerance)
         torch.testing.assert_close(v_cache.view(8, 2, 128)[slots].float(), expected_v.float(), **tolerance)
         return True
-    except Exception as error:
-        warnings.warn(f"fused Triton kernels unavailable ({type(error).__name__}: {error}); using torch modules")
+    except Exception as error:  # noqa: BLE001
+        warnings.warn(f"fused Triton kernels unavailable ({type(error).__name__}: {error}); using torch modules",
+                      stacklevel=2)
         return False
 
 
@@ -130,9 +133,9 @@ def grouped_mm_works(device: torch.device, dtype: torch.dtype) -> bool:
             torch.testing.assert_close(captured, expected, atol=tolerance * expected.abs().max().item(),
                                        rtol=tolerance)
         return True
-    except Exception as error:
+    except Exception as error:  # noqa: BLE001
         warnings.warn(f"torch grouped_mm unavailable for {dtype} on {device} ({type(error).__name__}: {error}); "
-                      "MoE experts run one matmul per expert")
+                      "MoE experts run one matmul per expert", stacklevel=2)
         return False
 
 

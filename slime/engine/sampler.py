@@ -165,7 +165,7 @@ def _triton_sampler_available() -> bool:
         agree = (tokens == scores.argmax(-1)) | near_tie_rows(scores)
         expected = torch.log_softmax(logits / temperature_divisors(temperatures)[:, None], -1).gather(1, tokens[:, None]).squeeze(1)
         return bool(agree.all()) and bool(torch.allclose(log_probs, expected, atol=1e-4))
-    except Exception:
+    except Exception:  # noqa: BLE001
         return False
 
 

@@ -23,7 +23,6 @@ DENSE_CONFIG = {"model_type": "qwen3", "num_hidden_layers": 2, "hidden_size": 64
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory):
     root = tmp_path_factory.mktemp("moe_args")
-    paths = {}
     for name, config in (("qwen3_moe", QWEN3_30B_A3B_CONFIG), ("dense", DENSE_CONFIG)):
         (root / name).mkdir()
         (root / name / "config.json").write_text(json.dumps(config))

@@ -144,7 +144,7 @@ def test_turns_are_token_exact_and_masked_on_sampled_ids_only(stack):
     runs = spans(sample)
     assert [(mask, len(ids)) for mask, ids in runs][0::2] == [(1, 1)] * 3  # sampled, tool text, sampled, ...
     assert [mask for mask, _ in runs] == [1, 0, 1, 0, 1]
-    for mask, ids in runs[1::2]:  # what the policy did not sample decodes to the rendered template and tool answer
+    for _, ids in runs[1::2]:  # what the policy did not sample decodes to the rendered template and tool answer
         text = tokenizer.decode(ids)
         assert text == between_text(tokenizer, 1, "value-a") and "<|im_start|>tool\nvalue-a<|im_end|>" in text
     from slime.rollout.tools import tool_schema

@@ -204,7 +204,7 @@ def test_samples_are_filled_from_the_engine_answer(make_args, stack):
         "skip_special_tokens": False, "no_stop_trim": True,
     }
     version = engine_weight_version(stack)
-    for attempt in range(2):  # the second rollout re-sends the same prompts: the engine's prefix cache hits
+    for _ in range(2):  # the second rollout re-sends the same prompts: the engine's prefix cache hits
         output = generate_rollout(args, 0, RolloutDataSourceWithBuffer(args))
         groups = output.samples
         assert [[s.index for s in g] for g in groups] == [[0, 1], [2, 3]]

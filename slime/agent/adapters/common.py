@@ -253,7 +253,8 @@ class BaseAdapter:
     async def _turn(self, request: web.Request, session_id: str, chat: ChatRequest) -> web.StreamResponse:
         try:
             prompt_ids = await asyncio.to_thread(self._render, chat)
-        except Exception as error:  # the chat template rejected the conversation (jinja raises many types)
+        # the chat template rejected the conversation (jinja raises many types)
+        except Exception as error:  # noqa: BLE001
             return self._error(400, f"the chat template cannot render these messages: {error}", "messages")
         sampling_params, tool_stops = self._sampling_params(session_id, chat)
         payload = {"input_ids": prompt_ids, "sampling_params": sampling_params, "return_logprob": True}

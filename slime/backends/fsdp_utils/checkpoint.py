@@ -33,7 +33,7 @@ from slime.utils.checkpoint_state import (
     latest_checkpoint,
 )
 
-__all__ = ["checkpoint_dir", "latest_checkpoint", "resolve_load_dir", "save_checkpoint", "load_training_state"]
+__all__ = ["checkpoint_dir", "latest_checkpoint", "save_checkpoint", "load_training_state"]
 
 
 def save_checkpoint(save_root: str, rollout_id: int, model, optimizer, scheduler, *, hf_checkpoint: str,

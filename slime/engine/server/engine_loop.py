@@ -217,7 +217,8 @@ class EngineLoop:
                 started = time.perf_counter()
                 try:
                     outputs = self.engine.step()
-                except Exception as error:  # a failed step must not kill the server: fail its requests instead
+                # a failed step must not kill the server: fail its requests instead
+                except Exception as error:  # noqa: BLE001
                     self._fail_all(error)
                     continue
                 self.busy.add_step(time.perf_counter() - started)
@@ -243,7 +244,7 @@ class EngineLoop:
                 continue
             try:
                 future.set_result(fn(*args))
-            except BaseException as error:
+            except BaseException as error:  # noqa: BLE001
                 future.set_exception(error)
 
     def _dispatch(self, outputs) -> None:

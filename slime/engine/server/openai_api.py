@@ -234,7 +234,7 @@ async def _respond(request, state, body, prompts, max_tokens, want_logprobs, kin
             try:
                 async for output in loop.generate(prompt, params):
                     await queue.put((index, output))
-            except Exception as error:
+            except Exception as error:  # noqa: BLE001
                 await queue.put((index, error))
 
         tasks = [asyncio.create_task(pump(i, p, s)) for i, (p, s) in enumerate(jobs)]

@@ -173,7 +173,7 @@ class EngineWeightReceiver:
             )
         except ValueError as error:
             raise RequestError(f"/init_weights_update_group: {error}") from error
-        except Exception as error:
+        except Exception as error:  # noqa: BLE001
             return {"success": False, "message": f"Failed to initialize custom process group: {error}"}
         self.groups[name] = group
         self._group_locks[name] = threading.Lock()

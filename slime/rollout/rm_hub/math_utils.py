@@ -103,7 +103,7 @@ def mathd_normalize_answer(answer: str | None) -> str | None:
         if match is not None:
             answer = match.group("text").strip()
         return _strip_string(answer)
-    except Exception:  # a malformed answer stays as it is
+    except Exception:  # noqa: BLE001 - a malformed answer stays as it is
         return answer
 
 
@@ -183,7 +183,7 @@ def _normalize(expr: str | None) -> str | None:
     if "\\" in expr:
         try:
             expr = _parse_latex(expr)
-        except Exception:  # pylatexenc could not read it: compare the raw text
+        except Exception:  # noqa: BLE001 - pylatexenc could not read it: compare the raw text
             pass
     expr = re.sub("- *", "-", expr)
     expr = re.sub("([0-9]) +([0-9])", "\\1+\\2", expr)  # a mixed number "7 3/4" -> "7+3/4"
@@ -205,7 +205,7 @@ def are_equal_under_sympy(ground_truth_normalized: str, given_normalized: str) -
     try:
         expr = f"({ground_truth_normalized})-({given_normalized})"
         return should_allow_eval(expr) and sympy.simplify(_sympy_parse(expr)) == 0
-    except Exception:  # sympy cannot parse or simplify it: not equal
+    except Exception:  # noqa: BLE001 - sympy cannot parse or simplify it: not equal
         return False
 
 

@@ -108,7 +108,7 @@ def test_megatron_replay_over_two_pipeline_stages(checkpoints, rollout):  # noqa
     --use-routing-replay each stage's record holds its own layer's picks (the other layer's rows route freely)."""
     _, trainer_checkpoint = checkpoints
     stages = run_distributed(_free_and_replayed, 2, trainer_checkpoint, rollout, {"pp": 2}, True)
-    for stage, (free, (replayed, _, metrics, received, _), recorded) in enumerate(stages):
+    for stage, (free, (replayed, _, _metrics, received, _), recorded) in enumerate(stages):
         _assert_engine_routing(received, rollout, [stage])
         assert _max_mismatch(replayed, rollout) < 1e-3
         assert _max_mismatch(free[0], rollout) > 0.05
