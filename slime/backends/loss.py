@@ -185,4 +185,4 @@ def can_reuse_log_probs_in_loss(args, num_steps_per_rollout: int) -> bool:
     return (num_steps_per_rollout == 1 and args.loss_type == "policy_loss" and args.kl_coef == 0
             and not args.use_rollout_logprobs and not args.get_mismatch_metrics and not args.keep_old_actor
             and not args.use_opd and args.advantage_estimator != "gspo"
-            and not getattr(args, "use_critic", False))
+            and not args.use_critic)

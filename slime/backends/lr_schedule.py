@@ -26,10 +26,9 @@ def learning_rate(step: int, *, lr: float, min_lr: float, warmup_steps: int, tot
 
 
 def total_optimizer_steps(args) -> int | None:
-    num_rollout = getattr(args, "num_rollout", None)
-    if num_rollout is None or args.num_steps_per_rollout is None:
+    if args.num_rollout is None or args.num_steps_per_rollout is None:
         return None
-    return num_rollout * args.num_steps_per_rollout
+    return args.num_rollout * args.num_steps_per_rollout
 
 
 def trainable_parameters(params) -> list[torch.nn.Parameter]:

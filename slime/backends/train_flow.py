@@ -126,7 +126,7 @@ class TrainFlow:
         self.loss_fn = get_loss_function(args)
         if resume_dir is not None:
             return backend.load_training_state(resume_dir) + 1
-        return getattr(args, "start_rollout_id", None) or 0
+        return args.start_rollout_id or 0
 
     # -------------------------------------------------------------------------------------------- schedule
     def _schedule(self, data: TrainData) -> list[list]:
@@ -272,7 +272,7 @@ class TrainFlow:
         self.last_returns = per_sample.pop("returns")
         step_metrics = []
         steps = tqdm(schedule, desc=f"train {rollout_id}", unit="step", leave=False,
-                     disable=self.rank != 0 or bool(getattr(args, "no_progress", False)) or len(schedule) < 2)
+                     disable=self.rank != 0 or args.no_progress or len(schedule) < 2)
         replay = self.backend.routing_replay
         if args.reset_optimizer_states:  # slime: at the start of every rollout's training
             self.backend.reset_optimizer_states()

@@ -27,7 +27,7 @@ GROUP_STD_EPS = 1e-6  # as normalize_group_rewards
 
 def post_process_rewards(args, samples: list[Sample]) -> tuple[list[float], list[float]]:
     """Return (raw rewards, the rewards the advantage uses); `--custom-reward-post-process-path` replaces this."""
-    if getattr(args, "custom_reward_post_process_path", None):
+    if args.custom_reward_post_process_path:
         raw, rewards = load_function(args.custom_reward_post_process_path,
                                      "--custom-reward-post-process-path")(args, samples)
         if len(raw) != len(samples) or len(rewards) != len(samples):
@@ -75,7 +75,7 @@ CONVERTED_KEYS = ("tokens", "response_lengths", "loss_masks", "rewards", "raw_re
 def samples_to_train_data(args, samples: list[Sample]) -> TrainData:
     """The per-sample lists the trainer reads; `--custom-convert-samples-to-train-data-path` may build them
     (`fn(args, samples) -> dict` with at least CONVERTED_KEYS; the per-rollout sums are filled in when absent)."""
-    if getattr(args, "custom_convert_samples_to_train_data_path", None):
+    if args.custom_convert_samples_to_train_data_path:
         data = load_function(args.custom_convert_samples_to_train_data_path,
                              "--custom-convert-samples-to-train-data-path")(args, samples)
         missing = [key for key in CONVERTED_KEYS if key not in data]
@@ -255,17 +255,17 @@ def optional_rollout_metrics(args, samples: list[Sample], raw_rewards: list[floa
     reward per value of metadata[KEY]), --log-correct-samples (response length of the samples with reward > 0)."""
 
     metrics = {}
-    if getattr(args, "log_passrate", False) and groups:
+    if args.log_passrate and groups:
         k = 1
         while k <= min(len(g) for g in groups):
             metrics[f"rollout/pass@{k}"] = compute_pass_at_k(groups, k)
             k *= 2
-    if getattr(args, "log_reward_category", None):
+    if args.log_reward_category:
         by_category = defaultdict(list)
         for s, r in zip(samples, raw_rewards):
             by_category[str(s.metadata.get(args.log_reward_category))].append(r)
         metrics.update({f"rollout/reward_category/{c}": statistics.fmean(v) for c, v in sorted(by_category.items())})
-    if getattr(args, "log_correct_samples", False):
+    if args.log_correct_samples:
         correct = [s.response_length for s, r in zip(samples, raw_rewards) if r > 0]
         metrics["rollout/correct_samples"] = len(correct)
         if correct:

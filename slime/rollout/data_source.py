@@ -27,8 +27,6 @@ from slime.utils.types import Sample
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_DATA_SOURCE_PATH = "slime.rollout.data_source.RolloutDataSourceWithBuffer"
-
 
 class DataSource(ABC):
     @abstractmethod
@@ -49,7 +47,7 @@ class DataSource(ABC):
     def state_path(self, target: int | str | os.PathLike) -> Path:
         """A rollout id maps to `{--save}/rollout/data_source_state_{rollout_id}.json`; a path is used as is."""
         if isinstance(target, int):
-            save_dir = getattr(self.args, "save", None)
+            save_dir = self.args.save
             if not save_dir:
                 raise ValueError("saving the data-source state by rollout id needs --save (the checkpoint directory)")
             return Path(save_dir) / "rollout" / f"data_source_state_{target}.json"
@@ -79,9 +77,10 @@ class RolloutDataSource(DataSource):
 
     def __init__(self, args):
         self.args = args
-        self.n_samples_per_prompt = int(getattr(args, "n_samples_per_prompt", 1) or 1)
-        self.shuffle = bool(getattr(args, "rollout_shuffle", False))
-        self.seed = int(getattr(args, "rollout_seed", 42))
+        self.n_samples_per_prompt = args.n_samples_per_prompt
+        # slime's plugins may pass args without these flags
+        self.shuffle = getattr(args, "rollout_shuffle", False)
+        self.seed = getattr(args, "rollout_seed", 42)
         self.epoch_id = 0
         self.sample_offset = 0  # cursor into the current epoch's order
         self.sample_group_index = 0
@@ -89,8 +88,8 @@ class RolloutDataSource(DataSource):
         self.metadata: dict = {}
         self.prompts: list[Sample] | None = None
         self.num_filtered_long_prompts = 0
-        prompt_data = getattr(args, "prompt_data", None)
-        if prompt_data and getattr(args, "rollout_global_dataset", True):
+        prompt_data = getattr(args, "prompt_data", None)  # slime's plugins may pass args without this flag
+        if prompt_data and args.rollout_global_dataset:
             self.prompts, self.num_filtered_long_prompts = load_prompt_samples(
                 prompt_data, PromptFormat.from_args(args), tokenizer_for(args)
             )
@@ -165,7 +164,7 @@ class RolloutDataSourceWithBuffer(RolloutDataSource):
     def __init__(self, args):
         super().__init__(args)
         self.buffer: list[list[Sample]] = []
-        filter_path = getattr(args, "buffer_filter_path", None)
+        filter_path = args.buffer_filter_path
         self.buffer_filter = load_function(filter_path, "--buffer-filter-path") if filter_path else pop_first
 
     def get_samples(self, num_groups: int) -> list[list[Sample]]:
@@ -197,5 +196,4 @@ class RolloutDataSourceWithBuffer(RolloutDataSource):
 
 def create_data_source(args) -> DataSource:
     """Instantiate the class named by `--data-source-path` (default RolloutDataSourceWithBuffer) with args."""
-    path = getattr(args, "data_source_path", None) or DEFAULT_DATA_SOURCE_PATH
-    return load_function(path, "--data-source-path")(args)
+    return load_function(args.data_source_path, "--data-source-path")(args)

@@ -17,7 +17,7 @@ from typing import Any
 
 from slime.rollout.rm_hub import reward_uses_labels
 from slime.utils.data import parse_path_spec, read_rows
-from slime.utils.eval_config import EvalDatasetConfig, resolve_eval_datasets
+from slime.utils.eval_config import EvalDatasetConfig
 from slime.utils.types import Sample
 
 logger = logging.getLogger(__name__)
@@ -71,17 +71,17 @@ class PromptFormat:
 
         max_prompt_len = getattr(args, f"{prefix}max_prompt_len", None) if prefix else None
         if max_prompt_len is None:
-            max_prompt_len = getattr(args, "rollout_max_prompt_len", None)
-        kwargs = getattr(args, "apply_chat_template_kwargs", None)
+            max_prompt_len = args.rollout_max_prompt_len
+        kwargs = args.apply_chat_template_kwargs
         if isinstance(kwargs, str):
             kwargs = json.loads(kwargs)
         return cls(
             input_key=pick("input_key", "input"),
             label_key=pick("label_key"),
-            label_required=not getattr(args, "allow_missing_labels", False) and reward_uses_labels(args),
+            label_required=not args.allow_missing_labels and reward_uses_labels(args),
             metadata_key=pick("metadata_key", "metadata"),
             tool_key=pick("tool_key", "tools"),
-            apply_chat_template=bool(getattr(args, "apply_chat_template", False)),
+            apply_chat_template=args.apply_chat_template,
             apply_chat_template_kwargs=kwargs or {},
             max_prompt_len=max_prompt_len,
         )
@@ -182,7 +182,7 @@ def load_prompt_samples(spec: str, fmt: PromptFormat, tokenizer=None) -> tuple[l
 
 def tokenizer_for(args):
     """The tokenizer of args.hf_checkpoint, or None when no checkpoint is given."""
-    path = getattr(args, "hf_checkpoint", None)
+    path = args.hf_checkpoint
     return load_tokenizer(str(path)) if path else None
 
 
@@ -197,7 +197,7 @@ class EvalDataset:
 def load_eval_datasets(args) -> list[EvalDataset]:
     """The eval datasets (`args.eval_datasets`, resolved from --eval-config / --eval-prompt-data), each read with
     its own keys; each sample carries its dataset's rm_type / metadata overrides, reward and generate function."""
-    configs = args.eval_datasets if hasattr(args, "eval_datasets") else resolve_eval_datasets(args)
+    configs = args.eval_datasets
     base = PromptFormat.from_args(args, prefix="eval_")
     tokenizer = tokenizer_for(args)
     datasets = []

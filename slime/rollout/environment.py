@@ -24,7 +24,7 @@ async def maybe_await(value):
 
 def make_environment(args):
     """A fresh environment for one sample, or None when no --env-path is given."""
-    path = getattr(args, "env_path", None)
+    path = args.env_path
     if not path:
         return None
     env = load_function(path, "--env-path")(args)

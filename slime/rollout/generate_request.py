@@ -21,9 +21,6 @@ from slime.utils.types import Sample
 _LOG_PROB, _TOKEN_ID = operator.itemgetter(0), operator.itemgetter(1)  # of an output_token_logprobs entry
 
 
-DEFAULT_REQUEST_TIMEOUT_S = 14400.0
-
-
 @functools.lru_cache(maxsize=32)
 def load_hook(path: str, flag: str):
     return load_function(path, flag)
@@ -49,7 +46,7 @@ def build_sampling_params(args, evaluation: bool = False) -> dict:
         "stop": pick("stop"),
         "stop_token_ids": pick("stop_token_ids"),
         "min_new_tokens": pick("min_new_tokens"),
-        "skip_special_tokens": bool(getattr(args, "rollout_skip_special_tokens", False)),
+        "skip_special_tokens": args.rollout_skip_special_tokens,
         "no_stop_trim": True,
     }
     if params["max_new_tokens"] is None:
@@ -69,7 +66,7 @@ async def sample_continuation(args, sample: Sample, sampling_params: dict) -> st
 async def _post_generate(args, payload: dict, sample: Sample):
     """POST /generate through the router, routed by the sample's session; under fault tolerance re-sent (counted
     on `sample`) while its engine is recovered."""
-    timeout = getattr(args, "sglang_router_request_timeout_secs", None) or DEFAULT_REQUEST_TIMEOUT_S
+    timeout = args.sglang_router_request_timeout_secs
     headers = {**router_headers(args), **({"X-SMG-Routing-Key": sample.session_id} if sample.session_id else {})}
     return await post_generate(args, f"{router_url(args)}/generate", payload, sample, timeout=timeout,
                                headers=headers)
@@ -95,10 +92,9 @@ def group_prompt_ids(args, group: list[Sample]) -> list[int] | None:
     """The prompt ids of a group that one /generate with sampling_params.n can sample: fresh samples of one prompt
     that the default generate function would sample one by one (no generate hook, one turn, nothing generated yet,
     no per-sample hooks after generation). None when the group must go sample by sample."""
-    if len(group) < 2 or getattr(args, "custom_generate_function_path", None) or (getattr(args, "max_turns", None)
-                                                                                  or 1) > 1:
+    if len(group) < 2 or args.custom_generate_function_path or args.max_turns > 1:
         return None
-    if getattr(args, "rollout_sample_hook_path", None):
+    if args.rollout_sample_hook_path:
         return None
     if any(s.generate_function_path or s.tokens or s.response_length or s.status != Sample.Status.PENDING
            for s in group):

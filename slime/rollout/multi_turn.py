@@ -25,8 +25,7 @@ import functools
 from slime.rollout.dataset import render_chat_prompt, tokenizer_for
 from slime.rollout.environment import check_step_result, make_environment, maybe_await
 from slime.rollout.generate_request import sample_continuation
-from slime.rollout.tools import (DEFAULT_MAX_TOOL_RESPONSE_CHARS, DEFAULT_TOOL_TIMEOUT_S, load_tools,
-                                 run_tool_call)
+from slime.rollout.tools import load_tools, run_tool_call
 from slime.utils.tool_parsers import get_parser, stop_strings_for
 from slime.utils.types import Sample
 
@@ -84,9 +83,9 @@ async def generate(args, sample: Sample, sampling_params: dict, evaluation: bool
     tokenizer = tokenizer_for(args)
     if tokenizer is None:
         raise ValueError("multi-turn rollouts need --hf-checkpoint (its chat template renders the turns)")
-    tools = load_tools(tuple(getattr(args, "tool_functions_path", None) or ()))
+    tools = load_tools(tuple(args.tool_functions_path or ()))
     schemas = _schemas(args, sample, tools)
-    parser = _parser(getattr(args, "tool_call_parser", None) or "qwen")
+    parser = _parser(args.tool_call_parser)
     # Inline formats (Search-R1's <search>) describe their tags in the prompt: a template's tool block would
     # instruct the model to write <tool_call> instead, which the parser would never see.
     offered = [] if getattr(parser, "inline_response", False) else schemas
@@ -101,14 +100,13 @@ async def generate(args, sample: Sample, sampling_params: dict, evaluation: bool
     if not sample.tokens:
         sample.tokens = tokenizer(render_chat_prompt(tokenizer, state["history"], tools=offered or None),
                                   add_special_tokens=False)["input_ids"]
-    elif sample.response_length and getattr(args, "mask_offpolicy_in_partial_rollout", False):
+    elif sample.response_length and args.mask_offpolicy_in_partial_rollout:
         sample.loss_mask = [0] * sample.response_length  # resumed: what was sampled came from older weights
     stops = list(sampling_params.get("stop") or []) + stop_strings_for(parser, schemas)
-    max_turns = int(getattr(args, "max_turns", None) or 1)
+    max_turns = args.max_turns
     context_flag = "eval_max_context_len" if evaluation else "rollout_max_context_len"
     max_context = getattr(args, context_flag, None) or _model_max_len(args.hf_checkpoint)
-    timeout_s = getattr(args, "tool_timeout", None) or DEFAULT_TOOL_TIMEOUT_S
-    max_chars = getattr(args, "max_tool_response_chars", None) or DEFAULT_MAX_TOOL_RESPONSE_CHARS
+    timeout_s, max_chars = args.tool_timeout, args.max_tool_response_chars
 
     while True:
         budget = sampling_params["max_new_tokens"] - sample.response_length
@@ -148,7 +146,7 @@ async def generate(args, sample: Sample, sampling_params: dict, evaluation: bool
         else:
             state["history"][-1]["content"] += between
         sample.status = Sample.Status.PENDING
-    if env is not None and getattr(args, "custom_rm_path", None) is None and getattr(args, "rm_type", None) is None:
+    if env is not None and args.custom_rm_path is None and args.rm_type is None:
         sample.reward = state["env_reward"]
     return sample
 
@@ -168,6 +166,6 @@ async def _react(args, env, parser, schemas, tools, turn_text: str, state: dict,
     state["tool_errors"] += sum(r.error is not None for r in results)
     state["tool_seconds"] += sum(r.seconds for r in results)
     if getattr(parser, "inline_response", False):
-        template = getattr(args, "tool_response_template", None) or DEFAULT_INLINE_TEMPLATE
+        template = args.tool_response_template or DEFAULT_INLINE_TEMPLATE
         return "".join(template.format(result=r.text) for r in results), False
     return [{"role": "tool", "name": r.name, "content": r.text} for r in results], False

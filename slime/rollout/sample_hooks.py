@@ -47,7 +47,7 @@ async def _apply(args, sample: Sample, paths: list[str], kwargs: dict) -> Sample
 
 async def apply_rollout_sample_hooks(args, value, **kwargs):
     """Run the configured hooks on every Sample in `value` (a Sample or nested lists), keeping its shape."""
-    paths = getattr(args, "rollout_sample_hook_path", None) or []
+    paths = getattr(args, "rollout_sample_hook_path", None)  # slime's plugins may pass args without this flag
     if not paths:
         return value
     kwargs.setdefault("rollout_id", _current_rollout_id)

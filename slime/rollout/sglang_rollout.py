@@ -40,7 +40,7 @@ from slime.rollout.generate_request import (  # noqa: F401 (slime's plugins impo
     takes_evaluation,
 )
 from slime.rollout.scoring import is_scorable, score_samples
-from slime.utils.eval_config import EvalDatasetConfig, resolve_eval_datasets
+from slime.utils.eval_config import EvalDatasetConfig
 from slime.rollout.filter_hub.base_types import call_dynamic_filter, should_drop_dynamic_filter_output
 from slime.rollout.dataset import prompt_token_ids, tokenizer_for
 from slime.utils.http_utils import abort_all_requests, router_url, run
@@ -61,8 +61,7 @@ class GenerateState:
 
     def __init__(self, args, rollout_id: int | None = None, evaluation: bool = False):
         self.args = args
-        num_engines = max(1, int(getattr(args, "rollout_num_engines", 1) or 1))
-        self.concurrency = int(getattr(args, "sglang_server_concurrency", 512)) * num_engines
+        self.concurrency = args.sglang_server_concurrency * args.rollout_num_engines
         self.semaphore = asyncio.Semaphore(self.concurrency)
         self.aborted = False
         self.url = router_url(args)
@@ -90,8 +89,8 @@ async def generate(args, sample: Sample, sampling_params: dict) -> Sample:
         if tokenizer is None:
             raise ValueError("the default rollout needs --hf-checkpoint: its tokenizer turns prompts into token ids")
         sample.tokens = prompt_token_ids(tokenizer, sample)
-    if sample.response_length and getattr(args, "partial_rollout", False):
-        if getattr(args, "mask_offpolicy_in_partial_rollout", False):
+    if sample.response_length and args.partial_rollout:
+        if args.mask_offpolicy_in_partial_rollout:
             sample.loss_mask = [0] * sample.response_length  # the prefix came from older weights
     max_new_tokens = sampling_params["max_new_tokens"] - sample.response_length
     if max_new_tokens <= 0:
@@ -124,8 +123,9 @@ async def generate_and_rm(args, sample: Sample, sampling_params: dict, evaluatio
             if state.aborted:
                 sample.status = Sample.Status.ABORTED
                 return sample
-            hook_path = sample.generate_function_path or getattr(args, "custom_generate_function_path", None)
-            if hook_path is None and (getattr(args, "max_turns", None) or 1) > 1:
+            hook_path = sample.generate_function_path or args.custom_generate_function_path
+            # slime's plugins may pass args without this flag
+            if hook_path is None and getattr(args, "max_turns", 1) > 1:
                 hook_path = MULTI_TURN_GENERATE
             # paths were checked at start-up with their flag's name (validate_args); this imports the module once
             generate_fn = load_function(hook_path) if hook_path else generate
@@ -138,7 +138,7 @@ async def generate_and_rm(args, sample: Sample, sampling_params: dict, evaluatio
         shared = shared if shared is not None else uuid.uuid4().int >> 65  # fan-out siblings: one rollout
         for s in samples:
             s.rollout_id = shared
-    if not getattr(args, "group_rm", False) and is_scorable(samples):
+    if not args.group_rm and is_scorable(samples):
         await score_samples(args, samples, state, batched=isinstance(sample, list))
     return sample
 
@@ -148,7 +148,7 @@ async def generate_group(args, group: list[Sample], sampling_params: dict, state
     session_id = uuid.uuid4().hex
     for sample in group:
         sample.session_id = sample.session_id or session_id
-    group_rm = bool(getattr(args, "group_rm", False))
+    group_rm = args.group_rm
     prompt_ids = group_prompt_ids(args, group)
     if prompt_ids is not None:
         await generate_group_in_one_request(args, group, prompt_ids, sampling_params, state)
@@ -167,8 +167,8 @@ async def _generate_rollout_async(args, rollout_id: int, data_source) -> tuple[l
     state = GenerateState(args, rollout_id=rollout_id)
     sampling_params = build_sampling_params(args)
     target = int(args.rollout_batch_size)
-    over_sampling = int(getattr(args, "over_sampling_batch_size", None) or target)
-    filter_path = getattr(args, "dynamic_sampling_filter_path", None)
+    over_sampling = args.over_sampling_batch_size
+    filter_path = args.dynamic_sampling_filter_path
     dynamic_filter = load_hook(filter_path, "--dynamic-sampling-filter-path") if filter_path else None
 
     accepted: list[list[Sample]] = []
@@ -179,7 +179,7 @@ async def _generate_rollout_async(args, rollout_id: int, data_source) -> tuple[l
     pending: set[asyncio.Task] = set()
     started, first_group_at, last_group_at = time.perf_counter(), None, None
     progress = tqdm(total=target, desc=f"rollout {rollout_id}", unit="group", mininterval=2.0, leave=False,
-                    disable=bool(getattr(args, "no_progress", False)))
+                    disable=args.no_progress)
     try:
         while len(accepted) < target:
             while len(accepted) + len(pending) < target:
@@ -227,8 +227,8 @@ async def _generate_rollout_async(args, rollout_id: int, data_source) -> tuple[l
     leftovers = sorted(leftovers + accepted[target:], key=lambda g: g[0].index)
     accepted = sorted(accepted[:target], key=lambda g: g[0].index)
     num_returned = 0
-    if getattr(args, "partial_rollout", False):
-        group_size = int(getattr(args, "n_samples_per_prompt", 1) or 1)
+    if args.partial_rollout:
+        group_size = args.n_samples_per_prompt
         returnable = [g for g in leftovers if len(g) == group_size]  # hooks that return several samples can't resume
         for group in returnable:
             for sample in group:
@@ -236,9 +236,9 @@ async def _generate_rollout_async(args, rollout_id: int, data_source) -> tuple[l
         data_source.add_samples(returnable)
         num_returned = len(returnable)
 
-    if getattr(args, "rollout_sample_filter_path", None):  # marks Sample.remove_sample on what not to train on
+    if args.rollout_sample_filter_path:  # marks Sample.remove_sample on what not to train on
         load_hook(args.rollout_sample_filter_path, "--rollout-sample-filter-path")(args, accepted)
-    if getattr(args, "rollout_all_samples_process_path", None):
+    if args.rollout_all_samples_process_path:
         load_hook(args.rollout_all_samples_process_path, "--rollout-all-samples-process-path")(
             args, sorted(returned, key=lambda g: g[0].index), data_source)
 
@@ -275,7 +275,7 @@ _dataset_cache: dict[tuple, list[EvalDataset]] = {}
 def _eval_reward_value(args, sample: Sample) -> float:
     reward = sample.reward
     if isinstance(reward, dict):
-        key = getattr(args, "eval_reward_key", None) or getattr(args, "reward_key", None)
+        key = args.eval_reward_key or args.reward_key
         if key is None or key not in reward:
             raise ValueError(f"eval reward is a dict with keys {sorted(reward)}; pick one with --eval-reward-key")
         reward = reward[key]
@@ -283,8 +283,7 @@ def _eval_reward_value(args, sample: Sample) -> float:
 
 
 def _cached_eval_datasets(args) -> list[EvalDataset]:
-    configs = args.eval_datasets if hasattr(args, "eval_datasets") else resolve_eval_datasets(args)
-    key = (tuple(repr(c) for c in configs), getattr(args, "hf_checkpoint", None))
+    key = (tuple(repr(c) for c in args.eval_datasets), args.hf_checkpoint)
     if key not in _dataset_cache:
         _dataset_cache[key] = load_eval_datasets(args)
     return _dataset_cache[key]

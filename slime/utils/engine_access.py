@@ -19,7 +19,7 @@ REDACTED = "<redacted>"
 
 def ensure_admin_key(args) -> None:
     """Give a built-in-engine run its own admin key when the user named none."""
-    if getattr(args, "sglang_admin_api_key", None) is None and getattr(args, "rollout_backend", "slime") == "slime":
+    if args.sglang_admin_api_key is None and args.rollout_backend == "slime":
         args.sglang_admin_api_key = secrets.token_urlsafe(32)
 
 
@@ -29,12 +29,12 @@ def _bearer(key: str | None) -> dict:
 
 def router_headers(args) -> dict:
     """Headers for requests to the router (generation, /workers)."""
-    return _bearer(getattr(args, "sglang_api_key", None))
+    return _bearer(args.sglang_api_key)
 
 
 def engine_admin_headers(args) -> dict:
     """Headers for direct requests to an engine: the admin key (accepted on every route), else the API key."""
-    return _bearer(getattr(args, "sglang_admin_api_key", None) or getattr(args, "sglang_api_key", None))
+    return _bearer(args.sglang_admin_api_key or args.sglang_api_key)
 
 
 def redacted(values: dict) -> dict:

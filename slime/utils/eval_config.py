@@ -184,10 +184,10 @@ def parse_eval_prompt_data(value) -> list[tuple[str, str]]:
 
 def resolve_eval_datasets(args) -> list[EvalDatasetConfig]:
     """The run's eval datasets from --eval-config, else --eval-prompt-data."""
-    if getattr(args, "eval_config", None):
+    if args.eval_config:
         entries, defaults = load_eval_config(args.eval_config)
     else:
-        pairs = parse_eval_prompt_data(getattr(args, "eval_prompt_data", None))
+        pairs = parse_eval_prompt_data(args.eval_prompt_data)
         entries, defaults = [{"name": name, "path": path} for name, path in pairs], {}
     datasets = build_eval_dataset_configs(args, entries, defaults)
     for dataset in datasets:

@@ -234,7 +234,7 @@ class Sample:
         self._validate_lengths()
 
     def _apply_terminal_info(self, args, meta_info: dict) -> None:
-        if args is not None and getattr(args, "sglang_speculative_algorithm", None):
+        if args is not None and args.sglang_speculative_algorithm:
             self.spec_info.add(meta_info)
         self.prefix_cache_info.add(meta_info)
         if "weight_version" in meta_info:

@@ -54,7 +54,7 @@ def _check_rm_type(args, rm_type: str | None) -> str:
     base = rm_type[len(BOXED_PREFIX):] if rm_type.startswith(BOXED_PREFIX) else rm_type
     if base not in RM_TYPES:
         raise ValueError(f"unknown rm_type {rm_type!r} (--rm-type); valid: {', '.join(RM_TYPES)}, or boxed_<type>")
-    if base == "remote_rm" and not getattr(args, "rm_url", None):
+    if base == "remote_rm" and not args.rm_url:
         raise ValueError("--rm-type remote_rm needs --rm-url")
     return rm_type
 
@@ -62,10 +62,10 @@ def _check_rm_type(args, rm_type: str | None) -> str:
 def reward_uses_labels(args) -> bool:
     """Whether the configured reward reads `Sample.label`: a custom reward says it does not with a function
     attribute `uses_label = False`; of the built-in types only `random` does not."""
-    custom_path = getattr(args, "custom_rm_path", None)
+    custom_path = args.custom_rm_path
     if custom_path:
         return bool(getattr(load_function(custom_path, "--custom-rm-path"), "uses_label", True))
-    rm_type = getattr(args, "rm_type", None) or ""
+    rm_type = args.rm_type or ""
     return rm_type.removeprefix(BOXED_PREFIX) not in LABEL_FREE_RM_TYPES
 
 
@@ -101,7 +101,8 @@ async def _call_custom(fn, args, arg):
 async def _bounded(args, samples: list[Sample], make_coroutine, failure):
     """Await `make_coroutine()` within the reward timeout; on any error record it on the samples and return
     `failure`."""
-    timeout = getattr(args, "reward_timeout", None) or DEFAULT_REWARD_TIMEOUT_S
+    # slime's plugins may pass args without this flag
+    timeout = getattr(args, "reward_timeout", DEFAULT_REWARD_TIMEOUT_S)
     try:
         result = await asyncio.wait_for(make_coroutine(), timeout)
     except asyncio.CancelledError:
@@ -121,18 +122,18 @@ async def _bounded(args, samples: list[Sample], make_coroutine, failure):
 
 
 def _failure_reward(args) -> float:
-    value = getattr(args, "reward_failure_value", None)
-    return DEFAULT_FAILURE_REWARD if value is None else float(value)
+    # slime's plugins may pass args without this flag
+    return float(getattr(args, "reward_failure_value", DEFAULT_FAILURE_REWARD))
 
 
 async def async_rm(args, sample: Sample) -> float | dict:
     """The reward of one sample (a float, or a dict for dapo / dict-returning custom or remote rewards)."""
-    custom_path = sample.custom_rm_path or getattr(args, "custom_rm_path", None)
+    custom_path = sample.custom_rm_path or args.custom_rm_path
     if custom_path:
         flag = "sample.custom_rm_path" if sample.custom_rm_path else "--custom-rm-path"
         fn = load_function(custom_path, flag)
         return await _bounded(args, [sample], lambda: _call_custom(fn, args, sample), _failure_reward(args))
-    rm_type = _check_rm_type(args, sample.metadata.get("rm_type") or getattr(args, "rm_type", None))
+    rm_type = _check_rm_type(args, sample.metadata.get("rm_type") or args.rm_type)
     return await _bounded(args, [sample], lambda: _builtin_reward(args, sample, rm_type), _failure_reward(args))
 
 
@@ -143,8 +144,8 @@ async def batched_async_rm(args, samples: list[Sample]) -> list:
     once, `fn(args, samples) -> list`, under one timeout; otherwise every sample goes through `async_rm`
     concurrently.
     """
-    group_path = getattr(args, "custom_rm_path", None)
-    if getattr(args, "group_rm", False) and group_path and not any(s.custom_rm_path for s in samples):
+    group_path = args.custom_rm_path
+    if args.group_rm and group_path and not any(s.custom_rm_path for s in samples):
         fn = load_function(group_path, "--custom-rm-path")
         failure = _failure_reward(args)
         rewards = await _bounded(args, samples, lambda: _call_custom(fn, args, samples), _GROUP_FAILED)
