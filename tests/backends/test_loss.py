@@ -2,19 +2,14 @@
 estimator), OPSM (--use-opsm), the custom TIS hook and the custom pg-loss reducer, each against its closed form on
 a micro-batch of two sequences."""
 
-from types import SimpleNamespace
-
 import torch
 
 from slime.backends.loss import LossReducer, MicroBatchTensors, policy_loss
+from tests.helpers import args_helpers
 
 
 def args_for(**overrides):
-    args = SimpleNamespace(advantage_estimator="grpo", eps_clip=0.2, eps_clip_high=0.28, eps_clip_c=None,
-                           use_tis=False, custom_tis_function_path=None, entropy_coef=0.0, use_kl_loss=False, use_opsm=False, opsm_delta=1e-4,
-                           loss_agg_mode="token_mean", custom_pg_loss_reducer_function_path=None)
-    args.__dict__.update(overrides)
-    return args
+    return args_helpers.make_args("--eps-clip-high", 0.28, "--loss-agg-mode", "token_mean", **overrides)
 
 
 def batch_and_log_probs():

@@ -7,7 +7,6 @@ import json
 import sys
 import threading
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 
@@ -15,6 +14,7 @@ from examples.search_r1.retrieval_server import BM25Index, make_server
 from slime.rollout.data_source import RolloutDataSourceWithBuffer
 from slime.rollout.sglang_rollout import generate_rollout
 from slime.utils.http_utils import run
+from tests.helpers import args_helpers
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "data" / "slime_examples"
 CORPUS = ['"Zorvia"\nZorvia is a small island nation; its capital is Quellport.',
@@ -34,18 +34,10 @@ def rollout_args(tmp_path, server, tiny_qwen3, rows, **overrides):
     path = tmp_path / "prompts.jsonl"
     path.write_text("".join(json.dumps(row) + "\n" for row in rows))
     host, port = server.url.removeprefix("http://").split(":")
-    args = SimpleNamespace(
-        prompt_data=str(path), input_key="input", label_key="label", metadata_key="metadata", tool_key="tools",
-        apply_chat_template=False, rollout_max_prompt_len=None, hf_checkpoint=str(tiny_qwen3),
-        n_samples_per_prompt=2, rollout_shuffle=False, rollout_seed=42, buffer_filter_path=None,
-        rollout_batch_size=1, over_sampling_batch_size=None, rollout_temperature=1.0, rollout_top_p=1.0,
-        rollout_top_k=-1, rollout_max_response_len=12, rollout_stop=None, rollout_stop_token_ids=None,
-        rollout_skip_special_tokens=False, sglang_router_ip=host, sglang_router_port=int(port),
-        sglang_server_concurrency=8, rollout_num_engines=1, rm_type=None, group_rm=False, reward_key=None,
-        dynamic_sampling_filter_path=None, partial_rollout=False, mask_offpolicy_in_partial_rollout=False,
-    )
-    args.__dict__.update(overrides)
-    return args
+    defaults = {"label_key": "label", "hf_checkpoint": str(tiny_qwen3), "rollout_max_response_len": 12,
+                "sglang_router_ip": host, "sglang_router_port": int(port), "sglang_server_concurrency": 8,
+                "rm_type": None}
+    return args_helpers.make_args("--prompt-data", path, "--n-samples-per-prompt", 2, **{**defaults, **overrides})
 
 
 def check_trajectory(sample):

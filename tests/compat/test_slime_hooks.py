@@ -1,12 +1,11 @@
 """slime's reward / train-data / log hooks and the optional rollout logs, on the RolloutManager's pure path
 (slime.ray.train_data); the rollout-side hooks run against a real engine in test_rollout.py."""
 
-from types import SimpleNamespace
-
 import pytest
 
 from slime.ray.train_data import rollout_metrics, samples_to_train_data
 from slime.utils.types import Sample
+from tests.helpers import args_helpers
 
 
 def negate_rewards(args, samples):  # --custom-reward-post-process-path: fn(args, samples) -> (raw, rewards)
@@ -25,12 +24,7 @@ def bad_convert(args, samples):
 
 
 def args_with(**overrides):
-    args = SimpleNamespace(reward_key=None, advantage_estimator="grpo", rewards_normalization=True,
-                           grpo_std_normalization=True, n_samples_per_prompt=2,
-                           custom_reward_post_process_path=None, custom_convert_samples_to_train_data_path=None,
-                           log_passrate=False, log_reward_category=None, log_correct_samples=False)
-    args.__dict__.update(overrides)
-    return args
+    return args_helpers.make_args("--n-samples-per-prompt", 2, **overrides)
 
 
 def samples():
@@ -76,7 +70,7 @@ def test_balance_data_evens_the_token_counts_of_the_ranks():
 
     lengths = [100, 1, 90, 2, 80, 3, 70, 4]  # one step; unbalanced, rank 0 would get the four long ones
     data = {"tokens": [[0] * n for n in lengths], "sample_indices": list(range(8))}
-    args = SimpleNamespace(data_parallel_size=2, num_steps_per_rollout=1, balance_data=False, balance_by_flops=False)
+    args = args_helpers.make_args(data_parallel_size=2)
     plain, _ = split_train_data(args, data, 0)
     args.balance_data = True
     balanced, dropped = split_train_data(args, data, 0)

@@ -3,7 +3,6 @@ anything but a complete checkpoint, a truncated checkpoint file, a data row with
 does not import, a numeric flag out of range. CPU only, no Ray, no engines."""
 
 import json
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -15,6 +14,8 @@ from slime.config.arguments import build_parser, parse_args
 from slime.utils.checkpoint_state import CheckpointError, load_run_state
 from slime.config.flag_ranges import ANY, FLAG_RANGES
 from slime.config.validate import HOOK_FLAGS, ArgumentError
+
+from tests.helpers import args_helpers
 
 
 def reward_without_label(args, sample):
@@ -167,8 +168,8 @@ def test_optimizer_that_fails_to_load_is_named_with_the_previous_checkpoint(two_
 def load(tmp_path, rows, **args):
     path = tmp_path / "prompts.jsonl"
     path.write_text("".join(json.dumps(row) + "\n" for row in rows))
-    namespace = SimpleNamespace(**{"label_key": "label", "rm_type": "math", "custom_rm_path": None, **args})
-    samples, _ = load_prompt_samples(str(path), PromptFormat.from_args(namespace))
+    fmt = PromptFormat.from_args(args_helpers.make_args(label_key="label", **args))
+    samples, _ = load_prompt_samples(str(path), fmt)
     return path, samples
 
 

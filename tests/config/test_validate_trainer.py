@@ -5,7 +5,6 @@
 from __future__ import annotations
 
 import json
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -14,6 +13,8 @@ from slime.config.arguments import parse_args
 from slime.utils.debug_dump import load_samples, save_samples
 from slime.utils.types import Sample
 from slime.config.errors import ArgumentError
+
+from tests.helpers import args_helpers
 
 CONFIG = {"model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"], "num_hidden_layers": 2, "hidden_size": 64,
           "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
@@ -157,16 +158,15 @@ def test_forge_rollout_replays_dumps_with_slimes_path_rules(tmp_path):
 
     save_samples(tmp_path / "0.pt", 0, _samples(4))
     save_samples(tmp_path / "eval_2.pt", 2, _samples(2))
-    args = SimpleNamespace(load_forge_rollout_data=str(tmp_path / "{rollout_id}.pt"), eval_reward_key=None,
-                           reward_key=None)
+    args = args_helpers.make_args(load_forge_rollout_data=str(tmp_path / "{rollout_id}.pt"))
     assert [s.index for s in generate_rollout(args, 3, None).samples] == [0, 1, 2, 3]  # falls back to rollout 0
     evaluated = generate_rollout(args, 2, None, evaluation=True).data["forge_eval"]
     assert evaluated["rewards"] == [0.0, 1.0] and evaluated["truncated"] == [False, False]
     assert generate_rollout(args, 1, None, evaluation=True).data == {}  # eval never falls back
-    literal = SimpleNamespace(**{**vars(args), "load_forge_rollout_data": str(tmp_path / "0.pt")})
+    literal = args_helpers.make_args(load_forge_rollout_data=str(tmp_path / "0.pt"))
     assert len(generate_rollout(literal, 9, None).samples) == 4
     assert generate_rollout(literal, 9, None, evaluation=True).data == {}
-    missing = SimpleNamespace(**{**vars(args), "load_forge_rollout_data": str(tmp_path / "none_{rollout_id}.pt")})
+    missing = args_helpers.make_args(load_forge_rollout_data=str(tmp_path / "none_{rollout_id}.pt"))
     with pytest.raises(ValueError, match="no dump for rollout 1"):
         generate_rollout(missing, 1, None)
 

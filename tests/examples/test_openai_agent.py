@@ -30,6 +30,7 @@ from slime.ray.router import RouterProcess, register_worker
 from slime.rollout.dataset import PromptFormat, load_prompt_samples
 from slime.utils.http_utils import run
 from slime.utils.types import FINISH_REASON_TO_STATUS, Sample
+from tests.helpers import args_helpers
 
 REPO = Path(__file__).resolve().parents[2]
 ROUTER_KEY = "router-key"  # the router refuses requests without it: generate must send router_headers(args)
@@ -55,8 +56,8 @@ def router(task, tmp_path_factory):
 @pytest.fixture(scope="module")
 def args(task, router):
     host, port = router.url.removeprefix("http://").split(":")
-    return types.SimpleNamespace(use_fault_tolerance=False, sglang_router_ip=host, sglang_router_port=int(port), sglang_api_key=ROUTER_KEY,
-                                 hf_checkpoint=str(task["model"]), max_turns=3, tool_call_parser="qwen")
+    return args_helpers.make_args(sglang_router_ip=host, sglang_router_port=int(port), sglang_api_key=ROUTER_KEY,
+                                  hf_checkpoint=str(task["model"]), max_turns=3)
 
 
 @pytest.fixture(scope="module")
@@ -184,7 +185,7 @@ def test_one_adapter_serves_concurrent_samples_from_any_thread(args, task):
 
 
 def test_generate_needs_two_turns(args, task):
-    one_turn = types.SimpleNamespace(**{**vars(args), "max_turns": 1, "sglang_router_port": 1})
+    one_turn = args_helpers.make_args(**{**vars(args), "max_turns": 1, "sglang_router_port": 1})
     with pytest.raises(ValueError, match="--max-turns >= 2"):
         run(agent_generate.generate(one_turn, prompt_samples(task)[0], dict(SAMPLING)))
 

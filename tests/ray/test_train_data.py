@@ -3,7 +3,6 @@
 import json
 import random
 import statistics
-from types import SimpleNamespace
 
 import pytest
 
@@ -18,13 +17,12 @@ from slime.ray.train_data import (
 from slime.utils.metrics import MetricsLogger
 from slime.utils.types import Sample, Status
 
+from tests.helpers import args_helpers
+
 
 def make_args(**overrides):
-    args = dict(advantage_estimator="grpo", rewards_normalization=True, grpo_std_normalization=True,
-                reward_key=None, world_size=2, data_parallel_size=2, num_steps_per_rollout=2, balance_data=False,
-                balance_by_flops=False)
-    args.update(overrides)
-    return SimpleNamespace(**args)
+    defaults = {"grpo_std_normalization": True, "world_size": 2, "data_parallel_size": 2, "num_steps_per_rollout": 2}
+    return args_helpers.make_args(**{**defaults, **overrides})
 
 
 def make_samples(rewards_by_group, shuffle_seed=None):
@@ -117,8 +115,7 @@ def test_rollout_and_eval_metrics():
 
 
 def test_metrics_logger_writes_jsonl_tensorboard_and_plot(tmp_path):
-    args = SimpleNamespace(output_dir=str(tmp_path), use_tensorboard=True, use_wandb=False, tb_project_name=None,
-                           tb_experiment_name=None)
+    args = args_helpers.make_args(output_dir=str(tmp_path), use_tensorboard=True)
     logger = MetricsLogger(args)
     lines = []
     for i in range(3):
@@ -140,6 +137,5 @@ def test_metrics_logger_writes_jsonl_tensorboard_and_plot(tmp_path):
     (2, 2, 1, [0, 0, 0, 0]),
 ])
 def test_tensor_and_pipeline_peers_get_their_replicas_data(tp, pp, dp, expected):
-    args = SimpleNamespace(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, context_parallel_size=1,
-                           data_parallel_size=dp)
+    args = args_helpers.make_args(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, data_parallel_size=dp)
     assert [data_parallel_rank(args, rank) for rank in range(tp * pp * dp)] == expected

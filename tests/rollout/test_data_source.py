@@ -1,5 +1,4 @@
 import json
-from types import SimpleNamespace
 
 import pytest
 
@@ -12,29 +11,12 @@ from slime.rollout.dataset import load_eval_datasets
 from slime.utils.data import parse_path_spec
 from slime.utils.eval_config import parse_eval_prompt_data
 from slime.utils.types import Sample
+from tests.helpers import args_helpers
 
 
 def make_args(**overrides):
-    args = SimpleNamespace(
-        prompt_data=None,
-        input_key="input",
-        label_key="label",
-        metadata_key="metadata",
-        tool_key="tools",
-        apply_chat_template=False,
-        apply_chat_template_kwargs=None,
-        rollout_max_prompt_len=None,
-        hf_checkpoint=None,
-        n_samples_per_prompt=2,
-        rollout_shuffle=False,
-        rollout_seed=42,
-        rollout_global_dataset=True,
-        buffer_filter_path=None,
-        data_source_path=None,
-        save=None,
-    )
-    args.__dict__.update(overrides)
-    return args
+    defaults = {"hf_checkpoint": None, "n_samples_per_prompt": 2, "label_key": "label"}
+    return args_helpers.make_args(**{**defaults, **overrides})
 
 
 def write_jsonl(path, rows):
@@ -248,7 +230,8 @@ def test_no_global_dataset_gives_empty_samples():
 def test_eval_datasets(tmp_path):
     a = write_jsonl(tmp_path / "a.jsonl", [{"problem": "x", "answer": "1"}])
     b = write_jsonl(tmp_path / "b.jsonl", [{"problem": "y", "answer": "2"}, {"problem": "z", "answer": "3"}])
-    args = make_args(eval_prompt_data=["first", a, "second", b], eval_input_key="problem", eval_label_key="answer")
+    args = args_helpers.make_args("--eval-prompt-data", "first", a, "second", b, "--eval-input-key", "problem",
+                                  "--eval-label-key", "answer", hf_checkpoint=None)
     datasets = load_eval_datasets(args)
     assert [(d.name, len(d.samples)) for d in datasets] == [("first", 1), ("second", 2)]
     assert datasets[1].samples[1].prompt == "z" and datasets[1].samples[1].label == "3"

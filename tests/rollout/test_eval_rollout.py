@@ -6,6 +6,7 @@ import json
 
 import pytest
 
+from slime.utils.eval_config import resolve_eval_datasets
 from slime.rollout.dataset import load_tokenizer
 from slime.rollout.sglang_rollout import generate_rollout
 from slime.rollout.generate_request import build_sampling_params
@@ -21,6 +22,7 @@ def test_eval_uses_eval_params_and_returns_per_dataset_results(make_args, tmp_pa
         ["unused"], rollout_temperature=1.0, eval_prompt_data=["a", str(first), "b", str(second)],
         n_samples_per_eval_prompt=3, eval_temperature=0.5, eval_max_response_len=2, eval_top_p=None, eval_top_k=None,
     )
+    args.eval_datasets = resolve_eval_datasets(args)  # as validation derives them from the fields set above
     assert build_sampling_params(args, evaluation=True)["temperature"] == 0.5
     results = generate_rollout(args, 0, None, evaluation=True)
     assert sorted(results) == ["a", "b"]
@@ -60,6 +62,7 @@ eval:
 """)
     args = make_args(["unused"], rollout_temperature=1.0, eval_config=str(config), eval_prompt_data=None,
                      n_samples_per_eval_prompt=3, custom_rm_path=None, rm_type="math")
+    args.eval_datasets = resolve_eval_datasets(args)  # as validation derives them from the fields set above
     results = generate_rollout(args, 0, None, evaluation=True)
     short, long = results["short"]["samples"], results["long"]["samples"]
     assert len(short) == 2 and len(long) == 1

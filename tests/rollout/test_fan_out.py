@@ -3,7 +3,6 @@ context compaction). Siblings share a rollout id; group normalisation counts eac
 rollout's token mean, weighted like one sample, for any micro-batch split."""
 
 import statistics
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -11,9 +10,9 @@ import torch
 from slime.ray.train_data import assign_rollout_ids, post_process_rewards, samples_to_train_data
 from slime.utils.loss_aggregation import aggregate_loss, loss_denominator
 from slime.utils.types import Sample
+from tests.helpers import args_helpers
 
-ARGS = SimpleNamespace(advantage_estimator="grpo", rewards_normalization=True, grpo_std_normalization=True,
-                       reward_key=None)
+ARGS = args_helpers.make_args(grpo_std_normalization=True)
 
 
 def sample(group, rollout_id, reward, num_tokens):
@@ -42,7 +41,7 @@ def test_group_statistics_count_each_rollout_once():
     single = [sample(0, i, r, 2) for i, r in enumerate([1.0, 0.5, 0.0])]
     _, plain = post_process_rewards(ARGS, single)
     assert plain == pytest.approx([(r - 0.5) / (0.5 + 1e-6) for r in [1.0, 0.5, 0.0]], rel=1e-9)
-    rloo = SimpleNamespace(**{**vars(ARGS), "advantage_estimator": "rloo"})
+    rloo = args_helpers.make_args(grpo_std_normalization=True, advantage_estimator="rloo")
     _, advantages = post_process_rewards(rloo, samples)
     # RLOO baseline of rollout 11: the mean of the other rollouts of its group (10 and 12)
     assert advantages[1:4] == pytest.approx([r - statistics.fmean([1.0, 0.0]) for r in (0.0, 0.5, 1.0)])
@@ -89,12 +88,11 @@ async def two_segments(args, sample, sampling_params):
 
 
 def test_generate_function_returning_siblings_gives_them_one_rollout_id():
-    from slime.utils.http_utils import run
     from slime.rollout.sglang_rollout import GenerateState, generate_and_rm
+    from slime.utils.http_utils import run
 
-    args = SimpleNamespace(sglang_router_ip="127.0.0.1", sglang_router_port=1, sglang_server_concurrency=2,
-                           rollout_num_engines=1, custom_generate_function_path=f"{__name__}.two_segments",
-                           max_turns=1)
+    args = args_helpers.make_args(sglang_router_ip="127.0.0.1", sglang_router_port=1, sglang_server_concurrency=2,
+                                  custom_generate_function_path=f"{__name__}.two_segments")
 
     async def one(index):
         return await generate_and_rm(args, Sample(index=index, group_index=0), {}, state=GenerateState(args))

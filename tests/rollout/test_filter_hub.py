@@ -1,15 +1,14 @@
 """Dynamic-sampling filters: keep a group only when its rewards vary."""
 
-from types import SimpleNamespace
-
 import pytest
 
 from slime.rollout import filter_hub
 from slime.rollout.filter_hub import DynamicFilterOutput
 from slime.rollout.filter_hub.dynamic_sampling_filters import check_reward_nonzero_std_with_fallback
 from slime.utils.types import Sample
+from tests.helpers import args_helpers
 
-ARGS = SimpleNamespace(reward_key=None)
+ARGS = args_helpers.make_args()
 
 
 def group(*rewards):
@@ -30,7 +29,7 @@ def test_constant_groups_are_dropped_with_reason(rewards, reason):
 
 def test_dict_rewards_use_reward_key():
     samples = [Sample(reward={"score": s, "acc": s > 0}) for s in (1.0, -1.0)]
-    assert filter_hub.check_reward_nonzero_std(SimpleNamespace(reward_key="score"), samples).keep
+    assert filter_hub.check_reward_nonzero_std(args_helpers.make_args(reward_key="score"), samples).keep
     with pytest.raises(ValueError, match="--reward-key"):
         filter_hub.check_reward_nonzero_std(ARGS, samples)
 

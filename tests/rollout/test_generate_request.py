@@ -2,20 +2,23 @@
 of one prompt under the default generate function, and no others. The request itself runs against the real engine
 and router in test_rollout.py / test_rollout_engine.py (log-probs checked against a Hugging Face reference)."""
 
-from types import SimpleNamespace
 
 import pytest
 
 from slime.rollout.generate_request import group_prompt_ids
 from slime.utils.tiny_model import build_tiny_model
 from slime.utils.types import Sample
+from tests.helpers import args_helpers
 
 
 @pytest.fixture(scope="module")
 def args(tmp_path_factory):
     path = build_tiny_model(tmp_path_factory.mktemp("tiny"), arch="qwen3")
-    return SimpleNamespace(hf_checkpoint=str(path), custom_generate_function_path=None, max_turns=None,
-                           rollout_sample_hook_path=None, use_rollout_routing_replay=False)
+    return args_helpers.make_args(hf_checkpoint=str(path))
+
+
+def with_flags(args, **overrides):
+    return args_helpers.make_args(hf_checkpoint=args.hf_checkpoint, **overrides)
 
 
 def group(prompt="What is 2 + 2?", size=4):
@@ -30,7 +33,7 @@ def test_fresh_copies_of_one_prompt_go_as_one_request(args):
     chat = group([{"role": "user", "content": "hi"}])
     assert group_prompt_ids(args, chat)  # rendered with the chat template, the same for every copy
     # R3 too: the engine returns each sample's routing in the grouped answer (test_engine_routed_experts.py)
-    assert group_prompt_ids(SimpleNamespace(**{**vars(args), "use_rollout_routing_replay": True}), group()) == expected
+    assert group_prompt_ids(with_flags(args, use_rollout_routing_replay=True), group()) == expected
 
 
 @pytest.mark.parametrize("case", ["single", "hook", "multi_turn", "started", "per_sample_hook", "finished",
@@ -40,9 +43,9 @@ def test_other_groups_go_sample_by_sample(args, case):
     if case == "single":
         samples = group(size=1)
     elif case == "hook":
-        run_args = SimpleNamespace(**{**vars(args), "custom_generate_function_path": "my.generate"})
+        run_args = with_flags(args, custom_generate_function_path="my.generate")
     elif case == "multi_turn":
-        run_args = SimpleNamespace(**{**vars(args), "max_turns": 3})
+        run_args = with_flags(args, max_turns=3)
     elif case == "started":  # a partial rollout's continuation
         samples[1].tokens, samples[1].response_length = [5, 6, 7], 1
     elif case == "per_sample_hook":
@@ -52,5 +55,5 @@ def test_other_groups_go_sample_by_sample(args, case):
     elif case == "different_prompts":
         samples[0].prompt = "What is 3 + 3?"
     elif case == "sample_hooks":
-        run_args = SimpleNamespace(**{**vars(args), "rollout_sample_hook_path": ["my.hook"]})
+        run_args = with_flags(args, rollout_sample_hook_path=["my.hook"])
     assert group_prompt_ids(run_args, samples) is None

@@ -24,6 +24,8 @@ from slime.ray.train_data import multi_turn_metrics
 from slime.utils.tool_parsers import ParsedTurn, ToolCall
 from slime.utils.types import Sample
 
+from tests.helpers import args_helpers
+
 PROMPT = [{"role": "user", "content": "What is the value of key a?"}]
 
 
@@ -101,15 +103,11 @@ def stack(tmp_path_factory):
 
 def make_args(stack, **overrides):
     vocab_size = load_tokenizer(stack.model_dir).vocab_size
-    args = SimpleNamespace(
-        use_fault_tolerance=False, hf_checkpoint=stack.model_dir, sglang_router_ip=stack.router.host, sglang_router_port=stack.router.port,
-        max_turns=3, tool_functions_path=[f"{__name__}.lookup", f"{__name__}.explode", f"{__name__}.hang"],
-        tool_call_parser=f"{__name__}.calls_lookup", tool_timeout=0.5, max_tool_response_chars=4096,
-        tool_response_template=None, env_path=None, rollout_max_context_len=None, custom_rm_path=None, rm_type=None,
-        partial_rollout=False, mask_offpolicy_in_partial_rollout=False, custom_generate_function_path=None,
-        sglang_server_concurrency=4, rollout_num_engines=1, group_rm=False, use_rollout_routing_replay=False,
-    )
-    args.__dict__.update(overrides)
+    args = args_helpers.make_args(**{
+        "hf_checkpoint": stack.model_dir, "sglang_router_ip": stack.router.host, "sglang_router_port": stack.router.port,
+        "max_turns": 3, "tool_functions_path": [f"{__name__}.lookup", f"{__name__}.explode", f"{__name__}.hang"],
+        "tool_call_parser": f"{__name__}.calls_lookup", "tool_timeout": 0.5, "max_tool_response_chars": 4096,
+        "rm_type": None, "sglang_server_concurrency": 4, **overrides})
     params = {"temperature": 1.0, "max_new_tokens": 200, "no_stop_trim": True,
               "stop_token_ids": list(range(vocab_size))}  # every token ends its turn: one token per turn
     return args, params

@@ -5,7 +5,6 @@ import os
 import sys
 import textwrap
 import time
-from types import SimpleNamespace
 
 import pytest
 from aiohttp import web
@@ -17,12 +16,11 @@ from slime.rollout.rm_hub.f1 import f1_score
 from slime.rollout.rm_hub.gpqa import DEFAULT_VALID_LETTERS, _extract_letter_from_response
 from slime.utils.misc import find_free_port
 from slime.utils.types import Sample
+from tests.helpers import args_helpers
 
 
 def make_args(**overrides):
-    base = dict(rm_type=None, rm_url=None, custom_rm_path=None, group_rm=False, reward_key=None, reward_timeout=30.0)
-    base.update(overrides)
-    return SimpleNamespace(**base)
+    return args_helpers.make_args(**{"rm_type": None, **overrides})
 
 
 def reward(rm_type, response, label, **sample_fields):

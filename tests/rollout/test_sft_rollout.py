@@ -1,5 +1,4 @@
 import json
-from types import SimpleNamespace
 
 import pytest
 
@@ -7,6 +6,7 @@ from slime.rollout.data_source import RolloutDataSource
 from slime.rollout.dataset import load_tokenizer
 from slime.rollout.sft_rollout import build_sft_sample, generate_rollout, tokenize_conversation
 from slime.utils.types import Sample
+from tests.helpers import args_helpers
 
 CONVERSATION = [
     {"role": "system", "content": "Be brief."},
@@ -76,11 +76,8 @@ def test_errors_name_the_problem(tokenizer_dir):
 def test_generate_rollout_groups(tmp_path, tokenizer_dir):
     path = tmp_path / "sft.jsonl"
     path.write_text("".join(json.dumps({"messages": CONVERSATION[i:]}) + "\n" for i in (0, 1, 0)))
-    args = SimpleNamespace(
-        prompt_data=str(path), input_key="messages", label_key=None, metadata_key="metadata", tool_key="tools",
-        apply_chat_template=False, rollout_max_prompt_len=None, hf_checkpoint=tokenizer_dir, n_samples_per_prompt=1,
-        rollout_shuffle=False, rollout_seed=42, rollout_batch_size=2,
-    )
+    args = args_helpers.make_args("--prompt-data", path, "--input-key", "messages", "--rollout-batch-size", 2,
+                                  hf_checkpoint=tokenizer_dir)
     groups = generate_rollout(args, 0, RolloutDataSource(args))
     assert [len(g) for g in groups] == [1, 1]
     assert groups[1][0].tokens != groups[0][0].tokens  # second row lacks the system message

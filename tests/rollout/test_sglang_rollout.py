@@ -27,6 +27,8 @@ from slime.rollout.generate_request import build_sampling_params
 from slime.utils.misc import find_free_port
 from slime.utils.types import Sample
 
+from tests.helpers import args_helpers
+
 MAX_RESPONSE_LEN = 6
 LONG_RESPONSE_LEN = 256  # groups that are still generating when group 0 (2 tokens) has finished
 LONG_PROMPT = "The quick brown fox jumps over the lazy dog. " * 4  # > 2 KV blocks: the prefix cache can hit
@@ -121,23 +123,15 @@ def stack(tmp_path_factory):
 
 @pytest.fixture
 def make_args(tmp_path, stack):
-    def make(prompts, **overrides):
+    def make(prompts, rollout_batch_size=2, **overrides):
         path = tmp_path / "prompts.jsonl"
         path.write_text("".join(json.dumps({"input": p, "label": "1"}) + "\n" for p in prompts))
-        args = SimpleNamespace(
-            use_fault_tolerance=False, prompt_data=str(path), input_key="input", label_key="label", metadata_key="metadata", tool_key="tools",
-            apply_chat_template=False, rollout_max_prompt_len=None, hf_checkpoint=stack.model_dir,
-            n_samples_per_prompt=2, rollout_shuffle=False, rollout_seed=42, buffer_filter_path=None,
-            rollout_batch_size=2, over_sampling_batch_size=None, rollout_temperature=0.0, rollout_top_p=1.0,
-            rollout_top_k=-1, rollout_max_response_len=MAX_RESPONSE_LEN, rollout_stop=None,
-            rollout_stop_token_ids=None, rollout_skip_special_tokens=False, sglang_router_ip=stack.router.host,
-            sglang_router_port=stack.router.port, sglang_server_concurrency=8, rollout_num_engines=1,
-            custom_rm_path=f"{__name__}.reward_by_index", rm_type=None, group_rm=False, reward_key=None,
-            dynamic_sampling_filter_path=None, partial_rollout=False, mask_offpolicy_in_partial_rollout=False,
-            custom_generate_function_path=None, use_rollout_routing_replay=False,
-        )
-        args.__dict__.update(overrides)
-        return args
+        defaults = {"label_key": "label", "hf_checkpoint": stack.model_dir, "rollout_temperature": 0.0,
+                    "rollout_max_response_len": MAX_RESPONSE_LEN, "sglang_router_ip": stack.router.host,
+                    "sglang_router_port": stack.router.port, "sglang_server_concurrency": 8,
+                    "custom_rm_path": f"{__name__}.reward_by_index", "rm_type": None}
+        return args_helpers.make_args("--prompt-data", path, "--rollout-batch-size", rollout_batch_size,
+                                      "--n-samples-per-prompt", 2, **{**defaults, **overrides})
 
     return make
 

@@ -15,6 +15,7 @@ import httpx
 import pytest
 
 from slime.engine.server.guard import AccessPolicy
+from tests.helpers import args_helpers
 
 API_KEY, ADMIN_KEY = "user-key-1", "admin-key-2"
 SERVER_ARGS = ["--api-key", API_KEY, "--admin-api-key", ADMIN_KEY, "--max-request-bytes", str(4 * 1024 * 1024)]
@@ -159,13 +160,11 @@ def test_sigterm_ends_a_server_waiting_on_a_closed_weight_group_port(tiny_qwen3,
 
 
 def test_rollout_and_router_carry_the_keys(server):
-    from types import SimpleNamespace
-
     from slime.ray.router import RouterProcess, register_worker
-    from slime.utils.http_utils import HTTPRequestError, abort_all_requests, request_json, run
     from slime.utils.engine_access import engine_admin_headers, router_headers
+    from slime.utils.http_utils import HTTPRequestError, abort_all_requests, request_json, run
 
-    args = SimpleNamespace(sglang_api_key=API_KEY, sglang_admin_api_key=ADMIN_KEY)
+    args = args_helpers.make_args(sglang_api_key=API_KEY, sglang_admin_api_key=ADMIN_KEY)
     router = RouterProcess(policy="round_robin", api_key=API_KEY)
     try:
         register_worker(router.url, server.url, api_key=API_KEY)
