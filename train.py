@@ -17,15 +17,15 @@ import time
 import ray
 from tqdm import tqdm
 
+from slime.config.arguments import parse_args
+from slime.config.validate_megatron import require_train_backend
 from slime.ray.actor_group import RayTrainGroup, train_with_critic
 from slime.ray.placement_group import create_placement_groups, init_ray
 from slime.ray.rollout import RolloutManager
 from slime.ray.run_failures import RUN_FAILURES, failure_message
-from slime.config.arguments import parse_args
 from slime.utils.checkpoint_state import load_run_state, should_save
 from slime.utils.metrics import MetricsLogger, write_args
 from slime.utils.misc import timed
-from slime.config.validate_megatron import require_train_backend
 
 
 def create_rollout_manager(args, placements):

@@ -13,14 +13,21 @@ import time
 import ray
 from tqdm import tqdm
 
+from slime.config.arguments import parse_args
+from slime.config.validate_megatron import require_train_backend
 from slime.ray.placement_group import create_placement_groups, init_ray
 from slime.ray.run_failures import RUN_FAILURES, failure_message
-from slime.config.arguments import parse_args
 from slime.utils.checkpoint_state import should_save
 from slime.utils.metrics import MetricsLogger, write_args
-from slime.config.validate_megatron import require_train_backend
-from train import (create_rollout_manager, create_training_models, periodic_eval, rollout_dump_kept_on_failure, save,
-                   train_on_rollout, update_weights)
+from train import (
+    create_rollout_manager,
+    create_training_models,
+    periodic_eval,
+    rollout_dump_kept_on_failure,
+    save,
+    train_on_rollout,
+    update_weights,
+)
 
 
 def train_async(args) -> str:

@@ -24,16 +24,16 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.engine_checkpoints import QWEN3_06B_SHAPE, TINY_SHAPE, build_checkpoint  # noqa: E402
+from benchmarks.engine_checkpoints import QWEN3_06B_SHAPE, TINY_SHAPE, build_checkpoint
 
 SHAPES = {"qwen3-0.6b": QWEN3_06B_SHAPE, "tiny": TINY_SHAPE}
 
 
 def build_model(shape: str, device: str, root: Path) -> str:
     import torch
+    from transformers import AutoTokenizer
 
     from slime.utils.tiny_model import CHAT_TEMPLATE
-    from transformers import AutoTokenizer
 
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     path = build_checkpoint(root / shape, SHAPES[shape], dtype, device, seed=0)

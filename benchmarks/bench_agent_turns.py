@@ -25,13 +25,13 @@ from types import SimpleNamespace
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from slime.engine.server.launch import launch_server  # noqa: E402
-from slime.ray.router import RouterProcess, register_worker  # noqa: E402
-from slime.rollout import multi_turn  # noqa: E402
-from slime.utils.http_utils import run  # noqa: E402
-from slime.utils.tiny_model import build_tiny_model  # noqa: E402
-from slime.utils.tool_parsers import ParsedTurn, ToolCall  # noqa: E402
-from slime.utils.types import Sample  # noqa: E402
+from slime.engine.server.launch import launch_server
+from slime.ray.router import RouterProcess, register_worker
+from slime.rollout import multi_turn
+from slime.utils.http_utils import run
+from slime.utils.tiny_model import build_tiny_model
+from slime.utils.tool_parsers import ParsedTurn, ToolCall
+from slime.utils.types import Sample
 
 TOOL_ANSWER = "the weather in the city is sunny with a light breeze and twenty one degrees " * 2
 

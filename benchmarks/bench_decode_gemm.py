@@ -30,7 +30,7 @@ import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.engine_checkpoints import QWEN3_06B_SHAPE, SMOLLM_135M_SHAPE  # noqa: E402
+from benchmarks.engine_checkpoints import QWEN3_06B_SHAPE, SMOLLM_135M_SHAPE
 
 PEAK_BYTES_PER_S = 4.25e12  # device-to-device copy on the H200 (FACTS.md)
 PEAK_FLOPS = 795e12  # 8192^3 bf16 matmul on the H200 (FACTS.md)

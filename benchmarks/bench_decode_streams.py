@@ -29,8 +29,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.engine_checkpoints import QWEN3_06B_SHAPE, build_checkpoint  # noqa: E402
-from slime.engine.cuda_graph import DecodeGraphs  # noqa: E402
+from benchmarks.engine_checkpoints import QWEN3_06B_SHAPE, build_checkpoint
+from slime.engine.cuda_graph import DecodeGraphs
 
 
 class TwoStreamDecodeGraphs(DecodeGraphs):

@@ -45,8 +45,8 @@ import datetime
 import gc
 import json
 import platform
-import sys
 import queue
+import sys
 import tempfile
 import threading
 import time
@@ -57,17 +57,17 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.engine_checkpoints import build_checkpoint, make_prompts  # noqa: E402
-from benchmarks.engine_host_step import HOST_STEP_PARTS, PREFILL_STEP_PARTS, bench_host_step  # noqa: E402
-from benchmarks.engine_report import print_workload, summarize  # noqa: E402
-from benchmarks.engine_weights_memory import (  # noqa: E402
+from benchmarks.engine_checkpoints import build_checkpoint, make_prompts
+from benchmarks.engine_host_step import HOST_STEP_PARTS, PREFILL_STEP_PARTS, bench_host_step
+from benchmarks.engine_report import print_workload, summarize
+from benchmarks.engine_weights_memory import (
     bench_release_resume,
     bench_weight_update,
     free_device_memory,
     synchronize,
 )
-from benchmarks.engine_workloads import Workload, make_workload  # noqa: E402
-from benchmarks.gpu_trace import StepTracer, gc_pauses  # noqa: E402
+from benchmarks.engine_workloads import Workload, make_workload
+from benchmarks.gpu_trace import StepTracer, gc_pauses
 
 PEAK_BANDWIDTH_TB_S = 4.25  # H200 HBM3e
 WORKLOADS = ("w1", "w2", "w3", "w4", "w5")

@@ -24,10 +24,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.engine_checkpoints import SHAPES, TINY_LARGE_SHAPE, build_checkpoint  # noqa: E402
-from slime.engine.engine import Engine  # noqa: E402
-from slime.engine.models.weight_loader import iterate_checkpoint  # noqa: E402
-from slime.engine.sampling_params import SamplingParams  # noqa: E402
+from benchmarks.engine_checkpoints import SHAPES, TINY_LARGE_SHAPE, build_checkpoint
+from slime.engine.engine import Engine
+from slime.engine.models.weight_loader import iterate_checkpoint
+from slime.engine.sampling_params import SamplingParams
 
 
 def main() -> None:

@@ -24,12 +24,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.engine_checkpoints import SHAPES, TINY_LARGE_SHAPE, build_checkpoint  # noqa: E402
-from slime.backends.weight_sender import WeightSender, iter_buckets  # noqa: E402
-from slime.engine.server.launch import launch_server  # noqa: E402
-from slime.engine.models.weight_loader import iterate_checkpoint  # noqa: E402
-from slime.utils.blocking_http import blocking_client  # noqa: E402
-from slime.utils.weight_transport import pack_named_tensors, serialize_named_tensors  # noqa: E402
+from benchmarks.engine_checkpoints import SHAPES, TINY_LARGE_SHAPE, build_checkpoint
+from slime.backends.weight_sender import WeightSender, iter_buckets
+from slime.engine.models.weight_loader import iterate_checkpoint
+from slime.engine.server.launch import launch_server
+from slime.utils.blocking_http import blocking_client
+from slime.utils.weight_transport import pack_named_tensors, serialize_named_tensors
 
 ALL_TAGS = ["weights", "kv_cache", "cuda_graph"]
 
@@ -77,7 +77,7 @@ def measure(url: str, weights, bucket_bytes: int, device: str, repeats: int) -> 
                           dtype=None)
     sender.connect([url])
     times: dict[str, list[float]] = {}
-    add = lambda key, seconds: times.setdefault(key, []).append(seconds)  # noqa: E731
+    add = lambda key, seconds: times.setdefault(key, []).append(seconds)
     for _ in range(repeats):
         add("release", post("/release_memory_occupation", {"tags": ALL_TAGS}))
         add("resume_weights", post("/resume_memory_occupation", {"tags": ["weights"]}))

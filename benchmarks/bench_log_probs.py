@@ -24,8 +24,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from slime.backends import triton_log_probs  # noqa: E402
-from slime.backends.log_probs import (  # noqa: E402
+from slime.backends import triton_log_probs
+from slime.backends.log_probs import (
     chunked_log_probs_and_entropy,
     torch_chunked_log_probs_and_entropy,
     uses_fused_path,

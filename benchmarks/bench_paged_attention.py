@@ -31,8 +31,8 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from slime.engine.dtypes import to_cache_dtype  # noqa: E402
-from slime.engine.layers import triton_paged_attention as kernel  # noqa: E402
+from slime.engine.dtypes import to_cache_dtype
+from slime.engine.layers import triton_paged_attention as kernel
 
 BLOCK_SIZE = 16
 QWEN3_06B = dict(num_heads=16, num_kv_heads=8, head_dim=128)

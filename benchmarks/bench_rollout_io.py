@@ -26,15 +26,15 @@ from types import SimpleNamespace
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import orjson  # noqa: E402
-from fastapi.encoders import jsonable_encoder  # noqa: E402
+import orjson
+from fastapi.encoders import jsonable_encoder
 
-from slime.engine.server.protocol import generate_response  # noqa: E402
-from slime.engine.request_output import RequestOutput  # noqa: E402
-from slime.rollout.dataset import load_tokenizer, prompt_token_ids  # noqa: E402
+from slime.engine.request_output import RequestOutput
+from slime.engine.server.protocol import generate_response
+from slime.rollout.dataset import load_tokenizer, prompt_token_ids
 from slime.rollout.generate_request import _append_output, group_prompt_ids
-from slime.utils.tiny_model import build_tiny_model  # noqa: E402
-from slime.utils.types import Sample  # noqa: E402
+from slime.utils.tiny_model import build_tiny_model
+from slime.utils.types import Sample
 
 VOCAB_SIZE = 151_936  # Qwen3's: token ids of up to six digits, as in the loop's requests
 

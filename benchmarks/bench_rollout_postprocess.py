@@ -25,11 +25,11 @@ from types import SimpleNamespace
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import ray  # noqa: E402
+import ray
 
-from slime.ray.train_data import assign_rollout_ids, rollout_metrics, samples_to_train_data, split_train_data  # noqa: E402
-from slime.utils.debug_dump import BackgroundDumpWriter, save_samples  # noqa: E402
-from slime.utils.types import Sample  # noqa: E402
+from slime.ray.train_data import assign_rollout_ids, rollout_metrics, samples_to_train_data, split_train_data
+from slime.utils.debug_dump import BackgroundDumpWriter, save_samples
+from slime.utils.types import Sample
 
 VOCAB_SIZE = 151_936
 

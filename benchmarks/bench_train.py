@@ -36,7 +36,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.engine_weights_memory import free_device_memory, synchronize  # noqa: E402
+from benchmarks.engine_weights_memory import free_device_memory, synchronize
 
 PEAK_FLOPS = 795e12
 SHAPES = {

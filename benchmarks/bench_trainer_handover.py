@@ -22,7 +22,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.bench_train import SHAPES, build_checkpoint, make_samples  # noqa: E402
+from benchmarks.bench_train import SHAPES, build_checkpoint, make_samples
 
 
 def tensor_bytes(tensors) -> int:

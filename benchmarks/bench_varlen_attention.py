@@ -22,7 +22,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.bench_train import SHAPES, make_samples  # noqa: E402
+from benchmarks.bench_train import SHAPES, make_samples
 
 
 def timed(fn, num_iters):
@@ -37,8 +37,7 @@ def timed(fn, num_iters):
 
 def main():
     from slime.backends.attention import flash_varlen_causal
-    from slime.backends.packing import cu_seqlens_of
-    from slime.backends.packing import split_micro_batches
+    from slime.backends.packing import cu_seqlens_of, split_micro_batches
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model-shape", choices=sorted(SHAPES), default="qwen3-4b")

@@ -20,8 +20,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.engine_checkpoints import SHAPES  # noqa: E402
-
+from benchmarks.engine_checkpoints import SHAPES
 
 KV_TENSORS = 2 * 28  # Qwen3-0.6B: K and V of 28 layers
 

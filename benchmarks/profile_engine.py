@@ -31,9 +31,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.engine_checkpoints import (QWEN3_06B_SHAPE, SMOLLM_135M_SHAPE, build_checkpoint,  # noqa: E402
-                                          make_prompts)
-from benchmarks.gpu_trace import busy_microseconds, idle_gaps, log_triton_compiles  # noqa: E402
+from benchmarks.engine_checkpoints import QWEN3_06B_SHAPE, SMOLLM_135M_SHAPE, build_checkpoint, make_prompts
+from benchmarks.gpu_trace import busy_microseconds, idle_gaps, log_triton_compiles
 
 SHAPES = {"qwen3-0.6b": QWEN3_06B_SHAPE, "smollm-135m": SMOLLM_135M_SHAPE}
 PROFILED_STEPS = 16

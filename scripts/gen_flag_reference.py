@@ -86,8 +86,7 @@ def _default(action: argparse.Action) -> str:
 
 
 def _status(action: argparse.Action, group_title: str, slime_flags: set[str], megatron_options: set[str]) -> str:
-    from slime.config import flag_status
-    from slime.config import flags_sglang
+    from slime.config import flag_status, flags_sglang
 
     dest = action.dest
     if dest in flag_status.REFUSED:

@@ -12,7 +12,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # Without a GPU the Triton kernel tests run in Triton's interpreter, which triton reads once, at its import: set it
 # before any test module is collected (a module collected earlier may import triton through megatron-core or
 # transformers, and the kernels would then be compiled for a GPU that is not there).
-import torch  # noqa: E402
+import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")

@@ -54,8 +54,8 @@ def main(argv=None) -> None:
     from slime.backends.megatron_utils.cpu_shim import apply_cpu_shim
     from slime.backends.megatron_utils.hf_weights import load_hf_weights
     from slime.backends.megatron_utils.model import build_gpt_model
-    from slime.backends.process_group import init_default_group
     from slime.backends.megatron_utils.parallel import init_model_parallel
+    from slime.backends.process_group import init_default_group
     from slime.utils.misc import find_free_port
 
     args = parse_args(argv)

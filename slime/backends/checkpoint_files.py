@@ -10,9 +10,13 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from slime.utils.checkpoint_state import (check_checkpoint, corrupt_file_error, find_checkpoint, publish_folder,
-                                          write_pointer)
-
+from slime.utils.checkpoint_state import (
+    check_checkpoint,
+    corrupt_file_error,
+    find_checkpoint,
+    publish_folder,
+    write_pointer,
+)
 
 HF_EXTRA_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
                   "special_tokens_map.json", "vocab.json", "merges.txt", "chat_template.jinja", "tokenizer.model")
@@ -45,7 +49,7 @@ def torch_load(ckpt: Path, path: Path):
     with the previous checkpoint to resume from."""
     try:
         return torch.load(path, map_location="cpu", weights_only=False)
-    except Exception as exc:  # noqa: BLE001 - torch.load fails with EOFError, RuntimeError, UnpicklingError, ...
+    except Exception as exc:
         raise corrupt_file_error(ckpt, path, exc) from exc
 
 

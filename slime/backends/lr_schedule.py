@@ -6,7 +6,6 @@ import math
 
 import torch
 
-
 LR_DECAY_STYLES = ("constant", "linear", "cosine")
 
 

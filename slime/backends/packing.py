@@ -16,7 +16,6 @@ import numpy as np
 import torch
 
 
-
 @dataclass
 class PackedMicroBatch:
     input_ids: torch.Tensor  # [1, num_tokens]

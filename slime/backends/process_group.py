@@ -8,7 +8,6 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-
 # The default group's timeout, here or where a launcher creates the group first (slime/ray/actor_group.py).
 PROCESS_GROUP_TIMEOUT = timedelta(minutes=30)
 

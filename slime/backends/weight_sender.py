@@ -29,8 +29,8 @@ from __future__ import annotations
 import logging
 import shutil
 import time
-from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 import torch.distributed as dist

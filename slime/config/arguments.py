@@ -9,10 +9,14 @@ from __future__ import annotations
 import argparse
 import logging
 
-from slime.config.flags_megatron import add_megatron_arguments, inert_flag_notices
+from slime.config.custom_config import apply_custom_config
+from slime.config.flag_status import check_flag_status
 from slime.config.flags_debug import add_debug_arguments
+from slime.config.flags_engine_access import add_engine_access_arguments
 from slime.config.flags_hooks import add_hook_arguments
 from slime.config.flags_logging import add_logging_arguments
+from slime.config.flags_megatron import add_megatron_arguments, inert_flag_notices
+from slime.config.flags_moe import add_moe_arguments
 from slime.config.flags_rollout import add_rollout_extra_arguments
 from slime.config.flags_sglang import (
     add_router_arguments,
@@ -24,12 +28,8 @@ from slime.config.flags_sglang import (
 )
 from slime.config.flags_training import add_training_extra_arguments
 from slime.config.flags_weight_sync import add_weight_sync_arguments
-from slime.config.custom_config import apply_custom_config
-from slime.config.flags_engine_access import add_engine_access_arguments
-from slime.utils.engine_access import ensure_admin_key
-from slime.config.flag_status import check_flag_status
-from slime.config.flags_moe import add_moe_arguments
 from slime.config.validate import ArgumentError, resolve_rollout_backend, validate_args
+from slime.utils.engine_access import ensure_admin_key
 
 logger = logging.getLogger(__name__)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+
 @dataclass(frozen=True)
 class Range:
     """The values a numeric flag accepts: [low, high] (either end open or absent), plus sentinel `also` values."""

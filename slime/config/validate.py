@@ -18,17 +18,22 @@ import os
 import time
 from pathlib import Path
 
-from slime.utils.checkpoint_state import (CheckpointError, critic_checkpoint, resume_dir,
-                                          starts_fresh_without_checkpoint, weights_at_step)
-from slime.utils.engine_access import external_engine_url
-from slime.utils.eval_config import resolve_eval_datasets
 from slime.config.errors import ArgumentError, cli_flag, require
 from slime.config.flag_ranges import ANY, FLAG_RANGES
-from slime.utils.misc import load_function, load_functions
 from slime.config.flags_moe import check_moe_args
 from slime.config.validate_megatron import validate_megatron_args, validate_megatron_batches
 from slime.config.validate_trainer import check_trainer_flags
 from slime.config.validate_weight_sync import check_release_train, check_weight_sync_flags
+from slime.utils.checkpoint_state import (
+    CheckpointError,
+    critic_checkpoint,
+    resume_dir,
+    starts_fresh_without_checkpoint,
+    weights_at_step,
+)
+from slime.utils.engine_access import external_engine_url
+from slime.utils.eval_config import resolve_eval_datasets
+from slime.utils.misc import load_function, load_functions
 
 logger = logging.getLogger(__name__)
 

@@ -18,8 +18,8 @@ from __future__ import annotations
 import importlib.util
 import logging
 
-from slime.config.flags_megatron import MEGATRON_FLAGS
 from slime.config.errors import ArgumentError, cli_flag, require
+from slime.config.flags_megatron import MEGATRON_FLAGS
 from slime.utils.hf_config import hf_text_config
 
 logger = logging.getLogger(__name__)

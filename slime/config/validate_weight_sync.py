@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from slime.utils import weight_delta
 from slime.config.errors import cli_flag, require
+from slime.utils import weight_delta
 
 
 def check_weight_sync_flags(args) -> None:

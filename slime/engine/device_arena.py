@@ -122,7 +122,7 @@ def _give_back(driver: _Driver, device: torch.device, address: int, num_bytes: i
             driver("cuMemUnmap", address, num_bytes)
             driver("cuMemRelease", mapping.pop("handle"))
         driver("cuMemAddressFree", address, num_bytes)
-    except Exception:  # noqa: BLE001 - a finalizer must not raise
+    except Exception:
         logger.debug("freeing a device arena at %#x failed", address, exc_info=True)
 
 

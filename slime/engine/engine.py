@@ -18,13 +18,13 @@ import torch
 
 from slime.engine.block_manager import BlockManager
 from slime.engine.config import Config
+from slime.engine.memory_tags import EngineMemoryReleasedError, EngineWeightsMissingError, memory_tags
 from slime.engine.model_runner import ModelRunner
 from slime.engine.models import load_model_config
 from slime.engine.models.weight_loader import load_checkpoint, load_weights, named_weight_shapes
-from slime.engine.request_output import RequestOutput
-from slime.engine.memory_tags import EngineMemoryReleasedError, EngineWeightsMissingError, memory_tags
-from slime.engine.sampling_params import as_sampling_params
 from slime.engine.overlap import OverlappedStepping
+from slime.engine.request_output import RequestOutput
+from slime.engine.sampling_params import as_sampling_params
 from slime.engine.scheduled_batch import sampled_seqs
 from slime.engine.scheduler import Scheduler
 from slime.engine.sequence import FINISHED, Sequence, SequenceStatus

@@ -10,7 +10,6 @@ from enum import Enum, auto
 
 from slime.engine.sampling_params import SamplingParams
 
-
 PLACEHOLDER = -1  # token id of a slot whose token is still on the device
 PLACEHOLDER_LOG_PROB = float("nan")  # its log-prob until the token arrives
 

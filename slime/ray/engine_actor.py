@@ -12,9 +12,9 @@ import os
 import sys
 from pathlib import Path
 
-from slime.engine.server.launch import launch_process
-from slime.engine.server.config import write_config_file
 from slime.config.flags_sglang import sglang_server_flags
+from slime.engine.server.config import write_config_file
+from slime.engine.server.launch import launch_process
 from slime.utils.misc import find_free_port
 
 

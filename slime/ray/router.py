@@ -12,10 +12,10 @@ request itself (and counts it).
 from __future__ import annotations
 
 import subprocess
-import tempfile
-from pathlib import Path
 import sys
+import tempfile
 import time
+from pathlib import Path
 
 import httpx
 

@@ -30,8 +30,9 @@ import uuid
 from tqdm import tqdm
 
 from slime.rollout.base_types import RolloutFnTrainOutput
-from slime.rollout.dataset import EvalDataset, load_eval_datasets
-from slime.rollout.generate_request import (  # noqa: F401 (slime's plugins import these from here)
+from slime.rollout.dataset import EvalDataset, load_eval_datasets, prompt_token_ids, tokenizer_for
+from slime.rollout.filter_hub.base_types import call_dynamic_filter, should_drop_dynamic_filter_output
+from slime.rollout.generate_request import (
     build_sampling_params,
     generate_group_in_one_request,
     group_prompt_ids,
@@ -39,13 +40,11 @@ from slime.rollout.generate_request import (  # noqa: F401 (slime's plugins impo
     sample_continuation,
     takes_evaluation,
 )
-from slime.rollout.scoring import is_scorable, score_samples
-from slime.utils.eval_config import EvalDatasetConfig
-from slime.rollout.filter_hub.base_types import call_dynamic_filter, should_drop_dynamic_filter_output
-from slime.rollout.dataset import prompt_token_ids, tokenizer_for
-from slime.utils.http_utils import abort_all_requests, router_url, run
-from slime.utils.engine_access import engine_admin_headers, router_headers
 from slime.rollout.sample_hooks import apply_rollout_sample_hooks
+from slime.rollout.scoring import is_scorable, score_samples
+from slime.utils.engine_access import engine_admin_headers, router_headers
+from slime.utils.eval_config import EvalDatasetConfig
+from slime.utils.http_utils import abort_all_requests, router_url, run
 from slime.utils.misc import load_function
 from slime.utils.types import Sample
 

@@ -18,7 +18,7 @@ def _load_attribute(path: str, flag: str):
         raise ValueError(f"{flag}: {path!r} is not a dotted path like 'my_pkg.my_module.my_fn'")
     try:
         module = importlib.import_module(module_name)
-    except Exception as exc:  # noqa: BLE001 - a user module may fail to import with any error (SyntaxError, ...)
+    except Exception as exc:
         raise ValueError(f"{flag}: cannot import module {module_name!r} from {path!r}: "
                          f"{type(exc).__name__}: {exc}") from exc
     try:

@@ -12,7 +12,6 @@ numbers in, see `masked_whiten_from_sums` and `aggregate_loss`.
 
 from __future__ import annotations
 
-
 import torch
 
 # Re-exported: custom loss code imports everything from ppo_utils.

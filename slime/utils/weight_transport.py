@@ -22,13 +22,12 @@ import contextlib
 import io
 import threading
 from datetime import timedelta
+from multiprocessing.reduction import ForkingPickler
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as torch_mp
-from multiprocessing.reduction import ForkingPickler
-
-import torch.multiprocessing.reductions  # noqa: F401  (registers the tensor reducers with ForkingPickler)
+import torch.multiprocessing.reductions
 
 from slime.utils.tensor_unpickler import ForbiddenPickleError, loads_named_tensors
 

@@ -6,11 +6,11 @@ backend's `optimizer` property), in the order it runs. The CUDA paths themselves
 from pathlib import Path
 
 import pytest
-from tests.helpers.fsdp_helpers import make_args, make_train_data, make_trainer
 
 from slime.backends.device_room import ONLOAD_MARGIN_FRACTION, onload_fits
 from slime.backends.weight_snapshot import DEVICE_HEADROOM_FRACTION, device_tags
 from slime.utils.tiny_model import build_tiny_model
+from tests.helpers.fsdp_helpers import make_args, make_train_data, make_trainer
 
 GB = 10**9
 TAGS = ["actor", "ref", "teacher"]
@@ -19,7 +19,7 @@ TAGS = ["actor", "ref", "teacher"]
 def test_device_tags_take_the_longest_prefix_that_fits_beside_reserve_and_headroom():
     total = 100 * GB
     headroom = DEVICE_HEADROOM_FRACTION * total
-    room_for = lambda sets: int(headroom + 10 * GB + sets * 2 * GB)  # noqa: E731  (free memory with room for `sets`)
+    room_for = lambda sets: int(headroom + 10 * GB + sets * 2 * GB)
     assert device_tags(TAGS, 2 * GB, room_for(3), total, reserved_bytes=10 * GB) == TAGS
     assert device_tags(TAGS, 2 * GB, room_for(3) - 1, total, reserved_bytes=10 * GB) == ["actor", "ref"]
     assert device_tags(TAGS, 2 * GB, room_for(1), total, reserved_bytes=10 * GB) == ["actor"]

@@ -28,7 +28,7 @@ def _trainer(port, checkpoint, save_dir, *extra, offload: bool, **overrides):
 def _training_state(trainer) -> dict[str, torch.Tensor]:
     from torch.distributed.tensor import DTensor
 
-    local = lambda t: (t.to_local() if isinstance(t, DTensor) else t).detach().cpu().clone()  # noqa: E731
+    local = lambda t: (t.to_local() if isinstance(t, DTensor) else t).detach().cpu().clone()
     state = {}
     optimizer = trainer.backend.optimizer
     for name, param in trainer.model.named_parameters():
@@ -39,9 +39,8 @@ def _training_state(trainer) -> dict[str, torch.Tensor]:
 
 
 def _rollouts(rank, world_size, port, checkpoint, save_dir, offload: bool):
-    from tests.helpers.fsdp_helpers import make_train_data
-
     from slime.backends.fsdp_utils.offload import local_tensor
+    from tests.helpers.fsdp_helpers import make_train_data
 
     trainer = _trainer(port, checkpoint, save_dir, offload=offload)
     assert trainer.snapshot.placement == {"actor": False, "ref": True}  # a tiny model fits
@@ -81,9 +80,8 @@ ONE_TIME_BYTES = 512
 
 
 def test_async_offload_onload_between_rollouts_equals_staying_on_the_device(tmp_path):
-    from tests.helpers.fsdp_helpers import run_distributed
-
     from slime.utils.tiny_model import build_tiny_model
+    from tests.helpers.fsdp_helpers import run_distributed
 
     checkpoint = str(build_tiny_model(tmp_path / "tiny", arch="qwen3", seed=3, hidden_size=256, intermediate_size=512))
     plain, _, _ = run_distributed(_rollouts, 1, checkpoint, str(tmp_path / "plain"), False)[0]
@@ -109,7 +107,7 @@ def _written_after_the_early_copy(rank, world_size, port, checkpoint, save_dir):
 
     trainer = _trainer(port, checkpoint, save_dir, offload=True)
     trainer.train(0, make_train_data(8, vocab_size=300, seed=5, num_steps=2))  # queues the early copies to the host
-    shards = lambda: {name: t.detach().cpu().clone() for name, t in trainer.backend.local_weights()}  # noqa: E731
+    shards = lambda: {name: t.detach().cpu().clone() for name, t in trainer.backend.local_weights()}
     trained = shards()
     trainer.snapshot.restore("ref")  # every shard written in place after its early copy
     written = shards()
@@ -123,9 +121,8 @@ def _written_after_the_early_copy(rank, world_size, port, checkpoint, save_dir):
 
 
 def test_a_parameter_written_after_its_early_copy_is_offloaded_as_written(tmp_path):
-    from tests.helpers.fsdp_helpers import run_distributed
-
     from slime.utils.tiny_model import build_tiny_model
+    from tests.helpers.fsdp_helpers import run_distributed
 
     checkpoint = str(build_tiny_model(tmp_path / "tiny", arch="qwen3", seed=7))
     trained, written, on_host, back = run_distributed(_written_after_the_early_copy, 1, checkpoint,
@@ -145,7 +142,7 @@ def _ref_log_probs(rank, world_size, port, checkpoint, save_dir, on_host: bool):
     from slime.backends.schedule import forward_only_schedule
 
     data = make_train_data(8, vocab_size=300, seed=6, num_steps=2)
-    log_prob_schedule = lambda: forward_only_schedule(trainer.args, data, trainer.backend,  # noqa: E731
+    log_prob_schedule = lambda: forward_only_schedule(trainer.args, data, trainer.backend,
                                                       trainer._schedule(data))  # the ref pass's schedule
     initial = trainer.compute_log_probs(log_prob_schedule())  # the actor is still the ref checkpoint
     trainer.train(0, data)
@@ -157,9 +154,8 @@ def _ref_log_probs(rank, world_size, port, checkpoint, save_dir, on_host: bool):
 
 
 def test_ref_log_probs_from_the_device_copy_equal_the_host_copys(tmp_path):
-    from tests.helpers.fsdp_helpers import run_distributed
-
     from slime.utils.tiny_model import build_tiny_model
+    from tests.helpers.fsdp_helpers import run_distributed
 
     checkpoint = str(build_tiny_model(tmp_path / "tiny", arch="qwen3", seed=5))
     initial_host, ref_host, actor_host = run_distributed(_ref_log_probs, 1, checkpoint, str(tmp_path / "h"), True)[0]
@@ -180,9 +176,8 @@ def _colocated_placement(rank, world_size, port, checkpoint, save_dir, offload_r
 def test_a_colocated_trainer_that_keeps_its_state_keeps_its_ref_on_the_device_where_it_fits(tmp_path, offload_rollout):
     """--colocate --no-offload-train: the ref's device copy is placed at start-up against the memory free beside the
     engines (here none), and made there, instead of every ref pass copying weight sets over PCIe."""
-    from tests.helpers.fsdp_helpers import run_distributed
-
     from slime.utils.tiny_model import build_tiny_model
+    from tests.helpers.fsdp_helpers import run_distributed
 
     checkpoint = str(build_tiny_model(tmp_path / "tiny", arch="qwen3", seed=5))
     placement, on_device = run_distributed(_colocated_placement, 1, checkpoint, str(tmp_path / "s"), offload_rollout)[0]

@@ -3,9 +3,9 @@
 import pytest
 import torch
 
-from slime.backends.packing import pack_samples
-from slime.backends.log_probs import chunked_log_probs_and_entropy
 from slime.backends.fsdp_utils.model import PolicyModel, load_hf_model
+from slime.backends.log_probs import chunked_log_probs_and_entropy
+from slime.backends.packing import pack_samples
 from slime.utils.tiny_model import build_tiny_model
 
 

@@ -12,13 +12,13 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
-from tests.helpers.fsdp_helpers import make_args, make_trainer
 from safetensors.torch import load_file, save_file
 
 from slime.backends.moe_aux_loss import load_balancing_loss, sequence_load_balancing_loss, z_loss
-from slime.backends.routing_replay import RoutingReplay, ReplayStage, pack_routing
+from slime.backends.routing_replay import ReplayStage, RoutingReplay, pack_routing
 from slime.engine.engine import Engine
 from slime.utils.tiny_model import build_tiny_model
+from tests.helpers.fsdp_helpers import make_args, make_trainer
 
 NUM_EXPERTS, TOP_K = 4, 2
 

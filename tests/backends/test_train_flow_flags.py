@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tests.helpers.fsdp_helpers import full_params, make_args, make_train_data, make_trainer
 
 from slime.utils.tiny_model import build_tiny_model
+from tests.helpers.fsdp_helpers import full_params, make_args, make_train_data, make_trainer
 
 ENTROPY_SEEN = []
 

@@ -17,11 +17,11 @@ import httpx
 import numpy as np
 import pytest
 import torch
-from tests.helpers.fsdp_helpers import full_params, make_args, make_train_data, make_trainer
 
 from slime.engine.server.launch import launch_server
 from slime.utils import weight_delta
 from slime.utils.tiny_model import build_tiny_model
+from tests.helpers.fsdp_helpers import full_params, make_args, make_train_data, make_trainer
 
 PROMPT = list(range(3, 40))
 SAMPLING = {"temperature": 1.0, "max_new_tokens": 12, "ignore_eos": True, "sampling_seed": 5}
@@ -222,9 +222,8 @@ def test_pull_weights_rejects_folders_outside_the_allowlist(engine, folders, tmp
 
 
 def _megatron_delta_pushes(rank, world_size, port, checkpoint, pushes, local, engine_url):
-    from tests.helpers.megatron_helpers import make_megatron_args
-
     from slime.backends.megatron_utils.parallel import destroy_model_parallel
+    from tests.helpers.megatron_helpers import make_megatron_args
 
     args = make_megatron_args(checkpoint, "--lr", "1e-2", "--update-weight-buffer-size", "30000",
                               "--update-weight-transport", "disk", "--update-weight-disk-dir", pushes,

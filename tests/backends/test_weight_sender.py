@@ -14,11 +14,11 @@ import httpx
 import pytest
 import torch
 import torch.distributed as dist
-from tests.helpers.fsdp_helpers import full_params, make_args, make_train_data, make_trainer
 
 from slime.backends import weight_sender as update_weight
 from slime.engine.server.launch import launch_server
 from slime.utils.tiny_model import build_tiny_model
+from tests.helpers.fsdp_helpers import full_params, make_args, make_train_data, make_trainer
 
 ENGINE_SEED, TRAINER_SEED = 9, 8
 PROMPT = list(range(3, 51))  # 48 tokens: 3 full KV blocks of 16, so a repeated prompt hits the prefix cache

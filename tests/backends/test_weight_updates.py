@@ -10,12 +10,11 @@ import httpx
 import pytest
 import torch
 import torch.distributed as dist
-from tests.helpers.fsdp_helpers import make_args, make_train_data, make_trainer
 
 from slime.backends.packing import pack_samples
 from slime.utils.misc import find_free_port
 from slime.utils.tiny_model import build_tiny_model
-
+from tests.helpers.fsdp_helpers import make_args, make_train_data, make_trainer
 
 
 @pytest.fixture(params=[("qwen3", []), ("qwen3_moe", [])], ids=["fp32", "moe_fp32"])

@@ -11,7 +11,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 
-import bench_engine  # noqa: E402
+import bench_engine
 
 
 def test_tiny_workloads_run_end_to_end(capsys):
@@ -69,9 +69,8 @@ def test_sharded_random_checkpoint_loads_into_engine_and_transformers(tmp_path):
     import torch
     from transformers import AutoModelForCausalLM
 
-    from slime.engine.engine import Engine
-
     from benchmarks.engine_checkpoints import TINY_SHAPE
+    from slime.engine.engine import Engine
 
     path = bench_engine.build_checkpoint(tmp_path, TINY_SHAPE, torch.float32, "cpu", 0, 100_000)
     index = json.loads((path / "model.safetensors.index.json").read_text())
@@ -101,8 +100,9 @@ def test_quickstart_preset_runs_w1_on_the_quickstart_model():
 def test_rollout_io_benchmark_times_paths_that_agree(tmp_path):
     """Each stage's two paths give the same result (JSON decoded; the prompt ids once per group and once per
     sample), so the benchmark compares like with like; the response carries the recorded tokens and log-probs."""
-    import orjson
     import bench_rollout_io
+    import orjson
+
     from slime.utils.tiny_model import build_tiny_model
 
     model_dir = str(build_tiny_model(tmp_path / "tiny", arch="qwen3"))

@@ -74,7 +74,7 @@ def test_balance_data_evens_the_token_counts_of_the_ranks():
     plain, _ = split_train_data(args, data, 0)
     args.balance_data = True
     balanced, dropped = split_train_data(args, data, 0)
-    sums = lambda parts: [sum(len(t) for t in p["tokens"]) for p in parts]  # noqa: E731
+    sums = lambda parts: [sum(len(t) for t in p["tokens"]) for p in parts]
     assert sums(plain) == [100 + 1 + 90 + 2, 80 + 3 + 70 + 4]  # contiguous halves
     assert max(sums(balanced)) - min(sums(balanced)) <= 2 and dropped == 0
     assert [len(p["tokens"]) for p in balanced] == [4, 4]

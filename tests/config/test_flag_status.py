@@ -12,8 +12,8 @@ import pytest
 
 from slime.config import flag_status
 from slime.config.arguments import build_parser, parse_args
-from slime.config.flags_sglang import sglang_server_flags
 from slime.config.errors import ArgumentError
+from slime.config.flags_sglang import sglang_server_flags
 
 REPO = Path(__file__).resolve().parents[2]
 SLIME_FLAGS = json.loads((REPO / "tests/slime_upstream/slime_flags.json").read_text())["flags"]

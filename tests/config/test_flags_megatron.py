@@ -14,10 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from slime.config.flags_megatron import MEGATRON_FLAGS
 from slime.config.arguments import build_parser, parse_args
 from slime.config.errors import ArgumentError
-
+from slime.config.flags_megatron import MEGATRON_FLAGS
 from tests.helpers.megatron_arg_helpers import HF_CONFIGS, base, data, write_model  # noqa: F401 (data: a fixture)
 
 REPO = Path(__file__).resolve().parents[2]

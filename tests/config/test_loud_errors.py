@@ -7,14 +7,13 @@ import json
 import pytest
 import torch
 
-from slime.backends.fsdp_utils.checkpoint import load_training_state, save_checkpoint
 from slime.backends.checkpoint_files import resolve_load_dir
-from slime.rollout.dataset import PromptFormat, load_prompt_samples
+from slime.backends.fsdp_utils.checkpoint import load_training_state, save_checkpoint
 from slime.config.arguments import build_parser, parse_args
-from slime.utils.checkpoint_state import CheckpointError, load_run_state
 from slime.config.flag_ranges import ANY, FLAG_RANGES
 from slime.config.validate import HOOK_FLAGS, ArgumentError
-
+from slime.rollout.dataset import PromptFormat, load_prompt_samples
+from slime.utils.checkpoint_state import CheckpointError, load_run_state
 from tests.helpers import args_helpers
 
 

@@ -6,12 +6,11 @@ import logging
 
 import pytest
 
-from slime.config.flags_megatron import INERT
 from slime.config import validate_megatron as validate_megatron_args
 from slime.config.arguments import parse_args
 from slime.config.errors import ArgumentError
+from slime.config.flags_megatron import INERT
 from slime.config.validate_megatron import require_train_backend
-
 from tests.helpers.megatron_arg_helpers import base, data  # noqa: F401 (data: a fixture)
 
 

@@ -10,10 +10,9 @@ import pytest
 import torch
 
 from slime.config.arguments import parse_args
+from slime.config.errors import ArgumentError
 from slime.utils.debug_dump import load_samples, save_samples
 from slime.utils.types import Sample
-from slime.config.errors import ArgumentError
-
 from tests.helpers import args_helpers
 
 CONFIG = {"model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"], "num_hidden_layers": 2, "hidden_size": 64,

@@ -6,9 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from slime.ray.engine_actor import engine_server_command
 from slime.config.arguments import parse_args
-
+from slime.ray.engine_actor import engine_server_command
 from tests.config.test_flag_status import base  # noqa: F401  (the fixture: a minimal run's flags over a config-only model)
 
 

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+
 from tests.e2e.test_train import read_metrics
 
 REPO = Path(__file__).resolve().parents[2]

@@ -3,6 +3,7 @@ train.py run (Ray's GCS, raylet, workers and agents, the trainer ranks and their
 the sglang-router) is bound to 127.0.0.1 or ::1 (docs/guides/security.md, "What listens where")."""
 
 import pytest
+
 from tests.helpers.run_processes import is_loopback, kill_leftovers, small_grpo_argv, start_run, wait_gone, watch
 
 pytestmark = pytest.mark.e2e

@@ -68,7 +68,7 @@ def test_tp2_resume_from_torch_dist_continues_exactly(task, tmp_path):
     run_train(_sft_argv(task, tmp_path / "part2", 3, tmp_path / "ckpt_part", "--load", str(tmp_path / "ckpt_part")))
     full, resumed = read_metrics(tmp_path / "full"), read_metrics(tmp_path / "part2")
     assert [r["rollout_id"] for r in resumed] == [2]
-    dump = lambda run: json.loads((tmp_path / run / "rollout_2.json").read_text())["samples"]  # noqa: E731
+    dump = lambda run: json.loads((tmp_path / run / "rollout_2.json").read_text())["samples"]
     assert [s["tokens"] for s in dump("full")] == [s["tokens"] for s in dump("part2")]
     assert resumed[0]["train/loss"] == pytest.approx(full[2]["train/loss"], rel=1e-5)
     assert resumed[0]["train/grad_norm"] == pytest.approx(full[2]["train/grad_norm"], rel=1e-4)

@@ -19,7 +19,6 @@ pytestmark = pytest.mark.e2e
 @pytest.fixture(scope="module")
 def task(tmp_path_factory):
     from examples.quickstart.task import build_task
-
     from slime.utils.tiny_model import build_tiny_model
 
     root = tmp_path_factory.mktemp("moe_task")

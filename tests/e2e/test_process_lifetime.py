@@ -9,6 +9,7 @@ import textwrap
 
 import psutil
 import pytest
+
 from tests.helpers.run_processes import REPO, kill_group, kill_leftovers, small_grpo_argv, start_run, wait_gone, watch
 
 

@@ -7,8 +7,8 @@ The engine's log-probs equal the trainer's after every disk push."""
 
 import pytest
 
-from tests.e2e.test_train import read_metrics, run_train
 from tests.config.test_flag_status import base  # noqa: F401  (the fixture: a minimal run's flags over a config-only model)
+from tests.e2e.test_train import read_metrics, run_train
 
 pytestmark = pytest.mark.e2e
 pytest.importorskip("megatron.core")

@@ -4,11 +4,11 @@ as an unconstrained run."""
 
 import pytest
 import torch
-from tests.helpers.greedy_margin import assert_clear_greedy_margin
 from transformers import AutoModelForCausalLM
 
 from slime.engine.engine import Engine
 from slime.utils.tiny_model import build_tiny_model
+from tests.helpers.greedy_margin import assert_clear_greedy_margin
 
 PROMPTS = [[10 + i, 20, 30 + i, 40, 50, 60 + i, 70] for i in range(4)]
 GREEDY = {"temperature": 0.0, "max_new_tokens": 20, "ignore_eos": True}

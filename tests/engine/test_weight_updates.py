@@ -3,7 +3,6 @@ errors, and release / resume of memory, on a tiny Qwen2 engine checked against t
 
 import pytest
 import torch
-from tests.helpers.greedy_margin import assert_clear_greedy_margin
 from transformers import AutoModelForCausalLM
 
 from slime.engine.engine import Engine, EngineMemoryReleasedError
@@ -11,6 +10,7 @@ from slime.engine.memory_tags import EngineWeightsMissingError
 from slime.engine.models.weight_loader import iterate_checkpoint
 from slime.engine.sampling_params import SamplingParams
 from slime.utils.tiny_model import build_tiny_model
+from tests.helpers.greedy_margin import assert_clear_greedy_margin
 
 PROMPT = list(range(30, 52))  # 22 tokens: 5 full blocks of 4 can be shared
 GREEDY = {"temperature": 0.0, "max_new_tokens": 16, "ignore_eos": True}

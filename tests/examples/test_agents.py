@@ -16,8 +16,8 @@ from examples.retool import reward as retool_reward
 from examples.retool.python_tool import python
 from examples.retool.sandbox import SandboxLimits, network_isolation, run_code
 from examples.search_r1 import search_tool
-from examples.search_r1.reward import answer_reward
 from examples.search_r1.retrieval_server import BM25Index, make_server
+from examples.search_r1.reward import answer_reward
 from slime.rollout.tools import load_tools, run_tool_call
 from slime.utils.tool_parsers import ToolCall
 

@@ -23,8 +23,8 @@ def build_megatron(args, rank: int, world_size: int, port: int):
     from transformers import AutoConfig
 
     from slime.backends.megatron_utils.cpu_shim import apply_cpu_shim
-    from slime.backends.process_group import init_default_group
     from slime.backends.megatron_utils.parallel import init_model_parallel
+    from slime.backends.process_group import init_default_group
 
     cpu = torch.device("cpu")
     apply_cpu_shim()

@@ -82,9 +82,9 @@ def _check_the_watch_ends_the_run_when_it_goes(task, tmp_path, engine):
     """The engine watch of a run on `engine` (alive) reports nothing; once it is gone, it ends the run."""
     import time
 
+    from slime.config.arguments import parse_args
     from slime.ray.engine_failures import EngineFailureError
     from slime.ray.engine_health import EngineSupervisor
-    from slime.config.arguments import parse_args
 
     args = parse_args(_argv(task, tmp_path / "watch", "--rollout-external-engine-addrs",
                             engine.url.removeprefix("http://"), "--use-fault-tolerance"))
@@ -108,8 +108,8 @@ def _check_the_watch_ends_the_run_when_it_goes(task, tmp_path, engine):
 def test_run_stops_when_an_external_engine_does_not_answer(task, tmp_path, monkeypatch):
     monkeypatch.setattr("slime.ray.external_engines.CONNECT_WAIT_S", 0)
     port = find_free_port()
-    from slime.ray.external_engines import connect_external_engines
     from slime.config.arguments import parse_args
+    from slime.ray.external_engines import connect_external_engines
 
     args = parse_args(_argv(task, tmp_path / "run", "--rollout-external-engine-addrs", f"127.0.0.1:{port}"))
     with pytest.raises(RuntimeError, match=f"no engine answers at http://127.0.0.1:{port}.*start it first"):

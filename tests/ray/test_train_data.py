@@ -6,7 +6,6 @@ import statistics
 
 import pytest
 
-from slime.rollout.eval_metrics import eval_metrics
 from slime.ray.train_data import (
     data_parallel_rank,
     post_process_rewards,
@@ -14,9 +13,9 @@ from slime.ray.train_data import (
     samples_to_train_data,
     split_train_data,
 )
+from slime.rollout.eval_metrics import eval_metrics
 from slime.utils.metrics import MetricsLogger
 from slime.utils.types import Sample, Status
-
 from tests.helpers import args_helpers
 
 

@@ -6,10 +6,10 @@ import json
 
 import pytest
 
-from slime.utils.eval_config import resolve_eval_datasets
 from slime.rollout.dataset import load_tokenizer
-from slime.rollout.sglang_rollout import generate_rollout
 from slime.rollout.generate_request import build_sampling_params
+from slime.rollout.sglang_rollout import generate_rollout
+from slime.utils.eval_config import resolve_eval_datasets
 from slime.utils.types import Sample
 from tests.rollout.test_sglang_rollout import make_args, reference_log_probs, stack  # noqa: F401 (fixtures)
 

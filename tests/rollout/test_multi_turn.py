@@ -16,14 +16,13 @@ import torch
 
 from slime.engine.server.launch import launch_server
 from slime.ray.router import RouterProcess, register_worker
+from slime.ray.train_data import multi_turn_metrics
 from slime.rollout import multi_turn
 from slime.rollout.dataset import load_tokenizer
-from slime.utils.http_utils import run
 from slime.rollout.sglang_rollout import GenerateState, generate_and_rm
-from slime.ray.train_data import multi_turn_metrics
+from slime.utils.http_utils import run
 from slime.utils.tool_parsers import ParsedTurn, ToolCall
 from slime.utils.types import Sample
-
 from tests.helpers import args_helpers
 
 PROMPT = [{"role": "user", "content": "What is the value of key a?"}]

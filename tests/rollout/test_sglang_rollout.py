@@ -19,14 +19,13 @@ from slime.engine.server.launch import launch_server
 from slime.ray.router import RouterProcess
 from slime.ray.router import register_worker as router_register_worker
 from slime.rollout import sglang_rollout
-from slime.utils import http_utils
 from slime.rollout.data_source import RolloutDataSourceWithBuffer
 from slime.rollout.dataset import load_tokenizer
-from slime.rollout.sglang_rollout import generate, generate_rollout
 from slime.rollout.generate_request import build_sampling_params
+from slime.rollout.sglang_rollout import generate, generate_rollout
+from slime.utils import http_utils
 from slime.utils.misc import find_free_port
 from slime.utils.types import Sample
-
 from tests.helpers import args_helpers
 
 MAX_RESPONSE_LEN = 6

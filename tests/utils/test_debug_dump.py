@@ -128,7 +128,7 @@ def test_a_failing_run_leaves_the_dump_of_its_last_rollout(tmp_path, monkeypatch
     monkeypatch.syspath_prepend(str(REPO))  # train.py, the driver
     from train import rollout_dump_kept_on_failure
 
-    workers_import = {"env_vars": {"PYTHONPATH": f"{REPO}:{REPO / 'tests'}"}}  # this module's actor class
+    workers_import = {"env_vars": {"PYTHONPATH": str(REPO)}}  # this module's actor class, as tests.utils.test_debug_dump
     ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False, runtime_env=workers_import)
     try:
         manager = ray.remote(_DumpingActor).remote()

@@ -3,11 +3,11 @@ into it (fsdp_utils/offload.place_parameters): the parameter shards swapped into
 separately allocated ones do (FSDP re-reads its shards after the swap, the optimizer steps the views)."""
 
 import torch
-from tests.helpers.fsdp_helpers import make_args, make_train_data, make_trainer
 
 from slime.backends.fsdp_utils.offload import local_tensor, place_parameters
 from slime.utils.flat_buffer import ALIGNMENT_BYTES, flat_empty
 from slime.utils.tiny_model import build_tiny_model
+from tests.helpers.fsdp_helpers import make_args, make_train_data, make_trainer
 
 
 def test_flat_empty_gives_aligned_disjoint_views_of_one_allocation_per_dtype():
@@ -47,5 +47,5 @@ def test_parameters_placed_in_flat_views_train_like_separate_ones(tmp_path):
     (plain, plain_metrics), (flat, flat_metrics) = results
     assert any(not torch.equal(plain[name], before[name]) for name in plain)  # training moved them
     assert all(torch.equal(plain[name], flat[name]) for name in plain)
-    losses = lambda metrics: {k: v for k, v in metrics.items() if not k.startswith("perf/")}  # noqa: E731
+    losses = lambda metrics: {k: v for k, v in metrics.items() if not k.startswith("perf/")}
     assert losses(plain_metrics) == losses(flat_metrics) and losses(plain_metrics)

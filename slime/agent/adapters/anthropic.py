@@ -15,8 +15,16 @@ from __future__ import annotations
 
 import json
 
-from slime.agent.adapters.common import (BaseAdapter, ChatRequest, RequestError, TurnAnswer, number, sse, string_list,
-                                         text_of)
+from slime.agent.adapters.common import (
+    BaseAdapter,
+    ChatRequest,
+    RequestError,
+    TurnAnswer,
+    number,
+    sse,
+    string_list,
+    text_of,
+)
 
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
                409: "invalid_request_error", 429: "rate_limit_error", 502: "api_error"}

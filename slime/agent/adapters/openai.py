@@ -17,8 +17,16 @@ import json
 
 from aiohttp import web
 
-from slime.agent.adapters.common import (BaseAdapter, ChatRequest, RequestError, TurnAnswer, number, sse, string_list,
-                                         text_of)
+from slime.agent.adapters.common import (
+    BaseAdapter,
+    ChatRequest,
+    RequestError,
+    TurnAnswer,
+    number,
+    sse,
+    string_list,
+    text_of,
+)
 
 ROLES = {"system", "developer", "user", "assistant", "tool"}
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",

@@ -21,6 +21,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
 from slime.backends.backend import LossOf, TrainBackend
+from slime.backends.checkpoint_files import VALUE_HEAD_KEY, resolve_load_dir
 from slime.backends.fsdp_utils import checkpoint
 from slime.backends.fsdp_utils.model import (
     ShardOptions,
@@ -36,11 +37,9 @@ from slime.backends.fsdp_utils.moe_router import install_routers
 from slime.backends.fsdp_utils.offload import TrainingStateOffload
 from slime.backends.fsdp_utils.optimizer import build_optimizer, clip_grad_norm
 from slime.backends.fsdp_utils.value_model import build_value_model
-from slime.backends.checkpoint_files import VALUE_HEAD_KEY
 from slime.backends.moe_aux_loss import router_losses
 from slime.backends.packing import PackedMicroBatch
 from slime.backends.param_freeze import freeze_parameters
-from slime.backends.checkpoint_files import resolve_load_dir
 from slime.backends.process_group import init_default_group, training_device
 
 logger = logging.getLogger(__name__)

@@ -20,8 +20,15 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
+from slime.backends.checkpoint_files import (
+    barrier,
+    copy_hf_extra_files,
+    publish_checkpoint,
+    rng_state,
+    set_rng_state,
+    torch_load,
+)
 from slime.backends.fsdp_utils.expert_weights import per_expert_tensors
-from slime.backends.checkpoint_files import barrier, copy_hf_extra_files, publish_checkpoint, rng_state, set_rng_state, torch_load
 from slime.backends.fsdp_utils.model import hf_name
 from slime.utils.checkpoint_state import (
     META_FILE,

@@ -16,10 +16,10 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from slime.backends.attention import VARLEN
-from slime.backends.fsdp_utils.expert_weights import per_expert_tensors, stacked_tensor
 from slime.backends.attention import register as register_varlen
-from slime.backends.packing import PackedMicroBatch
+from slime.backends.fsdp_utils.expert_weights import per_expert_tensors, stacked_tensor
 from slime.backends.log_probs import chunked_log_probs_and_entropy
+from slime.backends.packing import PackedMicroBatch
 
 HF_PREFIX = "hf_model."
 

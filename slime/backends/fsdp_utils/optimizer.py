@@ -7,11 +7,10 @@ from __future__ import annotations
 import math
 
 import torch
-
-from slime.backends.lr_schedule import learning_rate, total_optimizer_steps, trainable_parameters
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from slime.backends.lr_schedule import learning_rate, total_optimizer_steps, trainable_parameters
 from slime.backends.stateless_adam import StatelessAdam
 
 
@@ -31,9 +30,9 @@ def build_optimizer(args, params, lr: float | None = None) -> tuple[torch.optim.
     schedule = dict(lr=lr, min_lr=args.min_lr, warmup_steps=args.lr_warmup_iters,
                     total_steps=total_optimizer_steps(args), decay_style=args.lr_decay_style)
     if lr > 0:
-        factor = lambda step: learning_rate(step, **schedule) / lr  # noqa: E731
+        factor = lambda step: learning_rate(step, **schedule) / lr
     else:
-        factor = lambda step: 1.0  # noqa: E731
+        factor = lambda step: 1.0
     return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 

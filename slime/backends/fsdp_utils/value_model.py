@@ -11,8 +11,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from slime.backends.packing import PackedMicroBatch
 from slime.backends.fsdp_utils.model import ShardOptions, packed_hidden_states, shard_model
+from slime.backends.packing import PackedMicroBatch
 
 
 class ValueModel(nn.Module):

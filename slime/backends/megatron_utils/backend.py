@@ -37,7 +37,6 @@ import torch
 import torch.distributed as dist
 
 from slime.backends.backend import LossOf, TrainBackend, reset_adam_state
-from slime.backends.process_group import init_default_group, training_device
 from slime.backends.checkpoint_files import resolve_load_dir
 from slime.backends.megatron_utils import checkpoint
 from slime.backends.megatron_utils.cpu_shim import apply_cpu_shim
@@ -54,6 +53,7 @@ from slime.backends.megatron_utils.router_losses import install_router_losses
 from slime.backends.megatron_utils.value_head import OUTPUT_LAYER_KEY, has_value_head, hf_value_head, micro_batch_values
 from slime.backends.packing import PackedMicroBatch
 from slime.backends.param_freeze import freeze_parameters
+from slime.backends.process_group import init_default_group, training_device
 
 
 class MegatronBackend(TrainBackend):

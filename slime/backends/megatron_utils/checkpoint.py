@@ -21,7 +21,14 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from slime.backends.checkpoint_files import copy_hf_extra_files, barrier, publish_checkpoint, rng_state, set_rng_state, torch_load
+from slime.backends.checkpoint_files import (
+    barrier,
+    copy_hf_extra_files,
+    publish_checkpoint,
+    rng_state,
+    set_rng_state,
+    torch_load,
+)
 from slime.utils.checkpoint_state import META_FILE, RUN_STATE_FILE, CheckpointError, checkpoint_dir
 
 FORMAT = "torch_dist"

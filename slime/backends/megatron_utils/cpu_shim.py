@@ -164,18 +164,20 @@ def apply_cpu_shim() -> None:
     if _applied:
         return
     from megatron.core import utils as core_utils
+    from megatron.core.dist_checkpointing.strategies import filesystem_async, state_dict_saver
     from megatron.core.distributed import distributed_data_parallel, param_and_grad_buffer
     from megatron.core.fusions import fused_softmax
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+    from megatron.core.models.common.language_module import language_module
     from megatron.core.optimizer import clip_grads, distrib_optimizer
     from megatron.core.optimizer import optimizer as megatron_optimizer
-    from megatron.core.models.common.language_module import language_module
     from megatron.core.pipeline_parallel import p2p_communication, schedules
-    from megatron.core.dist_checkpointing.strategies import filesystem_async, state_dict_saver
+    from megatron.core.tensor_parallel import layers as tp_layers
+    from megatron.core.tensor_parallel import mappings
+    from megatron.core.tensor_parallel import random as tp_random
+    from megatron.core.transformer import utils as transformer_utils
     from megatron.core.transformer.moe import router
     from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
-    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
-    from megatron.core.tensor_parallel import layers as tp_layers, mappings, random as tp_random
-    from megatron.core.transformer import utils as transformer_utils
 
     def get_emb_on_cpu(self, max_seq_len: int, offset: int = 0) -> torch.Tensor:
         # RotaryEmbedding.get_emb without its move of inv_freq to the current CUDA device.

@@ -16,8 +16,8 @@ import torch.distributed as dist
 
 from slime.backends.checkpoint_files import copy_hf_extra_files
 from slime.backends.megatron_utils import tp_shards
-from slime.backends.megatron_utils.hf_mapping import mapping_for
 from slime.backends.megatron_utils.grads import is_expert
+from slime.backends.megatron_utils.hf_mapping import mapping_for
 from slime.backends.megatron_utils.names import (
     is_stacked_experts,
     named_global_parameters,

@@ -32,15 +32,19 @@ import torch
 import torch.distributed as dist
 
 from slime.backends.backend import LossOf
-from slime.backends.packing import PackedMicroBatch, to_device
-from slime.backends.megatron_utils.context_parallel import (CpLayout, CpPackedSeqParams, context_parallel_group,
-                                                            sum_over_context_parallel)
+from slime.backends.megatron_utils.context_parallel import (
+    CpLayout,
+    CpPackedSeqParams,
+    context_parallel_group,
+    sum_over_context_parallel,
+)
 from slime.backends.megatron_utils.log_probs import (
     hidden_state_log_probs_and_entropy,
     vocab_parallel_log_probs_and_entropy,
 )
 from slime.backends.megatron_utils.moe_router import sequence_parallel_routing
 from slime.backends.megatron_utils.router_losses import RouterLosses
+from slime.backends.packing import PackedMicroBatch, to_device
 from slime.backends.routing_replay import RoutingReplay
 
 

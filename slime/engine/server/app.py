@@ -20,6 +20,8 @@ from pathlib import Path
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
+from slime.engine.memory_tags import MEMORY_TAGS, EngineWeightsMissingError
+from slime.engine.sampling_params import SamplingParams
 from slime.engine.server.engine_loop import EngineLoop
 from slime.engine.server.guard import AccessPolicy, GuardMiddleware
 from slime.engine.server.io import json_response, read_json, sse_line, unless_disconnected
@@ -31,8 +33,6 @@ from slime.engine.server.protocol import (
     require_fields,
 )
 from slime.engine.server.weights import EngineWeightReceiver
-from slime.engine.memory_tags import MEMORY_TAGS, EngineWeightsMissingError
-from slime.engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 

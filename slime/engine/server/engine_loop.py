@@ -20,9 +20,9 @@ from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import AsyncIterator, Callable
 
+from slime.engine.memory_tags import EngineMemoryReleasedError, EngineWeightsMissingError
 from slime.engine.server.busy_period import BusyPeriod
 from slime.engine.server.protocol import RequestError
-from slime.engine.memory_tags import EngineMemoryReleasedError, EngineWeightsMissingError
 from slime.engine.stop_strings import decode_final_texts
 
 logger = logging.getLogger(__name__)

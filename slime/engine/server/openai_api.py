@@ -16,9 +16,9 @@ import uuid
 from fastapi import FastAPI, Request
 from fastapi.responses import PlainTextResponse, StreamingResponse
 
+from slime.engine.sampling_params import SamplingParams
 from slime.engine.server.io import json_response, read_json, sse_line, unless_disconnected
 from slime.engine.server.protocol import RequestError
-from slime.engine.sampling_params import SamplingParams
 
 # OpenAI / SGLang request fields -> SamplingParams fields (the extras are SGLang's, sent via `extra_body`).
 SAMPLING_FIELDS = {

@@ -18,10 +18,10 @@ from pathlib import Path
 
 import torch
 
-from slime.engine.server import local_checkpoint
-from slime.engine.server.protocol import RequestError, require_fields
 from slime.engine.memory_tags import EngineMemoryReleasedError
 from slime.engine.models.weight_loader import IGNORED_SUFFIXES
+from slime.engine.server import local_checkpoint
+from slime.engine.server.protocol import RequestError, require_fields
 from slime.utils import weight_transport
 from slime.utils.daemon_threads import run_in_daemon_thread
 

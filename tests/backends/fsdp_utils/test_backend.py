@@ -6,11 +6,11 @@ import json
 import pytest
 import torch
 import torch.distributed as dist
-from tests.helpers.fsdp_helpers import capture_grads, full_params, make_args, make_train_data, make_trainer
 
 from slime.backends.fsdp_utils.checkpoint import checkpoint_dir
 from slime.backends.packing import pack_samples
 from slime.utils.tiny_model import build_tiny_model
+from tests.helpers.fsdp_helpers import capture_grads, full_params, make_args, make_train_data, make_trainer
 
 
 @pytest.fixture(scope="module")

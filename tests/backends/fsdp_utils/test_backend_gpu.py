@@ -10,9 +10,8 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 
 
 def test_gpu_train_offload_onload(tmp_path):
-    from tests.helpers.fsdp_helpers import make_args, make_train_data, make_trainer
-
     from slime.utils.tiny_model import build_tiny_model
+    from tests.helpers.fsdp_helpers import make_args, make_train_data, make_trainer
 
     checkpoint = build_tiny_model(tmp_path / "tiny", arch="qwen3", seed=3, hidden_size=256, intermediate_size=512)
     args = make_args(checkpoint, "--lr", "1e-3", "--micro-batch-size", "2", "--recompute-activations",
@@ -62,10 +61,9 @@ def test_gpu_train_offload_onload(tmp_path):
 
 
 def test_gpu_ppo_critic_fits_returns_and_feeds_the_actor(tmp_path):
-    from tests.helpers.fsdp_helpers import make_args, make_train_data, make_trainer
-    from tests.backends.fsdp_utils.test_critic import make_critic
-
     from slime.utils.tiny_model import build_tiny_model
+    from tests.backends.fsdp_utils.test_critic import make_critic
+    from tests.helpers.fsdp_helpers import make_args, make_train_data, make_trainer
 
     checkpoint = build_tiny_model(tmp_path / "tiny", arch="qwen3", seed=4)
     args = make_args(checkpoint, "--advantage-estimator", "ppo", "--lr", "1e-3", "--critic-lr", "2e-3",
@@ -91,8 +89,8 @@ def test_gpu_varlen_packed_log_probs_match_per_sample_forward(tmp_path):
     from transformers import AutoModelForCausalLM
 
     from slime.backends.attention import VARLEN, varlen_supported
-    from slime.backends.packing import pack_samples
     from slime.backends.fsdp_utils.model import PolicyModel, attention_implementation
+    from slime.backends.packing import pack_samples
     from slime.utils.tiny_model import build_tiny_model
 
     device = torch.device("cuda")

@@ -6,10 +6,10 @@ import math
 import pytest
 import torch
 import torch.distributed as dist
-from tests.helpers.fsdp_helpers import make_args, make_trainer
 
 from slime.backends.fsdp_utils.optimizer import clip_grad_norm
 from slime.utils.tiny_model import build_tiny_model
+from tests.helpers.fsdp_helpers import make_args, make_trainer
 
 
 def _grads(params):

@@ -7,10 +7,10 @@ import json
 import pytest
 import torch
 import torch.distributed as dist
-from tests.helpers.fsdp_helpers import make_args, make_train_data, make_trainer, old_values_off_the_clip_edge
 
 from slime.utils.misc import find_free_port
 from slime.utils.tiny_model import build_tiny_model
+from tests.helpers.fsdp_helpers import make_args, make_train_data, make_trainer, old_values_off_the_clip_edge
 
 
 @pytest.fixture(scope="module")

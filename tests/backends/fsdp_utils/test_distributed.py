@@ -2,9 +2,16 @@
 
 import pytest
 import torch
-from tests.helpers.fsdp_helpers import full_params, make_args, make_train_data, make_trainer, rank_slice, run_distributed
 
 from slime.utils.tiny_model import build_tiny_model
+from tests.helpers.fsdp_helpers import (
+    full_params,
+    make_args,
+    make_train_data,
+    make_trainer,
+    rank_slice,
+    run_distributed,
+)
 
 
 def _train(rank, world_size, port, checkpoint, data, extra):

@@ -3,10 +3,10 @@ on-policy distillation from teacher log-probs, unsupported options failing loudl
 
 import pytest
 import torch
-from tests.helpers.fsdp_helpers import make_args, make_train_data, make_trainer
 
 from slime.backends.packing import pack_samples
 from slime.utils.tiny_model import build_tiny_model
+from tests.helpers.fsdp_helpers import make_args, make_train_data, make_trainer
 
 CALLS = []
 

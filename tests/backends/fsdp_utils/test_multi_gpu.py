@@ -3,9 +3,16 @@ issue's invariance, the CUDA twin of test_fsdp_distributed.py. Skipped unless tw
 
 import pytest
 import torch
-from tests.helpers.fsdp_helpers import full_params, make_args, make_train_data, make_trainer, rank_slice, run_distributed
 
 from slime.utils.tiny_model import build_tiny_model
+from tests.helpers.fsdp_helpers import (
+    full_params,
+    make_args,
+    make_train_data,
+    make_trainer,
+    rank_slice,
+    run_distributed,
+)
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")]

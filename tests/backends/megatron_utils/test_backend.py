@@ -10,7 +10,14 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.helpers.fsdp_helpers import capture_grads, full_params, make_args, make_train_data, make_trainer, run_distributed
+from tests.helpers.fsdp_helpers import (
+    capture_grads,
+    full_params,
+    make_args,
+    make_train_data,
+    make_trainer,
+    run_distributed,
+)
 from tests.helpers.megatron_helpers import make_megatron_args
 
 pytest.importorskip("megatron.core")

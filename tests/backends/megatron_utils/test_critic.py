@@ -10,7 +10,13 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.helpers.fsdp_helpers import capture_grads, make_args, make_train_data, old_values_off_the_clip_edge, run_distributed
+from tests.helpers.fsdp_helpers import (
+    capture_grads,
+    make_args,
+    make_train_data,
+    old_values_off_the_clip_edge,
+    run_distributed,
+)
 from tests.helpers.megatron_helpers import make_megatron_args
 
 pytest.importorskip("megatron.core")
@@ -133,7 +139,6 @@ def _policy_then_resume(rank, world_size, port, checkpoint, save, data):
     --critic-load is that policy checkpoint (head, embedding, values); the critic resumed by --load."""
     from slime.backends.factory import create_trainer
     from slime.backends.megatron_utils.parallel import destroy_model_parallel
-
     from tests.helpers.fsdp_helpers import make_trainer
 
     make_trainer(make_megatron_args(checkpoint, *CRITIC, "--save", save, "--no-save-optim"), port=port).save_model(

@@ -10,9 +10,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from tests.backends.megatron_utils.test_backend import ALGORITHM
 from tests.helpers.fsdp_helpers import make_train_data, make_trainer, rank_slice, run_distributed
 from tests.helpers.megatron_helpers import make_megatron_args
-from tests.backends.megatron_utils.test_backend import ALGORITHM
 
 pytest.importorskip("megatron.core")
 

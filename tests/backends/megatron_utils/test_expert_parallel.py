@@ -10,9 +10,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.helpers.fsdp_helpers import run_distributed
-from tests.helpers.megatron_helpers import build_megatron, hf_named_grads, make_megatron_args, policy_loss_function, step_denominator
 from tests.backends.megatron_utils.test_parallel import _train_inputs
+from tests.helpers.fsdp_helpers import run_distributed
+from tests.helpers.megatron_helpers import (
+    build_megatron,
+    hf_named_grads,
+    make_megatron_args,
+    policy_loss_function,
+    step_denominator,
+)
 
 pytest.importorskip("megatron.core")
 

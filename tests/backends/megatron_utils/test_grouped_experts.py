@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.backends.megatron_utils.test_parallel import _train_inputs
 from tests.helpers.fsdp_helpers import run_distributed
 from tests.helpers.megatron_helpers import (
     build_chunks,
@@ -19,7 +20,6 @@ from tests.helpers.megatron_helpers import (
     policy_loss_function,
     step_denominator,
 )
-from tests.backends.megatron_utils.test_parallel import _train_inputs
 
 pytest.importorskip("megatron.core")
 

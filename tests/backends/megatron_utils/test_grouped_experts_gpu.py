@@ -9,10 +9,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.helpers.fsdp_helpers import make_args, run_distributed
-from tests.helpers.megatron_helpers import build_chunks
 from tests.backends.megatron_utils.test_grouped_experts import step
 from tests.backends.megatron_utils.test_parallel import _train_inputs
+from tests.helpers.fsdp_helpers import make_args, run_distributed
+from tests.helpers.megatron_helpers import build_chunks
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 pytest.importorskip("megatron.core")
@@ -25,8 +25,8 @@ def _relative_error(got: torch.Tensor, expected: torch.Tensor) -> float:
 def _compare_on_gpu(rank, world_size, port, checkpoint):
     from transformers import AutoConfig
 
-    from slime.backends.process_group import init_default_group
     from slime.backends.megatron_utils.parallel import init_model_parallel
+    from slime.backends.process_group import init_default_group
 
     cuda = torch.device("cuda", 0)
     torch.cuda.set_device(cuda)

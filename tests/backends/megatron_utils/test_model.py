@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.helpers.megatron_helpers import build_megatron, make_megatron_args
 from slime.utils.misc import find_free_port
+from tests.helpers.megatron_helpers import build_megatron, make_megatron_args
 
 pytest.importorskip("megatron.core")
 

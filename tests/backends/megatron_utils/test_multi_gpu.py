@@ -16,9 +16,8 @@ os.environ.update(NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NV
 
 
 def test_pp2_vpp2_on_two_gpus_trains_as_pp1(tmp_path):
-    from tests.backends.megatron_utils.test_virtual_pipeline import check_interleaved_against_one_stage
-
     from slime.utils.tiny_model import build_tiny_model
+    from tests.backends.megatron_utils.test_virtual_pipeline import check_interleaved_against_one_stage
 
     checkpoint = build_tiny_model(tmp_path / "tiny", arch="qwen3", num_hidden_layers=4, seed=5)
     # bf16 (the GPU's varlen flash attention takes no fp32) with fp32 master weights and gradient reduction: the
@@ -28,9 +27,8 @@ def test_pp2_vpp2_on_two_gpus_trains_as_pp1(tmp_path):
 
 
 def test_cp2_on_two_gpus_trains_as_cp1(tmp_path):
-    from tests.backends.megatron_utils.test_parallel import check_cp2_trainer_against_cp1
-
     from slime.utils.tiny_model import build_tiny_model
+    from tests.backends.megatron_utils.test_parallel import check_cp2_trainer_against_cp1
 
     checkpoint = build_tiny_model(tmp_path / "tiny", arch="qwen3", num_hidden_layers=4)
     # bf16: CP=1 runs the varlen flash kernel, CP=2 sdpa per chunk; they round differently

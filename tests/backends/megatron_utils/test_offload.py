@@ -43,9 +43,9 @@ def test_a_storage_in_keep_and_drop_is_kept():
 def _two_steps(rank, world_size, port, checkpoint, bf16: bool, offload: bool):
     import torch.distributed as dist
 
+    from slime.backends.megatron_utils.parallel import destroy_model_parallel
     from tests.helpers.fsdp_helpers import make_train_data, make_trainer
     from tests.helpers.megatron_helpers import make_megatron_args
-    from slime.backends.megatron_utils.parallel import destroy_model_parallel
 
     args = make_megatron_args(checkpoint, "--lr", "1e-3", "--micro-batch-size", "2", "--device", "cuda",
                               *(["--bf16"] if bf16 else []))
@@ -74,8 +74,8 @@ def _two_steps(rank, world_size, port, checkpoint, bf16: bool, offload: bool):
 @pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16"])
 def test_train_after_offload_equals_train_without(tmp_path, bf16):
     pytest.importorskip("megatron.core")
-    from tests.helpers.fsdp_helpers import run_distributed
     from slime.utils.tiny_model import build_tiny_model
+    from tests.helpers.fsdp_helpers import run_distributed
 
     checkpoint = build_tiny_model(tmp_path / "model", arch="qwen3", seed=2)
     plain, _, _ = run_distributed(_two_steps, 1, str(checkpoint), bf16, False)[0]

@@ -10,7 +10,13 @@ import pytest
 import torch
 
 from tests.helpers.fsdp_helpers import make_train_data, make_trainer, run_distributed
-from tests.helpers.megatron_helpers import build_megatron, hf_named_grads, make_megatron_args, policy_loss_function, step_denominator
+from tests.helpers.megatron_helpers import (
+    build_megatron,
+    hf_named_grads,
+    make_megatron_args,
+    policy_loss_function,
+    step_denominator,
+)
 
 pytest.importorskip("megatron.core")
 

@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 import torch
 
+from tests.backends.test_routing_replay import checkpoints, rollout  # noqa: F401 - the module-scoped fixtures
 from tests.helpers.fsdp_helpers import make_trainer, run_distributed
 from tests.helpers.megatron_helpers import build_megatron, make_megatron_args
-from tests.backends.test_routing_replay import checkpoints, rollout  # noqa: F401 - the module-scoped fixtures
 
 pytest.importorskip("megatron.core")
 
@@ -86,7 +86,7 @@ def _assert_engine_routing(received: list[torch.Tensor], data, layers: list[int]
 
 
 @pytest.mark.parametrize("experts", [(), ("--moe-grouped-gemm",)], ids=["sequential", "grouped"])
-def test_megatron_r3_reproduces_engine_routing_and_log_probs(checkpoints, rollout, experts):  # noqa: F811
+def test_megatron_r3_reproduces_engine_routing_and_log_probs(checkpoints, rollout, experts):
     _, trainer_checkpoint = checkpoints
     (free, _, free_metrics, _, _), (replayed, reference, metrics, received, _) = run_distributed(
         _free_and_replayed, 1, trainer_checkpoint, rollout, {}, False, experts)[0]
@@ -102,7 +102,7 @@ def test_megatron_r3_reproduces_engine_routing_and_log_probs(checkpoints, rollou
 
 
 @pytest.mark.slow  # ~30 s; CI's budget for these tests keeps the TP/SP/EP case and the single-stage ones
-def test_megatron_replay_over_two_pipeline_stages(checkpoints, rollout):  # noqa: F811
+def test_megatron_replay_over_two_pipeline_stages(checkpoints, rollout):
     """PP=2: with R3 each stage replays its own MoE layer, the old log-probs (from the last stage) match the
     rollout's and both stages report the agreement of both layers (summed over the pipeline). With
     --use-routing-replay each stage's record holds its own layer's picks (the other layer's rows route freely)."""
@@ -155,7 +155,7 @@ def _train_with_record(rank, world_size, port, checkpoint, data):
     return results
 
 
-def test_megatron_routing_replay_trains_on_the_recorded_routing(checkpoints, rollout):  # noqa: F811
+def test_megatron_routing_replay_trains_on_the_recorded_routing(checkpoints, rollout):
     """--use-routing-replay: the training forward, and with recompute the backward's second forward, use exactly
     the experts of the old-policy pass although the router changed in between; without it they route anew."""
     _, trainer_checkpoint = checkpoints
@@ -200,7 +200,7 @@ def _sequence_parallel_passes(rank, world_size, port, checkpoint, data):
     return free, from_record, replayed, replay.take_agreement()
 
 
-def test_megatron_r3_with_sequence_parallel_and_expert_parallel(checkpoints, rollout):  # noqa: F811
+def test_megatron_r3_with_sequence_parallel_and_expert_parallel(checkpoints, rollout):
     """Sequence parallelism splits each packed row over the TP ranks: each rank replays its slice of the engine's
     routing (padded to the row's padded length), its record is gathered to the whole row, and the agreement counts
     every replayed token once."""

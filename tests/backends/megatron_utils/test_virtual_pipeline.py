@@ -12,11 +12,17 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.helpers.fsdp_helpers import make_train_data, make_trainer, run_distributed
-from tests.helpers.megatron_helpers import build_megatron, hf_named_grads, make_megatron_args, policy_loss_function, step_denominator
 from tests.backends.megatron_utils.test_backend import ALGORITHM
 from tests.backends.megatron_utils.test_critic import critic_checkpoint, tp1_runs  # noqa: F401 - the module-scoped fixtures
 from tests.backends.megatron_utils.test_parallel import _train_inputs
+from tests.helpers.fsdp_helpers import make_train_data, make_trainer, run_distributed
+from tests.helpers.megatron_helpers import (
+    build_megatron,
+    hf_named_grads,
+    make_megatron_args,
+    policy_loss_function,
+    step_denominator,
+)
 
 pytest.importorskip("megatron.core")
 
@@ -194,7 +200,7 @@ def _interleaved_critic(rank, world_size, port, checkpoint, data, returns):
 
 
 @pytest.mark.slow  # ~40 s: the PPO critic (value head on the last chunk) at PP=2 x VPP=2
-def test_pp2_vpp2_critic_equals_pp1(critic_checkpoint, tp1_runs):  # noqa: F811
+def test_pp2_vpp2_critic_equals_pp1(critic_checkpoint, tp1_runs):
     from tests.backends.megatron_utils.test_critic import _assert_same_run, _batch
 
     data, returns = _batch()  # 6 samples in 3 micro-batches of 2, split to 4 for the interleaved schedule

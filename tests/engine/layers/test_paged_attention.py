@@ -15,7 +15,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 pytest.importorskip("triton")
 
-from slime.engine.dtypes import to_cache_dtype  # noqa: E402
+from slime.engine.dtypes import to_cache_dtype
 from slime.engine.layers.triton_paged_attention import (
     DOT_DECODE_CONFIG,
     FP8_DOT_DECODE_CONFIG,

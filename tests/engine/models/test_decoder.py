@@ -7,15 +7,15 @@ import json
 
 import pytest
 import torch
-from tests.helpers.greedy_margin import assert_clear_greedy_margin
 from transformers import AutoModelForCausalLM
 
 from slime.engine.engine import Engine
 from slime.engine.models.weight_loader import iterate_checkpoint
+from slime.engine.sampling_params import SamplingParams
 from slime.engine.scheduled_batch import ScheduledSequence
 from slime.engine.sequence import Sequence
-from slime.engine.sampling_params import SamplingParams
 from slime.utils.tiny_model import build_tiny_model
+from tests.helpers.greedy_margin import assert_clear_greedy_margin
 
 LLAMA3_ROPE = {
     "rope_type": "llama3",
