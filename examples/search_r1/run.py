@@ -21,8 +21,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from examples.search_r1.search_tool import URL_ENV  # noqa: E402
 from examples.search_r1.task import build_task  # noqa: E402
-from examples.run_steps import (REPO_ROOT, common_argv, example_parser, run_folder, run_train,  # noqa: E402
-                                sft_argv, summarize)
+from examples.run_steps import (REPO_ROOT, common_argv, example_parser, reward_before_after,  # noqa: E402
+                                run_folder, run_train, sft_argv, summarize)
 from slime.utils.checkpoint_state import latest_checkpoint  # noqa: E402
 
 SERVER_START_TIMEOUT_S = 60
@@ -75,7 +75,8 @@ def main() -> None:
     finally:
         server.terminate()
         server.wait(timeout=10)
-    print(json.dumps({**summarize(grpo_dir / "metrics.jsonl"), "run_dir": str(run_dir)}))
+    print(json.dumps({**reward_before_after(grpo_dir / "metrics.jsonl"), **summarize(grpo_dir / "metrics.jsonl"),
+                      "run_dir": str(run_dir)}))
 
 
 if __name__ == "__main__":
