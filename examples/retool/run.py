@@ -2,10 +2,11 @@
 SFT through train.py on conversations that call a sandboxed Python interpreter, then run GRPO through train.py with
 the built-in multi-turn rollout (qwen `<tool_call>` format; each call runs in `sandbox.py`).
 
-    python examples/retool/run.py [--out-dir runs/retool] [--num-rollout 3]
+    python examples/retool/run.py [--out-dir runs/retool] [--num-rollout 12]
 
-The last stdout line is JSON: {"turns_per_sample", "tool_calls_per_sample", "tool_errors_per_sample", "reward",
-"run_dir"}, each the mean over the GRPO rollouts.
+It prints the reward before RL (rollout 0, the warm-started policy's) and after (the mean of the last three
+rollouts). The last stdout line is JSON: {"reward_before_rl", "reward_after_rl", "turns_per_sample",
+"tool_calls_per_sample", "tool_errors_per_sample", "reward" (those four the means over the GRPO rollouts), "run_dir"}.
 """
 
 from __future__ import annotations

@@ -2,11 +2,14 @@
 tiny model in its head, one line of Python with a tool), SFT conversations, GRPO prompts, a BPE tokenizer trained on
 all of it, and a tiny Qwen3 model. Nothing is downloaded.
 
-A share `tool_share` of the SFT conversations call the `python` tool and box what it printed; the others answer in
-the head ("The answer is \\boxed{...}."), which the tiny model gets right rarely. After that warm start the model calls
-the tool in about that share of its answers: RL has something to learn (call it every time, and copy its numbers
-right), and the reward before RL is well below what it can reach. The answer in the head is worded unlike the
-answer after the tool (`\\boxed{...}` alone), so the first turn's first token is the choice between the two.
+A share `tool_share` of the SFT conversations call the `python` tool and box what it printed; the others answer at
+once with a guess ("The answer is \\boxed{...}." with a random number: the tiny model cannot multiply in its head).
+After that warm start the model calls the tool in about that share of its answers: RL has something to learn (call
+it every time), and the reward before RL is well below what it can reach. The guess is worded unlike the answer after
+the tool (`\\boxed{...}` alone), so the first turn's first token is the choice between the two. The problems are few
+(`num_problems`, 8 by default), and the GRPO prompts are the SFT's: a 4-layer model does not learn to copy digits
+(from the question into the code, from the tool's output into the box) in a few minutes of SFT, but it learns each
+problem's call and answer.
 
 Files written under `out_dir`: sft.jsonl (chat messages, with a role "tool" turn where the tool is used, and the
 tool schema, for `slime.rollout.sft_rollout`), train.jsonl (prompt + label) and model/ (HF checkpoint).
@@ -44,7 +47,8 @@ def write_jsonl(path: Path, rows: list[dict]) -> None:
     path.write_text("".join(json.dumps(row) + "\n" for row in rows))
 
 
-def build_task(out_dir: str | Path, seed: int = 0, num_problems: int = 256, tool_share: float = 0.5) -> dict[str, Path]:
+def build_task(out_dir: str | Path, seed: int = 0, num_problems: int = 8, tool_share: float = 0.5,
+               num_sft_rows: int = 256) -> dict[str, Path]:
     if not 0 < tool_share <= 1:
         raise ValueError(f"tool_share must be in (0, 1], got {tool_share}")
     out_dir = Path(out_dir)
@@ -55,14 +59,15 @@ def build_task(out_dir: str | Path, seed: int = 0, num_problems: int = 256, tool
 
     def conversation(q: str, code: str, answer: str) -> list[dict]:
         if rng.random() >= tool_share:
-            return [{"role": "user", "content": q}, {"role": "assistant", "content": head_answer(answer)}]
+            guess = str(rng.randint(10 * 2 + 1, 99 * 9 + 9))
+            return [{"role": "user", "content": q}, {"role": "assistant", "content": head_answer(guess)}]
         return [{"role": "user", "content": q},
                 {"role": "assistant", "content": tool_call_text(code)},
                 {"role": "tool", "content": answer + "\n"},  # what print() writes
                 {"role": "assistant", "content": f"\\boxed{{{answer}}}"}]
 
-    sft_rows = [{"messages": conversation(q, code, answer), "tools": [schema]} for q, code, answer in problems]
-    train_rows = [{"prompt": [{"role": "user", "content": q}], "label": answer} for q, _, answer in problems]
+    sft_rows = [{"messages": conversation(*rng.choice(problems)), "tools": [schema]} for _ in range(num_sft_rows)]
+    train_rows = [{"prompt": [{"role": "user", "content": q}], "label": answer} for q, _, answer in problems * 4]
     paths = {name: out_dir / f"{name}.jsonl" for name in ("sft", "train")}
     write_jsonl(paths["sft"], sft_rows)
     write_jsonl(paths["train"], train_rows)
