@@ -1,5 +1,6 @@
 """What the agent examples' run scripts share: one train.py phase as a child process, the SFT warm-start flags,
-and the mean of a run's multi-turn metrics. Not a launcher of its own; each example's run.py says what it runs."""
+the mean of a run's multi-turn metrics and its reward before and after RL. Not a launcher of its own; each example's
+run.py says what it runs."""
 
 from __future__ import annotations
 
@@ -49,9 +50,12 @@ def run_train(argv: list[str], example: str, phase: str) -> None:
 
 def sft_argv(model: Path, data: Path, run_dir: Path, *, input_key: str, rollout_function: str, num_rollout: int,
              lr: str, rollout_batch_size: int = 64, global_batch_size: int = 32) -> list[str]:
-    """The SFT warm start's flags (checkpoints in run_dir/sft, its run in run_dir/sft_run)."""
+    """The SFT warm start's flags (checkpoints in run_dir/sft, its run in run_dir/sft_run). The loss is the mean over
+    the batch's tokens: slime's default mean per sample would weigh a short answer's tokens above a long one's, and so
+    bend the model's first choice (call a tool or answer at once) away from the demonstrations' share."""
     return ["--hf-checkpoint", str(model), "--prompt-data", str(data), "--input-key", input_key,
-            "--rollout-function-path", rollout_function, "--loss-type", "sft_loss", "--debug-train-only",
+            "--rollout-function-path", rollout_function, "--loss-type", "sft_loss", "--calculate-per-token-loss",
+            "--debug-train-only",
             "--rollout-batch-size", str(rollout_batch_size), "--global-batch-size", str(global_batch_size),
             "--rollout-shuffle", "--num-rollout", str(num_rollout), "--lr", lr, "--lr-warmup-iters", "10",
             "--save", str(run_dir / "sft"), "--output-dir", str(run_dir / "sft_run")]
@@ -59,6 +63,19 @@ def sft_argv(model: Path, data: Path, run_dir: Path, *, input_key: str, rollout_
 
 def metric_rows(metrics_path: Path) -> list[dict]:
     return [json.loads(line) for line in metrics_path.read_text().splitlines() if line.strip()]
+
+
+def reward_before_after(metrics_path: Path, num_last: int = 3) -> dict:
+    """{"reward_before_rl": rollout 0's mean reward (sampled by the SFT policy, before any RL update),
+    "reward_after_rl": the mean over the last `num_last` rollouts (fewer in a shorter run)}, printed and returned."""
+    rewards = [row[MULTI_TURN_METRICS["reward"]] for row in metric_rows(metrics_path)]
+    if len(rewards) < 2:
+        sys.exit(f"expected two rollouts or more in {metrics_path} (before and after RL), got {len(rewards)}")
+    num_last = min(num_last, len(rewards) - 1)
+    before, after = rewards[0], sum(rewards[-num_last:]) / num_last
+    print(f"reward per rollout: {' '.join(f'{r:.2f}' for r in rewards)}\n"
+          f"reward before RL (rollout 0) {before:.3f} -> after RL (last {num_last} rollouts) {after:.3f}", flush=True)
+    return {"reward_before_rl": before, "reward_after_rl": after}
 
 
 def summarize(metrics_path: Path, metrics: dict[str, str] = MULTI_TURN_METRICS) -> dict:

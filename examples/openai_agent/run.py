@@ -4,9 +4,11 @@ the weather task, warm-start the model with SFT through train.py on conversation
 `--custom-generate-function-path examples.openai_agent.generate.generate`: every episode is agent.py's tool loop
 talking to slime's OpenAIAdapter through `openai.AsyncOpenAI`.
 
-    python examples/openai_agent/run.py [--out-dir runs/openai_agent] [--sft-rollouts 20] [--num-rollout 8]
+    python examples/openai_agent/run.py [--out-dir runs/openai_agent] [--sft-rollouts 30] [--num-rollout 12]
 
-The last stdout line is JSON with the GRPO rollouts' means: turns and tool calls per Sample, tool errors, reward
+It prints the reward before RL (rollout 0, the warm-started policy's) and after (the mean of the last three
+rollouts). The last stdout line is JSON with those two ("reward_before_rl", "reward_after_rl") and the GRPO rollouts'
+means: turns and tool calls per Sample, tool errors, reward
 (first and last rollout too), the trainer's vs the engine's log-probs on the trained tokens, Samples per episode
 (> 1 when a history re-rendered differently forked a sibling), and per Sample the response tokens trained (the
 model's own) and masked out (template and tool results); "run_dir".
@@ -23,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from examples.openai_agent.task import build_task  # noqa: E402
 from examples.run_steps import (MULTI_TURN_METRICS, common_argv, example_parser, metric_rows,  # noqa: E402
-                                run_folder, run_train, sft_argv, summarize as summarize_metrics)
+                                reward_before_after, run_folder, run_train, sft_argv, summarize as summarize_metrics)
 from slime.utils.checkpoint_state import latest_checkpoint  # noqa: E402
 
 GENERATE = "examples.openai_agent.generate.generate"
@@ -50,9 +52,9 @@ def summarize(grpo_dir: Path) -> dict:
 
 
 def main() -> None:
-    parser = example_parser(__doc__, sft_rollouts=20, num_rollout=8, max_turns=3,
+    parser = example_parser(__doc__, sft_rollouts=30, num_rollout=12, max_turns=3,
                             sft_help="SFT rollouts (4 optimizer steps each)")
-    parser.add_argument("--grpo-lr", type=float, default=1e-4)
+    parser.add_argument("--grpo-lr", type=float, default=2e-4)
     opts = parser.parse_args()
 
     run_dir = run_folder(opts.out_dir, "openai_agent")
@@ -68,12 +70,13 @@ def main() -> None:
         "--input-key", "prompt", "--label-key", "label", "--rollout-shuffle",
         "--custom-generate-function-path", GENERATE, "--max-turns", str(opts.max_turns), "--tool-call-parser", "qwen",
         "--router-policy", "manual", "--custom-rm-path", REWARD,
-        "--rollout-batch-size", "8", "--n-samples-per-prompt", "8", "--num-rollout", str(opts.num_rollout),
-        "--rollout-max-response-len", "48", "--rollout-temperature", "1.0", "--global-batch-size", "64",
+        "--rollout-batch-size", "16", "--n-samples-per-prompt", "8", "--num-rollout", str(opts.num_rollout),
+        "--rollout-max-response-len", "48", "--rollout-temperature", "1.0", "--global-batch-size", "128",
         "--lr", str(opts.grpo_lr), "--output-dir", str(grpo_dir),
         "--save-debug-rollout-data", str(grpo_dir / "rollout_{rollout_id}.json"),
     ], "openai_agent", "GRPO")
-    print(json.dumps({**summarize(grpo_dir), "run_dir": str(run_dir)}))
+    print(json.dumps({**reward_before_after(grpo_dir / "metrics.jsonl"), **summarize(grpo_dir),
+                      "run_dir": str(run_dir)}))
 
 
 if __name__ == "__main__":

@@ -2,10 +2,11 @@
 server on loopback, warm-start the model with SFT through train.py on trajectories that search, then run GRPO
 through train.py with the built-in multi-turn rollout (`<search>` calls answered inline by `<information>`).
 
-    python examples/search_r1/run.py [--out-dir runs/search_r1] [--num-rollout 3]
+    python examples/search_r1/run.py [--out-dir runs/search_r1] [--num-rollout 12]
 
-The last stdout line is JSON: {"turns_per_sample", "tool_calls_per_sample", "tool_errors_per_sample", "reward",
-"run_dir"}, each the mean over the GRPO rollouts.
+It prints the reward before RL (rollout 0, the warm-started policy's) and after (the mean of the last three
+rollouts). The last stdout line is JSON: {"reward_before_rl", "reward_after_rl", "turns_per_sample",
+"tool_calls_per_sample", "tool_errors_per_sample", "reward" (those four the means over the GRPO rollouts), "run_dir"}.
 """
 
 from __future__ import annotations
@@ -21,8 +22,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from examples.search_r1.search_tool import URL_ENV  # noqa: E402
 from examples.search_r1.task import build_task  # noqa: E402
-from examples.run_steps import (REPO_ROOT, common_argv, example_parser, run_folder, run_train,  # noqa: E402
-                                sft_argv, summarize)
+from examples.run_steps import (REPO_ROOT, common_argv, example_parser, reward_before_after,  # noqa: E402
+                                run_folder, run_train, sft_argv, summarize)
 from slime.utils.checkpoint_state import latest_checkpoint  # noqa: E402
 
 SERVER_START_TIMEOUT_S = 60
@@ -46,8 +47,9 @@ def start_retrieval_server(corpus: Path, run_dir: Path) -> tuple[subprocess.Pope
 
 
 def main() -> None:
-    parser = example_parser(__doc__, sft_rollouts=24, num_rollout=3, max_turns=3,
+    parser = example_parser(__doc__, sft_rollouts=40, num_rollout=12, max_turns=3,
                             sft_help="SFT rollouts (2 optimizer steps each)")
+    parser.add_argument("--grpo-lr", type=float, default=2e-4)
     opts = parser.parse_args()
 
     run_dir = run_folder(opts.out_dir, "search_r1")
@@ -67,15 +69,16 @@ def main() -> None:
             "--max-turns", str(opts.max_turns), "--tool-functions-path", TOOL, "--tool-call-parser", "xml_tags",
             "--tool-timeout", "5",
             "--custom-rm-path", "examples.search_r1.reward.exact_match",
-            "--rollout-batch-size", "8", "--n-samples-per-prompt", "4", "--num-rollout", str(opts.num_rollout),
-            "--rollout-max-response-len", "96", "--rollout-temperature", "1.0", "--global-batch-size", "32",
-            "--lr", "1e-4", "--output-dir", str(grpo_dir),
+            "--rollout-batch-size", "16", "--n-samples-per-prompt", "8", "--num-rollout", str(opts.num_rollout),
+            "--rollout-max-response-len", "96", "--rollout-temperature", "0.6", "--global-batch-size", "128",
+            "--lr", str(opts.grpo_lr), "--output-dir", str(grpo_dir),
             "--save-debug-rollout-data", str(grpo_dir / "rollout_{rollout_id}.json"),
         ], "search_r1", "GRPO")
     finally:
         server.terminate()
         server.wait(timeout=10)
-    print(json.dumps({**summarize(grpo_dir / "metrics.jsonl"), "run_dir": str(run_dir)}))
+    print(json.dumps({**reward_before_after(grpo_dir / "metrics.jsonl"), **summarize(grpo_dir / "metrics.jsonl"),
+                      "run_dir": str(run_dir)}))
 
 
 if __name__ == "__main__":

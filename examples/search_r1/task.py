@@ -2,6 +2,13 @@
 trajectories that search for them, GRPO prompts, a BPE tokenizer trained on all of it, and a tiny Qwen3 model.
 Nothing is downloaded.
 
+A share `tool_share` of the SFT trajectories search and answer with what the documents say; the others answer at
+once with a guess (a capital drawn at random: the model cannot know these countries). After that warm start the model
+searches in about that share of its answers and guesses in the others: RL has something to learn (search every
+time), and the reward before RL is well below what it can reach. The countries are few (`num_countries`, 8 by
+default), and the GRPO prompts are the SFT's: a 4-layer model does not learn in a few minutes of SFT to copy one name
+out of 64 (the country into the query, the capital out of the documents), but it learns it out of 8.
+
 Files written under `out_dir`: corpus.jsonl (two facts per country, for the retrieval server), sft.jsonl (prompt +
 `metadata.segments` for `inline_sft_rollout`), train.jsonl (prompt + label) and model/ (HF checkpoint).
 """
@@ -41,7 +48,10 @@ def write_jsonl(path: Path, rows: list[dict]) -> None:
     path.write_text("".join(json.dumps(row) + "\n" for row in rows))
 
 
-def build_task(out_dir: str | Path, seed: int = 0, num_countries: int = 64) -> dict[str, Path]:
+def build_task(out_dir: str | Path, seed: int = 0, num_countries: int = 8, tool_share: float = 0.5,
+               num_sft_rows: int = 256) -> dict[str, Path]:
+    if not 0 < tool_share <= 1:
+        raise ValueError(f"tool_share must be in (0, 1], got {tool_share}")
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     rng = random.Random(seed)
@@ -53,15 +63,19 @@ def build_task(out_dir: str | Path, seed: int = 0, num_countries: int = 64) -> d
     index = BM25Index(facts)
     schema = tool_schema(search)  # in the tokenizer's corpus; xml_tags offers no tool block (the question says how)
 
-    sft_rows, train_rows = [], []
-    for country, capital in zip(countries, capitals):
+    def trajectory(country: str, capital: str) -> list[list]:
+        if rng.random() >= tool_share:
+            return [[f"<answer>{rng.choice(capitals)}</answer><|im_end|>", True]]
         query = f"capital of {country}"
         documents = format_documents([text for text, _ in index.search(query, TOPK)])
-        segments = [[f"<search>{query}</search>", True],
-                    [DEFAULT_INLINE_TEMPLATE.format(result=documents), False],
-                    [f"<answer>{capital}</answer><|im_end|>", True]]
-        sft_rows.append({"prompt": question(country), "metadata": {"segments": segments}})
-        train_rows.append({"prompt": question(country), "label": capital})
+        return [[f"<search>{query}</search>", True],
+                [DEFAULT_INLINE_TEMPLATE.format(result=documents), False],
+                [f"<answer>{capital}</answer><|im_end|>", True]]
+
+    sft_countries = [rng.randrange(num_countries) for _ in range(num_sft_rows)]
+    sft_rows = [{"prompt": question(countries[i]), "metadata": {"segments": trajectory(countries[i], capitals[i])}}
+                for i in sft_countries]
+    train_rows = [{"prompt": question(country), "label": capital} for country, capital in zip(countries, capitals)] * 4
 
     paths = {name: out_dir / f"{name}.jsonl" for name in ("corpus", "sft", "train")}
     write_jsonl(paths["corpus"], [{"contents": fact} for fact in facts])

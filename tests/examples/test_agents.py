@@ -224,7 +224,7 @@ def test_inline_sft_masks_the_information_text_only(tmp_path):
     from slime.rollout.dataset import render_chat_prompt
     from slime.utils.types import Sample
 
-    paths = build_task(tmp_path, seed=0, num_countries=8)
+    paths = build_task(tmp_path, seed=0, num_countries=8, tool_share=1.0)  # every SFT row searches
     tokenizer = AutoTokenizer.from_pretrained(paths["model"])
     row = json.loads(paths["sft"].read_text().splitlines()[0])
     assert "tools" not in row  # xml_tags: the GRPO prompt has no template tool block, so neither has SFT
@@ -268,3 +268,17 @@ def test_example_runs_multi_turn_tool_use_end_to_end(script, num_sft_rollouts, t
         assert row["rollout/tool_errors_per_sample"] < row["rollout/tool_calls_per_sample"], row
     assert summary["turns_per_sample"] > 1 and summary["tool_calls_per_sample"] > 0
     assert summary["run_dir"] == str(tmp_path)
+
+
+@pytest.mark.e2e
+@pytest.mark.slow
+@pytest.mark.parametrize("script", ["retool/run.py"])  # search_r1 does not learn its answers yet (RESULTS.md)
+def test_example_reward_rises_with_rl(script, tmp_path):
+    """The example's own CPU command (its defaults): the warm start leaves the model guessing about half the time,
+    and RL teaches it to use the tool, so the reward of the last rollouts is clearly above rollout 0's."""
+    result = subprocess.run([sys.executable, str(REPO / "examples" / script), "--out-dir", str(tmp_path)], cwd=REPO,
+                            capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, f"STDOUT:\n{result.stdout[-4000:]}\nSTDERR:\n{result.stderr[-6000:]}"
+    summary = json.loads(result.stdout.strip().splitlines()[-1])
+    print(summary)
+    assert summary["reward_after_rl"] > summary["reward_before_rl"] + 0.1
