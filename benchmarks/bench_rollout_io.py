@@ -61,7 +61,7 @@ def stages(num_samples: int, prompt_len: int, response_len: int, seed: int, mode
     tokenizer = load_tokenizer(model_dir)
     question = " ".join(f"w{token % 5000}" for token in prompt[: prompt_len // 2])
     group = [Sample(prompt=[{"role": "user", "content": question}], index=i) for i in range(num_samples)]
-    group_args = SimpleNamespace(hf_checkpoint=model_dir, custom_generate_function_path=None, max_turns=None,
+    group_args = SimpleNamespace(hf_checkpoint=model_dir, custom_generate_function_path=None, max_turns=1,
                                  rollout_sample_hook_path=None, use_rollout_routing_replay=False)
     sampling_params = {"temperature": 1.0, "top_p": 1.0, "max_new_tokens": response_len, "skip_special_tokens": False,
                        "no_stop_trim": True, "n": num_samples}

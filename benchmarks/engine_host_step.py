@@ -160,11 +160,12 @@ def _timed_functions() -> dict[str, tuple[object, str]]:
     from slime.engine.decode_rows import DecodeRows
     from slime.engine.engine import Engine
     from slime.engine.model_runner import ModelRunner
+    from slime.engine.overlap import SchedulerLookAhead
     from slime.engine.sampling_inputs import DecodeSampling
     from slime.engine.scheduler import Scheduler
 
     return {
-        "look_ahead": (Scheduler, "look_ahead"), "decode_rows": (DecodeRows, "update"),
+        "look_ahead": (SchedulerLookAhead, "look_ahead"), "decode_rows": (DecodeRows, "update"),
         "sampling_inputs": (DecodeSampling, "build"),
         "forward_inputs": (ModelRunner, "_forward_decode_graph"), "launch": (ModelRunner, "launch"),
         "collect": (ModelRunner, "collect"), "postprocess": (Scheduler, "postprocess"),
