@@ -21,10 +21,10 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from types import SimpleNamespace
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from slime.config.arguments import parse_args
 from slime.engine.server.launch import launch_server
 from slime.ray.router import RouterProcess, register_worker
 from slime.rollout import multi_turn
@@ -48,14 +48,14 @@ def always_calls(text, tools):
 SAMPLING = {"temperature": 1.0, "max_new_tokens": 400, "no_stop_trim": True, "stop_token_ids": list(range(3, 40))}
 
 
-def rollout_args(model_dir: str, router, num_turns: int) -> SimpleNamespace:
-    """The flags slime.rollout.multi_turn reads, for conversations that call `weather` every turn."""
-    return SimpleNamespace(
-        hf_checkpoint=model_dir, sglang_router_ip=router.host, sglang_router_port=router.port,
-        max_turns=num_turns, tool_functions_path=[f"{__name__}.weather"],
-        tool_call_parser=f"{__name__}.always_calls", tool_timeout=5.0, max_tool_response_chars=4096,
-        tool_response_template=None, env_path=None, rollout_max_context_len=None, custom_rm_path=None,
-        rm_type=None, partial_rollout=False, mask_offpolicy_in_partial_rollout=False)
+def rollout_args(model_dir: str, router, num_turns: int):
+    """train.py's args for conversations that call `weather` every turn (slime.rollout.multi_turn)."""
+    args = parse_args(["--hf-checkpoint", model_dir, "--rollout-batch-size", "1", "--num-rollout", "1",
+                       "--max-turns", str(num_turns), "--tool-functions-path", f"{__name__}.weather",
+                       "--tool-call-parser", f"{__name__}.always_calls", "--tool-timeout", "5",
+                       "--max-tool-response-chars", "4096", "--rm-type", "random"])
+    args.sglang_router_ip, args.sglang_router_port = router.host, router.port
+    return args
 
 
 def measure(model_dir: str, urls: list[str], policy: str, num_sessions: int, num_turns: int) -> dict:
@@ -71,11 +71,11 @@ def measure(model_dir: str, urls: list[str], policy: str, num_sessions: int, num
         async def recording(args_, sample, sampling_params):
             nonlocal request_seconds
             seen = len(sample.tokens)
-            before = dict(sample.prefix_cache_info)
+            before = sample.prefix_cache_info.cached_tokens
             started = time.perf_counter()
             text = await real_continuation(args_, sample, {**sampling_params, "max_new_tokens": 24})
             request_seconds += time.perf_counter() - started
-            cached = sample.prefix_cache_info.get("cached_tokens", 0) - before.get("cached_tokens", 0)
+            cached = sample.prefix_cache_info.cached_tokens - before
             records.append((sample.session_id, seen, cached))
             return text
 
