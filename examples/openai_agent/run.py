@@ -75,7 +75,8 @@ def main() -> None:
         "--custom-generate-function-path", GENERATE, "--max-turns", str(opts.max_turns), "--tool-call-parser", "qwen",
         "--router-policy", "manual", "--custom-rm-path", REWARD,
         "--rollout-batch-size", "16", "--n-samples-per-prompt", "8", "--num-rollout", str(opts.num_rollout),
-        "--rollout-max-response-len", "48", "--rollout-temperature", str(opts.temperature), "--global-batch-size", "128",
+        "--rollout-max-response-len", "48", "--rollout-temperature", str(opts.temperature),
+        "--global-batch-size", "128",
         "--lr", str(opts.grpo_lr), "--output-dir", str(grpo_dir),
         "--save-debug-rollout-data", str(grpo_dir / "rollout_{rollout_id}.json"),
     ], "openai_agent", "GRPO")
