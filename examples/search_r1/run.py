@@ -47,7 +47,7 @@ def start_retrieval_server(corpus: Path, run_dir: Path) -> tuple[subprocess.Pope
 
 
 def main() -> None:
-    parser = example_parser(__doc__, sft_rollouts=60, num_rollout=12, max_turns=3,
+    parser = example_parser(__doc__, sft_rollouts=80, num_rollout=12, max_turns=3,
                             sft_help="SFT rollouts (2 optimizer steps each)")
     parser.add_argument("--grpo-lr", type=float, default=2e-4)
     opts = parser.parse_args()

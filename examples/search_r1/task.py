@@ -3,13 +3,15 @@ trajectories that search for them, GRPO prompts, a BPE tokenizer trained on all 
 Nothing is downloaded.
 
 A share `tool_share` of the SFT trajectories search and answer with what the documents say; the others answer at
-once with a guess (a name drawn at random from the capitals and `num_decoys` made-up towns: the model cannot know
-these countries, so a guess is right about one time in `num_countries + num_decoys`). After that warm start the
-model searches in about that share of its answers and guesses in the others: RL has something to learn (search
-every time), and the reward before RL is well below what it can reach. The countries are few (`num_countries`, 4 by
-default), and the GRPO prompts are the SFT's: the query must copy the country out of the question (a name 25 tokens
-back), which a 4-layer model learns in 60-80 SFT steps out of 4 countries and not in 80 out of 8 (it stays at
-chance, one right query in 8; copying the capital out of the documents it learns either way).
+once with a made-up name (one of `num_decoys` towns that are no country's capital: the model cannot know these
+countries, so a guess is never right). After that warm start the model searches in about that share of its answers
+and guesses in the others: RL has something to learn (search every time), and the reward before RL is well below
+what it can reach. A guess that could name a capital would be right now and then, and RL can then teach the model
+to answer the few countries from memory without searching (it did, one run in two, when the guesses were drawn
+from the capitals too). The countries are few (`num_countries`, 4 by default), and the GRPO prompts are the SFT's:
+the query must copy the country out of the question (a name 25 tokens back), which a 4-layer model learns in 60-160
+SFT steps out of 4 countries and not in 80 out of 8 (it stays at chance, one right query in 8; copying the capital
+out of the documents it learns either way).
 
 Files written under `out_dir`: corpus.jsonl (two facts per country, for the retrieval server), sft.jsonl (prompt +
 `metadata.segments` for `inline_sft_rollout`), train.jsonl (prompt + label) and model/ (HF checkpoint).
@@ -68,7 +70,7 @@ def build_task(out_dir: str | Path, seed: int = 0, num_countries: int = 4, tool_
 
     def trajectory(country: str, capital: str) -> list[list]:
         if rng.random() >= tool_share:
-            return [[f"<answer>{rng.choice(capitals + decoys)}</answer><|im_end|>", True]]
+            return [[f"<answer>{rng.choice(decoys)}</answer><|im_end|>", True]]
         query = f"capital of {country}"
         documents = format_documents([text for text, _ in index.search(query, TOPK)])
         return [[f"<search>{query}</search>", True],
