@@ -9,9 +9,9 @@ and guesses in the others: RL has something to learn (search every time), and th
 what it can reach. A guess that could name a capital would be right now and then, and RL can then teach the model
 to answer the few countries from memory without searching (it did, one run in two, when the guesses were drawn
 from the capitals too). The countries are few (`num_countries`, 4 by default), and the GRPO prompts are the SFT's:
-the query must copy the country out of the question (a name 25 tokens back), which a 4-layer model learns in 60-160
-SFT steps out of 4 countries and not in 80 out of 8 (it stays at chance, one right query in 8; copying the capital
-out of the documents it learns either way).
+the query must copy the country out of the question (a name 25 tokens back), which a 4-layer model learns in 120-160
+SFT steps out of 4 countries (for all four or for two or three of them, depending on the seed: README) and not in 80
+out of 8 (it stays at chance, one right query in 8; copying the capital out of the documents it learns either way).
 
 Files written under `out_dir`: corpus.jsonl (two facts per country, for the retrieval server), sft.jsonl (prompt +
 `metadata.segments` for `inline_sft_rollout`), train.jsonl (prompt + label) and model/ (HF checkpoint).
