@@ -44,8 +44,8 @@ from aiohttp import web
 from examples.openai_agent.agent import GET_WEATHER, AgentResult, WeatherService, run_agent
 from slime.agent.adapters import OpenAIAdapter
 from slime.rollout.dataset import tokenizer_for
-from slime.utils.http_utils import get_event_loop, router_url
 from slime.utils.engine_access import router_headers
+from slime.utils.http_utils import get_event_loop, router_url
 from slime.utils.types import Sample
 
 logger = logging.getLogger(__name__)

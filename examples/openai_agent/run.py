@@ -6,6 +6,9 @@ talking to slime's OpenAIAdapter through `openai.AsyncOpenAI`.
 
     python examples/openai_agent/run.py [--out-dir runs/openai_agent] [--sft-rollouts 30] [--num-rollout 12]
 
+GRPO samples at --temperature 0.6: at 1.0 more and more of the tool calls came out as broken JSON as RL went on, and
+the reward barely rose (README).
+
 It prints the reward before RL (rollout 0, the warm-started policy's) and after (the mean of the last three
 rollouts). The last stdout line is JSON with those two ("reward_before_rl", "reward_after_rl") and the GRPO rollouts'
 means: turns and tool calls per Sample, tool errors, reward
@@ -23,10 +26,19 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from examples.openai_agent.task import build_task  # noqa: E402
-from examples.run_steps import (MULTI_TURN_METRICS, common_argv, example_parser, metric_rows,  # noqa: E402
-                                reward_before_after, run_folder, run_train, sft_argv, summarize as summarize_metrics)
-from slime.utils.checkpoint_state import latest_checkpoint  # noqa: E402
+from examples.openai_agent.task import build_task
+from examples.run_steps import (
+    MULTI_TURN_METRICS,
+    common_argv,
+    example_parser,
+    metric_rows,
+    reward_before_after,
+    run_folder,
+    run_train,
+    sft_argv,
+)
+from examples.run_steps import summarize as summarize_metrics
+from slime.utils.checkpoint_state import latest_checkpoint
 
 GENERATE = "examples.openai_agent.generate.generate"
 REWARD = "examples.openai_agent.reward.final_answer_reward"
@@ -55,6 +67,7 @@ def main() -> None:
     parser = example_parser(__doc__, sft_rollouts=30, num_rollout=12, max_turns=3,
                             sft_help="SFT rollouts (4 optimizer steps each)")
     parser.add_argument("--grpo-lr", type=float, default=2e-4)
+    parser.add_argument("--temperature", type=float, default=0.6, help="GRPO sampling temperature")
     opts = parser.parse_args()
 
     run_dir = run_folder(opts.out_dir, "openai_agent")
@@ -71,7 +84,8 @@ def main() -> None:
         "--custom-generate-function-path", GENERATE, "--max-turns", str(opts.max_turns), "--tool-call-parser", "qwen",
         "--router-policy", "manual", "--custom-rm-path", REWARD,
         "--rollout-batch-size", "16", "--n-samples-per-prompt", "8", "--num-rollout", str(opts.num_rollout),
-        "--rollout-max-response-len", "48", "--rollout-temperature", "1.0", "--global-batch-size", "128",
+        "--rollout-max-response-len", "48", "--rollout-temperature", str(opts.temperature),
+        "--global-batch-size", "128",
         "--lr", str(opts.grpo_lr), "--output-dir", str(grpo_dir),
         "--save-debug-rollout-data", str(grpo_dir / "rollout_{rollout_id}.json"),
     ], "openai_agent", "GRPO")

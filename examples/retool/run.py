@@ -17,10 +17,17 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from examples.retool.task import build_task  # noqa: E402
-from examples.run_steps import (common_argv, example_parser, reward_before_after, run_folder,  # noqa: E402
-                                run_train, sft_argv, summarize)
-from slime.utils.checkpoint_state import latest_checkpoint  # noqa: E402
+from examples.retool.task import build_task
+from examples.run_steps import (
+    common_argv,
+    example_parser,
+    reward_before_after,
+    run_folder,
+    run_train,
+    sft_argv,
+    summarize,
+)
+from slime.utils.checkpoint_state import latest_checkpoint
 
 TOOL = "examples.retool.python_tool.python"
 

@@ -84,13 +84,13 @@ def make_handler(index: BM25Index):
             self.end_headers()
             self.wfile.write(body)
 
-        def do_GET(self):  # noqa: N802 - http.server's naming
+        def do_GET(self):
             if self.path == "/health":
                 self._reply(200, {"status": "ok", "num_documents": len(index.documents)})
             else:
                 self._reply(404, {"error": f"no route {self.path}; use POST /retrieve or GET /health"})
 
-        def do_POST(self):  # noqa: N802
+        def do_POST(self):
             if self.path != "/retrieve":
                 self._reply(404, {"error": f"no route {self.path}; use POST /retrieve"})
                 return

@@ -20,11 +20,19 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from examples.search_r1.search_tool import URL_ENV  # noqa: E402
-from examples.search_r1.task import build_task  # noqa: E402
-from examples.run_steps import (REPO_ROOT, common_argv, example_parser, reward_before_after,  # noqa: E402
-                                run_folder, run_train, sft_argv, summarize)
-from slime.utils.checkpoint_state import latest_checkpoint  # noqa: E402
+from examples.run_steps import (
+    REPO_ROOT,
+    common_argv,
+    example_parser,
+    reward_before_after,
+    run_folder,
+    run_train,
+    sft_argv,
+    summarize,
+)
+from examples.search_r1.search_tool import URL_ENV
+from examples.search_r1.task import build_task
+from slime.utils.checkpoint_state import latest_checkpoint
 
 SERVER_START_TIMEOUT_S = 60
 TOOL = "examples.search_r1.search_tool.search"
@@ -47,7 +55,7 @@ def start_retrieval_server(corpus: Path, run_dir: Path) -> tuple[subprocess.Pope
 
 
 def main() -> None:
-    parser = example_parser(__doc__, sft_rollouts=40, num_rollout=12, max_turns=3,
+    parser = example_parser(__doc__, sft_rollouts=80, num_rollout=12, max_turns=3,
                             sft_help="SFT rollouts (2 optimizer steps each)")
     parser.add_argument("--grpo-lr", type=float, default=2e-4)
     opts = parser.parse_args()

@@ -272,7 +272,7 @@ def test_example_runs_multi_turn_tool_use_end_to_end(script, num_sft_rollouts, t
 
 @pytest.mark.e2e
 @pytest.mark.slow
-@pytest.mark.parametrize("script", ["retool/run.py"])  # search_r1 does not learn its answers yet (RESULTS.md)
+@pytest.mark.parametrize("script", ["retool/run.py", "search_r1/run.py"])
 def test_example_reward_rises_with_rl(script, tmp_path):
     """The example's own CPU command (its defaults): the warm start leaves the model guessing about half the time,
     and RL teaches it to use the tool, so the reward of the last rollouts is clearly above rollout 0's."""

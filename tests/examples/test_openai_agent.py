@@ -294,3 +294,5 @@ def test_example_runs_end_to_end(tmp_path):
     assert summary["samples_per_episode"] >= 1.0
     assert summary["reward"] > 0.3  # without the tool's answer the best policy scores 1 / len(CONDITIONS) = 0.25
     assert summary["train_rollout_logprob_abs_diff"] < 1e-3  # trained ids are the engine's, with its log-probs
+    # RL moves the episodes from guessing (right one time in four) to calling the tool (README: 0.73 -> 0.98)
+    assert summary["reward_after_rl"] > summary["reward_before_rl"] + 0.1
