@@ -74,7 +74,8 @@ def test_tp2_resume_from_torch_dist_continues_exactly(task, tmp_path):
     assert resumed[0]["train/grad_norm"] == pytest.approx(full[2]["train/grad_norm"], rel=1e-4)
 
 
-@pytest.mark.slow  # the quickstart (SFT warm start, then GRPO) with two TP=2 trainer processes: ~8 min on 2 cores
+@pytest.mark.slow  # the quickstart (SFT warm start, then 80 GRPO rollouts) with two TP=2 trainer processes: ~8 min on
+# 2 cores at the former 40 GRPO rollouts, longer now (not re-timed)
 def test_quickstart_with_megatron_tp2_raises_held_out_accuracy(tmp_path):
     import subprocess
     import sys
