@@ -37,11 +37,7 @@ from slime.backends.loss import (
     get_loss_function,
 )
 from slime.backends.packing import float_tensors, outputs_per_sample, to_device
-from slime.backends.rank_metrics import (
-    global_masked_mean,
-    mismatch_metrics,
-    router_agreement_metrics,
-)
+from slime.backends.rank_metrics import global_masked_mean, mismatch_metrics, router_agreement_metrics
 from slime.backends.routing_replay import (
     ReplayStage,
     attach_records,

@@ -150,9 +150,8 @@ class SchedulerLookAhead:
 class OverlappedStepping:
     """The engine's half of overlapped scheduling: `in_flight` holds (scheduled batch, its LaunchedStep) of the step
     launched and not yet completed. The host class (`Engine`) provides `scheduler`, `model_runner`, `config`,
-    `pending_outputs`, `num_launched_steps` and `_complete(scheduled, launched)`."""
-
-    in_flight = None
+    `pending_outputs`, `num_launched_steps`, `in_flight` (None until a step is launched) and
+    `_complete(scheduled, launched)`."""
 
     def _overlapped_step(self) -> list[RequestOutput]:
         """Launch the step after the one in flight (scheduled ahead on placeholders, its input tokens gathered on

@@ -2,7 +2,6 @@
 splits has exactly TrainData's keys (every optional one present when every sample carries its field), each value of
 the declared shape, and every key the trainers read is declared."""
 
-import json
 import re
 import typing
 from pathlib import Path
@@ -10,27 +9,18 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from slime.config.arguments import parse_args
 from slime.ray.train_data import assign_rollout_ids, samples_to_train_data, split_train_data
 from slime.utils.train_data_types import TrainData
 from slime.utils.types import Sample, Status
+from tests.helpers.args_helpers import make_args
 
 REPO = Path(__file__).resolve().parents[2]
 SCALARS = {"rollout_id", "num_steps_per_rollout", "global_batch_size"}
 
 
 @pytest.fixture(scope="module")
-def args(tmp_path_factory):
-    root = tmp_path_factory.mktemp("train_data")
-    (root / "model").mkdir()
-    (root / "model" / "config.json").write_text(json.dumps({
-        "model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"], "num_hidden_layers": 2, "hidden_size": 64,
-        "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
-        "vocab_size": 1000, "max_position_embeddings": 512}))
-    (root / "data.jsonl").write_text('{"input": "1+1", "label": "2"}\n')
-    return parse_args(["--hf-checkpoint", str(root / "model"), "--prompt-data", str(root / "data.jsonl"),
-                       "--rollout-batch-size", "2", "--n-samples-per-prompt", "4", "--num-rollout", "1",
-                       "--global-batch-size", "8", "--rm-type", "math"])
+def args():
+    return make_args("--rollout-batch-size", 2, "--n-samples-per-prompt", 4, "--global-batch-size", 8)
 
 
 def full_samples(num_groups: int = 2, group_size: int = 4) -> list[Sample]:
