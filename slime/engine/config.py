@@ -59,6 +59,14 @@ class Config:
     enable_return_routed_experts: record the experts every MoE layer routes each token to (int32, one row per KV
         cache slot, ~num_moe_layers * top_k * 4 bytes per token), so /generate can answer return_routed_experts
         (SGLang's server flag of the same name). MoE checkpoints only.
+    tp_size: ranks of this engine (SGLang's --tp-size): attention heads, MLPs, the vocabulary and the KV cache are
+        sharded over them (engine/parallel/). Rank 0 runs the scheduler and serves; ranks 1..tp_size-1 are child
+        processes that follow rank 0's per-step plan. On CUDA each rank takes one visible device (cuda:0..N-1), over
+        NCCL; on the CPU the ranks talk over gloo.
+    ep_size: expert parallelism inside the tp_size ranks (SGLang's --ep-size, must divide tp_size): MoE experts split
+        into ep_size contiguous blocks, each sharded by its intermediate dimension over tp_size // ep_size ranks.
+    dist_timeout_s: how long a rank waits in a collective before it gives up (a dead or hung rank then takes the
+        whole engine down instead of leaving it stuck).
     """
 
     model: str
@@ -78,11 +86,14 @@ class Config:
     overlap_schedule: bool | None = None
     overlap_prefill: bool = True
     enable_return_routed_experts: bool = False
+    tp_size: int = 1
+    ep_size: int = 1
+    dist_timeout_s: float = 60.0
 
     def __post_init__(self):
         if not isinstance(self.model, str) or not self.model:
             raise ValueError(f"model must be a non-empty checkpoint path, got {self.model!r}")
-        for name in ("max_num_seqs", "max_num_batched_tokens", "kvcache_block_size"):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "kvcache_block_size", "tp_size", "ep_size"):
             _require_positive_int(name, getattr(self, name))
         for name in ("max_model_len", "num_kvcache_blocks", "prefill_cuda_graph_max_tokens"):
             if getattr(self, name) is not None:
@@ -94,6 +105,10 @@ class Config:
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if self.overlap_schedule is not None and not isinstance(self.overlap_schedule, bool):
             raise ValueError(f"overlap_schedule must be a bool or None (on for CUDA), got {self.overlap_schedule!r}")
+        if self.tp_size % self.ep_size:
+            raise ValueError(f"ep_size {self.ep_size} must divide tp_size {self.tp_size} (--ep-size, --tp-size)")
+        if not isinstance(self.dist_timeout_s, (int, float)) or self.dist_timeout_s <= 0:
+            raise ValueError(f"dist_timeout_s must be a positive number of seconds, got {self.dist_timeout_s!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
