@@ -80,6 +80,7 @@ def create_app(engine, model_path: str, served_model_name: str | None = None, se
         yield
         state.engine_loop.abort_all()
         state.engine_loop.stop()
+        engine.shutdown()  # a sharded engine's other ranks
 
     app = FastAPI(title="slime engine", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
     app.state.server = state
