@@ -75,7 +75,7 @@ def decode(message: bytes) -> tuple[int, int, FlatArrays | DecodeGraphInputs | N
         payload = DecodeGraphInputs(reader.take(np.int64, 4 * num_seqs).reshape(4, num_seqs),
                                     reader.take(np.int32, num_seqs * max_blocks).reshape(num_seqs, max_blocks))
     elif op in (CALL, STOP):
-        payload = None
+        return op, flags, None  # a call's pickled (target, args, kwargs) follow the header
     else:
         raise ValueError(f"unknown step-plan op {op}")
     if reader.offset != len(message):
