@@ -15,16 +15,14 @@ import random
 import uuid
 from pathlib import Path
 
-import torch
-
 from slime.engine.block_manager import BlockManager
 from slime.engine.config import Config
+from slime.engine.engine_weights import EngineWeights
 from slime.engine.memory_tags import EngineMemoryReleasedError, EngineWeightsMissingError, memory_tags
 from slime.engine.model_runner import ModelRunner
 from slime.engine.models import load_model_config
-from slime.engine.models.weight_loader import check_named_tensors, named_weight_shapes
 from slime.engine.overlap import OverlappedStepping
-from slime.engine.parallel.rank_weights import RankError, RankWeights
+from slime.engine.parallel.rank_weights import RankWeights
 from slime.engine.request_output import RequestOutput
 from slime.engine.sampling_params import as_sampling_params
 from slime.engine.scheduled_batch import sampled_seqs
@@ -35,7 +33,7 @@ from slime.engine.stop_strings import FinalText, decode_final_texts, find_new_st
 logger = logging.getLogger(__name__)
 
 
-class Engine(OverlappedStepping):
+class Engine(EngineWeights, OverlappedStepping):
     def __init__(self, model_path: str, **config):
         from transformers import AutoTokenizer
 
@@ -50,6 +48,7 @@ class Engine(OverlappedStepping):
             self.model_runner = ModelRunner(self.config, self.model_config, self.eos_token_ids)
         self.rank_weights = RankWeights(self.model_runner, 0)
         self.rank_reports = [self.rank_weights.report()]  # every rank's weight version and checksum, after a push
+        self.rank_mismatch: str | None = None  # why the ranks' weights differ after a failed push (generation refused)
         if self.config.overlap_schedule is None:
             self.config.overlap_schedule = self.model_runner.device.type == "cuda"
         max_model_len = self.config.max_model_len or self.model_config.max_position_embeddings
@@ -262,120 +261,6 @@ class Engine(OverlappedStepping):
         decode_final_texts(list(results.values()))
         return [results[rid].to_dict() for rid in rids]
 
-    def _start_ranks(self) -> None:
-        """tp_size > 1: spawn ranks 1..N-1, build rank 0's shard beside theirs, log what each rank holds."""
-        from slime.engine.parallel.ranks import EngineRanks
-        from slime.engine.parallel.worker import rank_info
-
-        if self.config.overlap_schedule:
-            raise ValueError("overlap_schedule is not supported with tp_size > 1 (--tp-size): the other ranks follow "
-                             "rank 0's plan step by step; leave overlap_schedule unset or false")
-        self.config.overlap_schedule = False
-        self.ranks = EngineRanks(self.config, self.eos_token_ids)
-        self.model_runner = ModelRunner(self.config, self.model_config, self.eos_token_ids, self.ranks.parallel)
-        reports = [{"rank": 0, **rank_info(self.model_runner)}, *self.ranks.wait_ready()]
-        self.model_runner.plan = self.ranks
-        for report in reports:
-            logger.info("engine rank %d of %d: weights %.1f MiB, KV cache %d blocks of %d bytes", report["rank"],
-                        self.config.tp_size, report["weight_bytes"] / 2**20, report["kv_blocks"],
-                        report["kv_bytes_per_block"])
-        largest = min(self.config.max_num_seqs,
-                      self.model_runner.num_kvcache_blocks * self.config.kvcache_block_size // self.max_model_len_hint)
-        logger.info("engine of %d ranks: %d KV blocks per rank (the smallest rank's), at most %d sequences of %d "
-                    "tokens at once", self.config.tp_size, self.model_runner.num_kvcache_blocks, max(largest, 1),
-                    self.max_model_len_hint)
-
-    @property
-    def max_model_len_hint(self) -> int:
-        return self.config.max_model_len or self.model_config.max_position_embeddings
-
-    def shutdown(self) -> None:
-        """Stop the other ranks of a sharded engine (nothing to do at one rank)."""
-        if self.ranks is not None:
-            self.ranks.close()
-
-    # ---- weights ------------------------------------------------------------------------------------------------
-
-    def named_weight_shapes(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-        return named_weight_shapes(self.model_runner.model)
-
-    def load_weights(self, named_tensors) -> None:
-        """Copy HF-named tensors into the model (any subset), after checking every name and shape; flushes the
-        prefix cache. Does not change weight_version (see `update_weights_from_tensors`)."""
-        self._load_on_every_rank(list(named_tensors), None, self.weight_version)
-
-    def update_weights_from_tensors(self, named_tensors, weight_version: str | None = None,
-                                    rank_entries: list[str] | None = None) -> None:
-        """Load full HF-named tensors and move to `weight_version`. A sharded engine's other ranks read their own
-        item of `rank_entries` (the serialized tensors of /update_weights_from_tensor, one per rank); without it,
-        they get `named_tensors` serialized."""
-        version = self._next_version(weight_version)
-        self._load_on_every_rank(list(named_tensors), rank_entries, version)
-        self._bump_weight_version(version)
-
-    def update_weights_from_disk(self, model_path: str, weight_version: str | None = None) -> None:
-        self._check_resident("load weights", tags=("weights",), needs_valid_weights=False)
-        if not load_model_config(model_path).same_architecture(self.model_config):
-            raise ValueError(f"model_path {str(model_path)!r} has a different architecture than the engine's model")
-        self._drain()
-        version = self._next_version(weight_version)
-        self._on_every_rank(lambda: self.model_runner.load_checkpoint_dir(model_path), version,
-                            "weights.load_dir", model_path, version)  # every weight, or a ValueError
-        self.flush_cache()
-        self._bump_weight_version(version)
-
-    def apply_received_weights(self, named_tensors, weight_version: str | None = None) -> None:
-        """/update_weights_from_distributed: rank 0's received tensors, and the other ranks' (received into their
-        stash by `weights.receive`), loaded at this same point between two steps."""
-        version = self._next_version(weight_version)
-        named_tensors = list(named_tensors)
-        self._check_resident("load weights", tags=("weights",), needs_valid_weights=False)
-        self._drain()
-        self._check_names(named_tensors)
-        self._on_every_rank(lambda: self.model_runner.load_named_tensors(named_tensors), version,
-                            "weights.apply_stash", version)
-        self.flush_cache()
-        self._bump_weight_version(version)
-
-    def _check_names(self, named_tensors) -> None:
-        check_named_tensors(self.named_weight_shapes(), named_tensors, self.model_config.model_type)
-
-    def _load_on_every_rank(self, named_tensors, rank_entries: list[str] | None, version: str) -> None:
-        self._check_resident("load weights", tags=("weights",), needs_valid_weights=False)
-        self._drain()  # the step in flight finishes on the weights it started with
-        self._check_names(named_tensors)
-        if self.ranks is not None and rank_entries is None:
-            from slime.utils.weight_transport import serialize_named_tensors
-
-            rank_entries = [serialize_named_tensors(named_tensors)] * self.config.tp_size
-        self._on_every_rank(lambda: self.model_runner.load_named_tensors(named_tensors), version,
-                            "weights.load_entry", rank_entries, version)
-        self.flush_cache()
-
-    def _on_every_rank(self, load_here, version: str, target: str, *args) -> None:
-        """Run rank 0's load with the other ranks' `target` call, then check that every rank holds `version`: a
-        rank that missed a push is an error naming it, never a silently stale shard."""
-        if self.ranks is None:
-            load_here()
-            others = []
-        else:
-            with self.ranks.calling(target, *args):
-                load_here()
-            others = self.ranks.last_results
-        self.rank_weights.weight_version = version
-        self.rank_reports = [self.rank_weights.report(), *others]
-        stale = [r for r in self.rank_reports if r["weight_version"] != version]
-        if stale:
-            raise RankError("; ".join(f"engine rank {r['rank']} holds weight version {r['weight_version']!r}, "
-                                         f"not {version!r}: it missed this push" for r in stale))
-
-    def _next_version(self, weight_version: str | None) -> str:
-        return str(weight_version) if weight_version is not None else str(self.num_weight_updates + 1)
-
-    def _bump_weight_version(self, weight_version: str) -> None:
-        self.num_weight_updates += 1
-        self.weight_version = weight_version
-
     def flush_cache(self) -> bool:
         """Forget all cached prefixes; KV written before this call is never reused. Always succeeds."""
         self._drain()
@@ -425,6 +310,9 @@ class Engine(OverlappedStepping):
         released = sorted(self.released_tags & set(tags))
         if released:
             raise EngineMemoryReleasedError(f"cannot {action}: memory {released} is released; call resume_memory first")
+        if needs_valid_weights and self.rank_mismatch:
+            raise EngineWeightsMissingError(f"cannot {action}: the engine's ranks hold different weights after a failed "
+                                            f"push ({self.rank_mismatch}); push every weight again first")
         if needs_valid_weights and self.weights_missing:
             missing = sorted(self.weights_missing)
             raise EngineWeightsMissingError(

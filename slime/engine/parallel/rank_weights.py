@@ -32,18 +32,17 @@ class RankWeights:
         return {"rank": self.rank, "weight_version": self.weight_version, "checksum": rank_checksum(self.runner.model)}
 
     def _loaded(self, named_tensors, weight_version: str) -> dict:
-        check_named_tensors(self.shapes, named_tensors, self.runner.model_config.model_type)
         self.runner.load_named_tensors(named_tensors)
         self.weight_version = weight_version
         return self.report()
 
-    def load_entry(self, entries: list[str], weight_version: str) -> dict:
-        """A tensor push: this rank's item of `serialized_named_tensors`."""
+    def prepare_entry(self, entries: list[str]) -> None:
+        """A tensor push, first phase: this rank's item of `serialized_named_tensors`, opened and checked, kept
+        until `apply_stash`."""
+        self.stash = None
         named_tensors = weight_transport.deserialize_named_tensors(entries[self.rank])
-        try:
-            return self._loaded(named_tensors, weight_version)
-        finally:
-            del named_tensors  # drop the mapping of the sender's memory
+        check_named_tensors(self.shapes, named_tensors, self.runner.model_config.model_type)
+        self.stash = named_tensors
 
     def load_dir(self, model_path: str, weight_version: str) -> dict:
         self.runner.load_checkpoint_dir(model_path)
@@ -61,7 +60,9 @@ class RankWeights:
             weight_transport.destroy_custom_process_group(group)
 
     def receive(self, group_name: str, names: list[str], dtypes: list, shapes: list) -> None:
-        """The trainer's broadcast of full tensors, kept until `apply_stash` (a rank's name check happens there)."""
+        """The trainer's broadcast of full tensors, kept until `apply_stash`. Every tensor is received even when a
+        name is wrong (the trainer's broadcast must complete); rank 0 refuses such a push before anyone loads."""
+        self.stash = None
         self.stash = weight_transport.receive_named_tensors(self.groups[group_name], names, dtypes, shapes,
                                                             self.runner.device)
 
@@ -69,7 +70,10 @@ class RankWeights:
         if self.stash is None:
             raise RuntimeError(f"rank {self.rank} has no received weights to load (its receive failed)")
         named_tensors, self.stash = self.stash, None
-        return self._loaded(named_tensors, weight_version)
+        try:
+            return self._loaded(named_tensors, weight_version)
+        finally:
+            del named_tensors  # drop the mapping of the sender's memory
 
 
 def rank_checksum(model: torch.nn.Module) -> float:
