@@ -47,7 +47,8 @@ class Engine(EngineWeights, OverlappedStepping):
         else:
             self.model_runner = ModelRunner(self.config, self.model_config, self.eos_token_ids)
         self.rank_weights = RankWeights(self.model_runner, 0)
-        self.rank_reports = [self.rank_weights.report()]  # every rank's weight version and checksum, after a push
+        # every rank's weight version and checksum (of the last push)
+        self.rank_reports = [self.rank_weights.report(), *(self.ranks.call("weights.report") if self.ranks else [])]
         self.rank_mismatch: str | None = None  # why the ranks' weights differ after a failed push (generation refused)
         if self.config.overlap_schedule is None:
             self.config.overlap_schedule = self.model_runner.device.type == "cuda"
