@@ -62,7 +62,8 @@ SINGLE = ParallelState()
 
 def divide(total: int, parts: int, what: str) -> int:
     if total % parts:
-        raise ValueError(f"{what} ({total}) is not divisible by --tp-size {parts}; choose a --tp-size that divides it")
+        raise ValueError(f"{what} ({total}) is not divisible by --tp-size {parts} (engine Config.tp_size); choose a "
+                         "--tp-size that divides it")
     return total // parts
 
 
@@ -86,7 +87,8 @@ def head_shard(num_heads: int, num_kv_heads: int, parallel: ParallelState) -> He
         local_kv = divide(num_kv_heads, tp, "num_key_value_heads")
         return HeadShard(local_q, local_kv, rank * local_q, rank * local_kv, 1)
     if tp % num_kv_heads:
-        raise ValueError(f"--tp-size {tp} is not a multiple of num_key_value_heads ({num_kv_heads}); with fewer K/V "
-                         "heads than ranks each head is replicated, which needs a whole number of copies")
+        raise ValueError(f"--tp-size {tp} (engine Config.tp_size) is not a multiple of num_key_value_heads "
+                         f"({num_kv_heads}); with fewer K/V heads than ranks each head is replicated, which needs a "
+                         "whole number of copies")
     replicas = tp // num_kv_heads
     return HeadShard(local_q, 1, rank * local_q, rank // replicas, replicas)
