@@ -52,12 +52,17 @@ class ParallelState:
         """The ranks' shards [..., d] concatenated in rank order along the last dimension: [..., tp_size * d]."""
         if self.tp_size == 1:
             return tensor
-        gathered = torch.empty((self.tp_size, *tensor.shape), dtype=tensor.dtype, device=tensor.device)
-        dist.all_gather_into_tensor(gathered, tensor.contiguous(), group=self.group)
+        # The ranks' tensors stacked along dim 0 ([tp_size * rows, ...]: gloo accepts no other output layout).
+        gathered = torch.empty((self.tp_size * tensor.shape[0], *tensor.shape[1:]), dtype=tensor.dtype,
+                               device=tensor.device)
+        _all_gather_single(gathered, tensor.contiguous(), group=self.group)
+        gathered = gathered.view(self.tp_size, *tensor.shape)
         return gathered.movedim(0, -2).reshape(*tensor.shape[:-1], self.tp_size * tensor.shape[-1])
 
 
 SINGLE = ParallelState()
+# torch 2.13 renames all_gather_into_tensor (and warns on the old name); older releases have only the old one.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 def divide(total: int, parts: int, what: str) -> int:
