@@ -87,3 +87,19 @@ def run_steps(runner: ModelRunner, num_decode_steps: int, parallel: ParallelStat
     if runner.routed_experts is not None:
         record["routed_experts"] = [runner.read_routed_experts(seq.block_table, len(seq) - 1) for seq in seqs]
     return record
+
+
+def randomize_biases_and_norms(path, seed: int = 0, std: float = 0.3) -> None:
+    """transformers initializes biases to zeros and norm weights to ones, so a bias added N times, or a norm weight
+    read at the wrong offset, would not show: give them random values, in place in the checkpoint's files."""
+    from safetensors.torch import load_file, save_file
+
+    from slime.engine.models.weight_loader import checkpoint_files
+
+    generator = torch.Generator().manual_seed(seed)
+    for file in checkpoint_files(path):
+        tensors = load_file(str(file))
+        for name, tensor in tensors.items():
+            if name.endswith(".bias") or "norm" in name:
+                tensor.add_(torch.randn(tensor.shape, generator=generator) * std)
+        save_file(tensors, str(file), metadata={"format": "pt"})

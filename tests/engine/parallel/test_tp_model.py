@@ -14,7 +14,7 @@ import torch
 
 from slime.engine.models import load_model_config
 from slime.utils.tiny_model import build_tiny_model
-from tests.helpers.tp_ranks import build_runner, rank_parallel, run_steps, spawn_ranks
+from tests.helpers.tp_ranks import build_runner, randomize_biases_and_norms, rank_parallel, run_steps, spawn_ranks
 
 NUM_DECODE_STEPS = 4
 WORLD_SIZE = 2
@@ -51,6 +51,8 @@ def results(tmp_path_factory):
     root = tmp_path_factory.mktemp("tp_model")
     paths = {name: str(build_tiny_model(root / name, initializer_range=0.3, **overrides))
              for name, overrides in CHECKPOINTS.items()}
+    for path in paths.values():
+        randomize_biases_and_norms(path)
     out_dir = root / "out"
     out_dir.mkdir()
     spawn_ranks(_worker, WORLD_SIZE, paths, str(out_dir))
