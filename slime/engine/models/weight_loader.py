@@ -11,7 +11,7 @@ each rank copies only its shard, as the parallel layers describe it (`engine/par
 replicated when there are fewer heads than ranks), gate and up each by the rank's rows, row-parallel weights by
 the input dimension, vocabulary rows (zero padding past the real vocabulary), experts of the rank's EP block by
 its intermediate slice (the others are accepted and skipped), everything else whole. `named_weight_shapes` reports
-the full HF shapes (what a push must send); `shard_checksum` sums what this rank holds.
+the full HF shapes (what a push must send).
 """
 
 from __future__ import annotations
@@ -178,14 +178,6 @@ def named_weight_shapes(model: nn.Module) -> dict[str, tuple[tuple[int, ...], to
     """Every HF weight name this model loads, with its full (unsharded) shape and dtype (tied lm_head omitted)."""
     params = dict(model.named_parameters())
     return {name: (shard.full_shape, params[shard.param].dtype) for name, shard in weight_shards(model).items()}
-
-
-def shard_checksum(model: nn.Module) -> float:
-    """The float64 sum of every value this rank holds (each parameter once, padding included: it is zeros), a cheap
-    fingerprint to compare across pushes or against a rank built from the same weights."""
-    with torch.no_grad():
-        sums = [torch.sum(param, dtype=torch.float64) for param in model.parameters()]
-    return float(torch.stack(sums).sum())
 
 
 def checkpoint_files(model_path: str | Path) -> list[Path]:

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from slime.engine.models import DecoderForCausalLM, load_model_config
-from slime.engine.models.weight_loader import iterate_checkpoint, load_checkpoint, named_weight_shapes, shard_checksum
+from slime.engine.models.weight_loader import iterate_checkpoint, load_checkpoint, named_weight_shapes
+from slime.engine.parallel.rank_weights import rank_checksum
 from slime.engine.parallel.state import ParallelState
 from slime.utils.tiny_model import build_tiny_model
 from tests.helpers.tp_ranks import randomize_biases_and_norms
@@ -81,7 +82,7 @@ def test_dense_shards_reassemble_the_checkpoint(checkpoints):
         rows = torch.cat([rank0.get_parameter(name), rank1.get_parameter(name)])
         assert rows.shape[0] == vocab + 1
         assert torch.equal(rows[:vocab], full[name]) and not rows[vocab:].any()  # the padding row is zeros
-    assert shard_checksum(rank0) != shard_checksum(rank1)
+    assert rank_checksum(rank0) != rank_checksum(rank1)
 
 
 @pytest.mark.parametrize("ep_size", [1, 2])

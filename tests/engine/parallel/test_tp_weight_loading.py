@@ -1,7 +1,7 @@
 """Weights pushed into a sharded model: at TP=2 (and TP=2 x EP=2), `load_weights` of changed FULL tensors (q/k/v,
 o_proj and their biases, gate/up/down, the embedding, the LM head, a norm, the router, experts of both EP blocks)
 gives every rank exactly what a fresh TP=2 model built on the changed checkpoint holds: equal logits (bitwise) and
-equal `shard_checksum`, which the push changed, and which differs between the ranks (each holds its own shard)."""
+equal `rank_checksum`, which the push changed, and which differs between the ranks (each holds its own shard)."""
 
 import json
 import shutil
@@ -11,7 +11,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from slime.engine.models.weight_loader import load_weights, shard_checksum
+from slime.engine.models.weight_loader import load_weights
+from slime.engine.parallel.rank_weights import rank_checksum
 from slime.engine.sampling_params import SamplingParams
 from slime.engine.scheduled_batch import ScheduledSequence
 from slime.engine.sequence import Sequence
@@ -49,13 +50,13 @@ def _worker(rank, world_size, paths, out_dir):
     for case, (_, ep_size) in CASES.items():
         parallel = rank_parallel(rank, world_size, ep_size)
         pushed = build_runner(paths[case], parallel)
-        before = shard_checksum(pushed.model)
+        before = rank_checksum(pushed.model)
         changed = {name: tensor for name, tensor in load_file(str(Path(paths[f"{case}_changed"]) / "model.safetensors"))
                    .items() if name in CHANGED[case]}
         loaded = load_weights(pushed.model, changed.items())
         fresh = build_runner(paths[f"{case}_changed"], parallel)
-        torch.save({"loaded": loaded, "before": before, "pushed": shard_checksum(pushed.model),
-                    "fresh": shard_checksum(fresh.model), "pushed_logits": _logits(pushed),
+        torch.save({"loaded": loaded, "before": before, "pushed": rank_checksum(pushed.model),
+                    "fresh": rank_checksum(fresh.model), "pushed_logits": _logits(pushed),
                     "fresh_logits": _logits(fresh)}, Path(out_dir) / f"{case}.rank{rank}.pt")
 
 
