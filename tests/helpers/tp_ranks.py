@@ -1,6 +1,6 @@
-"""Real ranks of a sharded engine for the CPU tests: `spawn_ranks` starts `world_size` processes (torch
-multiprocessing "spawn") joined in one gloo group over tcp:// on a free local port, and runs `worker(rank,
-world_size, *args)` in each; `build_runner` makes a ModelRunner of a checkpoint (fp32, CPU, a small paged cache) as
+"""Real ranks of a sharded engine for the tests: `spawn_ranks` starts `world_size` processes (torch multiprocessing
+"spawn") joined in one gloo (on GPUs: NCCL) group over tcp:// on a free local port, and runs `worker(rank,
+world_size, *args)` in each; `build_runner` makes a ModelRunner of a checkpoint (fp32, a small paged cache) as
 rank `parallel.tp_rank`, and `run_steps` drives it through one prefill and several decode steps of a fixed batch,
 every rank fed rank 0's sampled tokens, recording what the tests compare (logits, tokens, log-probs, routing)."""
 
@@ -34,9 +34,11 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _rank_main(rank: int, world_size: int, port: int, worker, args: tuple) -> None:
+def _rank_main(rank: int, world_size: int, port: int, backend: str, worker, args: tuple) -> None:
     torch.set_num_threads(1)  # two ranks on a 2-core machine
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
+    if backend == "nccl":
+        torch.cuda.set_device(rank)  # rank r on cuda:r; device="cuda" then means this rank's GPU
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
                             timeout=timedelta(seconds=120))
     try:
         worker(rank, world_size, *args)
@@ -44,10 +46,10 @@ def _rank_main(rank: int, world_size: int, port: int, worker, args: tuple) -> No
         dist.destroy_process_group()
 
 
-def spawn_ranks(worker, world_size: int, *args) -> None:
-    """Run `worker(rank, world_size, *args)` in `world_size` gloo ranks; raises if any rank fails."""
-    mp.start_processes(_rank_main, args=(world_size, free_port(), worker, args), nprocs=world_size, join=True,
-                       start_method="spawn")
+def spawn_ranks(worker, world_size: int, *args, backend: str = "gloo") -> None:
+    """Run `worker(rank, world_size, *args)` in `world_size` ranks; raises if any rank fails."""
+    mp.start_processes(_rank_main, args=(world_size, free_port(), backend, worker, args), nprocs=world_size,
+                       join=True, start_method="spawn")
 
 
 def rank_parallel(rank: int, world_size: int, ep_size: int = 1) -> ParallelState:
@@ -56,8 +58,8 @@ def rank_parallel(rank: int, world_size: int, ep_size: int = 1) -> ParallelState
 
 def build_runner(path, parallel: ParallelState = SINGLE, **config) -> ModelRunner:
     model_config = load_model_config(str(path))
-    config = Config(model=str(path), device="cpu", kvcache_block_size=BLOCK_SIZE, max_num_seqs=len(PROMPTS),
-                    num_kvcache_blocks=BLOCKS_PER_SEQ * len(PROMPTS), **config)
+    config = Config(model=str(path), **{"device": "cpu", **config}, kvcache_block_size=BLOCK_SIZE,
+                    max_num_seqs=len(PROMPTS), num_kvcache_blocks=BLOCKS_PER_SEQ * len(PROMPTS))
     return ModelRunner(config, model_config, set(model_config.eos_token_ids), parallel)
 
 
@@ -72,11 +74,12 @@ def run_steps(runner: ModelRunner, num_decode_steps: int, parallel: ParallelStat
     batch = [ScheduledSequence(seq, 0, len(seq), True) for seq in seqs]
     record = {"logits": [], "tokens": [], "log_probs": [], "fed": []}
     for _ in range(1 + num_decode_steps):
-        record["logits"].append(runner.forward_logits(batch))
+        record["logits"].append(runner.forward_logits(batch).cpu())
         tokens, log_probs = runner.collect(runner.launch(batch))
-        fed = torch.tensor(tokens, dtype=torch.int64)
+        fed = torch.tensor(tokens, dtype=torch.int64, device=runner.device)  # NCCL broadcasts device tensors
         if parallel.tp_size > 1:
             dist.broadcast(fed, src=0, group=parallel.group)
+        fed = fed.cpu()
         record["tokens"].append(tokens)
         record["log_probs"].append(log_probs)
         record["fed"].append(fed.tolist())
