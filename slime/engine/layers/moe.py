@@ -11,8 +11,8 @@ first) and `down_proj` [num_experts, hidden, intermediate].
 Sharded over an engine's ranks (`parallel.state`), a rank holds the experts of its EP block, [first_expert,
 first_expert + num_local_experts), each cut to its moe_tp slice of the intermediate dimension: its output is a
 partial sum (the caller all-reduces it), and a token-expert pair whose expert lives on another rank contributes
-zero here. Such pairs join the last local expert's group (the shapes stay static, every row of the grouped matmul
-is defined) and are masked out of the result. Not the router's parameters or the shared expert
+zero here. Such pairs sort after every local group, past the last offset, where grouped_mm computes nothing (its
+documented contract: rows beyond offs[-1] are ignored; the shapes stay static), and are masked out of the result. Not the router's parameters or the shared expert
 (`models/moe_block.py`), not weight-name mapping (`models/weight_loader.py`).
 """
 
@@ -72,7 +72,7 @@ class GroupedExperts(nn.Module):
         if self.num_local_experts != self.num_experts:
             flat_ids = flat_ids - self.first_expert
             is_local = (flat_ids >= 0) & (flat_ids < self.num_local_experts)
-            flat_ids = torch.where(is_local, flat_ids, self.num_local_experts - 1)
+            flat_ids = torch.where(is_local, flat_ids, self.num_local_experts)  # after every local group
         sorted_ids, order = torch.sort(flat_ids)
         grouped_hidden = hidden[order // top_k]
         # ends[e] = number of pairs routed to experts <= e: the groups' end offsets, computed on the device.
@@ -81,7 +81,7 @@ class GroupedExperts(nn.Module):
         intermediate = self.act(self._grouped_linear(grouped_hidden, self.gate_up_proj, ends))
         out = self._grouped_linear(intermediate, self.down_proj, ends)
         out = out * weights.reshape(-1)[order].unsqueeze(-1)
-        if is_local is not None:
+        if is_local is not None:  # the other ranks' pairs: rows never computed (uninitialized), replaced
             out = torch.where(is_local[order].unsqueeze(-1), out, 0.0)
         unsorted = torch.empty_like(out).index_copy_(0, order, out)
         return unsorted.view(num_tokens, top_k, -1).sum(dim=1)
