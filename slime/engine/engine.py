@@ -283,7 +283,8 @@ class Engine(OverlappedStepping):
         if not load_model_config(model_path).same_architecture(self.model_config):
             raise ValueError(f"model_path {str(model_path)!r} has a different architecture than the engine's model")
         self._drain()
-        load_checkpoint(self.model_runner.model, model_path)  # every weight, or a ValueError
+        # every weight, or a ValueError; a trainer's folder carries no router correction bias: it stays as loaded
+        load_checkpoint(self.model_runner.model, model_path, require_buffers=False)
         self.model_runner.host_weights.loaded(set(self.weights_missing))
         self.flush_cache()
         self._bump_weight_version(weight_version)

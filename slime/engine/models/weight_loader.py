@@ -168,12 +168,15 @@ def iterate_checkpoint(model_path: str | Path) -> Iterator[tuple[str, torch.Tens
                 yield name, handle.get_tensor(name)
 
 
-def load_checkpoint(model: nn.Module, model_path: str | Path) -> None:
-    """Load every weight of `model` from disk; missing weights raise ValueError listing them."""
+def load_checkpoint(model: nn.Module, model_path: str | Path, require_buffers: bool = True) -> None:
+    """Load every weight of `model` from disk; missing weights raise ValueError listing them. The loaded buffers
+    (router correction biases) are required too unless `require_buffers` is False: a folder a trainer wrote holds
+    parameters only, and a bias it lacks keeps its value."""
     loaded = load_weights(model, iterate_checkpoint(model_path))
     if model.config.tie_word_embeddings:
         loaded.discard("lm_head.weight")
-    missing = sorted((set(named_weight_shapes(model)) | set(loaded_buffers(model))) - loaded)
+    required = set(named_weight_shapes(model)) | (set(loaded_buffers(model)) if require_buffers else set())
+    missing = sorted(required - loaded)
     if missing:
         more = " ..." if len(missing) > 8 else ""
         raise ValueError(f"checkpoint {str(model_path)!r} lacks weight(s) {missing[:8]}{more}")
