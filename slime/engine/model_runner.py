@@ -24,7 +24,6 @@ from slime.engine.kernel_checks import grouped_mm_works, triton_attention_works,
 from slime.engine.kv_cache import KVCacheStorage, bytes_per_block, num_blocks_from_memory
 from slime.engine.layers.attention import AttentionMetadata
 from slime.engine.models import DecoderForCausalLM, ModelConfig
-from slime.engine.models.glm_config import GLM_MODEL_TYPES
 from slime.engine.models.weight_loader import load_checkpoint, load_weights
 from slime.engine.parallel.every_rank import every_rank
 from slime.engine.parallel.state import SINGLE, ParallelState
@@ -61,9 +60,6 @@ class ModelRunner:
         self.plan = None
         self.eos_token_ids = set(eos_token_ids)
         self.model_config = model_config
-        if config.tp_size > 1 and model_config.model_type in GLM_MODEL_TYPES:
-            raise ValueError(f"tp_size={config.tp_size} (--tp-size): the engine shards Qwen / Llama models only; serve "
-                             f"this {model_config.model_type} model with --tp-size 1")
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device, model_config.torch_dtype)
         self.kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, self.dtype)
