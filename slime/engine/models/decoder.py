@@ -40,8 +40,6 @@ class DecoderAttention(nn.Module):
         self.rotary = [rotary]  # shared table, kept out of this module's parameters and buffers
         self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim)
         self.use_triton = False  # fused q/k norm + rotary kernel (set by the model runner on CUDA)
-        # The fused kernel rotates whole heads rotate-half; partial / interleaved RoPE (GLM) stays on torch.
-        self.supports_triton = rotary.fused_kernel_layout
 
     def project(self, positions: torch.Tensor, hidden: torch.Tensor, slot_mapping: torch.Tensor,
                 q_out: torch.Tensor | None = None) -> torch.Tensor:
@@ -56,7 +54,7 @@ class DecoderAttention(nn.Module):
             q_weight, k_weight = (self.q_norm.weight, self.k_norm.weight) if self.qk_norm else (None, None)
             eps = self.q_norm.eps if self.qk_norm else 0.0
             return qkv_rope_store(qkv, q_weight, k_weight, eps, rotary.cos, rotary.sin, positions, slot_mapping,
-                                  self.attn.k_cache, self.attn.v_cache, self.num_heads, q_out)
+                                  self.attn.k_cache, self.attn.v_cache, self.num_heads, q_out, rotary.interleaved)
         v = qkv[:, self.q_size + self.kv_size :].view(-1, self.num_kv_heads, self.head_dim)
         # q and k heads side by side: their norms and the rotation run once for both (fewer ops per layer).
         qk = qkv[:, : self.q_size + self.kv_size].view(-1, self.num_heads + self.num_kv_heads, self.head_dim)
@@ -155,7 +153,7 @@ class DecoderForCausalLM(nn.Module):
         """Route norms, q/k norm + rotary and SiLU-and-mul through the fused Triton kernels (CUDA only)."""
         for module in self.modules():
             if hasattr(module, "use_triton"):
-                module.use_triton = enabled and getattr(module, "supports_triton", True)
+                module.use_triton = enabled
 
     def attention_layers(self) -> list[PagedAttention]:
         return [layer.self_attn.attn for layer in self.model.layers]

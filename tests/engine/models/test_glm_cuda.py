@@ -1,7 +1,7 @@
-"""GLM-4 and GLM-4.5 in the engine on CUDA: the fused Triton q/k rotary kernel does not cover partial / interleaved
-RoPE, so these attentions stay on torch's rotary while Triton paged attention, the other fused kernels and decode
-CUDA graphs run; fp32 greedy tokens (and GLM-4.5's routed experts) equal transformers' on the GPU, graph replay equal
-to the eager path; bf16 runs with the router and its correction bias kept in float32."""
+"""GLM-4 and GLM-4.5 in the engine on CUDA: the fused Triton attention input stage runs their partial (interleaved /
+rotate-half) RoPE, with Triton paged attention and decode CUDA graphs; fp32 greedy tokens (and GLM-4.5's routed
+experts) equal transformers' on the GPU, graph replay equal to the eager path; bf16 runs with the router and its
+correction bias kept in float32."""
 
 import numpy as np
 import pytest
@@ -43,7 +43,7 @@ def test_fp32_graphs_equal_eager_and_transformers(checkpoint):
     moe = arch == "glm4_moe"
     prompts, graphed, engine = _run(path, "float32", enforce_eager=False, moe=moe)
     runner = engine.model_runner
-    assert runner.use_triton and not any(layer.self_attn.use_triton for layer in runner.model.model.layers)
+    assert runner.use_triton and all(layer.self_attn.use_triton for layer in runner.model.model.layers)
     _, eager, _ = _run(path, "float32", enforce_eager=True, moe=moe)
     hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).cuda().eval()
     hf.generation_config.eos_token_id = None
