@@ -54,6 +54,7 @@ class LaunchedStep:
 class ModelRunner:
     def __init__(self, config: Config, model_config: ModelConfig, eos_token_ids: set[int],
                  parallel: ParallelState = SINGLE):
+        """`parallel`: this rank's place in a sharded engine; the model, and the KV cache, are then its shard."""
         self.config = config
         self.parallel = parallel
         # A sharded engine's rank 0: the EngineRanks that every step's plan and every @every_rank call go to first.
@@ -70,7 +71,7 @@ class ModelRunner:
         torch.set_default_dtype(self.dtype)
         try:
             with torch.device(self.device):
-                self.model = DecoderForCausalLM(model_config)
+                self.model = DecoderForCausalLM(model_config, parallel)
         finally:
             torch.set_default_dtype(default_dtype)
         self.model.eval()
@@ -137,7 +138,12 @@ class ModelRunner:
 
     @property
     def bytes_per_block(self) -> int:
-        return bytes_per_block(self.config, self.model_config, self.kv_dtype)
+        return bytes_per_block(self.config, self.model_config, self.kv_dtype, self.num_local_kv_heads)
+
+    @property
+    def num_local_kv_heads(self) -> int:
+        """The K/V heads this rank's cache stores (all of them at tp_size 1)."""
+        return self.model.attention_layers()[0].num_kv_heads
 
     @property
     def has_kv_cache(self) -> bool:
@@ -151,7 +157,7 @@ class ModelRunner:
             # One storage for every layer's K and V (and the routing record), not two tensors per layer: a colocated
             # run frees and re-allocates the cache on every hand-over, and each allocation is a driver call.
             routing = (len(blocks), c.num_experts_per_tok) if self.config.enable_return_routed_experts else None
-            block_shape = (self.num_kvcache_blocks + 1, self.block_size, c.num_key_value_heads, c.head_dim)
+            block_shape = (self.num_kvcache_blocks + 1, self.block_size, self.num_local_kv_heads, c.head_dim)
             self.kv_storage = KVCacheStorage(self.device, len(layers), block_shape, self.kv_dtype, routing)
         # The pure-torch path needs zeros: its masked-out slots enter SDPA multiplied by 0, and NaN garbage would
         # survive that. The Triton kernels load only slots below each sequence's length, all written before any read
