@@ -159,6 +159,16 @@ class TrainBackend(ABC):
         """Collective: (HF name, full tensor) of every weight, on the rank that sends them to the engines (rank 0);
         other ranks take part in the gathers and may yield nothing or the same. Never a parameter's own storage."""
 
+    def adapters_disabled(self):
+        """LoRA (--lora-rank > 0): a context inside which the model computes its frozen base alone (the reference
+        model, and the pass of a teacher loaded into the base)."""
+        raise NotImplementedError(f"{type(self).__name__} does not train LoRA adapters")
+
+    def adapter_weights(self) -> dict[str, torch.Tensor]:
+        """LoRA, collective: the full adapter {HF name (`...q_proj.lora_A.weight`): fp32 CPU tensor} on every
+        rank."""
+        raise NotImplementedError(f"{type(self).__name__} does not train LoRA adapters")
+
     # ---------------------------------------------------------------------------------------- memory
     def prepare_offload(self) -> None:
         """The rollout's optimizer steps are done and an offload follows the weight push: a backend may start

@@ -16,6 +16,7 @@ Not here: reward post-processing and the data split over ranks (RolloutManager),
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import time
@@ -96,13 +97,19 @@ class TrainFlow:
         if (args.use_routing_replay or args.use_rollout_routing_replay) and backend.routing_replay is None:
             raise ValueError("--use-routing-replay / --use-rollout-routing-replay: this policy has no MoE router "
                              f"the {type(backend).__name__} can replay (a dense model?)")
-        self.with_ref = bool(with_ref) and bool(args.ref_load)
+        # LoRA: the reference is the frozen base with the adapters disabled, no weight set of its own (as verl).
+        self.lora = args.lora_rank > 0
+        self.with_ref = bool(with_ref) and (bool(args.ref_load) or self.lora)
+        if self.lora and args.ref_load and self.rank == 0:
+            logger.info("--lora-rank %d: the reference model is the frozen base (--hf-checkpoint) with the adapters "
+                        "disabled; --ref-load %s is not loaded", args.lora_rank, args.ref_load)
         # Both sides offload: our copies leave before the engines take the device back; else theirs counts as used.
         engines_release_memory = bool(args.colocate and args.offload_rollout and args.offload_train)
         if not engines_release_memory:
             place_weight_sets(self.snapshot, args, self.device, self.with_ref, engines_release_memory)
         # Reference and OPD teacher: other weight sets of the same architecture, kept as host shards.
-        extra_weights = {"ref": args.ref_load if self.with_ref else None, "teacher": args.opd_teacher_load}
+        extra_weights = {"ref": args.ref_load if self.with_ref and not self.lora else None,
+                         "teacher": args.opd_teacher_load}
         steps = {"ref": (args.ref_ckpt_step, "--ref-ckpt-step"), "teacher": (args.opd_teacher_ckpt_step,
                                                                               "--opd-teacher-ckpt-step")}
         extra_weights = {tag: path and weights_at_step(path, *steps[tag]) for tag, path in extra_weights.items()}
@@ -162,10 +169,16 @@ class TrainFlow:
 
     # ---------------------------------------------------------------------------------------------- train
     def _log_probs_with(self, tag: str, schedule, num_samples: int) -> list[torch.Tensor]:
-        """Log-probs under the saved weight set `tag` ("ref", "teacher"), then back to the actor's weights."""
+        """Log-probs under the saved weight set `tag` ("ref", "teacher"), then back to the actor's weights. LoRA: the
+        reference is the base with the adapters off; a teacher is loaded into the base and runs with them off."""
+        if self.lora and tag == "ref":
+            with self.backend.adapters_disabled():
+                by_index = self.compute_log_probs(schedule, store_prefix="ref_")
+            return [by_index[i] for i in range(num_samples)]
         self.snapshot.save("actor")
         self.snapshot.restore(tag)
-        by_index = self.compute_log_probs(schedule, store_prefix=f"{tag}_")
+        with self.backend.adapters_disabled() if self.lora and tag == "teacher" else contextlib.nullcontext():
+            by_index = self.compute_log_probs(schedule, store_prefix=f"{tag}_")
         self.snapshot.restore("actor")
         return [by_index[i] for i in range(num_samples)]
 

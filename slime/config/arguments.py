@@ -16,6 +16,7 @@ from slime.config.flags_engine_access import add_engine_access_arguments
 from slime.config.flags_hooks import add_hook_arguments
 from slime.config.flags_logging import add_logging_arguments
 from slime.config.flags_megatron import add_megatron_arguments, inert_flag_notices
+from slime.config.flags_lora import add_lora_arguments
 from slime.config.flags_moe import add_moe_arguments
 from slime.config.flags_rollout import add_rollout_extra_arguments
 from slime.config.flags_sglang import (
@@ -283,6 +284,7 @@ ARGUMENT_GROUPS = [
     add_training_arguments,
     add_algorithm_arguments,
     add_moe_arguments,
+    add_lora_arguments,
     add_eval_arguments,
     add_logging_arguments,
     add_debug_arguments,

@@ -20,6 +20,7 @@ from pathlib import Path
 
 from slime.config.errors import ArgumentError, cli_flag, require
 from slime.config.flag_ranges import ANY, FLAG_RANGES
+from slime.config.flags_lora import check_lora_args
 from slime.config.flags_moe import check_moe_args
 from slime.config.validate_megatron import validate_megatron_args, validate_megatron_batches
 from slime.config.validate_trainer import check_trainer_flags
@@ -211,9 +212,9 @@ def _resolve_algorithm(args) -> None:
     if args.eps_clip_high is None:
         args.eps_clip_high = args.eps_clip
     uses_kl = args.kl_coef != 0 or args.use_kl_loss
-    require(not uses_kl or args.ref_load is not None,
+    require(not uses_kl or args.ref_load is not None or args.lora_rank > 0,
              "KL (--kl-coef or --use-kl-loss) needs a reference model: pass --ref-load (usually the "
-             "--hf-checkpoint folder)")
+             "--hf-checkpoint folder; with --lora-rank > 0 the reference is the frozen base)")
     require(not (args.kl_coef != 0 and args.use_kl_loss and args.kl_loss_coef != 0),
              "--kl-coef (KL in the reward) and --use-kl-loss --kl-loss-coef (KL in the loss) exclude each other")
     if args.advantage_estimator in ("reinforce_plus_plus", "reinforce_plus_plus_baseline"):
@@ -329,6 +330,7 @@ def validate_args(args) -> None:
     _resolve_cluster(args)
     check_weight_sync_flags(args)
     validate_megatron_args(args)
+    check_lora_args(args)
     _resolve_batches(args)
     validate_megatron_batches(args)
     _resolve_algorithm(args)

@@ -258,9 +258,10 @@ def _resolve_precision(args) -> None:
 def validate_megatron_args(args) -> None:
     config = hf_text_config(args)
     _resolve_backend(args)
-    require(args.save_hf is None or args.train_backend == "megatron",
+    require(args.save_hf is None or args.train_backend == "megatron" or args.lora_rank > 0,
              "--save-hf: the FSDP backend's --save folders are Hugging Face checkpoints already (rollout_<id>/); "
-             "drop it, or train with --train-backend megatron (torch_dist checkpoints)")
+             "drop it, or train with --train-backend megatron (torch_dist checkpoints) (with --lora-rank > 0 it "
+             "writes the merged model)")
     require(not args.compile_model or args.train_backend == "fsdp",
              "--compile-model compiles the FSDP trainer's decoder layers; the Megatron backend has no compiled path: "
              "drop the flag, or train with --train-backend fsdp")

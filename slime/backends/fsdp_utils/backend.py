@@ -27,16 +27,26 @@ from slime.backends.fsdp_utils.model import (
     ShardOptions,
     attention_implementation,
     build_policy_model,
+    hf_name,
     iter_full_parameters,
     load_full_weights,
     load_hf_model,
     read_hf_weights,
     reshard,
 )
+from slime.backends.fsdp_utils.lora import apply_lora, load_start_adapter
 from slime.backends.fsdp_utils.moe_router import install_routers
 from slime.backends.fsdp_utils.offload import TrainingStateOffload
 from slime.backends.fsdp_utils.optimizer import build_optimizer, clip_grad_norm
 from slime.backends.fsdp_utils.value_model import build_value_model
+from slime.backends.lora_adapter import (
+    adapted_layers,
+    adapters_disabled,
+    is_lora_name,
+    lora_scale,
+    merged_hf_weights,
+    peft_config,
+)
 from slime.backends.moe_aux_loss import router_losses
 from slime.backends.packing import PackedMicroBatch
 from slime.backends.param_freeze import freeze_parameters
@@ -83,6 +93,9 @@ class FSDPBackend(TrainBackend):
         self.hf_config = hf_model.config
         self.routing_replay, self.router_trace = install_routers(hf_model, args.moe_router_dtype) or (None, None)
         freeze_parameters(args, hf_model.named_parameters())  # HF names; before sharding, which keeps the flags
+        if args.lora_rank > 0:  # adapters on the targets, base frozen; their start values before sharding
+            apply_lora(hf_model, args.lora_target_modules, args.lora_rank, args.lora_alpha, args.lora_dropout)
+            load_start_adapter(hf_model, args, weights_path)
         self.model = build_policy_model(hf_model, self.mesh, ShardOptions.from_args(args, self.device),
                                         temperature=args.rollout_temperature, chunk_size=args.log_probs_chunk_size)
         self._finish_build(args.lr)
@@ -116,7 +129,12 @@ class FSDPBackend(TrainBackend):
             save_root or args.save, rollout_id, self.model, self.optimizer, self.scheduler,
             hf_checkpoint=args.hf_checkpoint, rank=self.rank, save_optim=not args.no_save_optim,
             tie_word_embeddings=bool(getattr(self.hf_config, "tie_word_embeddings", False)), run_state=run_state,
+            lora_config=peft_config(args) if args.lora_rank > 0 and save_root is None else None,
         )
+        if args.save_hf and args.lora_rank > 0 and save_root is None:  # the merged model, loadable without PEFT
+            merged = merged_hf_weights(iter_full_parameters(self.model), self.adapted_layers, lora_scale(args))
+            checkpoint.save_hf_folder(args.save_hf.format(rollout_id=rollout_id), merged, args.hf_checkpoint,
+                                      self.rank, bool(getattr(self.hf_config, "tie_word_embeddings", False)))
         return str(path)
 
     # ---------------------------------------------------------------------------------------- compute
@@ -173,8 +191,26 @@ class FSDPBackend(TrainBackend):
             yield name, (param.to_local() if isinstance(param, DTensor) else param)
 
     def hf_weights(self, dtype: torch.dtype | None):
+        """With LoRA: the base weights with the adapters merged in (for engines that load whole weights)."""
         self.require_on_device("gathering the weights")
+        if self.args.lora_rank > 0:
+            return merged_hf_weights(iter_full_parameters(self.model, dtype), self.adapted_layers,
+                                     lora_scale(self.args))
         return iter_full_parameters(self.model, dtype)
+
+    def adapter_weights(self) -> dict[str, torch.Tensor]:
+        """Collective: the full LoRA adapter {HF name: tensor} (fp32, on the CPU) on every rank."""
+        self.require_on_device("gathering the adapter")
+        reshard(self.model)
+        return {hf_name(name): (param.full_tensor() if isinstance(param, DTensor) else param).detach().cpu().clone()
+                for name, param in self.model.named_parameters() if is_lora_name(name)}
+
+    @property
+    def adapted_layers(self) -> set[str]:
+        return adapted_layers(hf_name(name) for name, _ in self.model.named_parameters())
+
+    def adapters_disabled(self):
+        return adapters_disabled(self.model)
 
     # ---------------------------------------------------------------------------------------- memory
     def prepare_offload(self) -> None:

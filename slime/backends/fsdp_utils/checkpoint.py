@@ -30,6 +30,7 @@ from slime.backends.checkpoint_files import (
 )
 from slime.backends.fsdp_utils.expert_weights import per_expert_tensors
 from slime.backends.fsdp_utils.model import hf_name
+from slime.backends.lora_adapter import ADAPTER_SUBDIR, is_lora_name, save_peft_folder
 from slime.utils.checkpoint_state import (
     META_FILE,
     MODEL_FILE,
@@ -45,9 +46,10 @@ __all__ = ["checkpoint_dir", "latest_checkpoint", "save_checkpoint", "load_train
 
 def save_checkpoint(save_root: str, rollout_id: int, model, optimizer, scheduler, *, hf_checkpoint: str,
                     tie_word_embeddings: bool, rank: int, save_optim: bool = True,
-                    run_state: dict | None = None) -> Path:
+                    run_state: dict | None = None, lora_config: dict | None = None) -> Path:
     """Collective: every rank calls it. Returns the final folder. `run_state` (the driver's data-source state)
-    is written inside the same atomic folder, so weights, optimizer and data order always match."""
+    is written inside the same atomic folder, so weights, optimizer and data order always match. With
+    `lora_config` (LoRA): the adapter goes to `adapter/` in PEFT's format, the model file keeps the frozen base."""
     from safetensors.torch import save_file
 
     final = checkpoint_dir(save_root, rollout_id)
@@ -61,13 +63,18 @@ def save_checkpoint(save_root: str, rollout_id: int, model, optimizer, scheduler
     barrier()
     torch.save(rng_state(), tmp / "rng" / f"rank_{rank}.pt")
     if rank == 0:
-        tensors = {}
+        tensors, adapter = {}, {}
         for key, value in model_state.items():
+            if is_lora_name(hf_name(key)):
+                adapter[hf_name(key)] = value
+                continue
             for name, tensor in per_expert_tensors(hf_name(key), value):  # MoE experts: the checkpoint's layout
                 tensors[name] = tensor.contiguous() if name == hf_name(key) else tensor.clone()
         if tie_word_embeddings:
             tensors.pop("lm_head.weight", None)
         save_file(tensors, str(tmp / MODEL_FILE), metadata={"format": "pt"})
+        if lora_config is not None:
+            save_peft_folder(tmp / ADAPTER_SUBDIR, lora_config, adapter)
         copy_hf_extra_files(hf_checkpoint, tmp)
         if optim_state is not None:
             torch.save({"optimizer": optim_state, "scheduler": scheduler.state_dict()}, tmp / OPTIMIZER_FILE)
@@ -80,6 +87,20 @@ def save_checkpoint(save_root: str, rollout_id: int, model, optimizer, scheduler
     publish_checkpoint(tmp, final, save_root, rank)
     return final
 
+
+def save_hf_folder(folder: str, named_tensors, hf_checkpoint: str, rank: int, tie_word_embeddings: bool) -> None:
+    """Collective (the tensors are gathered): an HF folder of `named_tensors` (--save-hf with LoRA: the merged
+    weights), written by rank 0."""
+    from safetensors.torch import save_file
+
+    tensors = {name: tensor.detach().cpu().contiguous() for name, tensor in named_tensors}
+    if rank == 0:
+        if tie_word_embeddings:
+            tensors.pop("lm_head.weight", None)
+        Path(folder).mkdir(parents=True, exist_ok=True)
+        save_file(tensors, str(Path(folder) / MODEL_FILE), metadata={"format": "pt"})
+        copy_hf_extra_files(hf_checkpoint, Path(folder))
+    barrier()
 
 
 def load_training_state(ckpt: Path, model, optimizer, scheduler, rank: int) -> int:

@@ -19,6 +19,7 @@ from slime.backends.attention import VARLEN
 from slime.backends.attention import register as register_varlen
 from slime.backends.fsdp_utils.expert_weights import per_expert_tensors, stacked_tensor
 from slime.backends.log_probs import chunked_log_probs_and_entropy
+from slime.backends.lora_adapter import is_lora_name
 from slime.backends.packing import PackedMicroBatch
 
 HF_PREFIX = "hf_model."
@@ -132,10 +133,13 @@ def hf_name(name: str) -> str:
 
 @torch.no_grad()
 def load_full_weights(model: nn.Module, full_state: dict[str, torch.Tensor]) -> None:
-    """Copy full (unsharded) HF-named tensors into this rank's shards. Every rank passes the same tensors."""
+    """Copy full (unsharded) HF-named tensors into this rank's shards. Every rank passes the same tensors. LoRA
+    adapters are not part of an HF checkpoint: they keep their values (lora_adapter.py loads them)."""
     reshard(model)
     for name, param in model.named_parameters():
         key = hf_name(name)
+        if is_lora_name(key):
+            continue
         full = full_state.get(key)
         if full is None:
             full = stacked_tensor(key, full_state)  # MoE experts: the checkpoint has one tensor per expert

@@ -1,0 +1,72 @@
+"""LoRA on the FSDP backend: `LoRALinear` takes the place of each targeted `nn.Linear` of the Hugging Face model
+before sharding. It keeps the base layer's `weight` and `bias` under their own names (so HF names, checkpoints of
+the base and the weight export are unchanged) and adds `lora_A` (Kaiming-uniform, as PEFT) and `lora_B` (zeros):
+the adapted model starts equal to the base. The base is frozen (requires_grad False: no gradient, no optimizer
+state).
+
+Not the shared naming, merging and PEFT files (lora_adapter.py), nor the ref pass (train_flow.py).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from slime.backends.lora_adapter import (
+    AdapterSwitch,
+    copy_adapter_into,
+    is_lora_name,
+    load_peft_folder,
+    start_adapter_folder,
+)
+
+
+class LoRALinear(nn.Module, AdapterSwitch):
+    def __init__(self, base: nn.Linear, rank: int, alpha: int, dropout: float):
+        super().__init__()
+        self.in_features, self.out_features = base.in_features, base.out_features
+        self.weight, self.bias = base.weight, base.bias
+        factory = dict(device=base.weight.device, dtype=base.weight.dtype)
+        self.lora_A = nn.Linear(self.in_features, rank, bias=False, **factory)
+        self.lora_B = nn.Linear(rank, self.out_features, bias=False, **factory)
+        nn.init.kaiming_uniform_(self.lora_A.weight, a=math.sqrt(5))
+        nn.init.zeros_(self.lora_B.weight)
+        self.scaling = alpha / rank
+        self.lora_dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(x, self.weight, self.bias)
+        if not self.adapter_enabled:
+            return y
+        return y + self.lora_B(self.lora_A(self.lora_dropout(x))) * self.scaling
+
+
+def apply_lora(hf_model: nn.Module, target_modules: list[str], rank: int, alpha: int, dropout: float) -> list[str]:
+    """Replace every nn.Linear whose leaf name is in `target_modules` (inside the decoder: never the output layer) by
+    a LoRALinear and freeze every other parameter. Returns the adapted layers' HF names; none is an error."""
+    targets = set(target_modules)
+    decoder_prefix = next(name for name, module in hf_model.named_modules() if module is hf_model.get_decoder())
+    adapted = []
+    for name, module in list(hf_model.named_modules()):
+        if (isinstance(module, nn.Linear) and name.rsplit(".", 1)[-1] in targets
+                and name.startswith(decoder_prefix + ".")):
+            parent_name, _, leaf = name.rpartition(".")
+            setattr(hf_model.get_submodule(parent_name), leaf, LoRALinear(module, rank, alpha, dropout))
+            adapted.append(name)
+    if not adapted:
+        raise ValueError(f"--target-modules {','.join(target_modules)}: no nn.Linear of this model "
+                         f"({type(hf_model).__name__}) has one of these names")
+    for name, param in hf_model.named_parameters():
+        param.requires_grad_(is_lora_name(name))
+    return adapted
+
+
+def load_start_adapter(hf_model: nn.Module, args, weights_path: str) -> None:
+    """The adapter's start values (before sharding): a resumed checkpoint's, --lora-adapter-path's, or the fresh
+    initialisation."""
+    folder = start_adapter_folder(args, weights_path)
+    if folder is not None:
+        copy_adapter_into(hf_model.named_parameters(), load_peft_folder(folder)[1], folder)

@@ -1,0 +1,148 @@
+"""LoRA flags (Miles' names and defaults) and their rules, in one file so the LoRA surface reads in one place.
+
+`--lora-rank R` (> 0) trains low-rank adapters on the `--target-modules` linear layers of the policy while the base
+model stays frozen; the frozen base with the adapters disabled is the reference model (no second copy). Adapters
+are saved in PEFT's format and pushed to the engines unmerged (docs/guides/lora.md).
+
+Derived field: `args.lora_target_modules`, the adapted layers as sorted Hugging Face leaf names (`q_proj`, ...),
+whatever spelling the flag used. Parsing (`add_lora_arguments`, registered in arguments.py) and the rules
+(`check_lora_args`, called from validate.py once the backend and layout are resolved).
+
+Not the adapters themselves (slime/backends/lora/).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from slime.config.errors import ArgumentError, require
+from slime.utils.hf_config import hf_text_config
+
+ATTENTION_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
+MLP_TARGETS = ("gate_proj", "up_proj", "down_proj")
+# Megatron's fused layers and the HF layers they hold (Miles: linear_qkv -> q/k/v, linear_fc1 -> gate/up).
+MEGATRON_TARGETS = {"linear_qkv": ("q_proj", "k_proj", "v_proj"), "linear_proj": ("o_proj",),
+                    "linear_fc1": ("gate_proj", "up_proj"), "linear_fc2": ("down_proj",)}
+EXPERT_COUNT_KEYS = ("num_experts", "n_routed_experts", "num_local_experts")
+ADAPTER_CONFIG_FILE = "adapter_config.json"
+ADAPTER_WEIGHTS_FILE = "adapter_model.safetensors"
+
+
+def add_lora_arguments(parser):
+    g = parser.add_argument_group("LoRA (docs/guides/lora.md)")
+    g.add_argument("--lora-rank", type=int, default=0,
+                   help="rank of the LoRA adapters; 0 (default) trains the full model. > 0: only the adapters train, "
+                        "the base stays frozen and, with the adapters disabled, is the reference model")
+    g.add_argument("--lora-alpha", type=int, default=16,
+                   help="the adapter output is scaled by lora_alpha / lora_rank")
+    g.add_argument("--lora-dropout", type=float, default=0.0,
+                   help="dropout on the adapter input in training forwards (RL recipes keep 0)")
+    g.add_argument("--target-modules", default=None,
+                   help="layers that get adapters (required with --lora-rank > 0, as in Miles): all-linear (the q, k, "
+                        "v, o, gate, up and down projections) or a comma list of HF leaf names (q_proj,v_proj) or Megatron names "
+                        "(linear_qkv,linear_proj,linear_fc1,linear_fc2)")
+    g.add_argument("--exclude-modules", default=None,
+                   help="comma list of HF leaf names (or Megatron names) removed after --target-modules is expanded")
+    g.add_argument("--lora-adapter-path", default=None,
+                   help="start from this PEFT adapter folder (adapter_config.json + adapter_model.safetensors); its r "
+                        "and lora_alpha must equal --lora-rank and --lora-alpha")
+    g.add_argument("--lora-train-only", action="store_true",
+                   help="train the adapters but keep the engines on the frozen base: no adapter is pushed (for "
+                        "engines that cannot serve adapters; the rollouts then sample the base policy)")
+    g.add_argument("--check-lora-weight-equal", action="store_true",
+                   help="after each adapter push, compare every tensor's checksum as the engine holds it with the "
+                        "trainer's (the engine's reply always carries them; this also checks the pushed adapter "
+                        "against the trainer's parameters, not only its own send buffer)")
+
+
+def _split(value: str | None) -> list[str]:
+    return [name.strip() for name in (value or "").split(",") if name.strip()]
+
+
+def _hf_names(flag: str, names: list[str]) -> set[str]:
+    known = set(ATTENTION_TARGETS) | set(MLP_TARGETS)
+    result: set[str] = set()
+    for name in names:
+        leaf = name.rsplit(".", 1)[-1]
+        if leaf in MEGATRON_TARGETS:
+            result.update(MEGATRON_TARGETS[leaf])
+        elif leaf in known:
+            result.add(leaf)
+        else:
+            raise ArgumentError(f"{flag}: {name!r} is not a layer LoRA can adapt here; use all-linear or names among "
+                                f"{', '.join(sorted(known))} (HF) or {', '.join(MEGATRON_TARGETS)} (Megatron)")
+    return result
+
+
+def resolve_target_modules(target_modules: str | None, exclude_modules: str | None, hf_config: dict) -> list[str]:
+    """The adapted layers as sorted HF leaf names. An MoE model's MLP layers are its experts, which the adapters
+    here do not cover: asking for them is an error naming --target-modules."""
+    names = _split(target_modules)
+    if names == ["all-linear"]:
+        chosen = set(ATTENTION_TARGETS) | set(MLP_TARGETS)
+    else:
+        if "all-linear" in names:
+            raise ArgumentError("--target-modules: all-linear stands alone (not inside a comma list)")
+        chosen = _hf_names("--target-modules", names)
+    chosen -= _hf_names("--exclude-modules", _split(exclude_modules))
+    if not chosen:
+        raise ArgumentError("--exclude-modules removes every layer of --target-modules: nothing would train")
+    if any(hf_config.get(key) for key in EXPERT_COUNT_KEYS) and chosen & set(MLP_TARGETS):
+        raise ArgumentError(
+            "--target-modules: this is an MoE model and LoRA here does not adapt expert layers "
+            f"({', '.join(sorted(chosen & set(MLP_TARGETS)))}); pass --target-modules q_proj,k_proj,v_proj,o_proj "
+            "(attention only) or --exclude-modules gate_proj,up_proj,down_proj")
+    return sorted(chosen)
+
+
+def read_adapter_config(path: str | Path) -> dict:
+    """A PEFT folder's adapter_config.json; ValueError naming --lora-adapter-path if the folder is not one."""
+    folder = Path(path)
+    for name in (ADAPTER_CONFIG_FILE, ADAPTER_WEIGHTS_FILE):
+        if not (folder / name).is_file():
+            raise ArgumentError(f"--lora-adapter-path {path}: no {name} (expected a PEFT adapter folder, as "
+                                f"--save writes under rollout_<id>/adapter/)")
+    return json.loads((folder / ADAPTER_CONFIG_FILE).read_text())
+
+
+def check_lora_args(args) -> None:
+    """Once the backend and its parallel layout are resolved. Sets args.lora_target_modules."""
+    args.lora_target_modules = []
+    if args.lora_rank == 0:
+        for flag, dest in (("--lora-adapter-path", "lora_adapter_path"), ("--lora-train-only", "lora_train_only"),
+                           ("--check-lora-weight-equal", "check_lora_weight_equal"),
+                           ("--target-modules", "target_modules"), ("--exclude-modules", "exclude_modules")):
+            require(not getattr(args, dest), f"{flag} configures LoRA training: pass --lora-rank R (R > 0) too")
+        return
+    require(args.lora_rank > 0, f"--lora-rank {args.lora_rank}: must be 0 (off) or a positive rank")
+    require(args.lora_alpha > 0, f"--lora-alpha {args.lora_alpha}: must be positive (scale = alpha / rank)")
+    require(0.0 <= args.lora_dropout < 1.0, f"--lora-dropout {args.lora_dropout}: must be in [0, 1)")
+    require(bool(_split(args.target_modules)),
+            "--lora-rank > 0 needs --target-modules: all-linear, or a comma list such as q_proj,k_proj,v_proj,o_proj")
+    hf_config = hf_text_config(args) if args.hf_checkpoint and Path(args.hf_checkpoint, "config.json").is_file() else {}
+    args.lora_target_modules = resolve_target_modules(args.target_modules, args.exclude_modules, hf_config)
+    require(not (args.only_train_params_name_list or args.freeze_params_name_list),
+            "--only-train-params-name-list / --freeze-params-name-list: with --lora-rank > 0 only the adapters "
+            "train and the whole base is frozen; drop the freezing flag")
+    require(not args.ref_update_interval,
+            "--ref-update-interval: with --lora-rank > 0 the reference is the frozen base (adapters disabled), "
+            "which never follows the actor; drop --ref-update-interval")
+    require(not (args.check_lora_weight_equal and args.lora_train_only),
+            "--check-lora-weight-equal checks adapter pushes, which --lora-train-only turns off; pass one of them")
+    tp = getattr(args, "tensor_model_parallel_size", 1) or 1
+    require(args.lora_dropout == 0.0 or args.train_backend != "megatron" or tp == 1,
+            f"--lora-dropout {args.lora_dropout} with --tensor-model-parallel-size {tp}: the adapter input of a "
+            "column-parallel layer is replicated over the TP ranks and their dropout masks are not kept equal; "
+            "use --lora-dropout 0 (as RL recipes do) or --tensor-model-parallel-size 1")
+    if args.lora_adapter_path:
+        config = read_adapter_config(args.lora_adapter_path)
+        require(config.get("r") == args.lora_rank and config.get("lora_alpha") == args.lora_alpha,
+                f"--lora-adapter-path {args.lora_adapter_path}: its adapter has r={config.get('r')}, lora_alpha="
+                f"{config.get('lora_alpha')}; pass --lora-rank {config.get('r')} --lora-alpha "
+                f"{config.get('lora_alpha')}")
+        saved = config.get("target_modules")
+        saved = sorted(_hf_names("--lora-adapter-path (its target_modules)", saved)) if isinstance(saved, list) else saved
+        require(saved == args.lora_target_modules,
+                f"--lora-adapter-path {args.lora_adapter_path}: its adapter covers {saved}, --target-modules "
+                f"resolves to {args.lora_target_modules}; pass --target-modules {','.join(saved or [])}")
