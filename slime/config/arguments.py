@@ -15,8 +15,8 @@ from slime.config.flags_debug import add_debug_arguments
 from slime.config.flags_engine_access import add_engine_access_arguments
 from slime.config.flags_hooks import add_hook_arguments
 from slime.config.flags_logging import add_logging_arguments
-from slime.config.flags_megatron import add_megatron_arguments, inert_flag_notices
 from slime.config.flags_lora import add_lora_arguments
+from slime.config.flags_megatron import add_megatron_arguments, inert_flag_notices
 from slime.config.flags_moe import add_moe_arguments
 from slime.config.flags_rollout import add_rollout_extra_arguments
 from slime.config.flags_sglang import (

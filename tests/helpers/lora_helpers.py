@@ -22,7 +22,7 @@ def wide_tiny_checkpoint(folder: Path, arch: str = "qwen3", seed: int = 2) -> Pa
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
-        for name, param in model.named_parameters():
+        for param in model.parameters():
             if param.dim() == 2:
                 param.copy_(torch.randn(param.shape, generator=generator) * 0.15)
     model.save_pretrained(folder, safe_serialization=True)

@@ -23,6 +23,7 @@ from torch.distributed.tensor import DTensor
 from slime.backends.backend import LossOf, TrainBackend
 from slime.backends.checkpoint_files import VALUE_HEAD_KEY, resolve_load_dir
 from slime.backends.fsdp_utils import checkpoint
+from slime.backends.fsdp_utils.lora import apply_lora, load_start_adapter
 from slime.backends.fsdp_utils.model import (
     ShardOptions,
     attention_implementation,
@@ -34,7 +35,6 @@ from slime.backends.fsdp_utils.model import (
     read_hf_weights,
     reshard,
 )
-from slime.backends.fsdp_utils.lora import apply_lora, load_start_adapter
 from slime.backends.fsdp_utils.moe_router import install_routers
 from slime.backends.fsdp_utils.offload import TrainingStateOffload
 from slime.backends.fsdp_utils.optimizer import build_optimizer, clip_grad_norm
