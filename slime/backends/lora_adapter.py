@@ -56,10 +56,14 @@ class AdapterSwitch:
     adapter_enabled: bool = True
 
 
-@contextlib.contextmanager
 def adapters_disabled(model: nn.Module):
     """Inside the block every adapted layer of `model` computes its base layer only: the reference model."""
-    layers = [m for m in model.modules() if isinstance(m, AdapterSwitch)]
+    return adapters_disabled_in([model])
+
+
+@contextlib.contextmanager
+def adapters_disabled_in(models: list[nn.Module]):
+    layers = [m for model in models for m in model.modules() if isinstance(m, AdapterSwitch)]
     for layer in layers:
         layer.adapter_enabled = False
     try:
@@ -97,13 +101,26 @@ def merged_hf_weights(named: Iterable[tuple[str, torch.Tensor]], layers: set[str
         raise ValueError(f"adapted layers with missing parts: {sorted(pending)}")
 
 
+def merge_adapter_into(named: Iterable[tuple[str, torch.Tensor]], adapter: dict[str, torch.Tensor],
+                       scale: float) -> Iterator[tuple[str, torch.Tensor]]:
+    """A stream of base (HF name, full tensor) with each weight that has an adapter in `adapter` ({HF name: tensor},
+    full) replaced by W + s * B @ A (float64 sum)."""
+    for name, tensor in named:
+        layer = name.removesuffix(".weight")
+        if name.endswith(".weight") and f"{layer}.{LORA_A}.weight" in adapter:
+            a, b = adapter[f"{layer}.{LORA_A}.weight"], adapter[f"{layer}.{LORA_B}.weight"]
+            delta = (b.double() @ a.double()).to(tensor.device) * scale
+            tensor = (tensor.double() + delta).to(tensor.dtype)
+        yield name, tensor
+
+
 def save_peft_folder(folder: str | Path, config: dict, adapter: dict[str, torch.Tensor]) -> Path:
     """adapter_config.json + adapter_model.safetensors; `adapter` is keyed by HF names (`...q_proj.lora_A.weight`)."""
     from safetensors.torch import save_file
 
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    save_file({to_peft_name(name): tensor.detach().contiguous().cpu() for name, tensor in adapter.items()},
+    save_file({to_peft_name(name): tensor.detach().cpu().clone() for name, tensor in adapter.items()},
               str(folder / ADAPTER_WEIGHTS_FILE), metadata={"format": "pt"})
     (folder / ADAPTER_CONFIG_FILE).write_text(json.dumps(config, indent=2))
     return folder

@@ -135,6 +135,15 @@ def check_lora_args(args) -> None:
             f"--lora-dropout {args.lora_dropout} with --tensor-model-parallel-size {tp}: the adapter input of a "
             "column-parallel layer is replicated over the TP ranks and their dropout masks are not kept equal; "
             "use --lora-dropout 0 (as RL recipes do) or --tensor-model-parallel-size 1")
+    if args.train_backend == "megatron":
+        require(not args.sequence_parallel,
+                "--lora-rank > 0 with --sequence-parallel: the Megatron backend's adapters take the layer input as "
+                "the tensor-parallel region sees it, not sequence-sharded; drop --sequence-parallel")
+        for layer, held in MEGATRON_TARGETS.items():
+            partial = set(held) & set(args.lora_target_modules)
+            require(not partial or partial == set(held),
+                    f"--target-modules: the Megatron backend adapts the fused {layer} as one layer "
+                    f"({', '.join(held)}): target all of them or none (got {', '.join(sorted(partial))})")
     if args.lora_adapter_path:
         config = read_adapter_config(args.lora_adapter_path)
         require(config.get("r") == args.lora_rank and config.get("lora_alpha") == args.lora_alpha,

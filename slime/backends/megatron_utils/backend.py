@@ -38,10 +38,20 @@ import torch.distributed as dist
 
 from slime.backends.backend import LossOf, TrainBackend, reset_adam_state
 from slime.backends.checkpoint_files import resolve_load_dir
+from slime.backends.lora_adapter import (
+    ADAPTER_SUBDIR,
+    adapters_disabled_in,
+    load_peft_folder,
+    lora_scale,
+    merge_adapter_into,
+    peft_config,
+    save_peft_folder,
+)
 from slime.backends.megatron_utils import checkpoint
 from slime.backends.megatron_utils.cpu_shim import apply_cpu_shim
 from slime.backends.megatron_utils.grads import finalize_grads
 from slime.backends.megatron_utils.hf_weights import load_hf_weights, model_hf_weights, save_hf_checkpoint
+from slime.backends.megatron_utils.lora import adapter_to_hf, apply_lora, load_adapter_from_hf
 from slime.backends.megatron_utils.micro_batches import run_micro_batches
 from slime.backends.megatron_utils.model import build_model_chunks
 from slime.backends.megatron_utils.moe_router import install_routers
@@ -88,7 +98,13 @@ class MegatronBackend(TrainBackend):
         self.model = self.model_chunks[0]
         self.routing_replay = install_routers(self.model_chunks, self.hf_config)
         self.router_losses = install_router_losses(args, self.model_chunks)
-        self._load_weights(weights_path)
+        if args.lora_rank > 0:  # adapters beside the targeted linears, base frozen (lora.py)
+            apply_lora(self.model_chunks, args.lora_target_modules, args.lora_rank, args.lora_alpha,
+                       args.lora_dropout, args.seed)
+        self._load_weights(weights_path)  # a torch_dist checkpoint holds the adapters too
+        if args.lora_rank > 0 and not checkpoint.is_torch_dist_checkpoint(weights_path) and args.lora_adapter_path:
+            load_adapter_from_hf(self.model_chunks, self.hf_config, load_peft_folder(args.lora_adapter_path)[1],
+                                 args.lora_adapter_path)
         freeze_parameters(args, named_global_parameters(self.model_chunks), self._sum_over_ranks)
         self.ddp_chunks = wrap_data_parallel(self.model_chunks)
         self.optimizer, self.scheduler = build_distributed_optimizer(args, self.ddp_chunks,
@@ -152,9 +168,13 @@ class MegatronBackend(TrainBackend):
         path = checkpoint.save_checkpoint(save_root or args.save, rollout_id, self.model_chunks, self.optimizer,
                                           self.scheduler, save_optim=not args.no_save_optim, run_state=run_state,
                                           hf_checkpoint=args.hf_checkpoint)
+        lora = args.lora_rank > 0 and not self.critic
+        adapter = self.adapter_weights() if lora else None
+        if lora and self.rank == 0:  # the adapter in PEFT's format beside the torch_dist state (which resumes)
+            save_peft_folder(Path(path) / ADAPTER_SUBDIR, peft_config(args), adapter)
         if args.save_hf and not self.critic:  # slime's template: the rollout id fills {rollout_id}
             save_hf_checkpoint(self.model_chunks, self.hf_config, args.save_hf.format(rollout_id=rollout_id),
-                               args.hf_checkpoint)
+                               args.hf_checkpoint, named_weights=self.hf_weights(None) if lora else None)
         return str(path)
 
     # ---------------------------------------------------------------------------------------- compute
@@ -208,8 +228,30 @@ class MegatronBackend(TrainBackend):
                 yield f"{index}.{name}", param
 
     def hf_weights(self, dtype: torch.dtype | None):
+        """With LoRA: the base weights with the adapters merged in (for engines that load whole weights)."""
         self.require_on_device("gathering the weights")
+        if self.args.lora_rank > 0 and not self.critic:
+            adapter = self.adapter_weights()  # collective: before the generator's first gather
+            return merge_adapter_into(model_hf_weights(self.model_chunks, self.hf_config, dtype), adapter,
+                                      lora_scale(self.args))
         return model_hf_weights(self.model_chunks, self.hf_config, dtype)
+
+    def adapter_weights(self) -> dict[str, torch.Tensor]:
+        """Collective over all ranks: the full adapter under HF names on every rank (each pipeline stage's, gathered
+        over its tensor-parallel group, from the first data-parallel replica)."""
+        from megatron.core import parallel_state
+
+        self.require_on_device("gathering the adapter")
+        stage = adapter_to_hf(self.model_chunks, self.hf_config)
+        sender = (parallel_state.get_tensor_model_parallel_rank() == 0
+                  and parallel_state.get_data_parallel_rank(with_context_parallel=True) == 0
+                  and parallel_state.get_expert_data_parallel_rank() == 0)
+        gathered = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, stage if sender else {})
+        return {name: tensor for part in gathered for name, tensor in part.items()}
+
+    def adapters_disabled(self):
+        return adapters_disabled_in(self.model_chunks)
 
     # ---------------------------------------------------------------------------------------- memory
     def _buffers(self):

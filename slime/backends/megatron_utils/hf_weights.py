@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from slime.backends.checkpoint_files import copy_hf_extra_files
+from slime.backends.lora_adapter import is_lora_name
 from slime.backends.megatron_utils import tp_shards
 from slime.backends.megatron_utils.grads import is_expert
 from slime.backends.megatron_utils.hf_mapping import mapping_for
@@ -60,6 +61,8 @@ def load_hf_weights(model_chunks, hf_checkpoint: str | Path, hf_config,
     padded_vocab = model_chunks[0].vocab_size
     given = given or {}
     for param_name, param in named_global_parameters(model_chunks):
+        if is_lora_name(param_name):  # LoRA adapters are not in an HF checkpoint (lora.py loads PEFT folders)
+            continue
         # A stacked expert weight is filled expert by expert: each rank reads only its own experts.
         targets = (unstack_experts(param_name, param, _first_local_expert(model_chunks))
                    if is_stacked_experts(param_name) else [(param_name, param)])
@@ -112,6 +115,8 @@ def iter_hf_weights(model_chunks, hf_config, *, dense: bool = True) -> Iterator[
     ep_rank = parallel_state.get_expert_model_parallel_rank()
     num_local_experts = _num_local_experts(model_chunks)
     for name, param in named_global_parameters(model_chunks):
+        if is_lora_name(name):  # the adapters travel on their own (lora.py's adapter_to_hf)
+            continue
         if not is_expert(param):  # at EP=1 the experts too, all of them on every rank
             if dense:
                 full = tp_shards.full_tensor(name, param)
@@ -169,11 +174,15 @@ def model_hf_weights(model_chunks, hf_config, dtype: torch.dtype | None = None
                 yield hf_name, tensor
 
 
-def save_hf_checkpoint(model_chunks, hf_config, out_dir: str | Path, source_checkpoint: str | Path) -> None:
-    """Write an HF safetensors folder (weights, config and tokenizer files of `source_checkpoint`); collective."""
+def save_hf_checkpoint(model_chunks, hf_config, out_dir: str | Path, source_checkpoint: str | Path,
+                       named_weights: Iterator[tuple[str, torch.Tensor]] | None = None) -> None:
+    """Write an HF safetensors folder (weights, config and tokenizer files of `source_checkpoint`); collective.
+    `named_weights`: the (HF name, tensor) stream to write (LoRA: the merged weights) instead of the model's."""
     from safetensors.torch import save_file
 
-    state = {name: tensor.cpu() for name, tensor in model_hf_weights(model_chunks, hf_config)}
+    if named_weights is None:
+        named_weights = model_hf_weights(model_chunks, hf_config)
+    state = {name: tensor.cpu() for name, tensor in named_weights}
     if dist.get_rank() != 0:
         return
     out_dir = Path(out_dir)
