@@ -33,7 +33,7 @@ class EngineLora:
         slot = runner.lora_registry.free_slot(name)
         self._drain()  # a step in flight must not read a slot while it is written
         runner.lora.write(slot, adapter)
-        loaded = runner.lora_registry.add(name, slot, adapter.rank, source)
+        loaded = runner.lora_registry.add(name, slot, adapter.rank, source, adapter.checksums)
         logger.info("loaded LoRA adapter %r (rank %d) into slot %d", name, adapter.rank, slot)
         return loaded
 

@@ -23,6 +23,7 @@ class LoadedAdapter:
     load_id: int
     rank: int
     source: str  # the folder it came from, or "__tensor__" (SGLang's marker for a tensor push)
+    checksums: dict[str, float]  # PEFT tensor name -> float64 sum of the tensor as received
 
     @property
     def cache_salt(self) -> str:
@@ -53,9 +54,9 @@ class LoraRegistry:
                            + "); unload an adapter first or start the engine with a larger max_loras_per_batch "
                            "(--max-loras-per-batch; slime: --sglang-max-loras-per-batch)")
 
-    def add(self, name: str, slot: int, rank: int, source: str) -> LoadedAdapter:
+    def add(self, name: str, slot: int, rank: int, source: str, checksums: dict[str, float]) -> LoadedAdapter:
         self.num_loads += 1
-        self.adapters[name] = LoadedAdapter(name, slot, self.num_loads, rank, source)
+        self.adapters[name] = LoadedAdapter(name, slot, self.num_loads, rank, source, checksums)
         self.loaded_slots.add(slot)
         return self.adapters[name]
 
