@@ -8,6 +8,7 @@ to / restore from a host copy, host_weights.py). It does not schedule, check sto
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from operator import attrgetter
 
@@ -35,6 +36,8 @@ from slime.engine.sampling_params import SamplingParams
 from slime.engine.scheduled_batch import DecodeBatch, ScheduledSequence, is_decode_batch, sampled_seqs
 from slime.engine.sequence import Sequence
 from slime.engine.step_inputs import flat_arrays, flat_batch
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -87,6 +90,7 @@ class ModelRunner:
         self.host_weights.place(self.model)
         load_checkpoint(self.model, config.model)
         self.routed_experts: torch.Tensor | None = None
+        self.lora, self.lora_registry = self._lora_slots()  # before the KV cache is sized from what memory is left
         self.num_kvcache_blocks = self._agreed_min(config.num_kvcache_blocks or num_blocks_from_memory(
             config, model_config, self.device, self.bytes_per_block))
         # One extra cache block past those the block manager hands out: CUDA-graph padding rows write there.
@@ -117,6 +121,20 @@ class ModelRunner:
                             cuda_graphs=grouped_mm)
         self.allocate_kv_cache()
 
+    def _lora_slots(self):
+        """(LoraSlots, LoraRegistry) with enable_lora, else (None, None)."""
+        if not self.config.enable_lora:
+            return None, None
+        from slime.engine.lora.registry import LoraRegistry
+        from slime.engine.lora.slots import LoraSlots
+
+        slots = LoraSlots(self.model, self.config.max_loras_per_batch, self.config.max_lora_rank)
+        if self.device.type == "cuda" and not self.config.enforce_eager:
+            logger.info("enable_lora: CUDA graphs are off (LoRA steps group tokens by adapter with host-side shapes)")
+        logger.info("enable_lora: %d slots at rank %d on %d linears, %.1f MiB", slots.num_slots, slots.max_rank,
+                    len(slots.linears), slots.num_bytes / 2**20)
+        return slots, LoraRegistry(slots.num_slots)
+
     def _agreed_min(self, value: int) -> int:
         """The smallest of every rank's `value` (the KV pool is sized from the rank with the least free memory)."""
         if self.parallel.tp_size == 1:
@@ -134,7 +152,7 @@ class ModelRunner:
         if not enabled and self.kv_cache is not None and not self.kv_cache_zeroed:
             self.kv_cache.zero_()  # the pure-torch path reads masked slots (allocate_kv_cache)
             self.kv_cache_zeroed = True
-        self.use_cuda_graphs = enabled and cuda_graphs and not self.config.enforce_eager
+        self.use_cuda_graphs = enabled and cuda_graphs and not self.config.enforce_eager and not self.config.enable_lora
         self.decode_graphs = self.prefill_graphs = None
         self.clear_parked_graphs()
         self.model.set_use_triton(enabled if fused is None else fused)
@@ -422,6 +440,9 @@ class ModelRunner:
         """(input_ids, positions, AttentionMetadata, logits_indices) on the device (step_inputs.py). In a sharded
         engine the step's host arrays first go to the other ranks, which build the same tensors (`follow_step`)."""
         arrays = flat_arrays(scheduled)
+        if self.lora is not None:  # each token's adapter slot, in flat-batch order
+            seq_slots = np.fromiter((item.seq.lora_slot for item in scheduled), dtype=np.int64, count=len(scheduled))
+            self.lora.set_batch(np.repeat(seq_slots, arrays.query_lens))
         if self.plan is not None:
             self.plan.send_step(encode_forward(arrays, all_logits))
         return flat_batch(arrays, self.block_size, self.staging, self.use_triton)
