@@ -30,6 +30,8 @@ from slime.backends.advantages import compute_advantages
 from slime.backends.backend import TrainBackend
 from slime.backends.debug_train_data import rank_train_data, save_debug_train_data
 from slime.backends.device_room import DeviceRoom
+from slime.backends.lora_adapter import peft_config
+from slime.backends.lora_push import AdapterPusher
 from slime.backends.loss import (
     LossReducer,
     MicroBatchTensors,
@@ -50,6 +52,7 @@ from slime.backends.weight_disk import disk_sync_from_args
 from slime.backends.weight_push_result import WeightPushResult
 from slime.backends.weight_sender import WeightSender
 from slime.backends.weight_snapshot import WeightSnapshot, place_weight_sets
+from slime.config.flags_lora import serves_adapter
 from slime.utils.checkpoint_state import weights_at_step
 from slime.utils.engine_access import engine_admin_headers
 from slime.utils.misc import load_function, seed_everything
@@ -122,10 +125,17 @@ class TrainFlow:
             self.snapshot.restore("actor")
         if engines_release_memory:  # placed now: the device copies come with the first onload, not beside engines
             place_weight_sets(self.snapshot, args, self.device, self.with_ref, engines_release_memory)
-        self.weight_updater = WeightSender(backend.hf_weights, self.device.type == "cuda", self.rank,
-                                           args.update_weight_buffer_size, dtype=None,
-                                           master_address=self.master_addr, headers=engine_admin_headers(args),
-                                           disk_sync=disk_sync_from_args(args))
+        if serves_adapter(args):  # LoRA: only the adapter travels, verified (lora_push.py)
+            self.weight_updater = AdapterPusher(backend.adapter_weights, peft_config(args), self.rank,
+                                                headers=engine_admin_headers(args),
+                                                disk_dir=args.update_weight_disk_dir,
+                                                keep_files=args.update_weight_disk_keep_files,
+                                                check_weight_equal=args.check_lora_weight_equal)
+        else:
+            self.weight_updater = WeightSender(backend.hf_weights, self.device.type == "cuda", self.rank,
+                                               args.update_weight_buffer_size, dtype=None,
+                                               master_address=self.master_addr, headers=engine_admin_headers(args),
+                                               disk_sync=disk_sync_from_args(args))
         self.loss_fn = get_loss_function(args)
         if resume_dir is not None:
             return backend.load_training_state(resume_dir) + 1
@@ -380,7 +390,10 @@ class TrainFlow:
 
     def update_weights(self, engine_urls: list[str] | None = None, weight_version=None,
                        mode: str | None = None) -> WeightPushResult:
-        """Push the current weights to the engines (connecting first when `engine_urls` or `mode` changed)."""
+        """Push the current weights to the engines (connecting first when `engine_urls` or `mode` changed); LoRA:
+        the adapter alone, or nothing with --lora-train-only (the engines stay on the base, as Miles)."""
+        if self.lora and self.args.lora_train_only:
+            return WeightPushResult(seconds=0.0, bytes=0, num_buckets=0)
         if engine_urls is not None and (list(engine_urls) != self.weight_updater.engine_urls
                                         or (mode and mode != self.weight_updater.mode)):
             self.weight_updater.connect(engine_urls, mode or self.weight_updater.mode)

@@ -4,8 +4,9 @@
 model stays frozen; the frozen base with the adapters disabled is the reference model (no second copy). Adapters
 are saved in PEFT's format and pushed to the engines unmerged (docs/guides/lora.md).
 
-Derived field: `args.lora_target_modules`, the adapted layers as sorted Hugging Face leaf names (`q_proj`, ...),
-whatever spelling the flag used. Parsing (`add_lora_arguments`, registered in arguments.py) and the rules
+Derived fields: `args.lora_target_modules`, the adapted layers as sorted Hugging Face leaf names (`q_proj`, ...),
+whatever spelling the flag used; `args.lora_path`, the adapter name the rollout's /generate requests ask for (None
+until the first push; the RolloutManager sets it to `policy@<version>` after each verified push). Parsing (`add_lora_arguments`, registered in arguments.py) and the rules
 (`check_lora_args`, called from validate.py once the backend and layout are resolved).
 
 Not the adapters themselves (slime/backends/lora/).
@@ -27,6 +28,18 @@ MEGATRON_TARGETS = {"linear_qkv": ("q_proj", "k_proj", "v_proj"), "linear_proj":
 EXPERT_COUNT_KEYS = ("num_experts", "n_routed_experts", "num_local_experts")
 ADAPTER_CONFIG_FILE = "adapter_config.json"
 ADAPTER_WEIGHTS_FILE = "adapter_model.safetensors"
+SERVED_ADAPTER_NAME = "policy"  # the engines serve version V of the trained adapter as `policy@V`
+
+
+def served_adapter_name(weight_version) -> str:
+    """The name under which the engines serve the adapter of `weight_version` (the trainer loads it, the rollout
+    asks for it with `lora_path`)."""
+    return f"{SERVED_ADAPTER_NAME}@{weight_version}"
+
+
+def serves_adapter(args) -> bool:
+    """Whether the engines serve the trained adapter (else they stay on the base: no LoRA, or --lora-train-only)."""
+    return args.lora_rank > 0 and not args.lora_train_only
 
 
 def add_lora_arguments(parser):
@@ -109,6 +122,7 @@ def read_adapter_config(path: str | Path) -> dict:
 def check_lora_args(args) -> None:
     """Once the backend and its parallel layout are resolved. Sets args.lora_target_modules."""
     args.lora_target_modules = []
+    args.lora_path = None
     if args.lora_rank == 0:
         for flag, dest in (("--lora-adapter-path", "lora_adapter_path"), ("--lora-train-only", "lora_train_only"),
                            ("--check-lora-weight-equal", "check_lora_weight_equal"),

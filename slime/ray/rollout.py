@@ -18,6 +18,7 @@ from pathlib import Path
 import httpx
 import ray
 
+from slime.config.flags_lora import served_adapter_name, serves_adapter
 from slime.ray.engine_actor import EngineActor
 from slime.ray.engine_health import EngineSupervisor
 from slime.ray.external_engines import connect_external_engines
@@ -103,7 +104,10 @@ class RolloutManager:
         return self.supervisor.urls_for_weight_push() if self.supervisor else []
 
     def weights_pushed(self, weight_version: str, engine_urls: list[str]) -> None:
-        """The driver pushed `weight_version` to `engine_urls` (what `get_engine_urls()` answered)."""
+        """The driver pushed `weight_version` to `engine_urls` (what `get_engine_urls()` answered). LoRA: from now on
+        the rollout's requests ask for that version's adapter (`args.lora_path`, read by the /generate payloads)."""
+        if serves_adapter(self.args):
+            self.args.lora_path = served_adapter_name(weight_version)
         if self.supervisor:
             self.supervisor.weights_pushed(weight_version, engine_urls)
 

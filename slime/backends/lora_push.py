@@ -1,0 +1,129 @@
+"""Push the trainer's LoRA adapter (only its tensors, never the base) into running engines, verified tensor by tensor.
+
+Each push loads a new adapter version named `policy@<version>` (an engine refuses a name already loaded) and, once
+every engine answered with checksums that match, unloads the versions before the previous one (the previous one
+stays loaded for the requests the rollout built before it learnt of the new name: `KEEP_VERSIONS`). Transports:
+- "tensor" (same host; colocated or not): POST /load_lora_adapter_from_tensors with the PEFT-named tensors by handle
+  (shared memory on the CPU, CUDA IPC on a GPU), one serialized list per engine rank, and the adapter's config;
+- "disk" (--update-weight-transport disk, or engines on other hosts): rank 0 writes a PEFT folder under
+  --update-weight-disk-dir and each engine loads it (POST /load_lora_adapter), then the folder is removed unless
+  --update-weight-disk-keep-files.
+Every load answers `checksums` (the float64 sum of each tensor as the engine holds it); a missing, extra or differing
+tensor fails the push naming it. With --check-lora-weight-equal the tensors sent must also equal the trainer's
+parameters exactly (a push in a lower-precision engine dtype fails, naming the first tensor it rounds).
+
+Not the adapter's gathering (the backends' `adapter_weights`) nor the engine side (slime/engine/server/lora_routes.py).
+"""
+
+from __future__ import annotations
+
+import shutil
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from slime.backends.lora_adapter import save_peft_folder, to_peft_name
+from slime.backends.weight_push_result import WeightPushResult
+from slime.backends.weight_sender import _post, engines_dtype
+from slime.config.flags_lora import served_adapter_name
+from slime.utils.weight_transport import serialize_named_tensors
+
+ADAPTER_MODES = ("tensor", "disk")
+KEEP_VERSIONS = 2
+CHECKSUM_RTOL = 1e-9  # float64 sums of the same values in another order (an engine on another device)
+
+
+class AdapterPushError(RuntimeError):
+    """An engine does not hold the adapter the trainer sent (the message names the engine and the tensor)."""
+
+
+def checksums(named: dict[str, torch.Tensor]) -> dict[str, float]:
+    return {name: float(tensor.detach().double().sum()) for name, tensor in named.items()}
+
+
+def compare_checksums(url: str, adapter_name: str, expected: dict[str, float], got: dict | None) -> None:
+    """Raise AdapterPushError naming the first tensor the engine lacks, holds in addition, or holds differently."""
+    got = got or {}
+    for name in sorted(expected.keys() | got.keys()):
+        if name not in got:
+            raise AdapterPushError(f"{url}: adapter {adapter_name}: the engine reports no checksum for {name}")
+        if name not in expected:
+            raise AdapterPushError(f"{url}: adapter {adapter_name}: the engine holds {name}, which was not sent")
+        want, have = expected[name], float(got[name])
+        if abs(want - have) > CHECKSUM_RTOL * max(1.0, abs(want)):
+            raise AdapterPushError(f"{url}: adapter {adapter_name}: tensor {name} has checksum {have!r} in the "
+                                   f"engine, {want!r} in the trainer")
+
+
+class AdapterPusher:
+    def __init__(self, adapter_weights: Callable[[], dict[str, torch.Tensor]], config: dict, rank: int, *,
+                 headers: dict | None = None, disk_dir: str | None = None,
+                 keep_files: bool = False, check_weight_equal: bool = False):
+        self.adapter_weights, self.config, self.rank = adapter_weights, dict(config), rank
+        self.headers = dict(headers or {})
+        self.disk_dir, self.keep_files, self.check_weight_equal = disk_dir, keep_files, check_weight_equal
+        self.engine_urls: list[str] = []
+        self.mode = self.transport = "tensor"
+        self.engines_dtype: torch.dtype | None = None
+        self.loaded: list[str] = []  # the versions the engines hold, oldest first
+
+    def connect(self, engine_urls: list[str], mode: str = "tensor") -> None:
+        """`mode`: the weight sender's ("distributed" engines are reached through the disk, as SGLang has no NCCL
+        route for adapters)."""
+        transport = "disk" if mode == "distributed" else mode
+        if transport not in ADAPTER_MODES:
+            raise ValueError(f"unknown adapter push mode {mode!r}; choose {', '.join(ADAPTER_MODES)}")
+        if transport == "disk" and not self.disk_dir:
+            raise ValueError("LoRA adapters reach engines on other devices or hosts through a PEFT folder: pass "
+                             "--update-weight-disk-dir (a folder trainer and engines share)")
+        self.engine_urls, self.mode, self.transport = list(engine_urls), mode, transport
+        self.loaded = []  # (re)connected engines: a version they lack is never unloaded
+        if self.rank == 0:
+            self.engines_dtype = engines_dtype(self.engine_urls, self.headers)
+
+    def update(self, weight_version) -> WeightPushResult:
+        """Collective (the adapter is gathered on every rank); rank 0 sends. Returns what the push moved."""
+        start = time.perf_counter()
+        adapter = self.adapter_weights()
+        num_bytes = 0
+        if self.rank == 0 and self.engine_urls:
+            dtype = self.engines_dtype or next(iter(adapter.values())).dtype
+            sent = {to_peft_name(name): tensor.to(dtype).contiguous() for name, tensor in adapter.items()}
+            if self.check_weight_equal:
+                for name, tensor in adapter.items():
+                    if not torch.equal(sent[to_peft_name(name)].to(tensor.dtype), tensor):
+                        raise AdapterPushError(f"--check-lora-weight-equal: {to_peft_name(name)} changes when sent in "
+                                               f"the engines' dtype {dtype} (the trainer's is {tensor.dtype})")
+            num_bytes = sum(t.numel() * t.element_size() for t in sent.values())
+            self._load_everywhere(served_adapter_name(weight_version), sent, str(weight_version))
+        if dist.is_initialized():
+            dist.barrier()
+        return WeightPushResult(seconds=time.perf_counter() - start, bytes=num_bytes, num_buckets=1)
+
+    def _load_everywhere(self, adapter_name: str, sent: dict[str, torch.Tensor], weight_version: str) -> None:
+        expected = checksums(sent)
+        folder = None
+        if self.transport == "disk":
+            folder = save_peft_folder(Path(self.disk_dir) / f"lora_{adapter_name}", self.config,
+                                      {name.removeprefix("base_model.model."): t for name, t in sent.items()})
+        try:
+            for url in self.engine_urls:
+                if self.transport == "disk":
+                    reply = _post(url, "/load_lora_adapter", {"lora_name": adapter_name, "lora_path": str(folder)},
+                                  self.headers)
+                else:
+                    reply = _post(url, "/load_lora_adapter_from_tensors", {
+                        "lora_name": adapter_name, "config": self.config, "weight_version": weight_version,
+                        "serialized_named_tensors": [serialize_named_tensors(list(sent.items()))]}, self.headers)
+                compare_checksums(url, adapter_name, expected, reply.get("checksums"))
+        finally:
+            if folder is not None and not self.keep_files:
+                shutil.rmtree(folder, ignore_errors=True)
+        self.loaded = [name for name in self.loaded if name != adapter_name] + [adapter_name]
+        for stale in self.loaded[:-KEEP_VERSIONS]:
+            for url in self.engine_urls:
+                _post(url, "/unload_lora_adapter", {"lora_name": stale}, self.headers)
+        self.loaded = self.loaded[-KEEP_VERSIONS:]
