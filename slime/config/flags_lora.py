@@ -64,9 +64,9 @@ def add_lora_arguments(parser):
                    help="train the adapters but keep the engines on the frozen base: no adapter is pushed (for "
                         "engines that cannot serve adapters; the rollouts then sample the base policy)")
     g.add_argument("--check-lora-weight-equal", action="store_true",
-                   help="after each adapter push, compare every tensor's checksum as the engine holds it with the "
-                        "trainer's (the engine's reply always carries them; this also checks the pushed adapter "
-                        "against the trainer's parameters, not only its own send buffer)")
+                   help="every adapter push is verified by the engines' per-tensor checksums; this also requires the "
+                        "tensors sent to equal the trainer's parameters exactly (a push in a lower-precision engine "
+                        "dtype, e.g. fp32 adapters into a bf16 engine, fails naming the tensor)")
 
 
 def _split(value: str | None) -> list[str]:
