@@ -68,6 +68,9 @@ FLAG_RANGES = {
     "make_vocab_size_divisible_by": AT_LEAST_1, "decoder_first_pipeline_num_layers": NON_NEGATIVE,
     "decoder_last_pipeline_num_layers": NON_NEGATIVE, "ckpt_step": NON_NEGATIVE, "padded_vocab_size": AT_LEAST_1,
     "distributed_timeout_minutes": AT_LEAST_1, "mtp_num_layers": NON_NEGATIVE, "mtp_loss_scaling_factor": NON_NEGATIVE,
+    # LoRA (slime/config/flags_lora.py)
+    "lora_rank": NON_NEGATIVE, "lora_alpha": POSITIVE,
+    "lora_dropout": Range(low=0, high=1, high_open=True, why="a dropout probability below 1"),
     # data
     "rollout_seed": ANY, "num_rollout": NON_NEGATIVE, "num_epoch": AT_LEAST_1, "start_rollout_id": NON_NEGATIVE,
     # rollout

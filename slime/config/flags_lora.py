@@ -129,9 +129,6 @@ def check_lora_args(args) -> None:
                            ("--target-modules", "target_modules"), ("--exclude-modules", "exclude_modules")):
             require(not getattr(args, dest), f"{flag} configures LoRA training: pass --lora-rank R (R > 0) too")
         return
-    require(args.lora_rank > 0, f"--lora-rank {args.lora_rank}: must be 0 (off) or a positive rank")
-    require(args.lora_alpha > 0, f"--lora-alpha {args.lora_alpha}: must be positive (scale = alpha / rank)")
-    require(0.0 <= args.lora_dropout < 1.0, f"--lora-dropout {args.lora_dropout}: must be in [0, 1)")
     require(bool(_split(args.target_modules)),
             "--lora-rank > 0 needs --target-modules: all-linear, or a comma list such as q_proj,k_proj,v_proj,o_proj")
     hf_config = hf_text_config(args) if args.hf_checkpoint and Path(args.hf_checkpoint, "config.json").is_file() else {}
