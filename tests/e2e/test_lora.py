@@ -25,7 +25,8 @@ def test_lora_grpo_run_serves_every_pushed_adapter(task, tmp_path):
     out = tmp_path / "run"
     run_train([
         "--hf-checkpoint", str(task["model"]), "--prompt-data", str(task["train"]), "--input-key", "prompt",
-        "--label-key", "label", "--apply-chat-template", "--rm-type", "math", "--rollout-batch-size", "4",
+        "--label-key", "label", "--apply-chat-template", "--rollout-batch-size", "4",
+        "--custom-rm-path", "tests.helpers.e2e_rewards.sample_index_parity",  # rewards that vary: the policy moves
         "--n-samples-per-prompt", "4", "--num-rollout", "3", "--rollout-max-response-len", "8",
         "--lora-rank", "8", "--lora-alpha", "16", "--target-modules", "all-linear", "--lr", "2e-2",
         "--use-kl-loss", "--kl-loss-coef", "0.0", "--check-lora-weight-equal",
