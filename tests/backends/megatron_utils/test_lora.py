@@ -120,3 +120,37 @@ def test_adapter_gradients_equal_the_merged_weight_reference(checkpoint, tmp_pat
             ids = torch.tensor([sample])
             log_probs = torch.log_softmax(model(ids).logits[0, :-1], -1).gather(1, ids[0, 1:, None])[:, 0]
             torch.testing.assert_close(log_probs[-response_length:], expected, rtol=1e-5, atol=1e-5)
+
+
+def _train_save_train(rank, world_size, port, checkpoint, save, data, resume: bool):
+    from slime.backends.megatron_utils.lora import load_adapter_from_hf
+    from slime.backends.megatron_utils.parallel import destroy_model_parallel
+    from tests.helpers.fsdp_helpers import make_trainer
+
+    extra = ("--load", save) if resume else ()
+    args = make_megatron_args(checkpoint, *LORA_FLAGS, "--lr", "1e-2", "--lr-warmup-iters", "2",
+                              "--micro-batch-size", "2", "--save", save, *extra, world_size=world_size, tp=world_size)
+    trainer = make_trainer(args, rank, world_size, port)
+    backend = trainer.backend
+    if not resume:
+        load_adapter_from_hf(backend.model_chunks, backend.hf_config, _shared_a_adapter(backend.hf_config), "test")
+        trainer.train(0, data[0])
+        trainer.save_model(0, run_state={"data_source": {}})
+    start = trainer.start_rollout_id
+    metrics = trainer.train(1, data[1])
+    adapter = backend.adapter_weights()
+    destroy_model_parallel()
+    return start, metrics, adapter
+
+
+@pytest.mark.slow  # two Megatron trainers in turn at TP=2 (~2 min on 2 cores)
+def test_resume_at_tp2_restores_adapter_and_optimizer_exactly(checkpoint, tmp_path):
+    save = tmp_path / "save"
+    data = [make_train_data(8, vocab_size=300, seed=s, num_steps=2) for s in (11, 12)]
+    _, uninterrupted, expected = run_distributed(_train_save_train, 2, checkpoint, save, data, False)[0]
+    start, metrics, adapter = run_distributed(_train_save_train, 2, checkpoint, save, data, True)[0]
+    assert start == 1
+    assert metrics["train/loss"] == pytest.approx(uninterrupted["train/loss"], rel=1e-6)
+    assert metrics["train/grad_norm"] == pytest.approx(uninterrupted["train/grad_norm"], rel=1e-6)
+    for name, value in adapter.items():
+        torch.testing.assert_close(value, expected[name], rtol=0, atol=1e-6, msg=name)
