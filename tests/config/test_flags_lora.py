@@ -10,6 +10,7 @@ from slime.config.errors import ArgumentError
 from slime.config.flags_lora import resolve_target_modules
 from tests.config.test_flags_moe import DENSE_CONFIG, QWEN3_30B_A3B_CONFIG
 from tests.helpers.args_helpers import make_args
+from tests.helpers.megatron_arg_helpers import base, data  # noqa: F401 (data: a fixture)
 
 ALL = ["down_proj", "gate_proj", "k_proj", "o_proj", "q_proj", "up_proj", "v_proj"]
 
@@ -80,3 +81,26 @@ def test_adapter_folder_must_match_rank_alpha_and_targets(tmp_path):
         make_args("--lora-rank", "8", "--target-modules", "q_proj", "--lora-adapter-path", folder)
     args = make_args("--lora-rank", "8", "--target-modules", "all-linear", "--lora-adapter-path", folder)
     assert args.lora_adapter_path == str(folder)
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--target-modules", "q_proj,o_proj"], "fused linear_qkv as one layer .*got q_proj"),
+    (["--target-modules", "gate_proj,down_proj"], "fused linear_fc1 as one layer .*got gate_proj"),
+    (["--target-modules", "all-linear", "--sequence-parallel"], "drop --sequence-parallel"),
+    (["--target-modules", "all-linear", "--lora-dropout", "0.1"], "--lora-dropout 0.1 with --tensor-model-parallel"),
+])
+def test_megatron_lora_layouts_it_cannot_run_are_refused(tmp_path, data, extra, message):
+    from slime.config.arguments import parse_args
+
+    with pytest.raises(ArgumentError, match=message):
+        parse_args(base(tmp_path, data, "--train-backend", "megatron", "--actor-num-gpus-per-node", "2",
+                        "--tensor-model-parallel-size", "2", "--lora-rank", "8", *extra))
+
+
+def test_megatron_lora_with_whole_fused_layers_is_accepted(tmp_path, data):
+    from slime.config.arguments import parse_args
+
+    args = parse_args(base(tmp_path, data, "--train-backend", "megatron", "--actor-num-gpus-per-node", "2",
+                           "--tensor-model-parallel-size", "2", "--lora-rank", "8", "--target-modules",
+                           "linear_qkv,linear_fc2"))
+    assert args.lora_target_modules == ["down_proj", "k_proj", "q_proj", "v_proj"]

@@ -63,6 +63,10 @@ def _train_one_step(rank, world_size, port, checkpoint, save, data):
     trainer = make_trainer(args, rank, world_size, port, with_ref=True)
     backend = trainer.backend
     adapter = _shared_a_adapter(backend.hf_config)
+    unshared = {**adapter, "model.layers.1.self_attn.k_proj.lora_A.weight":
+                adapter["model.layers.1.self_attn.k_proj.lora_A.weight"] + 0.01}
+    with pytest.raises(ValueError, match="q_proj, .*k_proj, .*v_proj have different lora_A"):
+        load_adapter_from_hf(backend.model_chunks, backend.hf_config, unshared, "peft-folder")
     load_adapter_from_hf(backend.model_chunks, backend.hf_config, adapter, "test")
     assert backend.adapter_weights().keys() == adapter.keys()
     trainable = {name for chunk in backend.model_chunks for name, p in chunk.named_parameters() if p.requires_grad}
