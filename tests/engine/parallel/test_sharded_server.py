@@ -157,3 +157,14 @@ def test_a_hung_rank_takes_the_engine_down_after_the_collective_timeout(models, 
         rank_1.wait(timeout=10)  # killed with its parent, stopped or not
     finally:
         server.stop()
+
+
+def test_openai_completions_pause_continue_and_server_state_at_two_ranks(client, models):
+    response = client.post("/v1/completions", json={"model": "x", "prompt": "hello world", "max_tokens": 5,
+                                                    "temperature": 0})
+    assert response.status_code == 200 and response.json()["usage"]["completion_tokens"] == 5, response.text
+    assert client.post("/pause_generation", json={}).status_code == 200
+    assert client.post("/continue_generation", json={}).status_code == 200
+    assert generate(client)["meta_info"]["completion_tokens"] == GREEDY["max_new_tokens"]
+    info = client.get("/get_server_info").json()
+    assert info["internal_states"][0]["paused"] is False and info["tp_size"] == 2
