@@ -72,6 +72,11 @@ class ModelRunner:
         try:
             with torch.device(self.device):
                 self.model = DecoderForCausalLM(model_config, parallel)
+        except torch.OutOfMemoryError as error:
+            raise ValueError(f"the model's weights do not fit this device at tp_size {parallel.tp_size}: spread "
+                             "them over more devices (--tp-size; slime: --rollout-num-gpus-per-engine), or leave "
+                             "more memory to the engine (slime: --sglang-mem-fraction-static, offloading the "
+                             f"trainer): {error}") from None
         finally:
             torch.set_default_dtype(default_dtype)
         self.model.eval()
@@ -201,11 +206,19 @@ class ModelRunner:
         self.decode_graphs = self.prefill_graphs = None
 
     @every_rank
-    def unpark_graphs(self) -> None:
-        """After a resume of the weights and KV cache: the parked graphs back if those came back where they were."""
+    def unpark_graphs(self) -> tuple[bool, bool]:
+        """After a resume of the weights and KV cache: the parked graphs back if those came back where they were.
+        Returns which of (decode, prefill) graphs this rank now holds: the ranks of a sharded engine must agree, as
+        a graph captured on one rank only would leave the others out of its collectives (`drop_graphs`)."""
         addresses = self._baked_addresses()
         self.decode_graphs = self.parked_graphs.take(addresses) or self.decode_graphs
         self.prefill_graphs = self.parked_prefill_graphs.take(addresses) or self.prefill_graphs
+        return self.decode_graphs is not None, self.prefill_graphs is not None
+
+    @every_rank
+    def drop_graphs(self) -> None:
+        """Forget the decode and prefill graphs (the next steps capture anew, on every rank together)."""
+        self.decode_graphs = self.prefill_graphs = None
 
     @every_rank
     def clear_parked_graphs(self) -> None:
@@ -216,12 +229,19 @@ class ModelRunner:
         return baked_addresses(self.model, self.kv_cache, self.routed_experts)
 
     def read_routed_experts(self, block_table: list[int], num_positions: int) -> np.ndarray:
-        """The routing recorded for positions [0, num_positions) of a sequence holding `block_table`:
-        [num_positions, num_moe_layers, top_k] int32 (one host sync)."""
+        """The routing recorded for positions [0, num_positions) of a sequence holding `block_table`, in SGLang's
+        layout: [num_positions, num_hidden_layers, top_k] int32, zeros in the dense layers' rows (SGLang's capture
+        buffer is zero-filled and only MoE layers write it; the cache here holds the MoE layers only). One host sync."""
         positions = np.arange(num_positions)
         slots = np.asarray(block_table, dtype=np.int64)[positions // self.block_size] * self.block_size
         slots += positions % self.block_size
-        return self.routed_experts[self.staging.to_device(slots)].cpu().numpy()
+        moe_rows = self.routed_experts[self.staging.to_device(slots)].cpu().numpy()
+        c = self.model_config
+        if len(c.moe_layers) == c.num_hidden_layers:
+            return moe_rows
+        rows = np.zeros((num_positions, c.num_hidden_layers, moe_rows.shape[-1]), dtype=np.int32)
+        rows[:, list(c.moe_layers)] = moe_rows
+        return rows
 
     @every_rank
     def release_weights(self, discard_names: set[str] | None = None) -> None:
@@ -243,8 +263,9 @@ class ModelRunner:
         self.host_weights.loaded(load_weights(self.model, named_tensors))
 
     def load_checkpoint_dir(self, model_path: str) -> None:
-        """Every weight from a checkpoint folder (each rank reads it and keeps its shard), or a ValueError."""
-        load_checkpoint(self.model, model_path)
+        """Every weight from a checkpoint folder (each rank reads it and keeps its shard), or a ValueError. A
+        trainer's folder carries no router correction bias (a buffer, never sent): the loaded one stays."""
+        load_checkpoint(self.model, model_path, require_buffers=False)
         self.host_weights.loaded(set(self.host_weights.missing))
 
     def _empty_device_cache(self) -> None:

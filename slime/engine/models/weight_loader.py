@@ -3,8 +3,12 @@ checkpoints from disk (one or many *.safetensors, with or without model.safetens
 
 `load_weights` accepts any subset of a model's HF-named weights (a trainer may push them in buckets) and raises a
 ValueError naming the weight for an unknown name or a wrong shape. MoE experts use the HF checkpoint's per-expert
-names (`mlp.experts.<e>.gate_proj.weight` ...), which load into slices of the stacked expert tensors. It does not
-decide dtype or device: tensors are copied into the existing parameters.
+names (`mlp.experts.<e>.gate_proj.weight` ...), which load into slices of the stacked expert tensors. One buffer
+loads too: the sigmoid router's `e_score_correction_bias` (GLM-4.5; a checkpoint tensor, but never among the
+weights a trainer sends, so not in `named_weight_shapes`). GLM-4's checkpoint holds its dense MLPs' fused
+`mlp.gate_up_proj.weight` (loaded whole). Multi-token-prediction layers of released checkpoints
+(`model.layers.<num_hidden_layers + i>.*`, config num_nextn_predict_layers) are skipped. It does not decide dtype
+or device: tensors are copied into the existing parameters.
 
 Every route (checkpoint, pushed tensors, broadcast, disk) hands every rank of a sharded engine the FULL tensors;
 each rank copies only its shard, as the parallel layers describe it (`engine/parallel/`): q/k/v by heads (K/V
@@ -17,6 +21,7 @@ the full HF shapes (what a push must send).
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,6 +37,24 @@ from slime.engine.parallel.vocab import ParallelLMHead, VocabParallelEmbedding
 FUSED_MODULES = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 # Buffers some older checkpoints carry; they are recomputed, never loaded.
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+# Checkpoints whose dense MLPs already hold the fused `mlp.gate_up_proj.weight` [gate; up] (GLM-4): loaded whole
+# (such models are served at tp_size 1).
+FUSED_GATE_UP_MODEL_TYPES = ("glm4",)
+LOADED_BUFFER_SUFFIXES = (".gate.e_score_correction_bias",)  # sigmoid_moe_block.CORRECTION_BIAS
+LAYER_INDEX = re.compile(r"^model\.layers\.(\d+)\.")
+
+
+def _is_mtp_weight(model: nn.Module, name: str) -> bool:
+    """A weight of a multi-token-prediction layer the checkpoint carries after the decoder's layers."""
+    match = LAYER_INDEX.match(name)
+    config = model.config
+    return bool(match) and config.num_nextn_predict_layers > 0 and (
+        config.num_hidden_layers <= int(match[1]) < config.num_hidden_layers + config.num_nextn_predict_layers)
+
+
+def loaded_buffers(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The buffers a checkpoint fills (the sigmoid routers' correction biases), by HF name."""
+    return {name: buffer for name, buffer in model.named_buffers() if name.endswith(LOADED_BUFFER_SUFFIXES)}
 
 
 @dataclass(frozen=True)
@@ -134,9 +157,10 @@ def weight_shards(model: nn.Module) -> dict[str, Shard]:
         return cached
     shards: dict[str, Shard] = {}
     covered: set[str] = set()
+    fused_gate_up = model.config.model_type in FUSED_GATE_UP_MODEL_TYPES
     for prefix, module in model.named_modules():
         module_shards = _module_shards(prefix, module)
-        if module_shards is None:
+        if module_shards is None or (fused_gate_up and prefix.endswith(".mlp.gate_up_proj")):
             continue
         covered.update(f"{prefix}.{suffix}" for suffix, _ in module.named_parameters(recurse=False))
         shards.update(module_shards)
@@ -159,12 +183,20 @@ def load_weights(model: nn.Module, named_tensors: Iterable[tuple[str, torch.Tens
     """Copy this rank's shard of each full HF-named tensor into `model`; returns the set of names loaded."""
     shards = weight_shards(model)
     params = dict(model.named_parameters())
+    buffers = loaded_buffers(model)
     loaded = set()
     with torch.no_grad():
         for name, tensor in named_tensors:
-            if name.endswith(IGNORED_SUFFIXES):
+            if name.endswith(IGNORED_SUFFIXES) or _is_mtp_weight(model, name):
                 continue
             shard = shards.get(_hf_name(model, name))
+            if shard is None and name in buffers:
+                if tuple(tensor.shape) != tuple(buffers[name].shape):
+                    raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)}, expected "
+                                     f"{tuple(buffers[name].shape)}")
+                buffers[name].copy_(tensor)
+                loaded.add(name)
+                continue
             if shard is None:
                 raise ValueError(f"unknown weight {name!r} for this {model.config.model_type} model")
             if tuple(tensor.shape) != shard.full_shape:
@@ -201,12 +233,15 @@ def iterate_checkpoint(model_path: str | Path) -> Iterator[tuple[str, torch.Tens
                 yield name, handle.get_tensor(name)
 
 
-def load_checkpoint(model: nn.Module, model_path: str | Path) -> None:
-    """Load every weight of `model` from disk; missing weights raise ValueError listing them."""
+def load_checkpoint(model: nn.Module, model_path: str | Path, require_buffers: bool = True) -> None:
+    """Load every weight of `model` from disk; missing weights raise ValueError listing them. The loaded buffers
+    (router correction biases) are required too unless `require_buffers` is False: a folder a trainer wrote holds
+    parameters only, and a bias it lacks keeps its value."""
     loaded = load_weights(model, iterate_checkpoint(model_path))
     if model.config.tie_word_embeddings:
         loaded.discard("lm_head.weight")
-    missing = sorted(set(named_weight_shapes(model)) - loaded)
+    required = set(named_weight_shapes(model)) | (set(loaded_buffers(model)) if require_buffers else set())
+    missing = sorted(required - loaded)
     if missing:
         more = " ..." if len(missing) > 8 else ""
         raise ValueError(f"checkpoint {str(model_path)!r} lacks weight(s) {missing[:8]}{more}")
