@@ -2,8 +2,9 @@
 several decode steps of a mixed greedy / sampled batch, rank 0's tokens equal a TP=1 runner's, its log-probs within
 1e-5 and its logits within 3e-5 (fp32 sums in another order), for a dense Qwen3 with GQA (one and two K/V heads per
 rank), one with fewer K/V heads than ranks (replicated), a Llama with q/k/v and o_proj biases and an odd, untied
-vocabulary (padding; the row-parallel bias added once), Qwen3-MoE at TP=2 and at TP=2 x EP=2 and Qwen2-MoE (shared
-expert) at TP=2 x EP=2, with the routed experts every rank records equal to TP=1's. Every rank holds the same full
+vocabulary (padding; the row-parallel bias added once), Qwen3-MoE at TP=2 and at TP=2 x EP=2, Qwen2-MoE (shared
+expert) at TP=2 x EP=2, GLM-4 (fused gate_up_proj in the checkpoint) at TP=2 and GLM-4.5 (sigmoid router) at TP=2 x
+EP=2, with the routed experts every rank records equal to TP=1's. Every rank holds the same full
 logits and samples what rank 0 samples.
 
 One spawn of two ranks runs every case; the TP=1 reference runs here."""
@@ -35,6 +36,8 @@ CASES = {
     "qwen3_moe_tp2": ("qwen3_moe", 1),
     "qwen3_moe_tp2_ep2": ("qwen3_moe", 2),
     "qwen2_moe_tp2_ep2": ("qwen2_moe", 2),
+    "glm4_tp2": ("glm4", 1),
+    "glm4_moe_tp2_ep2": ("glm4_moe", 2),
 }
 CHECKPOINTS = {
     "qwen3_gqa": dict(arch="qwen3", num_attention_heads=4, num_key_value_heads=2),
@@ -45,6 +48,8 @@ CHECKPOINTS = {
     "qwen3_moe": dict(arch="qwen3_moe"),
     # layer 1 dense: dense and sparse feed-forwards in one stack
     "qwen2_moe": dict(arch="qwen2_moe", num_hidden_layers=3, mlp_only_layers=[1]),
+    "glm4": dict(arch="glm4"),  # the checkpoint's own fused gate_up_proj, split by gate and up rows
+    "glm4_moe": dict(arch="glm4_moe"),  # sigmoid router + correction bias replicated, ungated shared expert
 }
 
 

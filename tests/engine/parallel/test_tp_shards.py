@@ -2,8 +2,9 @@
 processes: building and loading a shard runs no collective): the ranks' q rows, gate / up rows, o_proj / down_proj
 columns and vocabulary rows put side by side give the full HF tensors back; a K/V head shared by several ranks is
 held whole by each (rank r holds head r * num_kv_heads // tp_size); vocabulary padding is zeros; experts are split
-by EP block and intermediate slice; the router, norms and row-parallel biases are held whole. `named_weight_shapes`
-reports the full HF shapes on every rank."""
+by EP block and intermediate slice; the router, norms and row-parallel biases are held whole; a checkpoint's own
+fused gate_up_proj (GLM-4) is split by gate and up rows. `named_weight_shapes` reports the full HF shapes on every
+rank."""
 
 import pytest
 import torch
@@ -119,3 +120,19 @@ def test_expert_shards_reassemble_the_checkpoint(checkpoints, tp_size, ep_size):
                            full[f"{prefix}.shared_expert.gate_proj.weight"])
         assert torch.equal(torch.cat([b.shared_expert.down_proj.weight for b in blocks], dim=1),
                            full[f"{prefix}.shared_expert.down_proj.weight"])
+
+
+def test_a_checkpoints_fused_gate_up_is_split_by_gate_and_up_rows(tmp_path):
+    """GLM-4 checkpoints hold `mlp.gate_up_proj.weight` = [gate; up] already fused: rank r takes its rows of each."""
+    path = build_tiny_model(tmp_path, arch="glm4")
+    config, ranks, full = rank_models(path)
+    rows = config.intermediate_size // 2
+    for index in range(config.num_hidden_layers):
+        name = f"model.layers.{index}.mlp.gate_up_proj.weight"
+        gate, up = full[name].chunk(2)
+        local = [model.get_parameter(name) for model in ranks]
+        assert torch.equal(torch.cat([t[:rows] for t in local]), gate)
+        assert torch.equal(torch.cat([t[rows:] for t in local]), up)
+    for model in ranks:
+        assert {n: shape for n, (shape, _) in named_weight_shapes(model).items()} == {
+            n: tuple(t.shape) for n, t in full.items()}
