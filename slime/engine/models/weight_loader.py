@@ -6,9 +6,9 @@ ValueError naming the weight for an unknown name or a wrong shape. MoE experts u
 names (`mlp.experts.<e>.gate_proj.weight` ...), which load into slices of the stacked expert tensors. One buffer
 loads too: the sigmoid router's `e_score_correction_bias` (GLM-4.5; a checkpoint tensor, but never among the
 weights a trainer sends, so not in `named_weight_shapes`). GLM-4's checkpoint holds its dense MLPs' fused
-`mlp.gate_up_proj.weight` (a rank takes its rows of the gate half and of the up half). Multi-token-prediction layers of released checkpoints
-(`model.layers.<num_hidden_layers + i>.*`, config num_nextn_predict_layers) are skipped. It does not decide dtype
-or device: tensors are copied into the existing parameters.
+`mlp.gate_up_proj.weight` (a rank takes its rows of the gate half and of the up half). Multi-token-prediction
+layers of released checkpoints (`model.layers.<num_hidden_layers + i>.*`, config num_nextn_predict_layers) are
+skipped. It does not decide dtype or device: tensors are copied into the existing parameters.
 
 Every route (checkpoint, pushed tensors, broadcast, disk) hands every rank of a sharded engine the FULL tensors;
 each rank copies only its shard, as the parallel layers describe it (`engine/parallel/`): q/k/v by heads (K/V
