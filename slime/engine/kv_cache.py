@@ -20,10 +20,20 @@ from slime.engine.models import ModelConfig
 CPU_KV_CACHE_RAM_FRACTION = 0.25
 
 
+def cache_row_shape(model_config: ModelConfig) -> tuple[int, int, int]:
+    """(planes, heads, values per head) of one token's cache row in one layer: K and V planes of the KV heads, or
+    for multi-head latent attention one plane of one latent "head" (kv_lora_rank + qk_rope_head_dim values, V being
+    its first kv_lora_rank columns), never expanded per attention head."""
+    if model_config.mla is not None:
+        return 1, 1, model_config.mla.latent_dim
+    return 2, model_config.num_key_value_heads, model_config.head_dim
+
+
 def bytes_per_block(config: Config, model_config: ModelConfig, kv_dtype: torch.dtype) -> int:
     c = model_config
     element_size = torch.empty((), dtype=kv_dtype).element_size()
-    kv_bytes = 2 * c.num_hidden_layers * config.kvcache_block_size * c.num_key_value_heads * c.head_dim * element_size
+    num_planes, num_heads, head_dim = cache_row_shape(c)
+    kv_bytes = num_planes * c.num_hidden_layers * config.kvcache_block_size * num_heads * head_dim * element_size
     routing_bytes = len(c.moe_layers) * c.num_experts_per_tok * 4 * config.kvcache_block_size
     return kv_bytes + (routing_bytes if config.enable_return_routed_experts else 0)
 
@@ -47,13 +57,14 @@ def num_blocks_from_memory(config: Config, model_config: ModelConfig, device: to
 
 
 class KVCacheStorage:
-    """[num_layers, 2, num_slots // block_size, block_size, kv_heads, head_dim] K/V and, when `num_moe_layers` and
-    `top_k` are given, [num_slots, num_moe_layers, top_k] int32 routed experts (-1: none recorded)."""
+    """[num_layers, num_planes, num_slots // block_size, block_size, kv_heads, head_dim] K/V (2 planes; MLA's
+    latent: 1) and, when `num_moe_layers` and `top_k` are given, [num_slots, num_moe_layers, top_k] int32 routed
+    experts (-1: none recorded)."""
 
     def __init__(self, device: torch.device, num_layers: int, block_shape: tuple[int, ...], kv_dtype: torch.dtype,
-                 routing_shape: tuple[int, int] | None = None):
+                 routing_shape: tuple[int, int] | None = None, num_planes: int = 2):
         num_blocks, block_size = block_shape[:2]
-        specs = [((num_layers, 2, *block_shape), kv_dtype)]
+        specs = [((num_layers, num_planes, *block_shape), kv_dtype)]
         if routing_shape is not None:
             specs.append(((num_blocks * block_size, *routing_shape), torch.int32))
         self.buffers = StableBuffers(device, specs)

@@ -21,7 +21,7 @@ from slime.engine.dtypes import resolve_device, resolve_dtype, resolve_kv_cache_
 from slime.engine.host_staging import HostStaging
 from slime.engine.host_weights import HostWeights
 from slime.engine.kernel_checks import grouped_mm_works, triton_attention_works, triton_fused_kernels_work
-from slime.engine.kv_cache import KVCacheStorage, bytes_per_block, num_blocks_from_memory
+from slime.engine.kv_cache import KVCacheStorage, bytes_per_block, cache_row_shape, num_blocks_from_memory
 from slime.engine.layers.attention import AttentionMetadata
 from slime.engine.models import DecoderForCausalLM, ModelConfig
 from slime.engine.models.weight_loader import load_checkpoint
@@ -134,16 +134,17 @@ class ModelRunner:
             # One storage for every layer's K and V (and the routing record), not two tensors per layer: a colocated
             # run frees and re-allocates the cache on every hand-over, and each allocation is a driver call.
             routing = (len(blocks), c.num_experts_per_tok) if self.config.enable_return_routed_experts else None
-            block_shape = (self.num_kvcache_blocks + 1, self.block_size, c.num_key_value_heads, c.head_dim)
-            self.kv_storage = KVCacheStorage(self.device, len(layers), block_shape, self.kv_dtype, routing)
+            num_planes, num_heads, head_dim = cache_row_shape(c)
+            block_shape = (self.num_kvcache_blocks + 1, self.block_size, num_heads, head_dim)
+            self.kv_storage = KVCacheStorage(self.device, len(layers), block_shape, self.kv_dtype, routing, num_planes)
         # The pure-torch path needs zeros: its masked-out slots enter SDPA multiplied by 0, and NaN garbage would
         # survive that. The Triton kernels load only slots below each sequence's length, all written before any read
         # (cached prefix, earlier chunks, the step's own K/V), so there the cache is left uninitialized: zeroing
         # the whole cache on every colocated resume costs a device-wide memset.
         self.kv_cache_zeroed = not self.use_triton
         self.kv_cache, self.routed_experts = self.kv_storage.allocate(zeroed=self.kv_cache_zeroed)
-        for attn, (keys, values) in zip(layers, self.kv_cache):
-            attn.k_cache, attn.v_cache = keys, values
+        for attn, planes in zip(layers, self.kv_cache):  # MLA's one latent plane is its K and its V
+            attn.k_cache, attn.v_cache = planes[0], planes[-1]
         # Indexed by cache slot like the K/V, so prefix-cache hits keep the routing of the tokens they skip.
         for index, block in enumerate(blocks if self.routed_experts is not None else []):
             block.routed_experts_cache = self.routed_experts[:, index]

@@ -1,6 +1,7 @@
 """Pre-norm decoder-only transformer covering Qwen2/Qwen2.5 (qkv bias), Qwen3 (per-head q/k RMSNorm), Llama 3
 (llama3 RoPE scaling) and the mixture-of-experts Qwen3-MoE / Qwen2-MoE (sparse feed-forward blocks in the layers
-`ModelConfig.moe_layers` names, `moe_block.py`): they differ only in the flags of `ModelConfig`.
+`ModelConfig.moe_layers` names, `moe_block.py`): they differ only in the flags of `ModelConfig`. The DeepSeek-V3
+family swaps the attention for multi-head latent attention (`ModelConfig.mla`, `layers/mla_attention.py`).
 
 Module names follow Hugging Face's (model.layers.N.self_attn..., lm_head) except that q/k/v are fused into
 `qkv_proj` and gate/up into `gate_up_proj`; `weight_loader.py` is the one place that maps HF names onto them.
@@ -14,6 +15,9 @@ import torch
 from torch import nn
 
 from slime.engine.layers.attention import AttentionMetadata, PagedAttention
+from slime.engine.layers.latent_attention import LatentPagedAttention
+from slime.engine.layers.mla_attention import MLAAttention
+from slime.engine.layers.mla_rotary import MLARotaryEmbedding
 from slime.engine.layers.rmsnorm import RMSNorm, torch_rms_norm
 from slime.engine.layers.rotary import RotaryEmbedding
 from slime.engine.models.dense_mlp import DenseMLP
@@ -69,11 +73,14 @@ class DecoderAttention(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding, layer_index: int):
+    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding | MLARotaryEmbedding, layer_index: int):
         super().__init__()
         self.is_sparse = layer_index in config.moe_layers
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = DecoderAttention(config, rotary)
+        if config.mla is not None:
+            self.self_attn = MLAAttention(config.hidden_size, config.num_attention_heads, config.mla, rotary)
+        else:
+            self.self_attn = DecoderAttention(config, rotary)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = SparseMoeBlock(config) if self.is_sparse else DenseMLP(config.hidden_size, config.intermediate_size)
 
@@ -102,9 +109,12 @@ class DecoderModel(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.rotary = RotaryEmbedding(
-            config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling
-        )
+        if config.mla is not None:
+            self.rotary = MLARotaryEmbedding(config.mla, config.max_position_embeddings, config.rope_theta)
+        else:
+            self.rotary = RotaryEmbedding(
+                config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling
+            )
         self.layers = nn.ModuleList(DecoderLayer(config, self.rotary, index)
                                     for index in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -144,7 +154,7 @@ class DecoderForCausalLM(nn.Module):
             if hasattr(module, "use_triton"):
                 module.use_triton = enabled
 
-    def attention_layers(self) -> list[PagedAttention]:
+    def attention_layers(self) -> list[PagedAttention | LatentPagedAttention]:
         return [layer.self_attn.attn for layer in self.model.layers]
 
     def moe_blocks(self) -> list[SparseMoeBlock]:

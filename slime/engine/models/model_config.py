@@ -10,6 +10,7 @@ import json
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from slime.engine.models.mla_config import MLAConfig, parse_mla_config
 from slime.utils.moe_config import moe_layer_indices
 
 # model_type -> (HF architecture class name, has qkv bias by default, has per-head q/k RMSNorm)
@@ -19,8 +20,13 @@ SUPPORTED_MODEL_TYPES = {
     "llama": ("LlamaForCausalLM", False, False),
     "qwen3_moe": ("Qwen3MoeForCausalLM", False, True),
     "qwen2_moe": ("Qwen2MoeForCausalLM", True, False),
+    # multi-head latent attention (mla_config.py); Kimi K2 ships DeepseekV3ForCausalLM under its own model_type
+    "deepseek_v3": ("DeepseekV3ForCausalLM", False, False),
+    "kimi_k2": ("DeepseekV3ForCausalLM", False, False),
+    "glm4_moe_lite": ("Glm4MoeLiteForCausalLM", False, False),
 }
 MOE_MODEL_TYPES = ("qwen3_moe", "qwen2_moe")
+MLA_MODEL_TYPES = ("deepseek_v3", "kimi_k2", "glm4_moe_lite")
 
 
 @dataclass
@@ -50,6 +56,9 @@ class ModelConfig:
     norm_topk_prob: bool = False
     shared_expert_intermediate_size: int = 0  # Qwen2-MoE's shared expert; 0 = none
     moe_layers: tuple[int, ...] = ()  # indices of the layers whose feed-forward is sparse
+    mla: MLAConfig | None = None  # multi-head latent attention (DeepSeek-V3 family); None: the q/k/v decoder
+    # multi-token-prediction layers a released checkpoint carries past num_hidden_layers (their weights are skipped)
+    num_mtp_layers: int = 0
 
     @property
     def is_moe(self) -> bool:
@@ -90,7 +99,8 @@ def parse_model_config(raw: dict) -> ModelConfig:
     if raw.get("rope_scaling"):
         rope.update(raw["rope_scaling"])
     rope_type = rope.get("rope_type", rope.get("type", "default"))
-    if rope_type not in ("default", "llama3"):
+    mla = parse_mla_config(raw, rope, rope_type) if model_type in MLA_MODEL_TYPES else None
+    if mla is None and rope_type not in ("default", "llama3"):
         raise ValueError(f"unsupported rope type {rope_type!r}; supported: default, llama3")
     num_heads = raw["num_attention_heads"]
     eos = raw.get("eos_token_id")
@@ -102,7 +112,7 @@ def parse_model_config(raw: dict) -> ModelConfig:
         num_hidden_layers=raw["num_hidden_layers"],
         num_attention_heads=num_heads,
         num_key_value_heads=raw.get("num_key_value_heads") or num_heads,
-        head_dim=raw.get("head_dim") or raw["hidden_size"] // num_heads,
+        head_dim=mla.qk_head_dim if mla else raw.get("head_dim") or raw["hidden_size"] // num_heads,
         rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
         max_position_embeddings=raw.get("max_position_embeddings", 4096),
         rope_theta=rope.get("rope_theta", raw.get("rope_theta", 10000.0)),
@@ -114,6 +124,8 @@ def parse_model_config(raw: dict) -> ModelConfig:
         torch_dtype=raw.get("torch_dtype") or raw.get("dtype"),
         eos_token_ids=[] if eos is None else ([eos] if isinstance(eos, int) else list(eos)),
         **(_moe_fields(raw) if model_type in MOE_MODEL_TYPES else {}),
+        mla=mla,
+        num_mtp_layers=raw.get("num_nextn_predict_layers") or 0,
     )
 
 

@@ -61,6 +61,8 @@ def _target(model: nn.Module, params: dict[str, nn.Parameter], name: str) -> tor
     expert = EXPERT_WEIGHT.match(name)
     if expert:
         return _expert_target(model, params, name, expert)
+    if name in params:  # loads 1:1 (MLA's plain q_proj included: its own parameter, not a slice of qkv_proj)
+        return params[name].data
     parts = name.split(".")
     if len(parts) >= 2 and parts[-2] in PACKED_MODULES:
         fused, index = PACKED_MODULES[parts[-2]]
@@ -74,13 +76,23 @@ def _target(model: nn.Module, params: dict[str, nn.Parameter], name: str) -> tor
     return params[name].data
 
 
+LAYER_INDEX = re.compile(r"^model\.layers\.(\d+)\.")
+
+
+def is_mtp_weight(config, name: str) -> bool:
+    """Whether `name` belongs to a multi-token-prediction layer a released checkpoint carries past the decoder
+    (`model.layers.{num_hidden_layers + k}.*`, DeepSeek-V3 / GLM-4.5's num_nextn_predict_layers): never loaded."""
+    match = LAYER_INDEX.match(name)
+    return bool(match) and config.num_hidden_layers <= int(match[1]) < config.num_hidden_layers + config.num_mtp_layers
+
+
 def load_weights(model: nn.Module, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
     """Copy HF-named tensors into `model`; returns the set of names loaded."""
     params = dict(model.named_parameters())
     loaded = set()
     with torch.no_grad():
         for name, tensor in named_tensors:
-            if name.endswith(IGNORED_SUFFIXES):
+            if name.endswith(IGNORED_SUFFIXES) or is_mtp_weight(model.config, name):
                 continue
             target = _target(model, params, name)
             if tuple(tensor.shape) != tuple(target.shape):
