@@ -20,9 +20,15 @@ from slime.engine.decode_rows import DecodeRows
 from slime.engine.dtypes import resolve_device, resolve_dtype, resolve_kv_cache_dtype
 from slime.engine.host_staging import HostStaging
 from slime.engine.host_weights import HostWeights
-from slime.engine.kernel_checks import grouped_mm_works, triton_attention_works, triton_fused_kernels_work
+from slime.engine.kernel_checks import (
+    grouped_mm_works,
+    triton_attention_works,
+    triton_fused_kernels_work,
+    triton_mla_attention_works,
+)
 from slime.engine.kv_cache import KVCacheStorage, bytes_per_block, cache_row_shape, num_blocks_from_memory
 from slime.engine.layers.attention import AttentionMetadata
+from slime.engine.mla_checks import check_mla_engine_config
 from slime.engine.models import DecoderForCausalLM, ModelConfig
 from slime.engine.models.weight_loader import load_checkpoint
 from slime.engine.prefill_graphs import PrefillGraphs
@@ -57,6 +63,8 @@ class ModelRunner:
         self.dtype = resolve_dtype(config.dtype, self.device, model_config.torch_dtype)
         self.kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, self.dtype)
         self.block_size = config.kvcache_block_size
+        if model_config.mla is not None:
+            check_mla_engine_config(config, model_config, self.kv_dtype)
         self.staging = HostStaging(self.device)
         # Build in the target dtype (not .to(dtype) afterwards, which would also round the fp32 RoPE tables).
         default_dtype = torch.get_default_dtype()
@@ -94,7 +102,10 @@ class ModelRunner:
         self.kv_storage: KVCacheStorage | None = None
         self.kv_cache: torch.Tensor | None = None  # every layer's K and V; uninitialized on the Triton path
         self.kv_cache_zeroed = False
-        attention_works = self.device.type == "cuda" and triton_attention_works(self.device, self.kv_dtype)
+        if model_config.mla is not None:  # the latent cache has its own kernel
+            attention_works = self.device.type == "cuda" and triton_mla_attention_works(self.device)
+        else:
+            attention_works = self.device.type == "cuda" and triton_attention_works(self.device, self.kv_dtype)
         grouped_mm = grouped_mm_works(self.device, self.dtype) if model_config.is_moe else True
         for block in self.model.moe_blocks():
             block.experts.use_grouped_mm = grouped_mm
@@ -272,7 +283,9 @@ class ModelRunner:
 
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """A step's forward outside the decode graphs: through the piecewise prefill graphs where they apply."""
-        if not (self.use_cuda_graphs and self.config.prefill_cuda_graphs and meta.uses_triton):
+        # The piecewise graphs split the q/k/v decoder's attention stages; MLA's run eagerly (decode graphs apply).
+        piecewise = self.config.prefill_cuda_graphs and self.model_config.mla is None
+        if not (self.use_cuda_graphs and piecewise and meta.uses_triton):
             return self.model(input_ids, positions, meta)
         if self.prefill_graphs is None:
             max_tokens = min(self.config.prefill_cuda_graph_max_tokens or self.config.max_num_batched_tokens,

@@ -42,7 +42,7 @@ class LatentPagedAttention(nn.Module):
             from slime.engine.layers.triton_mla_decode import mla_attention
 
             return mla_attention(q.contiguous(), self.k_cache, meta.block_tables, meta.query_start_loc,
-                                 meta.seq_lens, self.scale, self.kv_lora_rank)
+                                 meta.seq_lens, meta.max_query_len, self.scale, self.kv_lora_rank)
         return self._torch_attention(q, meta)
 
     def _torch_attention(self, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:

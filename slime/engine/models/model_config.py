@@ -10,6 +10,7 @@ import json
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from slime.engine.models.fp8_blocks import fp8_weight_block_size
 from slime.engine.models.mla_config import MLAConfig, parse_mla_config
 from slime.utils.moe_config import moe_layer_indices
 
@@ -95,6 +96,7 @@ def parse_model_config(raw: dict) -> ModelConfig:
         raise ValueError("unsupported config: mlp_bias=true")
     if raw.get("hidden_act", "silu") != "silu":
         raise ValueError(f"unsupported hidden_act {raw['hidden_act']!r}; only silu is implemented")
+    fp8_weight_block_size(raw)  # refuses a quantization the loader cannot dequantize
     rope = dict(raw.get("rope_parameters") or {})
     if raw.get("rope_scaling"):
         rope.update(raw["rope_scaling"])

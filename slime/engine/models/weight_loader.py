@@ -17,6 +17,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from slime.engine.models.fp8_blocks import checkpoint_fp8_block_size, dequantize_fp8_blocks
+
 # HF projection name -> (fused parameter module name, index of the slice within it)
 PACKED_MODULES = {
     "q_proj": ("qkv_proj", 0),
@@ -157,8 +159,11 @@ def iterate_checkpoint(model_path: str | Path) -> Iterator[tuple[str, torch.Tens
 
 
 def load_checkpoint(model: nn.Module, model_path: str | Path) -> None:
-    """Load every weight of `model` from disk; missing weights raise ValueError listing them."""
-    loaded = load_weights(model, iterate_checkpoint(model_path))
+    """Load every weight of `model` from disk (a block-FP8 checkpoint dequantized, fp8_blocks.py); missing weights
+    raise ValueError listing them."""
+    named_tensors = iterate_checkpoint(model_path)
+    block = checkpoint_fp8_block_size(model_path)
+    loaded = load_weights(model, named_tensors if block is None else dequantize_fp8_blocks(named_tensors, block))
     if model.config.tie_word_embeddings:
         loaded.discard("lm_head.weight")
     missing = sorted(set(named_weight_shapes(model)) - loaded)

@@ -1,0 +1,185 @@
+"""The engine's multi-head latent attention (DeepSeek-V3 family) against transformers on tiny checkpoints built
+here: a V3-like model (q_lora_rank, DeepSeek-YaRN with both mscales, grouped router), a Moonlight-like one (q_lora
+null, plain q_proj), the V3-like one under Kimi's `kimi_k2` model_type, and GLM-4.7-Flash's `glm4_moe_lite`.
+Logits through prefill, chunked prefill and paged decode (fp32, < 1e-4); greedy tokens and log-probs through the
+scheduler, prefix-cache hits included; the latent cache's size per token (never expanded per head); a weight push
+into kv_b_proj against a fresh engine on the new weights; MTP weights skipped; refusals named."""
+
+import json
+import shutil
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from slime.engine.engine import Engine
+from slime.engine.models.weight_loader import iterate_checkpoint
+from slime.engine.sampling_params import SamplingParams
+from slime.engine.scheduled_batch import ScheduledSequence
+from slime.engine.sequence import Sequence
+from slime.utils.tiny_model import build_tiny_model
+from tests.helpers.greedy_margin import assert_clear_greedy_margin
+from tests.helpers.mla_checkpoints import build_mla_checkpoint, rewrite_config
+
+VARIANTS = ["deepseek_v3", "moonlight", "kimi_k2", "glm4_moe_lite"]
+
+
+@pytest.fixture(scope="module", params=VARIANTS)
+def checkpoint(request, tmp_path_factory):
+    """(variant, engine checkpoint, transformers model on the same weights, engine)."""
+    variant = request.param
+    path, hf_path = build_mla_checkpoint(tmp_path_factory.mktemp(variant), variant)
+    hf = AutoModelForCausalLM.from_pretrained(str(hf_path), dtype=torch.float32).eval()
+    engine = Engine(str(path), device="cpu", kvcache_block_size=4, num_kvcache_blocks=128)
+    return variant, path, hf, engine
+
+
+def hf_logits(hf, token_ids):
+    with torch.no_grad():
+        return hf(torch.tensor([token_ids])).logits[0].float()
+
+
+def run_chunks(engine, seq, chunk_sizes):
+    logits = []
+    for num_new_tokens in chunk_sizes:
+        end = seq.num_computed_tokens + num_new_tokens
+        engine.block_manager.grow(seq, end)
+        logits.append(engine.model_runner.forward_logits([ScheduledSequence.of(seq, num_new_tokens)]))
+        seq.num_computed_tokens = end
+    engine.block_manager.free(seq)
+    return torch.cat(logits)
+
+
+def test_config_variant_is_exercised(checkpoint):
+    variant, path, hf, engine = checkpoint
+    mla = engine.model_config.mla
+    assert engine.model_config.model_type == ("kimi_k2" if variant == "kimi_k2" else hf.config.model_type)
+    assert (mla.q_lora_rank is None) == (variant == "moonlight")
+    assert (mla.yarn is not None) == (variant in ("deepseek_v3", "kimi_k2"))
+    assert mla.v_head_dim != mla.qk_head_dim
+    layer = engine.model_runner.model.model.layers[0].self_attn
+    assert hasattr(layer, "q_proj") == (variant == "moonlight")
+    if mla.yarn is not None:  # both YaRN magnitudes differ from 1: the softmax scale's and the rope table's
+        assert layer.attn.scale != mla.qk_head_dim**-0.5
+        assert float(layer.rotary[0].cos[0, 0]) != 1.0
+
+
+def test_prefill_and_paged_decode_logits_match_transformers(checkpoint):
+    _, _, hf, engine = checkpoint
+    token_ids = [(7 * i + 3) % engine.model_config.vocab_size for i in range(30)]
+    reference = hf_logits(hf, token_ids)
+    assert reference.std() > 1.0  # the weights spread the logits: a wrong computation shows
+    for chunks in ([30], [11, 9, 10], [13] + [1] * 17):  # prefill, chunked prefill, prefill + decode
+        seq = Sequence("s", token_ids, SamplingParams(), seed=0)
+        logits = run_chunks(engine, seq, chunks)
+        assert (logits - reference).abs().max().item() < 1e-4, chunks
+
+
+def test_greedy_tokens_and_log_probs_match_transformers_with_prefix_cache_hits(checkpoint):
+    _, _, hf, engine = checkpoint
+    prompts = [[10, 20, 30, 40, 50, 60, 70, 80, 90], [9, 8, 7, 6, 5, 4, 3, 2, 1, 17, 33]]
+    params = {"temperature": 0.0, "max_new_tokens": 24, "ignore_eos": True}
+    hf.generation_config.eos_token_id = None
+    engine.flush_cache()
+    first = engine.generate(prompts, params)
+    again = engine.generate(prompts, params)  # the prompts' full blocks now come from the prefix cache
+    for prompt, output, cached in zip(prompts, first, again):
+        expected = hf.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=24, pad_token_id=0)
+        expected = expected[0, len(prompt):].tolist()
+        assert_clear_greedy_margin(hf, prompt, expected)
+        assert output["output_ids"] == expected and cached["output_ids"] == expected
+        assert cached["cached_tokens"] >= 8 and output["cached_tokens"] == 0
+        logits = hf_logits(hf, prompt + expected)[len(prompt) - 1 : -1]
+        hf_log_probs = torch.log_softmax(logits, -1).gather(1, torch.tensor(expected)[:, None]).squeeze(1)
+        for log_probs in (output["output_log_probs"], cached["output_log_probs"]):
+            assert (torch.tensor(log_probs) - hf_log_probs).abs().max().item() < 1e-4
+
+
+def test_latent_cache_holds_one_row_per_token_never_expanded(checkpoint):
+    _, _, _, engine = checkpoint
+    config, runner = engine.model_config, engine.model_runner
+    mla = config.mla
+    row = mla.kv_lora_rank + mla.qk_rope_head_dim
+    # [layers, 1 plane, blocks + scratch, block_size, 1 latent head, kv_lora_rank + rope]
+    assert tuple(runner.kv_cache.shape) == (config.num_hidden_layers, 1, 129, 4, 1, row)
+    assert runner.bytes_per_block == config.num_hidden_layers * 4 * row * 4
+    expanded = config.num_hidden_layers * 4 * config.num_attention_heads * (mla.qk_head_dim + mla.v_head_dim) * 4
+    assert runner.bytes_per_block < expanded
+    for attention in runner.model.attention_layers():
+        assert attention.v_cache.data_ptr() == attention.k_cache.data_ptr()  # V is the latent's first columns
+
+
+def test_named_weight_shapes_are_the_checkpoint_names(checkpoint):
+    _, path, _, engine = checkpoint
+    engine_shapes = {name: shape for name, (shape, _) in engine.named_weight_shapes().items()}
+    checkpoint_shapes = {name: tuple(tensor.shape) for name, tensor in iterate_checkpoint(path)}
+    assert engine_shapes.keys() == {name for name in checkpoint_shapes if "e_score_correction_bias" not in name} \
+        or engine_shapes == checkpoint_shapes
+    attention = [name for name in engine_shapes if name.startswith("model.layers.0.self_attn.")]
+    assert len(attention) == 7 or (len(attention) == 5 and "model.layers.0.self_attn.q_proj.weight" in attention)
+
+
+@pytest.mark.parametrize("variant", ["deepseek_v3", "moonlight"])
+def test_weight_push_into_kv_b_proj_equals_a_fresh_engine(tmp_path, variant):
+    """The absorbed W_UK / W_UV are views of kv_b_proj.weight: a push of new kv_b_proj (and q / o) weights changes
+    the output exactly as an engine started on a checkpoint holding them."""
+    path, _ = build_mla_checkpoint(tmp_path / "old", variant)
+    new_path, _ = build_mla_checkpoint(tmp_path / "new", variant, seed=5)
+    engine = Engine(str(path), device="cpu", kvcache_block_size=4, num_kvcache_blocks=64)
+    fresh = Engine(str(new_path), device="cpu", kvcache_block_size=4, num_kvcache_blocks=64)
+    prompt, params = [3, 1, 4, 1, 5, 9, 2, 6], {"temperature": 0.0, "max_new_tokens": 12, "ignore_eos": True}
+    before = engine.generate([prompt], params)[0]
+    pushed = [(name, tensor) for name, tensor in iterate_checkpoint(new_path) if ".self_attn." in name]
+    assert any("kv_b_proj" in name for name, _ in pushed)
+    engine.update_weights_from_tensors(pushed)
+    only_attention = engine.generate([prompt], params)[0]
+    engine.update_weights_from_tensors(list(iterate_checkpoint(new_path)))
+    after, expected = engine.generate([prompt], params)[0], fresh.generate([prompt], params)[0]
+    assert only_attention["output_log_probs"] != before["output_log_probs"]
+    assert after["output_ids"] == expected["output_ids"]
+    assert after["output_log_probs"] == expected["output_log_probs"]  # bit-identical: same weights, same path
+
+
+def test_mtp_layer_weights_are_skipped(tmp_path):
+    """A released checkpoint's multi-token-prediction layer (model.layers.{num_hidden_layers}.*) loads as nothing."""
+    path, _ = build_mla_checkpoint(tmp_path / "ckpt", "deepseek_v3")
+    reference = Engine(str(path), device="cpu", kvcache_block_size=4, num_kvcache_blocks=32)
+    from safetensors.torch import load_file, save_file
+
+    weights = load_file(str(path / "model.safetensors"))
+    num_layers = json.loads((path / "config.json").read_text())["num_hidden_layers"]
+    for name in [name for name in weights if name.startswith("model.layers.0.")]:
+        weights[name.replace("model.layers.0.", f"model.layers.{num_layers}.")] = weights[name] + 1
+    weights[f"model.layers.{num_layers}.eh_proj.weight"] = torch.ones(64, 128)
+    save_file(weights, str(path / "model.safetensors"), metadata={"format": "pt"})
+    rewrite_config(path, num_nextn_predict_layers=1)
+    engine = Engine(str(path), device="cpu", kvcache_block_size=4, num_kvcache_blocks=32)
+    params = {"temperature": 0.0, "max_new_tokens": 8, "ignore_eos": True}
+    assert engine.generate([[5, 6, 7]], params)[0]["output_log_probs"] == \
+        reference.generate([[5, 6, 7]], params)[0]["output_log_probs"]
+    rewrite_config(path, num_nextn_predict_layers=0)  # without MTP in the config, the extra layer is an error
+    with pytest.raises(ValueError, match=f"unknown weight 'model.layers.{num_layers}"):
+        Engine(str(path), device="cpu", kvcache_block_size=4, num_kvcache_blocks=32)
+
+
+def test_refusals_name_the_setting(tmp_path):
+    path, _ = build_mla_checkpoint(tmp_path / "ckpt", "moonlight")
+    with pytest.raises(ValueError, match="tp_size=2.*--tp-size.*multi-head latent attention"):
+        Engine(str(path), device="cpu", tp_size=2, num_kvcache_blocks=8)
+    with pytest.raises(ValueError, match="kv_cache_dtype='fp8_e4m3'.*latent KV cache.*'auto'"):
+        Engine(str(path), device="cpu", kv_cache_dtype="fp8_e4m3", num_kvcache_blocks=8)
+    rewrite_config(path, rope_parameters={"rope_type": "llama3", "factor": 8.0, "rope_theta": 1e4})
+    with pytest.raises(ValueError, match="rope type 'llama3' for multi-head latent attention"):
+        Engine(str(path), device="cpu")
+
+
+def test_kimi_k2_config_is_deepseek_v3_under_another_name(tmp_path):
+    """Kimi's config.json: architectures DeepseekV3ForCausalLM, model_type kimi_k2; a kimi_k2 type under another
+    architecture is refused."""
+    path = build_tiny_model(tmp_path / "kimi", arch="deepseek_v3", num_hidden_layers=1, first_k_dense_replace=1)
+    shutil.copy(path / "config.json", tmp_path / "config.bak")
+    rewrite_config(path, model_type="kimi_k2")
+    assert Engine(str(path), device="cpu", num_kvcache_blocks=8).model_config.mla.kv_lora_rank == 16
+    rewrite_config(path, architectures=["KimiK2ForCausalLM"])
+    with pytest.raises(ValueError, match="unsupported architectures"):
+        Engine(str(path), device="cpu")
