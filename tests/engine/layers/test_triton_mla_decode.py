@@ -117,3 +117,29 @@ def test_mla_kernel_deepseek_shape_bf16(num_heads):
     got = mla_attention(q, cache, block_tables, query_start_loc, seq_lens_t, 1, scale, 512, config=MLA_DECODE_CONFIG)
     expected = reference(q, cache, block_tables, query_lens, seq_lens, scale, 512)
     torch.testing.assert_close(got.cpu().double(), expected, atol=2e-2, rtol=2e-2)
+
+
+def test_engine_on_the_kernel_matches_transformers(tmp_path):
+    """The whole engine with its attention on the kernel (interpreted on a CPU) against transformers: a prefill
+    chunk, a second chunk over the cached prefix, then decode tokens."""
+    from transformers import AutoModelForCausalLM
+
+    from slime.engine.engine import Engine
+    from tests.helpers.mla_checkpoints import build_mla_checkpoint
+
+    path, _ = build_mla_checkpoint(tmp_path, "deepseek_v3")
+    hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    engine = Engine(str(path), device=DEVICE, dtype="float32", kvcache_block_size=4, num_kvcache_blocks=32,
+                    enforce_eager=True)
+    engine.model_runner.set_use_triton(True, fused=False)
+    token_ids = [(5 * i + 2) % engine.model_config.vocab_size for i in range(16)]
+    seq = Sequence("s", token_ids, SamplingParams(), seed=0)
+    logits = []
+    for num_new_tokens in (9, 4, 1, 1, 1):
+        end = seq.num_computed_tokens + num_new_tokens
+        engine.block_manager.grow(seq, end)
+        logits.append(engine.model_runner.forward_logits([ScheduledSequence.of(seq, num_new_tokens)]))
+        seq.num_computed_tokens = end
+    with torch.no_grad():
+        expected = hf(torch.tensor([token_ids])).logits[0]
+    assert (torch.cat(logits).cpu() - expected).abs().max().item() < 1e-4

@@ -183,3 +183,49 @@ def test_kimi_k2_config_is_deepseek_v3_under_another_name(tmp_path):
     rewrite_config(path, architectures=["KimiK2ForCausalLM"])
     with pytest.raises(ValueError, match="unsupported architectures"):
         Engine(str(path), device="cpu")
+
+
+def quantize_blocks(weight: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(float8_e4m3fn weight, float32 scale_inv per block) as DeepSeek's checkpoints store them: each block's
+    amax maps to fp8's largest value."""
+    rows, columns = weight.shape
+    row_blocks, column_blocks = -(-rows // block), -(-columns // block)
+    padded = torch.zeros(row_blocks * block, column_blocks * block)
+    padded[:rows, :columns] = weight
+    tiles = padded.view(row_blocks, block, column_blocks, block)
+    scale = tiles.abs().amax(dim=(1, 3)).clamp(min=1e-12) / torch.finfo(torch.float8_e4m3fn).max
+    quantized = (tiles / scale[:, None, :, None]).view_as(padded)[:rows, :columns].to(torch.float8_e4m3fn)
+    return quantized, scale
+
+
+def test_block_fp8_checkpoint_loads_as_its_dequantized_weights(tmp_path):
+    """A block-FP8 checkpoint (weights in float8_e4m3fn with weight_scale_inv, 16 x 16 blocks, partial blocks at the
+    edges) gives exactly the outputs of an fp32 checkpoint holding fp8 value x block scale."""
+    from safetensors.torch import load_file, save_file
+
+    path, _ = build_mla_checkpoint(tmp_path / "fp8", "deepseek_v3")
+    dequantized_path = tmp_path / "dequantized"
+    shutil.copytree(path, dequantized_path)
+    weights = load_file(str(path / "model.safetensors"))
+    fp8, dequantized = {}, {}
+    for name, tensor in weights.items():
+        if name.endswith("_proj.weight") and ".layers." in name:  # the projections DeepSeek quantizes
+            quantized, scale = quantize_blocks(tensor, 16)
+            fp8[name], fp8[name.replace(".weight", ".weight_scale_inv")] = quantized, scale
+            block_scales = scale.repeat_interleave(16, 0).repeat_interleave(16, 1)
+            dequantized[name] = quantized.float() * block_scales[: tensor.shape[0], : tensor.shape[1]]
+        else:
+            fp8[name] = dequantized[name] = tensor
+    assert sum(tensor.dtype == torch.float8_e4m3fn for tensor in fp8.values()) >= 8
+    save_file(fp8, str(path / "model.safetensors"), metadata={"format": "pt"})
+    save_file(dequantized, str(dequantized_path / "model.safetensors"), metadata={"format": "pt"})
+    rewrite_config(path, quantization_config={"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                              "weight_block_size": [16, 16]})
+    params = {"temperature": 0.0, "max_new_tokens": 10, "ignore_eos": True}
+    outputs = [Engine(str(p), device="cpu", num_kvcache_blocks=32).generate([[4, 8, 15, 16, 23, 42]], params)[0]
+               for p in (path, dequantized_path)]
+    assert outputs[0]["output_ids"] == outputs[1]["output_ids"]
+    assert outputs[0]["output_log_probs"] == outputs[1]["output_log_probs"]
+    rewrite_config(path, quantization_config={"quant_method": "compressed-tensors", "format": "pack-quantized"})
+    with pytest.raises(ValueError, match="quant_method='compressed-tensors'.*tools/fp8_cast_bf16.py"):
+        Engine(str(path), device="cpu")
