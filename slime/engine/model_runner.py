@@ -30,6 +30,7 @@ from slime.engine.kv_cache import KVCacheStorage, bytes_per_block, cache_row_sha
 from slime.engine.layers.attention import AttentionMetadata
 from slime.engine.mla_checks import check_mla_engine_config
 from slime.engine.models import DecoderForCausalLM, ModelConfig
+from slime.engine.models.glm_config import GLM_MODEL_TYPES
 from slime.engine.models.weight_loader import load_checkpoint
 from slime.engine.prefill_graphs import PrefillGraphs
 from slime.engine.sampler import sample_results
@@ -59,6 +60,9 @@ class ModelRunner:
         self.config = config
         self.eos_token_ids = set(eos_token_ids)
         self.model_config = model_config
+        if config.tp_size > 1 and model_config.model_type in GLM_MODEL_TYPES:
+            raise ValueError(f"tp_size={config.tp_size} (--tp-size): the engine shards Qwen / Llama models only; serve "
+                             f"this {model_config.model_type} model with --tp-size 1")
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device, model_config.torch_dtype)
         self.kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, self.dtype)
@@ -201,12 +205,19 @@ class ModelRunner:
         return baked_addresses(self.model, self.kv_cache, self.routed_experts)
 
     def read_routed_experts(self, block_table: list[int], num_positions: int) -> np.ndarray:
-        """The routing recorded for positions [0, num_positions) of a sequence holding `block_table`:
-        [num_positions, num_moe_layers, top_k] int32 (one host sync)."""
+        """The routing recorded for positions [0, num_positions) of a sequence holding `block_table`, in SGLang's
+        layout: [num_positions, num_hidden_layers, top_k] int32, zeros in the dense layers' rows (SGLang's capture
+        buffer is zero-filled and only MoE layers write it; the cache here holds the MoE layers only). One host sync."""
         positions = np.arange(num_positions)
         slots = np.asarray(block_table, dtype=np.int64)[positions // self.block_size] * self.block_size
         slots += positions % self.block_size
-        return self.routed_experts[self.staging.to_device(slots)].cpu().numpy()
+        moe_rows = self.routed_experts[self.staging.to_device(slots)].cpu().numpy()
+        c = self.model_config
+        if len(c.moe_layers) == c.num_hidden_layers:
+            return moe_rows
+        rows = np.zeros((num_positions, c.num_hidden_layers, moe_rows.shape[-1]), dtype=np.int32)
+        rows[:, list(c.moe_layers)] = moe_rows
+        return rows
 
     def release_weights(self, discard_names: set[str] | None = None) -> None:
         """Free the parameters' device storage, copied to the host first unless discarded: `discard_names` are the

@@ -14,7 +14,7 @@ import torch
 from slime.utils.tiny_model import build_tiny_model
 
 # A dense layer, then sparse ones (routed experts, shared expert, the variant's router groups).
-LAYERS = dict(num_hidden_layers=2, first_k_dense_replace=2, num_dense_layers=2)
+LAYERS = dict(num_hidden_layers=3, first_k_dense_replace=1, num_dense_layers=1)
 
 
 def perturb_norms_and_biases(path: Path, seed: int) -> None:

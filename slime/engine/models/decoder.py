@@ -1,7 +1,8 @@
 """Pre-norm decoder-only transformer covering Qwen2/Qwen2.5 (qkv bias), Qwen3 (per-head q/k RMSNorm), Llama 3
-(llama3 RoPE scaling) and the mixture-of-experts Qwen3-MoE / Qwen2-MoE (sparse feed-forward blocks in the layers
-`ModelConfig.moe_layers` names, `moe_block.py`): they differ only in the flags of `ModelConfig`. The DeepSeek-V3
-family swaps the attention for multi-head latent attention (`ModelConfig.mla`, `layers/mla_attention.py`).
+(llama3 RoPE scaling), the mixture-of-experts Qwen3-MoE / Qwen2-MoE (sparse feed-forward blocks in the layers
+`ModelConfig.moe_layers` names, `moe_block.py`), GLM-4 (sandwich norms, interleaved partial RoPE) and GLM-4.5
+(partial RoPE, sigmoid-router blocks, `sigmoid_moe_block.py`): they differ only in the flags of `ModelConfig`. The
+DeepSeek-V3 family swaps the attention for multi-head latent attention (`ModelConfig.mla`, `layers/mla_attention.py`).
 
 Module names follow Hugging Face's (model.layers.N.self_attn..., lm_head) except that q/k/v are fused into
 `qkv_proj` and gate/up into `gate_up_proj`; `weight_loader.py` is the one place that maps HF names onto them.
@@ -23,6 +24,7 @@ from slime.engine.layers.rotary import RotaryEmbedding
 from slime.engine.models.dense_mlp import DenseMLP
 from slime.engine.models.model_config import ModelConfig
 from slime.engine.models.moe_block import SparseMoeBlock
+from slime.engine.models.sigmoid_moe_block import SigmoidMoeBlock
 
 
 class DecoderAttention(nn.Module):
@@ -42,6 +44,8 @@ class DecoderAttention(nn.Module):
         self.rotary = [rotary]  # shared table, kept out of this module's parameters and buffers
         self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim)
         self.use_triton = False  # fused q/k norm + rotary kernel (set by the model runner on CUDA)
+        # The fused kernel rotates whole heads rotate-half; partial / interleaved RoPE (GLM) stays on torch.
+        self.supports_triton = rotary.fused_kernel_layout
 
     def project(self, positions: torch.Tensor, hidden: torch.Tensor, slot_mapping: torch.Tensor,
                 q_out: torch.Tensor | None = None) -> torch.Tensor:
@@ -82,7 +86,12 @@ class DecoderLayer(nn.Module):
         else:
             self.self_attn = DecoderAttention(config, rotary)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = SparseMoeBlock(config) if self.is_sparse else DenseMLP(config.hidden_size, config.intermediate_size)
+        sparse_block = SigmoidMoeBlock if config.router == "sigmoid" else SparseMoeBlock
+        self.mlp = sparse_block(config) if self.is_sparse else DenseMLP(config.hidden_size, config.intermediate_size)
+        self.sandwich_norms = config.sandwich_norms
+        if config.sandwich_norms:  # GLM-4: each sub-layer's output normed before its residual add
+            self.post_self_attn_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+            self.post_mlp_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def input_norm(self, hidden: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """hidden: the previous sub-layer's output (the embeddings for the first layer, with residual None);
@@ -95,8 +104,11 @@ class DecoderLayer(nn.Module):
                      slot_mapping: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """After the attention (its o_proj output): the MLP's output and the residual stream it must be added to.
         Each add is fused with the norm after it."""
+        if self.sandwich_norms:
+            attention_out = self.post_self_attn_layernorm(attention_out)
         normed, residual = self.post_attention_layernorm.add_and_norm(attention_out, residual)
-        return (self.mlp(normed, slot_mapping) if self.is_sparse else self.mlp(normed)), residual
+        out = self.mlp(normed, slot_mapping) if self.is_sparse else self.mlp(normed)
+        return (self.post_mlp_layernorm(out) if self.sandwich_norms else out), residual
 
     def forward(
         self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None, meta: AttentionMetadata
@@ -113,7 +125,8 @@ class DecoderModel(nn.Module):
             self.rotary = MLARotaryEmbedding(config.mla, config.max_position_embeddings, config.rope_theta)
         else:
             self.rotary = RotaryEmbedding(
-                config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling
+                config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling,
+                rotary_dim=config.rotary_dim or None, interleaved=config.rope_interleaved,
             )
         self.layers = nn.ModuleList(DecoderLayer(config, self.rotary, index)
                                     for index in range(config.num_hidden_layers))
@@ -152,11 +165,11 @@ class DecoderForCausalLM(nn.Module):
         """Route norms, q/k norm + rotary and SiLU-and-mul through the fused Triton kernels (CUDA only)."""
         for module in self.modules():
             if hasattr(module, "use_triton"):
-                module.use_triton = enabled
+                module.use_triton = enabled and getattr(module, "supports_triton", True)
 
     def attention_layers(self) -> list[PagedAttention | LatentPagedAttention]:
         return [layer.self_attn.attn for layer in self.model.layers]
 
-    def moe_blocks(self) -> list[SparseMoeBlock]:
+    def moe_blocks(self) -> list[SparseMoeBlock | SigmoidMoeBlock]:
         """The sparse blocks in layer order (empty for a dense model): index i is routed-experts layer i."""
         return [layer.mlp for layer in self.model.layers if layer.is_sparse]

@@ -3,8 +3,11 @@ checkpoints from disk (one or many *.safetensors, with or without model.safetens
 
 `load_weights` accepts any subset of a model's HF-named weights (a trainer may push them in buckets) and raises a
 ValueError naming the weight for an unknown name or a wrong shape. MoE experts use the HF checkpoint's per-expert
-names (`mlp.experts.<e>.gate_proj.weight` ...), which load into slices of the stacked expert tensors. It does not
-decide dtype or device: tensors are copied into the existing parameters.
+names (`mlp.experts.<e>.gate_proj.weight` ...), which load into slices of the stacked expert tensors. One buffer
+loads too: the sigmoid router's `e_score_correction_bias` (GLM-4.5; a checkpoint tensor, but never among the
+weights a trainer sends, so not in `named_weight_shapes`). Multi-token-prediction layers of released checkpoints
+(`model.layers.<num_hidden_layers + i>.*`, config num_nextn_predict_layers) are skipped. It does not decide dtype
+or device: tensors are copied into the existing parameters.
 """
 
 from __future__ import annotations
@@ -32,6 +35,23 @@ EXPERT_WEIGHT = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<expert>\d+)\.(?P<proj
 EXPERT_SLICES = {"gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1), "down_proj": ("down_proj", None)}
 # Buffers some older checkpoints carry; they are recomputed, never loaded.
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+# Checkpoints whose dense MLPs already hold the fused `mlp.gate_up_proj.weight` [gate; up] (GLM-4): loaded 1:1.
+FUSED_GATE_UP_MODEL_TYPES = ("glm4",)
+LOADED_BUFFER_SUFFIXES = (".gate.e_score_correction_bias",)  # sigmoid_moe_block.CORRECTION_BIAS
+LAYER_INDEX = re.compile(r"^model\.layers\.(\d+)\.")
+
+
+def _is_mtp_weight(model: nn.Module, name: str) -> bool:
+    """A weight of a multi-token-prediction layer the checkpoint carries after the decoder's layers."""
+    match = LAYER_INDEX.match(name)
+    config = model.config
+    return bool(match) and config.num_nextn_predict_layers > 0 and (
+        config.num_hidden_layers <= int(match[1]) < config.num_hidden_layers + config.num_nextn_predict_layers)
+
+
+def loaded_buffers(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The buffers a checkpoint fills (the sigmoid routers' correction biases), by HF name."""
+    return {name: buffer for name, buffer in model.named_buffers() if name.endswith(LOADED_BUFFER_SUFFIXES)}
 
 
 def _slice_sizes(model: nn.Module, fused: str, param: torch.Tensor) -> list[int]:
@@ -74,18 +94,11 @@ def _target(model: nn.Module, params: dict[str, nn.Parameter], name: str) -> tor
         sizes = _slice_sizes(model, fused, param)
         return param.data.narrow(0, sum(sizes[:index]), sizes[index])
     if name not in params:
-        raise ValueError(f"unknown weight {name!r} for this {model.config.model_type} model")
+        buffer = loaded_buffers(model).get(name) if name.endswith(LOADED_BUFFER_SUFFIXES) else None
+        if buffer is None:
+            raise ValueError(f"unknown weight {name!r} for this {model.config.model_type} model")
+        return buffer
     return params[name].data
-
-
-LAYER_INDEX = re.compile(r"^model\.layers\.(\d+)\.")
-
-
-def is_mtp_weight(config, name: str) -> bool:
-    """Whether `name` belongs to a multi-token-prediction layer a released checkpoint carries past the decoder
-    (`model.layers.{num_hidden_layers + k}.*`, DeepSeek-V3 / GLM-4.5's num_nextn_predict_layers): never loaded."""
-    match = LAYER_INDEX.match(name)
-    return bool(match) and config.num_hidden_layers <= int(match[1]) < config.num_hidden_layers + config.num_mtp_layers
 
 
 def load_weights(model: nn.Module, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
@@ -94,7 +107,7 @@ def load_weights(model: nn.Module, named_tensors: Iterable[tuple[str, torch.Tens
     loaded = set()
     with torch.no_grad():
         for name, tensor in named_tensors:
-            if name.endswith(IGNORED_SUFFIXES) or is_mtp_weight(model.config, name):
+            if name.endswith(IGNORED_SUFFIXES) or _is_mtp_weight(model, name):
                 continue
             target = _target(model, params, name)
             if tuple(tensor.shape) != tuple(target.shape):
@@ -116,7 +129,8 @@ def named_weight_shapes(model: nn.Module) -> dict[str, tuple[tuple[int, ...], to
         parts = name.split(".")
         if len(parts) >= 2 and parts[-2] == "experts":
             shapes.update(_expert_shapes(name, param))
-        elif len(parts) >= 2 and parts[-2] in fused_to_hf:
+        elif len(parts) >= 2 and parts[-2] in fused_to_hf and not (
+                parts[-2] == "gate_up_proj" and model.config.model_type in FUSED_GATE_UP_MODEL_TYPES):
             for index, size in enumerate(_slice_sizes(model, parts[-2], param)):
                 hf_name = ".".join(parts[:-2] + [fused_to_hf[parts[-2]][index], parts[-1]])
                 shapes[hf_name] = ((size, *param.shape[1:]), param.dtype)
@@ -166,7 +180,7 @@ def load_checkpoint(model: nn.Module, model_path: str | Path) -> None:
     loaded = load_weights(model, named_tensors if block is None else dequantize_fp8_blocks(named_tensors, block))
     if model.config.tie_word_embeddings:
         loaded.discard("lm_head.weight")
-    missing = sorted(set(named_weight_shapes(model)) - loaded)
+    missing = sorted((set(named_weight_shapes(model)) | set(loaded_buffers(model))) - loaded)
     if missing:
         more = " ..." if len(missing) > 8 else ""
         raise ValueError(f"checkpoint {str(model_path)!r} lacks weight(s) {missing[:8]}{more}")
