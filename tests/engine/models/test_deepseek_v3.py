@@ -8,6 +8,7 @@ into kv_b_proj against a fresh engine on the new weights; MTP weights skipped; r
 import json
 import shutil
 
+import numpy as np
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
@@ -18,6 +19,7 @@ from slime.engine.sampling_params import SamplingParams
 from slime.engine.scheduled_batch import ScheduledSequence
 from slime.engine.sequence import Sequence
 from slime.utils.tiny_model import build_tiny_model
+from tests.engine.models.test_glm import hf_router_ids
 from tests.helpers.greedy_margin import assert_clear_greedy_margin
 from tests.helpers.mla_checkpoints import build_mla_checkpoint, rewrite_config
 
@@ -30,7 +32,8 @@ def checkpoint(request, tmp_path_factory):
     variant = request.param
     path, hf_path = build_mla_checkpoint(tmp_path_factory.mktemp(variant), variant)
     hf = AutoModelForCausalLM.from_pretrained(str(hf_path), dtype=torch.float32).eval()
-    engine = Engine(str(path), device="cpu", kvcache_block_size=4, num_kvcache_blocks=128)
+    engine = Engine(str(path), device="cpu", kvcache_block_size=4, num_kvcache_blocks=128,
+                    enable_return_routed_experts=True)
     return variant, path, hf, engine
 
 
@@ -57,6 +60,8 @@ def test_config_variant_is_exercised(checkpoint):
     assert (mla.q_lora_rank is None) == (variant == "moonlight")
     assert (mla.yarn is not None) == (variant in ("deepseek_v3", "kimi_k2"))
     assert mla.v_head_dim != mla.qk_head_dim
+    assert engine.model_config.moe_layers == (1, 2) and engine.model_config.router == "sigmoid"
+    assert (engine.model_config.n_group, engine.model_config.topk_group) == ((4, 2) if mla.yarn else (1, 1))
     layer = engine.model_runner.model.model.layers[0].self_attn
     assert hasattr(layer, "q_proj") == (variant == "moonlight")
     if mla.yarn is not None:  # both YaRN magnitudes differ from 1: the softmax scale's and the rope table's
@@ -95,6 +100,26 @@ def test_greedy_tokens_and_log_probs_match_transformers_with_prefix_cache_hits(c
             assert (torch.tensor(log_probs) - hf_log_probs).abs().max().item() < 1e-4
 
 
+def test_routed_experts_equal_transformers_router_in_every_moe_layer(checkpoint):
+    """SGLang's layout (every hidden layer, the dense one zeros), the grouped router's ids equal transformers',
+    prefix-cache hits included."""
+    _, _, hf, engine = checkpoint
+    prompt = [(5 * i + 7) % 500 for i in range(13)]
+    params = {"temperature": 0.0, "max_new_tokens": 6, "ignore_eos": True}
+    engine.generate([prompt], params)
+    rid = engine.add_request(prompt, params, return_routed_experts=True)
+    outputs = {}
+    while rid not in outputs:
+        outputs.update({output.rid: output for output in engine.step() if output.finished})
+    output = outputs[rid]
+    assert output.num_cached_tokens == 12
+    tokens = prompt + output.output_token_ids
+    routed = output.routed_experts
+    assert routed.shape == (len(tokens) - 1, hf.config.num_hidden_layers, hf.config.num_experts_per_tok)
+    assert not routed[:, 0].any()
+    np.testing.assert_array_equal(np.sort(routed, axis=-1), hf_router_ids(hf, tokens[:-1]))
+
+
 def test_latent_cache_holds_one_row_per_token_never_expanded(checkpoint):
     _, _, _, engine = checkpoint
     config, runner = engine.model_config, engine.model_runner
@@ -102,9 +127,10 @@ def test_latent_cache_holds_one_row_per_token_never_expanded(checkpoint):
     row = mla.kv_lora_rank + mla.qk_rope_head_dim
     # [layers, 1 plane, blocks + scratch, block_size, 1 latent head, kv_lora_rank + rope]
     assert tuple(runner.kv_cache.shape) == (config.num_hidden_layers, 1, 129, 4, 1, row)
-    assert runner.bytes_per_block == config.num_hidden_layers * 4 * row * 4
+    routing_bytes = len(config.moe_layers) * config.num_experts_per_tok * 4 * 4  # the routed-experts record
+    assert runner.bytes_per_block - routing_bytes == config.num_hidden_layers * 4 * row * 4
     expanded = config.num_hidden_layers * 4 * config.num_attention_heads * (mla.qk_head_dim + mla.v_head_dim) * 4
-    assert runner.bytes_per_block < expanded
+    assert runner.bytes_per_block - routing_bytes < expanded / 5  # 4 heads x (24 + 12 or 16) values vs one 24-row
     for attention in runner.model.attention_layers():
         assert attention.v_cache.data_ptr() == attention.k_cache.data_ptr()  # V is the latent's first columns
 
@@ -122,9 +148,10 @@ def test_named_weight_shapes_are_the_checkpoint_names(checkpoint):
 @pytest.mark.parametrize("variant", ["deepseek_v3", "moonlight"])
 def test_weight_push_into_kv_b_proj_equals_a_fresh_engine(tmp_path, variant):
     """The absorbed W_UK / W_UV are views of kv_b_proj.weight: a push of new kv_b_proj (and q / o) weights changes
-    the output exactly as an engine started on a checkpoint holding them."""
+    the output exactly as an engine started on a checkpoint holding them. (The expert-score bias is a buffer no
+    trainer sends: both checkpoints share it.)"""
     path, _ = build_mla_checkpoint(tmp_path / "old", variant)
-    new_path, _ = build_mla_checkpoint(tmp_path / "new", variant, seed=5)
+    new_path, _ = build_mla_checkpoint(tmp_path / "new", variant, seed=5, perturb_seed=0)
     engine = Engine(str(path), device="cpu", kvcache_block_size=4, num_kvcache_blocks=64)
     fresh = Engine(str(new_path), device="cpu", kvcache_block_size=4, num_kvcache_blocks=64)
     prompt, params = [3, 1, 4, 1, 5, 9, 2, 6], {"temperature": 0.0, "max_new_tokens": 12, "ignore_eos": True}
@@ -133,7 +160,8 @@ def test_weight_push_into_kv_b_proj_equals_a_fresh_engine(tmp_path, variant):
     assert any("kv_b_proj" in name for name, _ in pushed)
     engine.update_weights_from_tensors(pushed)
     only_attention = engine.generate([prompt], params)[0]
-    engine.update_weights_from_tensors(list(iterate_checkpoint(new_path)))
+    engine.update_weights_from_tensors([(name, tensor) for name, tensor in iterate_checkpoint(new_path)
+                                        if not name.endswith("e_score_correction_bias")])
     after, expected = engine.generate([prompt], params)[0], fresh.generate([prompt], params)[0]
     assert only_attention["output_log_probs"] != before["output_log_probs"]
     assert after["output_ids"] == expected["output_ids"]
