@@ -172,15 +172,29 @@ def iterate_checkpoint(model_path: str | Path) -> Iterator[tuple[str, torch.Tens
                 yield name, handle.get_tensor(name)
 
 
-def load_checkpoint(model: nn.Module, model_path: str | Path) -> None:
+def load_checkpoint(model: nn.Module, model_path: str | Path, require_buffers: bool = True) -> None:
     """Load every weight of `model` from disk (a block-FP8 checkpoint dequantized, fp8_blocks.py); missing weights
-    raise ValueError listing them."""
+    raise ValueError listing them. The loaded buffers (router correction biases) are required too unless
+    `require_buffers` is False: a folder a trainer wrote holds parameters only, and a bias it lacks keeps its value."""
     named_tensors = iterate_checkpoint(model_path)
     block = checkpoint_fp8_block_size(model_path)
     loaded = load_weights(model, named_tensors if block is None else dequantize_fp8_blocks(named_tensors, block))
     if model.config.tie_word_embeddings:
         loaded.discard("lm_head.weight")
-    missing = sorted((set(named_weight_shapes(model)) | set(loaded_buffers(model))) - loaded)
+    required = set(named_weight_shapes(model)) | (set(loaded_buffers(model)) if require_buffers else set())
+    missing = sorted(required - loaded)
     if missing:
         more = " ..." if len(missing) > 8 else ""
         raise ValueError(f"checkpoint {str(model_path)!r} lacks weight(s) {missing[:8]}{more}")
+
+
+def check_named_tensors(shapes: dict[str, tuple], named_tensors, model_type: str) -> None:
+    """Every name known to the model and every shape the full (unsharded) Hugging Face shape, or a ValueError naming
+    the first that is not. `shapes` is `named_weight_shapes(model)`."""
+    for name, tensor in named_tensors:
+        lookup = "model.embed_tokens.weight" if name == "lm_head.weight" and name not in shapes else name
+        if lookup not in shapes:
+            raise ValueError(f"unknown weight {name!r} for this {model_type} model")
+        expected = tuple(shapes[lookup][0])
+        if tuple(tensor.shape) != expected:
+            raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)}, expected {expected}")
