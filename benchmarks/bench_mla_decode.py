@@ -27,7 +27,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from slime.engine.layers import triton_mla_decode as kernel  # noqa: E402
+from slime.engine.layers import triton_mla_decode as kernel
 
 BLOCK_SIZE, LATENT, ROPE = 16, 512, 64
 CASES = {  # heads, seqs, context

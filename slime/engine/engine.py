@@ -19,6 +19,7 @@ from slime.engine.block_manager import BlockManager
 from slime.engine.config import Config
 from slime.engine.engine_weights import EngineWeights
 from slime.engine.memory_tags import EngineMemoryReleasedError, EngineWeightsMissingError, memory_tags
+from slime.engine.mla_checks import check_mla_engine_config
 from slime.engine.model_runner import ModelRunner
 from slime.engine.models import load_model_config
 from slime.engine.overlap import OverlappedStepping
@@ -41,6 +42,7 @@ class Engine(EngineWeights, OverlappedStepping):
         self.model_config = load_model_config(self.config.model)
         self.tokenizer = AutoTokenizer.from_pretrained(self.config.model)
         self.eos_token_ids = self._eos_token_ids()
+        check_mla_engine_config(self.config, self.model_config)
         self.ranks = None  # a sharded engine's other ranks (parallel/ranks.py)
         if self.config.tp_size > 1:
             self._start_ranks()

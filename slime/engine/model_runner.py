@@ -28,7 +28,6 @@ from slime.engine.kernel_checks import (
 )
 from slime.engine.kv_cache import KVCacheStorage, bytes_per_block, cache_row_shape, num_blocks_from_memory
 from slime.engine.layers.attention import AttentionMetadata
-from slime.engine.mla_checks import check_mla_engine_config
 from slime.engine.models import DecoderForCausalLM, ModelConfig
 from slime.engine.models.glm_config import GLM_MODEL_TYPES
 from slime.engine.models.weight_loader import load_checkpoint, load_weights
@@ -74,8 +73,6 @@ class ModelRunner:
         self.dtype = resolve_dtype(config.dtype, self.device, model_config.torch_dtype)
         self.kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, self.dtype)
         self.block_size = config.kvcache_block_size
-        if model_config.mla is not None:
-            check_mla_engine_config(config, model_config, self.kv_dtype)
         self.staging = HostStaging(self.device)
         # Build in the target dtype (not .to(dtype) afterwards, which would also round the fp32 RoPE tables).
         default_dtype = torch.get_default_dtype()
