@@ -43,7 +43,7 @@ def build_mla_checkpoint(out_dir: Path, variant: str, seed: int = 0, perturb_see
     moonlight, kimi_k2 or glm4_moe_lite. `perturb_seed` (default `seed`) draws the norms and expert biases."""
     out_dir = Path(out_dir)
     arch = "deepseek_v3" if variant == "kimi_k2" else variant
-    path = build_tiny_model(out_dir / arch, arch=arch, seed=seed, initializer_range=0.3, **{**LAYERS, **overrides})
+    path = build_tiny_model(out_dir / arch, arch=arch, seed=seed, **{"initializer_range": 0.3, **LAYERS, **overrides})
     perturb_norms_and_biases(path, seed if perturb_seed is None else perturb_seed)
     if variant != "kimi_k2":
         return path, path

@@ -71,7 +71,26 @@ def load_hf_model(path: str, attn_implementation: str = "sdpa") -> nn.Module:
     (attention.py)."""
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation=attn_implementation)
+    config = deepseek_config_of_kimi(path)
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation=attn_implementation,
+                                                **({"config": config} if config is not None else {}))
+
+
+def deepseek_config_of_kimi(path: str):
+    """Kimi K2's config.json says model_type "kimi_k2" (its own remote code) over DeepseekV3ForCausalLM, a type
+    transformers does not know: read it as the DeepseekV3Config it is (None for any other checkpoint)."""
+    import json
+    from pathlib import Path
+
+    config_file = Path(path) / "config.json"
+    if not config_file.is_file() or json.loads(config_file.read_text()).get("model_type") != "kimi_k2":
+        return None
+    from transformers import DeepseekV3Config
+
+    raw = json.loads(config_file.read_text())
+    raw.pop("auto_map", None)  # remote-code classes: never imported
+    raw["model_type"] = "deepseek_v3"
+    return DeepseekV3Config.from_dict(raw)
 
 
 @dataclass(frozen=True)
