@@ -2,7 +2,7 @@
 here: a V3-like model (q_lora_rank, DeepSeek-YaRN with both mscales, grouped router), a Moonlight-like one (q_lora
 null, plain q_proj), the V3-like one under Kimi's `kimi_k2` model_type, and GLM-4.7-Flash's `glm4_moe_lite`.
 Logits through prefill, chunked prefill and paged decode (fp32, < 1e-4); greedy tokens and log-probs through the
-scheduler, prefix-cache hits included; the latent cache's size per token (never expanded per head); a weight push
+scheduler (8-token steps: chunked prefill), prefix-cache hits included; routed experts equal transformers' router; the latent cache's size per token (never expanded per head); a weight push
 into kv_b_proj against a fresh engine on the new weights; MTP weights skipped; refusals named."""
 
 import json
@@ -32,7 +32,8 @@ def checkpoint(request, tmp_path_factory):
     variant = request.param
     path, hf_path = build_mla_checkpoint(tmp_path_factory.mktemp(variant), variant)
     hf = AutoModelForCausalLM.from_pretrained(str(hf_path), dtype=torch.float32).eval()
-    engine = Engine(str(path), device="cpu", kvcache_block_size=4, num_kvcache_blocks=128,
+    # 8 tokens per step: generate() runs every prompt as chunked prefill
+    engine = Engine(str(path), device="cpu", kvcache_block_size=4, num_kvcache_blocks=128, max_num_batched_tokens=8,
                     enable_return_routed_experts=True)
     return variant, path, hf, engine
 
