@@ -73,3 +73,13 @@ def test_trainer_on_flash_varlen_matches_transformers_bf16(tmp_path, process_gro
     with torch.no_grad():
         log_probs, _ = trainer.model.forward_micro_batch(pack_samples(SAMPLES, RESPONSE_LENGTHS, [0, 1, 2]))
     assert (log_probs.float() - expected).abs().mean().item() < 5e-2
+
+
+def test_a_quantized_checkpoint_is_refused_with_the_conversion(tmp_path):
+    from slime.backends.fsdp_utils.model import load_hf_model
+    from tests.helpers.mla_checkpoints import rewrite_config
+
+    path, _ = build_mla_checkpoint(tmp_path, "moonlight")
+    rewrite_config(path, quantization_config={"quant_method": "fp8", "weight_block_size": [128, 128]})
+    with pytest.raises(ValueError, match="quant_method='fp8'.*tools/fp8_cast_bf16.py"):
+        load_hf_model(str(path))
