@@ -258,3 +258,21 @@ def test_block_fp8_checkpoint_loads_as_its_dequantized_weights(tmp_path):
     rewrite_config(path, quantization_config={"quant_method": "compressed-tensors", "format": "pack-quantized"})
     with pytest.raises(ValueError, match="quant_method='compressed-tensors'.*tools/fp8_cast_bf16.py"):
         Engine(str(path), device="cpu")
+
+
+def test_release_and_resume_of_the_latent_cache_and_weights(tmp_path):
+    """A colocated hand-over frees the latent cache and the weights; after resume (and after a discarding release
+    refilled by a full push) the engine generates exactly what it did before."""
+    path, _ = build_mla_checkpoint(tmp_path, "moonlight")
+    engine = Engine(str(path), device="cpu", kvcache_block_size=4, num_kvcache_blocks=32)
+    prompt, params = [3, 1, 4, 1, 5, 9, 2, 6], {"temperature": 0.0, "max_new_tokens": 10, "ignore_eos": True}
+    before = engine.generate([prompt], params)[0]
+    engine.release_memory()
+    assert not engine.model_runner.has_kv_cache
+    engine.resume_memory()
+    assert engine.generate([prompt], params)[0]["output_log_probs"] == before["output_log_probs"]
+    engine.release_memory(discard_weights=True)
+    engine.resume_memory()
+    engine.update_weights_from_tensors([(name, tensor) for name, tensor in iterate_checkpoint(path)
+                                        if not name.endswith("e_score_correction_bias")])
+    assert engine.generate([prompt], params)[0]["output_log_probs"] == before["output_log_probs"]
