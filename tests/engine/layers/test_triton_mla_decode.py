@@ -131,7 +131,7 @@ def test_engine_on_the_kernel_matches_transformers(tmp_path):
     hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
     engine = Engine(str(path), device=DEVICE, dtype="float32", kvcache_block_size=4, num_kvcache_blocks=32,
                     enforce_eager=True)
-    engine.model_runner.set_use_triton(True, fused=False)
+    engine.model_runner.set_use_triton(True)  # the fused RMSNorm / SiLU kernels too (kv_a_layernorm reads a strided view)
     token_ids = [(5 * i + 2) % engine.model_config.vocab_size for i in range(16)]
     seq = Sequence("s", token_ids, SamplingParams(), seed=0)
     logits = []
