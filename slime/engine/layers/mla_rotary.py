@@ -16,26 +16,26 @@ import math
 import torch
 from torch import nn
 
-from slime.engine.models.mla_config import MLAConfig, yarn_mscale
+from slime.engine.models.mla_config import MLAConfig, YarnScaling, yarn_mscale
 
 
-def yarn_inv_freq(dim: int, theta: float, yarn: dict) -> tuple[torch.Tensor, float]:
+def yarn_inv_freq(dim: int, theta: float, yarn: YarnScaling) -> tuple[torch.Tensor, float]:
     """(inverse frequencies [dim // 2], cos/sin magnitude) of DeepSeek-YaRN (transformers' yarn parameters)."""
-    factor = yarn["factor"]
-    attention_factor = yarn.get("attention_factor")
+    factor = yarn.factor
+    attention_factor = yarn.attention_factor
     if attention_factor is None:
-        if yarn.get("mscale") and yarn.get("mscale_all_dim"):
-            attention_factor = yarn_mscale(factor, yarn["mscale"]) / yarn_mscale(factor, yarn["mscale_all_dim"])
+        if yarn.mscale and yarn.mscale_all_dim:
+            attention_factor = yarn_mscale(factor, yarn.mscale) / yarn_mscale(factor, yarn.mscale_all_dim)
         else:
             attention_factor = yarn_mscale(factor)
-    beta_fast, beta_slow = yarn.get("beta_fast") or 32, yarn.get("beta_slow") or 1
-    original = yarn["original_max_position_embeddings"]
+    beta_fast, beta_slow = yarn.beta_fast or 32, yarn.beta_slow or 1
 
     def correction_dim(num_rotations: float) -> float:
-        return dim * math.log(original / (num_rotations * 2 * math.pi)) / (2 * math.log(theta))
+        return dim * math.log(yarn.original_max_position_embeddings / (num_rotations * 2 * math.pi)) / (
+            2 * math.log(theta))
 
     low, high = correction_dim(beta_fast), correction_dim(beta_slow)
-    if not yarn.get("no_truncate"):
+    if yarn.truncate:
         low, high = math.floor(low), math.ceil(high)
     low, high = max(low, 0), min(high, dim - 1)
     if low == high:
@@ -55,7 +55,7 @@ class MLARotaryEmbedding(nn.Module):
             inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
             magnitude = 1.0
         else:
-            inv_freq, magnitude = yarn_inv_freq(dim, theta, dict(mla.yarn))
+            inv_freq, magnitude = yarn_inv_freq(dim, theta, mla.yarn)
         freqs = torch.outer(torch.arange(max_position, dtype=torch.float32), inv_freq)
         emb = torch.cat((freqs, freqs), dim=-1)
         self.register_buffer("cos", emb.cos() * magnitude, persistent=False)

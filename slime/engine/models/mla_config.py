@@ -21,6 +21,20 @@ def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
 
 
 @dataclass(frozen=True)
+class YarnScaling:
+    """DeepSeek-YaRN's parameters (transformers' names; None where the config leaves them to the defaults)."""
+
+    factor: float
+    original_max_position_embeddings: int
+    beta_fast: float | None = None
+    beta_slow: float | None = None
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+    attention_factor: float | None = None
+    truncate: bool = True
+
+
+@dataclass(frozen=True)
 class MLAConfig:
     q_lora_rank: int | None  # None: a plain q_proj (Moonlight); else q_a_proj -> q_a_layernorm -> q_b_proj
     kv_lora_rank: int
@@ -29,8 +43,7 @@ class MLAConfig:
     v_head_dim: int
     rope_interleave: bool  # DeepSeek's checkpoints lay the rope dims out as (x0, x1), (x2, x3), ... pairs
     attention_bias: bool  # on q_a_proj, kv_a_proj_with_mqa and o_proj
-    # DeepSeek-YaRN (rope_type "yarn"); None for plain RoPE
-    yarn: tuple[tuple[str, float], ...] | None = None
+    yarn: YarnScaling | None = None  # rope_type "yarn"; None for plain RoPE
 
     @property
     def qk_head_dim(self) -> int:
@@ -44,9 +57,8 @@ class MLAConfig:
     def softmax_scale(self) -> float:
         """qk_head_dim^-0.5, times mscale(factor, mscale_all_dim)^2 under YaRN (transformers' yarn_apply_mscale)."""
         scale = self.qk_head_dim**-0.5
-        yarn = dict(self.yarn or ())
-        if yarn.get("mscale_all_dim"):
-            scale *= yarn_mscale(yarn["factor"], yarn["mscale_all_dim"]) ** 2
+        if self.yarn is not None and self.yarn.mscale_all_dim:
+            scale *= yarn_mscale(self.yarn.factor, self.yarn.mscale_all_dim) ** 2
         return scale
 
 
@@ -64,15 +76,14 @@ def parse_mla_config(raw: dict, rope: dict, rope_type: str) -> MLAConfig:
         raise ValueError("unsupported config: rope partial_rotary_factor with multi-head latent attention")
     yarn = None
     if rope_type == "yarn":
-        if not rope.get("original_max_position_embeddings"):
+        original = rope.get("original_max_position_embeddings")
+        if not original:
             raise ValueError("rope type 'yarn' needs original_max_position_embeddings")
-        factor = rope.get("factor") or raw["max_position_embeddings"] / rope["original_max_position_embeddings"]
-        keys = ("mscale", "mscale_all_dim", "beta_fast", "beta_slow", "attention_factor",
-                "original_max_position_embeddings")
-        yarn = (("factor", float(factor)),) + tuple(
-            (key, float(rope[key])) for key in keys if rope.get(key) is not None)
-        if rope.get("truncate") is False:
-            yarn += (("no_truncate", 1.0),)
+        optional = {key: float(rope[key]) for key in ("beta_fast", "beta_slow", "mscale", "mscale_all_dim",
+                                                        "attention_factor") if rope.get(key) is not None}
+        yarn = YarnScaling(factor=float(rope.get("factor") or raw["max_position_embeddings"] / original),
+                           original_max_position_embeddings=int(original),
+                           truncate=rope.get("truncate", True) is not False, **optional)
     return MLAConfig(
         q_lora_rank=raw.get("q_lora_rank") or None,
         kv_lora_rank=raw["kv_lora_rank"],

@@ -73,7 +73,7 @@ def test_deepseek_yarn_equals_transformers():
                                      max_position_embeddings=163840)
         expected_inv_freq, expected_magnitude = ROPE_INIT_FUNCTIONS["yarn"](hf_config, "cpu")
         config = parse_model_config({**DEEPSEEK_V3, "rope_scaling": rope})
-        inv_freq, magnitude = yarn_inv_freq(64, 10000.0, dict(config.mla.yarn))
+        inv_freq, magnitude = yarn_inv_freq(64, 10000.0, config.mla.yarn)
         torch.testing.assert_close(inv_freq, expected_inv_freq, rtol=1e-6, atol=0)
         assert magnitude == pytest.approx(expected_magnitude)
         assert (magnitude == 1.0) == (mscale_all_dim == 1.0)
