@@ -38,7 +38,7 @@ CASES = {  # heads, seqs, context
     "deepseek_v3_decode_8x4096": (128, 8, 4096),
 }
 SWEEP = [kernel.MLAKernelConfig(block_m=m, block_n=n, num_warps=w, num_stages=s)
-         for m in (16, 32) for n in (16, 32, 64) for w in (4, 8) for s in (2, 3)]
+         for m in (16, 32, 64) for n in (16, 32, 64) for w in (4, 8) for s in (2, 3)]
 
 
 def time_us(function, iters: int) -> float:

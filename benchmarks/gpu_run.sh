@@ -120,6 +120,7 @@ Engine(str(path), device='cuda', dtype='bfloat16', max_num_seqs=256, max_model_l
     mla_gpu_tests) python3 -m pytest -q tests/engine/layers/test_triton_mla_decode.py tests/engine/models/test_deepseek_v3_cuda.py \
                      tests/backends/fsdp_utils/test_deepseek_v3.py ;;
     bench_mla_decode) python3 benchmarks/bench_mla_decode.py && python3 benchmarks/bench_mla_decode.py --sweep --iters 30 ;;
+    grpo_moonlight_r3) grpo colocated --shape moonlight-4l --train-args='--use-rollout-routing-replay --get-mismatch-metrics' ;;
     bench_log_probs) python3 benchmarks/bench_log_probs.py ;;
     bench_varlen) python3 benchmarks/bench_varlen_attention.py --model-shape qwen3-4b ;;
     train_06b_c) python3 benchmarks/bench_train.py --model-shape qwen3-0.6b --compile-model --micro-batch-size 4 ;;
