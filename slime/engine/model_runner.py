@@ -111,7 +111,9 @@ class ModelRunner:
         self.kv_cache: torch.Tensor | None = None  # every layer's K and V; uninitialized on the Triton path
         self.kv_cache_zeroed = False
         if model_config.mla is not None:  # the latent cache has its own kernel
-            attention_works = self.device.type == "cuda" and triton_mla_attention_works(self.device)
+            mla = model_config.mla
+            attention_works = self.device.type == "cuda" and triton_mla_attention_works(
+                self.device, self.dtype, model_config.num_attention_heads, mla.kv_lora_rank, mla.qk_rope_head_dim)
         else:
             attention_works = self.device.type == "cuda" and triton_attention_works(self.device, self.kv_dtype)
         grouped_mm = grouped_mm_works(self.device, self.dtype) if model_config.is_moe else True

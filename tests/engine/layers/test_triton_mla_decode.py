@@ -143,3 +143,12 @@ def test_engine_on_the_kernel_matches_transformers(tmp_path):
     with torch.no_grad():
         expected = hf(torch.tensor([token_ids])).logits[0]
     assert (torch.cat(logits).cpu() - expected).abs().max().item() < 1e-4
+
+
+@pytest.mark.parametrize("num_heads,latent_dim,rope_dim", [(4, 24, 8), (16, 512, 64)])
+def test_start_up_self_check_passes_at_the_models_dims(num_heads, latent_dim, rope_dim):
+    from slime.engine.kernel_checks import triton_mla_attention_works
+
+    assert triton_mla_attention_works(torch.device(DEVICE), torch.float32, num_heads, latent_dim, rope_dim)
+    if DEVICE == "cuda":
+        assert triton_mla_attention_works(torch.device(DEVICE), torch.bfloat16, num_heads, latent_dim, rope_dim)
