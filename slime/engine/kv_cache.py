@@ -1,7 +1,8 @@
 """The engine's KV cache as memory: how many blocks fit (`num_blocks_from_memory`), the bytes of one block, and the
-storage of every layer's K and V (and, for MoE models that record routing, the routed experts of every cache slot)
-in one StableBuffers, so a colocated run's free and re-allocation on every hand-over puts the cache back at the same
-address (device_arena.py) and the decode CUDA graphs that bake it in stay valid.
+storage of every layer's K and V (for multi-head latent attention one latent row per token, `cache_row_shape`; and,
+for MoE models that record routing, the routed experts of every cache slot) in one StableBuffers, so a colocated
+run's free and re-allocation on every hand-over puts the cache back at the same address (device_arena.py) and the
+decode CUDA graphs that bake it in stay valid.
 
 Not here: which slots a sequence owns (block_manager.py), binding the views to the attention layers
 (model_runner.py), or reading and writing the cache (layers/attention.py).
