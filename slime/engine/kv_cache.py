@@ -21,19 +21,24 @@ from slime.engine.models import ModelConfig
 CPU_KV_CACHE_RAM_FRACTION = 0.25
 
 
-def cache_row_shape(model_config: ModelConfig) -> tuple[int, int, int]:
-    """(planes, heads, values per head) of one token's cache row in one layer: K and V planes of the KV heads, or
-    for multi-head latent attention one plane of one latent "head" (kv_lora_rank + qk_rope_head_dim values, V being
-    its first kv_lora_rank columns), never expanded per attention head."""
+def cache_row_shape(model_config: ModelConfig, num_kv_heads: int | None = None) -> tuple[int, int, int]:
+    """(planes, heads, values per head) of one token's cache row in one layer on one rank: K and V planes of the
+    `num_kv_heads` heads the rank stores (default: all), or for multi-head latent attention one plane of one latent
+    "head" (kv_lora_rank + qk_rope_head_dim values, V being its first kv_lora_rank columns), never expanded per
+    attention head."""
     if model_config.mla is not None:
         return 1, 1, model_config.mla.latent_dim
-    return 2, model_config.num_key_value_heads, model_config.head_dim
+    return 2, model_config.num_key_value_heads if num_kv_heads is None else num_kv_heads, model_config.head_dim
 
 
-def bytes_per_block(config: Config, model_config: ModelConfig, kv_dtype: torch.dtype) -> int:
+def bytes_per_block(config: Config, model_config: ModelConfig, kv_dtype: torch.dtype,
+                    num_kv_heads: int | None = None) -> int:
+    """One block's bytes on one rank: `num_kv_heads` is the K/V heads that rank stores (default: all of them, the
+    single-device engine; a rank of a sharded engine stores its share, engine/parallel/state.head_shard)."""
     c = model_config
+    num_kv_heads = c.num_key_value_heads if num_kv_heads is None else num_kv_heads
     element_size = torch.empty((), dtype=kv_dtype).element_size()
-    num_planes, num_heads, head_dim = cache_row_shape(c)
+    num_planes, num_heads, head_dim = cache_row_shape(c, num_kv_heads)
     kv_bytes = num_planes * c.num_hidden_layers * config.kvcache_block_size * num_heads * head_dim * element_size
     routing_bytes = len(c.moe_layers) * c.num_experts_per_tok * 4 * config.kvcache_block_size
     return kv_bytes + (routing_bytes if config.enable_return_routed_experts else 0)

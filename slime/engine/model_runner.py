@@ -29,7 +29,6 @@ from slime.engine.kernel_checks import (
 from slime.engine.kv_cache import KVCacheStorage, bytes_per_block, cache_row_shape, num_blocks_from_memory
 from slime.engine.layers.attention import AttentionMetadata
 from slime.engine.models import DecoderForCausalLM, ModelConfig
-from slime.engine.models.glm_config import GLM_MODEL_TYPES
 from slime.engine.models.weight_loader import load_checkpoint, load_weights
 from slime.engine.parallel.every_rank import every_rank
 from slime.engine.parallel.state import SINGLE, ParallelState
@@ -60,15 +59,13 @@ class LaunchedStep:
 class ModelRunner:
     def __init__(self, config: Config, model_config: ModelConfig, eos_token_ids: set[int],
                  parallel: ParallelState = SINGLE):
+        """`parallel`: this rank's place in a sharded engine; the model, and the KV cache, are then its shard."""
         self.config = config
         self.parallel = parallel
         # A sharded engine's rank 0: the EngineRanks that every step's plan and every @every_rank call go to first.
         self.plan = None
         self.eos_token_ids = set(eos_token_ids)
         self.model_config = model_config
-        if config.tp_size > 1 and model_config.model_type in GLM_MODEL_TYPES:
-            raise ValueError(f"tp_size={config.tp_size} (--tp-size): the engine shards Qwen / Llama models only; serve "
-                             f"this {model_config.model_type} model with --tp-size 1")
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device, model_config.torch_dtype)
         self.kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, self.dtype)
@@ -79,7 +76,7 @@ class ModelRunner:
         torch.set_default_dtype(self.dtype)
         try:
             with torch.device(self.device):
-                self.model = DecoderForCausalLM(model_config)
+                self.model = DecoderForCausalLM(model_config, parallel)
         finally:
             torch.set_default_dtype(default_dtype)
         self.model.eval()
@@ -151,7 +148,12 @@ class ModelRunner:
 
     @property
     def bytes_per_block(self) -> int:
-        return bytes_per_block(self.config, self.model_config, self.kv_dtype)
+        return bytes_per_block(self.config, self.model_config, self.kv_dtype, self.num_local_kv_heads)
+
+    @property
+    def num_local_kv_heads(self) -> int:
+        """The K/V heads this rank's cache stores (all of them at tp_size 1)."""
+        return self.model.attention_layers()[0].num_kv_heads
 
     @property
     def has_kv_cache(self) -> bool:
@@ -165,7 +167,7 @@ class ModelRunner:
             # One storage for every layer's K and V (and the routing record), not two tensors per layer: a colocated
             # run frees and re-allocates the cache on every hand-over, and each allocation is a driver call.
             routing = (len(blocks), c.num_experts_per_tok) if self.config.enable_return_routed_experts else None
-            num_planes, num_heads, head_dim = cache_row_shape(c)
+            num_planes, num_heads, head_dim = cache_row_shape(c, self.num_local_kv_heads)
             block_shape = (self.num_kvcache_blocks + 1, self.block_size, num_heads, head_dim)
             self.kv_storage = KVCacheStorage(self.device, len(layers), block_shape, self.kv_dtype, routing, num_planes)
         # The pure-torch path needs zeros: its masked-out slots enter SDPA multiplied by 0, and NaN garbage would

@@ -35,6 +35,23 @@ def moe_layer_indices(config: dict) -> tuple[int, ...]:
     )
 
 
+def checkpoint_moe_flags(config: dict) -> dict:
+    """The values Megatron's MoE flags must take for this config.json (num_experts, moe_router_topk,
+    moe_ffn_hidden_size, moe_shared_expert_intermediate_size, moe_router_score_function), for checking a preset:
+    Qwen-MoE's softmax routers, GLM-4.5 / DeepSeek-V3's sigmoid ones (n_routed_experts, n_shared_experts)."""
+    sigmoid = bool(config.get("n_routed_experts"))
+    shared = ((config.get("n_shared_experts") or 0) * config.get("moe_intermediate_size", 0) if sigmoid
+              else config.get("shared_expert_intermediate_size"))
+    return {
+        "num_experts": config.get("n_routed_experts") if sigmoid else config.get("num_experts",
+                                                                                 config.get("num_local_experts")),
+        "moe_router_topk": config.get("num_experts_per_tok"),
+        "moe_ffn_hidden_size": config.get("moe_intermediate_size"),
+        "moe_shared_expert_intermediate_size": shared or None,
+        "moe_router_score_function": "sigmoid" if sigmoid else "softmax",
+    }
+
+
 @functools.lru_cache(maxsize=8)
 def routing_shape(hf_checkpoint: str) -> tuple[int, int]:
     """(num_hidden_layers, top_k): one token's routing record (SGLang's layout) for the checkpoint at

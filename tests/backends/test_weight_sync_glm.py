@@ -12,6 +12,7 @@ import torch.distributed as dist
 
 from slime.backends.packing import pack_samples
 from slime.engine.server.launch import launch_server
+from slime.utils import weight_delta
 from slime.utils.tiny_model import build_tiny_model
 from tests.helpers.fsdp_helpers import make_args, make_train_data, make_trainer
 
@@ -51,7 +52,8 @@ def test_every_route_carries_the_family_and_keeps_the_correction_bias(setup):
     trainer = make_trainer(make_args(
         checkpoint, "--lr", "3e-2", "--micro-batch-size", "4", "--update-weight-buffer-size", "20000",
         "--update-weight-transport", "disk", "--update-weight-disk-dir", str(tmp_path / "pushes"),
-        "--update-weight-mode", "delta", "--update-weight-local-checkpoint-dir", str(tmp_path / "local")))
+        "--update-weight-mode", "delta", "--update-weight-local-checkpoint-dir", str(tmp_path / "local"),
+        "--update-weight-disk-keep-files"))
     sent = {name for name, _ in trainer.backend.hf_weights(None)}
     assert ("model.layers.0.mlp.gate_up_proj.weight" in sent) == (arch == "glm4")
     if arch == "glm4_moe":
@@ -65,5 +67,9 @@ def test_every_route_carries_the_family_and_keeps_the_correction_bias(setup):
         assert engine_version == str(version)
         torch.testing.assert_close(torch.tensor(log_probs), _trainer_log_probs(trainer, output_ids), rtol=0,
                                    atol=1e-4, msg=lambda text, mode=mode, version=version: f"{mode} push #{version}: {text}")
+    pushes = tmp_path / "pushes"
+    assert "delta_encoding" not in weight_delta.read_index(pushes / "weight_v000003")["metadata"]  # the first: full
+    assert weight_delta.read_index(pushes / "weight_v000004")["metadata"]["delta_encoding"] == "xor"
+    assert not any(BIAS in weight_delta.read_index(pushes / f"weight_v00000{v}")["weight_map"] for v in (3, 4))
     # training moved the weights far enough that the stale engine would have disagreed
     assert output_ids != stale_ids or (torch.tensor(log_probs) - torch.tensor(stale)).abs().max() > 1e-3

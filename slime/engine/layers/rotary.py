@@ -6,8 +6,8 @@ half the head), as rotate-half pairs (i, i + rotary_dim / 2) (GLM-4.5, NeoX styl
 The cos/sin table is precomputed for max_position_embeddings positions, in the layout of the pairs (halves repeated
 for rotate-half, each frequency twice in a row for interleaved), and indexed by each token's position, so any mix
 of prefill chunks and decode tokens is handled by one gather. Other rope scaling types are rejected by
-`slime.engine.models.model_config`, not here. The fused Triton kernel (`triton_fused.qkv_rope_store`) implements the
-full-head rotate-half table only (`fused_kernel_layout`); the decoder keeps the partial ones on this torch path.
+`slime.engine.models.model_config`, not here. The fused Triton kernels (`triton_fused.qkv_rope_store`) read the same
+tables (their width is the rotary dims) and compute the same rotations.
 """
 
 from __future__ import annotations
@@ -66,11 +66,6 @@ class RotaryEmbedding(nn.Module):
             return _apply(x, *self._cos_sin, self.interleaved)
         rotating, passing = x.split([self.rotary_dim, x.shape[-1] - self.rotary_dim], dim=-1)
         return torch.cat((_apply(rotating, *self._cos_sin, self.interleaved), passing), dim=-1)
-
-    @property
-    def fused_kernel_layout(self) -> bool:
-        """Whether the fused Triton q/k rotary kernel covers this table (every dim, rotate-half pairs)."""
-        return self.rotary_dim == self.head_dim and not self.interleaved
 
 
 def _apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool = False) -> torch.Tensor:

@@ -19,6 +19,7 @@ from slime.engine.layers.grouped_router import select_experts_grouped
 from slime.engine.layers.moe import GroupedExperts
 from slime.engine.models.dense_mlp import DenseMLP
 from slime.engine.models.model_config import ModelConfig
+from slime.engine.parallel.state import SINGLE, ParallelState
 
 CORRECTION_BIAS = "e_score_correction_bias"  # the router's one checkpoint buffer (weight_loader loads it)
 
@@ -35,17 +36,20 @@ class SigmoidRouter(nn.Module):
 
 
 class SigmoidMoeBlock(nn.Module):
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, parallel: ParallelState = SINGLE):
         super().__init__()
+        self.parallel = parallel
         self.top_k = config.num_experts_per_tok
         self.norm_topk_prob = config.norm_topk_prob
         self.n_group, self.topk_group = config.n_group, config.topk_group
         self.routed_scaling_factor = config.routed_scaling_factor
         self.gate = SigmoidRouter(config.num_experts, config.hidden_size)
-        self.experts = GroupedExperts(config.num_experts, config.hidden_size, config.moe_intermediate_size)
+        self.experts = GroupedExperts(config.num_experts, config.hidden_size, config.moe_intermediate_size,
+                                      parallel)
         self.has_shared_expert = config.shared_expert_intermediate_size > 0
         if self.has_shared_expert:
-            self.shared_experts = DenseMLP(config.hidden_size, config.shared_expert_intermediate_size)
+            self.shared_experts = DenseMLP(config.hidden_size, config.shared_expert_intermediate_size, parallel,
+                                           reduce_output=False, what="n_shared_experts * moe_intermediate_size")
         self.routed_experts_cache: torch.Tensor | None = None
 
     def forward(self, hidden: torch.Tensor, slot_mapping: torch.Tensor) -> torch.Tensor:
@@ -57,4 +61,4 @@ class SigmoidMoeBlock(nn.Module):
         out = self.experts(hidden, expert_ids, weights.to(hidden.dtype))
         if self.has_shared_expert:
             out = out + self.shared_experts(hidden)
-        return out
+        return self.parallel.all_reduce(out)

@@ -24,7 +24,7 @@ from slime.backends.fsdp_utils.moe_router import install_routers
 from slime.backends.routing_replay import ReplayStage
 from slime.engine.engine import Engine
 from slime.utils.tiny_model import build_tiny_model
-from tests.helpers.fsdp_helpers import make_args, make_trainer
+from tests.helpers.fsdp_helpers import make_args, make_train_data, make_trainer
 
 GROUPS = dict(n_group=4, topk_group=2, num_experts_per_tok=2)
 
@@ -32,11 +32,17 @@ GROUPS = dict(n_group=4, topk_group=2, num_experts_per_tok=2)
 def _free_logits_equal_transformers(model, tokens):
     with torch.no_grad():
         expected = model(tokens).logits
-    replay, _ = install_routers(model, None)
+    replay, trace = install_routers(model, None)
     assert replay.stage is ReplayStage.FALLTHROUGH
+    trace.start()
     with torch.no_grad():
         got = model(tokens).logits
     assert expected.std() > 0.5 and torch.equal(got, expected)
+    # the router-loss trace: logits, the sigmoid scores normalised over the experts (Megatron's "probs" for a
+    # sigmoid router's load-balancing loss), the ids used
+    for logits, probs, ids in trace.stop():
+        torch.testing.assert_close(probs, torch.sigmoid(logits) / torch.sigmoid(logits).sum(-1, keepdim=True))
+        assert ids.shape == (tokens.numel(), model.config.num_experts_per_tok)
     return replay
 
 
@@ -165,3 +171,17 @@ def test_r3_reproduces_the_engines_grouped_routing_on_a_near_tie(tied):
     assert metrics["train/router_agreement"] < 0.95  # the trainer's own choice flips on the near-ties
     assert mismatch < 1e-4
     assert free_mismatch > 1e-2
+
+
+def test_glm4_moe_trains_with_router_losses(tmp_path):
+    path = build_tiny_model(tmp_path, arch="glm4_moe", initializer_range=0.3, **GROUPS)
+    trainer = make_trainer(make_args(path, "--micro-batch-size", "4", "--lr", "1e-2", "--moe-aux-loss-coeff", "0.01",
+                                     "--moe-z-loss-coeff", "0.001"))
+    before = {name: param.full_tensor().clone() for name, param in trainer.model.named_parameters()}
+    metrics = trainer.train(0, make_train_data(8, vocab_size=300, seed=1))
+    after = dict(trainer.model.named_parameters())
+    dist.destroy_process_group()
+    assert metrics["train/moe_aux_loss"] > 0 and metrics["train/moe_z_loss"] > 0
+    assert metrics["train/moe_load_imbalance"] >= 1.0
+    gate = "hf_model.model.layers.1.mlp.gate.weight"
+    assert not torch.equal(after[gate].full_tensor(), before[gate])  # the router learns through the weights

@@ -51,15 +51,8 @@ def test_config_variant_is_exercised(checkpoint):
     assert config.rotary_dim == config.head_dim // 2
     assert config.rope_interleaved == config.sandwich_norms == (variant == "glm4")
     assert config.qk_norm == (variant == "glm4_moe_qk_norm")
-    # The fused Triton q/k rotary kernel rotates whole heads rotate-half: these attentions stay on torch's rotary
-    # when the runner turns the kernels on (the norms and the rest do use them).
-    model = engine.model_runner.model
-    model.set_use_triton(True)
-    try:
-        assert not any(layer.self_attn.use_triton for layer in model.model.layers)
-        assert all(layer.input_layernorm.use_triton for layer in model.model.layers)
-    finally:
-        model.set_use_triton(False)
+    rotary = engine.model_runner.model.model.rotary
+    assert rotary.cos.shape[1] == config.rotary_dim and rotary.interleaved == config.rope_interleaved
     if variant != "glm4":
         assert config.router == "sigmoid" and config.moe_layers == (1, 2) and config.routed_scaling_factor == 2.5
         assert config.shared_expert_intermediate_size == 32 and config.n_group == hf.config.n_group
@@ -176,3 +169,9 @@ def test_correction_bias_is_never_pushed_and_survives_a_discarding_release(check
                          if name in names])  # every weight a trainer sends: all but the bias
     assert not engine.weights_missing
     assert torch.equal(engine.model_runner.model.model.layers[1].mlp.gate.e_score_correction_bias, bias)
+
+
+def test_tensor_parallel_glm_is_refused_naming_the_flag(checkpoint):
+    _, path, _, _ = checkpoint
+    with pytest.raises(ValueError, match=r"tp_size=2 \(--tp-size\).*--tp-size 1"):
+        Engine(str(path), device="cpu", num_kvcache_blocks=16, tp_size=2)
