@@ -23,6 +23,7 @@ class LatentPagedAttention(nn.Module):
     def __init__(self, num_heads: int, kv_lora_rank: int, rope_dim: int, scale: float):
         super().__init__()
         self.num_heads = num_heads
+        self.num_kv_heads = 1  # every query head attends the one latent row
         self.kv_lora_rank = kv_lora_rank
         self.latent_dim = kv_lora_rank + rope_dim
         self.scale = scale
