@@ -26,20 +26,21 @@ def engine_on(path, dtype: str, enforce_eager: bool) -> Engine:
 
 
 def test_fp32_kernel_and_graphs_match_transformers(checkpoint):
+    """The reference is transformers on the CPU (fp32, no TF32)."""
     engine = engine_on(checkpoint, "float32", enforce_eager=False)
     assert engine.model_runner.use_triton and engine.model_runner.use_cuda_graphs
-    hf = AutoModelForCausalLM.from_pretrained(str(checkpoint), dtype=torch.float32).cuda().eval()
+    hf = AutoModelForCausalLM.from_pretrained(str(checkpoint), dtype=torch.float32).eval()
     hf.generation_config.eos_token_id = None
     outputs = engine.generate(PROMPTS, GREEDY)
     for prompt, output in zip(PROMPTS, outputs):
-        expected = hf.generate(torch.tensor([prompt], device="cuda"), do_sample=False, max_new_tokens=32,
+        expected = hf.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=32,
                                pad_token_id=0)[0, len(prompt):].tolist()
         assert_clear_greedy_margin(hf, prompt, expected)
         assert output["output_ids"] == expected
         with torch.no_grad():
-            logits = hf(torch.tensor([prompt + expected], device="cuda")).logits[0, len(prompt) - 1 : -1].float()
-        hf_log_probs = torch.log_softmax(logits, -1).gather(1, torch.tensor(expected, device="cuda")[:, None])
-        assert (torch.tensor(output["output_log_probs"]) - hf_log_probs.squeeze(1).cpu()).abs().max() < 1e-4
+            logits = hf(torch.tensor([prompt + expected])).logits[0, len(prompt) - 1 : -1].float()
+        hf_log_probs = torch.log_softmax(logits, -1).gather(1, torch.tensor(expected)[:, None]).squeeze(1)
+        assert (torch.tensor(output["output_log_probs"]) - hf_log_probs).abs().max() < 1e-4
 
 
 def test_bf16_graphs_equal_eager(checkpoint):
