@@ -108,9 +108,9 @@ def test_mla_kernel_equals_torch_path():
 @pytest.mark.parametrize("num_heads", [16, 128])
 def test_mla_kernel_deepseek_shape_bf16(num_heads):
     query_lens, seq_lens = [1] * 8, [1000, 3, 517, 64, 65, 2048, 1, 300]
-    q, cache, block_tables, query_start_loc, seq_lens_t = make_case(num_heads, 512, 64, query_lens, [0] * 8,
-                                                                    torch.bfloat16)
-    block_tables = torch.arange(8 * 512, dtype=torch.int32, device=DEVICE).view(8, 512)
+    q = torch.randn(8, num_heads, 576, device=DEVICE, dtype=torch.bfloat16)
+    query_start_loc = torch.arange(9, dtype=torch.int32, device=DEVICE)
+    block_tables = torch.randperm(8 * 512, device=DEVICE).to(torch.int32).view(8, 512)  # 4-token blocks
     cache = torch.randn(8 * 512 + 1, 4, 1, 576, device=DEVICE, dtype=torch.bfloat16)
     seq_lens_t = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
     scale = 192**-0.5
