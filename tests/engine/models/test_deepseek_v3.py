@@ -137,13 +137,18 @@ def test_latent_cache_holds_one_row_per_token_never_expanded(checkpoint):
 
 
 def test_named_weight_shapes_are_the_checkpoint_names(checkpoint):
-    _, path, _, engine = checkpoint
+    """Every checkpoint tensor but the router's correction-bias buffers, by name and shape (7 MLA tensors per layer;
+    Moonlight's plain q_proj replaces q_a_proj / q_a_layernorm / q_b_proj)."""
+    variant, path, _, engine = checkpoint
     engine_shapes = {name: shape for name, (shape, _) in engine.named_weight_shapes().items()}
-    checkpoint_shapes = {name: tuple(tensor.shape) for name, tensor in iterate_checkpoint(path)}
-    assert engine_shapes.keys() == {name for name in checkpoint_shapes if "e_score_correction_bias" not in name} \
-        or engine_shapes == checkpoint_shapes
-    attention = [name for name in engine_shapes if name.startswith("model.layers.0.self_attn.")]
-    assert len(attention) == 7 or (len(attention) == 5 and "model.layers.0.self_attn.q_proj.weight" in attention)
+    checkpoint_shapes = {name: tuple(tensor.shape) for name, tensor in iterate_checkpoint(path)
+                         if not name.endswith("e_score_correction_bias")}
+    assert engine_shapes == checkpoint_shapes
+    attention = {name.split("self_attn.")[1] for name in engine_shapes if name.startswith("model.layers.0.self_attn.")}
+    latent = {"kv_a_proj_with_mqa.weight", "kv_a_layernorm.weight", "kv_b_proj.weight", "o_proj.weight"}
+    queries = {"q_proj.weight"} if variant == "moonlight" else {"q_a_proj.weight", "q_a_layernorm.weight",
+                                                                 "q_b_proj.weight"}
+    assert attention == latent | queries
 
 
 @pytest.mark.parametrize("variant", ["deepseek_v3", "moonlight"])
