@@ -1,6 +1,7 @@
 """Tiny configs of the DeepSeek-V3 family (multi-head latent attention) for `tiny_model.build_tiny_model`:
 "deepseek_v3" (q_lora_rank set, DeepSeek-YaRN with both mscales, 4 expert groups of which 2 are kept),
-"moonlight" (q_lora_rank null: a plain q_proj, plain RoPE, one group) and "glm4_moe_lite" (GLM-4.7-Flash's shape).
+"moonlight" (q_lora_rank null: a plain q_proj, plain RoPE, one group) and "glm4_moe_lite" (GLM-4.7-Flash's shape,
+with attention_bias on).
 Every head's value dim differs from its query/key dim, as in the released models. Kimi K2 is the deepseek_v3 one
 with config.json's model_type rewritten to "kimi_k2" (how Kimi ships it; transformers has no kimi_k2 type).
 Sizes are for CPU tests; nothing here downloads anything.
@@ -20,6 +21,7 @@ TINY_MLA_ARCHES = {
     "moonlight": dict(q_lora_rank=None, n_group=1, topk_group=1, routed_scaling_factor=2.446,
                       rope_parameters=dict(rope_type="default", rope_theta=50000.0), first_k_dense_replace=1),
     "glm4_moe_lite": dict(q_lora_rank=32, n_group=1, topk_group=1, routed_scaling_factor=1.8, v_head_dim=16,
+                          attention_bias=True,
                           rope_parameters=dict(rope_type="default", rope_theta=1000000.0)),
 }
 

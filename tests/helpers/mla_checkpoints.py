@@ -1,6 +1,6 @@
 """Tiny DeepSeek-V3-family checkpoints for tests, built with transformers (slime.utils.tiny_model): wide weights
-(std 0.3) and norm weights and expert-score biases away from their init values (1 and 0), so a swapped norm, a
-dropped bias or a wrong rope layout changes the logits. `kimi_k2` is the deepseek_v3 checkpoint copied with Kimi's
+(std 0.3) and norm weights, expert-score biases and projection biases away from their init values (1 and 0), so a
+swapped norm, a dropped bias or a wrong rope layout changes the logits. `kimi_k2` is the deepseek_v3 checkpoint copied with Kimi's
 model_type (transformers has none, so its reference model loads the deepseek_v3 copy)."""
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ def perturb_norms_and_biases(path: Path, seed: int) -> None:
     for name, tensor in weights.items():
         if name.endswith("norm.weight"):
             weights[name] = 1 + 0.3 * torch.randn(tensor.shape, generator=generator)
-        elif name.endswith("e_score_correction_bias"):
+        elif name.endswith("e_score_correction_bias") or name.endswith("_proj.bias"):
             weights[name] = 0.5 * torch.randn(tensor.shape, generator=generator)
     save_file(weights, str(path / "model.safetensors"), metadata={"format": "pt"})
 

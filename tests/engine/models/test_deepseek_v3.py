@@ -137,8 +137,8 @@ def test_latent_cache_holds_one_row_per_token_never_expanded(checkpoint):
 
 
 def test_named_weight_shapes_are_the_checkpoint_names(checkpoint):
-    """Every checkpoint tensor but the router's correction-bias buffers, by name and shape (7 MLA tensors per layer;
-    Moonlight's plain q_proj replaces q_a_proj / q_a_layernorm / q_b_proj)."""
+    """Every checkpoint tensor but the router's correction-bias buffers, by name and shape (7 MLA weights per layer;
+    Moonlight's plain q_proj replaces q_a_proj / q_a_layernorm / q_b_proj; attention_bias adds three biases)."""
     variant, path, _, engine = checkpoint
     engine_shapes = {name: shape for name, (shape, _) in engine.named_weight_shapes().items()}
     checkpoint_shapes = {name: tuple(tensor.shape) for name, tensor in iterate_checkpoint(path)
@@ -148,6 +148,8 @@ def test_named_weight_shapes_are_the_checkpoint_names(checkpoint):
     latent = {"kv_a_proj_with_mqa.weight", "kv_a_layernorm.weight", "kv_b_proj.weight", "o_proj.weight"}
     queries = {"q_proj.weight"} if variant == "moonlight" else {"q_a_proj.weight", "q_a_layernorm.weight",
                                                                  "q_b_proj.weight"}
+    if engine.model_config.mla.attention_bias:  # glm4_moe_lite's tiny config: biases on the a-projections and o_proj
+        latent, queries = latent | {"kv_a_proj_with_mqa.bias", "o_proj.bias"}, queries | {"q_a_proj.bias"}
     assert attention == latent | queries
 
 
