@@ -78,7 +78,7 @@ def _collectives_rank(rank, world, port, batch, hidden, layers, vocab, device, d
     target = torch.device("cuda" if cuda else "cpu")
     activations = torch.randn(batch, hidden, dtype=dtype, device=target)
     logits = torch.randn(batch, -(-vocab // world), dtype=dtype, device=target)
-    gathered = torch.empty(world, *logits.shape, dtype=dtype, device=target)
+    gathered = torch.empty(world * logits.shape[0], logits.shape[1], dtype=dtype, device=target)
 
     def step():
         for _ in range(2 * layers + 1):

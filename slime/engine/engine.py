@@ -306,7 +306,9 @@ class Engine(EngineWeights, OverlappedStepping):
             self.model_runner.allocate_kv_cache()
         self.released_tags -= set(tags)
         if not self.released_tags & {"weights", "kv_cache"}:
-            self.model_runner.unpark_graphs()
+            held = self.model_runner.unpark_graphs()
+            if self.ranks is not None and any(tuple(other) != held for other in self.ranks.last_results):
+                self.model_runner.drop_graphs()  # some rank lost its graphs: all capture anew together
 
     @property
     def weights_missing(self) -> set[str]:

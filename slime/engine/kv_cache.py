@@ -58,7 +58,9 @@ def num_blocks_from_memory(config: Config, model_config: ModelConfig, device: to
     num_blocks = min(wanted, int(budget // block_bytes))
     if num_blocks < 1:
         raise ValueError(f"gpu_memory_utilization={config.gpu_memory_utilization} leaves no memory for the KV "
-                         "cache; raise it or set num_kvcache_blocks")
+                         "cache after the weights: raise it (slime: --sglang-mem-fraction-static), set "
+                         "num_kvcache_blocks, or spread the model over more devices (--tp-size; slime: "
+                         "--rollout-num-gpus-per-engine)")
     return num_blocks
 
 

@@ -77,6 +77,11 @@ class ModelRunner:
         try:
             with torch.device(self.device):
                 self.model = DecoderForCausalLM(model_config, parallel)
+        except torch.OutOfMemoryError as error:
+            raise ValueError(f"the model's weights do not fit this device at tp_size {parallel.tp_size}: spread "
+                             "them over more devices (--tp-size; slime: --rollout-num-gpus-per-engine), or leave "
+                             "more memory to the engine (slime: --sglang-mem-fraction-static, offloading the "
+                             f"trainer): {error}") from None
         finally:
             torch.set_default_dtype(default_dtype)
         self.model.eval()
@@ -212,11 +217,19 @@ class ModelRunner:
         self.decode_graphs = self.prefill_graphs = None
 
     @every_rank
-    def unpark_graphs(self) -> None:
-        """After a resume of the weights and KV cache: the parked graphs back if those came back where they were."""
+    def unpark_graphs(self) -> tuple[bool, bool]:
+        """After a resume of the weights and KV cache: the parked graphs back if those came back where they were.
+        Returns which of (decode, prefill) graphs this rank now holds: the ranks of a sharded engine must agree, as
+        a graph captured on one rank only would leave the others out of its collectives (`drop_graphs`)."""
         addresses = self._baked_addresses()
         self.decode_graphs = self.parked_graphs.take(addresses) or self.decode_graphs
         self.prefill_graphs = self.parked_prefill_graphs.take(addresses) or self.prefill_graphs
+        return self.decode_graphs is not None, self.prefill_graphs is not None
+
+    @every_rank
+    def drop_graphs(self) -> None:
+        """Forget the decode and prefill graphs (the next steps capture anew, on every rank together)."""
+        self.decode_graphs = self.prefill_graphs = None
 
     @every_rank
     def clear_parked_graphs(self) -> None:

@@ -2,7 +2,8 @@
 router (GLM-4.5; DeepSeek-V3 has the same router class shape).
 
 - Re-bound routers route freely exactly as transformers' (logits equal) for GLM-4.5 with group limits and a tiny
-  DeepSeek-V3 (MLA attention, 4 groups / 2 kept), and obey forced ids with weights from the unbiased scores.
+  DeepSeek-V3 (MLA attention, 4 groups / 2 kept), and obey forced ids with weights from the unbiased scores;
+  replaying a DeepSeek-V3 "engine's" ids on a near-tie makes the trainer's logits equal the engine's.
 - The trainer's old-policy log-probs equal transformers' for GLM-4 and GLM-4.5 (fp32, < 1e-5).
 - R3 on a constructed near-tie: experts 1 and 2 (in different groups) share their router rows and their correction
   biases differ by +-2d, with the sign flipped between the engine's checkpoint and the trainer's. Routing freely the
@@ -64,7 +65,9 @@ def test_rebound_router_routes_like_transformers_glm4_moe(tmp_path):
     torch.testing.assert_close(weights, scores / scores.sum(-1, keepdim=True) * 2.5)
 
 
-def test_rebound_router_routes_like_transformers_deepseek_v3():
+def _tiny_deepseek_v3(bias_sign: float) -> DeepseekV3ForCausalLM:
+    """MLA, 4 groups / 2 kept, a leading dense layer; experts 1 and 2 (groups 0 and 1) share their router row and
+    their correction biases differ by 2 * bias_sign * d."""
     config = DeepseekV3Config(vocab_size=256, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
                               num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4, q_lora_rank=32,
                               kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
@@ -74,10 +77,43 @@ def test_rebound_router_routes_like_transformers_deepseek_v3():
     model = DeepseekV3ForCausalLM(config).eval()
     with torch.no_grad():
         for layer in model.model.layers[1:]:
-            layer.mlp.gate.weight.normal_(std=0.5)
-            layer.mlp.gate.e_score_correction_bias.normal_(std=0.1)
-    replay = _free_logits_equal_transformers(model, torch.tensor([[(5 * i + 1) % 256 for i in range(20)]]))
+            gate = layer.mlp.gate
+            gate.weight.normal_(std=0.5)
+            gate.weight[2] = gate.weight[1]
+            gate.e_score_correction_bias.normal_(std=0.1)
+            gate.e_score_correction_bias[1:3] = torch.tensor([0.3 + bias_sign * 1e-5, 0.3 - bias_sign * 1e-5])
+    return model
+
+
+def test_rebound_router_routes_like_transformers_deepseek_v3():
+    replay = _free_logits_equal_transformers(_tiny_deepseek_v3(1.0),
+                                             torch.tensor([[(5 * i + 1) % 256 for i in range(20)]]))
     assert replay.layer_indices == (1, 2)
+
+
+def test_replay_makes_a_deepseek_v3_trainer_compute_the_engines_function():
+    """transformers' model with +d stands in for the engine; the trainer's copy has -d. Replaying the engine's ids
+    (recorded on its biased, group-masked scores) the trainer's logits equal the engine's; routing freely they do
+    not (the near-tie flips experts 1 and 2 wherever they straddle the top-k boundary)."""
+    engine, trainer = _tiny_deepseek_v3(1.0), _tiny_deepseek_v3(-1.0)
+    tokens = torch.tensor([[(7 * i + 3) % 256 for i in range(48)]])
+    picks = []
+    hooks = [layer.mlp.gate.register_forward_hook(lambda _m, _a, output: picks.append(output[2]))
+             for layer in engine.model.layers[1:]]
+    with torch.no_grad():
+        expected = engine(tokens).logits
+    for hook in hooks:
+        hook.remove()
+    replay, _ = install_routers(trainer, None)
+    with torch.no_grad():
+        free = trainer(tokens).logits
+    replay.stage = ReplayStage.REPLAY_FORWARD
+    with replay.micro_batch(torch.stack(picks, dim=1)), torch.no_grad():
+        replayed = trainer(tokens).logits
+    agreement = replay.take_agreement()
+    assert (free - expected).abs().max() > 1e-3
+    torch.testing.assert_close(replayed, expected, rtol=0, atol=1e-5)
+    assert 0 < agreement[:, 0].sum() < agreement[:, 1].sum()  # the trainer's own choice differs on some tokens
 
 
 @pytest.mark.parametrize("arch", ["glm4", "glm4_moe"])
