@@ -25,23 +25,24 @@ _MLA = dict(kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim
 def family_config(family: str, vocab_size: int, **overrides):
     from transformers import DeepseekV3Config, Glm4Config, Glm4MoeConfig
 
+    common = {**_COMMON, "vocab_size": vocab_size}
     if family == "glm4":
-        return Glm4Config(vocab_size=vocab_size, num_hidden_layers=2, num_key_value_heads=2, head_dim=16,
-                          attention_bias=True, partial_rotary_factor=0.5, **_COMMON, **overrides)
+        return Glm4Config(**{**common, "num_hidden_layers": 2, "num_key_value_heads": 2, "head_dim": 16,
+                             "attention_bias": True, "partial_rotary_factor": 0.5, **overrides})
     if family == "glm4_moe":
-        return Glm4MoeConfig(vocab_size=vocab_size, num_hidden_layers=3, num_key_value_heads=2, head_dim=16,
-                             attention_bias=True, use_qk_norm=True, partial_rotary_factor=0.5, n_group=1,
-                             topk_group=1, **_COMMON, **_MOE, **overrides)
+        return Glm4MoeConfig(**{**common, **_MOE, "num_hidden_layers": 3, "num_key_value_heads": 2, "head_dim": 16,
+                                "attention_bias": True, "use_qk_norm": True, "partial_rotary_factor": 0.5,
+                                "n_group": 1, "topk_group": 1, **overrides})
     if family == "deepseek_v3":
         rope = dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=64,
                     beta_fast=32.0, beta_slow=1.0, mscale=1.0, mscale_all_dim=1.0)
-        return DeepseekV3Config(vocab_size=vocab_size, num_hidden_layers=3, num_key_value_heads=4, q_lora_rank=32,
-                                n_group=4, topk_group=2, rope_parameters=rope, **_COMMON, **_MLA,
-                                **dict(_MOE, **overrides))
+        return DeepseekV3Config(**{**common, **_MLA, **_MOE, "num_hidden_layers": 3, "num_key_value_heads": 4,
+                                   "q_lora_rank": 32, "n_group": 4, "topk_group": 2, "rope_parameters": rope,
+                                   **overrides})
     if family == "moonlight":
-        return DeepseekV3Config(vocab_size=vocab_size, num_hidden_layers=3, num_key_value_heads=4, q_lora_rank=None,
-                                n_group=1, topk_group=1, **_COMMON, **_MLA,
-                                **dict(_MOE, n_shared_experts=2, **overrides))
+        return DeepseekV3Config(**{**common, **_MLA, **_MOE, "num_hidden_layers": 3, "num_key_value_heads": 4,
+                                   "q_lora_rank": None, "n_group": 1, "topk_group": 1, "n_shared_experts": 2,
+                                   **overrides})
     raise ValueError(family)
 
 

@@ -55,8 +55,8 @@ def hf_named_grads(chunks, hf_config) -> dict[str, torch.Tensor]:
     from slime.backends.megatron_utils.names import is_stacked_experts, named_global_parameters, unstack_experts
 
     mapping = mapping_for(hf_config)
-    num_local_experts = (hf_config.num_experts // parallel_state.get_expert_model_parallel_world_size()
-                         if hasattr(hf_config, "num_experts") else 0)
+    num_experts = getattr(hf_config, "num_experts", None) or getattr(hf_config, "n_routed_experts", None) or 0
+    num_local_experts = num_experts // parallel_state.get_expert_model_parallel_world_size()
     first_expert = parallel_state.get_expert_model_parallel_rank() * num_local_experts
     grads = {}
     for name, param in named_global_parameters(chunks):
