@@ -47,8 +47,9 @@ def family_config(family: str, vocab_size: int, **overrides):
 
 
 @torch.no_grad()
-def widen(model, seed: int = 0) -> None:
-    """Matrices ~ N(0, 0.15), norm weights ~ 1 + N(0, 0.2), biases and expert-score corrections ~ N(0, 0.3)."""
+def widen(model, seed: int = 1) -> None:
+    """Matrices ~ N(0, 0.15) (routers 0.3), norm weights ~ 1 + N(0, 0.2), biases ~ N(0, 0.3), expert-score
+    corrections ~ N(0, 0.05) (seed 1: every expert gets tokens of test_parallel's batch in every family)."""
     generator = torch.Generator().manual_seed(seed)
     for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
         if not tensor.is_floating_point():
@@ -56,7 +57,11 @@ def widen(model, seed: int = 0) -> None:
         noise = torch.randn(tensor.shape, generator=generator, dtype=torch.float32).to(tensor.dtype)
         if "norm" in name:
             tensor.copy_(1.0 + 0.2 * noise)
-        elif tensor.dim() == 1 and ("bias" in name or "e_score_correction" in name):
+        elif name.endswith("mlp.gate.weight"):  # router: scores spread like the bias, every expert gets tokens
+            tensor.copy_(0.3 * noise)
+        elif "e_score_correction" in name:  # moves choices, yet leaves every expert some tokens
+            tensor.copy_(0.05 * noise)
+        elif tensor.dim() == 1 and "bias" in name:
             tensor.copy_(0.3 * noise)
         elif tensor.dim() >= 2:
             tensor.copy_(0.15 * noise)

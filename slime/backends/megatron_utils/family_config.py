@@ -149,9 +149,10 @@ def family_fields(args, hf_config) -> dict:
     model_type = hf_config.model_type
     fields = dict(num_attention_heads=hf_config.num_attention_heads, ffn_hidden_size=hf_config.intermediate_size)
     if model_type in MLA_FAMILIES:
-        if args.sequence_parallel:
-            raise ValueError("--sequence-parallel with multi-head latent attention (DeepSeek-V3 family) is not "
-                             "supported by --train-backend megatron; train without it")
+        if args.tensor_model_parallel_size >= hf_config.num_attention_heads > 1:
+            raise ValueError(f"--tensor-model-parallel-size {args.tensor_model_parallel_size} leaves one attention "
+                             f"head per rank of {hf_config.num_attention_heads} (config.json num_attention_heads): "
+                             "multi-head latent attention trains here with at least two per rank; lower it")
         fields.update(mla_attention(hf_config))
     else:
         fields.update(_attention(hf_config))

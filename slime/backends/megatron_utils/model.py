@@ -199,7 +199,7 @@ def _layer_spec(config, device: torch.device, moe: bool):
     spec.submodules.self_attention.submodules.core_attention = PackedCoreAttention
     spec.submodules.input_layernorm = spec.submodules.pre_mlp_layernorm = RMSNorm  # sequence parallel allowed
     attention = spec.submodules.self_attention.submodules
-    if mla:  # the q / kv latents' norms (grads.py: not summed over TP, each rank normalises the whole latent)
+    if mla:  # the q / kv latents' norms: under sequence parallelism (MoE with TP) each rank normalises its tokens
         attention.q_layernorm = attention.kv_layernorm = RMSNorm
     elif config.qk_layernorm:  # their gradients are summed over TP in any case (grads.py)
         attention.q_layernorm = attention.k_layernorm = RMSNorm

@@ -102,17 +102,19 @@ def test_refuses_what_megatron_cannot_compute(family, field, overrides):
     from slime.backends.megatron_utils.family_config import family_fields
     from tests.helpers.megatron_families import family_config
 
-    args = SimpleNamespace(sequence_parallel=False, moe_grouped_gemm=False, moe_router_dtype=None)
+    args = SimpleNamespace(sequence_parallel=False, moe_grouped_gemm=False, moe_router_dtype=None,
+                           tensor_model_parallel_size=1)
     with pytest.raises(ValueError, match=f"field {field} "):
         family_fields(args, family_config(family, 300, **overrides))
 
 
-def test_refuses_sequence_parallel_with_mla():
+def test_refuses_one_latent_attention_head_per_tensor_parallel_rank():
     from types import SimpleNamespace
 
     from slime.backends.megatron_utils.family_config import family_fields
     from tests.helpers.megatron_families import family_config
 
-    args = SimpleNamespace(sequence_parallel=True, moe_grouped_gemm=False, moe_router_dtype=None)
-    with pytest.raises(ValueError, match="--sequence-parallel"):
+    args = SimpleNamespace(sequence_parallel=True, moe_grouped_gemm=False, moe_router_dtype=None,
+                           tensor_model_parallel_size=4)
+    with pytest.raises(ValueError, match="--tensor-model-parallel-size 4"):
         family_fields(args, family_config("moonlight", 300))
