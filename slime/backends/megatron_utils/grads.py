@@ -1,8 +1,7 @@
 """Gradient bookkeeping of the Megatron backend between backward and the optimizer step, the rules of
 megatron-core's `finalize_model_grads` on the DDP grad buffers (`param.main_grad`, optimizer.py):
 - summed over the tensor-parallel group: the weights that see only part of the work on each TP rank (norms under
-  sequence parallelism, the q/k norms of each rank's heads; not multi-head latent attention's `q_layernorm`, which
-  normalises the whole gathered latent on every rank and already holds the full gradient there);
+  sequence parallelism, the q/k norms of each rank's heads);
 - summed over the embedding group: with tied embeddings and PP > 1, the first stage's embedding and the last
   stage's output-layer copy are one weight;
 - summed over data parallelism by DDP's `finish_grad_sync` (reduce-scattered: each rank's slice of the buffer
@@ -54,14 +53,13 @@ def finalize_grads(model_chunks, ddp_chunks) -> None:
     from megatron.core import parallel_state
 
     config = model_chunks[0].config
-    per_head_qk_norms = config.qk_layernorm and not getattr(config, "multi_latent_attention", False)
     tp_summed = []
     for chunk in model_chunks:
         for name, param in chunk.named_parameters():
             if not param.requires_grad:
                 continue
             if (config.sequence_parallel and getattr(param, "sequence_parallel", False)) or (
-                    per_head_qk_norms and ("q_layernorm" in name or "k_layernorm" in name)):
+                    config.qk_layernorm and ("q_layernorm" in name or "k_layernorm" in name)):
                 tp_summed.append(param.main_grad)
     _all_reduce_grads(tp_summed, parallel_state.get_tensor_model_parallel_group())
     tied = [weight.main_grad for weight in _tied_embedding_weights(model_chunks) if weight.requires_grad]
