@@ -2,7 +2,7 @@
 Moonlight-like (MLA without q_lora) tiny checkpoints: TP=2 gives TP=1's log-probs, entropy, loss and gradients
 (with sequence parallelism, which megatron-core requires for MoE layers under TP: multi-head latent attention's
 column-parallel down projections, its shared rope key (mla_local_spec.py) and its latent norms on each rank's
-tokens included), and EP=2 (two data-parallel ranks with half the experts and half the
+tokens included), PP=2 (and CP=2 for the dense GLM-4) gives TP=1's too, and EP=2 (two data-parallel ranks with half the experts and half the
 micro-batches each) gives EP=1's log-probs, loss and expert gradients."""
 
 from __future__ import annotations
@@ -44,6 +44,21 @@ def test_tp2_equals_tp1(family_run):
     for sequence_parallel in ((False, True) if family == "glm4" else (True,)):
         extra = ("--sequence-parallel",) if sequence_parallel else ()
         for result in run_distributed(_log_probs_loss_grads, 2, checkpoint, {"tp": 2}, extra):
+            _assert_same(result, reference)
+
+
+@pytest.mark.parametrize("family", _marked_slow(FAMILIES, slow=("glm4", "glm4_moe", "moonlight")))
+def test_pp2_equals_pp1(family, tmp_path):
+    """Two pipeline stages of two layers: the first holds GLM-4.5's / DeepSeek-V3's dense layer (the MoE layer
+    pattern is global, each stage builds its slice); GLM-4 (dense: context parallelism is for dense models) also at
+    CP=2."""
+    checkpoint = build_family_checkpoint(tmp_path / family, family, num_hidden_layers=4)
+    (reference,) = run_distributed(_log_probs_loss_grads, 1, checkpoint, {})
+    first, last = run_distributed(_log_probs_loss_grads, 2, checkpoint, {"pp": 2})
+    assert first["loss"] == last["loss"]
+    _assert_same({**last, "grads": {**first["grads"], **last["grads"]}}, reference)
+    if family == "glm4":
+        for result in run_distributed(_log_probs_loss_grads, 2, checkpoint, {}, ("--context-parallel-size", "2")):
             _assert_same(result, reference)
 
 
