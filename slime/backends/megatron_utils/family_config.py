@@ -39,6 +39,9 @@ def rotary_percent(hf_config) -> float:
 
 def moe_layer_pattern(hf_config) -> list[int]:
     """Per decoder layer 1 (sparse) or 0 (dense): the first `first_k_dense_replace` layers are dense."""
+    if int(getattr(hf_config, "moe_layer_freq", 1) or 1) != 1:
+        raise _refuse(hf_config, "moe_layer_freq", "transformers makes every layer from first_k_dense_replace on "
+                      "sparse, SGLang only every moe_layer_freq-th: no release has one other than 1")
     num_dense = int(hf_config.first_k_dense_replace)
     return [0 if layer < num_dense else 1 for layer in range(hf_config.num_hidden_layers)]
 

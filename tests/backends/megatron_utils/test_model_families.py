@@ -94,6 +94,7 @@ def test_expert_bias_is_loaded_and_chooses_experts(megatron_model):
     ("deepseek_v3", "n_group", dict(n_group=8, topk_group=4)),  # groups of one expert: no top-2 group score
     ("deepseek_v3", "topk_group", dict(n_group=4, topk_group=1, num_experts_per_tok=3)),  # 2 experts kept < 3
     ("deepseek_v3", "rope_interleave", dict(rope_interleave=False)),
+    ("deepseek_v3", "moe_layer_freq", dict(moe_layer_freq=2)),
     ("glm4_moe", "rope_parameters", dict(rope_parameters=dict(rope_type="linear", factor=2.0, rope_theta=1e4))),
 ])
 def test_refuses_what_megatron_cannot_compute(family, field, overrides):
