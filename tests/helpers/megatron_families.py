@@ -5,7 +5,8 @@ expert-score correction biases (so that a bias left at zero routes differently).
 Variants: `glm4` (sandwich norms, interleaved half RoPE, q/k/v bias), `glm4_moe` (q/k norm, q/k/v bias, one dense
 layer, shared expert, routed scaling), `deepseek_v3` (MLA with q_lora, YaRN, 4 expert groups of which 2 are kept:
 topk // topk_group = 1, where megatron-core's own group rule differs from transformers'), `moonlight` (MLA without
-q_lora, one group, plain RoPE, two shared experts).
+q_lora, one group, plain RoPE, two shared experts), `glm4_moe_lite` (GLM-4.7-Flash: MLA with the V head as wide as the
+query-key head, dense / sparse layers from `mlp_layer_types`).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import torch
 
 FAMILIES = ("glm4", "glm4_moe", "deepseek_v3", "moonlight")
+FLASH = "glm4_moe_lite"  # GLM-4.7-Flash's architecture: DeepSeek-V3's MLA and router, its own config class
 MOE_FAMILIES = ("glm4_moe", "deepseek_v3", "moonlight")
 
 _COMMON = dict(hidden_size=64, intermediate_size=96, num_attention_heads=4, rms_norm_eps=1e-6,
@@ -43,6 +45,12 @@ def family_config(family: str, vocab_size: int, **overrides):
         return DeepseekV3Config(**{**common, **_MLA, **_MOE, "num_hidden_layers": 3, "num_key_value_heads": 4,
                                    "q_lora_rank": None, "n_group": 1, "topk_group": 1, "n_shared_experts": 2,
                                    **overrides})
+    if family == FLASH:
+        from transformers import Glm4MoeLiteConfig
+
+        return Glm4MoeLiteConfig(**{**common, **_MLA, **_MOE, "num_hidden_layers": 3, "num_key_value_heads": 4,
+                                    "q_lora_rank": 24, "v_head_dim": 24, "routed_scaling_factor": 1.8,
+                                    "mlp_layer_types": ["dense", "sparse", "sparse"], **overrides})
     raise ValueError(family)
 
 

@@ -38,7 +38,13 @@ def rotary_percent(hf_config) -> float:
 
 
 def moe_layer_pattern(hf_config) -> list[int]:
-    """Per decoder layer 1 (sparse) or 0 (dense): the first `first_k_dense_replace` layers are dense."""
+    """Per decoder layer 1 (sparse) or 0 (dense): `mlp_layer_types` where the config has it (GLM-4.7-Flash), else
+    the first `first_k_dense_replace` layers are dense."""
+    layer_types = getattr(hf_config, "mlp_layer_types", None)
+    if layer_types is not None:
+        if set(layer_types) - {"dense", "sparse"} or len(layer_types) != hf_config.num_hidden_layers:
+            raise _refuse(hf_config, "mlp_layer_types", "one 'dense' or 'sparse' per decoder layer")
+        return [int(kind == "sparse") for kind in layer_types]
     if int(getattr(hf_config, "moe_layer_freq", 1) or 1) != 1:
         raise _refuse(hf_config, "moe_layer_freq", "transformers makes every layer from first_k_dense_replace on "
                       "sparse, SGLang only every moe_layer_freq-th: no release has one other than 1")

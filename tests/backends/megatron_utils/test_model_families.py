@@ -1,5 +1,5 @@
 """Megatron backend, one process (TP=1), on tiny GLM-4, GLM-4.5, DeepSeek-V3 (MLA, YaRN, 4 expert groups of which 2
-are kept) and Moonlight-like (MLA without q_lora) checkpoints built with transformers: the forward over a packed THD
+are kept), Moonlight-like (MLA without q_lora) and GLM-4.7-Flash-like checkpoints built with transformers: the forward over a packed THD
 batch equals transformers' per sample, HF -> Megatron -> HF is bit-exact (a saved checkpoint keeps the routers'
 expert-score correction biases; a weight push leaves them out), the bias is loaded (a zero bias routes differently),
 and configurations megatron-core cannot compute as transformers does are refused naming the field."""
@@ -10,13 +10,13 @@ import pytest
 import torch
 
 from slime.utils.misc import find_free_port
-from tests.helpers.megatron_families import FAMILIES, build_family_checkpoint
+from tests.helpers.megatron_families import FAMILIES, FLASH, build_family_checkpoint
 from tests.helpers.megatron_helpers import build_megatron, make_megatron_args
 
 pytest.importorskip("megatron.core")
 
 
-@pytest.fixture(scope="module", params=FAMILIES)
+@pytest.fixture(scope="module", params=[*FAMILIES, FLASH])
 def checkpoint(request, tmp_path_factory):
     return build_family_checkpoint(tmp_path_factory.mktemp(request.param), request.param)
 
