@@ -20,8 +20,13 @@ from slime.engine.decode_rows import DecodeRows
 from slime.engine.dtypes import resolve_device, resolve_dtype, resolve_kv_cache_dtype
 from slime.engine.host_staging import HostStaging
 from slime.engine.host_weights import HostWeights
-from slime.engine.kernel_checks import grouped_mm_works, triton_attention_works, triton_fused_kernels_work
-from slime.engine.kv_cache import KVCacheStorage, bytes_per_block, num_blocks_from_memory
+from slime.engine.kernel_checks import (
+    grouped_mm_works,
+    triton_attention_works,
+    triton_fused_kernels_work,
+    triton_mla_attention_works,
+)
+from slime.engine.kv_cache import KVCacheStorage, bytes_per_block, cache_row_shape, num_blocks_from_memory
 from slime.engine.layers.attention import AttentionMetadata
 from slime.engine.models import DecoderForCausalLM, ModelConfig
 from slime.engine.models.weight_loader import load_checkpoint, load_weights
@@ -107,7 +112,12 @@ class ModelRunner:
         self.kv_storage: KVCacheStorage | None = None
         self.kv_cache: torch.Tensor | None = None  # every layer's K and V; uninitialized on the Triton path
         self.kv_cache_zeroed = False
-        attention_works = self.device.type == "cuda" and triton_attention_works(self.device, self.kv_dtype)
+        if model_config.mla is not None:  # the latent cache has its own kernel
+            mla = model_config.mla
+            attention_works = self.device.type == "cuda" and triton_mla_attention_works(
+                self.device, self.dtype, model_config.num_attention_heads, mla.kv_lora_rank, mla.qk_rope_head_dim)
+        else:
+            attention_works = self.device.type == "cuda" and triton_attention_works(self.device, self.kv_dtype)
         grouped_mm = grouped_mm_works(self.device, self.dtype) if model_config.is_moe else True
         for block in self.model.moe_blocks():
             block.experts.use_grouped_mm = grouped_mm
@@ -162,16 +172,17 @@ class ModelRunner:
             # One storage for every layer's K and V (and the routing record), not two tensors per layer: a colocated
             # run frees and re-allocates the cache on every hand-over, and each allocation is a driver call.
             routing = (len(blocks), c.num_experts_per_tok) if self.config.enable_return_routed_experts else None
-            block_shape = (self.num_kvcache_blocks + 1, self.block_size, self.num_local_kv_heads, c.head_dim)
-            self.kv_storage = KVCacheStorage(self.device, len(layers), block_shape, self.kv_dtype, routing)
+            num_planes, num_heads, head_dim = cache_row_shape(c, self.num_local_kv_heads)
+            block_shape = (self.num_kvcache_blocks + 1, self.block_size, num_heads, head_dim)
+            self.kv_storage = KVCacheStorage(self.device, len(layers), block_shape, self.kv_dtype, routing, num_planes)
         # The pure-torch path needs zeros: its masked-out slots enter SDPA multiplied by 0, and NaN garbage would
         # survive that. The Triton kernels load only slots below each sequence's length, all written before any read
         # (cached prefix, earlier chunks, the step's own K/V), so there the cache is left uninitialized: zeroing
         # the whole cache on every colocated resume costs a device-wide memset.
         self.kv_cache_zeroed = not self.use_triton
         self.kv_cache, self.routed_experts = self.kv_storage.allocate(zeroed=self.kv_cache_zeroed)
-        for attn, (keys, values) in zip(layers, self.kv_cache):
-            attn.k_cache, attn.v_cache = keys, values
+        for attn, planes in zip(layers, self.kv_cache):  # MLA's one latent plane is its K and its V
+            attn.k_cache, attn.v_cache = planes[0], planes[-1]
         # Indexed by cache slot like the K/V, so prefix-cache hits keep the routing of the tokens they skip.
         for index, block in enumerate(blocks if self.routed_experts is not None else []):
             block.routed_experts_cache = self.routed_experts[:, index]
@@ -331,7 +342,9 @@ class ModelRunner:
 
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """A step's forward outside the decode graphs: through the piecewise prefill graphs where they apply."""
-        if not (self.use_cuda_graphs and self.config.prefill_cuda_graphs and meta.uses_triton):
+        # The piecewise graphs split the q/k/v decoder's attention stages; MLA's run eagerly (decode graphs apply).
+        piecewise = self.config.prefill_cuda_graphs and self.model_config.mla is None
+        if not (self.use_cuda_graphs and piecewise and meta.uses_triton):
             return self.model(input_ids, positions, meta)
         if self.prefill_graphs is None:
             max_tokens = min(self.config.prefill_cuda_graph_max_tokens or self.config.max_num_batched_tokens,
