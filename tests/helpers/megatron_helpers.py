@@ -20,9 +20,8 @@ def make_megatron_args(hf_checkpoint, *extra, world_size=1, tp: int = 1, pp: int
 
 def build_megatron(args, rank: int, world_size: int, port: int):
     """(model chunks, hf config) of this rank, weights from args.hf_checkpoint."""
-    from transformers import AutoConfig
-
     from slime.backends.megatron_utils.cpu_shim import apply_cpu_shim
+    from slime.backends.megatron_utils.hf_config import load_hf_config
     from slime.backends.megatron_utils.parallel import init_model_parallel
     from slime.backends.process_group import init_default_group
 
@@ -30,7 +29,7 @@ def build_megatron(args, rank: int, world_size: int, port: int):
     apply_cpu_shim()
     init_default_group(cpu, rank, world_size, "127.0.0.1", port)
     init_model_parallel(args, cpu)
-    hf_config = AutoConfig.from_pretrained(args.hf_checkpoint)
+    hf_config = load_hf_config(args.hf_checkpoint)
     return build_chunks(args, hf_config), hf_config
 
 

@@ -56,6 +56,40 @@ def test_forward_equals_transformers(megatron_model):
     torch.testing.assert_close(logits, reference, rtol=0, atol=1e-4)
 
 
+def test_kimi_k2_model_type_reads_as_deepseek_v3(tmp_path):
+    """Kimi K2 ships DeepSeek-V3's architecture under model_type "kimi_k2" (remote code transformers lacks)."""
+    import json
+
+    from transformers import AutoModelForCausalLM
+
+    from slime.backends.megatron_utils.parallel import destroy_model_parallel
+
+    checkpoint = build_family_checkpoint(tmp_path / "kimi", "deepseek_v3")
+    hf = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32)
+    config = json.loads((checkpoint / "config.json").read_text())
+    config.update(model_type="kimi_k2", auto_map={"AutoConfig": "configuration_deepseek.DeepseekV3Config"})
+    (checkpoint / "config.json").write_text(json.dumps(config))
+    chunks, hf_config = build_megatron(make_megatron_args(checkpoint), 0, 1, find_free_port())
+    try:
+        tokens, logits = _logits(chunks, hf_config)
+        with torch.no_grad():
+            reference = torch.cat([hf(torch.tensor(t)[None]).logits[0] for t in tokens])
+        torch.testing.assert_close(logits, reference, rtol=0, atol=1e-4)
+    finally:
+        destroy_model_parallel()
+
+
+def test_refuses_a_quantized_checkpoint(tmp_path):
+    import json
+
+    from slime.backends.megatron_utils.hf_config import load_hf_config
+
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "deepseek_v3", "quantization_config": {
+        "quant_method": "fp8", "weight_block_size": [128, 128]}}))
+    with pytest.raises(ValueError, match="fp8_cast_bf16"):
+        load_hf_config(tmp_path)
+
+
 def test_hf_round_trip_is_bit_exact(megatron_model, tmp_path):
     from safetensors.torch import load_file
 
