@@ -50,6 +50,7 @@ from slime.backends.lora_adapter import (
 from slime.backends.megatron_utils import checkpoint
 from slime.backends.megatron_utils.cpu_shim import apply_cpu_shim
 from slime.backends.megatron_utils.grads import finalize_grads
+from slime.backends.megatron_utils.hf_config import load_hf_config
 from slime.backends.megatron_utils.hf_weights import load_hf_weights, model_hf_weights, save_hf_checkpoint
 from slime.backends.megatron_utils.lora import adapter_to_hf, apply_lora, load_adapter_from_hf
 from slime.backends.megatron_utils.micro_batches import run_micro_batches
@@ -90,10 +91,8 @@ class MegatronBackend(TrainBackend):
 
     # ----------------------------------------------------------------------------------------- building
     def build_policy(self, weights_path: str) -> None:
-        from transformers import AutoConfig
-
         args = self.args
-        self.hf_config = AutoConfig.from_pretrained(args.hf_checkpoint)
+        self.hf_config = load_hf_config(args.hf_checkpoint)
         self.model_chunks = build_model_chunks(args, self.hf_config, self.device)
         self.model = self.model_chunks[0]
         self.routing_replay = install_routers(self.model_chunks, self.hf_config)
@@ -114,11 +113,10 @@ class MegatronBackend(TrainBackend):
         """The critic's GPTModel (value_head.py) from an HF folder, a critic checkpoint, or a policy checkpoint of
         this backend (its body; the head starts at zero), at --critic-lr; no routing replay (slime has none for
         the critic either)."""
-        from transformers import AutoConfig
 
         args = self.args
         self.critic = True
-        self.hf_config = AutoConfig.from_pretrained(args.hf_checkpoint)
+        self.hf_config = load_hf_config(args.hf_checkpoint)
         self.model_chunks = build_model_chunks(args, self.hf_config, self.device, critic=True)
         self.model = self.model_chunks[0]
         self.router_losses = install_router_losses(args, self.model_chunks)
@@ -173,8 +171,12 @@ class MegatronBackend(TrainBackend):
         if lora and self.rank == 0:  # the adapter in PEFT's format beside the torch_dist state (which resumes)
             save_peft_folder(Path(path) / ADAPTER_SUBDIR, peft_config(args), adapter)
         if args.save_hf and not self.critic:  # slime's template: the rollout id fills {rollout_id}
+            merged = None
+            if lora:  # the merged model: W + scale * B A per adapted layer (the router biases included)
+                merged = merge_adapter_into(model_hf_weights(self.model_chunks, self.hf_config, buffers=True),
+                                            adapter, lora_scale(args))
             save_hf_checkpoint(self.model_chunks, self.hf_config, args.save_hf.format(rollout_id=rollout_id),
-                               args.hf_checkpoint, named_weights=self.hf_weights(None) if lora else None)
+                               args.hf_checkpoint, named_weights=merged)
         return str(path)
 
     # ---------------------------------------------------------------------------------------- compute
