@@ -59,7 +59,7 @@ def _train_one_step(rank, world_size, port, checkpoint, save, data):
 
     args = make_megatron_args(checkpoint, *LORA_FLAGS, "--loss-type", "sft_loss", "--clip-grad", "0", "--lr", "1e-2",
                               "--micro-batch-size", "2", "--use-kl-loss", "--kl-loss-coef", "0", "--save", save,
-                              world_size=world_size, tp=world_size)
+                              "--save-hf", f"{save}_hf", world_size=world_size, tp=world_size)
     trainer = make_trainer(args, rank, world_size, port, with_ref=True)
     backend = trainer.backend
     adapter = _shared_a_adapter(backend.hf_config)
@@ -124,6 +124,21 @@ def test_adapter_gradients_equal_the_merged_weight_reference(checkpoint, tmp_pat
             ids = torch.tensor([sample])
             log_probs = torch.log_softmax(model(ids).logits[0, :-1], -1).gather(1, ids[0, 1:, None])[:, 0]
             torch.testing.assert_close(log_probs[-response_length:], expected, rtol=1e-5, atol=1e-5)
+
+    # --save-hf: the merged model, W + s * B @ A with the saved adapter
+    from safetensors.torch import load_file
+
+    merged = load_file(str(tmp_path / "save_hf" / "model.safetensors"))
+    base_weights = load_file(str(checkpoint / "model.safetensors"))
+    trained_adapter = load_file(str(save / "rollout_0" / "adapter" / "adapter_model.safetensors"))
+    assert merged.keys() == base_weights.keys()
+    for name, value in merged.items():
+        layer = "base_model.model." + name.removesuffix(".weight")
+        expected = base_weights[name]
+        if layer + ".lora_A.weight" in trained_adapter:
+            expected = expected + SCALE * trained_adapter[layer + ".lora_B.weight"] @ trained_adapter[
+                layer + ".lora_A.weight"]
+        torch.testing.assert_close(value, expected, rtol=1e-5, atol=1e-6, msg=name)
 
 
 def _train_save_train(rank, world_size, port, checkpoint, save, data, resume: bool):
