@@ -21,9 +21,19 @@ def task(tmp_path_factory):
     return build_task(tmp_path_factory.mktemp("task"), seed=0)
 
 
-def test_lora_grpo_run_serves_every_pushed_adapter(task, tmp_path):
+MEGATRON_TP2 = ("--train-backend", "megatron", "--tensor-model-parallel-size", "2", "--actor-num-gpus-per-node", "2")
+
+
+@pytest.mark.parametrize("layout", [
+    pytest.param((), id="fsdp"),
+    pytest.param(MEGATRON_TP2, id="megatron_tp2", marks=pytest.mark.slow),  # ~4 min on 2 cores
+])
+def test_lora_grpo_run_serves_every_pushed_adapter(task, tmp_path, layout):
+    if layout:
+        pytest.importorskip("megatron.core")
     out = tmp_path / "run"
     run_train([
+        *layout,
         "--hf-checkpoint", str(task["model"]), "--prompt-data", str(task["train"]), "--input-key", "prompt",
         "--label-key", "label", "--apply-chat-template", "--rollout-batch-size", "4",
         "--custom-rm-path", "tests.helpers.e2e_rewards.sample_index_parity",  # rewards that vary: the policy moves
