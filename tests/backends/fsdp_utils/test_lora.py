@@ -133,11 +133,18 @@ def test_checkpoint_is_a_peft_adapter_that_peft_loads_with_the_trainers_log_prob
 
     data = make_train_data(4, vocab_size=300, seed=5)
     save = tmp_path / "ckpt"
-    trainer = make_trainer(make_args(checkpoint, *LORA_FLAGS, "--save", save, "--lr", "1e-2"))
+    trainer = make_trainer(make_args(checkpoint, *LORA_FLAGS, "--save", save, "--lr", "1e-2",
+                                     "--save-hf", tmp_path / "hf_{rollout_id}"))
     _set_adapter(trainer, random_adapter(_adapter_shapes(trainer), seed=10))
     trainer.train(0, data)
     trainer.save_model(0, run_state={"data_source": {}})
     trained = _trainer_log_probs(trainer, data)
+    merged_model = AutoModelForCausalLM.from_pretrained(tmp_path / "hf_0", dtype=torch.float32)  # --save-hf: merged
+    with torch.no_grad():
+        for sample, response_length, expected in zip(data["tokens"], data["response_lengths"], trained):
+            ids = torch.tensor([sample])
+            log_probs = torch.log_softmax(merged_model(ids).logits[0, :-1], -1).gather(1, ids[0, 1:, None])[:, 0]
+            torch.testing.assert_close(log_probs[-response_length:], expected, rtol=1e-5, atol=1e-5)
     folder = checkpoint_dir(save, 0) / "adapter"
     config = json.loads((folder / "adapter_config.json").read_text())
     assert (config["r"], config["lora_alpha"], config["peft_type"]) == (4, 8, "LORA")
