@@ -33,9 +33,8 @@ def adapters(hf_config):
 
 
 def make_engine(path, **config):
-    config = {"max_loras_per_batch": 3, **config}
-    return Engine(str(path), device="cpu", kvcache_block_size=4, num_kvcache_blocks=256, enable_lora=True,
-                  max_lora_rank=8, **config)
+    config = {"max_loras_per_batch": 3, "num_kvcache_blocks": 256, **config}
+    return Engine(str(path), device="cpu", kvcache_block_size=4, enable_lora=True, max_lora_rank=8, **config)
 
 
 def load(engine, name, adapter):
@@ -181,3 +180,28 @@ def test_lora_routes_need_enable_lora(path, adapters):
     engine = Engine(str(path), device="cpu", kvcache_block_size=4, num_kvcache_blocks=64)
     with pytest.raises(AdapterError, match="started without enable_lora"):
         engine.add_request(PROMPTS[0], GREEDY, lora_name="one")
+
+
+@pytest.mark.parametrize("config", [{"overlap_schedule": True}, {"num_kvcache_blocks": 14},
+                                    {"max_num_batched_tokens": 7}],
+                         ids=["overlap", "preemption", "chunked-prefill"])
+def test_mixed_adapters_survive_overlap_preemption_and_chunking(path, adapters, engine, config):
+    """The same per-request results through the overlapped schedule, preemption by recompute (14 blocks of 4 for 9
+    requests of 17 tokens) and chunked prefill."""
+    names = ["one", "two", None]
+    expected = {(i, name): run_alone(engine, prompt, name) for i, prompt in enumerate(PROMPTS) for name in names}
+    other = make_engine(path, **config)
+    for name, adapter in adapters.items():
+        load(other, name, adapter)
+    rids = {other.add_request(prompt, GREEDY, incremental=False, lora_name=name): (i, name)
+            for i, prompt in enumerate(PROMPTS) for name in names}
+    finished, num_preemptions = {}, 0
+    while len(finished) < len(rids):
+        finished.update({rids[o.rid]: o.to_dict() for o in other.step() if o.finished})
+        num_preemptions = max([num_preemptions, *(s.num_preemptions for s in other.requests.values())])
+    if "num_kvcache_blocks" in config:
+        assert num_preemptions > 0
+    for key, output in finished.items():
+        assert output["output_ids"] == expected[key]["output_ids"]
+        assert output["output_log_probs"] == pytest.approx(expected[key]["output_log_probs"], abs=1e-5)
+    assert sum(other.model_runner.lora_registry.num_requests) == 0  # every request gave its slot back
