@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from slime.engine.config import Config
-from slime.engine.cuda_graph import DecodeGraphs, ParkedGraphs, baked_addresses
+from slime.engine.cuda_graph import DecodeGraphs, ParkedGraphs, baked_addresses, bucket_batch_sizes
 from slime.engine.decode_rows import DecodeRows
 from slime.engine.dtypes import resolve_device, resolve_dtype, resolve_kv_cache_dtype
 from slime.engine.host_staging import HostStaging
@@ -128,9 +128,11 @@ class ModelRunner:
         from slime.engine.lora.registry import LoraRegistry
         from slime.engine.lora.slots import LoraSlots
 
-        slots = LoraSlots(self.model, self.config.max_loras_per_batch, self.config.max_lora_rank)
-        if self.device.type == "cuda" and not self.config.enforce_eager:
-            logger.info("enable_lora: CUDA graphs are off (LoRA steps group tokens by adapter with host-side shapes)")
+        slots = LoraSlots(self.model, self.config.max_loras_per_batch, self.config.max_lora_rank,
+                          bucket_batch_sizes(self.config.max_num_seqs)[-1])
+        if self.device.type == "cuda" and not self.config.enforce_eager and self.config.prefill_cuda_graphs:
+            logger.info("enable_lora: prefill and mixed steps run eagerly (LoRA groups their tokens by adapter with "
+                        "host-side shapes); decode steps replay CUDA graphs")
         logger.info("enable_lora: %d slots at rank %d on %d linears, %.1f MiB", slots.num_slots, slots.max_rank,
                     len(slots.linears), slots.num_bytes / 2**20)
         return slots, LoraRegistry(slots.num_slots)
@@ -152,7 +154,7 @@ class ModelRunner:
         if not enabled and self.kv_cache is not None and not self.kv_cache_zeroed:
             self.kv_cache.zero_()  # the pure-torch path reads masked slots (allocate_kv_cache)
             self.kv_cache_zeroed = True
-        self.use_cuda_graphs = enabled and cuda_graphs and not self.config.enforce_eager and not self.config.enable_lora
+        self.use_cuda_graphs = enabled and cuda_graphs and not self.config.enforce_eager
         self.decode_graphs = self.prefill_graphs = None
         self.clear_parked_graphs()
         self.model.set_use_triton(enabled if fused is None else fused)
@@ -349,7 +351,7 @@ class ModelRunner:
 
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """A step's forward outside the decode graphs: through the piecewise prefill graphs where they apply."""
-        if not (self.use_cuda_graphs and self.config.prefill_cuda_graphs and meta.uses_triton):
+        if not (self.use_cuda_graphs and self.config.prefill_cuda_graphs and meta.uses_triton and self.lora is None):
             return self.model(input_ids, positions, meta)
         if self.prefill_graphs is None:
             max_tokens = min(self.config.prefill_cuda_graph_max_tokens or self.config.max_num_batched_tokens,
@@ -403,6 +405,8 @@ class ModelRunner:
     def _ensure_decode_graphs(self) -> None:
         """The decode graphs, captured now if there are none (on every rank at once: a capture runs the model)."""
         if self.decode_graphs is None:
+            if self.lora is not None:  # captured on LoRA's dense path, every row without an adapter
+                self.lora.set_graph_rows(np.empty(0, dtype=np.int64))
             self.decode_graphs = DecodeGraphs(
                 self.model, self.config.max_num_seqs, self.max_num_blocks_per_seq, self.scratch_slot, self.staging,
                 capture_all=not self.captured_decode_graphs, capture_stats=self.graph_capture_stats,
@@ -432,6 +436,9 @@ class ModelRunner:
         token_inputs[3] = positions + 1
         if self.plan is not None:  # a sharded engine runs without overlap: input_tokens is None here
             self.plan.send_step(encode_decode_graph(DecodeGraphInputs(token_inputs, block_tables)))
+        if self.lora is not None:  # each row's adapter slot, into the graphs' static one-hot buffer
+            self.lora.set_graph_rows(np.fromiter((seq.lora_slot for seq in self.decode_rows.seqs), dtype=np.int64,
+                                                 count=num_seqs))
         if input_rows is not None:
             return self.decode_graphs.run(token_inputs, block_tables, input_tokens, self.staging.to_device(input_rows))
         return self.decode_graphs.run(token_inputs, block_tables, input_tokens)
