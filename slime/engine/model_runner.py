@@ -8,7 +8,6 @@ to / restore from a host copy, host_weights.py). It does not schedule, check sto
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 from operator import attrgetter
 
@@ -36,8 +35,6 @@ from slime.engine.sampling_params import SamplingParams
 from slime.engine.scheduled_batch import DecodeBatch, ScheduledSequence, is_decode_batch, sampled_seqs
 from slime.engine.sequence import Sequence
 from slime.engine.step_inputs import flat_arrays, flat_batch
-
-logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -125,17 +122,9 @@ class ModelRunner:
         """(LoraSlots, LoraRegistry) with enable_lora, else (None, None)."""
         if not self.config.enable_lora:
             return None, None
-        from slime.engine.lora.registry import LoraRegistry
-        from slime.engine.lora.slots import LoraSlots
+        from slime.engine.lora.slots import build_lora_slots
 
-        slots = LoraSlots(self.model, self.config.max_loras_per_batch, self.config.max_lora_rank,
-                          bucket_batch_sizes(self.config.max_num_seqs)[-1])
-        if self.device.type == "cuda" and not self.config.enforce_eager and self.config.prefill_cuda_graphs:
-            logger.info("enable_lora: prefill and mixed steps run eagerly (LoRA groups their tokens by adapter with "
-                        "host-side shapes); decode steps replay CUDA graphs")
-        logger.info("enable_lora: %d slots at rank %d on %d linears, %.1f MiB", slots.num_slots, slots.max_rank,
-                    len(slots.linears), slots.num_bytes / 2**20)
-        return slots, LoraRegistry(slots.num_slots)
+        return build_lora_slots(self.model, self.config, self.device, bucket_batch_sizes(self.config.max_num_seqs)[-1])
 
     def _agreed_min(self, value: int) -> int:
         """The smallest of every rank's `value` (the KV pool is sized from the rank with the least free memory)."""

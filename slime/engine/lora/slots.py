@@ -21,13 +21,17 @@ model. Not the slot bookkeeping (registry.py).
 
 from __future__ import annotations
 
+import logging
+
 import numpy as np
 import torch
 from torch import nn
 
 from slime.engine.lora.adapter import LoraAdapter
-from slime.engine.lora.registry import NO_ADAPTER
+from slime.engine.lora.registry import NO_ADAPTER, LoraRegistry
 from slime.engine.lora.targets import check_adapter_shapes, find_targets
+
+logger = logging.getLogger(__name__)
 
 
 class LoraLinear:
@@ -141,3 +145,15 @@ class LoraSlots:
             return
         self.segments = [(int(slot), torch.from_numpy(np.flatnonzero(token_slots == slot)).to(self.device))
                          for slot in used]
+
+
+def build_lora_slots(model: nn.Module, config, device: torch.device, max_graph_rows: int):
+    """The model runner's (LoraSlots, LoraRegistry) for an engine Config with enable_lora (allocated before the KV
+    cache is sized from the memory left)."""
+    slots = LoraSlots(model, config.max_loras_per_batch, config.max_lora_rank, max_graph_rows)
+    if device.type == "cuda" and not config.enforce_eager and config.prefill_cuda_graphs:
+        logger.info("enable_lora: prefill and mixed steps run eagerly (LoRA groups their tokens by adapter with "
+                    "host-side shapes); decode steps replay CUDA graphs")
+    logger.info("enable_lora: %d slots at rank %d on %d linears, %.1f MiB", slots.num_slots, slots.max_rank,
+                len(slots.linears), slots.num_bytes / 2**20)
+    return slots, LoraRegistry(slots.num_slots)
