@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from slime.engine.layers.moe import GroupedExperts
+from slime.engine.models.fp8_blocks import checkpoint_fp8_block_size, dequantize_fp8_blocks
 from slime.engine.parallel.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from slime.engine.parallel.vocab import ParallelLMHead, VocabParallelEmbedding
 
@@ -269,10 +270,12 @@ def iterate_checkpoint(model_path: str | Path) -> Iterator[tuple[str, torch.Tens
 
 
 def load_checkpoint(model: nn.Module, model_path: str | Path, require_buffers: bool = True) -> None:
-    """Load every weight of `model` from disk; missing weights raise ValueError listing them. The loaded buffers
-    (router correction biases) are required too unless `require_buffers` is False: a folder a trainer wrote holds
-    parameters only, and a bias it lacks keeps its value."""
-    loaded = load_weights(model, iterate_checkpoint(model_path))
+    """Load every weight of `model` from disk (a block-FP8 checkpoint dequantized, fp8_blocks.py); missing weights
+    raise ValueError listing them. The loaded buffers (router correction biases) are required too unless
+    `require_buffers` is False: a folder a trainer wrote holds parameters only, and a bias it lacks keeps its value."""
+    named_tensors = iterate_checkpoint(model_path)
+    block = checkpoint_fp8_block_size(model_path)
+    loaded = load_weights(model, named_tensors if block is None else dequantize_fp8_blocks(named_tensors, block))
     if model.config.tie_word_embeddings:
         loaded.discard("lm_head.weight")
     required = set(named_weight_shapes(model)) | (set(loaded_buffers(model)) if require_buffers else set())
