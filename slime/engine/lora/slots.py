@@ -29,7 +29,7 @@ from torch import nn
 
 from slime.engine.lora.adapter import LoraAdapter
 from slime.engine.lora.registry import NO_ADAPTER, LoraRegistry
-from slime.engine.lora.targets import check_adapter_shapes, find_targets
+from slime.engine.lora.targets import WHOLE, check_adapter_shapes, find_targets
 
 logger = logging.getLogger(__name__)
 
@@ -120,7 +120,12 @@ class LoraSlots:
         self.clear(slot)
         for hf_name, (a, b) in adapter.modules.items():
             target = self.targets[hf_name]
-            self.linears[target.module_name].write(slot, target.slice_index, a, b, adapter.scale)
+            linear = self.linears[target.module_name]
+            if target.slice_index != WHOLE:
+                linear.write(slot, target.slice_index, a, b, adapter.scale)
+                continue
+            for index, (start, end) in enumerate(linear.slice_bounds):  # B (A x) row block by row block
+                linear.write(slot, index, a, b[start:end], adapter.scale)
 
     def clear(self, slot: int) -> None:
         for linear in self.linears.values():

@@ -205,3 +205,17 @@ def test_mixed_adapters_survive_overlap_preemption_and_chunking(path, adapters, 
         assert output["output_ids"] == expected[key]["output_ids"]
         assert output["output_log_probs"] == pytest.approx(expected[key]["output_log_probs"], abs=1e-5)
     assert sum(other.model_runner.lora_registry.num_requests) == 0  # every request gave its slot back
+
+
+def test_glm4_fused_gate_up_adapter_matches_merged_transformers(tmp_path):
+    """GLM-4's checkpoint fuses gate/up itself (mlp.gate_up_proj): one adapter on the whole fused output."""
+    glm = build_tiny_model(tmp_path / "glm4", arch="glm4", initializer_range=0.5)
+    adapter = random_adapter(AutoConfig.from_pretrained(str(glm)), rank=4, alpha=8, seed=4,
+                             targets=("q_proj", "v_proj", "o_proj", "gate_up_proj", "down_proj"))
+    engine = make_engine(glm)
+    load(engine, "glm", adapter)
+    output = run_alone(engine, PROMPTS[0], "glm")
+    expected = merged_log_probs(glm, *adapter, PROMPTS[0] + output["output_ids"], len(PROMPTS[0]))
+    assert output["output_log_probs"] == pytest.approx(expected, abs=1e-4)
+    base = merged_log_probs(glm, None, None, PROMPTS[0] + output["output_ids"], len(PROMPTS[0]))
+    assert max(abs(x - y) for x, y in zip(base, expected)) > 0.1
