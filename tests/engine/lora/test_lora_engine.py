@@ -128,6 +128,8 @@ def test_errors_name_the_problem(path, adapters, hf_config):
     renamed = {n.replace("q_proj", "qq_proj"): t for n, t in tensors.items()}
     with pytest.raises(AdapterError, match="is not a LoRA target of this model"):
         load(engine, "bad", (config, renamed))
+    with pytest.raises(AdapterError, match="also adapts as a whole"):
+        load(engine, "bad", random_adapter(hf_config, rank=2, alpha=2, seed=5, targets=("gate_proj", "gate_up_proj")))
     for i in range(3):
         load(engine, f"a{i}", adapters["two"])
     with pytest.raises(AdapterError, match="all 3 LoRA slots are in use"):
