@@ -3,6 +3,9 @@ log-probs equal transformers with the adapter merged into its weights (float64),
 the base model gives each request what it gets alone, the prefix cache never shares KV across adapters, and loading
 and unloading many versions leaves the slots and memory flat."""
 
+import gc
+import weakref
+
 import pytest
 from transformers import AutoConfig
 
@@ -157,13 +160,17 @@ def test_unloaded_adapter_keeps_serving_its_running_requests(path, adapters):
     load(engine, "v2", adapters["two"])  # the slot is free once the request finished
 
 
-def test_many_versions_leave_slots_and_memory_flat(path, adapters):
+def test_many_versions_leave_slots_and_memory_flat(path, adapters, hf_config):
     engine = make_engine(path)
     lora = engine.model_runner.lora
     num_bytes = lora.num_bytes
+    pushed = []  # weak references to every version's tensors: the engine copies them into its slots, keeps none
     for version in range(20):
         name = f"policy@{version}"
-        load(engine, name, adapters["one" if version % 2 else "two"])
+        config, tensors = random_adapter(hf_config, rank=4, alpha=8, seed=100 + version)
+        pushed += [weakref.ref(tensor) for tensor in tensors.values()]
+        load(engine, name, (config, tensors))
+        del tensors
         run_alone(engine, PROMPTS[0], name)
         if version:
             engine.unload_lora_adapter(f"policy@{version - 1}")
@@ -171,6 +178,8 @@ def test_many_versions_leave_slots_and_memory_flat(path, adapters):
     registry = engine.model_runner.lora_registry
     assert sorted(registry.adapters) == ["policy@19"] and sum(registry.num_requests) == 0
     assert lora.num_bytes == num_bytes
+    gc.collect()
+    assert not [ref for ref in pushed if ref() is not None]
 
 
 def test_lora_refused_at_tp_size_above_one(path):
