@@ -145,3 +145,25 @@ def test_mistakes_are_400s_naming_the_problem(client, server, tiny_qwen3, tmp_pa
     assert response.status_code == 400 and "a list of 1 string(s), one per engine rank" in response.text
     bad_list = client.post("/generate", json={"input_ids": [PROMPT, PROMPT], "lora_path": ["folder"]})
     assert bad_list.status_code == 400 and "'lora_path' must be" in bad_list.text
+
+
+def test_lora_path_survives_sglang_router(client, server, folder_adapter):
+    """slime's rollout reaches the engines through sglang-router, which re-serializes /generate: `lora_path` must
+    arrive (a dropped one would silently sample the base model)."""
+    import httpx
+
+    from slime.ray.router import RouterProcess, register_worker
+
+    if "folder" not in [model["id"] for model in client.get("/v1/models").json()["data"]]:  # run alone
+        response = client.post("/load_lora_adapter", json={"lora_name": "folder", "lora_path": str(folder_adapter[2])})
+        assert response.status_code == 200, response.text
+    direct, base = generate(client, "folder"), generate(client)
+    router = RouterProcess(policy="round_robin")
+    try:
+        register_worker(router.url, server.url)
+        with httpx.Client(base_url=router.url, timeout=120, trust_env=False, headers=router.headers) as routed:
+            through_router = generate(routed, "folder")
+    finally:
+        router.shutdown()
+    assert log_probs(through_router) == pytest.approx(log_probs(direct), abs=1e-5)
+    assert log_probs(through_router) != pytest.approx(log_probs(base), abs=1e-3)
