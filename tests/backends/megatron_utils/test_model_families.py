@@ -1,8 +1,9 @@
 """Megatron backend, one process (TP=1), on tiny GLM-4, GLM-4.5, DeepSeek-V3 (MLA, YaRN, 4 expert groups of which 2
-are kept), Moonlight-like (MLA without q_lora) and GLM-4.7-Flash-like checkpoints built with transformers: the forward over a packed THD
-batch equals transformers' per sample, HF -> Megatron -> HF is bit-exact (a saved checkpoint keeps the routers'
-expert-score correction biases; a weight push leaves them out), the bias is loaded (a zero bias routes differently)
-and training steps leave it unchanged, Kimi K2's `kimi_k2` config reads as DeepSeek-V3's, and configurations megatron-core cannot compute as transformers does are refused naming the field."""
+are kept), Moonlight-like (MLA without q_lora) and GLM-4.7-Flash-like checkpoints built with transformers: the
+forward over a packed THD batch equals transformers' per sample, HF -> Megatron -> HF is bit-exact (a saved
+checkpoint keeps the routers' expert-score correction biases; a weight push leaves them out), the bias is loaded (a
+zero bias routes differently) and training steps leave it unchanged, Kimi K2's `kimi_k2` config reads as
+DeepSeek-V3's, and configurations megatron-core cannot compute as transformers does are refused naming the field."""
 
 from __future__ import annotations
 
