@@ -70,8 +70,8 @@ class Config:
     enable_lora: serve LoRA adapters unmerged (SGLang's --enable-lora; engine/lora/): adapters are loaded at run
         time (/load_lora_adapter, /load_lora_adapter_from_tensors) and a request picks one with `lora_path`. The
         buffers of max_loras_per_batch slots at max_lora_rank are allocated at start-up on q/k/v/o/gate/up/down of
-        every layer. Steps run without CUDA graphs (their per-adapter token segments have host-side shapes).
-        tp_size 1 only.
+        every layer. Decode steps replay CUDA graphs (LoRA's dense path, static shapes); prefill and mixed steps run
+        eagerly (their tokens are grouped by adapter with host-side shapes). tp_size 1 only.
     max_lora_rank: the largest adapter rank the slots hold (SGLang's --max-lora-rank); larger adapters are refused.
     max_loras_per_batch: adapter slots (SGLang's --max-loras-per-batch): how many adapters can be loaded at once,
         all of them usable in one step. An unloaded adapter's slot is reused once its running requests finish.

@@ -8,7 +8,6 @@ to / restore from a host copy, host_weights.py). It does not schedule, check sto
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 from operator import attrgetter
 
@@ -16,7 +15,7 @@ import numpy as np
 import torch
 
 from slime.engine.config import Config
-from slime.engine.cuda_graph import DecodeGraphs, ParkedGraphs
+from slime.engine.cuda_graph import DecodeGraphs, ParkedGraphs, bucket_batch_sizes
 from slime.engine.decode_rows import DecodeRows
 from slime.engine.dtypes import resolve_device, resolve_dtype, resolve_kv_cache_dtype
 from slime.engine.host_staging import HostStaging
@@ -42,8 +41,6 @@ from slime.engine.sampling_params import SamplingParams
 from slime.engine.scheduled_batch import DecodeBatch, ScheduledSequence, is_decode_batch, sampled_seqs
 from slime.engine.sequence import Sequence
 from slime.engine.step_inputs import flat_arrays, flat_batch
-
-logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -136,15 +133,9 @@ class ModelRunner(RunnerMemory):
         """(LoraSlots, LoraRegistry) with enable_lora, else (None, None)."""
         if not self.config.enable_lora:
             return None, None
-        from slime.engine.lora.registry import LoraRegistry
-        from slime.engine.lora.slots import LoraSlots
+        from slime.engine.lora.slots import build_lora_slots
 
-        slots = LoraSlots(self.model, self.config.max_loras_per_batch, self.config.max_lora_rank)
-        if self.device.type == "cuda" and not self.config.enforce_eager:
-            logger.info("enable_lora: CUDA graphs are off (LoRA steps group tokens by adapter with host-side shapes)")
-        logger.info("enable_lora: %d slots at rank %d on %d linears, %.1f MiB", slots.num_slots, slots.max_rank,
-                    len(slots.linears), slots.num_bytes / 2**20)
-        return slots, LoraRegistry(slots.num_slots)
+        return build_lora_slots(self.model, self.config, self.device, bucket_batch_sizes(self.config.max_num_seqs)[-1])
 
     def _agreed_min(self, value: int) -> int:
         """The smallest of every rank's `value` (the KV pool is sized from the rank with the least free memory)."""
@@ -163,7 +154,7 @@ class ModelRunner(RunnerMemory):
         if not enabled and self.kv_cache is not None and not self.kv_cache_zeroed:
             self.kv_cache.zero_()  # the pure-torch path reads masked slots (allocate_kv_cache)
             self.kv_cache_zeroed = True
-        self.use_cuda_graphs = enabled and cuda_graphs and not self.config.enforce_eager and not self.config.enable_lora
+        self.use_cuda_graphs = enabled and cuda_graphs and not self.config.enforce_eager
         self.decode_graphs = self.prefill_graphs = None
         self.clear_parked_graphs()
         self.model.set_use_triton(enabled if fused is None else fused)
@@ -228,7 +219,8 @@ class ModelRunner(RunnerMemory):
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """A step's forward outside the decode graphs: through the piecewise prefill graphs where they apply."""
         # The piecewise graphs split the q/k/v decoder's attention stages; MLA's run eagerly (decode graphs apply).
-        piecewise = self.config.prefill_cuda_graphs and self.model_config.mla is None
+        # LoRA's segmented path has host-side shapes: its prefill steps run eagerly too.
+        piecewise = self.config.prefill_cuda_graphs and self.model_config.mla is None and self.lora is None
         if not (self.use_cuda_graphs and piecewise and meta.uses_triton):
             return self.model(input_ids, positions, meta)
         if self.prefill_graphs is None:
@@ -283,6 +275,8 @@ class ModelRunner(RunnerMemory):
     def _ensure_decode_graphs(self) -> None:
         """The decode graphs, captured now if there are none (on every rank at once: a capture runs the model)."""
         if self.decode_graphs is None:
+            if self.lora is not None:  # captured on LoRA's dense path, every row without an adapter
+                self.lora.set_graph_rows(np.empty(0, dtype=np.int64))
             self.decode_graphs = DecodeGraphs(
                 self.model, self.config.max_num_seqs, self.max_num_blocks_per_seq, self.scratch_slot, self.staging,
                 capture_all=not self.captured_decode_graphs, capture_stats=self.graph_capture_stats,
@@ -312,6 +306,9 @@ class ModelRunner(RunnerMemory):
         token_inputs[3] = positions + 1
         if self.plan is not None:  # a sharded engine runs without overlap: input_tokens is None here
             self.plan.send_step(encode_decode_graph(DecodeGraphInputs(token_inputs, block_tables)))
+        if self.lora is not None:  # each row's adapter slot, into the graphs' static one-hot buffer
+            self.lora.set_graph_rows(np.fromiter((seq.lora_slot for seq in self.decode_rows.seqs), dtype=np.int64,
+                                                 count=num_seqs))
         if input_rows is not None:
             return self.decode_graphs.run(token_inputs, block_tables, input_tokens, self.staging.to_device(input_rows))
         return self.decode_graphs.run(token_inputs, block_tables, input_tokens)

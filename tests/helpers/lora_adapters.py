@@ -10,17 +10,18 @@ import torch
 from safetensors.torch import save_file
 
 MODULES = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
-           "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
+           "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp", "gate_up_proj": "mlp"}
 
 
-def random_adapter(hf_config, rank: int, alpha: float, seed: int, targets=tuple(MODULES), std: float = 0.3):
+def random_adapter(hf_config, rank: int, alpha: float, seed: int, targets=tuple(MODULES)[:7], std: float = 0.3):
     """(config dict, {PEFT name: tensor}) with B != 0: wide enough to move the logits clearly."""
     generator = torch.Generator().manual_seed(seed)
     hidden, inter = hf_config.hidden_size, hf_config.intermediate_size
     head_dim = getattr(hf_config, "head_dim", None) or hidden // hf_config.num_attention_heads
     q, kv = hf_config.num_attention_heads * head_dim, hf_config.num_key_value_heads * head_dim
     shapes = {"q_proj": (q, hidden), "k_proj": (kv, hidden), "v_proj": (kv, hidden), "o_proj": (hidden, q),
-              "gate_proj": (inter, hidden), "up_proj": (inter, hidden), "down_proj": (hidden, inter)}
+              "gate_proj": (inter, hidden), "up_proj": (inter, hidden), "down_proj": (hidden, inter),
+              "gate_up_proj": (2 * inter, hidden)}  # GLM-4's fused MLP input
     tensors = {}
     for layer in range(hf_config.num_hidden_layers):
         for leaf in targets:

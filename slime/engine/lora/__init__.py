@@ -8,6 +8,7 @@ the requests of one step using different adapters (or none).
   computation (a forward hook adding the delta per segment of tokens sharing an adapter).
 - `registry.py`: adapter names -> slots, the requests holding each, deferred freeing on unload.
 - `engine_lora.py`: the Engine's load / unload / per-request resolution.
+- HTTP routes: `slime/engine/server/lora_routes.py`.
 
 Not the trainer's LoRA (slime.backends) and never a merge into the base weights.
 """

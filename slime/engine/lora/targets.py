@@ -1,6 +1,7 @@
 """Which engine linear each Hugging Face module path names. The engine's module names follow Hugging Face's except
 that q/k/v are fused into `qkv_proj` and gate/up into `gate_up_proj`: a q_proj adapter updates the q slice of
-qkv_proj's output, and so on. Only the dense projections are targets (q, k, v, o, gate, up, down); MoE experts,
+qkv_proj's output, and so on. A checkpoint whose own module is fused (GLM-4's `mlp.gate_up_proj`) has one adapter
+for the whole output: its A goes to every slice and its B is cut by the slices' rows (the same product). Only the dense projections are targets (q, k, v, o, gate, up, down); MoE experts,
 routers, embeddings and the LM head are not. Pure bookkeeping over the built model: no tensors are made here.
 """
 
@@ -14,12 +15,15 @@ from slime.engine.lora.adapter import AdapterError
 
 FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 PLAIN = ("o_proj", "down_proj")
-SUPPORTED_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+SUPPORTED_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "qkv_proj",
+                     "gate_up_proj")
+WHOLE = -1  # Target.slice_index of an adapter on a fused module as a whole
 
 
 @dataclass(frozen=True)
 class Target:
-    """HF module `hf_name` is slice `slice_index` of engine linear `module_name`: output rows [start, start + size)."""
+    """HF module `hf_name` is slice `slice_index` of engine linear `module_name` (WHOLE: every slice), output rows
+    [start, start + size)."""
 
     module_name: str
     slice_index: int
@@ -54,16 +58,25 @@ def find_targets(model: nn.Module) -> tuple[dict[str, Target], dict[str, list[in
         for index, (hf_leaf, size) in enumerate(zip(hf_leaves, sizes)):
             targets[f"{prefix}.{hf_leaf}"] = Target(name, index, start, size, module.in_features)
             start += size
+        if leaf in FUSED:
+            targets[name] = Target(name, WHOLE, 0, start, module.in_features)
     return targets, slices
 
 
 def check_adapter_shapes(adapter_modules: dict, targets: dict[str, Target]) -> None:
-    """AdapterError naming the first module the model has no target for, or whose A/B shapes do not fit it."""
+    """AdapterError naming the first module the model has no target for, whose A/B shapes do not fit it, or that is
+    adapted both as a whole and by slice (e.g. gate_up_proj and gate_proj)."""
+    whole = {targets[name].module_name for name in adapter_modules if name in targets
+             and targets[name].slice_index == WHOLE}
     for hf_name, (a, b) in adapter_modules.items():
         target = targets.get(hf_name)
         if target is None:
             raise AdapterError(f"adapter module {hf_name!r} is not a LoRA target of this model (the engine adapts "
-                               f"{', '.join(SUPPORTED_TARGETS)} of the decoder layers)")
+                               f"{', '.join(SUPPORTED_TARGETS)} of the decoder layers; not MoE experts, MLA's "
+                               "latent projections, embeddings or the LM head)")
         if a.shape[1] != target.in_features or b.shape[0] != target.size:
             raise AdapterError(f"adapter module {hf_name!r}: lora_A {tuple(a.shape)} / lora_B {tuple(b.shape)} do "
                                f"not fit the model's [{target.size} x {target.in_features}] projection")
+        if target.slice_index != WHOLE and target.module_name in whole:
+            raise AdapterError(f"adapter module {hf_name!r} is part of {target.module_name!r}, which the adapter "
+                               "also adapts as a whole; give one or the other")

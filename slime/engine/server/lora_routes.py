@@ -25,13 +25,15 @@ from slime.utils import weight_transport
 def register_lora_routes(app: FastAPI, state) -> None:
     loop, engine = state.engine_loop, state.engine
 
-    def reply(name: str, extra: dict | None = None) -> JSONResponse:
-        return JSONResponse({"success": True, "error_message": "", "lora_name": name,
-                             "loaded_adapters": engine.loaded_lora_adapters(), **(extra or {})})
+    async def reply(name: str, extra: dict | None = None) -> JSONResponse:
+        loaded = await loop.call(engine.loaded_lora_adapters)  # read on the driver thread, which changes it
+        return JSONResponse({"success": True, "error_message": "", "lora_name": name, "loaded_adapters": loaded,
+                             **(extra or {})})
 
-    def failure(error: Exception) -> JSONResponse:
+    async def failure(error: Exception) -> JSONResponse:
+        loaded = await loop.call(engine.loaded_lora_adapters)
         return JSONResponse({"success": False, "error_message": str(error), "error": {"message": str(error)},
-                             "loaded_adapters": engine.loaded_lora_adapters()}, status_code=400)
+                             "loaded_adapters": loaded}, status_code=400)
 
     def max_rank() -> int:
         if engine.model_runner.lora is None:
@@ -46,8 +48,8 @@ def register_lora_routes(app: FastAPI, state) -> None:
         try:
             loaded = await loop.call(engine.load_lora_adapter_from_folder, body["lora_name"], body["lora_path"])
         except (AdapterError, EngineMemoryReleasedError) as error:
-            return failure(error)
-        return reply(body["lora_name"], {"checksums": loaded.checksums})
+            return await failure(error)
+        return await reply(body["lora_name"], {"checksums": loaded.checksums})
 
     @app.post("/unload_lora_adapter")
     async def unload_lora_adapter(request: Request):
@@ -55,8 +57,8 @@ def register_lora_routes(app: FastAPI, state) -> None:
         try:
             await loop.call(engine.unload_lora_adapter, body["lora_name"])
         except AdapterError as error:
-            return failure(error)
-        return reply(body["lora_name"])
+            return await failure(error)
+        return await reply(body["lora_name"])
 
     @app.post("/load_lora_adapter_from_tensors")
     async def load_lora_adapter_from_tensors(request: Request):
@@ -76,10 +78,10 @@ def register_lora_routes(app: FastAPI, state) -> None:
             adapter = await asyncio.to_thread(adapter_from_tensors, body["config"], named_tensors, max_rank())
             await loop.call(engine.load_lora_adapter, body["lora_name"], adapter)
         except (AdapterError, EngineMemoryReleasedError) as error:
-            return failure(error)
+            return await failure(error)
         finally:
             del named_tensors  # the sender's shared memory is freed once nothing here maps it
-        return reply(body["lora_name"], {"checksums": adapter.checksums, "weight_version": body["weight_version"]})
+        return await reply(body["lora_name"], {"checksums": adapter.checksums, "weight_version": body["weight_version"]})
 
 
 def adapter_for_model(state, model: str | None) -> str | None:

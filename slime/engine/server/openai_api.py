@@ -57,6 +57,7 @@ def register_openai_routes(app: FastAPI, state) -> None:
 
     @app.get("/v1/models")
     async def list_models():
+        adapters = await state.engine_loop.call(state.engine.loaded_lora_adapters)
         return {
             "object": "list",
             "data": [
@@ -71,7 +72,7 @@ def register_openai_routes(app: FastAPI, state) -> None:
                 # loaded LoRA adapters: `model` = an adapter's name generates with it (SGLang's convention)
                 *({"id": name, "object": "model", "created": int(time.time()), "owned_by": "slime",
                    "root": source, "parent": state.served_model_name}
-                  for name, source in state.engine.loaded_lora_adapters().items()),
+                  for name, source in adapters.items()),
             ],
         }
 

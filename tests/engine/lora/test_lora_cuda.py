@@ -1,7 +1,7 @@
-"""The engine's LoRA on CUDA (skipped without a GPU): Triton attention, fused kernels and the overlap schedule, with
-CUDA graphs turned off for LoRA (engine/lora/slots.py). fp32: an adapter's log-probs equal transformers with the
-adapter merged; bf16: within bf16 tolerance; one step mixing two adapters and the base model gives each request
-what it gets alone."""
+"""The engine's LoRA on CUDA (skipped without a GPU): Triton attention, fused kernels, the overlap schedule and
+decode CUDA graphs on LoRA's dense path (engine/lora/slots.py; prefill runs eagerly). fp32: an adapter's log-probs
+equal transformers with the adapter merged; bf16: within bf16 tolerance; one step mixing two adapters and the base
+model gives each request what it gets alone, and the graphs give the eager engine's tokens."""
 
 import pytest
 import torch
@@ -29,10 +29,10 @@ def adapters(path):
             "two": random_adapter(hf_config, rank=4, alpha=4, seed=2, targets=("q_proj", "v_proj", "down_proj"))}
 
 
-def engine_with(path, adapters, dtype):
+def engine_with(path, adapters, dtype, enforce_eager=False):
     engine = Engine(str(path), device="cuda", dtype=dtype, num_kvcache_blocks=256, enable_lora=True,
-                    max_lora_rank=8, max_loras_per_batch=2)
-    assert engine.model_runner.use_triton and not engine.model_runner.use_cuda_graphs
+                    max_lora_rank=8, max_loras_per_batch=2, enforce_eager=enforce_eager)
+    assert engine.model_runner.use_triton and engine.model_runner.use_cuda_graphs != enforce_eager
     for name, (config, tensors) in adapters.items():
         engine.load_lora_adapter(name, adapter_from_tensors(config, tensors.items(), 8))
     return engine
@@ -52,11 +52,13 @@ def test_cuda_adapters_match_merged_transformers(path, adapters, dtype, toleranc
     engine = engine_with(path, adapters, dtype)
     jobs = [(prompt, name) for prompt in PROMPTS for name in ("one", "two", None)]
     mixed = run(engine, jobs)
+    assert engine.model_runner.decode_graphs.graphs  # decode steps replayed graphs (LoRA's dense path)
+    eager = run(engine_with(path, adapters, dtype, enforce_eager=True), jobs)
     for (i, name), output in mixed.items():
         prompt = jobs[i][0]
         config, tensors = adapters[name] if name else (None, None)
         expected = merged_log_probs(path, config, tensors, prompt + output["output_ids"], len(prompt))
         assert output["output_log_probs"] == pytest.approx(expected, abs=tolerance)
-        if dtype == "float32":  # one request alone: the same tokens as inside the mixed step
+        if dtype == "float32":  # one request alone, and the eager engine: the same tokens as inside the mixed step
             alone = next(iter(run(engine, [(prompt, name)]).values()))
-            assert alone["output_ids"] == output["output_ids"]
+            assert alone["output_ids"] == output["output_ids"] == eager[i, name]["output_ids"]

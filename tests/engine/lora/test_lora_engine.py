@@ -3,6 +3,9 @@ log-probs equal transformers with the adapter merged into its weights (float64),
 the base model gives each request what it gets alone, the prefix cache never shares KV across adapters, and loading
 and unloading many versions leaves the slots and memory flat."""
 
+import gc
+import weakref
+
 import pytest
 from transformers import AutoConfig
 
@@ -33,9 +36,8 @@ def adapters(hf_config):
 
 
 def make_engine(path, **config):
-    config = {"max_loras_per_batch": 3, **config}
-    return Engine(str(path), device="cpu", kvcache_block_size=4, num_kvcache_blocks=256, enable_lora=True,
-                  max_lora_rank=8, **config)
+    config = {"max_loras_per_batch": 3, "num_kvcache_blocks": 256, **config}
+    return Engine(str(path), device="cpu", kvcache_block_size=4, enable_lora=True, max_lora_rank=8, **config)
 
 
 def load(engine, name, adapter):
@@ -129,6 +131,8 @@ def test_errors_name_the_problem(path, adapters, hf_config):
     renamed = {n.replace("q_proj", "qq_proj"): t for n, t in tensors.items()}
     with pytest.raises(AdapterError, match="is not a LoRA target of this model"):
         load(engine, "bad", (config, renamed))
+    with pytest.raises(AdapterError, match="also adapts as a whole"):
+        load(engine, "bad", random_adapter(hf_config, rank=2, alpha=2, seed=5, targets=("gate_proj", "gate_up_proj")))
     for i in range(3):
         load(engine, f"a{i}", adapters["two"])
     with pytest.raises(AdapterError, match="all 3 LoRA slots are in use"):
@@ -156,13 +160,17 @@ def test_unloaded_adapter_keeps_serving_its_running_requests(path, adapters):
     load(engine, "v2", adapters["two"])  # the slot is free once the request finished
 
 
-def test_many_versions_leave_slots_and_memory_flat(path, adapters):
+def test_many_versions_leave_slots_and_memory_flat(path, adapters, hf_config):
     engine = make_engine(path)
     lora = engine.model_runner.lora
     num_bytes = lora.num_bytes
+    pushed = []  # weak references to every version's tensors: the engine copies them into its slots, keeps none
     for version in range(20):
         name = f"policy@{version}"
-        load(engine, name, adapters["one" if version % 2 else "two"])
+        config, tensors = random_adapter(hf_config, rank=4, alpha=8, seed=100 + version)
+        pushed += [weakref.ref(tensor) for tensor in tensors.values()]
+        load(engine, name, (config, tensors))
+        del tensors
         run_alone(engine, PROMPTS[0], name)
         if version:
             engine.unload_lora_adapter(f"policy@{version - 1}")
@@ -170,6 +178,8 @@ def test_many_versions_leave_slots_and_memory_flat(path, adapters):
     registry = engine.model_runner.lora_registry
     assert sorted(registry.adapters) == ["policy@19"] and sum(registry.num_requests) == 0
     assert lora.num_bytes == num_bytes
+    gc.collect()
+    assert not [ref for ref in pushed if ref() is not None]
 
 
 def test_lora_refused_at_tp_size_above_one(path):
@@ -181,3 +191,42 @@ def test_lora_routes_need_enable_lora(path, adapters):
     engine = Engine(str(path), device="cpu", kvcache_block_size=4, num_kvcache_blocks=64)
     with pytest.raises(AdapterError, match="started without enable_lora"):
         engine.add_request(PROMPTS[0], GREEDY, lora_name="one")
+
+
+@pytest.mark.parametrize("config", [{"overlap_schedule": True}, {"num_kvcache_blocks": 14},
+                                    {"max_num_batched_tokens": 7}],
+                         ids=["overlap", "preemption", "chunked-prefill"])
+def test_mixed_adapters_survive_overlap_preemption_and_chunking(path, adapters, engine, config):
+    """The same per-request results through the overlapped schedule, preemption by recompute (14 blocks of 4 for 9
+    requests of 17 tokens) and chunked prefill."""
+    names = ["one", "two", None]
+    expected = {(i, name): run_alone(engine, prompt, name) for i, prompt in enumerate(PROMPTS) for name in names}
+    other = make_engine(path, **config)
+    for name, adapter in adapters.items():
+        load(other, name, adapter)
+    rids = {other.add_request(prompt, GREEDY, incremental=False, lora_name=name): (i, name)
+            for i, prompt in enumerate(PROMPTS) for name in names}
+    finished, num_preemptions = {}, 0
+    while len(finished) < len(rids):
+        finished.update({rids[o.rid]: o.to_dict() for o in other.step() if o.finished})
+        num_preemptions = max([num_preemptions, *(s.num_preemptions for s in other.requests.values())])
+    if "num_kvcache_blocks" in config:
+        assert num_preemptions > 0
+    for key, output in finished.items():
+        assert output["output_ids"] == expected[key]["output_ids"]
+        assert output["output_log_probs"] == pytest.approx(expected[key]["output_log_probs"], abs=1e-5)
+    assert sum(other.model_runner.lora_registry.num_requests) == 0  # every request gave its slot back
+
+
+def test_glm4_fused_gate_up_adapter_matches_merged_transformers(tmp_path):
+    """GLM-4's checkpoint fuses gate/up itself (mlp.gate_up_proj): one adapter on the whole fused output."""
+    glm = build_tiny_model(tmp_path / "glm4", arch="glm4", initializer_range=0.5)
+    adapter = random_adapter(AutoConfig.from_pretrained(str(glm)), rank=4, alpha=8, seed=4,
+                             targets=("q_proj", "v_proj", "o_proj", "gate_up_proj", "down_proj"))
+    engine = make_engine(glm)
+    load(engine, "glm", adapter)
+    output = run_alone(engine, PROMPTS[0], "glm")
+    expected = merged_log_probs(glm, *adapter, PROMPTS[0] + output["output_ids"], len(PROMPTS[0]))
+    assert output["output_log_probs"] == pytest.approx(expected, abs=1e-4)
+    base = merged_log_probs(glm, None, None, PROMPTS[0] + output["output_ids"], len(PROMPTS[0]))
+    assert max(abs(x - y) for x, y in zip(base, expected)) > 0.1

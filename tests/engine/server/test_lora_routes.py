@@ -11,8 +11,10 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from transformers import AutoConfig
 
+from slime.utils.weight_transport import serialize_named_tensors
 from tests.helpers.lora_adapters import merged_log_probs, random_adapter, write_peft_folder
 
 SERVER_ARGS = ["--device", "cpu", "--enable-lora", "--max-lora-rank", "8", "--max-loras-per-batch", "2"]
@@ -129,5 +131,39 @@ def test_mistakes_are_400s_naming_the_problem(client, server, tiny_qwen3, tmp_pa
     assert not_peft.status_code == 400 and "is not a PEFT adapter folder" in not_peft.text
     outside = client.post("/load_lora_adapter", json={"lora_name": "x", "lora_path": "/etc"})
     assert outside.status_code == 400 and "outside the folders" in outside.text
+    def push(config, name):  # serialized anew each time: a serialized list is deserialized once
+        tensors = [(name, torch.ones(2, 2))]
+        return client.post("/load_lora_adapter_from_tensors", json={
+            "lora_name": "x", "config": config, "serialized_named_tensors": [serialize_named_tensors(tensors)]})
+
+    response = push({"r": 2, "lora_alpha": 4}, "model.layers.0.self_attn.q_proj.lora_A.weight")
+    assert response.status_code == 400 and "must start with 'base_model.model.'" in response.json()["error_message"]
+    response = push({"lora_alpha": 4}, "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight")
+    assert response.status_code == 400 and "'r' must be a positive int" in response.json()["error_message"]
+    two_items = {"lora_name": "x", "config": {"r": 2}, "serialized_named_tensors": ["a", "b"]}
+    response = client.post("/load_lora_adapter_from_tensors", json=two_items)
+    assert response.status_code == 400 and "a list of 1 string(s), one per engine rank" in response.text
     bad_list = client.post("/generate", json={"input_ids": [PROMPT, PROMPT], "lora_path": ["folder"]})
     assert bad_list.status_code == 400 and "'lora_path' must be" in bad_list.text
+
+
+def test_lora_path_survives_sglang_router(client, server, folder_adapter):
+    """slime's rollout reaches the engines through sglang-router, which re-serializes /generate: `lora_path` must
+    arrive (a dropped one would silently sample the base model)."""
+    import httpx
+
+    from slime.ray.router import RouterProcess, register_worker
+
+    if "folder" not in [model["id"] for model in client.get("/v1/models").json()["data"]]:  # run alone
+        response = client.post("/load_lora_adapter", json={"lora_name": "folder", "lora_path": str(folder_adapter[2])})
+        assert response.status_code == 200, response.text
+    direct, base = generate(client, "folder"), generate(client)
+    router = RouterProcess(policy="round_robin")
+    try:
+        register_worker(router.url, server.url)
+        with httpx.Client(base_url=router.url, timeout=120, trust_env=False, headers=router.headers) as routed:
+            through_router = generate(routed, "folder")
+    finally:
+        router.shutdown()
+    assert log_probs(through_router) == pytest.approx(log_probs(direct), abs=1e-5)
+    assert log_probs(through_router) != pytest.approx(log_probs(base), abs=1e-3)
