@@ -32,10 +32,12 @@ def is_lora_name(name: str) -> bool:
     return f".{LORA_A}." in name or f".{LORA_B}." in name
 
 
-def peft_config(args) -> dict:
-    """adapter_config.json's fields (the engine push carries the same dict)."""
+def peft_config(args, adapted: Iterable[str] = ()) -> dict:
+    """adapter_config.json's fields (the engine push carries the same dict). `adapted`: the adapted layers' names
+    (their leaf names are PEFT's target_modules: a fused `gate_up_proj` is one), else --target-modules'."""
+    leaves = sorted({name.rsplit(".", 1)[-1] for name in adapted}) or list(args.lora_target_modules)
     return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": args.lora_rank, "lora_alpha": args.lora_alpha,
-            "lora_dropout": args.lora_dropout, "target_modules": list(args.lora_target_modules), "bias": "none",
+            "lora_dropout": args.lora_dropout, "target_modules": leaves, "bias": "none",
             "fan_in_fan_out": False, "use_rslora": False, "use_dora": False, "modules_to_save": None,
             "init_lora_weights": True, "inference_mode": True,
             "base_model_name_or_path": str(args.hf_checkpoint)}

@@ -59,10 +59,11 @@ def compare_checksums(url: str, adapter_name: str, expected: dict[str, float], g
 
 
 class AdapterPusher:
-    def __init__(self, adapter_weights: Callable[[], dict[str, torch.Tensor]], config: dict, rank: int, *,
+    def __init__(self, adapter_weights: Callable[[], dict[str, torch.Tensor]],
+                 config_of: Callable[[dict[str, torch.Tensor]], dict], rank: int, *,
                  headers: dict | None = None, disk_dir: str | None = None,
                  keep_files: bool = False, check_weight_equal: bool = False):
-        self.adapter_weights, self.config, self.rank = adapter_weights, dict(config), rank
+        self.adapter_weights, self.config_of, self.rank = adapter_weights, config_of, rank
         self.headers = dict(headers or {})
         self.disk_dir, self.keep_files, self.check_weight_equal = disk_dir, keep_files, check_weight_equal
         self.engine_urls: list[str] = []
@@ -98,16 +99,18 @@ class AdapterPusher:
                         raise AdapterPushError(f"--check-lora-weight-equal: {to_peft_name(name)} changes when sent in "
                                                f"the engines' dtype {dtype} (the trainer's is {tensor.dtype})")
             num_bytes = sum(t.numel() * t.element_size() for t in sent.values())
-            self._load_everywhere(served_adapter_name(weight_version), sent, str(weight_version))
+            self._load_everywhere(served_adapter_name(weight_version), sent, str(weight_version),
+                                  self.config_of(adapter))
         if dist.is_initialized():
             dist.barrier()
         return WeightPushResult(seconds=time.perf_counter() - start, bytes=num_bytes, num_buckets=1)
 
-    def _load_everywhere(self, adapter_name: str, sent: dict[str, torch.Tensor], weight_version: str) -> None:
+    def _load_everywhere(self, adapter_name: str, sent: dict[str, torch.Tensor], weight_version: str,
+                         config: dict) -> None:
         expected = checksums(sent)
         folder = None
         if self.transport == "disk":
-            folder = save_peft_folder(Path(self.disk_dir) / f"lora_{adapter_name}", self.config,
+            folder = save_peft_folder(Path(self.disk_dir) / f"lora_{adapter_name}", config,
                                       {name.removeprefix("base_model.model."): t for name, t in sent.items()})
         try:
             for url in self.engine_urls:
@@ -116,7 +119,7 @@ class AdapterPusher:
                                   self.headers)
                 else:
                     reply = _post(url, "/load_lora_adapter_from_tensors", {
-                        "lora_name": adapter_name, "config": self.config, "weight_version": weight_version,
+                        "lora_name": adapter_name, "config": config, "weight_version": weight_version,
                         "serialized_named_tensors": [serialize_named_tensors(list(sent.items()))]}, self.headers)
                 compare_checksums(url, adapter_name, expected, reply.get("checksums"))
         finally:

@@ -30,7 +30,7 @@ from slime.backends.advantages import compute_advantages
 from slime.backends.backend import TrainBackend
 from slime.backends.debug_train_data import rank_train_data, save_debug_train_data
 from slime.backends.device_room import DeviceRoom
-from slime.backends.lora_adapter import peft_config
+from slime.backends.lora_adapter import adapted_layers, peft_config
 from slime.backends.lora_push import AdapterPusher
 from slime.backends.loss import (
     LossReducer,
@@ -126,7 +126,8 @@ class TrainFlow:
         if engines_release_memory:  # placed now: the device copies come with the first onload, not beside engines
             place_weight_sets(self.snapshot, args, self.device, self.with_ref, engines_release_memory)
         if serves_adapter(args):  # LoRA: only the adapter travels, verified (lora_push.py)
-            self.weight_updater = AdapterPusher(backend.adapter_weights, peft_config(args), self.rank,
+            self.weight_updater = AdapterPusher(backend.adapter_weights,
+                                                lambda adapter: peft_config(args, adapted_layers(adapter)), self.rank,
                                                 headers=engine_admin_headers(args),
                                                 disk_dir=args.update_weight_disk_dir,
                                                 keep_files=args.update_weight_disk_keep_files,

@@ -80,6 +80,8 @@ def _hf_names(flag: str, names: list[str]) -> set[str]:
         leaf = name.rsplit(".", 1)[-1]
         if leaf in MEGATRON_TARGETS:
             result.update(MEGATRON_TARGETS[leaf])
+        elif leaf == "gate_up_proj":  # a checkpoint's own fused gate/up layer (GLM-4)
+            result.update(("gate_proj", "up_proj"))
         elif leaf in known:
             result.add(leaf)
         else:

@@ -129,7 +129,7 @@ class FSDPBackend(TrainBackend):
             save_root or args.save, rollout_id, self.model, self.optimizer, self.scheduler,
             hf_checkpoint=args.hf_checkpoint, rank=self.rank, save_optim=not args.no_save_optim,
             tie_word_embeddings=bool(getattr(self.hf_config, "tie_word_embeddings", False)), run_state=run_state,
-            lora_config=peft_config(args) if args.lora_rank > 0 and save_root is None else None,
+            lora_config=peft_config(args, self.adapted_layers) if args.lora_rank > 0 and save_root is None else None,
         )
         if args.save_hf and args.lora_rank > 0 and save_root is None:  # the merged model, loadable without PEFT
             merged = merged_hf_weights(iter_full_parameters(self.model), self.adapted_layers, lora_scale(args))

@@ -44,21 +44,31 @@ class LoRALinear(nn.Module, AdapterSwitch):
         return y + self.lora_B(self.lora_A(self.lora_dropout(x))) * self.scaling
 
 
+def _is_target(leaf: str, targets: set[str]) -> bool:
+    """A checkpoint's own fused gate/up layer (GLM-4's `gate_up_proj`) is adapted as a whole when both are targets."""
+    return leaf in targets or (leaf == "gate_up_proj" and {"gate_proj", "up_proj"} <= targets)
+
+
 def apply_lora(hf_model: nn.Module, target_modules: list[str], rank: int, alpha: int, dropout: float) -> list[str]:
     """Replace every nn.Linear whose leaf name is in `target_modules` (inside the decoder: never the output layer) by
-    a LoRALinear and freeze every other parameter. Returns the adapted layers' HF names; none is an error."""
+    a LoRALinear and freeze every other parameter. Returns the adapted layers' HF names. A target this model does
+    not have (an MLA model has no q_proj / k_proj / v_proj) is an error naming it, never fewer adapters than asked."""
     targets = set(target_modules)
     decoder_prefix = next(name for name, module in hf_model.named_modules() if module is hf_model.get_decoder())
     adapted = []
     for name, module in list(hf_model.named_modules()):
-        if (isinstance(module, nn.Linear) and name.rsplit(".", 1)[-1] in targets
-                and name.startswith(decoder_prefix + ".")):
+        leaf = name.rsplit(".", 1)[-1]
+        if isinstance(module, nn.Linear) and _is_target(leaf, targets) and name.startswith(decoder_prefix + "."):
             parent_name, _, leaf = name.rpartition(".")
             setattr(hf_model.get_submodule(parent_name), leaf, LoRALinear(module, rank, alpha, dropout))
             adapted.append(name)
-    if not adapted:
-        raise ValueError(f"--target-modules {','.join(target_modules)}: no nn.Linear of this model "
-                         f"({type(hf_model).__name__}) has one of these names")
+    found = {name.rsplit(".", 1)[-1] for name in adapted}
+    if "gate_up_proj" in found:
+        found |= {"gate_proj", "up_proj"}
+    missing = sorted(targets - found)
+    if missing:
+        raise ValueError(f"--target-modules: this model ({type(hf_model).__name__}) has no nn.Linear named "
+                         f"{', '.join(missing)} in its decoder; drop them (--exclude-modules {','.join(missing)})")
     for name, param in hf_model.named_parameters():
         param.requires_grad_(is_lora_name(name))
     return adapted

@@ -40,6 +40,7 @@ from slime.backends.backend import LossOf, TrainBackend, reset_adam_state
 from slime.backends.checkpoint_files import resolve_load_dir
 from slime.backends.lora_adapter import (
     ADAPTER_SUBDIR,
+    adapted_layers,
     adapters_disabled_in,
     load_peft_folder,
     lora_scale,
@@ -169,7 +170,7 @@ class MegatronBackend(TrainBackend):
         lora = args.lora_rank > 0 and not self.critic
         adapter = self.adapter_weights() if lora else None
         if lora and self.rank == 0:  # the adapter in PEFT's format beside the torch_dist state (which resumes)
-            save_peft_folder(Path(path) / ADAPTER_SUBDIR, peft_config(args), adapter)
+            save_peft_folder(Path(path) / ADAPTER_SUBDIR, peft_config(args, adapted_layers(adapter)), adapter)
         if args.save_hf and not self.critic:  # slime's template: the rollout id fills {rollout_id}
             merged = None
             if lora:  # the merged model: W + scale * B A per adapted layer (the router biases included)

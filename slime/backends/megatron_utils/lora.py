@@ -110,7 +110,7 @@ def apply_lora(model_chunks, target_modules: list[str], rank: int, alpha: int, d
     from slime.backends.megatron_utils.names import chunk_offsets, global_name
 
     layers = set(megatron_targets(target_modules))
-    count = 0
+    count, found = 0, set()
     for vp_stage, chunk in enumerate(model_chunks):
         offsets = chunk_offsets(chunk, vp_stage if len(model_chunks) > 1 else None)
         for name, module in list(chunk.named_modules()):
@@ -123,8 +123,13 @@ def apply_lora(model_chunks, target_modules: list[str], rank: int, alpha: int, d
             setattr(parent, leaf + SUFFIX, pair)
             module.register_forward_hook(_add_adapter_output(pair))
             count += 1
+            found.add(leaf)
         for name, param in chunk.named_parameters():
             param.requires_grad_(is_lora_name(name))
+    has_layers = any(len(chunk.decoder.layers) for chunk in model_chunks)  # a pipeline stage may hold none
+    if has_layers and found != layers:
+        raise ValueError(f"--target-modules: this Megatron model has no {', '.join(sorted(layers - found))} layers "
+                         f"(an MLA model's attention is not linear_qkv); drop them from --target-modules")
     return count
 
 

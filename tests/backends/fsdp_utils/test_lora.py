@@ -188,3 +188,18 @@ def test_adapter_path_starts_from_a_saved_adapter_and_resume_is_exact(checkpoint
     assert metrics["train/loss"] == uninterrupted["train/loss"]
     for name, value in full_params(resumed).items():
         torch.testing.assert_close(value, expected[name], rtol=0, atol=0, msg=name)
+
+
+def test_targets_the_model_lacks_are_refused_and_a_fused_gate_up_is_one_layer(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from slime.backends.fsdp_utils.lora import apply_lora
+    from slime.utils.tiny_model import build_tiny_model
+
+    qwen3 = AutoModelForCausalLM.from_pretrained(build_tiny_model(tmp_path / "qwen3", arch="qwen3"))
+    with pytest.raises(ValueError, match="has no nn.Linear named gate_up_proj"):
+        apply_lora(qwen3, ["gate_up_proj", "q_proj"], 4, 8, 0.0)
+    glm4 = AutoModelForCausalLM.from_pretrained(build_tiny_model(tmp_path / "glm4", arch="glm4"))
+    adapted = apply_lora(glm4, ["down_proj", "gate_proj", "k_proj", "o_proj", "q_proj", "up_proj", "v_proj"], 4, 8,
+                         0.0)
+    assert "model.layers.0.mlp.gate_up_proj" in adapted and len(adapted) == 6 * glm4.config.num_hidden_layers
