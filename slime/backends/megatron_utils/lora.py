@@ -117,6 +117,11 @@ def apply_lora(model_chunks, target_modules: list[str], rank: int, alpha: int, d
             leaf = name.rsplit(".", 1)[-1]
             if leaf not in layers or ".experts." in name or not hasattr(module, "weight"):
                 continue
+            if hasattr(module, "layer_norm_weight"):  # TE's fused norm + linear: its input is not normalised yet
+                raise ValueError(f"--lora-rank: {name} is Transformer Engine's fused layer-norm linear, whose input "
+                                 "the adapter would see before the norm; LoRA on the Megatron backend runs on "
+                                 "megatron-core's local layer spec (uninstall transformer_engine, or train with "
+                                 "--train-backend fsdp)")
             parent = chunk.get_submodule(name.rpartition(".")[0])
             layer_seed = seed + zlib.crc32(global_name(name, *offsets).encode())
             pair = AdapterPair(module, rank, alpha, dropout, leaf in COLUMN_PARALLEL, layer_seed)
