@@ -47,8 +47,8 @@ def main() -> None:
     parser.add_argument("--train-backend", choices=["fsdp", "megatron"], default="fsdp")
     parser.add_argument("--tensor-model-parallel-size", type=int, default=1, help="with --train-backend megatron")
     parser.add_argument("--lora-rank", type=int, default=0,
-                        help="> 0: the GRPO phase trains LoRA adapters of this rank (alpha 2r, all linear layers) "
-                             "on the frozen SFT model, at 10x --grpo-lr (docs/guides/lora.md)")
+                        help="> 0: the GRPO phase trains LoRA adapters of this rank (alpha = r, all linear layers) "
+                             "on the frozen SFT model, at 2x --grpo-lr (docs/guides/lora.md)")
     opts = parser.parse_args()
 
     run_dir = Path(opts.out_dir or REPO_ROOT / "runs" / f"quickstart-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
@@ -79,10 +79,13 @@ def main() -> None:
 
     grpo_dir = run_dir / "grpo_run"
     lora, grpo_lr = [], opts.grpo_lr
-    if opts.lora_rank > 0:  # LoRA learns at about 10x the full model's rate (Schulman et al. 2025)
-        lora = ["--lora-rank", str(opts.lora_rank), "--lora-alpha", str(2 * opts.lora_rank),
+    if opts.lora_rank > 0:
+        # 2x, not the ~10x of large models (Schulman et al. 2025): rank 16 of this 64-wide model is nearly full rank;
+        # at 10x (alpha 2r) the train reward collapsed to 0 by rollout 20, at 2x (alpha r) held-out accuracy rose
+        # 0.39 -> 0.54 in 40 rollouts (2026-12-05, CPU).
+        lora = ["--lora-rank", str(opts.lora_rank), "--lora-alpha", str(opts.lora_rank),
                 "--target-modules", "all-linear"]
-        grpo_lr = 10 * opts.grpo_lr
+        grpo_lr = 2 * opts.grpo_lr
     # GRPO gets a fresh Adam: 4 rollouts of lr warmup keep its first, sign-like steps from undoing the warm start
     # (without them the train reward dipped after rollout 0, and at lr 1e-3 it collapsed), and 80 rollouts let the
     # slower seeds' held-out accuracy climb (at 40 it had moved +0.04-0.06 on two seeds of three). 32 samples per
