@@ -29,6 +29,7 @@ from slime.backends.advantages import compute_advantages
 from slime.backends.backend import TrainBackend
 from slime.backends.debug_train_data import rank_train_data, save_debug_train_data
 from slime.backends.device_room import DeviceRoom
+from slime.backends.engine_ranks import as_engine_map
 from slime.backends.loss import (
     LossReducer,
     MicroBatchTensors,
@@ -45,12 +46,10 @@ from slime.backends.routing_replay import (
     log_prob_stage,
 )
 from slime.backends.schedule import forward_only_schedule, train_schedule
-from slime.backends.weight_disk import disk_sync_from_args
 from slime.backends.weight_push_result import WeightPushResult
-from slime.backends.weight_sender import WeightSender
+from slime.backends.weight_sender import weight_sender_from_args
 from slime.backends.weight_snapshot import WeightSnapshot, place_weight_sets
 from slime.utils.checkpoint_state import weights_at_step
-from slime.utils.engine_access import engine_admin_headers
 from slime.utils.misc import load_function, seed_everything
 from slime.utils.ppo_utils import apply_opd_advantage, loss_denominator
 from slime.utils.train_data_types import TrainData
@@ -115,10 +114,7 @@ class TrainFlow:
             self.snapshot.restore("actor")
         if engines_release_memory:  # placed now: the device copies come with the first onload, not beside engines
             place_weight_sets(self.snapshot, args, self.device, self.with_ref, engines_release_memory)
-        self.weight_updater = WeightSender(backend.hf_weights, self.device.type == "cuda", self.rank,
-                                           args.update_weight_buffer_size, dtype=None,
-                                           master_address=self.master_addr, headers=engine_admin_headers(args),
-                                           disk_sync=disk_sync_from_args(args))
+        self.weight_updater = weight_sender_from_args(args, backend, self.rank, self.master_addr)
         self.loss_fn = get_loss_function(args)
         if resume_dir is not None:
             return backend.load_training_state(resume_dir) + 1
@@ -365,10 +361,11 @@ class TrainFlow:
         with self.backend.resident():
             return self.backend.save_checkpoint(rollout_id, run_state)
 
-    def update_weights(self, engine_urls: list[str] | None = None, weight_version=None,
+    def update_weights(self, engine_urls: dict[int, str] | list[str] | None = None, weight_version=None,
                        mode: str | None = None) -> WeightPushResult:
-        """Push the current weights to the engines (connecting first when `engine_urls` or `mode` changed)."""
-        if engine_urls is not None and (list(engine_urls) != self.weight_updater.engine_urls
+        """Push the current weights to the engines ({engine index: URL}, or a list of engines 0, 1, ...), connecting
+        first when they or `mode` changed."""
+        if engine_urls is not None and (as_engine_map(engine_urls) != self.weight_updater.engines
                                         or (mode and mode != self.weight_updater.mode)):
             self.weight_updater.connect(engine_urls, mode or self.weight_updater.mode)
         result = self.weight_updater.update(weight_version)

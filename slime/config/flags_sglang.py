@@ -53,6 +53,8 @@ SGLANG_FLAG_TO_ENGINE_CONFIG = {
     "sglang_disable_overlap_schedule": ("overlap_schedule", "negated bool"),
     "sglang_dtype": ("dtype", str),
     "sglang_kv_cache_dtype": ("kv_cache_dtype", str),
+    "sglang_ep_size": ("ep_size", int),
+    "sglang_dist_timeout": ("dist_timeout_s", float),
 }
 # SGLang flag values the built-in engine cannot honour -> why (refused when the run uses the built-in engine).
 UNSUPPORTED_BY_ENGINE = {

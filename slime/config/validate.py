@@ -18,6 +18,7 @@ import os
 import time
 from pathlib import Path
 
+from slime.config.engine_layout import check_engine_layout
 from slime.config.errors import ArgumentError, cli_flag, require
 from slime.config.flag_ranges import ANY, FLAG_RANGES
 from slime.config.flags_moe import check_moe_args
@@ -52,13 +53,10 @@ HOOK_FLAGS = (
 
 
 def resolve_rollout_backend(args) -> None:
-    """--rollout-backend's default: SGLang when an engine spans several devices (the built-in engine runs one),
-    the built-in engine otherwise."""
+    """--rollout-backend's default: the built-in engine, for any --rollout-num-gpus-per-engine (an engine of N
+    devices is N ranks of one built-in engine: engine/parallel/)."""
     if args.rollout_backend is None:
-        args.rollout_backend = "sglang" if args.rollout_num_gpus_per_engine > 1 else "slime"
-        if args.rollout_backend == "sglang":
-            logger.info("--rollout-num-gpus-per-engine %d: rolling out with SGLang (--rollout-backend sglang; the "
-                        "built-in engine runs one device per engine)", args.rollout_num_gpus_per_engine)
+        args.rollout_backend = "slime"
 
 
 CKPT_STEP_FLAGS = {"ref_load": "ref_ckpt_step", "opd_teacher_load": "opd_teacher_ckpt_step"}
@@ -162,12 +160,7 @@ def _resolve_cluster(args) -> None:
         args.offload_rollout = bool(args.offload_rollout or args.offload)
     if args.rollout_num_gpus is None:
         args.rollout_num_gpus = 1
-    require(args.rollout_num_gpus % args.rollout_num_gpus_per_engine == 0,
-             f"--rollout-num-gpus {args.rollout_num_gpus} is not a multiple of "
-             f"--rollout-num-gpus-per-engine {args.rollout_num_gpus_per_engine}")
-    require(args.rollout_num_gpus_per_engine == 1 or args.rollout_backend == "sglang",
-             "the built-in engine runs one device per engine; use --rollout-num-gpus-per-engine 1 "
-             "(or --rollout-backend sglang for tensor parallel engines)")
+    check_engine_layout(args)
     args.rollout_num_engines = (len(args.rollout_external_engine_urls) if args.rollout_external
                                 else args.rollout_num_gpus // args.rollout_num_gpus_per_engine)
     external_router = args.sglang_router_ip is not None or args.sglang_router_port is not None

@@ -46,6 +46,7 @@ logger = logging.getLogger(__name__)
 
 
 class FSDPBackend(TrainBackend):
+    hf_weights_on_every_rank = True  # DTensor.full_tensor() gathers each parameter to every rank
     def __init__(self, args, rank: int, world_size: int, master_addr: str, master_port: int):
         self.args, self.rank, self.world_size = args, rank, world_size
         self.device = training_device(args, rank)
