@@ -305,7 +305,8 @@ class WeightSender:
                 check_rank_reports(url, answer, self.engine_ranks[index[url]], weight_version,
                                    self.expect_rank_reports)
             except EngineRankError as error:
-                self.rank_errors.append(str(error))
+                if not any(message.startswith(f"engine {url}") for message in self.rank_errors):
+                    self.rank_errors.append(str(error))  # an engine's first miss names it
 
     def _own_engine(self) -> int | None:
         """The engine this rank's colocated group feeds in the current push, if any (tensor mode)."""

@@ -149,8 +149,8 @@ def test_stock_slime_recipes_parse_unchanged(tmp_path, caplog):
         "full", "uniform", 1)
     assert (qwen3_4b.adam_beta2, qwen3_4b.weight_decay, qwen3_4b.lr_decay_style) == (0.98, 0.1, "constant")
     assert qwen3_4b.global_batch_size == 256 and qwen3_4b.num_steps_per_rollout == 1
-    # two devices per engine: SGLang rolls out (the built-in engine runs one); the same folder for --load and --save
-    assert (qwen3_4b.rollout_backend, qwen3_4b.rollout_num_engines) == ("sglang", 4)
+    # two devices per engine: four built-in engines of two ranks each; the same folder for --load and --save
+    assert (qwen3_4b.rollout_backend, qwen3_4b.rollout_num_engines) == ("slime", 4)
     assert qwen3_4b.load == qwen3_4b.save and not qwen3_4b.load_if_exists
     assert "--attention-backend: no effect here" in caplog.text
 
