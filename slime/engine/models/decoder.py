@@ -6,6 +6,11 @@ Module names follow Hugging Face's (model.layers.N.self_attn..., lm_head) except
 `qkv_proj` and gate/up into `gate_up_proj`; `weight_loader.py` is the one place that maps HF names onto them.
 Input is a flat batch of tokens (no padding) with their positions and an `AttentionMetadata`; the model knows
 nothing of scheduling or sampling.
+
+Built with a `ParallelState` of tp_size N, the model is rank tp_rank's shard of an N-rank engine (engine/parallel/):
+attention by heads (its KV cache holds only the rank's K/V heads), MLPs by their intermediate dimension, the
+vocabulary by rows, MoE experts by EP block and intermediate slice; every rank computes the full logits, equal to
+the one-device model's. A layout that does not divide is refused when the model is built.
 """
 
 from __future__ import annotations
@@ -19,18 +24,26 @@ from slime.engine.layers.rotary import RotaryEmbedding
 from slime.engine.models.dense_mlp import DenseMLP
 from slime.engine.models.model_config import ModelConfig
 from slime.engine.models.moe_block import SparseMoeBlock
+from slime.engine.parallel.linear import QKVParallelLinear, RowParallelLinear
+from slime.engine.parallel.state import SINGLE, ParallelState, divide, head_shard
+from slime.engine.parallel.vocab import ParallelLMHead, VocabParallelEmbedding
 
 
 class DecoderAttention(nn.Module):
-    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding):
+    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding, parallel: ParallelState = SINGLE):
         super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
+        self.qkv_proj = QKVParallelLinear(config.hidden_size, self.head_dim, config.num_attention_heads,
+                                          config.num_key_value_heads, config.qkv_bias, parallel)
+        # this rank's heads (all of them at tp_size 1)
+        self.num_heads = self.qkv_proj.shard.num_heads
+        self.num_kv_heads = self.qkv_proj.shard.num_kv_heads
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.qkv_bias)
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.o_proj_bias)
+        self.o_proj = RowParallelLinear(config.num_attention_heads * self.head_dim, config.hidden_size,
+                                        config.o_proj_bias, parallel, what="num_attention_heads",
+                                        input_start=self.qkv_proj.shard.q_start * self.head_dim,
+                                        local_input_size=self.q_size)
         if config.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
@@ -69,13 +82,15 @@ class DecoderAttention(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding, layer_index: int):
+    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding, layer_index: int,
+                 parallel: ParallelState = SINGLE):
         super().__init__()
         self.is_sparse = layer_index in config.moe_layers
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = DecoderAttention(config, rotary)
+        self.self_attn = DecoderAttention(config, rotary, parallel)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = SparseMoeBlock(config) if self.is_sparse else DenseMLP(config.hidden_size, config.intermediate_size)
+        self.mlp = (SparseMoeBlock(config, parallel) if self.is_sparse
+                    else DenseMLP(config.hidden_size, config.intermediate_size, parallel))
 
     def input_norm(self, hidden: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """hidden: the previous sub-layer's output (the embeddings for the first layer, with residual None);
@@ -99,13 +114,13 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderModel(nn.Module):
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, parallel: ParallelState = SINGLE):
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, parallel)
         self.rotary = RotaryEmbedding(
             config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling
         )
-        self.layers = nn.ModuleList(DecoderLayer(config, self.rotary, index)
+        self.layers = nn.ModuleList(DecoderLayer(config, self.rotary, index, parallel)
                                     for index in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -121,11 +136,13 @@ class DecoderModel(nn.Module):
 
 
 class DecoderForCausalLM(nn.Module):
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, parallel: ParallelState = SINGLE):
         super().__init__()
+        check_parallel_layout(config, parallel)
         self.config = config
-        self.model = DecoderModel(config)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.parallel = parallel
+        self.model = DecoderModel(config, parallel)
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, parallel)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
@@ -150,3 +167,26 @@ class DecoderForCausalLM(nn.Module):
     def moe_blocks(self) -> list[SparseMoeBlock]:
         """The sparse blocks in layer order (empty for a dense model): index i is routed-experts layer i."""
         return [layer.mlp for layer in self.model.layers if layer.is_sparse]
+
+
+def check_parallel_layout(config: ModelConfig, parallel: ParallelState) -> None:
+    """Refuse, naming the flag and the checkpoint's config field, a --tp-size / --ep-size this model cannot be split
+    over (heads, K/V heads, intermediate sizes and experts must divide)."""
+    tp, ep = parallel.tp_size, parallel.ep_size
+    head_shard(config.num_attention_heads, config.num_key_value_heads, parallel)
+    if len(config.moe_layers) < config.num_hidden_layers:
+        divide(config.intermediate_size, tp, "intermediate_size")
+    if not config.is_moe:
+        if ep > 1:
+            raise ValueError(f"--ep-size {ep} (engine Config.ep_size) splits MoE experts, but this "
+                             f"{config.model_type} model is dense; use --ep-size 1")
+        return
+    if config.num_experts % ep:
+        raise ValueError(f"num_experts ({config.num_experts}) is not divisible by --ep-size {ep} (engine "
+                         "Config.ep_size); choose an --ep-size that divides it")
+    if config.moe_intermediate_size % parallel.moe_tp_size:
+        raise ValueError(f"moe_intermediate_size ({config.moe_intermediate_size}) is not divisible by --tp-size "
+                         f"{tp} / --ep-size {ep} = {parallel.moe_tp_size}, the ranks that share each block of "
+                         "experts (engine Config.tp_size // Config.ep_size); choose sizes that divide it")
+    if config.shared_expert_intermediate_size:
+        divide(config.shared_expert_intermediate_size, tp, "shared_expert_intermediate_size")
