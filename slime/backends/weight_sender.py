@@ -52,6 +52,7 @@ from slime.backends.engine_ranks import (
     check_rank_reports,
 )
 from slime.backends.engine_server_info import engines_dtype, server_infos
+from slime.backends.push_pipeline import OneInFlight, iter_buckets
 from slime.backends.weight_disk import DiskSync, disk_sync_from_args
 from slime.backends.weight_push_result import WeightPushResult
 from slime.utils.blocking_http import blocking_client
@@ -69,24 +70,6 @@ logger = logging.getLogger(__name__)
 UPDATE_MODES = ("tensor", "distributed", "disk")
 HTTP_TIMEOUT_S = 600.0
 WEIGHT_GROUP_NAME = "slime_weight_update"
-
-
-def iter_buckets(named_tensors, bucket_bytes: int) -> Iterator[tuple[list[tuple[str, torch.Tensor]], bool]]:
-    """Group (name, tensor) pairs into lists of at most `bucket_bytes` (a larger tensor goes alone); yields
-    (bucket, is_last)."""
-    bucket, size, pending = [], 0, None
-    for name, tensor in named_tensors:
-        nbytes = tensor.numel() * tensor.element_size()
-        if bucket and size + nbytes > bucket_bytes:
-            if pending is not None:
-                yield pending, False
-            pending, bucket, size = bucket, [], 0
-        bucket.append((name, tensor))
-        size += nbytes
-    if pending is not None:
-        yield pending, not bucket
-    if bucket:
-        yield bucket, True
 
 
 def _post(url: str, path: str, payload: dict, headers: dict | None = None) -> dict:
@@ -118,24 +101,6 @@ def _post_each_reachable(urls: list[str], path: str, payload_for_url,
         answers = dict(zip(urls, pool.map(post, urls)))
     return [url for url, answer in answers.items() if answer is None], {
         url: answer for url, answer in answers.items() if answer is not None}
-
-
-class _OneInFlight:
-    """Runs calls one at a time in a background thread, in the order submitted: `submit` first waits for the call in
-    flight (raising its error), so the caller prepares the next call while the last one runs."""
-
-    def __init__(self, pool: ThreadPoolExecutor):
-        self.pool = pool
-        self.pending = None
-
-    def submit(self, call, *args) -> None:
-        self.wait()
-        self.pending = self.pool.submit(call, *args)
-
-    def wait(self) -> None:
-        pending, self.pending = self.pending, None
-        if pending is not None:
-            pending.result()
 
 
 class WeightSender:
@@ -240,7 +205,7 @@ class WeightSender:
         params = self.named_tensors(self.push_dtype)
         # Leaving the pool's block waits for the POST in flight, even when gathering a bucket failed.
         with ThreadPoolExecutor(max_workers=1) as pool:
-            in_flight = _OneInFlight(pool)
+            in_flight = OneInFlight(pool)
             for bucket, is_last in iter_buckets(params, self.bucket_bytes):
                 num_buckets += 1
                 num_bytes += sum(t.numel() * t.element_size() for _, t in bucket)
@@ -345,7 +310,7 @@ class WeightSender:
         with ThreadPoolExecutor(max_workers=max(1, len(reachable))) as pool:
             return {url: why for url, why in zip(reachable, pool.map(pull, reachable)) if why is not None}
 
-    def _send(self, bucket, is_last: bool, weight_version, in_flight: _OneInFlight) -> None:
+    def _send(self, bucket, is_last: bool, weight_version, in_flight: OneInFlight) -> None:
         if self.mode == "disk":
             self.disk_sync.writer.add(bucket)
             return
@@ -368,7 +333,7 @@ class WeightSender:
             answers = requests.result()
         self._check_answers(dict(zip(self.engine_urls, answers)), flush.get("weight_version"))
 
-    def _send_tensors(self, bucket, flush: dict, in_flight: _OneInFlight) -> None:
+    def _send_tensors(self, bucket, flush: dict, in_flight: OneInFlight) -> None:
         """One bucket by handle: this rank's colocated engine gets its group's N entries (gathered to the group's
         first rank, which POSTs), rank 0's other engines N handles of rank 0's buffer each. Serialized here, on the
         thread (and CUDA stream) that packed it; each serialized handle is opened exactly once, by one engine rank."""
