@@ -338,6 +338,8 @@ class WeightSender:
         first rank, which POSTs), rank 0's other engines N handles of rank 0's buffer each. Serialized here, on the
         thread (and CUDA stream) that packed it; each serialized handle is opened exactly once, by one engine rank."""
         own, others = self._own_engine(), self._rank0_engines()
+        if own is None and not others:
+            return  # rank 0 when only other groups' engines take this push
         packed = pack_named_tensors(bucket)
         own_entry = serialize_named_tensors(packed) if own is not None else None
         posts = others or (own is not None and self.feeders.is_first)
