@@ -4,7 +4,8 @@ Real gloo trainer processes (FSDP, tiny Qwen3) and real engine servers on 127.0.
 trainer rank POSTs its own handle to its own engine; with an engine of two ranks the two trainer ranks gather their
 handles to rank 0, which POSTs the list of two. After the push every engine's log-probs of its own sample equal the
 trainer's weights run through transformers (1e-4), and before it they did not (the engines start from a checkpoint
-of another seed). What each trainer rank POSTed is recorded by a pass-through spy on its own `_post`.
+of another seed); a push to engine 1 alone (a restarted engine) comes from trainer rank 1 only. What each trainer
+rank POSTed is recorded by a pass-through spy on its own `_post`.
 """
 
 import pytest
@@ -94,8 +95,11 @@ def _push_rank(rank, world_size, port, checkpoint, per_engine, engines):
     weight_sender._post = recording_post
     result = trainer.update_weights(engines, weight_version="5", mode="tensor")
     params = {name.removeprefix("hf_model."): value.cpu() for name, value in full_params(trainer).items()}
-    return {"posts": posts, "buckets": result.num_buckets, "unreachable": result.unreachable_engines,
-            "params": params if rank == 0 else None}
+    full_posts, posts[:] = list(posts), []
+    if len(engines) == 2:  # a restarted engine 1 alone (fault tolerance): only its trainer rank sends
+        trainer.update_weights({1: engines[1]}, weight_version="6", mode="tensor")
+    return {"posts": full_posts, "buckets": result.num_buckets, "unreachable": result.unreachable_engines,
+            "params": params if rank == 0 else None, "partial_posts": posts}
 
 
 @pytest.mark.slow
@@ -116,6 +120,8 @@ def test_each_trainer_rank_feeds_its_colocated_engine_rank(checkpoints, tmp_path
         if per_engine == 1:  # each rank its own engine, one entry per request, the version on the last
             for rank in range(2):
                 assert [(url, n) for url, n, _ in ranks[rank]["posts"]] == [(engines[rank], 1)] * num_buckets
+            assert ranks[0]["partial_posts"] == []
+            assert [(url, n) for url, n, _ in ranks[1]["partial_posts"]] == [(engines[1], 1)] * num_buckets
         else:  # the group's first rank POSTs both entries; rank 1 POSTs nothing
             assert [(url, n) for url, n, _ in ranks[0]["posts"]] == [(engines[0], 2)] * num_buckets
             assert ranks[1]["posts"] == []
@@ -125,7 +131,7 @@ def test_each_trainer_rank_feeds_its_colocated_engine_rank(checkpoints, tmp_path
         params = ranks[0]["params"]
         for i, url in engines.items():
             output_ids, log_probs, meta = _generate(url)
-            assert meta["weight_version"] == "5"
+            assert meta["weight_version"] == ("6" if i == 1 else "5")
             tokens = PROMPT + output_ids
             expected = _reference_log_probs(trainer_checkpoint, params, tokens, len(output_ids))
             torch.testing.assert_close(torch.tensor(log_probs), expected, rtol=0, atol=1e-4)
