@@ -332,9 +332,7 @@ def run_workloads(names: list[str], args) -> dict:
 
 
 def _remove_tree(path: Path) -> None:
-    import shutil
-
-    shutil.rmtree(path, ignore_errors=True)
+    __import__("shutil").rmtree(path, ignore_errors=True)
 
 
 def _decode_texts(batches: queue.SimpleQueue) -> None:
@@ -389,7 +387,9 @@ def main(argv=None) -> dict:
     print(f"| torch {torch.__version__}, transformers {transformers.__version__}")
     for name, summary in results.items():
         ratio = f" | {summary['ratio_engine_over_hf']}x hf" if summary["ratio_engine_over_hf"] else ""
-        print(f"| {name}: {summary['engine_output_tok_s']} tok/s | MBU {summary['mbu']:.1%}{ratio}")
+        tp = summary.get("tp")
+        tp = f" | TP={tp['tp_size']}: {tp['tpn_output_tok_s']} tok/s = {tp['tpn_over_tp1']}x TP=1" if tp else ""
+        print(f"| {name}: {summary['engine_output_tok_s']} tok/s | MBU {summary['mbu']:.1%}{ratio}{tp}")
     print("=" * 72)
     print(json.dumps(result))
     return result

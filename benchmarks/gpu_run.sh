@@ -84,6 +84,17 @@ Engine(str(path), device='cuda', dtype='bfloat16', max_num_seqs=256, max_model_l
     bench_engine) python3 benchmarks/bench_engine.py --preset qwen3-0.6b ;;
     agent_adapter) python3 benchmarks/bench_agent_adapter.py --shape qwen3-0.6b --device cuda ;;
     engine_all) python3 benchmarks/bench_engine.py --preset qwen3-0.6b --workload all ;;
+    # Engine tensor / expert parallelism (needs 2 GPUs: --kind nvidia-h100-x2 or nvidia-h200-x2). The sharded model on
+    # NCCL against one GPU, then W1 (0.6B) and W4 (Qwen3-8B shape) at TP=1 beside TP=2, then Qwen3-30B-A3B's layer
+    # shape (8 of its 48 layers) at TP=2 and TP=2 x EP=2, then a shape one H100 cannot hold: Qwen3-30B-A3B's layers
+    # x 64 (~81 GB of bf16 weights) at TP=2 (TP=1's start-up error names --rollout-num-gpus-per-engine).
+    tp_gpu_tests) python3 -m pytest -q -m gpu tests/engine/parallel ;;
+    engine_tp2) python3 benchmarks/bench_engine.py --preset qwen3-0.6b --workload w1,w4 --skip-hf --tp-size 2 ;;
+    engine_tp2_moe) python3 -c "from pathlib import Path; import torch; from benchmarks.engine_checkpoints import SHAPES, build_checkpoint; build_checkpoint(Path('/tmp/moe8l'), SHAPES['qwen3-30b-a3b-8l'], torch.bfloat16, 'cuda', 0)" &&
+                    python3 benchmarks/bench_engine.py --preset qwen3-0.6b --model-path /tmp/moe8l --skip-hf --tp-size 2 &&
+                    python3 benchmarks/bench_engine.py --preset qwen3-0.6b --model-path /tmp/moe8l --skip-hf --tp-size 2 --ep-size 2 ;;
+    engine_tp2_no_fit) python3 -c "from pathlib import Path; import torch; from benchmarks.engine_checkpoints import SHAPES, build_checkpoint; build_checkpoint(Path('/tmp/moe64l'), dict(SHAPES['qwen3-30b-a3b-8l'], num_hidden_layers=64), torch.bfloat16, 'cuda', 0)" &&
+                       python3 benchmarks/bench_engine.py --preset qwen3-0.6b --model-path /tmp/moe64l --skip-hf --tp-size 2 --num-prompts 64 ;;
     engine_trace) python3 benchmarks/bench_engine.py --preset qwen3-0.6b --skip-hf --trace-steps 3 ;;
     engine_w1_plain) python3 benchmarks/bench_engine.py --preset qwen3-0.6b --skip-hf --no-overlap-schedule ;;
     engine_w1_overlap) python3 benchmarks/bench_engine.py --preset qwen3-0.6b --overlap-schedule ;;
@@ -116,6 +127,15 @@ Engine(str(path), device='cuda', dtype='bfloat16', max_num_seqs=256, max_model_l
     train_4b) python3 benchmarks/bench_train.py --model-shape qwen3-4b --micro-batch-size 2 ;;
     kernel_tests) python3 -m pytest -q tests/backends/fsdp_utils/test_backend_gpu.py tests/backends/test_triton_log_probs.py tests/backends/test_log_probs.py tests/engine/layers/test_paged_attention.py tests/engine/test_triton_kernels.py ;;
     bench_attention) python3 benchmarks/bench_paged_attention.py --sweep ;;
+    # The DeepSeek-V3 family: the MLA kernel and the engine on it (bf16, CUDA graphs), FSDP's packed flash path.
+    mla_gpu_tests) python3 -m pytest -q tests/engine/layers/test_triton_mla_decode.py tests/engine/models/test_deepseek_v3_cuda.py \
+                     tests/backends/fsdp_utils/test_deepseek_v3.py ;;
+    bench_mla_decode) python3 benchmarks/bench_mla_decode.py && python3 benchmarks/bench_mla_decode.py --sweep --iters 30 ;;
+    # Moonlight's layers cut to 4 (benchmarks/gpu_grpo_smoke.py's moonlight-4l): the engine against transformers generate
+    engine_moonlight) python3 -c "from benchmarks.gpu_grpo_smoke import SHAPES; from slime.utils.tiny_model import build_tiny_model; \
+s = dict(SHAPES['moonlight-4l']); build_tiny_model('/tmp/moonlight4l', arch=s.pop('arch'), **s)" &&
+                      python3 benchmarks/bench_engine.py --model-path /tmp/moonlight4l --workload w1 --device cuda --dtype bfloat16 ;;
+    grpo_moonlight_r3) grpo colocated --shape moonlight-4l --train-args='--use-rollout-routing-replay --get-mismatch-metrics' ;;
     bench_log_probs) python3 benchmarks/bench_log_probs.py ;;
     bench_varlen) python3 benchmarks/bench_varlen_attention.py --model-shape qwen3-4b ;;
     train_06b_c) python3 benchmarks/bench_train.py --model-shape qwen3-0.6b --compile-model --micro-batch-size 4 ;;

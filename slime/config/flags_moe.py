@@ -86,7 +86,7 @@ def _layer_pattern(value: str, num_layers: int) -> list[int]:
 
 def check_moe_args(args, require) -> None:
     """The MoE rules; `require(condition, message)` raises the parser's ArgumentError."""
-    from slime.utils.moe_config import moe_layer_indices
+    from slime.utils.moe_config import checkpoint_moe_flags, moe_layer_indices
 
     replay = args.use_routing_replay or args.use_rollout_routing_replay
     moe_flags = [flag for flag in ("num_experts", "moe_router_topk", "moe_ffn_hidden_size", "moe_layer_freq",
@@ -104,12 +104,8 @@ def check_moe_args(args, require) -> None:
                 "--" + (moe_flags[0] if moe_flags else "moe_aux_loss_coeff").replace("_", "-"))
         require(False, f"{used}: {args.hf_checkpoint} is not a mixture-of-experts model "
                        f"(model_type {config.get('model_type')!r})")
-    expected = {
-        "num_experts": config.get("num_experts", config.get("num_local_experts")),
-        "moe_router_topk": config.get("num_experts_per_tok"),
-        "moe_ffn_hidden_size": config.get("moe_intermediate_size"),
-        "moe_shared_expert_intermediate_size": config.get("shared_expert_intermediate_size") or None,
-    }
+    expected = checkpoint_moe_flags(config)
+    score_function = expected.pop("moe_router_score_function")
     for flag, actual in expected.items():
         value = getattr(args, flag)
         require(value is None or value == actual,
@@ -120,6 +116,6 @@ def check_moe_args(args, require) -> None:
         actual = [int(index in layers) for index in range(config["num_hidden_layers"])]
         require(pattern == actual, f"--moe-layer-freq {args.moe_layer_freq} gives MoE layers {pattern}, the "
                                    f"checkpoint has {actual}")
-    require(args.moe_router_score_function in (None, "softmax"),
+    require(args.moe_router_score_function in (None, score_function),
             f"--moe-router-score-function {args.moe_router_score_function}: {config.get('model_type')} routes by "
-            "softmax")
+            f"{score_function}")

@@ -20,8 +20,13 @@ from slime.engine.decode_rows import DecodeRows
 from slime.engine.dtypes import resolve_device, resolve_dtype, resolve_kv_cache_dtype
 from slime.engine.host_staging import HostStaging
 from slime.engine.host_weights import HostWeights
-from slime.engine.kernel_checks import grouped_mm_works, triton_attention_works, triton_fused_kernels_work
-from slime.engine.kv_cache import KVCacheStorage, bytes_per_block, num_blocks_from_memory
+from slime.engine.kernel_checks import (
+    grouped_mm_works,
+    triton_attention_works,
+    triton_fused_kernels_work,
+    triton_mla_attention_works,
+)
+from slime.engine.kv_cache import KVCacheStorage, bytes_per_block, cache_row_shape, num_blocks_from_memory
 from slime.engine.layers.attention import AttentionMetadata
 from slime.engine.models import DecoderForCausalLM, ModelConfig
 from slime.engine.models.weight_loader import load_checkpoint, load_weights
@@ -107,7 +112,12 @@ class ModelRunner:
         self.kv_storage: KVCacheStorage | None = None
         self.kv_cache: torch.Tensor | None = None  # every layer's K and V; uninitialized on the Triton path
         self.kv_cache_zeroed = False
-        attention_works = self.device.type == "cuda" and triton_attention_works(self.device, self.kv_dtype)
+        if model_config.mla is not None:  # the latent cache has its own kernel
+            mla = model_config.mla
+            attention_works = self.device.type == "cuda" and triton_mla_attention_works(
+                self.device, self.dtype, model_config.num_attention_heads, mla.kv_lora_rank, mla.qk_rope_head_dim)
+        else:
+            attention_works = self.device.type == "cuda" and triton_attention_works(self.device, self.kv_dtype)
         grouped_mm = grouped_mm_works(self.device, self.dtype) if model_config.is_moe else True
         for block in self.model.moe_blocks():
             block.experts.use_grouped_mm = grouped_mm
@@ -162,16 +172,17 @@ class ModelRunner:
             # One storage for every layer's K and V (and the routing record), not two tensors per layer: a colocated
             # run frees and re-allocates the cache on every hand-over, and each allocation is a driver call.
             routing = (len(blocks), c.num_experts_per_tok) if self.config.enable_return_routed_experts else None
-            block_shape = (self.num_kvcache_blocks + 1, self.block_size, self.num_local_kv_heads, c.head_dim)
-            self.kv_storage = KVCacheStorage(self.device, len(layers), block_shape, self.kv_dtype, routing)
+            num_planes, num_heads, head_dim = cache_row_shape(c, self.num_local_kv_heads)
+            block_shape = (self.num_kvcache_blocks + 1, self.block_size, num_heads, head_dim)
+            self.kv_storage = KVCacheStorage(self.device, len(layers), block_shape, self.kv_dtype, routing, num_planes)
         # The pure-torch path needs zeros: its masked-out slots enter SDPA multiplied by 0, and NaN garbage would
         # survive that. The Triton kernels load only slots below each sequence's length, all written before any read
         # (cached prefix, earlier chunks, the step's own K/V), so there the cache is left uninitialized: zeroing
         # the whole cache on every colocated resume costs a device-wide memset.
         self.kv_cache_zeroed = not self.use_triton
         self.kv_cache, self.routed_experts = self.kv_storage.allocate(zeroed=self.kv_cache_zeroed)
-        for attn, (keys, values) in zip(layers, self.kv_cache):
-            attn.k_cache, attn.v_cache = keys, values
+        for attn, planes in zip(layers, self.kv_cache):  # MLA's one latent plane is its K and its V
+            attn.k_cache, attn.v_cache = planes[0], planes[-1]
         # Indexed by cache slot like the K/V, so prefix-cache hits keep the routing of the tokens they skip.
         for index, block in enumerate(blocks if self.routed_experts is not None else []):
             block.routed_experts_cache = self.routed_experts[:, index]
@@ -229,12 +240,19 @@ class ModelRunner:
         return baked_addresses(self.model, self.kv_cache, self.routed_experts)
 
     def read_routed_experts(self, block_table: list[int], num_positions: int) -> np.ndarray:
-        """The routing recorded for positions [0, num_positions) of a sequence holding `block_table`:
-        [num_positions, num_moe_layers, top_k] int32 (one host sync)."""
+        """The routing recorded for positions [0, num_positions) of a sequence holding `block_table`, in SGLang's
+        layout: [num_positions, num_hidden_layers, top_k] int32, zeros in the dense layers' rows (SGLang's capture
+        buffer is zero-filled and only MoE layers write it; the cache here holds the MoE layers only). One host sync."""
         positions = np.arange(num_positions)
         slots = np.asarray(block_table, dtype=np.int64)[positions // self.block_size] * self.block_size
         slots += positions % self.block_size
-        return self.routed_experts[self.staging.to_device(slots)].cpu().numpy()
+        moe_rows = self.routed_experts[self.staging.to_device(slots)].cpu().numpy()
+        c = self.model_config
+        if len(c.moe_layers) == c.num_hidden_layers:
+            return moe_rows
+        rows = np.zeros((num_positions, c.num_hidden_layers, moe_rows.shape[-1]), dtype=np.int32)
+        rows[:, list(c.moe_layers)] = moe_rows
+        return rows
 
     @every_rank
     def release_weights(self, discard_names: set[str] | None = None) -> None:
@@ -256,8 +274,9 @@ class ModelRunner:
         self.host_weights.loaded(load_weights(self.model, named_tensors))
 
     def load_checkpoint_dir(self, model_path: str) -> None:
-        """Every weight from a checkpoint folder (each rank reads it and keeps its shard), or a ValueError."""
-        load_checkpoint(self.model, model_path)
+        """Every weight from a checkpoint folder (each rank reads it and keeps its shard), or a ValueError. A
+        trainer's folder carries no router correction bias (a buffer, never sent): the loaded one stays."""
+        load_checkpoint(self.model, model_path, require_buffers=False)
         self.host_weights.loaded(set(self.host_weights.missing))
 
     def _empty_device_cache(self) -> None:
@@ -323,7 +342,9 @@ class ModelRunner:
 
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """A step's forward outside the decode graphs: through the piecewise prefill graphs where they apply."""
-        if not (self.use_cuda_graphs and self.config.prefill_cuda_graphs and meta.uses_triton):
+        # The piecewise graphs split the q/k/v decoder's attention stages; MLA's run eagerly (decode graphs apply).
+        piecewise = self.config.prefill_cuda_graphs and self.model_config.mla is None
+        if not (self.use_cuda_graphs and piecewise and meta.uses_triton):
             return self.model(input_ids, positions, meta)
         if self.prefill_graphs is None:
             max_tokens = min(self.config.prefill_cuda_graph_max_tokens or self.config.max_num_batched_tokens,

@@ -1,6 +1,8 @@
 """Pre-norm decoder-only transformer covering Qwen2/Qwen2.5 (qkv bias), Qwen3 (per-head q/k RMSNorm), Llama 3
-(llama3 RoPE scaling) and the mixture-of-experts Qwen3-MoE / Qwen2-MoE (sparse feed-forward blocks in the layers
-`ModelConfig.moe_layers` names, `moe_block.py`): they differ only in the flags of `ModelConfig`.
+(llama3 RoPE scaling), the mixture-of-experts Qwen3-MoE / Qwen2-MoE (sparse feed-forward blocks in the layers
+`ModelConfig.moe_layers` names, `moe_block.py`), GLM-4 (sandwich norms, interleaved partial RoPE) and GLM-4.5
+(partial RoPE, sigmoid-router blocks, `sigmoid_moe_block.py`): they differ only in the flags of `ModelConfig`. The
+DeepSeek-V3 family swaps the attention for multi-head latent attention (`ModelConfig.mla`, `layers/mla_attention.py`).
 
 Module names follow Hugging Face's (model.layers.N.self_attn..., lm_head) except that q/k/v are fused into
 `qkv_proj` and gate/up into `gate_up_proj`; `weight_loader.py` is the one place that maps HF names onto them.
@@ -19,11 +21,15 @@ import torch
 from torch import nn
 
 from slime.engine.layers.attention import AttentionMetadata, PagedAttention
+from slime.engine.layers.latent_attention import LatentPagedAttention
+from slime.engine.layers.mla_attention import MLAAttention
+from slime.engine.layers.mla_rotary import MLARotaryEmbedding
 from slime.engine.layers.rmsnorm import RMSNorm, torch_rms_norm
 from slime.engine.layers.rotary import RotaryEmbedding
 from slime.engine.models.dense_mlp import DenseMLP
 from slime.engine.models.model_config import ModelConfig
 from slime.engine.models.moe_block import SparseMoeBlock
+from slime.engine.models.sigmoid_moe_block import SigmoidMoeBlock
 from slime.engine.parallel.linear import QKVParallelLinear, RowParallelLinear
 from slime.engine.parallel.state import SINGLE, ParallelState, divide, head_shard
 from slime.engine.parallel.vocab import ParallelLMHead, VocabParallelEmbedding
@@ -65,7 +71,7 @@ class DecoderAttention(nn.Module):
             q_weight, k_weight = (self.q_norm.weight, self.k_norm.weight) if self.qk_norm else (None, None)
             eps = self.q_norm.eps if self.qk_norm else 0.0
             return qkv_rope_store(qkv, q_weight, k_weight, eps, rotary.cos, rotary.sin, positions, slot_mapping,
-                                  self.attn.k_cache, self.attn.v_cache, self.num_heads, q_out)
+                                  self.attn.k_cache, self.attn.v_cache, self.num_heads, q_out, rotary.interleaved)
         v = qkv[:, self.q_size + self.kv_size :].view(-1, self.num_kv_heads, self.head_dim)
         # q and k heads side by side: their norms and the rotation run once for both (fewer ops per layer).
         qk = qkv[:, : self.q_size + self.kv_size].view(-1, self.num_heads + self.num_kv_heads, self.head_dim)
@@ -82,15 +88,23 @@ class DecoderAttention(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding, layer_index: int,
+    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding | MLARotaryEmbedding, layer_index: int,
                  parallel: ParallelState = SINGLE):
         super().__init__()
         self.is_sparse = layer_index in config.moe_layers
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = DecoderAttention(config, rotary, parallel)
+        if config.mla is not None:  # served at tp_size 1 (mla_checks.py)
+            self.self_attn = MLAAttention(config.hidden_size, config.num_attention_heads, config.mla, rotary)
+        else:
+            self.self_attn = DecoderAttention(config, rotary, parallel)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = (SparseMoeBlock(config, parallel) if self.is_sparse
+        sparse_block = SigmoidMoeBlock if config.router == "sigmoid" else SparseMoeBlock
+        self.mlp = (sparse_block(config, parallel) if self.is_sparse
                     else DenseMLP(config.hidden_size, config.intermediate_size, parallel))
+        self.sandwich_norms = config.sandwich_norms
+        if config.sandwich_norms:  # GLM-4: each sub-layer's output normed before its residual add
+            self.post_self_attn_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+            self.post_mlp_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def input_norm(self, hidden: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """hidden: the previous sub-layer's output (the embeddings for the first layer, with residual None);
@@ -103,8 +117,11 @@ class DecoderLayer(nn.Module):
                      slot_mapping: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """After the attention (its o_proj output): the MLP's output and the residual stream it must be added to.
         Each add is fused with the norm after it."""
+        if self.sandwich_norms:
+            attention_out = self.post_self_attn_layernorm(attention_out)
         normed, residual = self.post_attention_layernorm.add_and_norm(attention_out, residual)
-        return (self.mlp(normed, slot_mapping) if self.is_sparse else self.mlp(normed)), residual
+        out = self.mlp(normed, slot_mapping) if self.is_sparse else self.mlp(normed)
+        return (self.post_mlp_layernorm(out) if self.sandwich_norms else out), residual
 
     def forward(
         self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None, meta: AttentionMetadata
@@ -117,9 +134,13 @@ class DecoderModel(nn.Module):
     def __init__(self, config: ModelConfig, parallel: ParallelState = SINGLE):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, parallel)
-        self.rotary = RotaryEmbedding(
-            config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling
-        )
+        if config.mla is not None:
+            self.rotary = MLARotaryEmbedding(config.mla, config.max_position_embeddings, config.rope_theta)
+        else:
+            self.rotary = RotaryEmbedding(
+                config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling,
+                rotary_dim=config.rotary_dim or None, interleaved=config.rope_interleaved,
+            )
         self.layers = nn.ModuleList(DecoderLayer(config, self.rotary, index, parallel)
                                     for index in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -161,10 +182,10 @@ class DecoderForCausalLM(nn.Module):
             if hasattr(module, "use_triton"):
                 module.use_triton = enabled
 
-    def attention_layers(self) -> list[PagedAttention]:
+    def attention_layers(self) -> list[PagedAttention | LatentPagedAttention]:
         return [layer.self_attn.attn for layer in self.model.layers]
 
-    def moe_blocks(self) -> list[SparseMoeBlock]:
+    def moe_blocks(self) -> list[SparseMoeBlock | SigmoidMoeBlock]:
         """The sparse blocks in layer order (empty for a dense model): index i is routed-experts layer i."""
         return [layer.mlp for layer in self.model.layers if layer.is_sparse]
 

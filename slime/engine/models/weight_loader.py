@@ -3,8 +3,12 @@ checkpoints from disk (one or many *.safetensors, with or without model.safetens
 
 `load_weights` accepts any subset of a model's HF-named weights (a trainer may push them in buckets) and raises a
 ValueError naming the weight for an unknown name or a wrong shape. MoE experts use the HF checkpoint's per-expert
-names (`mlp.experts.<e>.gate_proj.weight` ...), which load into slices of the stacked expert tensors. It does not
-decide dtype or device: tensors are copied into the existing parameters.
+names (`mlp.experts.<e>.gate_proj.weight` ...), which load into slices of the stacked expert tensors. One buffer
+loads too: the sigmoid router's `e_score_correction_bias` (GLM-4.5; a checkpoint tensor, but never among the
+weights a trainer sends, so not in `named_weight_shapes`). GLM-4's checkpoint holds its dense MLPs' fused
+`mlp.gate_up_proj.weight` (a rank takes its rows of the gate half and of the up half). Multi-token-prediction
+layers of released checkpoints (`model.layers.<num_hidden_layers + i>.*`, config num_nextn_predict_layers) are
+skipped. It does not decide dtype or device: tensors are copied into the existing parameters.
 
 Every route (checkpoint, pushed tensors, broadcast, disk) hands every rank of a sharded engine the FULL tensors;
 each rank copies only its shard, as the parallel layers describe it (`engine/parallel/`): q/k/v by heads (K/V
@@ -17,6 +21,7 @@ the full HF shapes (what a push must send).
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,6 +30,7 @@ import torch
 from torch import nn
 
 from slime.engine.layers.moe import GroupedExperts
+from slime.engine.models.fp8_blocks import checkpoint_fp8_block_size, dequantize_fp8_blocks
 from slime.engine.parallel.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from slime.engine.parallel.vocab import ParallelLMHead, VocabParallelEmbedding
 
@@ -32,6 +38,24 @@ from slime.engine.parallel.vocab import ParallelLMHead, VocabParallelEmbedding
 FUSED_MODULES = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 # Buffers some older checkpoints carry; they are recomputed, never loaded.
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+# Checkpoints whose dense MLPs already hold the fused `mlp.gate_up_proj.weight` [gate; up] (GLM-4): each rank takes
+# its rows of the gate half and of the up half (`_fused_gate_up_shard`).
+FUSED_GATE_UP_MODEL_TYPES = ("glm4",)
+LOADED_BUFFER_SUFFIXES = (".gate.e_score_correction_bias",)  # sigmoid_moe_block.CORRECTION_BIAS
+LAYER_INDEX = re.compile(r"^model\.layers\.(\d+)\.")
+
+
+def _is_mtp_weight(model: nn.Module, name: str) -> bool:
+    """A weight of a multi-token-prediction layer the checkpoint carries after the decoder's layers."""
+    match = LAYER_INDEX.match(name)
+    config = model.config
+    return bool(match) and config.num_nextn_predict_layers > 0 and (
+        config.num_hidden_layers <= int(match[1]) < config.num_hidden_layers + config.num_nextn_predict_layers)
+
+
+def loaded_buffers(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The buffers a checkpoint fills (the sigmoid routers' correction biases), by HF name."""
+    return {name: buffer for name, buffer in model.named_buffers() if name.endswith(LOADED_BUFFER_SUFFIXES)}
 
 
 @dataclass(frozen=True)
@@ -64,6 +88,38 @@ class Shard:
         target.narrow(self.dim, 0, self.length).copy_(tensor.narrow(self.dim, self.source_start, self.length))
         if self.num_zero_padding:
             target.narrow(self.dim, self.length, self.num_zero_padding).zero_()
+
+
+@dataclass(frozen=True)
+class FusedShard:
+    """One HF tensor holding several blocks of a fused parameter (GLM-4's `mlp.gate_up_proj.weight`, [gate; up]):
+    this rank's part of each block, a Shard per block."""
+
+    pieces: tuple[Shard, ...]
+
+    @property
+    def param(self) -> str:
+        return self.pieces[0].param
+
+    @property
+    def full_shape(self) -> tuple[int, ...]:
+        return self.pieces[0].full_shape
+
+    def copy(self, params: dict[str, nn.Parameter], tensor: torch.Tensor) -> None:
+        for piece in self.pieces:
+            piece.copy(params, tensor)
+
+
+def _fused_gate_up_shard(prefix: str, module: MergedColumnParallelLinear) -> dict[str, FusedShard]:
+    """A checkpoint's own fused gate_up_proj [gate; up]: block k's rank rows lie at offset sum(sizes[:k]) of it."""
+    assert module.bias is None
+    full_shape = (sum(module.output_sizes), module.in_features)
+    pieces, source_offset, target_start = [], 0, 0
+    for size, local in zip(module.output_sizes, module.local_sizes):
+        pieces.append(Shard(f"{prefix}.weight", full_shape, 0, source_offset + module.tp_rank * local, local,
+                            target_start))
+        source_offset, target_start = source_offset + size, target_start + local
+    return {f"{prefix}.weight": FusedShard(tuple(pieces))}
 
 
 def _column_shards(prefix: str, module: nn.Linear, hf_names: tuple[str, ...], full_sizes: list[int],
@@ -126,16 +182,20 @@ def _expert_shards(prefix: str, experts: GroupedExperts) -> dict[str, Shard]:
     return shards
 
 
-def weight_shards(model: nn.Module) -> dict[str, Shard]:
+def weight_shards(model: nn.Module) -> dict[str, Shard | FusedShard]:
     """HF name -> this rank's Shard of it, for every weight the model loads (a tied lm_head is the embedding's and
     is not listed). Built once per model."""
     cached = model.__dict__.get("_weight_shards")
     if cached is not None:
         return cached
-    shards: dict[str, Shard] = {}
+    shards: dict[str, Shard | FusedShard] = {}
     covered: set[str] = set()
+    fused_gate_up = model.config.model_type in FUSED_GATE_UP_MODEL_TYPES
     for prefix, module in model.named_modules():
-        module_shards = _module_shards(prefix, module)
+        if fused_gate_up and prefix.endswith(".mlp.gate_up_proj"):
+            module_shards = _fused_gate_up_shard(prefix, module)
+        else:
+            module_shards = _module_shards(prefix, module)
         if module_shards is None:
             continue
         covered.update(f"{prefix}.{suffix}" for suffix, _ in module.named_parameters(recurse=False))
@@ -159,12 +219,20 @@ def load_weights(model: nn.Module, named_tensors: Iterable[tuple[str, torch.Tens
     """Copy this rank's shard of each full HF-named tensor into `model`; returns the set of names loaded."""
     shards = weight_shards(model)
     params = dict(model.named_parameters())
+    buffers = loaded_buffers(model)
     loaded = set()
     with torch.no_grad():
         for name, tensor in named_tensors:
-            if name.endswith(IGNORED_SUFFIXES):
+            if name.endswith(IGNORED_SUFFIXES) or _is_mtp_weight(model, name):
                 continue
             shard = shards.get(_hf_name(model, name))
+            if shard is None and name in buffers:
+                if tuple(tensor.shape) != tuple(buffers[name].shape):
+                    raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)}, expected "
+                                     f"{tuple(buffers[name].shape)}")
+                buffers[name].copy_(tensor)
+                loaded.add(name)
+                continue
             if shard is None:
                 raise ValueError(f"unknown weight {name!r} for this {model.config.model_type} model")
             if tuple(tensor.shape) != shard.full_shape:
@@ -201,12 +269,17 @@ def iterate_checkpoint(model_path: str | Path) -> Iterator[tuple[str, torch.Tens
                 yield name, handle.get_tensor(name)
 
 
-def load_checkpoint(model: nn.Module, model_path: str | Path) -> None:
-    """Load every weight of `model` from disk; missing weights raise ValueError listing them."""
-    loaded = load_weights(model, iterate_checkpoint(model_path))
+def load_checkpoint(model: nn.Module, model_path: str | Path, require_buffers: bool = True) -> None:
+    """Load every weight of `model` from disk (a block-FP8 checkpoint dequantized, fp8_blocks.py); missing weights
+    raise ValueError listing them. The loaded buffers (router correction biases) are required too unless
+    `require_buffers` is False: a folder a trainer wrote holds parameters only, and a bias it lacks keeps its value."""
+    named_tensors = iterate_checkpoint(model_path)
+    block = checkpoint_fp8_block_size(model_path)
+    loaded = load_weights(model, named_tensors if block is None else dequantize_fp8_blocks(named_tensors, block))
     if model.config.tie_word_embeddings:
         loaded.discard("lm_head.weight")
-    missing = sorted(set(named_weight_shapes(model)) - loaded)
+    required = set(named_weight_shapes(model)) | (set(loaded_buffers(model)) if require_buffers else set())
+    missing = sorted(required - loaded)
     if missing:
         more = " ..." if len(missing) > 8 else ""
         raise ValueError(f"checkpoint {str(model_path)!r} lacks weight(s) {missing[:8]}{more}")
