@@ -58,7 +58,7 @@ def test_grpo_with_an_engine_of_two_ranks(task, tmp_path, layout):
     check_run(out, num_engines=1)
 
 
-@pytest.mark.slow  # the quickstart (SFT warm start, then 80 GRPO rollouts) with an engine of two ranks: FSDP 12 min on 2 cores
+@pytest.mark.slow  # the quickstart (SFT warm start, then 80 GRPO rollouts) with an engine of two ranks: FSDP 12 min, Megatron TP=2 10 min on 2 cores
 @pytest.mark.parametrize("backend", [(), ("--train-backend", "megatron", "--tensor-model-parallel-size", "2")],
                          ids=["fsdp", "megatron_tp2"])
 def test_quickstart_with_an_engine_of_two_ranks_raises_held_out_accuracy(tmp_path, backend):
