@@ -55,6 +55,9 @@ SGLANG_FLAG_TO_ENGINE_CONFIG = {
     "sglang_kv_cache_dtype": ("kv_cache_dtype", str),
     "sglang_ep_size": ("ep_size", int),
     "sglang_dist_timeout": ("dist_timeout_s", float),
+    "sglang_enable_lora": ("enable_lora", "bool text"),  # SGLang's takes a value: --sglang-enable-lora true
+    "sglang_max_lora_rank": ("max_lora_rank", int),
+    "sglang_max_loras_per_batch": ("max_loras_per_batch", int),
 }
 # SGLang flag values the built-in engine cannot honour -> why (refused when the run uses the built-in engine).
 UNSUPPORTED_BY_ENGINE = {
@@ -159,10 +162,23 @@ def engine_config_from_sglang_flags(args) -> tuple[dict, list[str]]:
         if (dest, value) in UNSUPPORTED_BY_ENGINE and args.rollout_backend == "slime":
             raise ArgumentError(f"--{dest.replace('_', '-')} {value}: {UNSUPPORTED_BY_ENGINE[dest, value]}")
         try:
-            config[field] = (not value) if kind == "negated bool" else kind(value)
-        except ValueError:
-            raise ArgumentError(f"--{dest.replace('_', '-')} {value!r}: expected {kind.__name__}") from None
+            config[field] = ((not value) if kind == "negated bool" else _str2bool(value) if kind == "bool text"
+                             else kind(value))
+        except (ValueError, argparse.ArgumentTypeError):
+            expected = "true or false" if isinstance(kind, str) else kind.__name__
+            raise ArgumentError(f"--{dest.replace('_', '-')} {value!r}: expected {expected}") from None
+    config.update(_lora_engine_config(args, config))
     return config, unused
+
+
+def _lora_engine_config(args, config: dict) -> dict:
+    """A LoRA run (--lora-rank > 0, flags_lora.py) serves its adapter unmerged: the engine gets enable_lora and
+    max_lora_rank = --lora-rank unless --sglang-enable-lora / --sglang-max-lora-rank say otherwise; none with
+    --lora-train-only (the engines stay on the base)."""
+    lora_rank = getattr(args, "lora_rank", 0)  # registered by flags_lora.py; absent in parsers built without it
+    if not lora_rank or getattr(args, "lora_train_only", False):
+        return {}
+    return {"enable_lora": config.get("enable_lora", True), "max_lora_rank": config.get("max_lora_rank", lora_rank)}
 
 
 def sglang_server_flags(args) -> list[str]:

@@ -2,7 +2,8 @@
 
 A block holds `block_size` consecutive tokens of one sequence. A full block is identified by the hash chain of
 all token ids up to its end, so sequences with a common prefix (the n samples of one prompt) share those blocks
-(reference count > 1). Freed blocks keep their hash until they are reused, so a later request can still hit them.
+(reference count > 1); the chain starts from the sequence's cache salt (its LoRA adapter load, None for the base
+model), so requests of different adapters never share blocks. Freed blocks keep their hash until they are reused, so a later request can still hit them.
 Plain Python, no torch: it only hands out block ids; the model runner owns the tensors they index.
 """
 
@@ -23,7 +24,8 @@ class Block:
         self.cacheable = True
 
 
-def block_hash(prefix_hash: int | None, token_ids: tuple[int, ...]) -> int:
+def block_hash(prefix_hash: int | str | None, token_ids: tuple[int, ...]) -> int:
+    """The hash of a block given the previous block's (None, or the sequence's cache salt, for the first)."""
     return hash((prefix_hash, token_ids))
 
 
@@ -54,7 +56,7 @@ class BlockManager:
         """Block ids caching the longest full-block prefix of `seq`'s tokens, leaving at least one token to compute
         (the forward pass must produce logits for the last token)."""
         matched = []
-        prefix_hash = None
+        prefix_hash = seq.cache_salt  # KV computed under one LoRA adapter is never reused under another
         for i in range((len(seq) - 1) // self.block_size):
             tokens = tuple(seq.token_ids[i * self.block_size : (i + 1) * self.block_size])
             prefix_hash = block_hash(prefix_hash, tokens)
@@ -105,7 +107,7 @@ class BlockManager:
         first = num_full_blocks
         while first > 0 and self.blocks[seq.block_table[first - 1]].hash is None:
             first -= 1
-        prefix_hash = self.blocks[seq.block_table[first - 1]].hash if first > 0 else None
+        prefix_hash = self.blocks[seq.block_table[first - 1]].hash if first > 0 else seq.cache_salt
         for i in range(first, num_full_blocks):
             block = self.blocks[seq.block_table[i]]
             tokens = tuple(seq.token_ids[i * self.block_size : (i + 1) * self.block_size])

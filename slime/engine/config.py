@@ -67,6 +67,14 @@ class Config:
         into ep_size contiguous blocks, each sharded by its intermediate dimension over tp_size // ep_size ranks.
     dist_timeout_s: how long a rank waits in a collective before it gives up (a dead or hung rank then takes the
         whole engine down instead of leaving it stuck).
+    enable_lora: serve LoRA adapters unmerged (SGLang's --enable-lora; engine/lora/): adapters are loaded at run
+        time (/load_lora_adapter, /load_lora_adapter_from_tensors) and a request picks one with `lora_path`. The
+        buffers of max_loras_per_batch slots at max_lora_rank are allocated at start-up on q/k/v/o/gate/up/down of
+        every layer. Decode steps replay CUDA graphs (LoRA's dense path, static shapes); prefill and mixed steps run
+        eagerly (their tokens are grouped by adapter with host-side shapes). tp_size 1 only.
+    max_lora_rank: the largest adapter rank the slots hold (SGLang's --max-lora-rank); larger adapters are refused.
+    max_loras_per_batch: adapter slots (SGLang's --max-loras-per-batch): how many adapters can be loaded at once,
+        all of them usable in one step. An unloaded adapter's slot is reused once its running requests finish.
     """
 
     model: str
@@ -89,22 +97,31 @@ class Config:
     tp_size: int = 1
     ep_size: int = 1
     dist_timeout_s: float = 60.0
+    enable_lora: bool = False
+    max_lora_rank: int = 16
+    max_loras_per_batch: int = 8
 
     def __post_init__(self):
         if not isinstance(self.model, str) or not self.model:
             raise ValueError(f"model must be a non-empty checkpoint path, got {self.model!r}")
-        for name in ("max_num_seqs", "max_num_batched_tokens", "kvcache_block_size", "tp_size", "ep_size"):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "kvcache_block_size", "tp_size", "ep_size",
+                     "max_lora_rank", "max_loras_per_batch"):
             _require_positive_int(name, getattr(self, name))
         for name in ("max_model_len", "num_kvcache_blocks", "prefill_cuda_graph_max_tokens"):
             if getattr(self, name) is not None:
                 _require_positive_int(name, getattr(self, name))
         if not isinstance(self.gpu_memory_utilization, (int, float)) or not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
-        for name in ("enforce_eager", "prefill_cuda_graphs", "overlap_prefill", "enable_return_routed_experts"):
+        for name in ("enforce_eager", "prefill_cuda_graphs", "overlap_prefill", "enable_return_routed_experts",
+                     "enable_lora"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if self.overlap_schedule is not None and not isinstance(self.overlap_schedule, bool):
             raise ValueError(f"overlap_schedule must be a bool or None (on for CUDA), got {self.overlap_schedule!r}")
+        if self.enable_lora and self.tp_size > 1:
+            raise ValueError(f"enable_lora (--enable-lora; slime: --sglang-enable-lora / --lora-rank) needs tp_size 1, "
+                             f"got tp_size {self.tp_size} (--tp-size; slime: --rollout-num-gpus-per-engine): the "
+                             "engine does not shard LoRA adapters; serve them with one device per engine")
         if self.tp_size % self.ep_size:
             raise ValueError(f"ep_size {self.ep_size} must divide tp_size {self.tp_size} (--ep-size, --tp-size)")
         if not isinstance(self.dist_timeout_s, (int, float)) or self.dist_timeout_s <= 0:

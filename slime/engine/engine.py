@@ -18,6 +18,7 @@ from pathlib import Path
 from slime.engine.block_manager import BlockManager
 from slime.engine.config import Config
 from slime.engine.engine_weights import EngineWeights
+from slime.engine.lora.engine_lora import EngineLora
 from slime.engine.memory_tags import EngineMemoryReleasedError, EngineWeightsMissingError, memory_tags
 from slime.engine.mla_checks import check_mla_engine_config
 from slime.engine.model_runner import ModelRunner
@@ -34,7 +35,7 @@ from slime.engine.stop_strings import FinalText, decode_final_texts, find_new_st
 logger = logging.getLogger(__name__)
 
 
-class Engine(EngineWeights, OverlappedStepping):
+class Engine(EngineWeights, EngineLora, OverlappedStepping):
     def __init__(self, model_path: str, **config):
         from transformers import AutoTokenizer
 
@@ -69,7 +70,7 @@ class Engine(EngineWeights, OverlappedStepping):
             self.config.max_num_batched_tokens,
             self.max_model_len,
             self.eos_token_ids,
-            on_finish=self._read_routed_experts,
+            on_finish=self._on_finish,
         )
         self.model_runner.warm_up(self.config.max_num_batched_tokens, self.config.max_num_seqs)
         self.rng = random.Random(self.config.seed)
@@ -104,12 +105,13 @@ class Engine(EngineWeights, OverlappedStepping):
 
     def add_request(
         self, prompt_token_ids: list[int], sampling_params=None, rid: str | None = None, incremental: bool = True,
-        return_routed_experts: bool = False,
+        return_routed_experts: bool = False, lora_name: str | None = None,
     ) -> str:
         """Queue a request; returns its rid. `incremental`: `step()` reports it after every token it gets; False:
         only its finished output (a consumer that waits for the end then costs the engine nothing per step).
         With `return_routed_experts` its finished output carries the MoE routing of every position but the last
-        (needs the engine's enable_return_routed_experts)."""
+        (needs the engine's enable_return_routed_experts). `lora_name`: a loaded LoRA adapter to generate with
+        (None: the base model)."""
         self._check_resident("add a request")
         params = as_sampling_params(sampling_params)
         if return_routed_experts and not self.config.enable_return_routed_experts:
@@ -132,7 +134,9 @@ class Engine(EngineWeights, OverlappedStepping):
         seed = params.sampling_seed if params.sampling_seed is not None else self.rng.getrandbits(32)
         seq = Sequence(rid, list(prompt_token_ids), params, seed % 2**32)
         seq.return_routed_experts = return_routed_experts
+        self._attach_lora(seq, lora_name)  # an unknown adapter name is refused here
         if params.max_new_tokens == 0:
+            self._detach_lora(seq)
             seq.status, seq.finish_reason = SequenceStatus.FINISHED, {"type": "length", "length": 0}
             self.pending_outputs.append(self._output(seq))
             return rid
@@ -204,6 +208,10 @@ class Engine(EngineWeights, OverlappedStepping):
             self.requests.pop(seq.rid, None)
             self.watched.pop(seq.rid, None)
         return [self._output(seq) for seq in running] + [self._output(seq) for seq in finished]
+
+    def _on_finish(self, seq: Sequence) -> None:
+        self._read_routed_experts(seq)
+        self._detach_lora(seq)
 
     def _read_routed_experts(self, seq: Sequence) -> None:
         """At finish, while `seq` holds its blocks: the routing of positions [0, len - 1) (the last token never went

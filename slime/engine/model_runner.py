@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from slime.engine.config import Config
-from slime.engine.cuda_graph import DecodeGraphs, ParkedGraphs
+from slime.engine.cuda_graph import DecodeGraphs, ParkedGraphs, bucket_batch_sizes
 from slime.engine.decode_rows import DecodeRows
 from slime.engine.dtypes import resolve_device, resolve_dtype, resolve_kv_cache_dtype
 from slime.engine.host_staging import HostStaging
@@ -93,6 +93,7 @@ class ModelRunner(RunnerMemory):
         self.host_weights.place(self.model)
         load_checkpoint(self.model, config.model)
         self.routed_experts: torch.Tensor | None = None
+        self.lora, self.lora_registry = self._lora_slots()  # before the KV cache is sized from what memory is left
         self.num_kvcache_blocks = self._agreed_min(config.num_kvcache_blocks or num_blocks_from_memory(
             config, model_config, self.device, self.bytes_per_block))
         # One extra cache block past those the block manager hands out: CUDA-graph padding rows write there.
@@ -127,6 +128,14 @@ class ModelRunner(RunnerMemory):
                             fused=attention_works and triton_fused_kernels_work(self.device, self.kv_dtype),
                             cuda_graphs=grouped_mm)
         self.allocate_kv_cache()
+
+    def _lora_slots(self):
+        """(LoraSlots, LoraRegistry) with enable_lora, else (None, None)."""
+        if not self.config.enable_lora:
+            return None, None
+        from slime.engine.lora.slots import build_lora_slots
+
+        return build_lora_slots(self.model, self.config, self.device, bucket_batch_sizes(self.config.max_num_seqs)[-1])
 
     def _agreed_min(self, value: int) -> int:
         """The smallest of every rank's `value` (the KV pool is sized from the rank with the least free memory)."""
@@ -210,7 +219,8 @@ class ModelRunner(RunnerMemory):
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """A step's forward outside the decode graphs: through the piecewise prefill graphs where they apply."""
         # The piecewise graphs split the q/k/v decoder's attention stages; MLA's run eagerly (decode graphs apply).
-        piecewise = self.config.prefill_cuda_graphs and self.model_config.mla is None
+        # LoRA's segmented path has host-side shapes: its prefill steps run eagerly too.
+        piecewise = self.config.prefill_cuda_graphs and self.model_config.mla is None and self.lora is None
         if not (self.use_cuda_graphs and piecewise and meta.uses_triton):
             return self.model(input_ids, positions, meta)
         if self.prefill_graphs is None:
@@ -265,6 +275,8 @@ class ModelRunner(RunnerMemory):
     def _ensure_decode_graphs(self) -> None:
         """The decode graphs, captured now if there are none (on every rank at once: a capture runs the model)."""
         if self.decode_graphs is None:
+            if self.lora is not None:  # captured on LoRA's dense path, every row without an adapter
+                self.lora.set_graph_rows(np.empty(0, dtype=np.int64))
             self.decode_graphs = DecodeGraphs(
                 self.model, self.config.max_num_seqs, self.max_num_blocks_per_seq, self.scratch_slot, self.staging,
                 capture_all=not self.captured_decode_graphs, capture_stats=self.graph_capture_stats,
@@ -294,6 +306,9 @@ class ModelRunner(RunnerMemory):
         token_inputs[3] = positions + 1
         if self.plan is not None:  # a sharded engine runs without overlap: input_tokens is None here
             self.plan.send_step(encode_decode_graph(DecodeGraphInputs(token_inputs, block_tables)))
+        if self.lora is not None:  # each row's adapter slot, into the graphs' static one-hot buffer
+            self.lora.set_graph_rows(np.fromiter((seq.lora_slot for seq in self.decode_rows.seqs), dtype=np.int64,
+                                                 count=num_seqs))
         if input_rows is not None:
             return self.decode_graphs.run(token_inputs, block_tables, input_tokens, self.staging.to_device(input_rows))
         return self.decode_graphs.run(token_inputs, block_tables, input_tokens)
@@ -302,6 +317,9 @@ class ModelRunner(RunnerMemory):
         """(input_ids, positions, AttentionMetadata, logits_indices) on the device (step_inputs.py). In a sharded
         engine the step's host arrays first go to the other ranks, which build the same tensors (`follow_step`)."""
         arrays = flat_arrays(scheduled)
+        if self.lora is not None:  # each token's adapter slot, in flat-batch order
+            seq_slots = np.fromiter((item.seq.lora_slot for item in scheduled), dtype=np.int64, count=len(scheduled))
+            self.lora.set_batch(np.repeat(seq_slots, arrays.query_lens))
         if self.plan is not None:
             self.plan.send_step(encode_forward(arrays, all_logits))
         return flat_batch(arrays, self.block_size, self.staging, self.use_triton)

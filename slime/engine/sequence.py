@@ -53,6 +53,10 @@ class Sequence:
         # max_model_len ends the sequence, and the token ids that may stop it (stop_token_ids, EOS unless ignored).
         self.max_num_tokens = 0
         self.stop_token_ids: frozenset[int] = frozenset()
+        # LoRA (engine/lora/): the slot of the request's adapter (-1: the base model) and the prefix cache's salt
+        # (blocks are shared only between requests of the same adapter load; None: the base model's).
+        self.lora_slot = -1
+        self.cache_salt: str | None = None
 
     def __len__(self) -> int:
         return len(self.token_ids)

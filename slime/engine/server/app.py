@@ -69,6 +69,7 @@ def create_app(engine, model_path: str, served_model_name: str | None = None, se
     """The FastAPI app serving `engine` behind `policy` (keys, admin routes, body limit; default: open on loopback,
     admin routes for loopback peers only); its driver thread starts and stops with the app. /update_weights_from_disk
     loads only from `weight_dirs` (default: the checkpoint's parent folder)."""
+    from slime.engine.server.lora_routes import register_lora_routes
     from slime.engine.server.openai_api import register_openai_routes
 
     weight_dirs = weight_dirs or [Path(model_path).resolve().parent]
@@ -97,6 +98,7 @@ def create_app(engine, model_path: str, served_model_name: str | None = None, se
     _register_control_routes(app, state)
     _register_weight_routes(app, state)
     _register_info_routes(app, state)
+    register_lora_routes(app, state)
     register_openai_routes(app, state)
     app.add_middleware(GuardMiddleware, policy=policy or AccessPolicy())
     return app
@@ -123,7 +125,8 @@ def _register_generate_routes(app: FastAPI, state: ServerState) -> None:
         if parsed.stream:
             item = parsed.items[0]
             outputs = state.engine_loop.generate(item.prompt_token_ids, item.sampling_params, item.rid,
-                                                 return_routed_experts=return_routed_experts)
+                                                 return_routed_experts=return_routed_experts,
+                                                 lora_name=item.lora_path)
             first = await outputs.__anext__()  # a rejected request (e.g. duplicate rid) is a 400, not a broken stream
 
             async def events():
@@ -138,7 +141,7 @@ def _register_generate_routes(app: FastAPI, state: ServerState) -> None:
             final = None
             outputs = state.engine_loop.generate(
                 item.prompt_token_ids, item.sampling_params, item.rid, incremental=False,
-                return_routed_experts=return_routed_experts,
+                return_routed_experts=return_routed_experts, lora_name=item.lora_path,
             )
             async for output in outputs:
                 final = output

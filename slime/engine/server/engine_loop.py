@@ -41,6 +41,7 @@ class _Stream:
     prompt_token_ids: list[int]
     incremental: bool = True  # False: the consumer only wants the finished output
     return_routed_experts: bool = False
+    lora_name: str | None = None  # the LoRA adapter it generates with (None: the base model)
     latest: object | None = None
     finished: bool = False
 
@@ -92,7 +93,7 @@ class EngineLoop:
     # ---- requests --------------------------------------------------------------------------------------------
     async def generate(
         self, prompt_token_ids: list[int], sampling_params, rid: str | None = None, incremental: bool = True,
-        return_routed_experts: bool = False,
+        return_routed_experts: bool = False, lora_name: str | None = None,
     ) -> AsyncIterator:
         """Add a request and yield its RequestOutputs (cumulative) until the finished one; with incremental=False
         only the finished one (a non-streaming consumer then costs one hand-over, not one per token).
@@ -101,7 +102,7 @@ class EngineLoop:
         """
         rid = rid or uuid.uuid4().hex
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue(), list(prompt_token_ids), incremental,
-                         return_routed_experts=return_routed_experts)
+                         return_routed_experts=return_routed_experts, lora_name=lora_name)
         try:
             await self.call(self._add, rid, stream, sampling_params)
         except ValueError as error:  # the engine rejected the request (e.g. a rid already in flight)
@@ -123,7 +124,8 @@ class EngineLoop:
             raise ValueError(f"rid {rid!r} is already in flight; rids must be unique")
         try:
             self.engine.add_request(stream.prompt_token_ids, sampling_params, rid=rid,
-                                    return_routed_experts=stream.return_routed_experts, incremental=stream.incremental)
+                                    return_routed_experts=stream.return_routed_experts, incremental=stream.incremental,
+                                    lora_name=stream.lora_name)
         except EngineMemoryReleasedError:
             # Released memory refuses new requests; they wait here and enter the engine after the resume.
             self._deferred[rid] = sampling_params
@@ -135,13 +137,15 @@ class EngineLoop:
                 stream = self._streams[rid]
                 self.engine.add_request(stream.prompt_token_ids, sampling_params, rid=rid,
                                         return_routed_experts=stream.return_routed_experts,
-                                        incremental=stream.incremental)
+                                        incremental=stream.incremental, lora_name=stream.lora_name)
             except EngineMemoryReleasedError:
                 return
-            except EngineWeightsMissingError as error:  # resumed without every weight pushed: waiting cannot help
+            except (EngineWeightsMissingError, ValueError) as error:
+                # resumed without every weight pushed, or its LoRA adapter was unloaded meanwhile: waiting cannot help
                 stream = self._streams.pop(rid)
                 stream.finished = True
-                stream.loop.call_soon_threadsafe(stream.outputs.put_nowait, error)
+                failure = error if isinstance(error, EngineWeightsMissingError) else RequestError(str(error))
+                stream.loop.call_soon_threadsafe(stream.outputs.put_nowait, failure)
             del self._deferred[rid]
 
     def abort(self, rid: str) -> concurrent.futures.Future:

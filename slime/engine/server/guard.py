@@ -32,6 +32,9 @@ ADMIN_ROUTES = frozenset(
         "/pause_generation",
         "/continue_generation",
         "/flush_cache",
+        "/load_lora_adapter",
+        "/unload_lora_adapter",
+        "/load_lora_adapter_from_tensors",
     }
 )
 OPEN_ROUTES = frozenset({"/health"})  # load balancers and sglang-router probe it without credentials

@@ -18,6 +18,7 @@ from fastapi.responses import PlainTextResponse, StreamingResponse
 
 from slime.engine.sampling_params import SamplingParams
 from slime.engine.server.io import json_response, read_json, sse_line, unless_disconnected
+from slime.engine.server.lora_routes import adapter_for_model
 from slime.engine.server.protocol import RequestError
 
 # OpenAI / SGLang request fields -> SamplingParams fields (the extras are SGLang's, sent via `extra_body`).
@@ -56,6 +57,7 @@ def register_openai_routes(app: FastAPI, state) -> None:
 
     @app.get("/v1/models")
     async def list_models():
+        adapters = await state.engine_loop.call(state.engine.loaded_lora_adapters)
         return {
             "object": "list",
             "data": [
@@ -66,7 +68,11 @@ def register_openai_routes(app: FastAPI, state) -> None:
                     "owned_by": "slime",
                     "root": state.model_path,
                     "max_model_len": state.max_model_len,
-                }
+                },
+                # loaded LoRA adapters: `model` = an adapter's name generates with it (SGLang's convention)
+                *({"id": name, "object": "model", "created": int(time.time()), "owned_by": "slime",
+                   "root": source, "parent": state.served_model_name}
+                  for name, source in adapters.items()),
             ],
         }
 
@@ -193,12 +199,13 @@ async def _respond(request, state, body, prompts, max_tokens, want_logprobs, kin
     request_id = ("chatcmpl-" if kind == "chat.completion" else "cmpl-") + uuid.uuid4().hex
     created = int(time.time())
     model = body.get("model") or state.served_model_name
+    lora_name = adapter_for_model(state, model)
     loop = state.engine_loop
 
     if not body.get("stream", False):
         async def run(prompt, params):
             final = None
-            async for output in loop.generate(prompt, params, incremental=False):
+            async for output in loop.generate(prompt, params, incremental=False, lora_name=lora_name):
                 final = output
             return final
 
@@ -232,7 +239,7 @@ async def _respond(request, state, body, prompts, max_tokens, want_logprobs, kin
 
         async def pump(index, prompt, params):
             try:
-                async for output in loop.generate(prompt, params):
+                async for output in loop.generate(prompt, params, lora_name=lora_name):
                     await queue.put((index, output))
             except Exception as error:  # noqa: BLE001
                 await queue.put((index, error))

@@ -29,6 +29,7 @@ GENERATE_FIELDS = frozenset(
         "top_logprobs_num",
         "return_routed_experts",
         "routed_experts_start_len",
+        "lora_path",
         # Added by sglang-router when it re-serializes a request; no effect on generation.
         "model",
         "log_metrics",
@@ -48,6 +49,7 @@ class GenerateItem:
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
     rid: str | None
+    lora_path: str | None = None  # SGLang's: the name of a loaded LoRA adapter (None: the base model)
 
 
 @dataclass
@@ -121,14 +123,15 @@ def parse_generate_request(
                            f"{too_long[0]} tokens: it must be in [0, prompt length]")
     raw_params, num_samples = _pop_parallel_sample_num(body.get("sampling_params"))
     sampling_params = _parse_sampling_params(raw_params, num_prompts, is_batch)
+    lora_paths = _parse_lora_paths(body.get("lora_path"), num_prompts, is_batch)
     if num_samples > 1:
-        items = _parallel_samples(body, prompts, sampling_params, num_samples, stream)
+        items = _parallel_samples(body, prompts, sampling_params, num_samples, stream, lora_paths)
         is_batch = True  # SGLang answers a list, even for one prompt
     else:
         rids = _parse_rids(body.get("rid"), num_prompts, is_batch)
         if stream and is_batch:
             raise RequestError("'stream' is supported for a single prompt only; send one request per prompt")
-        items = [GenerateItem(list(p), s, r) for p, s, r in zip(prompts, sampling_params, rids)]
+        items = [GenerateItem(list(p), s, r, lora) for p, s, r, lora in zip(prompts, sampling_params, rids, lora_paths)]
     return GenerateRequest(items, is_batch, return_logprob, return_text_in_logprobs, stream, return_routed_experts,
                            routed_experts_start_len)
 
@@ -148,7 +151,8 @@ def _pop_parallel_sample_num(raw):
     return (stripped if isinstance(raw, list) else stripped[0]), num_samples
 
 
-def _parallel_samples(body, prompts, sampling_params, num_samples: int, stream: bool) -> list[GenerateItem]:
+def _parallel_samples(body, prompts, sampling_params, num_samples: int, stream: bool,
+                      lora_paths: list[str | None]) -> list[GenerateItem]:
     """n samples of each prompt as n engine requests, prompt-major (SGLang's order). The copies share the prompt's
     KV blocks through the prefix cache. With a sampling_seed s, sample j draws with seed s + j, so the n samples
     differ but stay reproducible."""
@@ -158,10 +162,10 @@ def _parallel_samples(body, prompts, sampling_params, num_samples: int, stream: 
         raise RequestError("'rid' is not supported with sampling_params.n > 1: each sample gets its own id "
                            "(meta_info.id); leave rid unset")
     items = []
-    for prompt, params in zip(prompts, sampling_params):
+    for prompt, params, lora_path in zip(prompts, sampling_params, lora_paths):
         for j in range(num_samples):
             seed = None if params.sampling_seed is None else params.sampling_seed + j
-            items.append(GenerateItem(list(prompt), dataclasses.replace(params, sampling_seed=seed), None))
+            items.append(GenerateItem(list(prompt), dataclasses.replace(params, sampling_seed=seed), None, lora_path))
     return items
 
 
@@ -198,6 +202,19 @@ def _parse_sampling_params(raw, num_prompts: int, is_batch: bool) -> list[Sampli
         except (TypeError, ValueError) as error:
             raise RequestError(str(error)) from error
     return params
+
+
+def _parse_lora_paths(raw, num_prompts: int, is_batch: bool) -> list[str | None]:
+    """SGLang's `lora_path`: one adapter name for every prompt, or a list with one name (or null) per prompt."""
+    if raw is None or isinstance(raw, str):
+        if raw == "":
+            raise RequestError("'lora_path' must be a loaded adapter's name or null, got ''")
+        return [raw] * num_prompts
+    if not is_batch or not isinstance(raw, list) or len(raw) != num_prompts or not all(
+            item is None or (isinstance(item, str) and item) for item in raw):
+        expected = f"a string or a list of {num_prompts} strings / nulls" if is_batch else "a string"
+        raise RequestError(f"'lora_path' must be {expected} (adapter names), got {raw!r}")
+    return list(raw)
 
 
 def _parse_rids(raw, num_prompts: int, is_batch: bool) -> list[str | None]:

@@ -39,7 +39,8 @@ class FakeEngine:
     def _record(self):
         self.calling_threads.add(threading.current_thread().name)
 
-    def add_request(self, prompt, params, rid, incremental=True, return_routed_experts=False):  # reports every step
+    def add_request(self, prompt, params, rid, incremental=True, return_routed_experts=False,
+                    lora_name=None):  # reports every step
         self._record()
         if rid in self.requests:
             raise ValueError(f"rid {rid!r} is already in use")
