@@ -138,10 +138,11 @@ def _check_paths(args) -> None:
     for flag in ("ref_load", "opd_teacher_load", "critic_load"):
         path = getattr(args, flag)
         step_flag = CKPT_STEP_FLAGS.get(flag)
-        if step_flag and getattr(args, step_flag) is not None:  # slime's: a step of a --save folder's checkpoints
+        step = getattr(args, step_flag) if step_flag else None
+        if step is not None or (path is not None and is_megatron_checkpoint(path)):  # slime's: a step of a --save
             require(path is not None, f"{cli_flag(step_flag)} picks a checkpoint step of {cli_flag(flag)}; pass it")
             try:
-                path = weights_at_step(path, getattr(args, step_flag), cli_flag(step_flag))
+                path = weights_at_step(path, step, cli_flag(step_flag if step is not None else flag))
             except CheckpointError as exc:
                 raise ArgumentError(str(exc)) from None
         if path is not None and not is_megatron_checkpoint(path):  # a Megatron one: --hf-checkpoint's architecture
