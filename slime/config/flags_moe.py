@@ -86,6 +86,7 @@ def _layer_pattern(value: str, num_layers: int) -> list[int]:
 
 def check_moe_args(args, require) -> None:
     """The MoE rules; `require(condition, message)` raises the parser's ArgumentError."""
+    from slime.config.validate_families import check_router_flags, is_sigmoid_router
     from slime.utils.moe_config import moe_layer_indices
 
     replay = args.use_routing_replay or args.use_rollout_routing_replay
@@ -104,11 +105,14 @@ def check_moe_args(args, require) -> None:
                 "--" + (moe_flags[0] if moe_flags else "moe_aux_loss_coeff").replace("_", "-"))
         require(False, f"{used}: {args.hf_checkpoint} is not a mixture-of-experts model "
                        f"(model_type {config.get('model_type')!r})")
+    sigmoid = is_sigmoid_router(config)
     expected = {
-        "num_experts": config.get("num_experts", config.get("num_local_experts")),
+        "num_experts": config.get("num_experts", config.get("num_local_experts", config.get("n_routed_experts"))),
         "moe_router_topk": config.get("num_experts_per_tok"),
         "moe_ffn_hidden_size": config.get("moe_intermediate_size"),
-        "moe_shared_expert_intermediate_size": config.get("shared_expert_intermediate_size") or None,
+        # GLM-4.5 / DeepSeek-V3: n_shared_experts experts of moe_intermediate_size each, as one MLP
+        "moe_shared_expert_intermediate_size": (config.get("moe_intermediate_size", 0) * config.get("n_shared_experts", 0)
+                                                if sigmoid else config.get("shared_expert_intermediate_size")) or None,
     }
     for flag, actual in expected.items():
         value = getattr(args, flag)
@@ -120,6 +124,8 @@ def check_moe_args(args, require) -> None:
         actual = [int(index in layers) for index in range(config["num_hidden_layers"])]
         require(pattern == actual, f"--moe-layer-freq {args.moe_layer_freq} gives MoE layers {pattern}, the "
                                    f"checkpoint has {actual}")
-    require(args.moe_router_score_function in (None, "softmax"),
+    score_function = "sigmoid" if sigmoid else "softmax"
+    require(args.moe_router_score_function in (None, score_function),
             f"--moe-router-score-function {args.moe_router_score_function}: {config.get('model_type')} routes by "
-            "softmax")
+            f"{score_function}")
+    check_router_flags(args, config, require)

@@ -1,5 +1,5 @@
-"""Mixture-of-experts facts of a Hugging Face config.json (Qwen3-MoE, Qwen2-MoE): which decoder layers are sparse
-and how many experts each token is routed to, i.e. the shape of one token's routing record
+"""Mixture-of-experts facts of a Hugging Face config.json (Qwen3-MoE, Qwen2-MoE, GLM-4.5, DeepSeek-V3): which
+decoder layers are sparse and how many experts each token is routed to, i.e. the shape of one token's routing record
 [num_moe_layers, top_k]. Shared by the engine, the rollout (decoding routed experts) and the trainer (routing
 replay). Plain JSON, no transformers import; not the engine's model config (`slime.engine.models.model_config`).
 """
@@ -12,8 +12,11 @@ from pathlib import Path
 
 
 def moe_layer_indices(config: dict) -> tuple[int, ...]:
-    """Indices of the layers whose feed-forward is sparse (transformers' rule: not in mlp_only_layers and
-    (index + 1) % decoder_sparse_step == 0); () for a dense config."""
+    """Indices of the layers whose feed-forward is sparse (transformers' rules: Qwen-MoE's not in mlp_only_layers and
+    (index + 1) % decoder_sparse_step == 0; GLM-4.5's and DeepSeek-V3's from first_k_dense_replace on); () for a
+    dense config."""
+    if config.get("n_routed_experts"):
+        return tuple(range(config.get("first_k_dense_replace", 0), config["num_hidden_layers"]))
     if not (config.get("num_experts") or config.get("num_local_experts")):
         return ()
     sparse_step = config.get("decoder_sparse_step", 1)
