@@ -139,8 +139,9 @@ def _check_paths(args) -> None:
         path = getattr(args, flag)
         step_flag = CKPT_STEP_FLAGS.get(flag)
         step = getattr(args, step_flag) if step_flag else None
-        if step is not None or (path is not None and is_megatron_checkpoint(path)):  # slime's: a step of a --save
+        if step is not None:  # slime's: a step of a --save folder's checkpoints
             require(path is not None, f"{cli_flag(step_flag)} picks a checkpoint step of {cli_flag(flag)}; pass it")
+        if step is not None or (path is not None and is_megatron_checkpoint(path)):
             try:
                 path = weights_at_step(path, step, cli_flag(step_flag if step is not None else flag))
             except CheckpointError as exc:

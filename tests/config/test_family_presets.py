@@ -138,3 +138,21 @@ def test_slimes_family_recipes_parse_unchanged(tmp_path, recipe):
     # the large-MoE recipes' DeepEP dispatcher is refused when the run starts, not when it parses
     with pytest.raises(ArgumentError, match="--moe-token-dispatcher-type flex"):
         require_train_backend(args)
+
+
+@pytest.mark.parametrize("family", ["glm4.5", "glm4.7-flash", "deepseek-v3", "kimi-k2", "moonlight"])
+def test_scaled_preset_flags_describe_the_tiny_family_checkpoints(tmp_path, data, family):
+    """The tiny recipes' model flags (tests/e2e/test_family_recipes.py) against the config.json transformers writes."""
+    from slime.utils.tiny_model import build_tiny_model
+    from tests.helpers.family_checkpoints import build_family_checkpoint, scaled_preset_flags
+
+    tokenizer = build_tiny_model(tmp_path / "tokenizer", vocab_size=300)
+    hf = build_family_checkpoint(tmp_path / family, family, tokenizer)
+    flags = scaled_preset_flags(family)
+    args = parse_args(["--hf-checkpoint", str(hf), "--prompt-data", str(data), "--rm-type", "math",
+                       "--rollout-batch-size", "2", "--num-rollout", "1", "--train-backend", "megatron", *flags])
+    assert args.num_experts == 8 and args.moe_router_score_function == "sigmoid"
+    wrong = [f if f != flags[flags.index("--moe-router-topk-scaling-factor") + 1] else "1.0" for f in flags]
+    with pytest.raises(ArgumentError, match="--moe-router-topk-scaling-factor 1.0 does not match routed_scaling"):
+        parse_args(["--hf-checkpoint", str(hf), "--prompt-data", str(data), "--rm-type", "math",
+                    "--rollout-batch-size", "2", "--num-rollout", "1", "--train-backend", "megatron", *wrong])
