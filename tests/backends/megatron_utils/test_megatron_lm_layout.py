@@ -112,6 +112,8 @@ def _reads_megatron_lm_checkpoints(rank, world_size, port, hf, release_root, sav
     ref_step0 = trainer("--use-kl-loss", "--ref-load", save, "--ref-ckpt-step", "0", with_ref=True, port_offset=2)
     ref_step0.snapshot.restore("ref")
     ref_at_step0 = dict(ref_step0.backend.hf_weights(None))
+    ref_step0.snapshot.restore("actor")
+    policy_from_ref = dict(ref_step0.backend.hf_weights(None))  # no --load: the policy starts from --ref-load
     resumed = trainer("--load", save, port_offset=3)
     resumed_step0 = trainer("--load", save, "--ckpt-step", "0", port_offset=4)
     # slime's own save: the same folder without this project's run state beside the torch_dist files
@@ -122,6 +124,7 @@ def _reads_megatron_lm_checkpoints(rank, world_size, port, hf, release_root, sav
             shutil.rmtree(folder / extra) if (folder / extra).is_dir() else (folder / extra).unlink(missing_ok=True)
     from_slime = trainer("--load", foreign, port_offset=5)
     result = {"original": original, "ref": ref, "start": start, "steps": steps, "ref_at_step0": ref_at_step0,
+              "policy_from_ref": policy_from_ref,
               "resumed": (resumed.start_rollout_id, dict(resumed.backend.hf_weights(None))),
               "resumed_step0": (resumed_step0.start_rollout_id, dict(resumed_step0.backend.hf_weights(None))),
               "from_slime": (from_slime.start_rollout_id, dict(from_slime.backend.hf_weights(None)))}
@@ -141,6 +144,7 @@ def test_ref_load_and_load_read_megatron_lm_checkpoints(models, tmp_path):
     assert (save / "latest_checkpointed_iteration.txt").read_text() == "1"
     assert {p.name for p in save.iterdir()} == {"latest_checkpointed_iteration.txt", "iter_0000000", "iter_0000001"}
     assert _equal(result["ref_at_step0"], result["steps"][0])
+    assert _equal(result["policy_from_ref"], result["steps"][0])
     assert result["resumed"][0] == 2 and _equal(result["resumed"][1], result["steps"][1])
     assert result["resumed_step0"][0] == 1 and _equal(result["resumed_step0"][1], result["steps"][0])
     assert result["from_slime"][0] == 2 and _equal(result["from_slime"][1], result["steps"][1])
