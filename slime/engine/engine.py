@@ -10,19 +10,19 @@ from __future__ import annotations
 
 import functools
 import json
+import logging
 import random
 import uuid
 from pathlib import Path
 
-import torch
-
 from slime.engine.block_manager import BlockManager
 from slime.engine.config import Config
+from slime.engine.engine_weights import EngineWeights
 from slime.engine.memory_tags import EngineMemoryReleasedError, EngineWeightsMissingError, memory_tags
 from slime.engine.model_runner import ModelRunner
 from slime.engine.models import load_model_config
-from slime.engine.models.weight_loader import load_checkpoint, load_weights, named_weight_shapes
 from slime.engine.overlap import OverlappedStepping
+from slime.engine.parallel.rank_weights import RankWeights
 from slime.engine.request_output import RequestOutput
 from slime.engine.sampling_params import as_sampling_params
 from slime.engine.scheduled_batch import sampled_seqs
@@ -30,8 +30,10 @@ from slime.engine.scheduler import Scheduler
 from slime.engine.sequence import FINISHED, Sequence, SequenceStatus
 from slime.engine.stop_strings import FinalText, decode_final_texts, find_new_stop
 
+logger = logging.getLogger(__name__)
 
-class Engine(OverlappedStepping):
+
+class Engine(EngineWeights, OverlappedStepping):
     def __init__(self, model_path: str, **config):
         from transformers import AutoTokenizer
 
@@ -39,7 +41,15 @@ class Engine(OverlappedStepping):
         self.model_config = load_model_config(self.config.model)
         self.tokenizer = AutoTokenizer.from_pretrained(self.config.model)
         self.eos_token_ids = self._eos_token_ids()
-        self.model_runner = ModelRunner(self.config, self.model_config, self.eos_token_ids)
+        self.ranks = None  # a sharded engine's other ranks (parallel/ranks.py)
+        if self.config.tp_size > 1:
+            self._start_ranks()
+        else:
+            self.model_runner = ModelRunner(self.config, self.model_config, self.eos_token_ids)
+        self.rank_weights = RankWeights(self.model_runner, 0)
+        # every rank's weight version and checksum (of the last push)
+        self.rank_reports = [self.rank_weights.report(), *(self.ranks.call("weights.report") if self.ranks else [])]
+        self.rank_mismatch: str | None = None  # why the ranks' weights differ after a failed push (generation refused)
         if self.config.overlap_schedule is None:
             self.config.overlap_schedule = self.model_runner.device.type == "cuda"
         max_model_len = self.config.max_model_len or self.model_config.max_position_embeddings
@@ -252,46 +262,6 @@ class Engine(OverlappedStepping):
         decode_final_texts(list(results.values()))
         return [results[rid].to_dict() for rid in rids]
 
-    # ---- weights ------------------------------------------------------------------------------------------------
-
-    def named_weight_shapes(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-        return named_weight_shapes(self.model_runner.model)
-
-    def load_weights(self, named_tensors) -> None:
-        """Copy HF-named tensors into the model (any subset), after checking every name and shape; flushes the
-        prefix cache. Does not change weight_version (see `update_weights_from_tensors`)."""
-        self._check_resident("load weights", tags=("weights",), needs_valid_weights=False)
-        self._drain()  # the step in flight finishes on the weights it started with
-        named_tensors = list(named_tensors)
-        shapes = self.named_weight_shapes()
-        for name, tensor in named_tensors:
-            lookup = "model.embed_tokens.weight" if name == "lm_head.weight" and name not in shapes else name
-            if lookup not in shapes:
-                raise ValueError(f"unknown weight {name!r} for this {self.model_config.model_type} model")
-            expected = tuple(shapes[lookup][0])
-            if tuple(tensor.shape) != expected:
-                raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)}, expected {expected}")
-        self.model_runner.host_weights.loaded(load_weights(self.model_runner.model, named_tensors))
-        self.flush_cache()
-
-    def update_weights_from_tensors(self, named_tensors, weight_version: str | None = None) -> None:
-        self.load_weights(named_tensors)
-        self._bump_weight_version(weight_version)
-
-    def update_weights_from_disk(self, model_path: str, weight_version: str | None = None) -> None:
-        self._check_resident("load weights", tags=("weights",), needs_valid_weights=False)
-        if not load_model_config(model_path).same_architecture(self.model_config):
-            raise ValueError(f"model_path {str(model_path)!r} has a different architecture than the engine's model")
-        self._drain()
-        load_checkpoint(self.model_runner.model, model_path)  # every weight, or a ValueError
-        self.model_runner.host_weights.loaded(set(self.weights_missing))
-        self.flush_cache()
-        self._bump_weight_version(weight_version)
-
-    def _bump_weight_version(self, weight_version: str | None) -> None:
-        self.num_weight_updates += 1
-        self.weight_version = str(weight_version) if weight_version is not None else str(self.num_weight_updates)
-
     def flush_cache(self) -> bool:
         """Forget all cached prefixes; KV written before this call is never reused. Always succeeds."""
         self._drain()
@@ -341,6 +311,9 @@ class Engine(OverlappedStepping):
         released = sorted(self.released_tags & set(tags))
         if released:
             raise EngineMemoryReleasedError(f"cannot {action}: memory {released} is released; call resume_memory first")
+        if needs_valid_weights and self.rank_mismatch:
+            raise EngineWeightsMissingError(f"cannot {action}: the engine's ranks hold different weights after a failed "
+                                            f"push ({self.rank_mismatch}); push every weight again first")
         if needs_valid_weights and self.weights_missing:
             missing = sorted(self.weights_missing)
             raise EngineWeightsMissingError(

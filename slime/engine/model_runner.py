@@ -24,14 +24,17 @@ from slime.engine.kernel_checks import grouped_mm_works, triton_attention_works,
 from slime.engine.kv_cache import KVCacheStorage, bytes_per_block, num_blocks_from_memory
 from slime.engine.layers.attention import AttentionMetadata
 from slime.engine.models import DecoderForCausalLM, ModelConfig
-from slime.engine.models.weight_loader import load_checkpoint
+from slime.engine.models.weight_loader import load_checkpoint, load_weights
+from slime.engine.parallel.every_rank import every_rank
+from slime.engine.parallel.state import SINGLE, ParallelState
+from slime.engine.parallel.step_plan import DecodeGraphInputs, encode_decode_graph, encode_forward
 from slime.engine.prefill_graphs import PrefillGraphs
 from slime.engine.sampler import sample_results
 from slime.engine.sampling_inputs import DecodeSampling, prepare_sampling
 from slime.engine.sampling_params import SamplingParams
 from slime.engine.scheduled_batch import DecodeBatch, ScheduledSequence, is_decode_batch, sampled_seqs
 from slime.engine.sequence import Sequence
-from slime.engine.step_inputs import flat_batch
+from slime.engine.step_inputs import flat_arrays, flat_batch
 
 
 @dataclass
@@ -49,8 +52,12 @@ class LaunchedStep:
 
 
 class ModelRunner:
-    def __init__(self, config: Config, model_config: ModelConfig, eos_token_ids: set[int]):
+    def __init__(self, config: Config, model_config: ModelConfig, eos_token_ids: set[int],
+                 parallel: ParallelState = SINGLE):
         self.config = config
+        self.parallel = parallel
+        # A sharded engine's rank 0: the EngineRanks that every step's plan and every @every_rank call go to first.
+        self.plan = None
         self.eos_token_ids = set(eos_token_ids)
         self.model_config = model_config
         self.device = resolve_device(config.device)
@@ -74,8 +81,8 @@ class ModelRunner:
         self.host_weights.place(self.model)
         load_checkpoint(self.model, config.model)
         self.routed_experts: torch.Tensor | None = None
-        self.num_kvcache_blocks = config.num_kvcache_blocks or num_blocks_from_memory(
-            config, model_config, self.device, self.bytes_per_block)
+        self.num_kvcache_blocks = self._agreed_min(config.num_kvcache_blocks or num_blocks_from_memory(
+            config, model_config, self.device, self.bytes_per_block))
         # One extra cache block past those the block manager hands out: CUDA-graph padding rows write there.
         self.scratch_slot = self.num_kvcache_blocks * self.block_size
         max_model_len = config.max_model_len or model_config.max_position_embeddings
@@ -104,6 +111,15 @@ class ModelRunner:
                             cuda_graphs=grouped_mm)
         self.allocate_kv_cache()
 
+    def _agreed_min(self, value: int) -> int:
+        """The smallest of every rank's `value` (the KV pool is sized from the rank with the least free memory)."""
+        if self.parallel.tp_size == 1:
+            return value
+        tensor = torch.tensor([value], dtype=torch.int64, device=self.device)
+        torch.distributed.all_reduce(tensor, op=torch.distributed.ReduceOp.MIN, group=self.parallel.group)
+        return int(tensor.item())
+
+    @every_rank
     def set_use_triton(self, enabled: bool, fused: bool | None = None, cuda_graphs: bool = True) -> None:
         """Triton attention (and, unless enforce_eager or `cuda_graphs` is False, decode CUDA graphs) on or off,
         and the fused elementwise kernels (default: same as `enabled`); off = the pure-torch path. The runner turns
@@ -127,6 +143,7 @@ class ModelRunner:
     def has_kv_cache(self) -> bool:
         return self.model.attention_layers()[0].k_cache.numel() > 0
 
+    @every_rank
     def allocate_kv_cache(self) -> None:
         c = self.model_config
         layers, blocks = self.model.attention_layers(), self.model.moe_blocks()
@@ -148,6 +165,7 @@ class ModelRunner:
         for index, block in enumerate(blocks if self.routed_experts is not None else []):
             block.routed_experts_cache = self.routed_experts[:, index]
 
+    @every_rank
     def free_kv_cache(self) -> None:
         self.decode_graphs = self.prefill_graphs = None  # they hold the cache's addresses (parked first if kept)
         self.decode_rows.clear()
@@ -161,6 +179,7 @@ class ModelRunner:
         self.kv_storage.free()
         self._empty_device_cache()
 
+    @every_rank
     def park_graphs(self, keep: bool) -> None:
         """Before a release: the decode and prefill graphs set aside with the addresses they bake in (`keep`: the
         release keeps their own memory), else dropped; dropped too where the weights or the KV cache would not come
@@ -175,12 +194,14 @@ class ModelRunner:
                 parked.clear()
         self.decode_graphs = self.prefill_graphs = None
 
+    @every_rank
     def unpark_graphs(self) -> None:
         """After a resume of the weights and KV cache: the parked graphs back if those came back where they were."""
         addresses = self._baked_addresses()
         self.decode_graphs = self.parked_graphs.take(addresses) or self.decode_graphs
         self.prefill_graphs = self.parked_prefill_graphs.take(addresses) or self.prefill_graphs
 
+    @every_rank
     def clear_parked_graphs(self) -> None:
         self.parked_graphs.clear()
         self.parked_prefill_graphs.clear()
@@ -196,6 +217,7 @@ class ModelRunner:
         slots += positions % self.block_size
         return self.routed_experts[self.staging.to_device(slots)].cpu().numpy()
 
+    @every_rank
     def release_weights(self, discard_names: set[str] | None = None) -> None:
         """Free the parameters' device storage, copied to the host first unless discarded: `discard_names` are the
         checkpoint names that must all be loaded again before the weights are valid (host_weights.py)."""
@@ -205,8 +227,19 @@ class ModelRunner:
         self.host_weights.release(self.model, discard_names)
         self._empty_device_cache()
 
+    @every_rank
     def resume_weights(self) -> None:
         self.host_weights.resume(self.model)
+
+    def load_named_tensors(self, named_tensors) -> None:
+        """Copy full HF-named tensors into the model (each parameter keeps its rank's shard). Not @every_rank: each
+        rank loads its own copy of the tensors, and records its version (parallel/rank_weights.py)."""
+        self.host_weights.loaded(load_weights(self.model, named_tensors))
+
+    def load_checkpoint_dir(self, model_path: str) -> None:
+        """Every weight from a checkpoint folder (each rank reads it and keeps its shard), or a ValueError."""
+        load_checkpoint(self.model, model_path)
+        self.host_weights.loaded(set(self.host_weights.missing))
 
     def _empty_device_cache(self) -> None:
         if self.device.type == "cuda":
@@ -298,7 +331,7 @@ class ModelRunner:
     @torch.inference_mode()
     def forward_logits(self, scheduled: list[ScheduledSequence]) -> torch.Tensor:
         """Logits [num_new_tokens_total, vocab] of every computed token (for tests and log-prob scoring)."""
-        input_ids, positions, meta, _ = self.prepare_inputs(scheduled)
+        input_ids, positions, meta, _ = self.prepare_inputs(scheduled, all_logits=True)
         return self.model.compute_logits(self.model(input_ids, positions, meta))
 
     def _decode_graph_positions(self, scheduled: list[ScheduledSequence] | DecodeBatch) -> np.ndarray | None:
@@ -309,12 +342,7 @@ class ModelRunner:
         if not is_decode_batch(scheduled):
             return None
         if self.decode_graphs is None:
-            self.decode_graphs = DecodeGraphs(
-                self.model, self.config.max_num_seqs, self.max_num_blocks_per_seq, self.scratch_slot, self.staging,
-                capture_all=not self.captured_decode_graphs, capture_stats=self.graph_capture_stats,
-                warmed_batch_sizes=self.warmed_decode_batch_sizes,
-            )
-            self.captured_decode_graphs = True
+            self._ensure_decode_graphs()
         if len(scheduled) > self.decode_graphs.max_batch_size:
             return None
         if isinstance(scheduled, DecodeBatch):
@@ -325,6 +353,17 @@ class ModelRunner:
         if self.decode_rows.block_tables.shape[1] > self.max_num_blocks_per_seq:
             return None
         return positions
+
+    @every_rank
+    def _ensure_decode_graphs(self) -> None:
+        """The decode graphs, captured now if there are none (on every rank at once: a capture runs the model)."""
+        if self.decode_graphs is None:
+            self.decode_graphs = DecodeGraphs(
+                self.model, self.config.max_num_seqs, self.max_num_blocks_per_seq, self.scratch_slot, self.staging,
+                capture_all=not self.captured_decode_graphs, capture_stats=self.graph_capture_stats,
+                warmed_batch_sizes=self.warmed_decode_batch_sizes,
+            )
+            self.captured_decode_graphs = True
 
     def _forward_decode_graph(self, scheduled: list[ScheduledSequence] | DecodeBatch, positions: np.ndarray,
                               input_tokens: torch.Tensor | None, input_rows: np.ndarray | None) -> torch.Tensor:
@@ -346,13 +385,38 @@ class ModelRunner:
             + positions % self.block_size
         )
         token_inputs[3] = positions + 1
+        if self.plan is not None:  # a sharded engine runs without overlap: input_tokens is None here
+            self.plan.send_step(encode_decode_graph(DecodeGraphInputs(token_inputs, block_tables)))
         if input_rows is not None:
             return self.decode_graphs.run(token_inputs, block_tables, input_tokens, self.staging.to_device(input_rows))
         return self.decode_graphs.run(token_inputs, block_tables, input_tokens)
 
-    def prepare_inputs(self, scheduled: list[ScheduledSequence]):
-        """(input_ids, positions, AttentionMetadata, logits_indices) on the device (step_inputs.py)."""
-        return flat_batch(scheduled, self.block_size, self.staging, self.use_triton)
+    def prepare_inputs(self, scheduled: list[ScheduledSequence], all_logits: bool = False):
+        """(input_ids, positions, AttentionMetadata, logits_indices) on the device (step_inputs.py). In a sharded
+        engine the step's host arrays first go to the other ranks, which build the same tensors (`follow_step`)."""
+        arrays = flat_arrays(scheduled)
+        if self.plan is not None:
+            self.plan.send_step(encode_forward(arrays, all_logits))
+        return flat_batch(arrays, self.block_size, self.staging, self.use_triton)
+
+    @torch.inference_mode()
+    def follow_step(self, message) -> None:
+        """Ranks 1..N-1 of a sharded engine: run what rank 0 runs for one step of its plan (step_plan.py), so every
+        collective inside the model pairs up; the logits are gathered on every rank but sampled on rank 0 only."""
+        op, all_logits, payload = message
+        if isinstance(payload, DecodeGraphInputs):
+            self._ensure_decode_graphs()
+            self.model.compute_logits(self.decode_graphs.run(payload.token_inputs, payload.block_tables, None),
+                                      upcast=False)
+            return
+        input_ids, positions, meta, logits_indices = flat_batch(payload, self.block_size, self.staging,
+                                                                self.use_triton)
+        if all_logits:
+            self.model.compute_logits(self.model(input_ids, positions, meta))
+        elif len(logits_indices):
+            self.model.compute_logits(self._forward(input_ids, positions, meta)[logits_indices], upcast=False)
+        else:
+            self._forward(input_ids, positions, meta)
 
 
 _start, _num_new_tokens = attrgetter("start"), attrgetter("num_new_tokens")

@@ -6,6 +6,7 @@ graphs' inputs (decode_rows.py builds those incrementally)."""
 from __future__ import annotations
 
 import itertools
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -14,17 +15,40 @@ from slime.engine.layers.attention import AttentionMetadata
 from slime.engine.scheduled_batch import ScheduledSequence
 
 
-def flat_batch(scheduled: list[ScheduledSequence], block_size: int, staging: HostStaging, use_triton: bool):
-    """(input_ids, positions, AttentionMetadata, logits_indices) on the device; the metadata is filled for the
-    Triton path (`use_triton`) or the torch path."""
+@dataclass
+class FlatArrays:
+    """A step's batch on the host, all a rank needs to rebuild the step's tensors (engine/parallel/step_plan.py sends
+    it to the other ranks): per sequence its first new position, new-token count and whether it samples, the new
+    tokens back to back, and the block tables padded with block 0."""
+
+    starts: np.ndarray  # [num_seqs] int64
+    query_lens: np.ndarray  # [num_seqs] int64
+    needs_sample: np.ndarray  # [num_seqs] bool
+    input_ids: np.ndarray  # [num_tokens] int64
+    block_tables: np.ndarray  # [num_seqs, max_num_blocks] int32
+
+
+def flat_arrays(scheduled: list[ScheduledSequence]) -> FlatArrays:
     num_seqs = len(scheduled)
-    starts = np.fromiter((item.start for item in scheduled), dtype=np.int64, count=num_seqs)
-    query_lens = np.fromiter((item.num_new_tokens for item in scheduled), dtype=np.int64, count=num_seqs)
     input_ids = []
     for item in scheduled:
         input_ids.extend(item.seq.token_ids[item.start : item.start + item.num_new_tokens])
-    block_tables = _padded_block_tables([item.seq.block_table for item in scheduled])
-    num_tokens = len(input_ids)
+    return FlatArrays(
+        starts=np.fromiter((item.start for item in scheduled), dtype=np.int64, count=num_seqs),
+        query_lens=np.fromiter((item.num_new_tokens for item in scheduled), dtype=np.int64, count=num_seqs),
+        needs_sample=np.fromiter((item.needs_sample for item in scheduled), dtype=bool, count=num_seqs),
+        input_ids=np.asarray(input_ids, dtype=np.int64),
+        block_tables=_padded_block_tables([item.seq.block_table for item in scheduled]),
+    )
+
+
+def flat_batch(scheduled: list[ScheduledSequence] | FlatArrays, block_size: int, staging: HostStaging,
+               use_triton: bool):
+    """(input_ids, positions, AttentionMetadata, logits_indices) on the device; the metadata is filled for the
+    Triton path (`use_triton`) or the torch path."""
+    arrays = scheduled if isinstance(scheduled, FlatArrays) else flat_arrays(scheduled)
+    starts, query_lens, block_tables = arrays.starts, arrays.query_lens, arrays.block_tables
+    num_seqs, num_tokens = len(starts), len(arrays.input_ids)
     cu_seqlens = np.cumsum(query_lens)
     token_seq_index = np.repeat(np.arange(num_seqs), query_lens)
     token_query_index = np.arange(num_tokens) - (cu_seqlens - query_lens)[token_seq_index]
@@ -33,11 +57,11 @@ def flat_batch(scheduled: list[ScheduledSequence], block_size: int, staging: Hos
         block_tables[token_seq_index, positions // block_size].astype(np.int64) * block_size
         + positions % block_size
     )
-    logits_indices = (cu_seqlens - 1)[[i for i, item in enumerate(scheduled) if item.needs_sample]]
+    logits_indices = (cu_seqlens - 1)[arrays.needs_sample]
     max_query_len = int(query_lens.max())
     to_device = staging.to_device
     input_ids_t, positions_t, slot_mapping_t, logits_indices_t = staging.to_device_packed(
-        [np.asarray(input_ids, dtype=np.int64), positions, slot_mapping, logits_indices], np.int64
+        [arrays.input_ids, positions, slot_mapping, logits_indices], np.int64
     )
     if use_triton:
         query_start_loc, seq_lens, flat_tables = staging.to_device_packed(

@@ -153,3 +153,15 @@ def load_checkpoint(model: nn.Module, model_path: str | Path) -> None:
     if missing:
         more = " ..." if len(missing) > 8 else ""
         raise ValueError(f"checkpoint {str(model_path)!r} lacks weight(s) {missing[:8]}{more}")
+
+
+def check_named_tensors(shapes: dict[str, tuple], named_tensors, model_type: str) -> None:
+    """Every name known to the model and every shape the full (unsharded) Hugging Face shape, or a ValueError naming
+    the first that is not. `shapes` is `named_weight_shapes(model)`."""
+    for name, tensor in named_tensors:
+        lookup = "model.embed_tokens.weight" if name == "lm_head.weight" and name not in shapes else name
+        if lookup not in shapes:
+            raise ValueError(f"unknown weight {name!r} for this {model_type} model")
+        expected = tuple(shapes[lookup][0])
+        if tuple(tensor.shape) != expected:
+            raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)}, expected {expected}")

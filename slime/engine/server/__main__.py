@@ -2,4 +2,5 @@
 
 from slime.engine.server.app import main
 
-main()
+if __name__ == "__main__":  # a sharded engine's ranks are spawned: they import this module without running it
+    main()

@@ -80,6 +80,7 @@ def create_app(engine, model_path: str, served_model_name: str | None = None, se
         yield
         state.engine_loop.abort_all()
         state.engine_loop.stop()
+        engine.shutdown()  # a sharded engine's other ranks
 
     app = FastAPI(title="slime engine", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
     app.state.server = state
@@ -319,7 +320,8 @@ def _register_info_routes(app: FastAPI, state: ServerState) -> None:
             "tokenizer_path": state.model_path,
             "served_model_name": state.served_model_name,
             "context_length": state.max_model_len,
-            "tp_size": 1,
+            "tp_size": state.engine.config.tp_size,
+            "ep_size": state.engine.config.ep_size,
             "dp_size": 1,
             "version": SERVER_VERSION,
             "weight_version": state.engine.weight_version,

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
+import os
 import queue
 import threading
 import time
@@ -220,6 +221,8 @@ class EngineLoop:
                 # a failed step must not kill the server: fail its requests instead
                 except Exception as error:  # noqa: BLE001
                     self._fail_all(error)
+                    if getattr(self.engine, "ranks", None) is not None:
+                        _exit_sharded_engine(error)
                     continue
                 self.busy.add_step(time.perf_counter() - started)
                 self._dispatch(outputs)
@@ -284,6 +287,14 @@ class EngineLoop:
         for stream in streams.values():
             stream.finished = True
             stream.loop.call_soon_threadsafe(stream.outputs.put_nowait, RuntimeError(f"engine step failed: {error}"))
+
+
+def _exit_sharded_engine(error: Exception) -> None:
+    """A step of a sharded engine failed (a rank hung past dist_timeout_s, a collective broke): its ranks may be out
+    of step, so the engine is gone; exit so the health check and --use-fault-tolerance restart all its ranks."""
+    logger.critical("a step of this sharded engine failed (%s); the engine stops with every rank", error)
+    logging.shutdown()
+    os._exit(70)
 
 
 def _put_all(items: list) -> None:

@@ -12,6 +12,7 @@ under the old weights must not be reused), whatever the request's `flush_cache` 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 from datetime import timedelta
 from pathlib import Path
@@ -20,6 +21,7 @@ import torch
 
 from slime.engine.memory_tags import EngineMemoryReleasedError
 from slime.engine.models.weight_loader import IGNORED_SUFFIXES
+from slime.engine.parallel.rank_weights import RankError
 from slime.engine.server import local_checkpoint
 from slime.engine.server.protocol import RequestError, require_fields
 from slime.utils import weight_transport
@@ -64,12 +66,24 @@ class EngineWeightReceiver:
                 f"({', '.join(map(str, self.weight_dirs))}); start it with --weights-dir-allowlist DIR"
             )
 
-    async def _load(self, named_tensors, weight_version: str | None) -> None:
-        engine = self.loop.engine
+    async def _load(self, load, *args) -> None:
         try:
-            await self.loop.call(engine.update_weights_from_tensors, named_tensors, weight_version)
-        except (ValueError, EngineMemoryReleasedError) as error:
+            await self.loop.call(load, *args)
+        except (ValueError, EngineMemoryReleasedError, RankError) as error:
             raise RequestError(str(error)) from error
+
+    @property
+    def tp_size(self) -> int:
+        return self.loop.engine.config.tp_size
+
+    def _with_ranks(self, payload: dict) -> dict:
+        """A successful update's reply, with every rank's weight version and checksum of what it loaded."""
+        return {**payload, "ranks": self.loop.engine.rank_reports}
+
+    def _on_other_ranks(self, target: str, *args):
+        """A context that runs `target` on a sharded engine's other ranks beside the block (nullcontext at one)."""
+        ranks = self.loop.engine.ranks
+        return contextlib.nullcontext() if ranks is None else ranks.calling(target, *args)
 
     # ---- endpoints -------------------------------------------------------------------------------------------
     async def update_from_tensor(self, body) -> dict:
@@ -85,10 +99,10 @@ class EngineWeightReceiver:
                 f"slime.utils.weight_transport.serialize_named_tensors), got {body['load_format']!r}"
             )
         items = body["serialized_named_tensors"]
-        if len(items) != 1 or not isinstance(items[0], str):
+        if len(items) != self.tp_size or not all(isinstance(item, str) for item in items):
             raise RequestError(
-                "/update_weights_from_tensor field 'serialized_named_tensors' must be a list of one string (one per "
-                f"tensor-parallel rank; this engine has one), got {len(items)} item(s)"
+                f"/update_weights_from_tensor field 'serialized_named_tensors' must be a list of {self.tp_size} "
+                f"string(s), one per tensor-parallel rank (index = rank), got {len(items)} item(s)"
             )
         try:
             named_tensors = await asyncio.to_thread(weight_transport.deserialize_named_tensors, items[0])
@@ -97,9 +111,10 @@ class EngineWeightReceiver:
         self.check_names_and_shapes(
             [(name, tensor.shape) for name, tensor in named_tensors], "serialized_named_tensors"
         )
-        await self._load(named_tensors, body["weight_version"])
+        await self._load(self.loop.engine.update_weights_from_tensors, named_tensors, body["weight_version"],
+                         items if self.tp_size > 1 else None)
         del named_tensors  # drop our mapping of the sender's memory so its segments can be freed
-        return {"success": True, "message": "Succeeded to update model weights."}
+        return self._with_ranks({"success": True, "message": "Succeeded to update model weights."})
 
     async def update_from_disk(self, body) -> dict:
         body = require_fields(
@@ -114,11 +129,12 @@ class EngineWeightReceiver:
         engine = self.loop.engine
         try:
             await self.loop.call(engine.update_weights_from_disk, body["model_path"], body["weight_version"])
-        except (ValueError, FileNotFoundError) as error:
+        except (ValueError, FileNotFoundError, RankError) as error:
             raise RequestError(f"/update_weights_from_disk field 'model_path': {error}") from error
         except EngineMemoryReleasedError as error:
             raise RequestError(str(error)) from error
-        return {"success": True, "message": "Succeeded to update model weights.", "num_paused_requests": 0}
+        return self._with_ranks({"success": True, "message": "Succeeded to update model weights.",
+                                 "num_paused_requests": 0})
 
     async def pull(self, body) -> dict:
         """POST /pull_weights {local_checkpoint_dir, source_dir, target_version} (slime's SGLang patch): bring the
@@ -154,23 +170,22 @@ class EngineWeightReceiver:
             raise RequestError("/init_weights_update_group field 'backend': nccl needs a CUDA engine; use gloo on CPU")
         if name in self.groups:
             raise RequestError(f"/init_weights_update_group field 'group_name': group {name!r} already exists")
-        rank = body["rank_offset"]  # this engine has one rank (tp 0)
-        if not 0 < rank < body["world_size"]:
+        rank = body["rank_offset"]  # this engine's ranks join as rank_offset + tp_rank
+        if not 0 < rank <= body["world_size"] - self.tp_size:
             raise RequestError(
-                f"/init_weights_update_group: rank_offset {rank} must be in [1, world_size={body['world_size']})"
-                " (rank 0 is the trainer)"
+                f"/init_weights_update_group: rank_offset {rank} must be in [1, world_size={body['world_size']} - "
+                f"{self.tp_size}] (rank 0 is the trainer; this engine's {self.tp_size} rank(s) join as rank_offset + "
+                "tp_rank)"
             )
         init_method = f"tcp://{body['master_address']}:{body['master_port']}"
+        args = (backend, init_method, body["world_size"], rank, name, GROUP_TIMEOUT)
+
+        def init_on_every_rank():
+            with self._on_other_ranks("weights.init_group", *args):
+                return weight_transport.init_custom_process_group(*args)
+
         try:
-            group = await run_in_daemon_thread(
-                weight_transport.init_custom_process_group,
-                backend,
-                init_method,
-                body["world_size"],
-                rank,
-                name,
-                GROUP_TIMEOUT,
-            )
+            group = await run_in_daemon_thread(init_on_every_rank)
         except ValueError as error:
             raise RequestError(f"/init_weights_update_group: {error}") from error
         except Exception as error:  # noqa: BLE001
@@ -217,13 +232,14 @@ class EngineWeightReceiver:
 
         def receive():
             with lock:  # collectives on one group must run in the order the trainer issues them
-                return weight_transport.receive_named_tensors(group, names, torch_dtypes, shapes, self.device)
+                with self._on_other_ranks("weights.receive", group_name, names, torch_dtypes, shapes):
+                    return weight_transport.receive_named_tensors(group, names, torch_dtypes, shapes, self.device)
 
         # Receive every tensor even if a name is wrong: skipping would leave the trainer's broadcast hanging.
         named_tensors = await run_in_daemon_thread(receive)
         self.check_names_and_shapes([(n, s) for n, s in zip(names, shapes)], "names/shapes")
-        await self._load(named_tensors, body["weight_version"])
-        return {"success": True, "message": "Succeeded to update parameter online."}
+        await self._load(self.loop.engine.apply_received_weights, named_tensors, body["weight_version"])
+        return self._with_ranks({"success": True, "message": "Succeeded to update parameter online."})
 
     async def destroy_group(self, body) -> dict:
         body = require_fields(body, "/destroy_weights_update_group", {}, {"group_name": (str, DEFAULT_GROUP_NAME)})
@@ -232,6 +248,10 @@ class EngineWeightReceiver:
         if group is None:
             raise RequestError(f"/destroy_weights_update_group field 'group_name': no group {name!r}")
         self._group_locks.pop(name, None)
-        await asyncio.to_thread(weight_transport.destroy_custom_process_group, group)
+        def destroy_on_every_rank():
+            with self._on_other_ranks("weights.destroy_group", name):
+                weight_transport.destroy_custom_process_group(group)
+
+        await asyncio.to_thread(destroy_on_every_rank)
         return {"success": True, "message": "Succeeded to destroy custom process group."}
 

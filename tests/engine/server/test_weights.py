@@ -95,7 +95,10 @@ def warm_prefix_cache(client) -> dict:
 def test_update_from_tensor_sent_by_another_process(client, server, checkpoint, tmp_path):
     original = warm_prefix_cache(client)
     sent = send_from_other_process(server, checkpoint, "random_norm", "tensor-1", tmp_path)
-    assert sent == {"status": 200, "body": {"success": True, "message": "Succeeded to update model weights."}}
+    assert sent["status"] == 200
+    assert {k: sent["body"][k] for k in ("success", "message")} == {"success": True,
+                                                                      "message": "Succeeded to update model weights."}
+    assert [(r["rank"], r["weight_version"]) for r in sent["body"]["ranks"]] == [(0, "tensor-1")]
     changed = generate(client)
     assert changed["meta_info"]["cached_tokens"] == 0  # the update flushed the prefix cache
     assert changed["output_ids"] != original["output_ids"]
