@@ -1,5 +1,5 @@
-"""Mixture-of-experts facts of a Hugging Face config.json (Qwen3-MoE, Qwen2-MoE, GLM-4.5, DeepSeek-V3): which
-decoder layers are sparse and how many experts each token is routed to, i.e. the shape of one token's routing record
+"""Mixture-of-experts facts of a Hugging Face config.json (Qwen3-MoE, Qwen2-MoE): which decoder layers are sparse
+and how many experts each token is routed to, i.e. the shape of one token's routing record
 [num_moe_layers, top_k]. Shared by the engine, the rollout (decoding routed experts) and the trainer (routing
 replay). Plain JSON, no transformers import; not the engine's model config (`slime.engine.models.model_config`).
 """
@@ -12,11 +12,17 @@ from pathlib import Path
 
 
 def moe_layer_indices(config: dict) -> tuple[int, ...]:
-    """Indices of the layers whose feed-forward is sparse (transformers' rules: Qwen-MoE's not in mlp_only_layers and
-    (index + 1) % decoder_sparse_step == 0; GLM-4.5's and DeepSeek-V3's from first_k_dense_replace on); () for a
-    dense config."""
+    """Indices of the layers whose feed-forward is sparse; () for a dense config. transformers' rules: Qwen-MoE, not
+    in mlp_only_layers and (index + 1) % decoder_sparse_step == 0; GLM-4.5 / DeepSeek-V3 (n_routed_experts), index
+    >= first_k_dense_replace (and a multiple of moe_layer_freq, SGLang's DeepSeek rule; 1 in every release);
+    GLM-4.7-Flash (glm4_moe_lite), the "sparse" entries of mlp_layer_types (default: all but the first)."""
+    if config.get("n_routed_experts") and config.get("mlp_layer_types"):  # GLM-4.7-Flash (glm4_moe_lite)
+        return tuple(index for index, kind in enumerate(config["mlp_layer_types"]) if kind == "sparse")
+    if config.get("n_routed_experts") and config.get("model_type") == "glm4_moe_lite":
+        return tuple(range(1, config["num_hidden_layers"]))  # transformers' default: the first layer dense
     if config.get("n_routed_experts"):
-        return tuple(range(config.get("first_k_dense_replace", 0), config["num_hidden_layers"]))
+        first_sparse, frequency = config.get("first_k_dense_replace") or 0, config.get("moe_layer_freq") or 1
+        return tuple(index for index in range(first_sparse, config["num_hidden_layers"]) if index % frequency == 0)
     if not (config.get("num_experts") or config.get("num_local_experts")):
         return ()
     sparse_step = config.get("decoder_sparse_step", 1)

@@ -107,6 +107,9 @@ OPTIMIZER_SHARDING = {"distrib_optim_sharding_type": "fully_reshardable",
                       "distrib_optim_fully_reshardable_mem_efficient": True}
 # Content metadata (Megatron-LM reads it back to build the same sharded state dicts); the model's own keys.
 MODEL_METADATA_KEYS = ("non_homogeneous_layers", "singleton_local_shards")
+# Checkpoint entries that are not the model's weights: the run state Megatron-LM keeps beside them, and the
+# multi-token-prediction layers of slime's GLM / DeepSeek checkpoints, which no model here builds.
+NOT_MODEL_WEIGHTS = ("optimizer", "rng_state", "rerun_state_machine", "mtp.")
 
 
 def _optimizer_sharded_state_dict(optimizer, model_sharded: dict, *, is_loading: bool) -> dict:
@@ -250,19 +253,25 @@ def load_model_weights(ckpt: str | Path, model_chunks, skip: tuple[str, ...] = (
     """Collective: the model weights of a torch_dist checkpoint (a folder, or a Megatron-LM root: the folder its
     tracker file names), resharded to this run's layout (but those named in `skip`, which keep their values: a policy
     checkpoint's output layer under a critic's value head). Every weight must be in the checkpoint; the linear
-    layers' `_extra_state` (Transformer Engine's FP8 metadata, empty here) may be absent."""
+    layers' `_extra_state` (Transformer Engine's FP8 metadata, which the local spec's layers ignore) is not read: a
+    TE checkpoint's may be laid out otherwise (grouped experts) or absent."""
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.validation import StrictHandling
 
     folder = checkpoint_folder(ckpt)
-    sharded = {key: {name: tensor for name, tensor in state.items() if name not in skip}
+    sharded = {key: {name: tensor for name, tensor in state.items()
+                     if name not in skip and not name.endswith("._extra_state")}
                for key, state in _model_sharded_state_dict(model_chunks, _model_metadata(folder)).items()}
-    loaded, _, absent = dist_checkpointing.load(sharded, str(folder), strict=StrictHandling.RETURN_UNEXPECTED)
-    absent = sorted(key for key in absent if not key.endswith("._extra_state"))
-    if absent:
-        raise CheckpointError(f"{folder} lacks {len(absent)} weight(s) of this model (e.g. {', '.join(absent[:4])}): "
-                              "it holds another architecture than --hf-checkpoint's config.json, or its parameter "
-                              "names are not Transformer Engine's spec names")
+    loaded, unread, absent = dist_checkpointing.load(sharded, str(folder), strict=StrictHandling.RETURN_ALL)
+    absent = sorted(absent)
+    unread = sorted(key for key in unread if not (key.startswith(NOT_MODEL_WEIGHTS) or key.endswith("_extra_state")
+                                                   or key in skip))
+    if absent or unread:
+        raise CheckpointError(f"{folder} holds another architecture than --hf-checkpoint's config.json describes (or "
+                              "names its parameters otherwise than Transformer Engine's spec): "
+                              + "; ".join(f"{what} {len(keys)} weight(s), e.g. {', '.join(keys[:4])}"
+                                          for what, keys in (("it lacks", absent), ("this model has no", unread))
+                                          if keys))
     _load_into_chunks(model_chunks, loaded)
 
 

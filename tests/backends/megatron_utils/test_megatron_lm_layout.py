@@ -194,3 +194,30 @@ def test_the_fsdp_backend_refuses_a_megatron_checkpoint(models, tmp_path):
     argv[argv.index("megatron")] = "fsdp"
     with pytest.raises(ArgumentError, match="--ref-load .*--train-backend fsdp cannot read.*convert_torch_dist_to_hf"):
         parse_args(argv)
+
+
+def _load_into_another_architecture(rank, world_size, port, hf, torch_dist):
+    from slime.backends.megatron_utils.checkpoint import load_model_weights
+    from slime.backends.megatron_utils.parallel import destroy_model_parallel
+    from slime.utils.checkpoint_state import CheckpointError
+    from tests.helpers.megatron_helpers import build_megatron
+
+    chunks, _ = build_megatron(make_megatron_args(hf), rank, world_size, port)
+    try:
+        load_model_weights(torch_dist, chunks)
+    except CheckpointError as exc:
+        return str(exc)
+    finally:
+        destroy_model_parallel()
+    return None
+
+
+def test_a_checkpoint_lacking_weights_of_the_model_is_an_error_naming_them(models, tmp_path):
+    from slime.utils.tiny_model import build_tiny_model
+
+    qwen2 = build_tiny_model(tmp_path / "qwen2", arch="qwen2", seed=3, vocab_size=300)  # q/k/v biases, no q/k norm
+    message = run_distributed(_load_into_another_architecture, 1, qwen2, models["dense_slime"])[0]
+    assert message is not None and "another architecture" in message
+    assert "it lacks 1 weight(s), e.g. decoder.layers.self_attention.linear_qkv.bias" in message
+    assert ("this model has no 2 weight(s), e.g. decoder.layers.self_attention.k_layernorm.weight, "
+            "decoder.layers.self_attention.q_layernorm.weight") in message
