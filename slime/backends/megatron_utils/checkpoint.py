@@ -236,12 +236,20 @@ def _checkpoint_keys(folder: Path) -> set[str]:
     return set(FileSystemReader(str(folder)).read_metadata().state_dict_metadata)
 
 
+def common_state(folder: Path) -> dict:
+    """The checkpoint's common.pt (Megatron-LM's `args`, `iteration`, content metadata). Read in full, not in
+    torch.load's weights-only mode: the `args` of slime's Megatron may hold any object its flags set; the checkpoint
+    is the user's own."""
+    path = folder / "common.pt"
+    if not path.is_file():
+        raise CheckpointError(f"{folder} has no common.pt: not a complete torch_dist checkpoint")
+    return torch.load(path, map_location="cpu", weights_only=False)
+
+
 def _model_metadata(folder: Path) -> dict:
     """How the checkpoint's model entries were laid out (Megatron-LM's content metadata; for checkpoints without
     it, per-layer keys mean non-homogeneous layers), so this model's sharded state dict asks for the same keys."""
-    from megatron.core import dist_checkpointing
-
-    content = dist_checkpointing.load_content_metadata(str(folder)) or {}
+    content = common_state(folder).get("content_metadata") or {}
     metadata = {key: content[key] for key in MODEL_METADATA_KEYS if key in content}
     if "non_homogeneous_layers" not in metadata:
         metadata["non_homogeneous_layers"] = any(re.match(r"^decoder\.layers\.\d+\.", key)
@@ -305,11 +313,9 @@ def _foreign_iteration(folder: Path) -> int:
     `release`: -1): the run goes on at the next rollout, its optimizer and data order starting fresh."""
     import logging
 
-    from megatron.core import dist_checkpointing
-
     if folder.name == megatron_layout.RELEASE_DIR:  # weights to start from (the converter's): rollout 0 comes next
         return -1
-    iteration = dist_checkpointing.load_common_state_dict(str(folder)).get("iteration")
+    iteration = common_state(folder).get("iteration")
     if iteration is None:
         iteration = megatron_layout.folder_iteration(folder) or 0
     logging.getLogger(__name__).warning(

@@ -122,6 +122,7 @@ def _reads_megatron_lm_checkpoints(rank, world_size, port, hf, release_root, sav
     for folder in foreign.glob("iter_*"):
         for extra in ("meta.json", "run_state.json", "scheduler.pt", "rng", *HF_FILES):
             shutil.rmtree(folder / extra) if (folder / extra).is_dir() else (folder / extra).unlink(missing_ok=True)
+        _as_megatron_lm_saves_it(folder / "common.pt")
     from_slime = trainer("--load", foreign, port_offset=5)
     result = {"original": original, "ref": ref, "start": start, "steps": steps, "ref_at_step0": ref_at_step0,
               "policy_from_ref": policy_from_ref,
@@ -130,6 +131,18 @@ def _reads_megatron_lm_checkpoints(rank, world_size, port, hf, release_root, sav
               "from_slime": (from_slime.start_rollout_id, dict(from_slime.backend.hf_weights(None)))}
     destroy_model_parallel()
     return result
+
+
+def _as_megatron_lm_saves_it(common_file: Path) -> None:
+    """common.pt as Megatron-LM writes it: its `args` hold megatron enums and torch dtypes, its content metadata is
+    Megatron-LM's (dp_reshardable optimizer, no singleton shards)."""
+    from megatron.core.transformer.enums import AttnBackend
+
+    common = torch.load(common_file, weights_only=False)
+    common["args"].attention_backend, common["args"].params_dtype = AttnBackend.auto, torch.bfloat16
+    common["content_metadata"] = {"distrib_optim_sharding_type": "dp_reshardable", "singleton_local_shards": False,
+                                  "chained_optim_avoid_prefix": True}
+    torch.save(common, common_file)
 
 
 def _equal(a: dict, b: dict) -> bool:
