@@ -124,11 +124,13 @@ def _reads_megatron_lm_checkpoints(rank, world_size, port, hf, release_root, sav
             shutil.rmtree(folder / extra) if (folder / extra).is_dir() else (folder / extra).unlink(missing_ok=True)
         _as_megatron_lm_saves_it(folder / "common.pt")
     from_slime = trainer("--load", foreign, port_offset=5)
+    from_release = trainer("--load", release_root, port_offset=6)  # the converter's: weights to start rollout 0 from
     result = {"original": original, "ref": ref, "start": start, "steps": steps, "ref_at_step0": ref_at_step0,
               "policy_from_ref": policy_from_ref,
               "resumed": (resumed.start_rollout_id, dict(resumed.backend.hf_weights(None))),
               "resumed_step0": (resumed_step0.start_rollout_id, dict(resumed_step0.backend.hf_weights(None))),
-              "from_slime": (from_slime.start_rollout_id, dict(from_slime.backend.hf_weights(None)))}
+              "from_slime": (from_slime.start_rollout_id, dict(from_slime.backend.hf_weights(None))),
+              "from_release": (from_release.start_rollout_id, dict(from_release.backend.hf_weights(None)))}
     destroy_model_parallel()
     return result
 
@@ -161,6 +163,7 @@ def test_ref_load_and_load_read_megatron_lm_checkpoints(models, tmp_path):
     assert result["resumed"][0] == 2 and _equal(result["resumed"][1], result["steps"][1])
     assert result["resumed_step0"][0] == 1 and _equal(result["resumed_step0"][1], result["steps"][0])
     assert result["from_slime"][0] == 2 and _equal(result["from_slime"][1], result["steps"][1])
+    assert result["from_release"][0] == 0 and _equal(result["from_release"][1], result["original"])
 
 
 def test_a_release_or_iteration_folder_is_a_path_of_its_own(models, tmp_path):
