@@ -71,3 +71,13 @@ def test_a_checkpoint_of_this_project_in_the_layout_is_checked_complete(root):
     with pytest.raises(CheckpointError, match=r"iter_0000010 is incomplete: .*scheduler.pt is missing.* resume from "
                                               r"the previous checkpoint with --load .*iter_0000003"):
         resume_dir(str(root))
+
+
+def test_ckpt_step_picks_a_rollout_folder_of_an_fsdp_save_too(tmp_path):
+    for rollout_id in (1, 2):
+        (tmp_path / f"rollout_{rollout_id}").mkdir()
+    (tmp_path / "latest").write_text("rollout_2")
+    assert find_checkpoint(str(tmp_path)) == tmp_path / "rollout_2"
+    assert find_checkpoint(str(tmp_path), step=1) == tmp_path / "rollout_1"
+    with pytest.raises(CheckpointError, match="--ckpt-step 5: --load .* has no checkpoint rollout_5"):
+        find_checkpoint(str(tmp_path), step=5)
