@@ -60,6 +60,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.engine_checkpoints import build_checkpoint, make_prompts
 from benchmarks.engine_host_step import HOST_STEP_PARTS, PREFILL_STEP_PARTS, bench_host_step
 from benchmarks.engine_report import print_workload, summarize
+from benchmarks.engine_tp import compare_tp
 from benchmarks.engine_weights_memory import (
     bench_release_resume,
     bench_weight_update,
@@ -92,6 +93,8 @@ def parse_args(argv=None):
     parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None)
     parser.add_argument("--model-path", default=None, help="W1 only: benchmark this checkpoint instead of building one")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--tp-size", type=int, default=1, help="also run each workload on an engine of N ranks")
+    parser.add_argument("--ep-size", type=int, default=1, help="with --tp-size: expert parallelism inside the ranks")
     parser.add_argument("--overlap-schedule", action=argparse.BooleanOptionalAction, default=None,
                         help="the engine's overlapped scheduling (next decode step launched before the last one's "
                              "tokens reach the host); default: the engine's (on for CUDA)")
@@ -161,6 +164,7 @@ def bench_engine(model_path: Path, workload: Workload, args, measure_weights_and
         max_model_len=max(map(len, workload.prompts)) + max(workload.max_new_tokens) + 16,
         max_num_seqs=len(workload.prompts),
         seed=args.seed,
+        **getattr(args, "engine_parallel", {}),  # --tp-size's second run (engine_tp.py)
         **({} if args.overlap_schedule is None else {"overlap_schedule": args.overlap_schedule}),
         **({} if args.overlap_prefill is None else {"overlap_prefill": args.overlap_prefill}),
         **({} if args.prefill_cuda_graphs is None else {"prefill_cuda_graphs": args.prefill_cuda_graphs}),
@@ -321,14 +325,14 @@ def run_workloads(names: list[str], args) -> dict:
             hf = bench_hf(model_path, workload, args) if name in args.hf_workloads else None
             engine = bench_engine(model_path, workload, args, measure_weights_and_memory=name == "w1")
             results[name] = summarize(workload, engine, hf, args.preset)
+            if args.tp_size > 1:
+                results[name]["tp"] = compare_tp(model_path, workload, args, engine, bench_engine)
             print_workload(results[name], flush=True)
     return results
 
 
 def _remove_tree(path: Path) -> None:
-    import shutil
-
-    shutil.rmtree(path, ignore_errors=True)
+    __import__("shutil").rmtree(path, ignore_errors=True)
 
 
 def _decode_texts(batches: queue.SimpleQueue) -> None:
@@ -383,7 +387,9 @@ def main(argv=None) -> dict:
     print(f"| torch {torch.__version__}, transformers {transformers.__version__}")
     for name, summary in results.items():
         ratio = f" | {summary['ratio_engine_over_hf']}x hf" if summary["ratio_engine_over_hf"] else ""
-        print(f"| {name}: {summary['engine_output_tok_s']} tok/s | MBU {summary['mbu']:.1%}{ratio}")
+        tp = summary.get("tp")
+        tp = f" | TP={tp['tp_size']}: {tp['tpn_output_tok_s']} tok/s = {tp['tpn_over_tp1']}x TP=1" if tp else ""
+        print(f"| {name}: {summary['engine_output_tok_s']} tok/s | MBU {summary['mbu']:.1%}{ratio}{tp}")
     print("=" * 72)
     print(json.dumps(result))
     return result

@@ -84,6 +84,17 @@ Engine(str(path), device='cuda', dtype='bfloat16', max_num_seqs=256, max_model_l
     bench_engine) python3 benchmarks/bench_engine.py --preset qwen3-0.6b ;;
     agent_adapter) python3 benchmarks/bench_agent_adapter.py --shape qwen3-0.6b --device cuda ;;
     engine_all) python3 benchmarks/bench_engine.py --preset qwen3-0.6b --workload all ;;
+    # Engine tensor / expert parallelism (needs 2 GPUs: --kind nvidia-h100-x2 or nvidia-h200-x2). The sharded model on
+    # NCCL against one GPU, then W1 (0.6B) and W4 (Qwen3-8B shape) at TP=1 beside TP=2, then Qwen3-30B-A3B's layer
+    # shape (8 of its 48 layers) at TP=2 and TP=2 x EP=2, then a shape one H100 cannot hold: Qwen3-30B-A3B's layers
+    # x 64 (~81 GB of bf16 weights) at TP=2 (TP=1's start-up error names --rollout-num-gpus-per-engine).
+    tp_gpu_tests) python3 -m pytest -q -m gpu tests/engine/parallel ;;
+    engine_tp2) python3 benchmarks/bench_engine.py --preset qwen3-0.6b --workload w1,w4 --skip-hf --tp-size 2 ;;
+    engine_tp2_moe) python3 -c "from pathlib import Path; import torch; from benchmarks.engine_checkpoints import SHAPES, build_checkpoint; build_checkpoint(Path('/tmp/moe8l'), SHAPES['qwen3-30b-a3b-8l'], torch.bfloat16, 'cuda', 0)" &&
+                    python3 benchmarks/bench_engine.py --preset qwen3-0.6b --model-path /tmp/moe8l --skip-hf --tp-size 2 &&
+                    python3 benchmarks/bench_engine.py --preset qwen3-0.6b --model-path /tmp/moe8l --skip-hf --tp-size 2 --ep-size 2 ;;
+    engine_tp2_no_fit) python3 -c "from pathlib import Path; import torch; from benchmarks.engine_checkpoints import SHAPES, build_checkpoint; build_checkpoint(Path('/tmp/moe64l'), dict(SHAPES['qwen3-30b-a3b-8l'], num_hidden_layers=64), torch.bfloat16, 'cuda', 0)" &&
+                       python3 benchmarks/bench_engine.py --preset qwen3-0.6b --model-path /tmp/moe64l --skip-hf --tp-size 2 --num-prompts 64 ;;
     engine_trace) python3 benchmarks/bench_engine.py --preset qwen3-0.6b --skip-hf --trace-steps 3 ;;
     engine_w1_plain) python3 benchmarks/bench_engine.py --preset qwen3-0.6b --skip-hf --no-overlap-schedule ;;
     engine_w1_overlap) python3 benchmarks/bench_engine.py --preset qwen3-0.6b --overlap-schedule ;;

@@ -1,6 +1,6 @@
 # glm4-9B model shape: slime's preset (THUDM/slime@624b824 scripts/models/glm4-9B.sh) in Megatron's flag names.
 # train.py checks the values against --hf-checkpoint's config.json; both backends build the model from that file.
-# The built-in engine does not serve GLM-4 (model_type glm4): roll out with --rollout-backend sglang.
+# The built-in engine serves GLM-4 (model_type glm4) at --tp-size 1 (docs/reference/model-support.md).
 # Usage: source scripts/models/glm4-9B.sh; python train.py "${MODEL_ARGS[@]}" ...
 MODEL_ARGS=(
    --spec "slime_plugins.models.glm4" "get_glm_spec"

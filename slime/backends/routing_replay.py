@@ -9,7 +9,8 @@
 A backend-neutral object: the model's routers call `select(layer, probs)` for the expert ids (the routing weights
 are then the router's own probabilities at those ids, so the router still learns); the backend wraps each
 micro-batch's forward (and backward) in `micro_batch(routing)`. Routing rows are per packed token
-[num_tokens, num_moe_layers, top_k]; a row of -1 routes freely (the last token of a sample, which predicts nothing
+[num_tokens, num_moe_layers, top_k] (`pack_routing` picks the MoE layers' rows, by layer index, out of the engine's
+SGLang-layout record [len(tokens) - 1, num_hidden_layers, top_k]); a row of -1 routes freely (the last token of a sample, which predicts nothing
 and that the engine never forwarded). While replaying it also measures the router agreement: per MoE layer, the
 fraction of replayed tokens whose free top-k set equals the replayed one (in the replay_forward pass).
 Not the router itself (each backend patches its model's, e.g. fsdp_utils/moe_router.py) and not the load-balancing
@@ -39,10 +40,16 @@ FREE_ROW = -1  # a routing row that the router fills itself
 
 class RoutingReplay:
     """`local_layers`: the MoE layers this process routes (default all; a pipeline stage routes its own), the
-    others are FREE_ROW in its records."""
+    others are FREE_ROW in its records. `layer_indices`: the decoder-layer index of each MoE layer and
+    `num_hidden_layers` the decoder's depth, i.e. where the MoE rows sit in an engine record (default: every layer
+    is MoE)."""
 
-    def __init__(self, num_layers: int, top_k: int, num_experts: int, local_layers: list[int] | None = None):
+    def __init__(self, num_layers: int, top_k: int, num_experts: int, local_layers: list[int] | None = None,
+                 layer_indices: tuple[int, ...] | None = None, num_hidden_layers: int | None = None):
         self.num_layers, self.top_k, self.num_experts = num_layers, top_k, num_experts
+        self.layer_indices = tuple(range(num_layers)) if layer_indices is None else tuple(layer_indices)
+        self.num_hidden_layers = num_layers if num_hidden_layers is None else num_hidden_layers
+        assert len(self.layer_indices) == num_layers and max(self.layer_indices) < self.num_hidden_layers
         self.local_layers = list(range(num_layers)) if local_layers is None else list(local_layers)
         self.stage = ReplayStage.FALLTHROUGH
         self._routing: torch.Tensor | None = None  # the micro-batch in flight's [num_tokens, layers, top_k]
@@ -112,18 +119,24 @@ class RoutingReplay:
 
 
 def pack_routing(records: list, sample_lengths: list[int], sample_names: list[str], num_layers: int, top_k: int,
-                 num_experts: int) -> torch.Tensor:
-    """One micro-batch's routing [sum(sample_lengths), num_layers, top_k] int32 from per-sample records (one row per
-    token but the last, the engine's layout; the last row routes freely). A missing record, a wrong shape or an
-    expert id out of range is a ValueError naming the sample."""
+                 num_experts: int, layer_indices: tuple[int, ...] | None = None,
+                 num_hidden_layers: int | None = None) -> torch.Tensor:
+    """One micro-batch's routing [sum(sample_lengths), num_layers, top_k] int32 from per-sample records in the
+    engine's (SGLang's) layout [len(tokens) - 1, num_hidden_layers, top_k]: one row per token but the last (the
+    last row routes freely), and of each row the MoE layers' entries at `layer_indices` (default: every layer is
+    MoE). A missing record, a wrong shape or an expert id out of range is a ValueError naming the sample."""
+    layer_indices = list(range(num_layers) if layer_indices is None else layer_indices)
+    num_hidden_layers = num_layers if num_hidden_layers is None else num_hidden_layers
     rows = []
     for record, length, name in zip(records, sample_lengths, sample_names):
         if record is None:
             raise ValueError(f"routing replay: {name} has no routing record (rollout_routed_experts)")
         record = np.asarray(record)
-        if record.shape != (length - 1, num_layers, top_k):
+        if record.shape != (length - 1, num_hidden_layers, top_k):
             raise ValueError(f"routing replay: {name}'s routing record has shape {record.shape}, expected "
-                             f"{(length - 1, num_layers, top_k)} (len(tokens) - 1, MoE layers, top-k)")
+                             f"{(length - 1, num_hidden_layers, top_k)} (len(tokens) - 1, decoder layers, top-k)")
+        if num_hidden_layers != num_layers or layer_indices != list(range(num_layers)):
+            record = record[:, layer_indices]
         if record.size and (record.min() < 0 or record.max() >= num_experts):
             raise ValueError(f"routing replay: {name}'s routing record holds expert ids outside [0, {num_experts})")
         rows += [record.astype(np.int32, copy=False), np.full((1, num_layers, top_k), FREE_ROW, dtype=np.int32)]
@@ -170,7 +183,8 @@ def attach_rollout_routing(schedule, data: TrainData, replay: RoutingReplay) -> 
         indices = micro_batch.sample_indices
         micro_batch.routed_experts = pack_routing(
             [records[i] for i in indices], [len(data["tokens"][i]) for i in indices],
-            [f"sample {names[i]}" for i in indices], replay.num_layers, replay.top_k, replay.num_experts)
+            [f"sample {names[i]}" for i in indices], replay.num_layers, replay.top_k, replay.num_experts,
+            replay.layer_indices, replay.num_hidden_layers)
 
 
 def attach_records(schedule, records: list[torch.Tensor]) -> None:

@@ -86,8 +86,8 @@ def _layer_pattern(value: str, num_layers: int) -> list[int]:
 
 def check_moe_args(args, require) -> None:
     """The MoE rules; `require(condition, message)` raises the parser's ArgumentError."""
-    from slime.config.validate_families import check_router_flags, is_sigmoid_router
-    from slime.utils.moe_config import moe_layer_indices
+    from slime.config.validate_families import check_router_flags
+    from slime.utils.moe_config import checkpoint_moe_flags, moe_layer_indices
 
     replay = args.use_routing_replay or args.use_rollout_routing_replay
     moe_flags = [flag for flag in ("num_experts", "moe_router_topk", "moe_ffn_hidden_size", "moe_layer_freq",
@@ -105,15 +105,8 @@ def check_moe_args(args, require) -> None:
                 "--" + (moe_flags[0] if moe_flags else "moe_aux_loss_coeff").replace("_", "-"))
         require(False, f"{used}: {args.hf_checkpoint} is not a mixture-of-experts model "
                        f"(model_type {config.get('model_type')!r})")
-    sigmoid = is_sigmoid_router(config)
-    expected = {
-        "num_experts": config.get("num_experts", config.get("num_local_experts", config.get("n_routed_experts"))),
-        "moe_router_topk": config.get("num_experts_per_tok"),
-        "moe_ffn_hidden_size": config.get("moe_intermediate_size"),
-        # GLM-4.5 / DeepSeek-V3: n_shared_experts experts of moe_intermediate_size each, as one MLP
-        "moe_shared_expert_intermediate_size": (config.get("moe_intermediate_size", 0) * config.get("n_shared_experts", 0)
-                                                if sigmoid else config.get("shared_expert_intermediate_size")) or None,
-    }
+    expected = checkpoint_moe_flags(config)
+    score_function = expected.pop("moe_router_score_function")
     for flag, actual in expected.items():
         value = getattr(args, flag)
         require(value is None or value == actual,
@@ -124,7 +117,6 @@ def check_moe_args(args, require) -> None:
         actual = [int(index in layers) for index in range(config["num_hidden_layers"])]
         require(pattern == actual, f"--moe-layer-freq {args.moe_layer_freq} gives MoE layers {pattern}, the "
                                    f"checkpoint has {actual}")
-    score_function = "sigmoid" if sigmoid else "softmax"
     require(args.moe_router_score_function in (None, score_function),
             f"--moe-router-score-function {args.moe_router_score_function}: {config.get('model_type')} routes by "
             f"{score_function}")

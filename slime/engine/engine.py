@@ -21,6 +21,7 @@ from slime.engine.engine_weights import EngineWeights
 from slime.engine.memory_tags import EngineMemoryReleasedError, EngineWeightsMissingError, memory_tags
 from slime.engine.model_runner import ModelRunner
 from slime.engine.models import load_model_config
+from slime.engine.models.glm_config import GLM_MODEL_TYPES
 from slime.engine.overlap import OverlappedStepping
 from slime.engine.parallel.rank_weights import RankWeights
 from slime.engine.request_output import RequestOutput
@@ -39,6 +40,9 @@ class Engine(EngineWeights, OverlappedStepping):
 
         self.config = Config.from_kwargs(str(model_path), **config)
         self.model_config = load_model_config(self.config.model)
+        if self.config.tp_size > 1 and self.model_config.model_type in GLM_MODEL_TYPES:
+            raise ValueError(f"tp_size={self.config.tp_size} (--tp-size): the engine shards Qwen / Llama models only; "
+                             f"serve this {self.model_config.model_type} model with --tp-size 1")
         self.tokenizer = AutoTokenizer.from_pretrained(self.config.model)
         self.eos_token_ids = self._eos_token_ids()
         self.ranks = None  # a sharded engine's other ranks (parallel/ranks.py)
@@ -300,7 +304,9 @@ class Engine(EngineWeights, OverlappedStepping):
             self.model_runner.allocate_kv_cache()
         self.released_tags -= set(tags)
         if not self.released_tags & {"weights", "kv_cache"}:
-            self.model_runner.unpark_graphs()
+            held = self.model_runner.unpark_graphs()
+            if self.ranks is not None and any(tuple(other) != held for other in self.ranks.last_results):
+                self.model_runner.drop_graphs()  # some rank lost its graphs: all capture anew together
 
     @property
     def weights_missing(self) -> set[str]:

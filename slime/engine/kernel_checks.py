@@ -63,8 +63,9 @@ def _sdpa_reference(q, k_cache, v_cache, table: list[int], seq_len: int) -> torc
 
 
 def triton_fused_kernels_work(device: torch.device, kv_dtype: torch.dtype = torch.float32) -> bool:
-    """Whether the fused kernels the decoder runs (RMSNorm, add + RMSNorm, q/k norm + rotary + K/V cache writes,
-    SiLU-and-mul) match the torch modules here, in float32, the cache writes into an fp8 cache when `kv_dtype` is
+    """Whether the fused kernels the decoder runs (RMSNorm, add + RMSNorm, q/k norm + rotary + K/V cache writes, the
+    latter also with GLM's partial interleaved and partial rotate-half RoPE, SiLU-and-mul) match the torch modules
+    here, in float32, the cache writes into an fp8 cache when `kv_dtype` is
     one (a 16-bit cache is in the model's dtype, as qkv); if not, warn and keep the torch modules for those
     stages."""
     try:
@@ -99,6 +100,11 @@ def triton_fused_kernels_work(device: torch.device, kv_dtype: torch.dtype = torc
             expected_v, tolerance = x[:, 6:8], dict(atol=1e-4, rtol=1e-4)
         torch.testing.assert_close(k_cache.view(8, 2, 128)[slots].float(), expected_k.float(), **tolerance)
         torch.testing.assert_close(v_cache.view(8, 2, 128)[slots].float(), expected_v.float(), **tolerance)
+        for interleaved in (True, False):  # GLM-4's and GLM-4.5's half-head RoPE
+            rotary = RotaryEmbedding(128, 16, 10000.0, rotary_dim=64, interleaved=interleaved).to(device)
+            got_q = qkv_rope_store(qkv, norm.weight, norm.weight, norm.eps, rotary.cos, rotary.sin, positions, slots,
+                                   k_cache, v_cache, 4, interleaved=interleaved)
+            torch.testing.assert_close(got_q, rotary.rotate(positions, norm(x[:, :4])), atol=1e-4, rtol=1e-4)
         return True
     except Exception as error:  # noqa: BLE001
         warnings.warn(f"fused Triton kernels unavailable ({type(error).__name__}: {error}); using torch modules",

@@ -20,10 +20,14 @@ from slime.engine.models import ModelConfig
 CPU_KV_CACHE_RAM_FRACTION = 0.25
 
 
-def bytes_per_block(config: Config, model_config: ModelConfig, kv_dtype: torch.dtype) -> int:
+def bytes_per_block(config: Config, model_config: ModelConfig, kv_dtype: torch.dtype,
+                    num_kv_heads: int | None = None) -> int:
+    """One block's bytes on one rank: `num_kv_heads` is the K/V heads that rank stores (default: all of them, the
+    single-device engine; a rank of a sharded engine stores its share, engine/parallel/state.head_shard)."""
     c = model_config
+    num_kv_heads = c.num_key_value_heads if num_kv_heads is None else num_kv_heads
     element_size = torch.empty((), dtype=kv_dtype).element_size()
-    kv_bytes = 2 * c.num_hidden_layers * config.kvcache_block_size * c.num_key_value_heads * c.head_dim * element_size
+    kv_bytes = 2 * c.num_hidden_layers * config.kvcache_block_size * num_kv_heads * c.head_dim * element_size
     routing_bytes = len(c.moe_layers) * c.num_experts_per_tok * 4 * config.kvcache_block_size
     return kv_bytes + (routing_bytes if config.enable_return_routed_experts else 0)
 
@@ -42,7 +46,9 @@ def num_blocks_from_memory(config: Config, model_config: ModelConfig, device: to
     num_blocks = min(wanted, int(budget // block_bytes))
     if num_blocks < 1:
         raise ValueError(f"gpu_memory_utilization={config.gpu_memory_utilization} leaves no memory for the KV "
-                         "cache; raise it or set num_kvcache_blocks")
+                         "cache after the weights: raise it (slime: --sglang-mem-fraction-static), set "
+                         "num_kvcache_blocks, or spread the model over more devices (--tp-size; slime: "
+                         "--rollout-num-gpus-per-engine)")
     return num_blocks
 
 

@@ -54,6 +54,7 @@ class LaunchedStep:
 class ModelRunner:
     def __init__(self, config: Config, model_config: ModelConfig, eos_token_ids: set[int],
                  parallel: ParallelState = SINGLE):
+        """`parallel`: this rank's place in a sharded engine; the model, and the KV cache, are then its shard."""
         self.config = config
         self.parallel = parallel
         # A sharded engine's rank 0: the EngineRanks that every step's plan and every @every_rank call go to first.
@@ -70,7 +71,12 @@ class ModelRunner:
         torch.set_default_dtype(self.dtype)
         try:
             with torch.device(self.device):
-                self.model = DecoderForCausalLM(model_config)
+                self.model = DecoderForCausalLM(model_config, parallel)
+        except torch.OutOfMemoryError as error:
+            raise ValueError(f"the model's weights do not fit this device at tp_size {parallel.tp_size}: spread "
+                             "them over more devices (--tp-size; slime: --rollout-num-gpus-per-engine), or leave "
+                             "more memory to the engine (slime: --sglang-mem-fraction-static, offloading the "
+                             f"trainer): {error}") from None
         finally:
             torch.set_default_dtype(default_dtype)
         self.model.eval()
@@ -137,7 +143,12 @@ class ModelRunner:
 
     @property
     def bytes_per_block(self) -> int:
-        return bytes_per_block(self.config, self.model_config, self.kv_dtype)
+        return bytes_per_block(self.config, self.model_config, self.kv_dtype, self.num_local_kv_heads)
+
+    @property
+    def num_local_kv_heads(self) -> int:
+        """The K/V heads this rank's cache stores (all of them at tp_size 1)."""
+        return self.model.attention_layers()[0].num_kv_heads
 
     @property
     def has_kv_cache(self) -> bool:
@@ -151,7 +162,7 @@ class ModelRunner:
             # One storage for every layer's K and V (and the routing record), not two tensors per layer: a colocated
             # run frees and re-allocates the cache on every hand-over, and each allocation is a driver call.
             routing = (len(blocks), c.num_experts_per_tok) if self.config.enable_return_routed_experts else None
-            block_shape = (self.num_kvcache_blocks + 1, self.block_size, c.num_key_value_heads, c.head_dim)
+            block_shape = (self.num_kvcache_blocks + 1, self.block_size, self.num_local_kv_heads, c.head_dim)
             self.kv_storage = KVCacheStorage(self.device, len(layers), block_shape, self.kv_dtype, routing)
         # The pure-torch path needs zeros: its masked-out slots enter SDPA multiplied by 0, and NaN garbage would
         # survive that. The Triton kernels load only slots below each sequence's length, all written before any read
@@ -195,11 +206,19 @@ class ModelRunner:
         self.decode_graphs = self.prefill_graphs = None
 
     @every_rank
-    def unpark_graphs(self) -> None:
-        """After a resume of the weights and KV cache: the parked graphs back if those came back where they were."""
+    def unpark_graphs(self) -> tuple[bool, bool]:
+        """After a resume of the weights and KV cache: the parked graphs back if those came back where they were.
+        Returns which of (decode, prefill) graphs this rank now holds: the ranks of a sharded engine must agree, as
+        a graph captured on one rank only would leave the others out of its collectives (`drop_graphs`)."""
         addresses = self._baked_addresses()
         self.decode_graphs = self.parked_graphs.take(addresses) or self.decode_graphs
         self.prefill_graphs = self.parked_prefill_graphs.take(addresses) or self.prefill_graphs
+        return self.decode_graphs is not None, self.prefill_graphs is not None
+
+    @every_rank
+    def drop_graphs(self) -> None:
+        """Forget the decode and prefill graphs (the next steps capture anew, on every rank together)."""
+        self.decode_graphs = self.prefill_graphs = None
 
     @every_rank
     def clear_parked_graphs(self) -> None:
@@ -210,12 +229,19 @@ class ModelRunner:
         return baked_addresses(self.model, self.kv_cache, self.routed_experts)
 
     def read_routed_experts(self, block_table: list[int], num_positions: int) -> np.ndarray:
-        """The routing recorded for positions [0, num_positions) of a sequence holding `block_table`:
-        [num_positions, num_moe_layers, top_k] int32 (one host sync)."""
+        """The routing recorded for positions [0, num_positions) of a sequence holding `block_table`, in SGLang's
+        layout: [num_positions, num_hidden_layers, top_k] int32, zeros in the dense layers' rows (SGLang's capture
+        buffer is zero-filled and only MoE layers write it; the cache here holds the MoE layers only). One host sync."""
         positions = np.arange(num_positions)
         slots = np.asarray(block_table, dtype=np.int64)[positions // self.block_size] * self.block_size
         slots += positions % self.block_size
-        return self.routed_experts[self.staging.to_device(slots)].cpu().numpy()
+        moe_rows = self.routed_experts[self.staging.to_device(slots)].cpu().numpy()
+        c = self.model_config
+        if len(c.moe_layers) == c.num_hidden_layers:
+            return moe_rows
+        rows = np.zeros((num_positions, c.num_hidden_layers, moe_rows.shape[-1]), dtype=np.int32)
+        rows[:, list(c.moe_layers)] = moe_rows
+        return rows
 
     @every_rank
     def release_weights(self, discard_names: set[str] | None = None) -> None:
@@ -237,8 +263,9 @@ class ModelRunner:
         self.host_weights.loaded(load_weights(self.model, named_tensors))
 
     def load_checkpoint_dir(self, model_path: str) -> None:
-        """Every weight from a checkpoint folder (each rank reads it and keeps its shard), or a ValueError."""
-        load_checkpoint(self.model, model_path)
+        """Every weight from a checkpoint folder (each rank reads it and keeps its shard), or a ValueError. A
+        trainer's folder carries no router correction bias (a buffer, never sent): the loaded one stays."""
+        load_checkpoint(self.model, model_path, require_buffers=False)
         self.host_weights.loaded(set(self.host_weights.missing))
 
     def _empty_device_cache(self) -> None:

@@ -72,11 +72,11 @@ class PrefillGraphs:
         max_size = self.sizes[-1]
         self.token_inputs = torch.zeros(3, max_size, dtype=torch.int64, device=parameter.device)
         self.input_ids, self.positions, self.slot_mapping = self.token_inputs
-        q_size = config.num_attention_heads * config.head_dim
+        num_heads = self.layers[0].self_attn.num_heads  # this rank's q heads (all of them at tp_size 1)
+        q_size = num_heads * config.head_dim
         # Shared by every layer and bucket: a piece writes q, the eager attention reads it and writes `attended`,
         # which the next piece reads (zeros at first: the padded rows' values are never read, but stay finite).
-        self.q = torch.zeros(max_size, config.num_attention_heads, config.head_dim, dtype=parameter.dtype,
-                             device=parameter.device)
+        self.q = torch.zeros(max_size, num_heads, config.head_dim, dtype=parameter.dtype, device=parameter.device)
         self.attended = torch.zeros(max_size, q_size, dtype=parameter.dtype, device=parameter.device)
         self.buckets: dict[int, _Bucket] = {}
         self.pool = None  # one memory pool for every piece of every bucket: they run one at a time, in order

@@ -16,8 +16,8 @@ class RequestOutput:
     """rid, prompt_token_ids, output_token_ids, output_log_probs (one per output token, under logits / T), text,
     finished, finish_reason ({"type": "stop"|"length"|"abort", plus "matched" | "length" | "message"} or None while
     running), num_cached_tokens (prompt tokens served by the prefix cache), weight_version, routed_experts (a finished
-    request's MoE routing [len(tokens) - 1, num_moe_layers, top_k] int32 numpy array when it asked for it, else
-    None)."""
+    request's MoE routing [len(tokens) - 1, num_hidden_layers, top_k] int32 numpy array, SGLang's layout with zeros
+    in the dense layers' rows, when it asked for it, else None)."""
 
     __slots__ = (
         "rid", "finished", "finish_reason", "num_cached_tokens", "weight_version", "routed_experts", "_text",

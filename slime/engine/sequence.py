@@ -46,7 +46,7 @@ class Sequence:
         # a NaN log-prob). The scheduler reserves the slot (look_ahead) and fills it (postprocess).
         self.has_placeholder = False
         # MoE routing of every computed position, read from the cache slots when the sequence finishes
-        # ([num_positions, num_moe_layers, top_k] int32 array; None unless return_routed_experts).
+        # ([num_positions, num_hidden_layers, top_k] int32 array, SGLang layout; None unless return_routed_experts).
         self.return_routed_experts = False
         self.routed_experts = None
         # Set by Scheduler.add, so a step checks each token in O(1): the length at which max_new_tokens or

@@ -136,7 +136,7 @@ def _routed_experts_of(sample: Sample):
                          "slime.rollout.routed_experts.store_routed_experts)")
     if routed.ndim != 3 or len(routed) != len(sample.tokens) - 1:
         raise ValueError(f"{name}: rollout_routed_experts has shape {tuple(routed.shape)}, expected "
-                         f"[len(tokens) - 1 = {len(sample.tokens) - 1}, num_moe_layers, top_k]")
+                         f"[len(tokens) - 1 = {len(sample.tokens) - 1}, num_hidden_layers, top_k]")
     return routed
 
 

@@ -1,8 +1,10 @@
 """The MoE routing a rollout engine returns with `return_routed_experts` (SGLang's form, spec section 12):
-`meta_info["routed_experts"]`, base64 of int32 [len(tokens) - 1 - routed_experts_start_len, num_moe_layers, top_k],
-one row per position that went through a forward (prompt and generated tokens but the last). Decoded into
-`Sample.rollout_routed_experts` ([len(tokens) - 1, num_moe_layers, top_k] int32 numpy), which --use-rollout-routing-
-replay (R3) replays in the trainer. A continuation asks only for the rows after those the sample already holds.
+`meta_info["routed_experts"]`, base64 of int32 [len(tokens) - 1 - routed_experts_start_len, num_hidden_layers,
+top_k], one row per position that went through a forward (prompt and generated tokens but the last), an entry for
+EVERY decoder layer (the dense layers' entries zeros: SGLang's layout, so real SGLang and the built-in engine are
+interchangeable). Decoded into `Sample.rollout_routed_experts` ([len(tokens) - 1, num_hidden_layers, top_k] int32
+numpy), which --use-rollout-routing-replay (R3) replays in the trainer, reading the MoE layers' entries by layer
+index. A continuation asks only for the rows after those the sample already holds.
 
 Not the request itself (sglang_rollout.sample_continuation) and not the replay (slime/backends/routing_replay.py).
 """
@@ -43,7 +45,8 @@ def store_routed_experts(args, sample: Sample, meta_info: dict, start_len: int) 
     expected_rows = len(sample.tokens) - 1 - start_len
     if rows.size != expected_rows * num_layers * top_k:
         raise ValueError(f"{name}: routed_experts holds {rows.size} ids, expected {expected_rows} positions x "
-                         f"{num_layers} MoE layers x top-{top_k} (len(tokens) - 1 - routed_experts_start_len = "
+                         f"{num_layers} decoder layers x top-{top_k} (SGLang's layout; len(tokens) - 1 - "
+                         f"routed_experts_start_len = "
                          f"{len(sample.tokens)} - 1 - {start_len})")
     rows = rows.reshape(expected_rows, num_layers, top_k).astype(np.int32)
     held = sample.rollout_routed_experts[:start_len] if sample.rollout_routed_experts is not None else rows[:0]

@@ -50,7 +50,7 @@ def _encodable(row: dict, as_json: bool) -> dict:
 
 def _decoded(row: dict) -> dict:
     """A dumped sample's dict with R3's routing (a tensor in a torch file, nested lists in JSON) as the int32 numpy
-    array the rollout made ([len(tokens) - 1, num_moe_layers, top_k])."""
+    array the rollout made ([len(tokens) - 1, num_hidden_layers, top_k])."""
     routing = row.get("rollout_routed_experts")
     if routing is None or isinstance(routing, np.ndarray):
         return row

@@ -1,5 +1,6 @@
 """Build tiny Hugging Face checkpoints offline: a byte-level BPE tokenizer with a chat template and a small
-random-init Qwen2 / Qwen3 / Llama, or mixture-of-experts Qwen3-MoE / Qwen2-MoE, model saved as safetensors.
+random-init Qwen2 / Qwen3 / Llama / GLM-4, or mixture-of-experts Qwen3-MoE / Qwen2-MoE / GLM-4.5, model saved as
+safetensors.
 
 Used by the quickstart and by tests; nothing here downloads anything. Not a model zoo: sizes are for CPU runs.
 """
@@ -70,13 +71,27 @@ TINY_MOE_SHAPES = {
     "qwen3_moe": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True),
     "qwen2_moe": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=False,
                       shared_expert_intermediate_size=64),
+    # 3 layers, the first dense; one ungated shared expert; random correction biases (build_tiny_model)
+    "glm4_moe": dict(n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True,
+                     n_shared_experts=1, first_k_dense_replace=1, num_hidden_layers=3, routed_scaling_factor=2.5,
+                     attention_bias=True, use_qk_norm=False, num_nextn_predict_layers=0),
 }
+CORRECTION_BIAS_STD = 0.1  # the tiny GLM-4.5's e_score_correction_bias: large enough to change some choices
 
 
 def tiny_config(arch: str = "qwen3", vocab_size: int = 512, **overrides):
-    """A small transformers config of the given architecture (qwen2, qwen3, llama, qwen3_moe, qwen2_moe). The MoE
-    ones have 8 experts, 2 per token, experts of intermediate size 32 (Qwen2-MoE: plus a shared expert of 64)."""
-    from transformers import LlamaConfig, Qwen2Config, Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig
+    """A small transformers config of the given architecture (qwen2, qwen3, llama, glm4, qwen3_moe, qwen2_moe,
+    glm4_moe). The MoE ones have 8 experts, 2 per token, experts of intermediate size 32 (Qwen2-MoE: plus a shared
+    expert of 64; GLM-4.5: 3 layers, the first dense, one shared expert of 32)."""
+    from transformers import (
+        Glm4Config,
+        Glm4MoeConfig,
+        LlamaConfig,
+        Qwen2Config,
+        Qwen2MoeConfig,
+        Qwen3Config,
+        Qwen3MoeConfig,
+    )
 
     common = dict(
         vocab_size=vocab_size,
@@ -108,7 +123,11 @@ def tiny_config(arch: str = "qwen3", vocab_size: int = 512, **overrides):
     if arch == "llama":
         common.setdefault("head_dim", common["hidden_size"] // common["num_attention_heads"])
         return LlamaConfig(**common)
-    raise ValueError(f"unknown tiny architecture {arch!r}; choose qwen2, qwen3, llama, qwen3_moe or qwen2_moe")
+    if arch in ("glm4", "glm4_moe"):
+        common.setdefault("head_dim", common["hidden_size"] // common["num_attention_heads"])
+        return (Glm4Config if arch == "glm4" else Glm4MoeConfig)(**common)
+    raise ValueError(f"unknown tiny architecture {arch!r}; choose qwen2, qwen3, llama, glm4, qwen3_moe, qwen2_moe or "
+                     "glm4_moe")
 
 
 def build_tiny_model(
@@ -138,6 +157,10 @@ def build_tiny_model(
     )
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for name, buffer in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # zeros at init: the bias would not be exercised
+                buffer.normal_(std=CORRECTION_BIAS_STD)
     kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
     model.save_pretrained(out_dir, safe_serialization=True, **kwargs)
     generation_config = {"eos_token_id": tokenizer.eos_token_id, "pad_token_id": tokenizer.pad_token_id}

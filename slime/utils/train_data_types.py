@@ -47,7 +47,8 @@ class TrainData(TypedDict, total=False):
     teacher_log_probs: list[list[float]]
     """On-policy distillation teacher's log-prob of each response token (present when every sample has them)."""
     rollout_routed_experts: list[Any]
-    """R3: per sample an int32 array [len(tokens) - 1, num_moe_layers, top_k] of the engine's expert ids."""
+    """R3: per sample an int32 array [len(tokens) - 1, num_hidden_layers, top_k] of the engine's expert ids
+    (SGLang's layout: every decoder layer, dense layers zeros)."""
     rollout_id: int
     """The rollout step this data belongs to."""
     num_steps_per_rollout: int

@@ -219,3 +219,13 @@ def test_load_balancing_loss_matches_its_definition_and_transformers():
     per_sample = (load_balancing_loss(probs[:4], ids[:4], NUM_EXPERTS) + load_balancing_loss(probs[4:], ids[4:],
                                                                                           NUM_EXPERTS)) / 2
     torch.testing.assert_close(sequence_load_balancing_loss(probs, ids, NUM_EXPERTS, [4, 6]), per_sample)
+
+
+def test_pack_routing_reads_the_moe_layers_of_an_sglang_layout_record():
+    """A record with an entry per decoder layer (layer 0 dense: zeros) packs to the MoE layers' entries."""
+    record = np.stack([np.zeros((4, 2)), np.full((4, 2), 3), np.full((4, 2), 1)], axis=1).astype(np.int32)
+    packed = pack_routing([record], [5], ["sample 3"], 2, 2, 4, layer_indices=(1, 2), num_hidden_layers=3)
+    assert packed.shape == (5, 2, 2)
+    assert (packed[:4, 0] == 3).all() and (packed[:4, 1] == 1).all() and (packed[4] == -1).all()
+    with pytest.raises(ValueError, match=r"expected \(4, 3, 2\) \(len\(tokens\) - 1, decoder layers, top-k\)"):
+        pack_routing([record[:, 1:]], [5], ["sample 3"], 2, 2, 4, layer_indices=(1, 2), num_hidden_layers=3)

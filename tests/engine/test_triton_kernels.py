@@ -162,6 +162,44 @@ def test_qkv_rope_store_equals_norm_rope_and_cache_writes(dtype, qk_norm):
     assert (flat_k[untouched] == 7).all() and (flat_v[untouched] == 7).all()
 
 
+@pytest.mark.parametrize("rotary_dim, interleaved", [(16, True), (16, False), (8, True), (24, False), (32, True)],
+                         ids=["glm4", "glm45", "quarter_interleaved", "three_quarters", "whole_interleaved"])
+@pytest.mark.parametrize("qk_norm", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float32] + ([torch.bfloat16] if DEVICE == "cuda" else []))
+def test_partial_and_interleaved_rope_match_torch_rotary(dtype, qk_norm, rotary_dim, interleaved):
+    """GLM's RoPE in the fused kernels: only the first rotary_dim dims of a head rotate, adjacent pairs (GLM-4) or
+    rotate-half pairs (GLM-4.5), the rest pass; norm_rope equals rotary.py's torch path, and qkv_rope_store equals
+    norm_rope plus the cache writes bit for bit."""
+    generator = torch.Generator().manual_seed(0)
+    num_heads, num_kv_heads, head_dim = 6, 2, 32
+    tolerance = {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 2e-2, "rtol": 2e-2}
+    rotary = RotaryEmbedding(head_dim, 64, 10000.0, rotary_dim=rotary_dim, interleaved=interleaved).to(DEVICE)
+    assert rotary.cos.shape == (64, rotary_dim)
+    qkv = torch.randn(5, (num_heads + 2 * num_kv_heads) * head_dim, generator=generator).to(DEVICE, dtype)
+    positions = torch.tensor([0, 3, 63, 7, 7], device=DEVICE)
+    slots = torch.tensor([9, 0, 4, 15, 2], device=DEVICE)
+    norms = [RMSNorm(head_dim, 1e-6).to(DEVICE, dtype) for _ in range(2)]
+    for norm in norms:
+        norm.weight.data = torch.rand(head_dim, generator=generator).to(DEVICE, dtype) + 0.5
+    weights = (norms[0].weight, norms[1].weight) if qk_norm else (None, None)
+    q_in, k_in, v_in = (x.view(5, -1, head_dim) for x in qkv.split(
+        [num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=1))
+    for x, norm, weight in ((q_in, norms[0], weights[0]), (k_in, norms[1], weights[1])):
+        expected = rotary.rotate(positions, norm(x) if qk_norm else x)
+        got = norm_rope(x, weight, 1e-6, rotary.cos, rotary.sin, positions, interleaved=interleaved)
+        torch.testing.assert_close(got, expected, **tolerance)
+        assert torch.equal(got[..., rotary_dim:], expected[..., rotary_dim:]) or qk_norm  # the passing dims
+    k_cache = torch.full((4, 4, num_kv_heads, head_dim), 7.0, dtype=dtype, device=DEVICE)
+    v_cache = k_cache.clone()
+    q = qkv_rope_store(qkv, *weights, 1e-6, rotary.cos, rotary.sin, positions, slots, k_cache, v_cache, num_heads,
+                       interleaved=interleaved)
+    assert torch.equal(q, norm_rope(q_in, weights[0], 1e-6, rotary.cos, rotary.sin, positions, interleaved))
+    flat_k, flat_v = k_cache.view(16, num_kv_heads, head_dim), v_cache.view(16, num_kv_heads, head_dim)
+    assert torch.equal(flat_k[slots], norm_rope(k_in, weights[1], 1e-6, rotary.cos, rotary.sin, positions,
+                                                interleaved))
+    assert torch.equal(flat_v[slots], v_in)
+
+
 # The Triton interpreter (3.9 here) rounds to fp8 wrongly where rounding up crosses a power of two (1.96 -> 1.0).
 @pytest.mark.skipif(DEVICE != "cuda", reason="needs CUDA: the Triton interpreter's fp8 rounding is wrong")
 @pytest.mark.parametrize("cache_dtype", [torch.float8_e4m3fn, torch.float8_e5m2], ids=["e4m3", "e5m2"])
@@ -269,13 +307,16 @@ def test_draws_follow_the_softmax(sampler):
     assert ((counts - expected).abs() <= 4.5 * standard_error).all(), (counts, expected)
 
 
-def test_engine_triton_path_matches_torch_path(tmp_path):
-    """The whole engine with Triton attention metadata (chunked prefill, prefix-cache hits, decode) gives the
-    torch path's greedy tokens and log-probs."""
+@pytest.mark.parametrize("arch", ["qwen3", "glm4", "glm4_moe"])
+def test_engine_triton_path_matches_torch_path(tmp_path, arch):
+    """The whole engine with Triton attention metadata and fused kernels (chunked prefill, prefix-cache hits,
+    decode) gives the torch path's greedy tokens and log-probs; GLM-4 / GLM-4.5 with their partial RoPE (and
+    GLM-4.5's q/k norm) inside the fused attention input stage."""
     from slime.engine.engine import Engine
     from slime.utils.tiny_model import build_tiny_model
 
-    path = build_tiny_model(tmp_path / "qwen3", arch="qwen3", initializer_range=0.2)
+    extra = {"use_qk_norm": True} if arch == "glm4_moe" else {}
+    path = build_tiny_model(tmp_path / arch, arch=arch, initializer_range=0.2, **extra)
     prompts = [list(range(3, 30)), list(range(3, 21)), [7, 8, 9]]
     params = {"temperature": 0.0, "max_new_tokens": 6, "ignore_eos": True}
     outputs = []
@@ -290,6 +331,7 @@ def test_engine_triton_path_matches_torch_path(tmp_path):
             enforce_eager=True,
         )
         engine.model_runner.set_use_triton(use_triton)
+        assert all(layer.self_attn.use_triton == use_triton for layer in engine.model_runner.model.model.layers)
         outputs.append(engine.generate(prompts, params) + engine.generate(prompts[:1], params))
     for torch_output, triton_output in zip(*outputs):
         assert triton_output["output_ids"] == torch_output["output_ids"]

@@ -99,7 +99,8 @@ def install_routers(model_chunks, hf_config) -> RoutingReplay | None:
                 routers[moe_layers.index(layer_offset + index)] = layer.mlp.router
     config = model_chunks[0].config
     replay = MegatronRoutingReplay(len(moe_layers), config.moe_router_topk, config.num_moe_experts,
-                                   local_layers=sorted(routers), sequence_parallel=config.sequence_parallel)
+                                   local_layers=sorted(routers), sequence_parallel=config.sequence_parallel,
+                                   layer_indices=moe_layers, num_hidden_layers=hf_config.num_hidden_layers)
     for layer, router in routers.items():
         router.router_replay = _ReplayedTopK(replay, layer)
     return replay

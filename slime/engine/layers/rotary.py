@@ -1,8 +1,13 @@
-"""Rotary position embedding (rotate-half convention of HF Llama / Qwen), with the "llama3" frequency scaling.
+"""Rotary position embedding (rotate-half convention of HF Llama / Qwen), with the "llama3" frequency scaling, and
+the partial variants of the GLM families: only the first `rotary_dim` dims of a head rotate (GLM-4 / GLM-4.5:
+half the head), as rotate-half pairs (i, i + rotary_dim / 2) (GLM-4.5, NeoX style) or as adjacent pairs (2i, 2i + 1)
+(`interleaved`, GLM-4 dense, GPT-J style); the remaining dims pass unchanged.
 
-The cos/sin table is precomputed for max_position_embeddings positions and indexed by each token's position, so
-any mix of prefill chunks and decode tokens is handled by one gather. Other rope scaling types are rejected by
-`slime.engine.models.model_config`, not here.
+The cos/sin table is precomputed for max_position_embeddings positions, in the layout of the pairs (halves repeated
+for rotate-half, each frequency twice in a row for interleaved), and indexed by each token's position, so any mix
+of prefill chunks and decode tokens is handled by one gather. Other rope scaling types are rejected by
+`slime.engine.models.model_config`, not here. The fused Triton kernels (`triton_fused.qkv_rope_store`) read the same
+tables (their width is the rotary dims) and compute the same rotations.
 """
 
 from __future__ import annotations
@@ -29,13 +34,19 @@ def llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
 
 
 class RotaryEmbedding(nn.Module):
-    def __init__(self, head_dim: int, max_position: int, theta: float, scaling: dict | None = None):
+    def __init__(self, head_dim: int, max_position: int, theta: float, scaling: dict | None = None,
+                 rotary_dim: int | None = None, interleaved: bool = False):
         super().__init__()
-        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+        rotary_dim = head_dim if rotary_dim is None else rotary_dim
+        if rotary_dim % 2 or not 0 < rotary_dim <= head_dim:
+            raise ValueError(f"rotary dims {rotary_dim}: must be even and in (0, head_dim={head_dim}] "
+                             "(config.json partial_rotary_factor * head_dim)")
+        self.head_dim, self.rotary_dim, self.interleaved = head_dim, rotary_dim, interleaved
+        inv_freq = 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.int64).float() / rotary_dim))
         if scaling is not None:
             inv_freq = llama3_inv_freq(inv_freq, scaling)
         freqs = torch.outer(torch.arange(max_position, dtype=torch.float32), inv_freq)
-        emb = torch.cat((freqs, freqs), dim=-1)
+        emb = freqs.repeat_interleave(2, dim=-1) if interleaved else torch.cat((freqs, freqs), dim=-1)
         self.register_buffer("cos", emb.cos(), persistent=False)
         self.register_buffer("sin", emb.sin(), persistent=False)
         self._positions: torch.Tensor | None = None
@@ -51,12 +62,18 @@ class RotaryEmbedding(nn.Module):
         if positions is not self._positions:
             self._positions = positions
             self._cos_sin = self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
-        return _apply(x, *self._cos_sin)
+        if self.rotary_dim == x.shape[-1]:
+            return _apply(x, *self._cos_sin, self.interleaved)
+        rotating, passing = x.split([self.rotary_dim, x.shape[-1] - self.rotary_dim], dim=-1)
+        return torch.cat((_apply(rotating, *self._cos_sin, self.interleaved), passing), dim=-1)
 
 
-def _apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def _apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool = False) -> torch.Tensor:
     dtype = x.dtype
     x = x.float()
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    if interleaved:  # pairs (2i, 2i + 1): (-x[2i + 1], x[2i]) in place of each pair
+        rotated = torch.stack((-x[..., 1::2], x[..., 0::2]), dim=-1).flatten(-2)
+    else:
+        half = x.shape[-1] // 2
+        rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return (x * cos + rotated * sin).to(dtype)

@@ -1,11 +1,17 @@
 """Pre-norm decoder-only transformer covering Qwen2/Qwen2.5 (qkv bias), Qwen3 (per-head q/k RMSNorm), Llama 3
-(llama3 RoPE scaling) and the mixture-of-experts Qwen3-MoE / Qwen2-MoE (sparse feed-forward blocks in the layers
-`ModelConfig.moe_layers` names, `moe_block.py`): they differ only in the flags of `ModelConfig`.
+(llama3 RoPE scaling), the mixture-of-experts Qwen3-MoE / Qwen2-MoE (sparse feed-forward blocks in the layers
+`ModelConfig.moe_layers` names, `moe_block.py`), GLM-4 (sandwich norms, interleaved partial RoPE) and GLM-4.5
+(partial RoPE, sigmoid-router blocks, `sigmoid_moe_block.py`): they differ only in the flags of `ModelConfig`.
 
 Module names follow Hugging Face's (model.layers.N.self_attn..., lm_head) except that q/k/v are fused into
 `qkv_proj` and gate/up into `gate_up_proj`; `weight_loader.py` is the one place that maps HF names onto them.
 Input is a flat batch of tokens (no padding) with their positions and an `AttentionMetadata`; the model knows
 nothing of scheduling or sampling.
+
+Built with a `ParallelState` of tp_size N, the model is rank tp_rank's shard of an N-rank engine (engine/parallel/):
+attention by heads (its KV cache holds only the rank's K/V heads), MLPs by their intermediate dimension, the
+vocabulary by rows, MoE experts by EP block and intermediate slice; every rank computes the full logits, equal to
+the one-device model's. A layout that does not divide is refused when the model is built.
 """
 
 from __future__ import annotations
@@ -19,18 +25,27 @@ from slime.engine.layers.rotary import RotaryEmbedding
 from slime.engine.models.dense_mlp import DenseMLP
 from slime.engine.models.model_config import ModelConfig
 from slime.engine.models.moe_block import SparseMoeBlock
+from slime.engine.models.sigmoid_moe_block import SigmoidMoeBlock
+from slime.engine.parallel.linear import QKVParallelLinear, RowParallelLinear
+from slime.engine.parallel.state import SINGLE, ParallelState, divide, head_shard
+from slime.engine.parallel.vocab import ParallelLMHead, VocabParallelEmbedding
 
 
 class DecoderAttention(nn.Module):
-    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding):
+    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding, parallel: ParallelState = SINGLE):
         super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
+        self.qkv_proj = QKVParallelLinear(config.hidden_size, self.head_dim, config.num_attention_heads,
+                                          config.num_key_value_heads, config.qkv_bias, parallel)
+        # this rank's heads (all of them at tp_size 1)
+        self.num_heads = self.qkv_proj.shard.num_heads
+        self.num_kv_heads = self.qkv_proj.shard.num_kv_heads
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.qkv_bias)
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.o_proj_bias)
+        self.o_proj = RowParallelLinear(config.num_attention_heads * self.head_dim, config.hidden_size,
+                                        config.o_proj_bias, parallel, what="num_attention_heads",
+                                        input_start=self.qkv_proj.shard.q_start * self.head_dim,
+                                        local_input_size=self.q_size)
         if config.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
@@ -52,7 +67,7 @@ class DecoderAttention(nn.Module):
             q_weight, k_weight = (self.q_norm.weight, self.k_norm.weight) if self.qk_norm else (None, None)
             eps = self.q_norm.eps if self.qk_norm else 0.0
             return qkv_rope_store(qkv, q_weight, k_weight, eps, rotary.cos, rotary.sin, positions, slot_mapping,
-                                  self.attn.k_cache, self.attn.v_cache, self.num_heads, q_out)
+                                  self.attn.k_cache, self.attn.v_cache, self.num_heads, q_out, rotary.interleaved)
         v = qkv[:, self.q_size + self.kv_size :].view(-1, self.num_kv_heads, self.head_dim)
         # q and k heads side by side: their norms and the rotation run once for both (fewer ops per layer).
         qk = qkv[:, : self.q_size + self.kv_size].view(-1, self.num_heads + self.num_kv_heads, self.head_dim)
@@ -69,13 +84,20 @@ class DecoderAttention(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding, layer_index: int):
+    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding, layer_index: int,
+                 parallel: ParallelState = SINGLE):
         super().__init__()
         self.is_sparse = layer_index in config.moe_layers
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = DecoderAttention(config, rotary)
+        self.self_attn = DecoderAttention(config, rotary, parallel)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = SparseMoeBlock(config) if self.is_sparse else DenseMLP(config.hidden_size, config.intermediate_size)
+        sparse_block = SigmoidMoeBlock if config.router == "sigmoid" else SparseMoeBlock
+        self.mlp = (sparse_block(config, parallel) if self.is_sparse
+                    else DenseMLP(config.hidden_size, config.intermediate_size, parallel))
+        self.sandwich_norms = config.sandwich_norms
+        if config.sandwich_norms:  # GLM-4: each sub-layer's output normed before its residual add
+            self.post_self_attn_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+            self.post_mlp_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def input_norm(self, hidden: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """hidden: the previous sub-layer's output (the embeddings for the first layer, with residual None);
@@ -88,8 +110,11 @@ class DecoderLayer(nn.Module):
                      slot_mapping: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """After the attention (its o_proj output): the MLP's output and the residual stream it must be added to.
         Each add is fused with the norm after it."""
+        if self.sandwich_norms:
+            attention_out = self.post_self_attn_layernorm(attention_out)
         normed, residual = self.post_attention_layernorm.add_and_norm(attention_out, residual)
-        return (self.mlp(normed, slot_mapping) if self.is_sparse else self.mlp(normed)), residual
+        out = self.mlp(normed, slot_mapping) if self.is_sparse else self.mlp(normed)
+        return (self.post_mlp_layernorm(out) if self.sandwich_norms else out), residual
 
     def forward(
         self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None, meta: AttentionMetadata
@@ -99,13 +124,14 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderModel(nn.Module):
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, parallel: ParallelState = SINGLE):
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, parallel)
         self.rotary = RotaryEmbedding(
-            config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling
+            config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling,
+            rotary_dim=config.rotary_dim or None, interleaved=config.rope_interleaved,
         )
-        self.layers = nn.ModuleList(DecoderLayer(config, self.rotary, index)
+        self.layers = nn.ModuleList(DecoderLayer(config, self.rotary, index, parallel)
                                     for index in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -121,11 +147,13 @@ class DecoderModel(nn.Module):
 
 
 class DecoderForCausalLM(nn.Module):
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, parallel: ParallelState = SINGLE):
         super().__init__()
+        check_parallel_layout(config, parallel)
         self.config = config
-        self.model = DecoderModel(config)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.parallel = parallel
+        self.model = DecoderModel(config, parallel)
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, parallel)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
@@ -147,6 +175,29 @@ class DecoderForCausalLM(nn.Module):
     def attention_layers(self) -> list[PagedAttention]:
         return [layer.self_attn.attn for layer in self.model.layers]
 
-    def moe_blocks(self) -> list[SparseMoeBlock]:
+    def moe_blocks(self) -> list[SparseMoeBlock | SigmoidMoeBlock]:
         """The sparse blocks in layer order (empty for a dense model): index i is routed-experts layer i."""
         return [layer.mlp for layer in self.model.layers if layer.is_sparse]
+
+
+def check_parallel_layout(config: ModelConfig, parallel: ParallelState) -> None:
+    """Refuse, naming the flag and the checkpoint's config field, a --tp-size / --ep-size this model cannot be split
+    over (heads, K/V heads, intermediate sizes and experts must divide)."""
+    tp, ep = parallel.tp_size, parallel.ep_size
+    head_shard(config.num_attention_heads, config.num_key_value_heads, parallel)
+    if len(config.moe_layers) < config.num_hidden_layers:
+        divide(config.intermediate_size, tp, "intermediate_size")
+    if not config.is_moe:
+        if ep > 1:
+            raise ValueError(f"--ep-size {ep} (engine Config.ep_size) splits MoE experts, but this "
+                             f"{config.model_type} model is dense; use --ep-size 1")
+        return
+    if config.num_experts % ep:
+        raise ValueError(f"num_experts ({config.num_experts}) is not divisible by --ep-size {ep} (engine "
+                         "Config.ep_size); choose an --ep-size that divides it")
+    if config.moe_intermediate_size % parallel.moe_tp_size:
+        raise ValueError(f"moe_intermediate_size ({config.moe_intermediate_size}) is not divisible by --tp-size "
+                         f"{tp} / --ep-size {ep} = {parallel.moe_tp_size}, the ranks that share each block of "
+                         "experts (engine Config.tp_size // Config.ep_size); choose sizes that divide it")
+    if config.shared_expert_intermediate_size:
+        divide(config.shared_expert_intermediate_size, tp, "shared_expert_intermediate_size")

@@ -10,6 +10,7 @@ import json
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from slime.engine.models.glm_config import GLM_MODEL_TYPES, glm_fields
 from slime.utils.moe_config import moe_layer_indices
 
 # model_type -> (HF architecture class name, has qkv bias by default, has per-head q/k RMSNorm)
@@ -19,8 +20,11 @@ SUPPORTED_MODEL_TYPES = {
     "llama": ("LlamaForCausalLM", False, False),
     "qwen3_moe": ("Qwen3MoeForCausalLM", False, True),
     "qwen2_moe": ("Qwen2MoeForCausalLM", True, False),
+    # GLM-4-0414 / GLM-Z1 and GLM-4.5 / 4.6 / 4.7: bias and q/k norm come from the config (glm_config.py)
+    "glm4": ("Glm4ForCausalLM", True, False),
+    "glm4_moe": ("Glm4MoeForCausalLM", False, False),
 }
-MOE_MODEL_TYPES = ("qwen3_moe", "qwen2_moe")
+MOE_MODEL_TYPES = ("qwen3_moe", "qwen2_moe")  # softmax routers; the GLM-4.5 family's are in glm_config.py
 
 
 @dataclass
@@ -50,6 +54,15 @@ class ModelConfig:
     norm_topk_prob: bool = False
     shared_expert_intermediate_size: int = 0  # Qwen2-MoE's shared expert; 0 = none
     moe_layers: tuple[int, ...] = ()  # indices of the layers whose feed-forward is sparse
+    # GLM families (glm_config.py); the defaults are Qwen / Llama's.
+    rotary_dim: int = 0  # dims of a head that rotate (the first ones); 0 = all of head_dim
+    rope_interleaved: bool = False  # rotary pairs (2i, 2i + 1) (GLM-4) instead of rotate-half
+    sandwich_norms: bool = False  # GLM-4: RMSNorm on the attention's and the MLP's outputs before each residual add
+    router: str = "softmax"  # "sigmoid": biased, group-limited sigmoid top-k (GLM-4.5, layers/grouped_router.py)
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
+    num_nextn_predict_layers: int = 0  # multi-token-prediction layers in the checkpoint (skipped on load)
 
     @property
     def is_moe(self) -> bool:
@@ -94,7 +107,7 @@ def parse_model_config(raw: dict) -> ModelConfig:
         raise ValueError(f"unsupported rope type {rope_type!r}; supported: default, llama3")
     num_heads = raw["num_attention_heads"]
     eos = raw.get("eos_token_id")
-    return ModelConfig(
+    fields = dict(
         model_type=model_type,
         vocab_size=raw["vocab_size"],
         hidden_size=raw["hidden_size"],
@@ -115,6 +128,9 @@ def parse_model_config(raw: dict) -> ModelConfig:
         eos_token_ids=[] if eos is None else ([eos] if isinstance(eos, int) else list(eos)),
         **(_moe_fields(raw) if model_type in MOE_MODEL_TYPES else {}),
     )
+    if model_type in GLM_MODEL_TYPES:
+        fields.update(glm_fields(raw, rope))
+    return ModelConfig(**fields)
 
 
 def _moe_fields(raw: dict) -> dict:

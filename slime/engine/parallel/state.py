@@ -52,17 +52,23 @@ class ParallelState:
         """The ranks' shards [..., d] concatenated in rank order along the last dimension: [..., tp_size * d]."""
         if self.tp_size == 1:
             return tensor
-        gathered = torch.empty((self.tp_size, *tensor.shape), dtype=tensor.dtype, device=tensor.device)
-        dist.all_gather_into_tensor(gathered, tensor.contiguous(), group=self.group)
+        # The ranks' tensors stacked along dim 0 ([tp_size * rows, ...]: gloo accepts no other output layout).
+        gathered = torch.empty((self.tp_size * tensor.shape[0], *tensor.shape[1:]), dtype=tensor.dtype,
+                               device=tensor.device)
+        _all_gather_single(gathered, tensor.contiguous(), group=self.group)
+        gathered = gathered.view(self.tp_size, *tensor.shape)
         return gathered.movedim(0, -2).reshape(*tensor.shape[:-1], self.tp_size * tensor.shape[-1])
 
 
 SINGLE = ParallelState()
+# torch 2.13 renames all_gather_into_tensor (and warns on the old name); older releases have only the old one.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 def divide(total: int, parts: int, what: str) -> int:
     if total % parts:
-        raise ValueError(f"{what} ({total}) is not divisible by --tp-size {parts}; choose a --tp-size that divides it")
+        raise ValueError(f"{what} ({total}) is not divisible by --tp-size {parts} (engine Config.tp_size); choose a "
+                         "--tp-size that divides it")
     return total // parts
 
 
@@ -86,7 +92,8 @@ def head_shard(num_heads: int, num_kv_heads: int, parallel: ParallelState) -> He
         local_kv = divide(num_kv_heads, tp, "num_key_value_heads")
         return HeadShard(local_q, local_kv, rank * local_q, rank * local_kv, 1)
     if tp % num_kv_heads:
-        raise ValueError(f"--tp-size {tp} is not a multiple of num_key_value_heads ({num_kv_heads}); with fewer K/V "
-                         "heads than ranks each head is replicated, which needs a whole number of copies")
+        raise ValueError(f"--tp-size {tp} (engine Config.tp_size) is not a multiple of num_key_value_heads "
+                         f"({num_kv_heads}); with fewer K/V heads than ranks each head is replicated, which needs a "
+                         "whole number of copies")
     replicas = tp // num_kv_heads
     return HeadShard(local_q, 1, rank * local_q, rank // replicas, replicas)
