@@ -20,7 +20,7 @@ import pytest
 from tests.e2e.test_train import read_metrics, run_train
 from tests.helpers.family_checkpoints import build_family_checkpoint, scaled_preset_flags
 
-pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]  # 80-130 s each on 2 cores (with the families' branches merged)
 pytest.importorskip("megatron.core")
 REPO = Path(__file__).resolve().parents[2]
 
