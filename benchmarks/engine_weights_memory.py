@@ -25,10 +25,12 @@ def free_device_memory(device: str) -> None:
 
 def bench_weight_update(engine, model_path: Path, device: str) -> dict:
     """`update_weights_from_tensors` with the full state dict, from tensors already on the engine's device (what
-    a colocated trainer hands over by CUDA IPC)."""
-    from slime.engine.models.weight_loader import iterate_checkpoint
+    a colocated trainer hands over by CUDA IPC): every parameter, not the router's correction-bias buffers (GLM-4.5,
+    DeepSeek-V3), which no trainer sends and a push refuses."""
+    from slime.engine.models.weight_loader import LOADED_BUFFER_SUFFIXES, iterate_checkpoint
 
-    named_tensors = [(name, tensor.to(device)) for name, tensor in iterate_checkpoint(model_path)]
+    named_tensors = [(name, tensor.to(device)) for name, tensor in iterate_checkpoint(model_path)
+                     if not name.endswith(LOADED_BUFFER_SUFFIXES)]
     synchronize(device)
     started = time.perf_counter()
     engine.update_weights_from_tensors(named_tensors, weight_version="bench")

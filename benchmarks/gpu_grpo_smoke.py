@@ -9,6 +9,8 @@ last line.
     python benchmarks/gpu_grpo_smoke.py OUT_DIR --placement disaggregated --async   # train_async.py
     python benchmarks/gpu_grpo_smoke.py OUT_DIR --shape qwen3-30b-a3b-8l \
         --train-args='--use-rollout-routing-replay --get-mismatch-metrics'   # MoE with R3 (without: no flag)
+    python benchmarks/gpu_grpo_smoke.py OUT_DIR --shape moonlight-4l \
+        --train-args='--use-rollout-routing-replay --get-mismatch-metrics'   # MLA + grouped sigmoid router, R3
 
 The qwen3-0.6b shape is Qwen3-0.6B's (28 layers, hidden 1024, 151,936 embedding rows) with random weights and the
 quickstart's small tokenizer (ids past it decode to nothing), so nothing is downloaded; rewards are ~0, which
@@ -36,6 +38,14 @@ SHAPES = {
                              num_experts=64, num_experts_per_tok=8, norm_topk_prob=True, num_hidden_layers=8,
                              num_attention_heads=32, num_key_value_heads=4, head_dim=128,
                              max_position_embeddings=4096, embedding_size=151936, tie_word_embeddings=False),
+    # Moonlight-16B-A3B's layer shapes (MLA: 16 heads, q_lora null, kv_lora 512, nope 128 / rope 64 / v 128; 64
+    # experts top-6, 2 shared) cut to 4 of its 27 layers (1 dense + 3 MoE); the built-in engine's latent KV cache
+    "moonlight-4l": dict(arch="moonlight", hidden_size=2048, intermediate_size=11264, moe_intermediate_size=1408,
+                         n_routed_experts=64, num_experts_per_tok=6, n_shared_experts=2, num_hidden_layers=4,
+                         first_k_dense_replace=1, num_attention_heads=16, num_key_value_heads=16, kv_lora_rank=512,
+                         qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, max_position_embeddings=4096,
+                         embedding_size=163840, tie_word_embeddings=False),
+    "tiny-mla": dict(task_mod.MODEL_SHAPE, arch="deepseek_v3", num_key_value_heads=4),
     "tiny": dict(task_mod.MODEL_SHAPE),
     "tiny-moe": dict(task_mod.MODEL_SHAPE, arch="qwen3_moe"),
 }

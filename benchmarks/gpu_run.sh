@@ -127,6 +127,15 @@ Engine(str(path), device='cuda', dtype='bfloat16', max_num_seqs=256, max_model_l
     train_4b) python3 benchmarks/bench_train.py --model-shape qwen3-4b --micro-batch-size 2 ;;
     kernel_tests) python3 -m pytest -q tests/backends/fsdp_utils/test_backend_gpu.py tests/backends/test_triton_log_probs.py tests/backends/test_log_probs.py tests/engine/layers/test_paged_attention.py tests/engine/test_triton_kernels.py ;;
     bench_attention) python3 benchmarks/bench_paged_attention.py --sweep ;;
+    # The DeepSeek-V3 family: the MLA kernel and the engine on it (bf16, CUDA graphs), FSDP's packed flash path.
+    mla_gpu_tests) python3 -m pytest -q tests/engine/layers/test_triton_mla_decode.py tests/engine/models/test_deepseek_v3_cuda.py \
+                     tests/backends/fsdp_utils/test_deepseek_v3.py ;;
+    bench_mla_decode) python3 benchmarks/bench_mla_decode.py && python3 benchmarks/bench_mla_decode.py --sweep --iters 30 ;;
+    # Moonlight's layers cut to 4 (benchmarks/gpu_grpo_smoke.py's moonlight-4l): the engine against transformers generate
+    engine_moonlight) python3 -c "from benchmarks.gpu_grpo_smoke import SHAPES; from slime.utils.tiny_model import build_tiny_model; \
+s = dict(SHAPES['moonlight-4l']); build_tiny_model('/tmp/moonlight4l', arch=s.pop('arch'), **s)" &&
+                      python3 benchmarks/bench_engine.py --model-path /tmp/moonlight4l --workload w1 --device cuda --dtype bfloat16 ;;
+    grpo_moonlight_r3) grpo colocated --shape moonlight-4l --train-args='--use-rollout-routing-replay --get-mismatch-metrics' ;;
     bench_log_probs) python3 benchmarks/bench_log_probs.py ;;
     bench_varlen) python3 benchmarks/bench_varlen_attention.py --model-shape qwen3-4b ;;
     train_06b_c) python3 benchmarks/bench_train.py --model-shape qwen3-0.6b --compile-model --micro-batch-size 4 ;;

@@ -53,7 +53,7 @@ def main(argv=None) -> None:
 
     from slime.backends.megatron_utils.checkpoint import save_weights
     from slime.backends.megatron_utils.cpu_shim import apply_cpu_shim
-    from slime.backends.megatron_utils.hf_config import read_hf_config
+    from slime.backends.megatron_utils.hf_config import load_hf_config
     from slime.backends.megatron_utils.hf_weights import load_hf_weights
     from slime.backends.megatron_utils.model import build_gpt_model
     from slime.backends.megatron_utils.parallel import init_model_parallel
@@ -66,7 +66,7 @@ def main(argv=None) -> None:
     init_default_group(cpu, int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1)),
                        os.environ.get("MASTER_ADDR", "127.0.0.1"), int(os.environ.get("MASTER_PORT", find_free_port())))
     init_model_parallel(args, cpu)
-    hf_config = read_hf_config(args.hf_checkpoint)
+    hf_config = load_hf_config(args.hf_checkpoint)
     chunks = [build_gpt_model(args, hf_config, cpu)]
     load_hf_weights(chunks, args.hf_checkpoint, hf_config)
     folder = save_weights(args.save, chunks, args, hf_config)

@@ -54,7 +54,7 @@ def main(argv=None) -> None:
 
     from slime.backends.megatron_utils.checkpoint import load_model_weights
     from slime.backends.megatron_utils.cpu_shim import apply_cpu_shim
-    from slime.backends.megatron_utils.hf_config import read_hf_config
+    from slime.backends.megatron_utils.hf_config import load_hf_config
     from slime.backends.megatron_utils.hf_weights import save_hf_checkpoint
     from slime.backends.megatron_utils.model import build_gpt_model
     from slime.backends.megatron_utils.parallel import init_model_parallel
@@ -73,7 +73,7 @@ def main(argv=None) -> None:
     apply_cpu_shim()
     init_default_group(cpu, 0, 1, "127.0.0.1", find_free_port())
     init_model_parallel(layout, cpu)
-    hf_config = read_hf_config(source)
+    hf_config = load_hf_config(source)
     chunks = [build_gpt_model(layout, hf_config, cpu)]
     load_model_weights(opts.checkpoint, chunks)
     save_hf_checkpoint(chunks, hf_config, opts.output_dir, source)

@@ -52,10 +52,16 @@ def varlen_attention_forward(module, query, key, value, attention_mask, scaling=
 
 def packed_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
                             max_seqlen: int, scale: float) -> torch.Tensor:
-    """Causal attention within each packed sample: q [T, Hq, D], k/v [T, Hkv, D] (Hq a multiple of Hkv) ->
-    [T, Hq, D]. FlashAttention's varlen kernel where it runs, else length-bucketed padded sdpa (module docstring)."""
+    """Causal attention within each packed sample: q/k [T, Hq or Hkv, D], v [T, Hkv, Dv] (Hq a multiple of Hkv;
+    Dv may differ from D, as in multi-head latent attention: 192 vs 128 for DeepSeek-V3) -> [T, Hq, Dv].
+    FlashAttention's varlen kernel where it runs, else length-bucketed padded sdpa (module docstring)."""
     if varlen_supported(q.device):
-        return flash_varlen_causal(q.contiguous(), k.contiguous(), v.contiguous(), cu_seqlens, max_seqlen, scale)[0]
+        value_dim = v.shape[-1]
+        if value_dim != q.shape[-1]:  # one head dim for q, k and v in FlashAttention: zero columns change nothing
+            width = max(value_dim, q.shape[-1])
+            q, k, v = (F.pad(t, (0, width - t.shape[-1])) for t in (q, k, v))  # the scale stays the caller's
+        out = flash_varlen_causal(q.contiguous(), k.contiguous(), v.contiguous(), cu_seqlens, max_seqlen, scale)[0]
+        return out[..., :value_dim]
     return bucketed_causal_attention(q, k, v, cu_seqlens, scale)
 
 
@@ -80,7 +86,7 @@ def bucketed_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         out = F.scaled_dot_product_attention(*padded, is_causal=True, scale=scale,
                                              enable_gqa=q.shape[1] != k.shape[1])
         real = (offsets[None, :] < lengths[:, None]).flatten().nonzero().squeeze(1).to(q.device)
-        outputs.append(out.transpose(1, 2).reshape(-1, out.shape[1], out.shape[3])[real])  # [real tokens, H, D]
+        outputs.append(out.transpose(1, 2).reshape(-1, out.shape[1], out.shape[3])[real])  # [real tokens, H, Dv]
         order.append(positions.flatten()[real])
     # rows come in bucket order; the inverse permutation of their packed positions puts them back
     return torch.cat(outputs).index_select(0, torch.argsort(torch.cat(order)))

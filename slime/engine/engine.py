@@ -19,6 +19,7 @@ from slime.engine.block_manager import BlockManager
 from slime.engine.config import Config
 from slime.engine.engine_weights import EngineWeights
 from slime.engine.memory_tags import EngineMemoryReleasedError, EngineWeightsMissingError, memory_tags
+from slime.engine.mla_checks import check_mla_engine_config
 from slime.engine.model_runner import ModelRunner
 from slime.engine.models import load_model_config
 from slime.engine.models.glm_config import GLM_MODEL_TYPES
@@ -45,6 +46,7 @@ class Engine(EngineWeights, OverlappedStepping):
                              f"serve this {self.model_config.model_type} model with --tp-size 1")
         self.tokenizer = AutoTokenizer.from_pretrained(self.config.model)
         self.eos_token_ids = self._eos_token_ids()
+        check_mla_engine_config(self.config, self.model_config)
         self.ranks = None  # a sharded engine's other ranks (parallel/ranks.py)
         if self.config.tp_size > 1:
             self._start_ranks()

@@ -1,4 +1,4 @@
-"""Start-up self-checks of the engine's Triton kernels (and of torch's grouped_mm for MoE experts) on this machine:
+"""Start-up self-checks of the engine's Triton kernels (the MLA one included) (and of torch's grouped_mm for MoE experts) on this machine:
 each kernel family must import, compile and match its torch reference on a small case before the model runner uses
 it; any failure (no triton, a compile error, a wrong result) warns and keeps the torch path. Not a test suite:
 tests/engine/test_triton_kernels.py checks the kernels themselves.
@@ -45,6 +45,43 @@ def triton_attention_works(device: torch.device, kv_dtype: torch.dtype = torch.f
     # any failure (no triton, compile error, wrong result) means: use the torch path
     except Exception as error:  # noqa: BLE001
         warnings.warn(f"Triton paged attention unavailable ({type(error).__name__}: {error}); using the torch path",
+                      stacklevel=2)
+        return False
+
+
+def triton_mla_attention_works(device: torch.device, dtype: torch.dtype = torch.float32, num_heads: int = 4,
+                               latent_dim: int = 24, rope_dim: int = 8) -> bool:
+    """Whether the absorbed-MLA Triton kernel (triton_mla_decode.py) imports, compiles and matches SDPA here on a
+    prefill chunk over a cached prefix and on a decode step of two sequences, at the model's heads, latent and rope
+    dims and dtype (the kernel variants the model will run: a tile that does not fit the device fails here, not
+    mid-run); if not, warn and let the engine run the torch path."""
+    try:
+        import torch.nn.functional as F
+
+        from slime.engine.layers.triton_mla_decode import mla_attention
+
+        generator = torch.Generator(device=device).manual_seed(0)
+        row_dim = latent_dim + rope_dim
+        cache = torch.randn(2, 4, 1, row_dim, device=device, generator=generator).to(dtype)
+        for tables, query_lens, seq_lens in (([[1, 0]], [5], [8]), ([[1, 0], [0, 1]], [1, 1], [8, 6])):
+            q = torch.randn(sum(query_lens), num_heads, row_dim, device=device, generator=generator).to(dtype)
+            query_start_loc = torch.tensor([0, *np.cumsum(query_lens)], dtype=torch.int32, device=device)
+            out = mla_attention(q, cache, torch.tensor(tables, dtype=torch.int32, device=device), query_start_loc,
+                                torch.tensor(seq_lens, dtype=torch.int32, device=device), max(query_lens),
+                                row_dim**-0.5, latent_dim)
+            expected = []
+            for table, query_len, seq_len, start in zip(tables, query_lens, seq_lens, query_start_loc.tolist()):
+                rows = cache[table].reshape(-1, row_dim)[:seq_len].float()
+                positions = torch.arange(seq_len - query_len, seq_len, device=device)
+                mask = torch.arange(seq_len, device=device)[None, :] <= positions[:, None]
+                expected.append(F.scaled_dot_product_attention(
+                    q[start:start + query_len].float().transpose(0, 1), rows[None], rows[None, :, :latent_dim],
+                    attn_mask=mask, scale=row_dim**-0.5).transpose(0, 1))
+            tolerance = 1e-3 if dtype == torch.float32 else 3e-2
+            torch.testing.assert_close(out.float(), torch.cat(expected), atol=tolerance, rtol=tolerance)
+        return True
+    except Exception as error:  # noqa: BLE001
+        warnings.warn(f"Triton MLA attention unavailable ({type(error).__name__}: {error}); using the torch path",
                       stacklevel=2)
         return False
 

@@ -16,7 +16,12 @@ from pathlib import Path
 def moe_layer_indices(config: dict) -> tuple[int, ...]:
     """Indices of the layers whose feed-forward is sparse; () for a dense config. transformers' rules: Qwen-MoE, not
     in mlp_only_layers and (index + 1) % decoder_sparse_step == 0; GLM-4.5 / DeepSeek-V3 (n_routed_experts), index
-    >= first_k_dense_replace (and a multiple of moe_layer_freq, SGLang's DeepSeek rule; 1 in every release)."""
+    >= first_k_dense_replace (and a multiple of moe_layer_freq, SGLang's DeepSeek rule; 1 in every release);
+    GLM-4.7-Flash (glm4_moe_lite), the "sparse" entries of mlp_layer_types (default: all but the first)."""
+    if config.get("n_routed_experts") and config.get("mlp_layer_types"):  # GLM-4.7-Flash (glm4_moe_lite)
+        return tuple(index for index, kind in enumerate(config["mlp_layer_types"]) if kind == "sparse")
+    if config.get("n_routed_experts") and config.get("model_type") == "glm4_moe_lite":
+        return tuple(range(1, config["num_hidden_layers"]))  # transformers' default: the first layer dense
     if config.get("n_routed_experts"):
         first_sparse, frequency = config.get("first_k_dense_replace") or 0, config.get("moe_layer_freq") or 1
         return tuple(index for index in range(first_sparse, config["num_hidden_layers"]) if index % frequency == 0)

@@ -1,6 +1,6 @@
 """Build tiny Hugging Face checkpoints offline: a byte-level BPE tokenizer with a chat template and a small
-random-init Qwen2 / Qwen3 / Llama / GLM-4, or mixture-of-experts Qwen3-MoE / Qwen2-MoE / GLM-4.5, model saved as
-safetensors.
+random-init Qwen2 / Qwen3 / Llama / GLM-4, mixture-of-experts Qwen3-MoE / Qwen2-MoE / GLM-4.5, or DeepSeek-V3-family
+(tiny_mla_model.py) model, saved as safetensors.
 
 Used by the quickstart and by tests; nothing here downloads anything. Not a model zoo: sizes are for CPU runs.
 """
@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+
+from slime.utils.tiny_mla_model import TINY_MLA_ARCHES, tiny_mla_config, tiny_mla_fields
 
 # Qwen's layout: tools offered in a system block, an assistant's tool calls as <tool_call>{json}</tool_call>, tool
 # results as messages of role "tool". A conversation without tools renders exactly as before.
@@ -109,7 +111,11 @@ def tiny_config(arch: str = "qwen3", vocab_size: int = 512, **overrides):
     )
     if arch in TINY_MOE_SHAPES:
         common.update(TINY_MOE_SHAPES[arch])
+    if arch in TINY_MLA_ARCHES:
+        common.update(tiny_mla_fields(arch))
     common.update(overrides)
+    if arch in TINY_MLA_ARCHES:
+        return tiny_mla_config(arch, common)
     if arch == "qwen3_moe":
         common.setdefault("head_dim", common["hidden_size"] // common["num_attention_heads"])
         return Qwen3MoeConfig(**common)
@@ -126,8 +132,8 @@ def tiny_config(arch: str = "qwen3", vocab_size: int = 512, **overrides):
     if arch in ("glm4", "glm4_moe"):
         common.setdefault("head_dim", common["hidden_size"] // common["num_attention_heads"])
         return (Glm4Config if arch == "glm4" else Glm4MoeConfig)(**common)
-    raise ValueError(f"unknown tiny architecture {arch!r}; choose qwen2, qwen3, llama, glm4, qwen3_moe, qwen2_moe or "
-                     "glm4_moe")
+    raise ValueError(f"unknown tiny architecture {arch!r}; choose qwen2, qwen3, llama, glm4, qwen3_moe, qwen2_moe, "
+                     f"glm4_moe or one of {sorted(TINY_MLA_ARCHES)}")
 
 
 def build_tiny_model(

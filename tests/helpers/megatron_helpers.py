@@ -20,9 +20,8 @@ def make_megatron_args(hf_checkpoint, *extra, world_size=1, tp: int = 1, pp: int
 
 def build_megatron(args, rank: int, world_size: int, port: int):
     """(model chunks, hf config) of this rank, weights from args.hf_checkpoint."""
-    from transformers import AutoConfig
-
     from slime.backends.megatron_utils.cpu_shim import apply_cpu_shim
+    from slime.backends.megatron_utils.hf_config import load_hf_config
     from slime.backends.megatron_utils.parallel import init_model_parallel
     from slime.backends.process_group import init_default_group
 
@@ -30,7 +29,7 @@ def build_megatron(args, rank: int, world_size: int, port: int):
     apply_cpu_shim()
     init_default_group(cpu, rank, world_size, "127.0.0.1", port)
     init_model_parallel(args, cpu)
-    hf_config = AutoConfig.from_pretrained(args.hf_checkpoint)
+    hf_config = load_hf_config(args.hf_checkpoint)
     return build_chunks(args, hf_config), hf_config
 
 
@@ -55,8 +54,8 @@ def hf_named_grads(chunks, hf_config) -> dict[str, torch.Tensor]:
     from slime.backends.megatron_utils.names import is_stacked_experts, named_global_parameters, unstack_experts
 
     mapping = mapping_for(hf_config)
-    num_local_experts = (hf_config.num_experts // parallel_state.get_expert_model_parallel_world_size()
-                         if hasattr(hf_config, "num_experts") else 0)
+    num_experts = getattr(hf_config, "num_experts", None) or getattr(hf_config, "n_routed_experts", None) or 0
+    num_local_experts = num_experts // parallel_state.get_expert_model_parallel_world_size()
     first_expert = parallel_state.get_expert_model_parallel_rank() * num_local_experts
     grads = {}
     for name, param in named_global_parameters(chunks):

@@ -92,6 +92,26 @@ def run_steps(runner: ModelRunner, num_decode_steps: int, parallel: ParallelStat
     return record
 
 
+def assert_ranks_equal_one_rank(ranks: list[dict], reference: dict) -> None:
+    """Every rank's `run_steps` record against the one-rank runner's: logits (fp32, < 3e-5: sums in another order,
+    measured up to 1.3e-5 at |logits| ~ 10; the same cases in float64 agree to the last fp32 bit; a wrong shard is off
+    by O(1)), equal on every rank; the same tokens, sampled by every rank; log-probs < 1e-5; the same routed experts."""
+    assert min(float(step.std()) for step in reference["logits"]) > 1.5  # logits spread: a wrong sum would show
+    for rank, got in enumerate(ranks):
+        for step, (logits, expected) in enumerate(zip(got["logits"], reference["logits"])):
+            assert logits.shape == expected.shape  # the real vocabulary, padding sliced away
+            assert (logits - expected).abs().max().item() < 3e-5, (rank, step)
+            assert torch.equal(logits, ranks[0]["logits"][step])  # every rank holds the same full logits
+        assert got["tokens"] == reference["tokens"], rank  # every rank samples what one rank samples
+        assert got["fed"] == reference["tokens"]
+        for step, (log_probs, expected) in enumerate(zip(got["log_probs"], reference["log_probs"])):
+            assert max(abs(a - b) for a, b in zip(log_probs, expected)) < 1e-5, (rank, step)
+        if "routed_experts" in reference:
+            for routed, expected in zip(got["routed_experts"], reference["routed_experts"]):
+                assert (routed == expected).all(), rank  # global expert ids, as at one rank
+    assert len({tokens[1] for tokens in reference["tokens"]}) > 1  # the sampled row really samples
+
+
 def randomize_biases_and_norms(path, seed: int = 0, std: float = 0.3) -> None:
     """transformers initializes biases to zeros and norm weights to ones, so a bias added N times, or a norm weight
     read at the wrong offset, would not show: give them random values, in place in the checkpoint's files."""

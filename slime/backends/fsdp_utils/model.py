@@ -71,7 +71,34 @@ def load_hf_model(path: str, attn_implementation: str = "sdpa") -> nn.Module:
     (attention.py)."""
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation=attn_implementation)
+    config = checkpoint_config_override(path)
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation=attn_implementation,
+                                                **({"config": config} if config is not None else {}))
+
+
+def checkpoint_config_override(path: str):
+    """The config to load a checkpoint with when its config.json alone would not do, else None. Kimi K2 says
+    model_type "kimi_k2" (its own remote code) over DeepseekV3ForCausalLM, a type transformers does not know: read
+    as the DeepseekV3Config it is. A quantized checkpoint (DeepSeek's and Kimi's block FP8) is refused: the trainer
+    keeps fp32 master weights of a bf16 checkpoint."""
+    import json
+    from pathlib import Path
+
+    config_file = Path(path) / "config.json"
+    raw = json.loads(config_file.read_text()) if config_file.is_file() else {}
+    quantization = raw.get("quantization_config")
+    if quantization:
+        raise ValueError(f"--hf-checkpoint {path}: a quantized checkpoint (quantization_config.quant_method="
+                         f"{quantization.get('quant_method')!r}) cannot be trained; convert it to bf16 first "
+                         "(python tools/fp8_cast_bf16.py --input-fp8-hf-path IN --output-bf16-hf-path OUT for "
+                         "block FP8), copy config.json without quantization_config and the tokenizer beside it")
+    if raw.get("model_type") != "kimi_k2":
+        return None
+    from transformers import DeepseekV3Config
+
+    raw.pop("auto_map", None)  # remote-code classes: never imported
+    raw["model_type"] = "deepseek_v3"
+    return DeepseekV3Config.from_dict(raw)
 
 
 @dataclass(frozen=True)

@@ -23,16 +23,20 @@ import torch
 import torch.nn.functional as F
 from megatron.core.transformer.module import MegatronModule
 
-from slime.backends.attention import packed_causal_attention
+from slime.backends.attention import packed_causal_attention, varlen_supported
 from slime.backends.megatron_utils.context_parallel import CpLayout, context_parallel_group, gather_sequence
 
 
 class PackedCoreAttention(MegatronModule):
+    """`k_channels` / `v_channels`: the query-key and value head dims where they differ (multi-head latent
+    attention, which passes its own softmax scale)."""
+
     def __init__(self, config, layer_number, attn_mask_type, attention_type, attention_dropout=None,
-                 softmax_scale=None, cp_comm_type=None, pg_collection=None):
+                 softmax_scale=None, k_channels=None, v_channels=None, cp_comm_type=None, pg_collection=None):
         super().__init__(config=config)
         self.cp_size = config.context_parallel_size
-        self.softmax_scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(config.kv_channels)
+        key_dim = k_channels or config.kv_channels
+        self.softmax_scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(key_dim)
 
     def forward(self, query, key, value, attention_mask=None, attn_mask_type=None, attention_bias=None,
                 packed_seq_params=None):
@@ -42,9 +46,18 @@ class PackedCoreAttention(MegatronModule):
         if self.cp_size > 1:
             out = self._context_parallel_attention(query, key, value, packed_seq_params.cp_layout)
         else:
-            out = packed_causal_attention(query, key, value, cu_seqlens, int(packed_seq_params.max_seqlen_q),
-                                          self.softmax_scale)
+            out = self._packed_attention(query, key, value, cu_seqlens, int(packed_seq_params.max_seqlen_q))
         return out.reshape(out.shape[0], -1)
+
+    def _packed_attention(self, query, key, value, cu_seqlens, max_seqlen: int):
+        value_dim = value.shape[-1]
+        if value_dim < query.shape[-1] and varlen_supported(query.device):
+            # FlashAttention's varlen kernel takes one head dim for Q, K and V: zero columns of V give zero output
+            # columns, dropped again (MLA's V head is narrower than its query-key head).
+            value = F.pad(value, (0, query.shape[-1] - value_dim))
+            return packed_causal_attention(query, key, value, cu_seqlens, max_seqlen,
+                                           self.softmax_scale)[..., :value_dim]
+        return packed_causal_attention(query, key, value, cu_seqlens, max_seqlen, self.softmax_scale)
 
     def _context_parallel_attention(self, query, key, value, layout: CpLayout):
         group = context_parallel_group()

@@ -41,7 +41,7 @@ from slime.backends.checkpoint_files import resolve_load_dir
 from slime.backends.megatron_utils import checkpoint
 from slime.backends.megatron_utils.cpu_shim import apply_cpu_shim
 from slime.backends.megatron_utils.grads import finalize_grads
-from slime.backends.megatron_utils.hf_config import read_hf_config
+from slime.backends.megatron_utils.hf_config import load_hf_config
 from slime.backends.megatron_utils.hf_weights import load_hf_weights, model_hf_weights, save_hf_checkpoint
 from slime.backends.megatron_utils.micro_batches import run_micro_batches
 from slime.backends.megatron_utils.model import build_model_chunks
@@ -82,7 +82,7 @@ class MegatronBackend(TrainBackend):
     # ----------------------------------------------------------------------------------------- building
     def build_policy(self, weights_path: str) -> None:
         args = self.args
-        self.hf_config = read_hf_config(args.hf_checkpoint)
+        self.hf_config = load_hf_config(args.hf_checkpoint)
         self.model_chunks = build_model_chunks(args, self.hf_config, self.device)
         self.model = self.model_chunks[0]
         self.routing_replay = install_routers(self.model_chunks, self.hf_config)
@@ -97,9 +97,10 @@ class MegatronBackend(TrainBackend):
         """The critic's GPTModel (value_head.py) from an HF folder, a critic checkpoint, or a policy checkpoint of
         this backend (its body; the head starts at zero), at --critic-lr; no routing replay (slime has none for
         the critic either)."""
+
         args = self.args
         self.critic = True
-        self.hf_config = read_hf_config(args.hf_checkpoint)
+        self.hf_config = load_hf_config(args.hf_checkpoint)
         self.model_chunks = build_model_chunks(args, self.hf_config, self.device, critic=True)
         self.model = self.model_chunks[0]
         self.router_losses = install_router_losses(args, self.model_chunks)

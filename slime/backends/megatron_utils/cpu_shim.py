@@ -85,6 +85,11 @@ class _CpuDeviceTorch:
         return getattr(torch, name)
 
 
+def cpu_device_torch():
+    """A `torch` whose CUDA device is the CPU, for another megatron-core module's `torch` (mla_local_spec.py)."""
+    return _CpuDeviceTorch()
+
+
 @contextlib.contextmanager
 def _cuda_type_names():
     """`Tensor.type()` (no arguments) of a CPU tensor reads 'torch.cuda.FloatTensor' for 'torch.FloatTensor'."""

@@ -20,6 +20,7 @@ from slime.backends.megatron_utils.grads import is_expert
 from slime.backends.megatron_utils.hf_mapping import mapping_for
 from slime.backends.megatron_utils.names import (
     is_stacked_experts,
+    named_global_buffers,
     named_global_parameters,
     renumber_expert,
     unstack_experts,
@@ -74,6 +75,14 @@ def load_hf_weights(model_chunks, hf_checkpoint: str | Path, hf_config,
                                  f"after conversion, the model expects {tuple(target.shape)} (config.json does not "
                                  "match the weights?)")
             target.copy_(shard)
+    # The routers' expert biases are buffers (megatron-core keeps them out of the optimizer): they choose the
+    # experts, so a checkpoint's must be loaded like a weight (never updated: family_config.py sets the rate 0).
+    for name, buffer in named_global_buffers(model_chunks):
+        full = mapping.to_megatron(name, checkpoint.read, hf_config, padded_vocab)
+        if full.shape != buffer.shape:
+            raise ValueError(f"HF checkpoint {str(hf_checkpoint)!r}: {name} has shape {tuple(full.shape)}, the model "
+                             f"expects {tuple(buffer.shape)}")
+        buffer.copy_(full)
 
 
 def _num_local_experts(model_chunks) -> int:
@@ -101,11 +110,13 @@ def _gather_over_expert_parallel(tensor: torch.Tensor) -> list[torch.Tensor]:
     return gathered
 
 
-def iter_hf_weights(model_chunks, hf_config, *, dense: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_hf_weights(model_chunks, hf_config, *, dense: bool = True,
+                    buffers: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
     """(HF name, full tensor) of this rank's pipeline stage: its dense weights gathered over tensor parallelism
     (unless `dense` is False), and every expert of its expert-parallel group, gathered over expert tensor and expert
-    parallelism. Collective over those groups: every rank of them must iterate in step. The tensors may alias
-    parameters at TP=1 (callers that hand them away copy them)."""
+    parallelism; with `buffers` (a saved checkpoint, not a weight push: the engines keep the bias they loaded) also
+    the routers' expert biases. Collective over those groups: every rank of them must iterate in step. The tensors
+    may alias parameters at TP=1 (callers that hand them away copy them)."""
     from megatron.core import parallel_state
 
     mapping = mapping_for(hf_config)
@@ -126,15 +137,19 @@ def iter_hf_weights(model_chunks, hf_config, *, dense: bool = True) -> Iterator[
                 experts = [(renumber_expert(name, (rank - ep_rank) * num_local_experts), full)]
             for expert_name, tensor in experts:
                 yield from mapping.to_hf(expert_name, tensor, hf_config)
+    if dense and buffers:
+        for name, buffer in named_global_buffers(model_chunks):
+            yield from mapping.to_hf(name, buffer.detach(), hf_config)
 
 
-def model_hf_weights(model_chunks, hf_config, dtype: torch.dtype | None = None
+def model_hf_weights(model_chunks, hf_config, dtype: torch.dtype | None = None, *, buffers: bool = False
                      ) -> Iterator[tuple[str, torch.Tensor]]:
     """(HF name, full tensor) of the whole model on global rank 0, pipeline stage by stage (copies, in `dtype`
     when given); other ranks take part in the gathers and yield nothing. Collective over all ranks: within each
     stage of the first data-parallel replica the TP peers gather the dense weights, the EP peers of the first expert
     data-parallel replica (other data-parallel ranks among them) the experts, and the stage's TP rank 0 sends each
-    tensor to rank 0 (a name message, then the tensor); the other replicas hold the same weights and sit out."""
+    tensor to rank 0 (a name message, then the tensor); the other replicas hold the same weights and sit out.
+    `buffers`: iter_hf_weights'."""
     from megatron.core import parallel_state
 
     if parallel_state.get_expert_data_parallel_rank() != 0:
@@ -148,7 +163,7 @@ def model_hf_weights(model_chunks, hf_config, dtype: torch.dtype | None = None
     for stage in range(pp_size):
         sender = dist.get_global_rank(pp_group, stage)  # the stage's rank in rank 0's pipeline (its TP rank 0)
         if stage == my_stage:
-            for hf_name, tensor in iter_hf_weights(model_chunks, hf_config, dense=in_first_replica):
+            for hf_name, tensor in iter_hf_weights(model_chunks, hf_config, dense=in_first_replica, buffers=buffers):
                 if rank == 0:
                     yield hf_name, tensor.to(dtype or tensor.dtype, copy=True)
                 elif is_stage_sender:
@@ -173,7 +188,7 @@ def save_hf_checkpoint(model_chunks, hf_config, out_dir: str | Path, source_chec
     """Write an HF safetensors folder (weights, config and tokenizer files of `source_checkpoint`); collective."""
     from safetensors.torch import save_file
 
-    state = {name: tensor.cpu() for name, tensor in model_hf_weights(model_chunks, hf_config)}
+    state = {name: tensor.cpu() for name, tensor in model_hf_weights(model_chunks, hf_config, buffers=True)}
     if dist.get_rank() != 0:
         return
     out_dir = Path(out_dir)

@@ -18,9 +18,10 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from slime.backends.megatron_utils.grouped_routing import group_masked_scores
+from slime.backends.megatron_utils.model import moe_layer_pattern
 from slime.backends.megatron_utils.names import chunk_offsets
 from slime.backends.routing_replay import FREE_ROW, RoutingReplay
-from slime.utils.moe_config import moe_layer_indices
 
 
 class MegatronRoutingReplay(RoutingReplay):
@@ -76,19 +77,24 @@ def sequence_parallel_routing(routing: torch.Tensor | None, padded_length: int) 
 
 
 class _ReplayedTopK:
-    """One router's `router_replay` hook: the expert ids of MoE layer `layer` from `replay`."""
+    """One router's `router_replay` hook: the expert ids of MoE layer `layer` from `replay`. `scores` are the
+    router's choice scores (softmax scores or logits; sigmoid scores plus the expert bias); with expert groups the
+    dropped groups' experts are masked first (grouped_routing.py, transformers' rule), so routing freely (fallthrough,
+    record, and the agreement measure) respects the group limit. The hook returns the unmasked scores at the ids:
+    megatron-core weighs a sigmoid router's experts by its own unbiased scores."""
 
     def __init__(self, replay: RoutingReplay, layer: int):
         self.replay, self.layer = replay, layer
 
     def get_replay_topk(self, scores: torch.Tensor, topk: int, num_groups, group_topk, compute_topk):
-        expert_ids = self.replay.select(self.layer, scores)
+        expert_ids = self.replay.select(self.layer, group_masked_scores(scores, num_groups, group_topk))
         return scores.gather(1, expert_ids), expert_ids
 
 
 def install_routers(model_chunks, hf_config) -> RoutingReplay | None:
     """Bind the router of every MoE layer of this rank's chunks; the replay object (None for a dense model)."""
-    moe_layers = moe_layer_indices(hf_config.to_dict())
+    pattern = moe_layer_pattern(model_chunks[0].config)
+    moe_layers = [layer for layer, sparse in enumerate(pattern) if sparse]
     if not moe_layers:
         return None
     routers = {}  # MoE layer number -> router

@@ -66,3 +66,16 @@ def named_global_parameters(model_chunks):
         offsets = chunk_offsets(chunk, vp_stage if len(model_chunks) > 1 else None)
         for name, param in chunk.named_parameters():
             yield global_name(name, *offsets), param
+
+
+ROUTER_EXPERT_BIAS = ".mlp.router.expert_bias"  # the only buffer a checkpoint carries: the expert-score correction
+
+
+def named_global_buffers(model_chunks):
+    """(global name, buffer) of the routers' expert biases of this rank's chunks (the GLM-4.5 / DeepSeek-V3 routers'
+    `e_score_correction_bias`): persistent buffers, not parameters, replicated on every rank."""
+    for vp_stage, chunk in enumerate(model_chunks):
+        offsets = chunk_offsets(chunk, vp_stage if len(model_chunks) > 1 else None)
+        for name, buffer in chunk.named_buffers():
+            if name.endswith(ROUTER_EXPERT_BIAS):
+                yield global_name(name, *offsets), buffer

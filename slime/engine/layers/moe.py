@@ -12,8 +12,10 @@ Sharded over an engine's ranks (`parallel.state`), a rank holds the experts of i
 first_expert + num_local_experts), each cut to its moe_tp slice of the intermediate dimension: its output is a
 partial sum (the caller all-reduces it), and a token-expert pair whose expert lives on another rank contributes
 zero here. Such pairs sort after every local group, past the last offset, where grouped_mm computes nothing (its
-documented contract: rows beyond offs[-1] are ignored; the shapes stay static), and are masked out of the result. Not the router's parameters or the shared expert
-(`models/moe_block.py`), not weight-name mapping (`models/weight_loader.py`).
+documented contract: rows beyond offs[-1] are ignored; the shapes stay static), and are masked out of the result.
+
+Not the router's parameters or the shared expert (`models/moe_block.py`), not weight-name mapping
+(`models/weight_loader.py`).
 """
 
 from __future__ import annotations

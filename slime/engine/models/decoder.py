@@ -1,7 +1,8 @@
 """Pre-norm decoder-only transformer covering Qwen2/Qwen2.5 (qkv bias), Qwen3 (per-head q/k RMSNorm), Llama 3
 (llama3 RoPE scaling), the mixture-of-experts Qwen3-MoE / Qwen2-MoE (sparse feed-forward blocks in the layers
 `ModelConfig.moe_layers` names, `moe_block.py`), GLM-4 (sandwich norms, interleaved partial RoPE) and GLM-4.5
-(partial RoPE, sigmoid-router blocks, `sigmoid_moe_block.py`): they differ only in the flags of `ModelConfig`.
+(partial RoPE, sigmoid-router blocks, `sigmoid_moe_block.py`): they differ only in the flags of `ModelConfig`. The
+DeepSeek-V3 family swaps the attention for multi-head latent attention (`ModelConfig.mla`, `layers/mla_attention.py`).
 
 Module names follow Hugging Face's (model.layers.N.self_attn..., lm_head) except that q/k/v are fused into
 `qkv_proj` and gate/up into `gate_up_proj`; `weight_loader.py` is the one place that maps HF names onto them.
@@ -20,6 +21,9 @@ import torch
 from torch import nn
 
 from slime.engine.layers.attention import AttentionMetadata, PagedAttention
+from slime.engine.layers.latent_attention import LatentPagedAttention
+from slime.engine.layers.mla_attention import MLAAttention
+from slime.engine.layers.mla_rotary import MLARotaryEmbedding
 from slime.engine.layers.rmsnorm import RMSNorm, torch_rms_norm
 from slime.engine.layers.rotary import RotaryEmbedding
 from slime.engine.models.dense_mlp import DenseMLP
@@ -84,12 +88,15 @@ class DecoderAttention(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding, layer_index: int,
+    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding | MLARotaryEmbedding, layer_index: int,
                  parallel: ParallelState = SINGLE):
         super().__init__()
         self.is_sparse = layer_index in config.moe_layers
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = DecoderAttention(config, rotary, parallel)
+        if config.mla is not None:  # served at tp_size 1 (mla_checks.py)
+            self.self_attn = MLAAttention(config.hidden_size, config.num_attention_heads, config.mla, rotary)
+        else:
+            self.self_attn = DecoderAttention(config, rotary, parallel)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         sparse_block = SigmoidMoeBlock if config.router == "sigmoid" else SparseMoeBlock
         self.mlp = (sparse_block(config, parallel) if self.is_sparse
@@ -127,10 +134,13 @@ class DecoderModel(nn.Module):
     def __init__(self, config: ModelConfig, parallel: ParallelState = SINGLE):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, parallel)
-        self.rotary = RotaryEmbedding(
-            config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling,
-            rotary_dim=config.rotary_dim or None, interleaved=config.rope_interleaved,
-        )
+        if config.mla is not None:
+            self.rotary = MLARotaryEmbedding(config.mla, config.max_position_embeddings, config.rope_theta)
+        else:
+            self.rotary = RotaryEmbedding(
+                config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling,
+                rotary_dim=config.rotary_dim or None, interleaved=config.rope_interleaved,
+            )
         self.layers = nn.ModuleList(DecoderLayer(config, self.rotary, index, parallel)
                                     for index in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -172,7 +182,7 @@ class DecoderForCausalLM(nn.Module):
             if hasattr(module, "use_triton"):
                 module.use_triton = enabled
 
-    def attention_layers(self) -> list[PagedAttention]:
+    def attention_layers(self) -> list[PagedAttention | LatentPagedAttention]:
         return [layer.self_attn.attn for layer in self.model.layers]
 
     def moe_blocks(self) -> list[SparseMoeBlock | SigmoidMoeBlock]:

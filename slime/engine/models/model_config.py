@@ -10,7 +10,9 @@ import json
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from slime.engine.models.glm_config import GLM_MODEL_TYPES, glm_fields
+from slime.engine.models.fp8_blocks import fp8_weight_block_size
+from slime.engine.models.glm_config import GLM_MODEL_TYPES, glm_fields, sigmoid_moe_fields
+from slime.engine.models.mla_config import MLAConfig, parse_mla_config
 from slime.utils.moe_config import moe_layer_indices
 
 # model_type -> (HF architecture class name, has qkv bias by default, has per-head q/k RMSNorm)
@@ -23,8 +25,14 @@ SUPPORTED_MODEL_TYPES = {
     # GLM-4-0414 / GLM-Z1 and GLM-4.5 / 4.6 / 4.7: bias and q/k norm come from the config (glm_config.py)
     "glm4": ("Glm4ForCausalLM", True, False),
     "glm4_moe": ("Glm4MoeForCausalLM", False, False),
+    # multi-head latent attention (mla_config.py) and GLM-4.5's router; Kimi K2 ships DeepseekV3ForCausalLM under
+    # its own model_type
+    "deepseek_v3": ("DeepseekV3ForCausalLM", False, False),
+    "kimi_k2": ("DeepseekV3ForCausalLM", False, False),
+    "glm4_moe_lite": ("Glm4MoeLiteForCausalLM", False, False),
 }
 MOE_MODEL_TYPES = ("qwen3_moe", "qwen2_moe")  # softmax routers; the GLM-4.5 family's are in glm_config.py
+MLA_MODEL_TYPES = ("deepseek_v3", "kimi_k2", "glm4_moe_lite")
 
 
 @dataclass
@@ -63,6 +71,7 @@ class ModelConfig:
     topk_group: int = 1
     routed_scaling_factor: float = 1.0
     num_nextn_predict_layers: int = 0  # multi-token-prediction layers in the checkpoint (skipped on load)
+    mla: MLAConfig | None = None  # multi-head latent attention (DeepSeek-V3 family); None: the q/k/v decoder
 
     @property
     def is_moe(self) -> bool:
@@ -99,11 +108,13 @@ def parse_model_config(raw: dict) -> ModelConfig:
         raise ValueError("unsupported config: mlp_bias=true")
     if raw.get("hidden_act", "silu") != "silu":
         raise ValueError(f"unsupported hidden_act {raw['hidden_act']!r}; only silu is implemented")
+    fp8_weight_block_size(raw)  # refuses a quantization the loader cannot dequantize
     rope = dict(raw.get("rope_parameters") or {})
     if raw.get("rope_scaling"):
         rope.update(raw["rope_scaling"])
     rope_type = rope.get("rope_type", rope.get("type", "default"))
-    if rope_type not in ("default", "llama3"):
+    mla = parse_mla_config(raw, rope, rope_type) if model_type in MLA_MODEL_TYPES else None
+    if mla is None and rope_type not in ("default", "llama3"):
         raise ValueError(f"unsupported rope type {rope_type!r}; supported: default, llama3")
     num_heads = raw["num_attention_heads"]
     eos = raw.get("eos_token_id")
@@ -115,7 +126,7 @@ def parse_model_config(raw: dict) -> ModelConfig:
         num_hidden_layers=raw["num_hidden_layers"],
         num_attention_heads=num_heads,
         num_key_value_heads=raw.get("num_key_value_heads") or num_heads,
-        head_dim=raw.get("head_dim") or raw["hidden_size"] // num_heads,
+        head_dim=mla.qk_head_dim if mla else raw.get("head_dim") or raw["hidden_size"] // num_heads,
         rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
         max_position_embeddings=raw.get("max_position_embeddings", 4096),
         rope_theta=rope.get("rope_theta", raw.get("rope_theta", 10000.0)),
@@ -127,9 +138,12 @@ def parse_model_config(raw: dict) -> ModelConfig:
         torch_dtype=raw.get("torch_dtype") or raw.get("dtype"),
         eos_token_ids=[] if eos is None else ([eos] if isinstance(eos, int) else list(eos)),
         **(_moe_fields(raw) if model_type in MOE_MODEL_TYPES else {}),
+        mla=mla,
     )
     if model_type in GLM_MODEL_TYPES:
         fields.update(glm_fields(raw, rope))
+    if mla is not None:  # the DeepSeek-V3 family routes with GLM-4.5's router (its dense layers: first_k_dense_replace)
+        fields.update(sigmoid_moe_fields(raw))
     return ModelConfig(**fields)
 
 

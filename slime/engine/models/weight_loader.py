@@ -6,9 +6,9 @@ ValueError naming the weight for an unknown name or a wrong shape. MoE experts u
 names (`mlp.experts.<e>.gate_proj.weight` ...), which load into slices of the stacked expert tensors. One buffer
 loads too: the sigmoid router's `e_score_correction_bias` (GLM-4.5; a checkpoint tensor, but never among the
 weights a trainer sends, so not in `named_weight_shapes`). GLM-4's checkpoint holds its dense MLPs' fused
-`mlp.gate_up_proj.weight` (loaded whole). Multi-token-prediction layers of released checkpoints
-(`model.layers.<num_hidden_layers + i>.*`, config num_nextn_predict_layers) are skipped. It does not decide dtype
-or device: tensors are copied into the existing parameters.
+`mlp.gate_up_proj.weight` (a rank takes its rows of the gate half and of the up half). Multi-token-prediction
+layers of released checkpoints (`model.layers.<num_hidden_layers + i>.*`, config num_nextn_predict_layers) are
+skipped. It does not decide dtype or device: tensors are copied into the existing parameters.
 
 Every route (checkpoint, pushed tensors, broadcast, disk) hands every rank of a sharded engine the FULL tensors;
 each rank copies only its shard, as the parallel layers describe it (`engine/parallel/`): q/k/v by heads (K/V
@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from slime.engine.layers.moe import GroupedExperts
+from slime.engine.models.fp8_blocks import checkpoint_fp8_block_size, dequantize_fp8_blocks
 from slime.engine.parallel.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from slime.engine.parallel.vocab import ParallelLMHead, VocabParallelEmbedding
 
@@ -37,8 +38,8 @@ from slime.engine.parallel.vocab import ParallelLMHead, VocabParallelEmbedding
 FUSED_MODULES = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 # Buffers some older checkpoints carry; they are recomputed, never loaded.
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
-# Checkpoints whose dense MLPs already hold the fused `mlp.gate_up_proj.weight` [gate; up] (GLM-4): loaded whole
-# (such models are served at tp_size 1).
+# Checkpoints whose dense MLPs already hold the fused `mlp.gate_up_proj.weight` [gate; up] (GLM-4): each rank takes
+# its rows of the gate half and of the up half (`_fused_gate_up_shard`).
 FUSED_GATE_UP_MODEL_TYPES = ("glm4",)
 LOADED_BUFFER_SUFFIXES = (".gate.e_score_correction_bias",)  # sigmoid_moe_block.CORRECTION_BIAS
 LAYER_INDEX = re.compile(r"^model\.layers\.(\d+)\.")
@@ -87,6 +88,38 @@ class Shard:
         target.narrow(self.dim, 0, self.length).copy_(tensor.narrow(self.dim, self.source_start, self.length))
         if self.num_zero_padding:
             target.narrow(self.dim, self.length, self.num_zero_padding).zero_()
+
+
+@dataclass(frozen=True)
+class FusedShard:
+    """One HF tensor holding several blocks of a fused parameter (GLM-4's `mlp.gate_up_proj.weight`, [gate; up]):
+    this rank's part of each block, a Shard per block."""
+
+    pieces: tuple[Shard, ...]
+
+    @property
+    def param(self) -> str:
+        return self.pieces[0].param
+
+    @property
+    def full_shape(self) -> tuple[int, ...]:
+        return self.pieces[0].full_shape
+
+    def copy(self, params: dict[str, nn.Parameter], tensor: torch.Tensor) -> None:
+        for piece in self.pieces:
+            piece.copy(params, tensor)
+
+
+def _fused_gate_up_shard(prefix: str, module: MergedColumnParallelLinear) -> dict[str, FusedShard]:
+    """A checkpoint's own fused gate_up_proj [gate; up]: block k's rank rows lie at offset sum(sizes[:k]) of it."""
+    assert module.bias is None
+    full_shape = (sum(module.output_sizes), module.in_features)
+    pieces, source_offset, target_start = [], 0, 0
+    for size, local in zip(module.output_sizes, module.local_sizes):
+        pieces.append(Shard(f"{prefix}.weight", full_shape, 0, source_offset + module.tp_rank * local, local,
+                            target_start))
+        source_offset, target_start = source_offset + size, target_start + local
+    return {f"{prefix}.weight": FusedShard(tuple(pieces))}
 
 
 def _column_shards(prefix: str, module: nn.Linear, hf_names: tuple[str, ...], full_sizes: list[int],
@@ -149,18 +182,21 @@ def _expert_shards(prefix: str, experts: GroupedExperts) -> dict[str, Shard]:
     return shards
 
 
-def weight_shards(model: nn.Module) -> dict[str, Shard]:
+def weight_shards(model: nn.Module) -> dict[str, Shard | FusedShard]:
     """HF name -> this rank's Shard of it, for every weight the model loads (a tied lm_head is the embedding's and
     is not listed). Built once per model."""
     cached = model.__dict__.get("_weight_shards")
     if cached is not None:
         return cached
-    shards: dict[str, Shard] = {}
+    shards: dict[str, Shard | FusedShard] = {}
     covered: set[str] = set()
     fused_gate_up = model.config.model_type in FUSED_GATE_UP_MODEL_TYPES
     for prefix, module in model.named_modules():
-        module_shards = _module_shards(prefix, module)
-        if module_shards is None or (fused_gate_up and prefix.endswith(".mlp.gate_up_proj")):
+        if fused_gate_up and prefix.endswith(".mlp.gate_up_proj"):
+            module_shards = _fused_gate_up_shard(prefix, module)
+        else:
+            module_shards = _module_shards(prefix, module)
+        if module_shards is None:
             continue
         covered.update(f"{prefix}.{suffix}" for suffix, _ in module.named_parameters(recurse=False))
         shards.update(module_shards)
@@ -234,10 +270,12 @@ def iterate_checkpoint(model_path: str | Path) -> Iterator[tuple[str, torch.Tens
 
 
 def load_checkpoint(model: nn.Module, model_path: str | Path, require_buffers: bool = True) -> None:
-    """Load every weight of `model` from disk; missing weights raise ValueError listing them. The loaded buffers
-    (router correction biases) are required too unless `require_buffers` is False: a folder a trainer wrote holds
-    parameters only, and a bias it lacks keeps its value."""
-    loaded = load_weights(model, iterate_checkpoint(model_path))
+    """Load every weight of `model` from disk (a block-FP8 checkpoint dequantized, fp8_blocks.py); missing weights
+    raise ValueError listing them. The loaded buffers (router correction biases) are required too unless
+    `require_buffers` is False: a folder a trainer wrote holds parameters only, and a bias it lacks keeps its value."""
+    named_tensors = iterate_checkpoint(model_path)
+    block = checkpoint_fp8_block_size(model_path)
+    loaded = load_weights(model, named_tensors if block is None else dequantize_fp8_blocks(named_tensors, block))
     if model.config.tie_word_embeddings:
         loaded.discard("lm_head.weight")
     required = set(named_weight_shapes(model)) | (set(loaded_buffers(model)) if require_buffers else set())

@@ -27,12 +27,11 @@ class MergedColumnParallelLinear(nn.Linear):
     """Blocks of full output sizes `output_sizes`, each split over the ranks: local weight [sum(sizes) / tp, in]."""
 
     def __init__(self, input_size: int, output_sizes: list[int], bias: bool, parallel: ParallelState = SINGLE,
-                 what: str = "intermediate_size", tp_size: int | None = None, tp_rank: int | None = None):
-        """`tp_size` / `tp_rank` override the parallel state's (MoE experts are split over moe_tp_size ranks)."""
-        self.tp_size = parallel.tp_size if tp_size is None else tp_size
-        self.tp_rank = parallel.tp_rank if tp_rank is None else tp_rank
+                 what: str = "intermediate_size"):
+        """`what`: the checkpoint's config field of the split size, named if it does not divide."""
+        self.tp_rank = parallel.tp_rank
         self.output_sizes = list(output_sizes)
-        self.local_sizes = [divide(size, self.tp_size, what) for size in output_sizes]
+        self.local_sizes = [divide(size, parallel.tp_size, what) for size in output_sizes]
         super().__init__(input_size, sum(self.local_sizes), bias=bias)
 
 

@@ -50,11 +50,13 @@ def assert_same(sharded: list[dict], single: list[dict]) -> None:
                               rtol=0)
 
 
-@pytest.mark.parametrize("model, ep_size", [("dense_gqa", 1), ("dense_one_kv_head", 1), ("odd_vocab", 1),
-                                            ("qwen3_moe", 1), ("qwen3_moe", 2)])
-def test_two_ranks_give_one_ranks_tokens_and_log_probs(checkpoints, model, ep_size):
+@pytest.mark.parametrize("model, ep_size, kv", [("dense_gqa", 1, "auto"), ("dense_one_kv_head", 1, "auto"),
+                                                ("odd_vocab", 1, "auto"), ("dense_gqa", 1, "fp8_e4m3"),
+                                                ("qwen3_moe", 1, "auto"), ("qwen3_moe", 2, "auto")])
+def test_two_ranks_give_one_ranks_tokens_and_log_probs(checkpoints, model, ep_size, kv):
     moe = model == "qwen3_moe"
     extra = {"enable_return_routed_experts": True} if moe else {}
+    extra["kv_cache_dtype"] = kv  # fp8: both engines round K/V the same way
     single = Engine(str(checkpoints[model]), **ENGINE, **extra)
     expected = run(single, routed=moe)
     sharded = Engine(str(checkpoints[model]), **ENGINE, **extra, tp_size=2, ep_size=ep_size)

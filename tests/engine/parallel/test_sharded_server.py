@@ -140,3 +140,31 @@ def test_killing_one_rank_takes_the_engine_down(models, tmp_path):
         assert not [p for p in ranks if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
     finally:
         server.stop()
+
+
+def test_a_hung_rank_takes_the_engine_down_after_the_collective_timeout(models, tmp_path):
+    server = launch_server(models[0], extra_args=[*SERVER_ARGS, "--dist-timeout-s", "5"], log_path=tmp_path / "h.log")
+    try:
+        rank_1 = [p for p in psutil.Process(server.process.pid).children(recursive=True)
+                  if "spawn" in " ".join(p.cmdline())][0]
+        rank_1.suspend()  # SIGSTOP: alive but never answering its collectives
+        with httpx.Client(base_url=server.url, timeout=180, trust_env=False) as http:
+            with pytest.raises(httpx.HTTPError):  # the request fails or the connection drops with the server
+                response = http.post("/generate", json={"input_ids": PROMPT, "sampling_params": GREEDY})
+                response.raise_for_status()
+        server.process.wait(timeout=120)
+        assert "the engine stops with every rank" in server.log_tail(20000)
+        rank_1.wait(timeout=10)  # killed with its parent, stopped or not
+    finally:
+        server.stop()
+
+
+def test_openai_completions_pause_continue_and_server_state_at_two_ranks(client, models):
+    response = client.post("/v1/completions", json={"model": "x", "prompt": "hello world", "max_tokens": 5,
+                                                    "temperature": 0})
+    assert response.status_code == 200 and response.json()["usage"]["completion_tokens"] == 5, response.text
+    assert client.post("/pause_generation", json={}).status_code == 200
+    assert client.post("/continue_generation", json={}).status_code == 200
+    assert generate(client)["meta_info"]["completion_tokens"] == GREEDY["max_new_tokens"]
+    info = client.get("/get_server_info").json()
+    assert info["internal_states"][0]["paused"] is False and info["tp_size"] == 2

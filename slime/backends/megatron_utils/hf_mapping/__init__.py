@@ -11,9 +11,10 @@ from __future__ import annotations
 
 from types import ModuleType
 
-from slime.backends.megatron_utils.hf_mapping import llama_family, qwen3_moe
+from slime.backends.megatron_utils.hf_mapping import deepseek_v3, glm4, glm4_moe, llama_family, qwen3_moe
 
-_FAMILIES = {"qwen2": llama_family, "qwen3": llama_family, "llama": llama_family, "qwen3_moe": qwen3_moe}
+_FAMILIES = {"qwen2": llama_family, "qwen3": llama_family, "llama": llama_family, "qwen3_moe": qwen3_moe,
+             "glm4": glm4, "glm4_moe": glm4_moe, "deepseek_v3": deepseek_v3, "glm4_moe_lite": deepseek_v3}
 
 
 def mapping_for(hf_config) -> ModuleType:

@@ -19,7 +19,8 @@ _LAYER = re.compile(r"decoder\.layers\.(\d+)\.(.+)")
 _EXPERT = re.compile(r"mlp\.experts\.(?:local_experts\.(\d+)\.linear_fc([12])\.weight|linear_fc([12])\.weight(\d+))")
 
 
-def _expert(rest: str) -> tuple[int, str] | None:
+def expert_of(rest: str) -> tuple[int, str] | None:
+    """(global expert number, "1" or "2") of a layer-relative expert weight name, None for another name."""
     match = _EXPERT.fullmatch(rest)
     if match is None:
         return None
@@ -41,7 +42,7 @@ def to_megatron(name: str, read_hf, hf_config, padded_vocab: int) -> torch.Tenso
         return read_hf(prefix + "post_attention_layernorm.weight")
     if rest == "mlp.router.weight":
         return read_hf(prefix + "mlp.gate.weight")
-    expert = _expert(rest)
+    expert = expert_of(rest)
     if expert is None:
         raise KeyError(name)
     index, fc = expert
@@ -64,7 +65,7 @@ def to_hf(name: str, tensor: torch.Tensor, hf_config) -> list[tuple[str, torch.T
         return [(prefix + "post_attention_layernorm.weight", tensor)]
     if rest == "mlp.router.weight":
         return [(prefix + "mlp.gate.weight", tensor)]
-    expert = _expert(rest)
+    expert = expert_of(rest)
     if expert is None:
         raise KeyError(name)
     index, fc = expert
