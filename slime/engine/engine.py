@@ -22,7 +22,6 @@ from slime.engine.memory_tags import EngineMemoryReleasedError, EngineWeightsMis
 from slime.engine.mla_checks import check_mla_engine_config
 from slime.engine.model_runner import ModelRunner
 from slime.engine.models import load_model_config
-from slime.engine.models.glm_config import GLM_MODEL_TYPES
 from slime.engine.overlap import OverlappedStepping
 from slime.engine.parallel.rank_weights import RankWeights
 from slime.engine.request_output import RequestOutput
@@ -41,9 +40,6 @@ class Engine(EngineWeights, OverlappedStepping):
 
         self.config = Config.from_kwargs(str(model_path), **config)
         self.model_config = load_model_config(self.config.model)
-        if self.config.tp_size > 1 and self.model_config.model_type in GLM_MODEL_TYPES:
-            raise ValueError(f"tp_size={self.config.tp_size} (--tp-size): the engine shards Qwen / Llama models only; "
-                             f"serve this {self.model_config.model_type} model with --tp-size 1")
         self.tokenizer = AutoTokenizer.from_pretrained(self.config.model)
         self.eos_token_ids = self._eos_token_ids()
         check_mla_engine_config(self.config, self.model_config)

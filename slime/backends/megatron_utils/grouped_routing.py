@@ -9,7 +9,8 @@ scores and takes the ids back, then weighs the chosen experts by their unbiased 
 grouped router gets one: `GroupLimitedTopK` here, or moe_router.py's replay hook, which masks the same groups
 before asking the routing replay.
 
-Not the routing replay (moe_router.py) and not the weights (megatron-core's: the unbiased sigmoid scores at the
+Not the group rule itself (engine/layers/grouped_router.py's, the engine's and the FSDP trainer's too), not the
+routing replay (moe_router.py) and not the weights (megatron-core's: the unbiased sigmoid scores at the
 chosen ids, renormalised, times the routed scaling factor).
 """
 
@@ -17,19 +18,15 @@ from __future__ import annotations
 
 import torch
 
-NUM_EXPERTS_PER_GROUP_SCORE = 2  # transformers: scores.view(-1, n_group, E // n_group).topk(2)[0].sum(-1)
+from slime.engine.layers.grouped_router import choice_scores
 
 
 def group_masked_scores(scores: torch.Tensor, num_groups: int | None, group_topk: int | None) -> torch.Tensor:
-    """`scores` [tokens, experts] with the experts of every dropped group at -inf (unchanged without groups)."""
+    """`scores` [tokens, experts] (the router's choice scores) with the experts of every dropped group at -inf,
+    unchanged without groups: the engine's rule (engine/layers/grouped_router.py), shared with the FSDP trainer."""
     if not num_groups or num_groups == 1:
         return scores
-    num_tokens, num_experts = scores.shape
-    grouped = scores.view(num_tokens, num_groups, num_experts // num_groups)
-    group_scores = grouped.topk(NUM_EXPERTS_PER_GROUP_SCORE, dim=-1).values.sum(dim=-1)
-    kept = group_scores.topk(group_topk, dim=-1, sorted=False).indices
-    keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, kept, True)
-    return grouped.masked_fill(~keep[..., None], float("-inf")).view(num_tokens, num_experts)
+    return choice_scores(scores, None, num_groups, group_topk)
 
 
 class GroupLimitedTopK:

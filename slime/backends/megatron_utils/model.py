@@ -169,7 +169,9 @@ def moe_layer_pattern(config) -> list[int]:
     return list(config.moe_layer_freq)
 
 
-def _layer_spec(config, device: torch.device, moe: bool):
+def _layer_spec(config, device: torch.device, moe: bool | None = None):
+    """One layer's spec; `moe`: an MoE layer (default: the model has experts)."""
+    moe = bool(config.num_moe_experts) if moe is None else moe
     if transformer_engine_available(device, config):
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
 

@@ -26,8 +26,12 @@ from slime.backends.moe_aux_loss import router_losses
 
 
 class RouterLosses:
-    def __init__(self, args, num_experts: int, sequence_parallel: bool):
+    """`sigmoid`: the routers score experts by sigmoid (GLM-4.5, DeepSeek-V3): the losses' probabilities are the
+    sigmoid scores normalised over the experts (megatron-core's rule, the FSDP backend's too), else the softmax."""
+
+    def __init__(self, args, num_experts: int, sequence_parallel: bool, sigmoid: bool = False):
         self.args, self.num_experts, self.sequence_parallel = args, num_experts, sequence_parallel
+        self.sigmoid = sigmoid
         self.active = False
         self.sample_lengths: list[int] = []  # of the micro-batch whose layers run
         self._share = 0.0
@@ -51,7 +55,11 @@ class RouterLosses:
             return probs
         logits = logits.reshape(-1, self.num_experts)
         expert_ids = routing_map.nonzero()[:, 1].view(routing_map.shape[0], -1)  # top-k ids, ascending
-        full_probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+        if self.sigmoid:
+            scores = logits.float().sigmoid()
+            full_probs = scores / (scores.sum(dim=-1, keepdim=True) + 1e-20)
+        else:
+            full_probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
         total, metrics = router_losses(self.args, [(logits, full_probs, expert_ids)], self.num_experts,
                                        self.sample_lengths)
         for key, value in metrics.items():
@@ -94,7 +102,8 @@ def install_router_losses(args, model_chunks) -> RouterLosses | None:
     if not routers:
         return None
     config = model_chunks[0].config
-    losses = RouterLosses(args, config.num_moe_experts, config.sequence_parallel)
+    losses = RouterLosses(args, config.num_moe_experts, config.sequence_parallel,
+                          sigmoid=config.moe_router_score_function == "sigmoid")
     for router in routers:
         router.routing = functools.partial(_routing_with_losses, losses, router.routing)
     return losses

@@ -1,8 +1,9 @@
 """Megatron backend, one process (TP=1), on tiny GLM-4, GLM-4.5, DeepSeek-V3 (MLA, YaRN, 4 expert groups of which 2
-are kept), Moonlight-like (MLA without q_lora) and GLM-4.7-Flash-like checkpoints built with transformers: the forward over a packed THD
-batch equals transformers' per sample, HF -> Megatron -> HF is bit-exact (a saved checkpoint keeps the routers'
-expert-score correction biases; a weight push leaves them out), the bias is loaded (a zero bias routes differently),
-and configurations megatron-core cannot compute as transformers does are refused naming the field."""
+are kept), Moonlight-like (MLA without q_lora) and GLM-4.7-Flash-like checkpoints built with transformers: the
+forward over a packed THD batch equals transformers' per sample, HF -> Megatron -> HF is bit-exact (a saved
+checkpoint keeps the routers' expert-score correction biases; a weight push leaves them out), the bias is loaded (a
+zero bias routes differently) and training steps leave it unchanged, Kimi K2's `kimi_k2` config reads as
+DeepSeek-V3's, and configurations megatron-core cannot compute as transformers does are refused naming the field."""
 
 from __future__ import annotations
 
@@ -153,3 +154,35 @@ def test_refuses_one_latent_attention_head_per_tensor_parallel_rank():
                            tensor_model_parallel_size=4)
     with pytest.raises(ValueError, match="--tensor-model-parallel-size 4"):
         family_fields(args, family_config("moonlight", 300))
+
+
+def test_training_steps_leave_the_expert_bias_and_weight_sync_leaves_it_out(tmp_path):
+    """Two optimizer steps of the backend move the weights, not the routers' expert-score correction biases (bias
+    update rate 0: the engine keeps routing with the checkpoint's); the weights pushed to engines carry no bias."""
+    from safetensors.torch import load_file
+
+    from tests.helpers.fsdp_helpers import run_distributed
+
+    checkpoint = build_family_checkpoint(tmp_path / "glm4_moe", "glm4_moe")
+    biases, pushed = run_distributed(_train_two_steps, 1, checkpoint)[0]
+    original = load_file(str(checkpoint / "model.safetensors"))
+    expected = {name: tensor for name, tensor in original.items() if name.endswith("e_score_correction_bias")}
+    assert set(biases) == set(expected)
+    for name, tensor in expected.items():
+        assert torch.equal(biases[name], tensor), name
+    assert set(pushed) == set(original) - set(expected)
+    assert not torch.equal(pushed["model.layers.1.mlp.gate.weight"], original["model.layers.1.mlp.gate.weight"])
+
+
+def _train_two_steps(rank, world_size, port, checkpoint):
+    from slime.backends.megatron_utils.hf_mapping import mapping_for
+    from slime.backends.megatron_utils.names import named_global_buffers
+    from tests.backends.megatron_utils.test_backend import ALGORITHM
+    from tests.helpers.fsdp_helpers import make_train_data, make_trainer
+
+    trainer = make_trainer(make_megatron_args(checkpoint, *ALGORITHM, world_size=world_size), rank, world_size, port)
+    trainer.train(0, make_train_data(8, vocab_size=300, seed=3, num_steps=2))
+    mapping, hf_config = mapping_for(trainer.backend.hf_config), trainer.backend.hf_config
+    biases = {hf: tensor.clone() for name, buffer in named_global_buffers(trainer.backend.model_chunks)
+              for hf, tensor in mapping.to_hf(name, buffer, hf_config)}
+    return biases, {name: tensor.cpu().clone() for name, tensor in trainer.backend.hf_weights(None)}

@@ -56,3 +56,17 @@ def test_router_losses_match_the_fsdp_backend(moe_checkpoint, balance_type):
         for key in KEYS:
             assert megatron[step][key] == pytest.approx(reference[key], rel=1e-4, abs=1e-6), (step, key)
             assert recomputed[step][key] == pytest.approx(reference[key], rel=1e-4, abs=1e-6), (step, key)
+
+
+def test_sigmoid_router_losses_match_the_fsdp_backend(tmp_path):
+    """GLM-4.5's sigmoid router (biased, with a dense first layer and a shared expert): the losses' probabilities are
+    the sigmoid scores normalised over the experts on both backends."""
+    from tests.helpers.megatron_families import build_family_checkpoint
+
+    checkpoint = build_family_checkpoint(tmp_path / "glm4_moe", "glm4_moe")
+    fsdp, megatron, recomputed = run_distributed(_both_backends, 1, checkpoint, "aux_loss")[0]
+    for step, reference in enumerate(fsdp):
+        assert reference["train/moe_aux_loss"] > 0 and reference["train/moe_z_loss"] > 0
+        for key in KEYS:
+            assert megatron[step][key] == pytest.approx(reference[key], rel=1e-4, abs=1e-6), (step, key)
+            assert recomputed[step][key] == pytest.approx(reference[key], rel=1e-4, abs=1e-6), (step, key)

@@ -169,9 +169,3 @@ def test_correction_bias_is_never_pushed_and_survives_a_discarding_release(check
                          if name in names])  # every weight a trainer sends: all but the bias
     assert not engine.weights_missing
     assert torch.equal(engine.model_runner.model.model.layers[1].mlp.gate.e_score_correction_bias, bias)
-
-
-def test_tensor_parallel_glm_is_refused_naming_the_flag(checkpoint):
-    _, path, _, _ = checkpoint
-    with pytest.raises(ValueError, match=r"tp_size=2 \(--tp-size\).*--tp-size 1"):
-        Engine(str(path), device="cpu", num_kvcache_blocks=16, tp_size=2)

@@ -20,6 +20,7 @@ MODELS = {  # wide weights so logits spread and a wrong shard shows
     "dense_one_kv_head": {"arch": "qwen3", "num_key_value_heads": 1},  # K/V head replicated on both ranks
     "odd_vocab": {"arch": "qwen3", "embedding_size": 515},  # vocab rows not divisible by 2: padded shards
     "qwen3_moe": {"arch": "qwen3_moe"},
+    "glm4_moe": {"arch": "glm4_moe"},  # sigmoid grouped router, shared expert, partial RoPE, a leading dense layer
 }
 
 
@@ -52,9 +53,10 @@ def assert_same(sharded: list[dict], single: list[dict]) -> None:
 
 @pytest.mark.parametrize("model, ep_size, kv", [("dense_gqa", 1, "auto"), ("dense_one_kv_head", 1, "auto"),
                                                 ("odd_vocab", 1, "auto"), ("dense_gqa", 1, "fp8_e4m3"),
-                                                ("qwen3_moe", 1, "auto"), ("qwen3_moe", 2, "auto")])
+                                                ("qwen3_moe", 1, "auto"), ("qwen3_moe", 2, "auto"),
+                                                ("glm4_moe", 2, "auto")])
 def test_two_ranks_give_one_ranks_tokens_and_log_probs(checkpoints, model, ep_size, kv):
-    moe = model == "qwen3_moe"
+    moe = model in ("qwen3_moe", "glm4_moe")
     extra = {"enable_return_routed_experts": True} if moe else {}
     extra["kv_cache_dtype"] = kv  # fp8: both engines round K/V the same way
     single = Engine(str(checkpoints[model]), **ENGINE, **extra)
