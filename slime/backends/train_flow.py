@@ -49,7 +49,7 @@ from slime.backends.schedule import forward_only_schedule, train_schedule
 from slime.backends.weight_push_result import WeightPushResult
 from slime.backends.weight_sender import weight_sender_from_args
 from slime.backends.weight_snapshot import WeightSnapshot, place_weight_sets
-from slime.utils.checkpoint_state import weights_at_step
+from slime.utils.checkpoint_state import initial_weights, weights_at_step
 from slime.utils.misc import load_function, seed_everything
 from slime.utils.ppo_utils import apply_opd_advantage, loss_denominator
 from slime.utils.train_data_types import TrainData
@@ -88,7 +88,7 @@ class TrainFlow:
             self.hooks["custom_init_path"](args)
         backend = self.backend
         resume_dir = backend.resolve_load_dir(args.load)  # a complete checkpoint or None (validated at parse time)
-        weights_path = str(resume_dir) if resume_dir is not None else args.hf_checkpoint
+        weights_path = str(resume_dir) if resume_dir is not None else initial_weights(args)
         if not weights_path:
             raise ValueError("no model to train: pass --hf-checkpoint (a Hugging Face folder)")
         backend.build_policy(weights_path)

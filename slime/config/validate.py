@@ -34,6 +34,7 @@ from slime.utils.checkpoint_state import (
 )
 from slime.utils.engine_access import external_engine_url
 from slime.utils.eval_config import resolve_eval_datasets
+from slime.utils.megatron_layout import is_megatron_checkpoint, is_torch_dist_folder
 from slime.utils.misc import load_function, load_functions
 
 logger = logging.getLogger(__name__)
@@ -103,12 +104,26 @@ def _check_resume(args) -> None:
     """--load must name a complete checkpoint (the critic's too under ppo), or nothing with --load-if-exists (or
     with --save naming the same folder)."""
     try:
-        actor_dir = resume_dir(args.load, load_if_exists=starts_fresh_without_checkpoint(args))
+        actor_dir = resume_dir(args.load, load_if_exists=starts_fresh_without_checkpoint(args), step=args.ckpt_step)
         if actor_dir is not None and args.use_critic:
             critic_checkpoint(actor_dir)
     except CheckpointError as exc:
         raise ArgumentError(str(exc)) from None
     require(not args.load_if_exists or args.load, "--load-if-exists needs --load (the folder to resume from)")
+    _check_megatron_checkpoints(args, actor_dir)
+
+
+def _check_megatron_checkpoints(args, actor_dir) -> None:
+    """Megatron checkpoints (torch_dist) are read by the Megatron backend only."""
+    if args.train_backend == "megatron":
+        return
+    paths = [("load", actor_dir)] + [(flag, getattr(args, flag))
+                                     for flag in ("ref_load", "opd_teacher_load", "critic_load")]
+    for flag, path in paths:
+        require(path is None or not (is_megatron_checkpoint(path) or is_torch_dist_folder(path)),
+                 f"{cli_flag(flag)} {path}: a Megatron torch_dist checkpoint, which --train-backend "
+                 f"{args.train_backend} cannot read; pass --train-backend megatron, or convert it with "
+                 "tools/convert_torch_dist_to_hf.py and pass the HF folder")
 
 
 def _check_paths(args) -> None:
@@ -121,15 +136,19 @@ def _check_paths(args) -> None:
     for flag in ("ref_load", "opd_teacher_load", "critic_load"):
         path = getattr(args, flag)
         step_flag = CKPT_STEP_FLAGS.get(flag)
-        if step_flag and getattr(args, step_flag) is not None:  # slime's: a step of a --save folder's checkpoints
+        step = getattr(args, step_flag) if step_flag else None
+        if step is not None:  # slime's: a step of a --save folder's checkpoints
             require(path is not None, f"{cli_flag(step_flag)} picks a checkpoint step of {cli_flag(flag)}; pass it")
+        if step is not None or (path is not None and is_megatron_checkpoint(path)):
             try:
-                path = weights_at_step(path, getattr(args, step_flag), cli_flag(step_flag))
+                path = weights_at_step(path, step, cli_flag(step_flag if step is not None else flag))
             except CheckpointError as exc:
                 raise ArgumentError(str(exc)) from None
-        if path is not None:
+        if path is not None and not is_megatron_checkpoint(path):  # a Megatron one: --hf-checkpoint's architecture
             require((Path(path) / "config.json").is_file(),
-                     f"--{flag.replace('_', '-')} {path}: not a Hugging Face model folder (no config.json)")
+                     f"--{flag.replace('_', '-')} {path}: not a Hugging Face model folder (no config.json) nor a "
+                     "Megatron checkpoint (no latest_checkpointed_iteration.txt, not an iter_<7 digits> or release "
+                     "folder of torch_dist files)")
     if args.prompt_data is not None:
         data_path = args.prompt_data.split("@[")[0]
         require(Path(data_path).is_file(), f"--prompt-data {data_path}: file not found")

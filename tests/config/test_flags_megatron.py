@@ -43,14 +43,15 @@ def preset_flags(preset: Path) -> list[str]:
     return _bash_words(f'source "{preset}"; printf "%s\\0" "${{MODEL_ARGS[@]}}"')
 
 
-def recipe_flags(script: Path) -> list[str]:
-    """The flags a slime-style run script passes to train.py / train_async.py, as bash expands them."""
+def recipe_flags(script: Path, prelude: str = "") -> list[str]:
+    """The flags a slime-style run script passes to train.py / train_async.py, as bash expands them (`prelude`:
+    bash run first, e.g. the environment a recipe expects)."""
     text = script.read_text()
-    model = re.search(r'^source "\$\{SCRIPT_DIR\}/(models/[^"]+)"$', text, re.M).group(1)
+    model = re.search(r'^source "\$\{SCRIPT_DIR\}/(?:\.\./scripts/)?(models/[^"]+)"$', text, re.M).group(1)
     defaults = "\n".join(re.findall(r"^[A-Z_]+=\$\{[A-Z_]+:-[^}$]*\}$", text, re.M))  # MODEL_DIR=${MODEL_DIR:-/root}
     arrays = "\n".join(m.group(0) for m in re.finditer(r"^[A-Z_]+=\(\n.*?^\)$", text, re.M | re.S))
     command = re.search(r"python3 \S*train(?:_async)?\.py\"? \\\n((?:.*\\\n)*.*\n)", text).group(1)
-    return _bash_words(f'NUM_GPUS=8\nSCRIPT_DIR="{script.parent}"\n{defaults}\nsource "$SCRIPT_DIR/{model}"\n{arrays}\n'
+    return _bash_words(f'{prelude}\nNUM_GPUS=8\nSCRIPT_DIR="{script.parent}"\n{defaults}\nsource "$SCRIPT_DIR/{model}"\n{arrays}\n'
                        f'ARGV=({command.replace(chr(92) + chr(10), chr(10))})\nprintf "%s\\0" "${{ARGV[@]}}"')
 
 

@@ -104,7 +104,7 @@ class FSDPBackend(TrainBackend):
         load_full_weights(self.model, read_hf_weights(path))
 
     def resolve_load_dir(self, load: str | None) -> Path | None:
-        return resolve_load_dir(load)
+        return resolve_load_dir(load, self.args.ckpt_step)
 
     def load_training_state(self, resume_dir: Path) -> int:
         self.require_on_device("loading a checkpoint")
