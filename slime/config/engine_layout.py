@@ -19,20 +19,33 @@ RESHAPING_SGLANG_FLAGS = {
 }
 
 
+def builtin_engine_gaps(args) -> list[str]:
+    """What of the run's engine layout the built-in engine does not run (empty: it runs all of it): an engine wider
+    than a node (slime's DeepSeek / Kimi recipes span nodes), or SGLang's pipeline / data-parallel reshaping."""
+    if getattr(args, "rollout_external_engine_addrs", None) is not None:
+        return []  # external engines have layouts of their own
+    gaps = []
+    if args.rollout_num_gpus_per_engine > args.num_gpus_per_node:
+        gaps.append(f"--rollout-num-gpus-per-engine {args.rollout_num_gpus_per_engine} spans nodes "
+                    f"(--num-gpus-per-node {args.num_gpus_per_node})")
+    gaps += [f"{what} {getattr(args, dest)}" for dest, what in RESHAPING_SGLANG_FLAGS.items()
+             if getattr(args, dest, None) not in (None, 1)]
+    return gaps
+
+
 def check_engine_layout(args) -> None:
     """Parse-time rules of --rollout-num-gpus-per-engine (and --sglang-ep-size with the built-in engine)."""
     per_engine = args.rollout_num_gpus_per_engine
     require(args.rollout_num_gpus % per_engine == 0,
             f"--rollout-num-gpus {args.rollout_num_gpus} is not a multiple of "
             f"--rollout-num-gpus-per-engine {per_engine}")
-    if args.rollout_external:
-        return  # the engines run elsewhere, with layouts of their own
+    if args.rollout_external or args.rollout_backend != "slime":
+        return  # the engines run elsewhere, or SGLang lays out its own ranks (across nodes too, as in slime)
     require(per_engine <= args.num_gpus_per_node,
             f"--rollout-num-gpus-per-engine {per_engine} is larger than --num-gpus-per-node "
             f"{args.num_gpus_per_node}: an engine's ranks all run on one node; lower --rollout-num-gpus-per-engine "
-            "(or raise --num-gpus-per-node if the nodes have more devices)")
-    if args.rollout_backend != "slime":
-        return
+            "(or raise --num-gpus-per-node if the nodes have more devices, or use --rollout-backend sglang, whose "
+            "engines may span nodes)")
     for dest, what in RESHAPING_SGLANG_FLAGS.items():
         value = getattr(args, dest, None)
         require(value is None or value == 1,

@@ -18,7 +18,7 @@ import os
 import time
 from pathlib import Path
 
-from slime.config.engine_layout import check_engine_layout
+from slime.config.engine_layout import builtin_engine_gaps, check_engine_layout
 from slime.config.errors import ArgumentError, cli_flag, require
 from slime.config.flag_ranges import ANY, FLAG_RANGES
 from slime.config.flags_moe import check_moe_args
@@ -55,9 +55,15 @@ HOOK_FLAGS = (
 
 def resolve_rollout_backend(args) -> None:
     """--rollout-backend's default: the built-in engine, for any --rollout-num-gpus-per-engine (an engine of N
-    devices is N ranks of one built-in engine: engine/parallel/)."""
+    devices is N ranks of one built-in engine: engine/parallel/), unless the run's engine layout is one only SGLang
+    runs (engines spanning nodes, SGLang's pp / dp reshaping, as slime's DeepSeek and Kimi recipes ask): then
+    SGLang, said in the log. `--rollout-backend slime` with such a layout is refused by name instead."""
     if args.rollout_backend is None:
-        args.rollout_backend = "slime"
+        gaps = builtin_engine_gaps(args)
+        args.rollout_backend = "sglang" if gaps else "slime"
+        if gaps:
+            logger.info("rolling out with SGLang (--rollout-backend sglang): the built-in engine does not run %s",
+                        "; ".join(gaps))
 
 
 CKPT_STEP_FLAGS = {"ref_load": "ref_ckpt_step", "opd_teacher_load": "opd_teacher_ckpt_step"}

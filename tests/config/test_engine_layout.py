@@ -44,22 +44,38 @@ def test_layouts_the_built_in_engine_runs(setup, flags, engines):
      "--rollout-num-gpus 3 is not a multiple of --rollout-num-gpus-per-engine 2"),
     (["--actor-num-gpus-per-node", "3", "--colocate", "--rollout-num-gpus-per-engine", "2"],
      "--rollout-num-gpus 3 is not a multiple of --rollout-num-gpus-per-engine 2"),
-    (["--rollout-num-gpus", "16", "--rollout-num-gpus-per-engine", "16"],
+    (["--rollout-num-gpus", "16", "--rollout-num-gpus-per-engine", "16", "--rollout-backend", "slime"],
      "--rollout-num-gpus-per-engine 16 is larger than --num-gpus-per-node 8"),
-    (["--rollout-num-gpus", "4", "--rollout-num-gpus-per-engine", "4", "--num-gpus-per-node", "2"],
+    (["--rollout-num-gpus", "4", "--rollout-num-gpus-per-engine", "4", "--num-gpus-per-node", "2",
+      "--rollout-backend", "slime"],
      "--rollout-num-gpus-per-engine 4 is larger than --num-gpus-per-node 2"),
     (["--rollout-num-gpus", "4", "--rollout-num-gpus-per-engine", "2", "--sglang-ep-size", "4"],
      "--sglang-ep-size 4 must divide --rollout-num-gpus-per-engine 2"),
     (["--rollout-num-gpus", "4", "--rollout-num-gpus-per-engine", "4", "--sglang-ep-size", "3"],
      "--sglang-ep-size 3 must divide --rollout-num-gpus-per-engine 4"),
-    (["--rollout-num-gpus", "4", "--rollout-num-gpus-per-engine", "4", "--sglang-pp-size", "2"],
+    (["--rollout-num-gpus", "4", "--rollout-num-gpus-per-engine", "4", "--sglang-pp-size", "2",
+      "--rollout-backend", "slime"],
      "--sglang-pp-size"),
-    (["--rollout-num-gpus", "4", "--rollout-num-gpus-per-engine", "4", "--sglang-dp-size", "2"],
+    (["--rollout-num-gpus", "4", "--rollout-num-gpus-per-engine", "4", "--sglang-dp-size", "2",
+      "--rollout-backend", "slime"],
      "--sglang-dp-size"),
 ])
 def test_layouts_refused_at_parse_time(setup, flags, message):
     with pytest.raises(ArgumentError, match=message.replace("+", r"\+")):
         parse(setup, *flags)
+
+
+@pytest.mark.parametrize("flags, reason", [
+    (["--rollout-num-gpus", "16", "--rollout-num-gpus-per-engine", "16"], "spans nodes"),
+    (["--rollout-num-gpus", "4", "--rollout-num-gpus-per-engine", "4", "--sglang-dp-size", "2"], "--sglang-dp-size"),
+])
+def test_layouts_only_sglang_runs_default_to_sglang(setup, flags, reason, caplog):
+    """slime's DeepSeek / Kimi recipes (engines across nodes, DP attention) parse unchanged and roll out with SGLang,
+    as in slime; the log says why. The built-in engine is still the default for every layout it runs."""
+    with caplog.at_level("INFO", logger="slime.config.validate"):
+        args = parse(setup, *flags)
+    assert args.rollout_backend == "sglang" and reason in caplog.text
+    assert parse(setup, "--rollout-num-gpus", "8", "--rollout-num-gpus-per-engine", "8").rollout_backend == "slime"
 
 
 def test_sglang_keeps_its_own_layout_flags(setup):
