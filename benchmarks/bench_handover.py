@@ -25,7 +25,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.engine_checkpoints import SHAPES, TINY_LARGE_SHAPE, build_checkpoint
-from slime.backends.weight_sender import WeightSender, iter_buckets
+from slime.backends.push_pipeline import iter_buckets
+from slime.backends.weight_sender import WeightSender
 from slime.engine.models.weight_loader import iterate_checkpoint
 from slime.engine.server.launch import launch_server
 from slime.utils.blocking_http import blocking_client

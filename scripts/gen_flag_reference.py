@@ -86,7 +86,7 @@ def _default(action: argparse.Action) -> str:
 
 
 def _status(action: argparse.Action, group_title: str, slime_flags: set[str], megatron_options: set[str]) -> str:
-    from slime.config import flag_status, flags_sglang
+    from slime.config import engine_layout, flag_status, flags_sglang
 
     dest = action.dest
     if dest in flag_status.REFUSED:
@@ -101,6 +101,8 @@ def _status(action: argparse.Action, group_title: str, slime_flags: set[str], me
             refused = [f"`{value}` needs `--rollout-backend sglang`"
                        for (refused_dest, value) in flags_sglang.UNSUPPORTED_BY_ENGINE if refused_dest == dest]
             return f"SGLang; built-in engine: `{field}`" + "".join("; " + r for r in refused)
+        if dest in engine_layout.RESHAPING_SGLANG_FLAGS:
+            return "SGLang; above 1 needs `--rollout-backend sglang` (the built-in engine shards by TP / EP only)"
         return "SGLang; unused by the built-in engine"
     if group_title.startswith("router") and dest.startswith("router_"):
         if dest in flags_sglang.ROUTER_OWNED:

@@ -2,8 +2,8 @@
 # GRPO on DAPO-Math-17k with Qwen3-30B-A3B on one 8-GPU node, Megatron backend (TP 4, EP 8), colocated.
 # slime's scripts/run-qwen3-30B-A3B.sh (THUDM/slime@624b824) with the same flag groups and values; what differs:
 #   paths are variables (MODEL_DIR, DATA_DIR, SAVE_DIR); no process-killing preamble and no `ray job submit`
-#   (train.py starts its own Ray, or joins one with --ray-address); --ref-load is the HF folder; one engine per
-#   GPU (--rollout-num-gpus-per-engine 1: the built-in engine does not shard a model; slime uses 8 with SGLang).
+#   (train.py starts its own Ray, or joins one with --ray-address); --ref-load is the HF folder. Engines as
+#   slime's: eight GPUs each (--rollout-num-gpus-per-engine 8), a built-in engine of 8 tensor-parallel ranks.
 # Usage: MODEL_DIR=/data/models DATA_DIR=/data SAVE_DIR=/ckpt bash scripts/run-qwen3-30B-A3B.sh
 
 set -ex
@@ -98,7 +98,7 @@ WANDB_ARGS=(
 )
 
 SGLANG_ARGS=(
-   --rollout-num-gpus-per-engine 1
+   --rollout-num-gpus-per-engine 8
    --sglang-mem-fraction-static 0.7
    --sglang-cuda-graph-bs 1 2 4 8 $(seq 16 8 256)
 )

@@ -7,7 +7,8 @@
 #   ROLLOUT_ARGS / EVAL_ARGS: batch 4 prompts x 4 samples, 12 new tokens (the task's answers are a few tokens);
 #   PERF_ARGS: --train-backend fsdp (megatron-core does not run on a CPU), so no TP / SP / recompute flags;
 #   OPTIMIZER_ARGS: --lr 5e-4 (the quickstart's: 1e-6 would not move a random tiny model);
-#   NUM_GPUS: trainer processes (and, with --colocate, engines), default 2.
+#   NUM_GPUS: trainer processes (and, with --colocate, engine ranks), default 2;
+#   GPUS_PER_ENGINE: the 4B recipe's 2 (one engine of two ranks over the two processes), 1 when NUM_GPUS is 1.
 # Usage: TASK_DIR=/tmp/tiny NUM_ROLLOUT=20 bash scripts/run-tiny-cpu.sh   (the task is built there when missing)
 
 set -ex
@@ -18,7 +19,9 @@ TASK_DIR=${TASK_DIR:-/tmp/slime-tiny-cpu}
 SAVE_DIR=${SAVE_DIR:-${TASK_DIR}/ckpt}
 NUM_ROLLOUT=${NUM_ROLLOUT:-20}
 NUM_GPUS=${NUM_GPUS:-2}
-echo "NUM_GPUS: $NUM_GPUS"
+if [ "$NUM_GPUS" -ge 2 ]; then DEFAULT_GPUS_PER_ENGINE=2; else DEFAULT_GPUS_PER_ENGINE=1; fi
+GPUS_PER_ENGINE=${GPUS_PER_ENGINE:-${DEFAULT_GPUS_PER_ENGINE}}
+echo "NUM_GPUS: $NUM_GPUS GPUS_PER_ENGINE: $GPUS_PER_ENGINE"
 
 SCRIPT_DIR="$(cd -- "$(dirname -- "${BASH_SOURCE[0]}")" &>/dev/null && pwd)"
 if [ ! -f "${TASK_DIR}/model/config.json" ]; then
@@ -110,7 +113,7 @@ WANDB_ARGS=(
 )
 
 SGLANG_ARGS=(
-   --rollout-num-gpus-per-engine 1
+   --rollout-num-gpus-per-engine ${GPUS_PER_ENGINE}
    --sglang-mem-fraction-static 0.7
 )
 

@@ -1,13 +1,15 @@
-"""Convert a Hugging Face checkpoint into a Megatron torch_dist folder (slime's tool of the same name), sharded as
-it is written by the ranks of the given parallel layout; torch_dist reshards on load, so any layout reads it.
+"""Convert a Hugging Face checkpoint into a Megatron checkpoint in Megatron-LM's layout, as slime's tool of the same
+name writes it: `{save}/latest_checkpointed_iteration.txt` naming `release`, and `{save}/release/` a torch_dist
+checkpoint with Transformer Engine's parameter names, sharded as the ranks of the given parallel layout write it
+(torch_dist reshards on load, so any layout reads it; slime's Megatron reads it too).
 
     torchrun --nproc-per-node 2 tools/convert_hf_to_torch_dist.py --hf-checkpoint /models/Qwen3-4B \\
         --save /models/Qwen3-4B_torch_dist --tensor-model-parallel-size 2 [${MODEL_ARGS[@]}]
 
 Also runs as a single process (`python tools/convert_hf_to_torch_dist.py ...`). The model is built from the
 checkpoint's config.json: Megatron model-shape flags (slime's scripts/models/*.sh) are accepted and ignored. The
-output is weights only (config and tokenizer files copied): pass it as --ref-load, or convert it back with
-tools/convert_torch_dist_to_hf.py.
+output is weights only (config and tokenizer files copied beside them): pass it as --ref-load or --load, or convert
+it back with tools/convert_torch_dist_to_hf.py.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ def parse_args(argv=None):
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--hf-checkpoint", required=True, help="the Hugging Face folder to convert")
-    parser.add_argument("--save", required=True, help="the torch_dist folder to write")
+    parser.add_argument("--save", required=True, help="the Megatron checkpoint folder to write (its release/)")
     parser.add_argument("--seed", type=int, default=1234)
     add_megatron_arguments(parser)
     args, _ = parser.parse_known_args(argv)
@@ -48,10 +50,10 @@ def parse_args(argv=None):
 
 def main(argv=None) -> None:
     import torch
-    from transformers import AutoConfig
 
     from slime.backends.megatron_utils.checkpoint import save_weights
     from slime.backends.megatron_utils.cpu_shim import apply_cpu_shim
+    from slime.backends.megatron_utils.hf_config import load_hf_config
     from slime.backends.megatron_utils.hf_weights import load_hf_weights
     from slime.backends.megatron_utils.model import build_gpt_model
     from slime.backends.megatron_utils.parallel import init_model_parallel
@@ -64,10 +66,10 @@ def main(argv=None) -> None:
     init_default_group(cpu, int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1)),
                        os.environ.get("MASTER_ADDR", "127.0.0.1"), int(os.environ.get("MASTER_PORT", find_free_port())))
     init_model_parallel(args, cpu)
-    hf_config = AutoConfig.from_pretrained(args.hf_checkpoint)
+    hf_config = load_hf_config(args.hf_checkpoint)
     chunks = [build_gpt_model(args, hf_config, cpu)]
     load_hf_weights(chunks, args.hf_checkpoint, hf_config)
-    folder = save_weights(args.save, chunks, args.hf_checkpoint)
+    folder = save_weights(args.save, chunks, args, hf_config)
     if int(os.environ.get("RANK", 0)) == 0:
         print(f"wrote {folder}")
 

@@ -71,6 +71,7 @@ class TrainBackend(ABC):
     dp_group = None  # None: the default group
     routing_replay: RoutingReplay | None = None
     num_micro_batches_multiple: int = 1  # every step's micro-batch count is a multiple (an interleaved pipeline's)
+    hf_weights_on_every_rank: bool = False  # `hf_weights` yields the same full tensors on every rank (FSDP)
 
     def routing_of(self, micro_batch: PackedMicroBatch):
         """The context of one micro-batch's forward (and backward) for routing replay."""

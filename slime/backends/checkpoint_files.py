@@ -34,11 +34,12 @@ def barrier():
         dist.barrier()
 
 
-def resolve_load_dir(load: str | None) -> Path | None:
-    """The checkpoint folder --load refers to (a save root, via its `latest`, or a `rollout_{id}` folder), checked
-    complete; None without --load or when the folder holds no checkpoint yet (the driver allowed that only with
-    --load-if-exists). Anything else that is not a checkpoint raises CheckpointError."""
-    folder = find_checkpoint(load, load_if_exists=True)
+def resolve_load_dir(load: str | None, step: int | None = None) -> Path | None:
+    """The checkpoint folder --load refers to (a save root, via its `latest` or Megatron-LM's tracker file, that
+    root's checkpoint `step` with --ckpt-step, or one checkpoint folder), checked complete; None without --load or
+    when the folder holds no checkpoint yet (the driver allowed that only with --load-if-exists). Anything else
+    that is not a checkpoint raises CheckpointError."""
+    folder = find_checkpoint(load, load_if_exists=True, step=step)
     if folder is not None:
         check_checkpoint(folder)
     return folder

@@ -29,10 +29,11 @@ from slime.utils.misc import seed_everything
 from slime.utils.train_data_types import TrainData
 
 
-def critic_resume_dir(load: str | None) -> Path | None:
-    """The critic checkpoint of the same rollout as the actor's under --load (`{save}/critic/rollout_{id}`), checked
-    complete; None when --load holds no actor checkpoint to resume from."""
-    actor_dir = resolve_load_dir(load)
+def critic_resume_dir(load: str | None, step: int | None = None) -> Path | None:
+    """The critic checkpoint of the same rollout as the actor's under --load (`{save}/critic/rollout_{id}`, or
+    `iter_{id:07d}` in Megatron-LM's layout), checked complete; None when --load holds no actor checkpoint to resume
+    from."""
+    actor_dir = resolve_load_dir(load, step)
     return None if actor_dir is None else critic_checkpoint(actor_dir)
 
 
@@ -46,7 +47,7 @@ class CriticFlow(TrainFlow):
         args, backend = self.args, self.backend
         seed_everything(args.seed)
         self.hooks = {"custom_before_log_prob_hook_path": None, "custom_before_train_step_hook_path": None}
-        resume_dir = critic_resume_dir(args.load)
+        resume_dir = critic_resume_dir(args.load, args.ckpt_step)
         backend.build_critic(str(resume_dir) if resume_dir is not None else (args.critic_load or args.hf_checkpoint))
         if resume_dir is not None:
             return backend.load_training_state(resume_dir) + 1

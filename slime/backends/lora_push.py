@@ -25,9 +25,11 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from slime.backends.engine_ranks import as_engine_map
+from slime.backends.engine_server_info import engines_dtype
 from slime.backends.lora_adapter import save_peft_folder, to_peft_name
 from slime.backends.weight_push_result import WeightPushResult
-from slime.backends.weight_sender import _post, engines_dtype
+from slime.backends.weight_sender import _post
 from slime.config.flags_lora import served_adapter_name
 from slime.utils.weight_transport import serialize_named_tensors
 
@@ -66,12 +68,16 @@ class AdapterPusher:
         self.adapter_weights, self.config_of, self.rank = adapter_weights, config_of, rank
         self.headers = dict(headers or {})
         self.disk_dir, self.keep_files, self.check_weight_equal = disk_dir, keep_files, check_weight_equal
-        self.engine_urls: list[str] = []
+        self.engines: dict[int, str] = {}  # engine index -> URL
         self.mode = self.transport = "tensor"
         self.engines_dtype: torch.dtype | None = None
         self.loaded: list[str] = []  # the versions the engines hold, oldest first
 
-    def connect(self, engine_urls: list[str], mode: str = "tensor") -> None:
+    @property
+    def engine_urls(self) -> list[str]:
+        return list(self.engines.values())
+
+    def connect(self, engine_urls: list[str] | dict[int, str], mode: str = "tensor") -> None:
         """`mode`: the weight sender's ("distributed" engines are reached through the disk, as SGLang has no NCCL
         route for adapters)."""
         transport = "disk" if mode == "distributed" else mode
@@ -80,7 +86,7 @@ class AdapterPusher:
         if transport == "disk" and not self.disk_dir:
             raise ValueError("LoRA adapters reach engines on other devices or hosts through a PEFT folder: pass "
                              "--update-weight-disk-dir (a folder trainer and engines share)")
-        self.engine_urls, self.mode, self.transport = list(engine_urls), mode, transport
+        self.engines, self.mode, self.transport = as_engine_map(engine_urls), mode, transport
         self.loaded = []  # (re)connected engines: a version they lack is never unloaded
         if self.rank == 0:
             self.engines_dtype = engines_dtype(self.engine_urls, self.headers)

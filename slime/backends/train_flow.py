@@ -30,6 +30,7 @@ from slime.backends.advantages import compute_advantages
 from slime.backends.backend import TrainBackend
 from slime.backends.debug_train_data import rank_train_data, save_debug_train_data
 from slime.backends.device_room import DeviceRoom
+from slime.backends.engine_ranks import as_engine_map
 from slime.backends.lora_adapter import adapted_layers, peft_config
 from slime.backends.lora_push import AdapterPusher
 from slime.backends.loss import (
@@ -48,12 +49,11 @@ from slime.backends.routing_replay import (
     log_prob_stage,
 )
 from slime.backends.schedule import forward_only_schedule, train_schedule
-from slime.backends.weight_disk import disk_sync_from_args
 from slime.backends.weight_push_result import WeightPushResult
-from slime.backends.weight_sender import WeightSender
+from slime.backends.weight_sender import weight_sender_from_args
 from slime.backends.weight_snapshot import WeightSnapshot, place_weight_sets
 from slime.config.flags_lora import serves_adapter
-from slime.utils.checkpoint_state import weights_at_step
+from slime.utils.checkpoint_state import initial_weights, weights_at_step
 from slime.utils.engine_access import engine_admin_headers
 from slime.utils.misc import load_function, seed_everything
 from slime.utils.ppo_utils import apply_opd_advantage, loss_denominator
@@ -93,7 +93,7 @@ class TrainFlow:
             self.hooks["custom_init_path"](args)
         backend = self.backend
         resume_dir = backend.resolve_load_dir(args.load)  # a complete checkpoint or None (validated at parse time)
-        weights_path = str(resume_dir) if resume_dir is not None else args.hf_checkpoint
+        weights_path = str(resume_dir) if resume_dir is not None else initial_weights(args)
         if not weights_path:
             raise ValueError("no model to train: pass --hf-checkpoint (a Hugging Face folder)")
         backend.build_policy(weights_path)
@@ -133,10 +133,7 @@ class TrainFlow:
                                                 keep_files=args.update_weight_disk_keep_files,
                                                 check_weight_equal=args.check_lora_weight_equal)
         else:
-            self.weight_updater = WeightSender(backend.hf_weights, self.device.type == "cuda", self.rank,
-                                               args.update_weight_buffer_size, dtype=None,
-                                               master_address=self.master_addr, headers=engine_admin_headers(args),
-                                               disk_sync=disk_sync_from_args(args))
+            self.weight_updater = weight_sender_from_args(args, backend, self.rank, self.master_addr)
         self.loss_fn = get_loss_function(args)
         if resume_dir is not None:
             return backend.load_training_state(resume_dir) + 1
@@ -389,13 +386,14 @@ class TrainFlow:
         with self.backend.resident():
             return self.backend.save_checkpoint(rollout_id, run_state)
 
-    def update_weights(self, engine_urls: list[str] | None = None, weight_version=None,
+    def update_weights(self, engine_urls: dict[int, str] | list[str] | None = None, weight_version=None,
                        mode: str | None = None) -> WeightPushResult:
-        """Push the current weights to the engines (connecting first when `engine_urls` or `mode` changed); LoRA:
-        the adapter alone, or nothing with --lora-train-only (the engines stay on the base, as Miles)."""
+        """Push the current weights to the engines ({engine index: URL}, or a list of engines 0, 1, ...), connecting
+        first when they or `mode` changed; LoRA: the adapter alone, or nothing with --lora-train-only (the engines
+        stay on the base, as Miles)."""
         if self.lora and self.args.lora_train_only:
             return WeightPushResult(seconds=0.0, bytes=0, num_buckets=0)
-        if engine_urls is not None and (list(engine_urls) != self.weight_updater.engine_urls
+        if engine_urls is not None and (as_engine_map(engine_urls) != self.weight_updater.engines
                                         or (mode and mode != self.weight_updater.mode)):
             self.weight_updater.connect(engine_urls, mode or self.weight_updater.mode)
         result = self.weight_updater.update(weight_version)

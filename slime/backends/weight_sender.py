@@ -2,12 +2,19 @@
 
 Backend-neutral: the backend yields (HF name, full tensor) pairs (every rank takes part in its gathers: FSDP's
 `DTensor.full_tensor()`, Megatron's tensor / pipeline / expert parallel gathers); rank 0 groups them into buckets
-of about --update-weight-buffer-size bytes and sends each bucket to every engine:
-- "tensor" mode (same host): POST /update_weights_from_tensor with the bucket packed into one buffer and serialized
-  by handle (one shared-memory segment on CPU, one CUDA IPC handle on GPU). Pipelined: bucket k's POST is in flight
-  while bucket k+1 is gathered and packed; k+1 is sent once k is answered (the engine has copied it), so buckets
-  arrive in order, the last one last, and each stays alive until its engine is done with it;
-- "distributed" mode: a one-time process group with the engines (POST /init_weights_update_group), then per bucket
+of about --update-weight-buffer-size bytes and sends each bucket to every engine. An engine may span N ranks
+(--rollout-num-gpus-per-engine; slime/backends/engine_ranks.py has the arithmetic): every rank gets the full tensors
+and keeps its own shard.
+- "tensor" mode (same host): POST /update_weights_from_tensor with `serialized_named_tensors` a list of N entries,
+  entry i for the engine's rank i, each the bucket packed into one buffer and serialized by handle (one
+  shared-memory segment on CPU, one CUDA IPC handle on GPU). Colocated, with a backend whose every rank holds the
+  full tensors (FSDP), trainer rank r builds engine r // N's entry r % N on its own device and the engine's N
+  trainer ranks gather their entries (gloo) to the first of them, which POSTs (slime's layout); every other engine
+  gets N handles of rank 0's buffer. Pipelined: bucket k's POST is in flight while bucket k+1 is gathered and
+  packed; k+1 is sent once k is answered (the engine has copied it), so buckets arrive in order, the last one last,
+  and each stays alive until its engine is done with it;
+- "distributed" mode: a one-time process group of rank 0 and every engine rank (POST /init_weights_update_group,
+  engine i's ranks at offset 1 + the ranks of the engines before it), then per bucket
   POST /update_weights_from_distributed {names, dtypes, shapes} while rank 0 broadcasts the tensors.
   Every bucket but the last sends flush_cache false; the last sends flush_cache true and the weight version.
 - "disk" mode (--update-weight-transport disk): rank 0 writes the buckets as version folder `weight_v{N:06d}` (full or
@@ -17,7 +24,9 @@ of about --update-weight-buffer-size bytes and sends each bucket to every engine
   again), and each engine loads it (POST /update_weights_from_disk {model_path, weight_version}). The folder is
   removed afterwards unless --update-weight-disk-keep-files.
 In tensor and disk mode an engine that cannot be reached (its process died) is skipped for the rest of the push and
-named in the result (`unreachable_engines`); the engine watch restarts it (docs/guides/fault-tolerance.md).
+named in the result (`unreachable_engines`); the engine watch restarts it (docs/guides/fault-tolerance.md). Every
+weight-update answer's per-rank reports ("ranks") are checked: a rank missing, or at another weight version after
+the push, is an error naming the engine's URL and the rank (raised once every trainer rank is done).
 
 Tensors travel in the engines' dtype when every engine reports the same one in GET /get_server_info (bf16 engines
 get half the bytes of the fp32 master weights, rounded as the engine would round them itself); otherwise in the
@@ -35,9 +44,19 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 import torch.distributed as dist
 
-from slime.backends.weight_disk import DiskSync
+from slime.backends.colocated_feeders import ColocatedFeeders
+from slime.backends.engine_ranks import (
+    EngineRankError,
+    as_engine_map,
+    broadcast_layout,
+    check_rank_reports,
+)
+from slime.backends.engine_server_info import engines_dtype, server_infos
+from slime.backends.push_pipeline import OneInFlight, iter_buckets
+from slime.backends.weight_disk import DiskSync, disk_sync_from_args
 from slime.backends.weight_push_result import WeightPushResult
 from slime.utils.blocking_http import blocking_client
+from slime.utils.engine_access import engine_admin_headers
 from slime.utils.weight_delta import parse_version
 from slime.utils.weight_transport import (
     broadcast_named_tensors,
@@ -53,38 +72,6 @@ HTTP_TIMEOUT_S = 600.0
 WEIGHT_GROUP_NAME = "slime_weight_update"
 
 
-# SGLang's DeepSeek loader fuses q_a_proj and kv_a_proj_with_mqa into one matrix only when both arrive in one
-# load_weights call (one bucket): the first opens a bucket boundary that only the second closes.
-PAIRED_IN_ONE_BUCKET = (("self_attn.q_a_proj.weight", "self_attn.kv_a_proj_with_mqa.weight"),)
-
-
-def _bucket_partner(name: str) -> str | None:
-    """The name that must travel in the same bucket as `name`, when `name` opens such a pair."""
-    for first, second in PAIRED_IN_ONE_BUCKET:
-        if name.endswith("." + first):
-            return name[: -len(first)] + second
-    return None
-
-
-def iter_buckets(named_tensors, bucket_bytes: int) -> Iterator[tuple[list[tuple[str, torch.Tensor]], bool]]:
-    """Group (name, tensor) pairs into lists of at most `bucket_bytes` (a larger tensor goes alone; a pair of
-    PAIRED_IN_ONE_BUCKET and what lies between them share one bucket); yields (bucket, is_last)."""
-    bucket, size, pending, waiting_for = [], 0, None, None
-    for name, tensor in named_tensors:
-        nbytes = tensor.numel() * tensor.element_size()
-        if bucket and size + nbytes > bucket_bytes and waiting_for is None:
-            if pending is not None:
-                yield pending, False
-            pending, bucket, size = bucket, [], 0
-        bucket.append((name, tensor))
-        size += nbytes
-        waiting_for = None if name == waiting_for else (waiting_for or _bucket_partner(name))
-    if pending is not None:
-        yield pending, not bucket
-    if bucket:
-        yield bucket, True
-
-
 def _post(url: str, path: str, payload: dict, headers: dict | None = None) -> dict:
     response = blocking_client().post(url.rstrip("/") + path, json=payload, headers=headers, timeout=HTTP_TIMEOUT_S)
     if response.status_code != 200:
@@ -92,84 +79,66 @@ def _post(url: str, path: str, payload: dict, headers: dict | None = None) -> di
     return response.json() if response.content else {}
 
 
-def engines_dtype(urls: list[str], headers: dict | None = None) -> torch.dtype | None:
-    """The floating dtype every engine reports in /get_server_info ("dtype"), or None when they differ, one does
-    not say, or says "auto" (real SGLang reports its --dtype flag)."""
-    import httpx
-
-    names = set()
-    for url in urls:
-        try:
-            response = blocking_client().get(url.rstrip("/") + "/get_server_info", headers=headers,
-                                             timeout=HTTP_TIMEOUT_S)
-        except httpx.TransportError:
-            continue  # a lost engine has no say (and the push skips it)
-        names.add(response.json().get("dtype") if response.status_code == 200 else None)
-    (name,) = names if len(names) == 1 else (None,)
-    dtype = getattr(torch, name, None) if isinstance(name, str) else None
-    return dtype if isinstance(dtype, torch.dtype) and dtype.is_floating_point else None
-
-
 def _post_all(urls: list[str], path: str, payload_for_url, headers: dict | None = None) -> list:
     with ThreadPoolExecutor(max_workers=max(1, len(urls))) as pool:
         return list(pool.map(lambda url: _post(url, path, payload_for_url(url), headers), urls))
 
 
-def _post_each_reachable(urls: list[str], path: str, payload_for_url, headers: dict | None = None) -> list[str]:
+def _post_each_reachable(urls: list[str], path: str, payload_for_url,
+                         headers: dict | None = None) -> tuple[list[str], dict[str, dict]]:
     """Like _post_all, but an engine that cannot be reached (its process is gone) is skipped, not an error: the
     others still get the whole push, and the engine watch restarts the lost one (docs/guides/fault-tolerance.md).
-    Returns the URLs that could not be reached."""
+    Returns (the URLs that could not be reached, {url: answer} of the others)."""
     import httpx
 
-    def post(url: str) -> str | None:
+    def post(url: str) -> dict | None:
         try:
-            _post(url, path, payload_for_url(url), headers)
+            return _post(url, path, payload_for_url(url), headers)
         except httpx.TransportError:
-            return url
-        return None
+            return None
 
     with ThreadPoolExecutor(max_workers=max(1, len(urls))) as pool:
-        return [url for url in pool.map(post, urls) if url is not None]
-
-
-class _OneInFlight:
-    """Runs calls one at a time in a background thread, in the order submitted: `submit` first waits for the call in
-    flight (raising its error), so the caller prepares the next call while the last one runs."""
-
-    def __init__(self, pool: ThreadPoolExecutor):
-        self.pool = pool
-        self.pending = None
-
-    def submit(self, call, *args) -> None:
-        self.wait()
-        self.pending = self.pool.submit(call, *args)
-
-    def wait(self) -> None:
-        pending, self.pending = self.pending, None
-        if pending is not None:
-            pending.result()
+        answers = dict(zip(urls, pool.map(post, urls)))
+    return [url for url, answer in answers.items() if answer is None], {
+        url: answer for url, answer in answers.items() if answer is not None}
 
 
 class WeightSender:
     """The trainer side of a weight update (the engine side is `slime.engine.server.weights.EngineWeightReceiver`):
     sends the tensors `named_tensors(dtype)` yields to the connected engines; every rank calls `update`, rank 0
-    talks HTTP with `headers` (the engines' admin key). `on_gpu`: where the weights live (the broadcast group's
-    backend follows it). `disk_sync`: the settings of "disk" mode (None: that mode is not available)."""
+    talks HTTP with `headers` (the engines' admin key), and so do, colocated, the first trainer rank of each engine's
+    group. `on_gpu`: where the weights live (the broadcast group's backend follows it). `disk_sync`: the settings of
+    "disk" mode (None: that mode is not available). `ranks_per_engine`: the engines' ranks (None: each engine's
+    `tp_size` in GET /get_server_info). `colocated`: trainer rank r shares its device with rank r % N of engine r // N
+    and holds the full tensors (ColocatedFeeders). `expect_rank_reports`: every weight-update answer must carry the
+    per-rank reports (the built-in engine's "ranks"; SGLang's answers have none)."""
 
     def __init__(self, named_tensors: Callable[[torch.dtype | None], Iterator[tuple[str, torch.Tensor]]],
                  on_gpu: bool, rank: int, bucket_bytes: int, dtype: torch.dtype | None,
-                 master_address: str = "127.0.0.1", headers: dict | None = None, disk_sync: DiskSync | None = None):
+                 master_address: str = "127.0.0.1", headers: dict | None = None, disk_sync: DiskSync | None = None,
+                 ranks_per_engine: int | None = None, colocated: bool = False, expect_rank_reports: bool = False):
         self.named_tensors, self.on_gpu, self.disk_sync = named_tensors, on_gpu, disk_sync
         self.rank, self.bucket_bytes, self.dtype = rank, bucket_bytes, dtype
         self.headers = dict(headers or {})
         self.engines_dtype: torch.dtype | None = None  # what the connected engines report; None: unknown
         self.master_address = master_address
-        self.engine_urls: list[str] = []
+        self.ranks_per_engine, self.expect_rank_reports = ranks_per_engine, expect_rank_reports
+        self.colocated = colocated and ranks_per_engine is not None
+        self.engines: dict[int, str] = {}  # engine index -> URL
+        self.engine_ranks: dict[int, int] = {}  # engine index -> its number of ranks
         self.unreachable_urls: list[str] = []  # of the current push (tensor and disk mode)
+        self.rank_errors: list[str] = []  # of the current push: engine ranks that did not report it
+        self.feeders: ColocatedFeeders | None = None
         self.mode = "tensor"
         self.group = None
 
-    def connect(self, engine_urls: list[str], mode: str = "tensor", backend: str | None = None) -> None:
+    @property
+    def engine_urls(self) -> list[str]:
+        return list(self.engines.values())
+
+    def connect(self, engine_urls: list[str] | dict[int, str], mode: str = "tensor",
+                backend: str | None = None) -> None:
+        """Connect to `engine_urls` ({engine index: URL}; a list is engines 0, 1, ...): every rank calls it."""
         if mode not in UPDATE_MODES:
             raise ValueError(f"unknown weight update mode {mode!r}; choose {', '.join(UPDATE_MODES)}")
         if mode == "disk" and self.disk_sync is None:
@@ -184,11 +153,19 @@ class WeightSender:
                     pass  # an engine that failed (and was restarted elsewhere) has no group left to destroy
             dist.destroy_process_group(self.group)
             self.group = None
-        self.engine_urls, self.mode = list(engine_urls), mode
+        self.engines, self.mode = as_engine_map(engine_urls), mode
         if self.disk_sync is not None:
             self.disk_sync.writer.reset()  # other engines: their local checkpoints start from a full version
+        infos = server_infos(self.engine_urls, self.headers) if self.rank == 0 else {}
         if self.rank == 0:
-            self.engines_dtype = engines_dtype(self.engine_urls, self.headers)
+            self.engines_dtype = engines_dtype(self.engine_urls, self.headers, infos)
+        self.engine_ranks = {engine: self.ranks_per_engine or int((infos.get(url) or {}).get("tp_size") or 1)
+                             for engine, url in self.engines.items()}
+        if mode == "tensor" and self.colocated:
+            world_size = dist.get_world_size() if dist.is_initialized() else 1
+            if self.feeders is None:
+                self.feeders = ColocatedFeeders(self.rank, world_size, self.ranks_per_engine)
+            self.feeders.ensure_groups()
         if mode == "distributed" and self.rank == 0:
             # The group's backend follows where the trainer's weights live, not whether the host has a GPU.
             self._init_group(backend or ("nccl" if self.on_gpu else "gloo"))
@@ -197,11 +174,12 @@ class WeightSender:
         from slime.utils.misc import find_free_port
 
         port = find_free_port(self.master_address)
-        world_size = 1 + len(self.engine_urls)
+        world_size, offsets = broadcast_layout(self.engine_ranks)
+        index = {url: engine for engine, url in self.engines.items()}
         with ThreadPoolExecutor(max_workers=1) as pool:
             requests = pool.submit(_post_all, self.engine_urls, "/init_weights_update_group", lambda url: {
                 "master_address": self.master_address, "master_port": port,
-                "rank_offset": 1 + self.engine_urls.index(url), "world_size": world_size,
+                "rank_offset": offsets[index[url]], "world_size": world_size,
                 "group_name": WEIGHT_GROUP_NAME, "backend": backend,
             }, self.headers)
             self.group = init_custom_process_group(backend, f"tcp://{self.master_address}:{port}", world_size, 0,
@@ -218,29 +196,36 @@ class WeightSender:
         as slime logs)."""
         start = time.perf_counter()
         num_bytes, num_buckets = 0, 0
-        self.unreachable_urls = []
+        self.unreachable_urls, self.rank_errors = [], []
         metrics = {}
-        sending = self.rank == 0 and bool(self.engine_urls)
+        sending = (self.rank == 0 and bool(self.engines)) or self._own_engine() is not None
         version = parse_version(weight_version) if self.mode == "disk" else None  # on every rank: all stop, or none
         if sending and self.mode == "disk":
             self.disk_sync.writer.begin(version)
         params = self.named_tensors(self.push_dtype)
         # Leaving the pool's block waits for the POST in flight, even when gathering a bucket failed.
         with ThreadPoolExecutor(max_workers=1) as pool:
-            in_flight = _OneInFlight(pool)
+            in_flight = OneInFlight(pool)
             for bucket, is_last in iter_buckets(params, self.bucket_bytes):
                 num_buckets += 1
                 num_bytes += sum(t.numel() * t.element_size() for _, t in bucket)
                 if sending:
                     self._send(bucket, is_last, weight_version, in_flight)
             in_flight.wait()
-        if sending and self.mode == "disk":
+        if sending and self.mode == "disk":  # rank 0 alone
             self._load_from_disk(weight_version)
             stats = self.disk_sync.writer.stats
             metrics = {"perf/update_weights_density": stats["changed_bytes"] / max(stats["total_bytes"], 1),
                        "perf/update_weights_wire_bytes": stats["wire_bytes"]}
+        if self.feeders is not None and self.mode == "tensor":
+            self.unreachable_urls = self.feeders.merge_to_rank0(self.unreachable_urls)
         if dist.is_initialized():
             dist.barrier()
+        if self.feeders is not None:
+            self.feeders.held = None  # every POST is answered: the engines copied what they read from it
+        if self.rank_errors:  # after the barrier: every rank is through the push, whichever rank raises
+            raise EngineRankError("weight version %s did not reach every engine rank: %s"
+                                  % (weight_version, "; ".join(self.rank_errors)))
         return WeightPushResult(seconds=time.perf_counter() - start, bytes=num_bytes, num_buckets=num_buckets,
                                 unreachable_engines=list(self.unreachable_urls), metrics=metrics)
 
@@ -261,17 +246,44 @@ class WeightSender:
                 raise RuntimeError("POST /pull_weights failed: " + "; ".join(f"{u}: {m}" for u, m in failures.items()))
             model_path = sync.local_checkpoint_dir
         reachable = [url for url in self.engine_urls if url not in self.unreachable_urls]
-        self.unreachable_urls += _post_each_reachable(
+        unreachable, answers = _post_each_reachable(
             reachable, "/update_weights_from_disk",
             lambda url: {"model_path": model_path, "weight_version": str(weight_version), "flush_cache": True},
             self.headers)
+        self.unreachable_urls += unreachable
+        self._check_answers(answers, str(weight_version))
         if not sync.keep_files:
             shutil.rmtree(folder, ignore_errors=True)
 
     def _post_tensor_bucket(self, urls: list[str], payloads: dict[str, dict], packed) -> None:
         """`packed` (the tensors behind the handles) is held here until every engine has answered: copied."""
-        self.unreachable_urls += _post_each_reachable(urls, "/update_weights_from_tensor", payloads.__getitem__,
-                                                      self.headers)
+        unreachable, answers = _post_each_reachable(urls, "/update_weights_from_tensor", payloads.__getitem__,
+                                                    self.headers)
+        self.unreachable_urls += unreachable
+        self._check_answers(answers, next(iter(payloads.values()), {}).get("weight_version"))
+
+    def _check_answers(self, answers: dict[str, dict], weight_version: str | None) -> None:
+        """Record every engine rank that did not report this update (at `weight_version`, when it carried one)."""
+        index = {url: engine for engine, url in self.engines.items()}
+        for url, answer in answers.items():
+            try:
+                check_rank_reports(url, answer, self.engine_ranks[index[url]], weight_version,
+                                   self.expect_rank_reports)
+            except EngineRankError as error:
+                if not any(message.startswith(f"engine {url}") for message in self.rank_errors):
+                    self.rank_errors.append(str(error))  # an engine's first miss names it
+
+    def _own_engine(self) -> int | None:
+        """The engine this rank's colocated group feeds in the current push, if any (tensor mode)."""
+        feeders = self.feeders
+        if self.mode != "tensor" or feeders is None or feeders.engine not in self.engines:
+            return None
+        return feeders.engine
+
+    def _rank0_engines(self) -> list[int]:
+        """The engines rank 0 feeds from its own buffer: all but those of the colocated groups."""
+        colocated = self.feeders.engines if self.mode == "tensor" and self.feeders is not None else set()
+        return [engine for engine in self.engines if engine not in colocated] if self.rank == 0 else []
 
     def _publish(self, folder):
         if self.disk_sync.post_write is not None:
@@ -298,7 +310,7 @@ class WeightSender:
         with ThreadPoolExecutor(max_workers=max(1, len(reachable))) as pool:
             return {url: why for url, why in zip(reachable, pool.map(pull, reachable)) if why is not None}
 
-    def _send(self, bucket, is_last: bool, weight_version, in_flight: _OneInFlight) -> None:
+    def _send(self, bucket, is_last: bool, weight_version, in_flight: OneInFlight) -> None:
         if self.mode == "disk":
             self.disk_sync.writer.add(bucket)
             return
@@ -306,14 +318,7 @@ class WeightSender:
         if is_last and weight_version is not None:
             flush["weight_version"] = str(weight_version)
         if self.mode == "tensor":
-            packed = pack_named_tensors(bucket)
-            in_flight.wait()  # the engines are answered for the previous bucket: who is reachable is known
-            reachable = [url for url in self.engine_urls if url not in self.unreachable_urls]
-            # Serialized here, on the thread (and CUDA stream) that packed it; per engine: each serialized handle
-            # must be opened exactly once.
-            payloads = {url: {"serialized_named_tensors": [serialize_named_tensors(packed)], **flush}
-                        for url in reachable}
-            in_flight.submit(self._post_tensor_bucket, reachable, payloads, packed)
+            self._send_tensors(bucket, flush, in_flight)
             return
         payload = {
             "names": [name for name, _ in bucket],
@@ -325,5 +330,46 @@ class WeightSender:
             requests = pool.submit(_post_all, self.engine_urls, "/update_weights_from_distributed", lambda url: payload,
                                    self.headers)
             broadcast_named_tensors(self.group, bucket, src=0)
-            requests.result()
+            answers = requests.result()
+        self._check_answers(dict(zip(self.engine_urls, answers)), flush.get("weight_version"))
 
+    def _send_tensors(self, bucket, flush: dict, in_flight: OneInFlight) -> None:
+        """One bucket by handle: this rank's colocated engine gets its group's N entries (gathered to the group's
+        first rank, which POSTs), rank 0's other engines N handles of rank 0's buffer each. Serialized here, on the
+        thread (and CUDA stream) that packed it; each serialized handle is opened exactly once, by one engine rank."""
+        own, others = self._own_engine(), self._rank0_engines()
+        if own is None and not others:
+            return  # rank 0 when only other groups' engines take this push
+        packed = pack_named_tensors(bucket)
+        own_entry = serialize_named_tensors(packed) if own is not None else None
+        posts = others or (own is not None and self.feeders.is_first)
+        if posts:
+            # The engines are answered for the previous bucket: who is reachable is known, and (colocated) the
+            # group's other ranks may free their previous buffers once this bucket's gather returns.
+            in_flight.wait()
+        entries = self.feeders.gather(own_entry) if own is not None else None
+        if not posts:
+            self.feeders.held = packed  # the first rank POSTs it; freed after the next gather (or the push's end)
+            return
+        payloads = {}
+        for engine in others:
+            url = self.engines[engine]
+            if url not in self.unreachable_urls:
+                handles = [serialize_named_tensors(packed) for _ in range(self.engine_ranks[engine])]
+                payloads[url] = {"serialized_named_tensors": handles, **flush}
+        if own is not None and self.engines[own] not in self.unreachable_urls:
+            payloads[self.engines[own]] = {"serialized_named_tensors": entries, **flush}
+        in_flight.submit(self._post_tensor_bucket, list(payloads), payloads, packed)
+
+
+def weight_sender_from_args(args, backend, rank: int, master_address: str) -> WeightSender:
+    """The WeightSender of trainer rank `rank` of a run: the built-in engines this run starts span
+    --rollout-num-gpus-per-engine ranks and report each of them; colocated, a backend whose every rank holds the full
+    tensors feeds them rank by rank."""
+    ours = args.rollout_backend == "slime" and not args.rollout_external
+    return WeightSender(backend.hf_weights, backend.device.type == "cuda", rank, args.update_weight_buffer_size,
+                        dtype=None, master_address=master_address, headers=engine_admin_headers(args),
+                        disk_sync=disk_sync_from_args(args),
+                        ranks_per_engine=args.rollout_num_gpus_per_engine if ours else None,
+                        colocated=ours and args.colocate and backend.hf_weights_on_every_rank,
+                        expect_rank_reports=ours)

@@ -41,7 +41,9 @@ def add_cluster_arguments(parser):
     g.add_argument("--actor-num-gpus-per-node", type=int, default=1,
                    help="trainer processes per node (GPUs; CPU processes when there is no GPU)")
     g.add_argument("--rollout-num-gpus", type=int, default=None)
-    g.add_argument("--rollout-num-gpus-per-engine", type=int, default=1)
+    g.add_argument("--rollout-num-gpus-per-engine", type=int, default=1,
+                   help="devices per rollout engine: the built-in engine runs N tensor-parallel ranks (SGLang's "
+                        "--tp-size), all on one node; engine i takes devices [i*N, (i+1)*N) of the rollout's")
     g.add_argument("--num-gpus-per-node", type=int, default=8)
     g.add_argument("--colocate", action="store_true")
     g.add_argument("--offload", action="store_true")
@@ -57,9 +59,8 @@ def add_cluster_arguments(parser):
                         "expert parallel); default: megatron when a Megatron parallelism flag asks for more than "
                         "one way (as in slime's recipes), else fsdp")
     g.add_argument("--rollout-backend", choices=["slime", "sglang"], default=None,
-                   help="slime = the built-in engine; sglang = real SGLang servers (must be installed); default: "
-                        "sglang when --rollout-num-gpus-per-engine is above 1 (as in slime's recipes: the built-in "
-                        "engine does not shard a model), else slime")
+                   help="slime = the built-in engine (default; an engine of --rollout-num-gpus-per-engine N devices "
+                        "is N tensor-parallel ranks of it); sglang = real SGLang servers (must be installed)")
 
 
 def add_model_arguments(parser):

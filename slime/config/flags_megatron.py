@@ -66,6 +66,9 @@ TRAINING = [
                                          "help": "only 0 (Megatron's default is 0.1; the trainers here run the "
                                                  "HF model's attention without dropout)"}),
     MegatronFlag("--hidden-dropout", {"type": float, "default": None, "help": "only 0, as --attention-dropout"}),
+    MegatronFlag("--ckpt-step", {"type": int, "default": None,
+                                 "help": "--load reads this step's checkpoint of the save folder (Megatron-LM's "
+                                         "iter_%%07d, or rollout_<step>) instead of the latest"}),
 ]
 
 _FROM_HF_CONFIG = "default: from --hf-checkpoint's config.json, which the value must match"
@@ -163,7 +166,6 @@ INERT = [
             "a non-finite gradient norm skips the optimizer step with a warning; there is no check to turn off",
             dest="check_for_nan_in_loss_and_grad", action="store_false"),
     _switch("--enable-experimental", "Megatron's experimental code paths are not used here"),
-    MegatronFlag("--ckpt-step", {"type": int, "default": None}, "checkpoints load their latest step"),
     _switch("--no-load-optim", "--load resumes the optimizer state with the weights", default=None),
     _switch("--no-load-rng", "--load resumes the random state with the weights", default=None),
     _switch("--finetune", "--load resumes a run; start a new one from an HF folder with --hf-checkpoint"),

@@ -86,6 +86,7 @@ def _layer_pattern(value: str, num_layers: int) -> list[int]:
 
 def check_moe_args(args, require) -> None:
     """The MoE rules; `require(condition, message)` raises the parser's ArgumentError."""
+    from slime.config.validate_families import check_router_flags
     from slime.utils.moe_config import checkpoint_moe_flags, moe_layer_indices
 
     replay = args.use_routing_replay or args.use_rollout_routing_replay
@@ -119,3 +120,4 @@ def check_moe_args(args, require) -> None:
     require(args.moe_router_score_function in (None, score_function),
             f"--moe-router-score-function {args.moe_router_score_function}: {config.get('model_type')} routes by "
             f"{score_function}")
+    check_router_flags(args, config, require)

@@ -53,6 +53,8 @@ SGLANG_FLAG_TO_ENGINE_CONFIG = {
     "sglang_disable_overlap_schedule": ("overlap_schedule", "negated bool"),
     "sglang_dtype": ("dtype", str),
     "sglang_kv_cache_dtype": ("kv_cache_dtype", str),
+    "sglang_ep_size": ("ep_size", int),
+    "sglang_dist_timeout": ("dist_timeout_s", float),
     "sglang_enable_lora": ("enable_lora", "bool text"),  # SGLang's takes a value: --sglang-enable-lora true
     "sglang_max_lora_rank": ("max_lora_rank", int),
     "sglang_max_loras_per_batch": ("max_loras_per_batch", int),

@@ -18,6 +18,7 @@ import os
 import time
 from pathlib import Path
 
+from slime.config.engine_layout import builtin_engine_gaps, check_engine_layout
 from slime.config.errors import ArgumentError, cli_flag, require
 from slime.config.flag_ranges import ANY, FLAG_RANGES
 from slime.config.flags_lora import check_lora_args
@@ -34,6 +35,7 @@ from slime.utils.checkpoint_state import (
 )
 from slime.utils.engine_access import external_engine_url
 from slime.utils.eval_config import resolve_eval_datasets
+from slime.utils.megatron_layout import is_megatron_checkpoint, is_torch_dist_folder
 from slime.utils.misc import load_function, load_functions
 
 logger = logging.getLogger(__name__)
@@ -53,13 +55,16 @@ HOOK_FLAGS = (
 
 
 def resolve_rollout_backend(args) -> None:
-    """--rollout-backend's default: SGLang when an engine spans several devices (the built-in engine runs one),
-    the built-in engine otherwise."""
+    """--rollout-backend's default: the built-in engine, for any --rollout-num-gpus-per-engine (an engine of N
+    devices is N ranks of one built-in engine: engine/parallel/), unless the run's engine layout is one only SGLang
+    runs (engines spanning nodes, SGLang's pp / dp reshaping, as slime's DeepSeek and Kimi recipes ask): then
+    SGLang, said in the log. `--rollout-backend slime` with such a layout is refused by name instead."""
     if args.rollout_backend is None:
-        args.rollout_backend = "sglang" if args.rollout_num_gpus_per_engine > 1 else "slime"
-        if args.rollout_backend == "sglang":
-            logger.info("--rollout-num-gpus-per-engine %d: rolling out with SGLang (--rollout-backend sglang; the "
-                        "built-in engine runs one device per engine)", args.rollout_num_gpus_per_engine)
+        gaps = builtin_engine_gaps(args)
+        args.rollout_backend = "sglang" if gaps else "slime"
+        if gaps:
+            logger.info("rolling out with SGLang (--rollout-backend sglang): the built-in engine does not run %s",
+                        "; ".join(gaps))
 
 
 CKPT_STEP_FLAGS = {"ref_load": "ref_ckpt_step", "opd_teacher_load": "opd_teacher_ckpt_step"}
@@ -106,12 +111,26 @@ def _check_resume(args) -> None:
     """--load must name a complete checkpoint (the critic's too under ppo), or nothing with --load-if-exists (or
     with --save naming the same folder)."""
     try:
-        actor_dir = resume_dir(args.load, load_if_exists=starts_fresh_without_checkpoint(args))
+        actor_dir = resume_dir(args.load, load_if_exists=starts_fresh_without_checkpoint(args), step=args.ckpt_step)
         if actor_dir is not None and args.use_critic:
             critic_checkpoint(actor_dir)
     except CheckpointError as exc:
         raise ArgumentError(str(exc)) from None
     require(not args.load_if_exists or args.load, "--load-if-exists needs --load (the folder to resume from)")
+    _check_megatron_checkpoints(args, actor_dir)
+
+
+def _check_megatron_checkpoints(args, actor_dir) -> None:
+    """Megatron checkpoints (torch_dist) are read by the Megatron backend only."""
+    if args.train_backend == "megatron":
+        return
+    paths = [("load", actor_dir)] + [(flag, getattr(args, flag))
+                                     for flag in ("ref_load", "opd_teacher_load", "critic_load")]
+    for flag, path in paths:
+        require(path is None or not (is_megatron_checkpoint(path) or is_torch_dist_folder(path)),
+                 f"{cli_flag(flag)} {path}: a Megatron torch_dist checkpoint, which --train-backend "
+                 f"{args.train_backend} cannot read; pass --train-backend megatron, or convert it with "
+                 "tools/convert_torch_dist_to_hf.py and pass the HF folder")
 
 
 def _check_paths(args) -> None:
@@ -124,15 +143,19 @@ def _check_paths(args) -> None:
     for flag in ("ref_load", "opd_teacher_load", "critic_load"):
         path = getattr(args, flag)
         step_flag = CKPT_STEP_FLAGS.get(flag)
-        if step_flag and getattr(args, step_flag) is not None:  # slime's: a step of a --save folder's checkpoints
+        step = getattr(args, step_flag) if step_flag else None
+        if step is not None:  # slime's: a step of a --save folder's checkpoints
             require(path is not None, f"{cli_flag(step_flag)} picks a checkpoint step of {cli_flag(flag)}; pass it")
+        if step is not None or (path is not None and is_megatron_checkpoint(path)):
             try:
-                path = weights_at_step(path, getattr(args, step_flag), cli_flag(step_flag))
+                path = weights_at_step(path, step, cli_flag(step_flag if step is not None else flag))
             except CheckpointError as exc:
                 raise ArgumentError(str(exc)) from None
-        if path is not None:
+        if path is not None and not is_megatron_checkpoint(path):  # a Megatron one: --hf-checkpoint's architecture
             require((Path(path) / "config.json").is_file(),
-                     f"--{flag.replace('_', '-')} {path}: not a Hugging Face model folder (no config.json)")
+                     f"--{flag.replace('_', '-')} {path}: not a Hugging Face model folder (no config.json) nor a "
+                     "Megatron checkpoint (no latest_checkpointed_iteration.txt, not an iter_<7 digits> or release "
+                     "folder of torch_dist files)")
     if args.prompt_data is not None:
         data_path = args.prompt_data.split("@[")[0]
         require(Path(data_path).is_file(), f"--prompt-data {data_path}: file not found")
@@ -163,12 +186,7 @@ def _resolve_cluster(args) -> None:
         args.offload_rollout = bool(args.offload_rollout or args.offload)
     if args.rollout_num_gpus is None:
         args.rollout_num_gpus = 1
-    require(args.rollout_num_gpus % args.rollout_num_gpus_per_engine == 0,
-             f"--rollout-num-gpus {args.rollout_num_gpus} is not a multiple of "
-             f"--rollout-num-gpus-per-engine {args.rollout_num_gpus_per_engine}")
-    require(args.rollout_num_gpus_per_engine == 1 or args.rollout_backend == "sglang",
-             "the built-in engine runs one device per engine; use --rollout-num-gpus-per-engine 1 "
-             "(or --rollout-backend sglang for tensor parallel engines)")
+    check_engine_layout(args)
     args.rollout_num_engines = (len(args.rollout_external_engine_urls) if args.rollout_external
                                 else args.rollout_num_gpus // args.rollout_num_gpus_per_engine)
     external_router = args.sglang_router_ip is not None or args.sglang_router_port is not None

@@ -20,6 +20,7 @@ import logging
 
 from slime.config.errors import ArgumentError, cli_flag, require
 from slime.config.flags_megatron import MEGATRON_FLAGS
+from slime.config.validate_families import check_mla_flags, is_mla
 from slime.utils.hf_config import hf_text_config
 
 logger = logging.getLogger(__name__)
@@ -92,7 +93,7 @@ def _check_model_shape(args, config: dict) -> None:
         return
     for dest, (hf_key, absent) in MODEL_FLAG_TO_HF.items():
         value = getattr(args, dest)
-        if value is None:
+        if value is None or (dest == "kv_channels" and is_mla(config)):  # MLA: Megatron's kv_channels is no HF field
             continue
         actual = _hf_value(config, hf_key, absent)
         if hf_key == "head_dim" and actual is None and "num_attention_heads" in config:
@@ -112,8 +113,9 @@ def _check_model_shape(args, config: dict) -> None:
     args.untie_embeddings_and_output_weights = not tied
     require(not args.swiglu or config.get("hidden_act", "silu") in ("silu", "swiglu"),
              f"--swiglu disagrees with hidden_act={config.get('hidden_act')} in the HF config")
-    require(not args.add_qkv_bias or config.get("attention_bias", True),
+    require(not args.add_qkv_bias or is_mla(config) or config.get("attention_bias", True),  # MLA has no qkv
              "--add-qkv-bias disagrees with attention_bias=false in the HF config")
+    check_mla_flags(args, config, require)
     if args.use_rope_scaling:
         scaling = config.get("rope_scaling") or config.get("rope_parameters") or {}
         kind, factor = scaling.get("rope_type", scaling.get("type")), scaling.get("factor")
@@ -171,12 +173,10 @@ def _resolve_layout(args, config: dict) -> None:
 
 def _check_moe_kernels(args, config: dict) -> None:
     """--moe-token-dispatcher-type on the Megatron backend: the types megatron-core can run on packed batches of
-    uneven lengths here."""
+    uneven lengths here (flex, which slime's large-MoE recipes pass, is refused at start-up: unbuilt_megatron_features)."""
     if args.train_backend != "megatron" or not _num_experts(config):
         return
     dispatcher = args.moe_token_dispatcher_type
-    require(dispatcher != "flex", "--moe-token-dispatcher-type flex runs megatron-core's flex dispatcher on DeepEP "
-                                   "kernels, which the Megatron backend does not use; use alltoall")
     tp, ep, etp = (args.tensor_model_parallel_size, args.expert_model_parallel_size,
                    args.expert_tensor_parallel_size)
     require(dispatcher != "allgather" or tp % (ep * etp) == 0,
@@ -200,9 +200,13 @@ def _resolve_pipeline(args, num_layers: int | None) -> None:
     args.virtual_pipeline_model_parallel_size = None
     if num_layers is None:
         return
-    require(num_layers % pp == 0,
-             f"the model's {num_layers} layers are not divisible by --pipeline-model-parallel-size {pp}")
-    layers_per_stage = num_layers // pp
+    # Megatron's rule: the stages other than an uneven first / last one share the remaining layers evenly
+    first, last = args.decoder_first_pipeline_num_layers, args.decoder_last_pipeline_num_layers
+    even_layers, even_stages = num_layers - (first or 0) - (last or 0), pp - (first is not None) - (last is not None)
+    require(even_layers >= 0 and (even_layers % even_stages == 0 if even_stages else even_layers == 0),
+             f"the model's {num_layers} layers are not divisible by --pipeline-model-parallel-size {pp}"
+             + (f" (besides {' and '.join(uneven)}: {even_layers} layers over {even_stages} stages)" if uneven else ""))
+    layers_per_stage = even_layers // even_stages if even_stages else num_layers // pp
     if args.num_layers_per_virtual_pipeline_stage is not None:
         require(layers_per_stage % args.num_layers_per_virtual_pipeline_stage == 0,
                  f"{layers_per_stage} layers per pipeline stage are not divisible by "
@@ -324,6 +328,14 @@ def unbuilt_megatron_features(args) -> list[str]:
         unbuilt.append(f"--moe-grouped-gemm with --expert-tensor-parallel-size {args.expert_tensor_parallel_size}: "
                        "without Transformer Engine the grouped experts hold whole experts on each rank; pass "
                        "--expert-tensor-parallel-size 1 (or drop --moe-grouped-gemm)")
+    uneven = [cli_flag(d) for d in ("decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers")
+              if getattr(args, d) is not None]
+    if uneven:
+        unbuilt.append(f"{' and '.join(uneven)}: the Megatron backend builds pipeline stages of equal layer counts "
+                       "only; drop the flag (with a layer count divisible by --pipeline-model-parallel-size)")
+    if args.moe_token_dispatcher_type == "flex" and _num_experts(hf_text_config(args)):
+        unbuilt.append("--moe-token-dispatcher-type flex runs megatron-core's flex dispatcher on DeepEP kernels, which "
+                       "the Megatron backend does not use; use alltoall")
     if args.sequence_parallel and args.device != "cuda":
         unbuilt.append("--sequence-parallel runs on GPUs only with --train-backend megatron (megatron-core's "
                        "sequence-parallel collectives allocate on CUDA); drop it for a CPU run")

@@ -72,9 +72,9 @@ class TrainRayActor:
     def save_model(self, rollout_id: int, run_state: dict | None) -> str:
         return self.trainer.save_model(rollout_id, run_state)
 
-    def update_weights(self, engine_urls: list[str], weight_version: str, mode: str,
+    def update_weights(self, engine_urls: dict[int, str], weight_version: str, mode: str,
                        resident: bool = False) -> WeightPushResult:
-        """Push to `engine_urls`; `resident`: from whatever state the trainer is in (an offloaded one comes back for
+        """Push to `engine_urls` ({engine index: URL}); `resident`: from whatever state the trainer is in (an offloaded one comes back for
         the push and leaves again)."""
         if resident:
             return self.trainer.update_weights_resident(engine_urls, weight_version, mode)
@@ -189,8 +189,10 @@ class RayTrainGroup:
     def save_model(self, rollout_id: int, run_state: dict | None = None) -> None:
         self.get([actor.save_model.remote(rollout_id, run_state) for actor in self.actors])
 
-    def update_weights(self, engine_urls: list[str], weight_version: str, resident: bool = False) -> WeightPushResult:
-        """Push the weights to `engine_urls`. `resident`: from whatever state the trainer is in (an offloaded one
+    def update_weights(self, engine_urls: dict[int, str], weight_version: str,
+                       resident: bool = False) -> WeightPushResult:
+        """Push the weights to `engine_urls` ({engine index: URL}: an engine's index places its ranks on the
+        trainer's devices, slime/backends/engine_ranks.py). `resident`: from whatever state the trainer is in (an offloaded one
         comes back for the push and leaves again: a restarted engine's weights, in the middle of a rollout)."""
         mode = weight_update_mode(self.args)
         return self.get([actor.update_weights.remote(engine_urls, weight_version, mode, resident)

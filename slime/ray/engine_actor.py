@@ -1,8 +1,11 @@
-"""One rollout engine as a Ray actor: it owns an engine HTTP server child process on its device.
+"""One rollout engine as a Ray actor: it owns an engine HTTP server child process on its devices.
 
 The built-in engine (`python -m slime.engine.server`) is the default; `--rollout-backend sglang` launches a real
-SGLang server with the same HTTP API instead. The actor is scheduled on a placement-group bundle, so the child
-inherits that bundle's device (Ray sets CUDA_VISIBLE_DEVICES); everything else talks to the server over HTTP.
+SGLang server with the same HTTP API instead. An engine spans `--rollout-num-gpus-per-engine` N devices: the actor
+sits on the first of its N placement-group bundles and starts the server with CUDA_VISIBLE_DEVICES naming all N
+(`device_ids`, from slime/ray/placement_group.py); the server (rank 0) starts its ranks 1..N-1 itself, one per
+visible device (N CPU processes on the CPU). The engine is the unit: `kill` and `shutdown` end the server and every
+process under it, and `start` brings all its ranks back. Everything else talks to the server over HTTP.
 """
 
 from __future__ import annotations
@@ -39,7 +42,8 @@ def engine_server_command(args, port: int, config_path: Path) -> list[str]:
         for flag, key in (("--api-key", args.sglang_api_key), ("--admin-api-key", args.sglang_admin_api_key)):
             cmd += [flag, key] if key else []
         return cmd
-    engine = {"device": args.device, "seed": args.seed, **args.engine_config}
+    engine = {"device": args.device, "seed": args.seed, **args.engine_config,
+              "tp_size": args.rollout_num_gpus_per_engine}
     server = {name: value for name, value in (("api_key", args.sglang_api_key),
                                               ("admin_api_key", args.sglang_admin_api_key)) if value}
     if args.update_weight_transport == "disk":  # the server may then read (and pull into) these folders too
@@ -52,10 +56,23 @@ def engine_server_command(args, port: int, config_path: Path) -> list[str]:
             "--host", "127.0.0.1", "--port", str(port), "--log-level", "info"]
 
 
+def engine_env(args, device_ids: list[str] | None) -> dict[str, str]:
+    """The server's environment beside the actor's: its N devices, and on the CPU the cores (sync training leaves
+    them to the engine while it generates; its N rank processes share them)."""
+    env = {"CUDA_VISIBLE_DEVICES": ",".join(device_ids)} if device_ids else {}
+    if args.device == "cpu":
+        num_threads = max(1, (os.cpu_count() or 1) // args.rollout_num_gpus_per_engine)
+        env["OMP_NUM_THREADS"] = str(num_threads)
+    return env
+
+
 class EngineActor:
-    def __init__(self, args, rank: int):
+    def __init__(self, args, rank: int, device_ids: list[str] | None = None):
+        """`device_ids`: the engine's N devices as CUDA_VISIBLE_DEVICES entries (None on the CPU, or to keep the
+        device Ray gave the actor)."""
         self.args = args
         self.rank = rank
+        self.device_ids = device_ids
         self.server = None
         self.num_starts = 0
 
@@ -67,12 +84,10 @@ class EngineActor:
         self.num_starts += 1
         log_path = Path(self.args.output_dir) / f"engine_{self.rank}{suffix}.log"
         log_path.parent.mkdir(parents=True, exist_ok=True)
-        # Sync training leaves the cores to the engine while it generates.
-        env = {"OMP_NUM_THREADS": str(os.cpu_count() or 1)} if self.args.device == "cpu" else {}
         try:
             command = engine_server_command(self.args, port, log_path.with_name(f"engine_{self.rank}.json"))
-            self.server = launch_process(command, f"http://127.0.0.1:{port}", log_path, env,
-                                         startup_timeout_s=timeout)
+            self.server = launch_process(command, f"http://127.0.0.1:{port}", log_path,
+                                         engine_env(self.args, self.device_ids), startup_timeout_s=timeout)
         except RuntimeError as exc:
             raise EngineStartError(f"engine {self.rank} did not start (log {log_path}): {exc}") from None
         return self.server.url
@@ -82,14 +97,42 @@ class EngineActor:
         return self.server.process.poll(), str(self.server.log_path)
 
     def kill(self) -> None:
-        """SIGKILL the server (a hung one, e.g. stopped by SIGSTOP, ignores SIGTERM) and reap it."""
+        """SIGKILL the server (a hung one, e.g. stopped by SIGSTOP, ignores SIGTERM) and every process under it (its
+        ranks), and reap them: a restart then finds the engine's devices free."""
         if self.server is not None and self.server.process.poll() is None:
+            ranks = _descendants(self.server.process.pid)
             self.server.process.kill()
             self.server.process.wait()
+            _kill_all(ranks)
 
     def shutdown(self) -> None:
         if self.server is not None:
+            ranks = _descendants(self.server.process.pid) if self.server.process.poll() is None else []
             self.server.stop()
+            _kill_all(ranks)  # the server ends its ranks itself; any left after it stopped go now
             # Finalise the Popen now: left for actor teardown, its __del__ can be what Ray's SIGTERM interrupts,
             # which printed an "Exception ignored ... SystemExit" traceback at the end of every run.
             self.server = None
+
+
+def _descendants(pid: int) -> list:
+    """The processes under `pid` (an engine server's ranks), found before it ends (then they are orphans)."""
+    import psutil
+
+    try:
+        return psutil.Process(pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        return []
+
+
+def _kill_all(processes: list) -> None:
+    """SIGKILL those of `processes` still alive (the same processes: psutil checks their start time) and wait."""
+    import psutil
+
+    alive = [process for process in processes if process.is_running()]
+    for process in alive:
+        try:
+            process.kill()
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(alive, timeout=10)

@@ -55,7 +55,7 @@ ACTOR_CALL_TIMEOUT_S = 30.0
 
 @dataclass
 class EngineSlot:
-    """One engine rank. state: serving (in the router), pending (started, waiting for weights), down (failed,
+    """One engine (all its ranks; `rank` is the engine's index). state: serving (in the router), pending (started, waiting for weights), down (failed,
     waiting for its restart), starting. `actor` None: an external engine."""
     rank: int
     actor: object
@@ -119,22 +119,24 @@ class EngineSupervisor:
         with self.lock:
             return [s.url for s in self.slots if s.state in ("serving", "pending")]
 
-    def urls_for_weight_push(self, timeout_s: float = 900.0) -> list[str]:
-        """Wait for restarts in progress, then every engine the driver's weight push must reach."""
+    def urls_for_weight_push(self, timeout_s: float = 900.0) -> dict[int, str]:
+        """Wait for restarts in progress, then {engine index: URL} of every engine the driver's weight push must
+        reach (the index places the engine's ranks on the trainer's devices)."""
         deadline = time.monotonic() + timeout_s
         while self._restart_in_progress() and time.monotonic() < deadline:
             self.check()
             time.sleep(0.2)
         self.check()
-        return self.live_urls()
+        with self.lock:
+            return {s.rank: s.url for s in self.slots if s.state in ("serving", "pending")}
 
-    def weights_pushed(self, version: str, urls: list[str]) -> None:
-        """The driver pushed `version` to `urls`: the restarted engines among them may serve now (one restarted
-        during the push gets its weights when the next rollout begins)."""
+    def weights_pushed(self, version: str, engines: dict[int, str]) -> None:
+        """The driver pushed `version` to `engines` ({engine index: URL}): the restarted engines among them may serve
+        now (one restarted during the push gets its weights when the next rollout begins)."""
         with self.push_lock:
             with self.lock:
                 self.weight_version = version
-                pending = [s for s in self.slots if s.state == "pending" and s.url in urls]
+                pending = [s for s in self.slots if s.state == "pending" and engines.get(s.rank) == s.url]
             self._join_router(pending)
 
     def begin_rollout(self) -> None:
@@ -339,7 +341,7 @@ class EngineSupervisor:
                 if self.trainer is None:
                     return  # the driver's next push reaches them (get_engine_urls)
                 # an offloaded trainer comes back for the push and leaves again; one on the device stays
-                self.trainer.update_weights([s.url for s in pending], weight_version=self.weight_version,
+                self.trainer.update_weights({s.rank: s.url for s in pending}, weight_version=self.weight_version,
                                             resident=True)
             self._join_router(pending)
 

@@ -2,7 +2,13 @@
 
 On GPU machines a bundle is `{"GPU": 1, "CPU": 1}`; without a GPU a bundle is `{"CPU": 1}` standing for one CPU
 "device", so `--actor-num-gpus-per-node 2` means two CPU trainer processes. Colocated runs put trainer and engine
-on the same bundles; disaggregated runs give the engines their own bundles after the trainer's.
+on the same bundles; disaggregated runs give the engines their own bundles after the trainer's. The bundles are
+ordered by (node, GPU id), as slime orders them, so that consecutive positions are neighbouring devices of a node.
+
+An engine spans `--rollout-num-gpus-per-engine` N bundles: engine i takes the rollout's positions [i*N, (i+1)*N),
+so in a colocated run trainer rank r's device hosts engine r // N's rank r % N (the weight push relies on it:
+slime/backends/weight_sender.py). Its actor sits on the first of them and its server sees all N devices
+(`engine_device_ids`); on the CPU the same bookkeeping holds with CPU bundles and no device ids.
 
 A local run (no `--ray-address`) is a private single-host cluster bound to loopback: Ray's GCS, raylet, workers,
 agents and metrics ports, and the trainer's gloo / NCCL sockets, listen on 127.0.0.1 only (docs/guides/security.md,
@@ -36,6 +42,29 @@ class DevicePlacement:
     pg: object
     bundle_indices: list[int]
     use_gpu: bool
+    device_ids: list[str] | None = None  # per position: the bundle's GPU as a CUDA_VISIBLE_DEVICES entry (GPU only)
+    node_ids: list[str] | None = None  # per position: the bundle's Ray node (GPU only)
+
+    def engine_positions(self, engine: int, per_engine: int) -> list[int]:
+        """The positions of engine `engine`'s bundles: [engine * per_engine, (engine + 1) * per_engine)."""
+        positions = list(range(engine * per_engine, (engine + 1) * per_engine))
+        if positions[-1] >= len(self.bundle_indices):
+            raise ValueError(f"engine {engine} of {per_engine} devices needs rollout positions {positions}, but the "
+                             f"rollout has {len(self.bundle_indices)} (--rollout-num-gpus)")
+        return positions
+
+    def engine_device_ids(self, engine: int, per_engine: int) -> list[str] | None:
+        """The engine's devices as CUDA_VISIBLE_DEVICES entries (None on the CPU); RuntimeError naming the flags when
+        they are not all on one node."""
+        positions = self.engine_positions(engine, per_engine)
+        if self.device_ids is None:
+            return None
+        nodes = {self.node_ids[p] for p in positions}
+        if len(nodes) > 1:
+            raise RuntimeError(f"engine {engine}'s {per_engine} devices (--rollout-num-gpus-per-engine) lie on "
+                               f"{len(nodes)} nodes; an engine's ranks must share one node: make "
+                               "--rollout-num-gpus-per-engine divide the GPUs of each node (--num-gpus-per-node)")
+        return [self.device_ids[p] for p in positions]
 
     def strategy(self, i: int) -> PlacementGroupSchedulingStrategy:
         return PlacementGroupSchedulingStrategy(
@@ -95,11 +124,28 @@ def create_placement_groups(args) -> dict[str, DevicePlacement]:
     bundle = {"GPU": 1, "CPU": 1} if use_gpu else {"CPU": 1}
     pg = placement_group([dict(bundle) for _ in range(num_devices)], strategy="PACK")
     ray.get(pg.ready(), timeout=120)
-    actor_indices = list(range(args.world_size))
+    order, device_ids, node_ids = list(range(num_devices)), None, None
+    if use_gpu:
+        located = ray.get([_bundle_device.options(scheduling_strategy=PlacementGroupSchedulingStrategy(
+            placement_group=pg, placement_group_bundle_index=i)).remote() for i in range(num_devices)])
+        order = sorted(range(num_devices), key=lambda i: (located[i][0], _numeric_first(located[i][1])))
+        node_ids, device_ids = [located[i][0] for i in order], [located[i][1] for i in order]
     rollout_offset = 0 if args.colocate else args.world_size
     num_rollout = 0 if args.debug_train_only else args.rollout_num_gpus
-    rollout_indices = list(range(rollout_offset, rollout_offset + num_rollout))
-    return {
-        "actor": DevicePlacement(pg, actor_indices, use_gpu),
-        "rollout": DevicePlacement(pg, rollout_indices, use_gpu),
-    }
+
+    def positions(start: int, count: int) -> DevicePlacement:
+        chosen = range(start, start + count)
+        return DevicePlacement(pg, [order[p] for p in chosen], use_gpu,
+                               device_ids and [device_ids[p] for p in chosen], node_ids and [node_ids[p] for p in chosen])
+
+    return {"actor": positions(0, args.world_size), "rollout": positions(rollout_offset, num_rollout)}
+
+
+@ray.remote(num_cpus=0.01, num_gpus=0.01)
+def _bundle_device() -> tuple[str, str]:
+    """(Ray node id, the GPU id Ray gave this task) of the bundle it runs in."""
+    return ray.get_runtime_context().get_node_id(), str(ray.get_gpu_ids()[0])
+
+
+def _numeric_first(device_id: str) -> tuple:
+    return (0, int(device_id), "") if device_id.isdigit() else (1, 0, device_id)

@@ -83,9 +83,14 @@ class RolloutManager:
             router_url = self.router.url
         engine_cls = ray.remote(EngineActor)
 
+        per_engine = args.rollout_num_gpus_per_engine
+
         def new_actor(rank: int):
-            return engine_cls.options(scheduling_strategy=placement.strategy(rank),
-                                      **placement.resources(ENGINE_ACTOR_FRACTION)).remote(args, rank)
+            """Engine `rank` on its N bundles (placement_group.py): the actor on the first, the server on all N."""
+            first = placement.engine_positions(rank, per_engine)[0]
+            return engine_cls.options(scheduling_strategy=placement.strategy(first),
+                                      **placement.resources(ENGINE_ACTOR_FRACTION)).remote(
+                args, rank, placement.engine_device_ids(rank, per_engine))
 
         if args.rollout_external:  # started outside the run: no actor owns them
             engine_urls = connect_external_engines(args)
@@ -99,11 +104,12 @@ class RolloutManager:
                                            new_router=self._new_router, new_actor=new_actor)
 
     # ---- queries -------------------------------------------------------------------------------------------
-    def get_engine_urls(self) -> list[str]:
-        """Every engine the trainer's weight push must reach (after any restart in progress has finished)."""
-        return self.supervisor.urls_for_weight_push() if self.supervisor else []
+    def get_engine_urls(self) -> dict[int, str]:
+        """{engine index: URL} of every engine the trainer's weight push must reach (after any restart in progress
+        has finished)."""
+        return self.supervisor.urls_for_weight_push() if self.supervisor else {}
 
-    def weights_pushed(self, weight_version: str, engine_urls: list[str]) -> None:
+    def weights_pushed(self, weight_version: str, engine_urls: dict[int, str]) -> None:
         """The driver pushed `weight_version` to `engine_urls` (what `get_engine_urls()` answered). LoRA: from now on
         the rollout's requests ask for that version's adapter (`args.lora_path`, read by the /generate payloads)."""
         if serves_adapter(self.args):

@@ -1,8 +1,9 @@
 """Re-sending a /generate request whose engine failed (`--use-fault-tolerance`).
 
 A /generate answers all its tokens or none: when the engine serving it dies or is killed as hung, the router
-answers 500 `call_upstream_request_error` (it does not retry under fault tolerance, see slime/ray/router.py), or
-503 / a refused connection while no engine or no router is up. Such a request is sent again, from the same tokens,
+answers 500 `call_upstream_request_error` (it does not retry under fault tolerance, see slime/ray/router.py), 500
+`read_response_body_failed` when the engine went down in the middle of its answer (an engine of several ranks whose
+rank died exits as it answers), or 503 / a refused connection while no engine or no router is up. Such a request is sent again, from the same tokens,
 until an engine answers (the supervisor restarts engines and the router meanwhile), so nothing of the failed
 engine's partial output is kept and the sample is generated exactly once. Each re-send is counted in
 `sample.metadata["num_resends"]` (the rollout's `rollout/samples_resent` metric). Without fault tolerance the
@@ -26,14 +27,16 @@ logger = logging.getLogger(__name__)
 # a failure the supervisor cannot recover from ends the run before.
 RESEND_WINDOW_S = 3600.0
 RESEND_DELAY_S = 0.5
-ROUTER_UPSTREAM_ERROR = "call_upstream_request_error"
+# The router's error codes for an engine that did not answer (the request itself was never refused).
+ROUTER_UPSTREAM_ERRORS = ("call_upstream_request_error", "read_response_body_failed")
 
 
 def is_engine_failure(error: Exception) -> bool:
     """Whether `error` means the request's engine (or the router) is gone, not that the request is wrong."""
     if isinstance(error, EndpointUnreachableError):
         return True
-    return isinstance(error, HTTPRequestError) and error.status == 500 and ROUTER_UPSTREAM_ERROR in error.body
+    return (isinstance(error, HTTPRequestError) and error.status == 500
+            and any(code in error.body for code in ROUTER_UPSTREAM_ERRORS))
 
 
 async def post_generate(args, url: str, payload: dict, sample: Sample, *, timeout: float, headers: dict) -> dict:

@@ -1,7 +1,9 @@
 """When to save, what a complete checkpoint is, and which folder `--load` resumes from.
 
-A checkpoint folder is `{save}/rollout_{id}/` written atomically by the trainer; `{save}/latest` names the newest
-complete one. The driver's run state (the data source's state) is saved inside it as `run_state.json`, so model,
+A checkpoint folder is written atomically by the trainer: the FSDP backend's `{save}/rollout_{id}/`, named by
+`{save}/latest`; the Megatron backend's `{save}/iter_{id:07d}/` in Megatron-LM's layout, named by
+`{save}/latest_checkpointed_iteration.txt` (megatron_layout.py), so slime reads it and this project reads slime's.
+The driver's run state (the data source's state) is saved inside it as `run_state.json`, so model,
 optimizer and data order always come from the same rollout. `meta.json` lists the files a resume reads; a folder
 missing one of them, or holding a truncated one, is an error naming the file and the previous checkpoint to
 `--load` instead, never a silent fresh start. Pure Python (no torch), so the driver checks `--load` before any
@@ -20,12 +22,14 @@ import struct
 import zipfile
 from pathlib import Path
 
+from slime.utils import megatron_layout
+
 RUN_STATE_FILE = "run_state.json"
 META_FILE = "meta.json"
 MODEL_FILE = "model.safetensors"
 OPTIMIZER_FILE = "optimizer.pt"
 CRITIC_SUBDIR = "critic"
-_FOLDER_RE = re.compile(r"^rollout_(\d+)$")
+_FOLDER_RE = re.compile(r"^(?:rollout_(\d+)|iter_(\d{7}))$")
 
 
 class CheckpointError(ValueError):
@@ -80,13 +84,29 @@ def checkpoint_dir(root: str | Path, rollout_id: int) -> Path:
     return Path(root) / f"rollout_{rollout_id}"
 
 
+def _folder_id(match: re.Match) -> int:
+    return int(match[1] if match[1] is not None else match[2])
+
+
+def is_foreign_megatron_checkpoint(folder: Path) -> bool:
+    """A Megatron-LM checkpoint folder another program wrote (slime's Megatron, its converter): torch_dist weights
+    without this project's meta.json and run state."""
+    return not (folder / META_FILE).is_file() and megatron_layout.is_torch_dist_folder(folder)
+
+
 def latest_checkpoint(root: str | Path) -> Path | None:
-    """The folder `{root}/latest` names, or None when there is none (no completeness check: see resume_dir)."""
+    """The folder `{root}/latest` (or Megatron-LM's tracker file) names, or None when there is none (no
+    completeness check: see resume_dir)."""
     pointer = Path(root) / "latest"
-    if not pointer.is_file():
-        return None
-    path = Path(root) / pointer.read_text().strip()
-    return path if path.is_dir() else None
+    if pointer.is_file():
+        path = Path(root) / pointer.read_text().strip()
+        return path if path.is_dir() else None
+    if megatron_layout.is_megatron_root(root):
+        try:
+            return megatron_layout.checkpoint_folder(root)
+        except megatron_layout.MegatronLayoutError:
+            return None
+    return None
 
 
 def checkpoint_files(num_ranks: int, *, optimizer: bool, run_state: bool) -> list[str]:
@@ -139,6 +159,8 @@ def _file_problem(path: Path) -> str | None:
 def _problems(folder: Path, required: tuple[str, ...]) -> list[str]:
     """What keeps `folder` from being resumed from (empty when it is complete)."""
     meta_path = folder / META_FILE
+    if is_foreign_megatron_checkpoint(folder):
+        return []  # its weights are all a run reads from it (megatron_utils/checkpoint.py)
     if not meta_path.is_file():
         return [f"{meta_path} is missing"]
     try:
@@ -161,8 +183,8 @@ def previous_checkpoint(root: Path, before_id: int | None, required: tuple[str, 
     candidates = []
     for folder in root.iterdir() if root.is_dir() else ():
         match = _FOLDER_RE.match(folder.name)
-        if match and folder.is_dir() and (before_id is None or int(match[1]) < before_id):
-            candidates.append((int(match[1]), folder))
+        if match and folder.is_dir() and (before_id is None or _folder_id(match) < before_id):
+            candidates.append((_folder_id(match), folder))
     for _, folder in sorted(candidates, reverse=True):
         if not _problems(folder, required):
             return folder
@@ -171,7 +193,7 @@ def previous_checkpoint(root: Path, before_id: int | None, required: tuple[str, 
 
 def _suggestion(folder: Path, required: tuple[str, ...]) -> str:
     match = _FOLDER_RE.match(folder.name)
-    previous = previous_checkpoint(folder.parent, int(match[1]) if match else None, required)
+    previous = previous_checkpoint(folder.parent, _folder_id(match) if match else None, required)
     if previous is None:
         return f"no earlier complete checkpoint under {folder.parent}; start fresh without --load"
     return f"resume from the previous checkpoint with --load {previous}"
@@ -192,12 +214,15 @@ def corrupt_file_error(folder: Path, path: Path, exc: Exception) -> CheckpointEr
                            f"{_suggestion(folder, ())}")
 
 
-def find_checkpoint(load: str | None, *, load_if_exists: bool = False) -> Path | None:
-    """The checkpoint folder `--load` names: a save root (through its `latest`) or one `rollout_{id}` folder.
-    None without --load, and with --load-if-exists when the folder is absent or empty. Not checked complete."""
+def find_checkpoint(load: str | None, *, load_if_exists: bool = False, step: int | None = None) -> Path | None:
+    """The checkpoint folder `--load` names: a save root (through its `latest` or Megatron-LM's tracker file; with
+    `step`, slime's --ckpt-step, that step's folder instead) or one checkpoint folder. None without --load, and with
+    --load-if-exists when the folder is absent or empty. Not checked complete."""
     if not load:
         return None
     root = Path(load)
+    if step is not None and root.is_dir():
+        return _step_folder(root, step)
     # `*.tmp` entries are unfinished saves (a crash during the first one), never resumable.
     if not root.exists() or (root.is_dir() and all(p.name.endswith(".tmp") for p in root.iterdir())):
         if load_if_exists:
@@ -212,26 +237,52 @@ def find_checkpoint(load: str | None, *, load_if_exists: bool = False) -> Path |
             raise CheckpointError(f"--load {load}: {pointer} names {folder.name}, which does not exist. "
                                   f"{_suggestion(folder, (RUN_STATE_FILE,))}")
         return folder
+    if megatron_layout.is_megatron_checkpoint(root):
+        try:
+            return megatron_layout.checkpoint_folder(root, flag="--load")
+        except megatron_layout.MegatronLayoutError as exc:
+            raise CheckpointError(str(exc)) from None
     if (root / META_FILE).is_file():
         return root
     hint = ""
     if list(root.glob("*.safetensors")):
         hint = " It holds model weights only: to start training from them pass the folder as --hf-checkpoint."
-    raise CheckpointError(f"--load {load}: not a checkpoint (no 'latest' file and no {META_FILE}); give a --save "
-                          f"folder or one of its rollout_<id> folders.{hint}")
+    raise CheckpointError(f"--load {load}: not a checkpoint (no 'latest' file, no "
+                          f"{megatron_layout.TRACKER_FILE} and no {META_FILE}); give a --save folder or one of its "
+                          f"rollout_<id> / iter_<7 digits> folders.{hint}")
 
 
-def resume_dir(load: str | None, *, load_if_exists: bool = False) -> Path | None:
+def _step_folder(root: Path, step: int) -> Path:
+    """--ckpt-step: checkpoint `step` of the save root `root` (either backend's layout)."""
+    if megatron_layout.is_megatron_checkpoint(root):
+        try:
+            return megatron_layout.checkpoint_folder(root, step, "--ckpt-step")
+        except megatron_layout.MegatronLayoutError as exc:
+            raise CheckpointError(str(exc)) from None
+    folder = checkpoint_dir(root, step)
+    if not folder.is_dir():
+        raise CheckpointError(f"--ckpt-step {step}: --load {root} has no checkpoint {folder.name}; give the step of "
+                              "a saved checkpoint")
+    return folder
+
+
+def resume_dir(load: str | None, *, load_if_exists: bool = False, step: int | None = None) -> Path | None:
     """The complete actor checkpoint (run state included) that `--load` resumes from, or None to start fresh."""
-    folder = find_checkpoint(load, load_if_exists=load_if_exists)
-    if folder is not None:
+    folder = find_checkpoint(load, load_if_exists=load_if_exists, step=step)
+    if folder is not None and not is_foreign_megatron_checkpoint(folder):
         check_checkpoint(folder, required=(RUN_STATE_FILE,))
     return folder
 
 
 def weights_at_step(load: str, step: int | None, flag: str) -> str:
-    """slime's --ref-ckpt-step / --opd-teacher-ckpt-step: the complete checkpoint `rollout_{step}` of the --save
-    root `load` (--ref-load / --opd-teacher-load), whose weights are loaded; `load` itself when `step` is None."""
+    """slime's --ref-ckpt-step / --opd-teacher-ckpt-step: the checkpoint of step `step` of the --save root `load`
+    (--ref-load / --opd-teacher-load), whose weights are loaded: a Megatron-LM root's `iter_{step:07d}` (without a
+    step the one its tracker file names), else the complete `rollout_{step}`; `load` itself when `step` is None."""
+    if megatron_layout.is_megatron_checkpoint(load):
+        try:
+            return str(megatron_layout.checkpoint_folder(load, step, flag))
+        except megatron_layout.MegatronLayoutError as exc:
+            raise CheckpointError(str(exc)) from None
     if step is None:
         return load
     folder = checkpoint_dir(load, step)
@@ -243,6 +294,15 @@ def weights_at_step(load: str, step: int | None, flag: str) -> str:
     if problems:
         raise CheckpointError(f"{flag} {step}: checkpoint {folder} is incomplete: {'; '.join(problems)}")
     return str(folder)
+
+
+def initial_weights(args) -> str:
+    """The weights a run without a checkpoint to resume starts its policy from: --hf-checkpoint's, or, when
+    --ref-load is a Megatron checkpoint, that checkpoint's (at --ref-ckpt-step) as slime starts its recipes (--ref-load
+    the converted model, --load the empty save folder)."""
+    if args.ref_load and megatron_layout.is_megatron_checkpoint(args.ref_load):
+        return weights_at_step(args.ref_load, args.ref_ckpt_step, "--ref-ckpt-step")
+    return args.hf_checkpoint
 
 
 def critic_checkpoint(actor_dir: Path) -> Path:
@@ -274,7 +334,7 @@ def starts_fresh_without_checkpoint(args) -> bool:
 
 def load_run_state(args) -> dict | None:
     """The driver's run state saved with the checkpoint `--load` resumes from; None when starting fresh."""
-    folder = resume_dir(args.load, load_if_exists=starts_fresh_without_checkpoint(args))
-    if folder is None:
+    folder = resume_dir(args.load, load_if_exists=starts_fresh_without_checkpoint(args), step=args.ckpt_step)
+    if folder is None or is_foreign_megatron_checkpoint(folder):  # weights only: the data starts from the top
         return None
     return json.loads((folder / RUN_STATE_FILE).read_text())

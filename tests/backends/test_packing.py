@@ -3,7 +3,7 @@
 import pytest
 
 from slime.backends.packing import pad_num_micro_batches, split_micro_batches, step_sample_indices
-from slime.backends.weight_sender import iter_buckets
+from slime.backends.push_pipeline import iter_buckets
 
 
 def test_step_sample_indices():

@@ -5,7 +5,7 @@ boundary stays where the size puts it, and a model without q_a_proj (Moonlight) 
 import pytest
 import torch
 
-from slime.backends.weight_sender import iter_buckets
+from slime.backends.push_pipeline import iter_buckets
 
 MLA_LAYER = ["q_a_proj.weight", "q_a_layernorm.weight", "q_b_proj.weight", "kv_a_proj_with_mqa.weight",
              "kv_a_layernorm.weight", "kv_b_proj.weight", "o_proj.weight"]

@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from slime.backends.weight_sender import iter_buckets
+from slime.backends.push_pipeline import iter_buckets
 from slime.engine.server.launch import launch_server
 from tests.backends.test_weight_sync_glm import _engine_sample, _trainer_log_probs
 from tests.helpers.fsdp_helpers import make_args, make_train_data, make_trainer

@@ -76,14 +76,15 @@ def test_algorithm_derived_fields(setup):
     assert parse_args(base(setup, "--loss-agg-mode", "token_mean")).calculate_per_token_loss
 
 
-def test_engines_of_several_devices_default_to_sglang(setup):
-    """slime's recipes set --rollout-num-gpus-per-engine 2 or 8 and no backend: SGLang shards those engines."""
+def test_engines_of_several_devices_stay_on_the_built_in_engine(setup):
+    """slime's recipes set --rollout-num-gpus-per-engine 2 or 8 and no backend: the built-in engine runs each engine
+    as that many ranks (tp_size), and --rollout-backend sglang still picks SGLang."""
     assert parse_args(base(setup)).rollout_backend == "slime"
     args = parse_args(base(setup, "--rollout-num-gpus", "4", "--rollout-num-gpus-per-engine", "2"))
-    assert (args.rollout_backend, args.rollout_num_engines) == ("sglang", 2)
-    with pytest.raises(ArgumentError, match="the built-in engine runs one device per engine"):
-        parse_args(base(setup, "--rollout-num-gpus", "4", "--rollout-num-gpus-per-engine", "2",
-                        "--rollout-backend", "slime"))
+    assert (args.rollout_backend, args.rollout_num_engines) == ("slime", 2)
+    sglang = parse_args(base(setup, "--rollout-num-gpus", "4", "--rollout-num-gpus-per-engine", "2",
+                             "--rollout-backend", "sglang"))
+    assert (sglang.rollout_backend, sglang.rollout_num_engines) == ("sglang", 2)
 
 
 def test_megatron_hook_aliases(setup):

@@ -43,14 +43,15 @@ def preset_flags(preset: Path) -> list[str]:
     return _bash_words(f'source "{preset}"; printf "%s\\0" "${{MODEL_ARGS[@]}}"')
 
 
-def recipe_flags(script: Path) -> list[str]:
-    """The flags a slime-style run script passes to train.py / train_async.py, as bash expands them."""
+def recipe_flags(script: Path, prelude: str = "") -> list[str]:
+    """The flags a slime-style run script passes to train.py / train_async.py, as bash expands them (`prelude`:
+    bash run first, e.g. the environment a recipe expects)."""
     text = script.read_text()
-    model = re.search(r'^source "\$\{SCRIPT_DIR\}/(models/[^"]+)"$', text, re.M).group(1)
+    model = re.search(r'^source "\$\{SCRIPT_DIR\}/(?:\.\./scripts/)?(models/[^"]+)"$', text, re.M).group(1)
     defaults = "\n".join(re.findall(r"^[A-Z_]+=\$\{[A-Z_]+:-[^}$]*\}$", text, re.M))  # MODEL_DIR=${MODEL_DIR:-/root}
     arrays = "\n".join(m.group(0) for m in re.finditer(r"^[A-Z_]+=\(\n.*?^\)$", text, re.M | re.S))
     command = re.search(r"python3 \S*train(?:_async)?\.py\"? \\\n((?:.*\\\n)*.*\n)", text).group(1)
-    return _bash_words(f'NUM_GPUS=8\nSCRIPT_DIR="{script.parent}"\n{defaults}\nsource "$SCRIPT_DIR/{model}"\n{arrays}\n'
+    return _bash_words(f'{prelude}\nNUM_GPUS=8\nSCRIPT_DIR="{script.parent}"\n{defaults}\nsource "$SCRIPT_DIR/{model}"\n{arrays}\n'
                        f'ARGV=({command.replace(chr(92) + chr(10), chr(10))})\nprintf "%s\\0" "${{ARGV[@]}}"')
 
 
@@ -149,8 +150,8 @@ def test_stock_slime_recipes_parse_unchanged(tmp_path, caplog):
         "full", "uniform", 1)
     assert (qwen3_4b.adam_beta2, qwen3_4b.weight_decay, qwen3_4b.lr_decay_style) == (0.98, 0.1, "constant")
     assert qwen3_4b.global_batch_size == 256 and qwen3_4b.num_steps_per_rollout == 1
-    # two devices per engine: SGLang rolls out (the built-in engine runs one); the same folder for --load and --save
-    assert (qwen3_4b.rollout_backend, qwen3_4b.rollout_num_engines) == ("sglang", 4)
+    # two devices per engine: four built-in engines of two ranks each; the same folder for --load and --save
+    assert (qwen3_4b.rollout_backend, qwen3_4b.rollout_num_engines) == ("slime", 4)
     assert qwen3_4b.load == qwen3_4b.save and not qwen3_4b.load_if_exists
     assert "--attention-backend: no effect here" in caplog.text
 
@@ -172,7 +173,7 @@ def test_stock_slime_recipes_parse_unchanged(tmp_path, caplog):
 
 @pytest.mark.parametrize("recipe, tp, ep", [("run-qwen3-4B.sh", 2, 1), ("run-qwen3-30B-A3B.sh", 4, 8)])
 def test_project_recipes_are_slimes_and_parse(tmp_path, recipe, tp, ep):
-    changed = {"--train-backend", "--load", "--load-if-exists", "--rollout-num-gpus-per-engine", "--ref-load"}
+    changed = {"--train-backend", "--load", "--load-if-exists", "--ref-load"}
     ours = recipe_flags(REPO / "scripts" / recipe)
     assert _without(ours, changed) == _without(recipe_flags(STOCK / recipe), changed)
     flags, args = _parse_recipe(tmp_path, REPO / "scripts" / recipe)

@@ -245,3 +245,38 @@ def test_saved_rollouts_replay_without_engines(task, tmp_path):
     for g, r in zip(generated, replayed):
         assert r["rollout/raw_reward"] == g["rollout/raw_reward"] and r["rollout/num_samples"] == BATCH * N_SAMPLES
     assert not (tmp_path / "replay_run" / "engine_0.log").exists()
+
+
+@pytest.mark.slow
+def test_a_killed_rank_takes_its_engine_out_and_the_engine_comes_back_whole(task, tmp_path):
+    """Two engines of two ranks each: SIGKILL of engine 0's rank 1 (not its server) mid-rollout takes the whole
+    engine out (the server exits, no rank outlives it), fault tolerance restarts both its ranks with the current
+    weights, and no sample is lost."""
+    import psutil
+
+    from tests.helpers.ft_faults import PROBE_TOKENS
+
+    out, save = tmp_path / "run", tmp_path / "ckpt"
+    faults = [{"at_call": 10, "action": "sigkill_rank", "engines": [0]}, {"at_call": 16, "action": "probe"}]
+    argv = ft_argv(task, out, *FT, "--save", str(save), "--save-interval", "2")
+    argv[argv.index("--rollout-num-gpus") + 1] = "4"
+    result = run_train([*argv, "--rollout-num-gpus-per-engine", "2"], faults, out, timeout=900)
+    succeeded(result)
+    rows = metrics(out)
+    check_every_sample_once(out)
+    assert [r["rollout/engine_failures"] for r in rows] == [0, 1, 0]
+    assert sum(r["rollout/engine_restarts"] for r in rows) == 1
+    assert (out / "engine_0.restart_1.log").is_file() and not (out / "engine_1.restart_1.log").exists()
+    killed = json.loads((out / "fault_10.done").read_text())
+    assert len(killed["ranks"]) == 1  # rank 1 of the engine of two
+    assert not any(psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+                   for pid in killed["servers"] + killed["ranks"])
+    for row in rows:
+        assert row["train/train_rollout_logprob_abs_diff"] < 1e-3
+    probe = json.loads((out / "probe_16.json").read_text())
+    assert len(probe) == 2 and {a["weight_version"] for a in probe.values()} == {"2"}
+    (first, _) = probe.values()
+    trainer = probe_log_probs_of(save / "rollout_1", first["token_ids"], PROBE_TOKENS)
+    for answer in probe.values():
+        assert answer["token_ids"] == first["token_ids"]
+        assert answer["log_probs"] == pytest.approx(trainer, abs=1e-4)

@@ -48,7 +48,7 @@ def test_grpo_run_syncs_weights_and_saves_torch_dist(task, tmp_path, layout):
     for row in rows:
         assert row["train/train_rollout_logprob_abs_diff"] < 1e-3  # engine == trainer after every weight push
     assert "eval/arith" in rows[1]
-    meta = json.loads((tmp_path / "ckpt" / "rollout_1" / "meta.json").read_text())
+    meta = json.loads((tmp_path / "ckpt" / "iter_0000001" / "meta.json").read_text())
     assert meta["format"] == "torch_dist" and meta["rollout_id"] == 1
 
 
@@ -117,10 +117,10 @@ def test_tp2_ppo_trains_a_megatron_critic_and_resumes_it_from_load(task, tmp_pat
     assert "train/pg_loss" not in critic_only  # --num-critic-only-steps 1
     assert critic_only["critic/values"] == 0.0  # the value head starts at zero
     assert critic_only["critic/value_loss"] > 0 and critic_only["critic/lr"] == pytest.approx(1e-3)
-    meta = json.loads((save / "critic" / "rollout_0" / "meta.json").read_text())
+    meta = json.loads((save / "critic" / "iter_0000000" / "meta.json").read_text())
     assert meta["format"] == "torch_dist" and meta["rollout_id"] == 0
     run_train(_ppo_argv(task, tmp_path / "resumed", save, 2, "--load", str(save)))
     (both,) = read_metrics(tmp_path / "resumed")
     assert both["rollout_id"] == 1 and "train/pg_loss" in both and both["train/lr"] == pytest.approx(1e-4)
     assert both["critic/values"] != 0.0  # the critic came back from {save}/critic, not from the zero head
-    assert (save / "critic" / "latest").read_text().strip() == "rollout_1"
+    assert (save / "critic" / "latest_checkpointed_iteration.txt").read_text().strip() == "1"

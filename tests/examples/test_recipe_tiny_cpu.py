@@ -1,7 +1,8 @@
 """scripts/run-tiny-cpu.sh, the CPU equivalent of slime's Qwen3-4B recipe (same flag groups, the quickstart's tiny
 model), run as a user runs it: `bash scripts/run-tiny-cpu.sh`, which builds the task when missing and starts
-train.py (real Ray, one colocated engine and trainer, the sglang-router). The slow variant resumes the recipe from
-its own --save folder, as slime's recipes do (`--load DIR --save DIR`)."""
+train.py (real Ray, one colocated engine and trainer, the sglang-router); with two processes, the 4B recipe's layout
+of one engine of two ranks. The slow variant resumes the recipe from its own --save folder, as slime's recipes do
+(`--load DIR --save DIR`)."""
 
 import json
 import os
@@ -49,6 +50,20 @@ def test_tiny_cpu_recipe_runs_two_rollouts(tmp_path):
     assert "eval/arith" in rows[0]
     # the recipe saves into its --load folder at the last rollout, so running it again resumes there
     assert (tmp_path / "task/ckpt/latest").read_text().strip() == "rollout_1"
+
+
+@pytest.mark.slow  # ~75 s on 2 cores; test_engine_ranks.py runs this layout in CI
+def test_tiny_cpu_recipe_runs_the_4b_layout_of_two_devices_per_engine(tmp_path):
+    """NUM_GPUS=2: the Qwen3-4B recipe's layout, two trainer processes colocated with one built-in engine of two
+    ranks (--rollout-num-gpus-per-engine 2), trainer rank r feeding engine rank r."""
+    run_recipe(tmp_path / "task", tmp_path / "run", num_rollout=2, num_gpus=2)
+    args = json.loads((tmp_path / "run/args.json").read_text())
+    assert (args["rollout_num_gpus_per_engine"], args["rollout_num_engines"], args["colocate"]) == (2, 1, True)
+    assert json.loads((tmp_path / "run/engine_0.json").read_text())["engine"]["tp_size"] == 2
+    rows = metrics(tmp_path / "run")
+    assert [row["rollout_id"] for row in rows] == [0, 1]
+    for row in rows:  # both engine ranks sample with the trainer's weights after every push
+        assert row["rollout/num_samples"] == 16 and row["train/train_rollout_logprob_abs_diff"] < 1e-3
 
 
 @pytest.mark.slow

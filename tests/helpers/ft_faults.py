@@ -8,7 +8,9 @@ the RolloutManager's process, in the order the rollout starts them.
     [{"at_call": 11, "action": "sigkill", "engines": [0], "pause_s": 1.0}, {"at_call": 20, "action": "probe"}]
 
 "sigkill" first stops the engine for `pause_s` seconds, so that requests the router sends it meanwhile are in
-flight on it when it dies (a tiny model answers too fast to catch one otherwise).
+flight on it when it dies (a tiny model answers too fast to catch one otherwise). "sigkill_rank" SIGKILLs the rank
+processes 1..N-1 of an engine of N ranks (its server's spawned children), not the server: the engine must go down
+with them.
 """
 
 from __future__ import annotations
@@ -78,6 +80,15 @@ async def _inject(args, fault: dict, call: int) -> None:
         return
     processes = [p for rank in fault["engines"] for p in engine_processes(args.output_dir, rank)]
     assert processes, f"no engine server of ranks {fault['engines']} found for {args.output_dir}"
+    if action == "sigkill_rank":
+        ranks = [child for server in processes for child in server.children()
+                 if "spawn_main" in " ".join(child.cmdline())]
+        assert ranks, f"engines {fault['engines']} have no rank processes (--rollout-num-gpus-per-engine 1?)"
+        for process in ranks:
+            process.send_signal(signal.SIGKILL)
+        pids = {"servers": [p.pid for p in processes], "ranks": [p.pid for p in ranks]}
+        (Path(args.output_dir) / f"fault_{call}.done").write_text(json.dumps(pids))
+        return
     for process in processes:
         process.send_signal(signal.SIGSTOP)
     if action == "sigkill":

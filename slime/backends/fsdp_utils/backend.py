@@ -56,6 +56,7 @@ logger = logging.getLogger(__name__)
 
 
 class FSDPBackend(TrainBackend):
+    hf_weights_on_every_rank = True  # DTensor.full_tensor() gathers each parameter to every rank
     def __init__(self, args, rank: int, world_size: int, master_addr: str, master_port: int):
         self.args, self.rank, self.world_size = args, rank, world_size
         self.device = training_device(args, rank)
@@ -116,7 +117,7 @@ class FSDPBackend(TrainBackend):
         load_full_weights(self.model, read_hf_weights(path))
 
     def resolve_load_dir(self, load: str | None) -> Path | None:
-        return resolve_load_dir(load)
+        return resolve_load_dir(load, self.args.ckpt_step)
 
     def load_training_state(self, resume_dir: Path) -> int:
         self.require_on_device("loading a checkpoint")

@@ -20,11 +20,11 @@ MoE: experts split over --expert-model-parallel-size ranks (data-parallel ranks 
 alltoall dispatcher moves each token to its experts' rank); the routers consult routing replay (moe_router.py) and
 add the router losses (router_losses.py).
 
-Checkpoints: torch_dist (checkpoint.py), and with --save-hf also an HF folder; weights for the engines: HF-named full tensors gathered to rank 0
+Checkpoints: torch_dist in Megatron-LM's folder layout (checkpoint.py), and with --save-hf also an HF folder; weights for the engines: HF-named full tensors gathered to rank 0
 (hf_weights.py), sent by the shared WeightSender.
 
 The PPO critic (`build_critic`): the same GPTModel, untied, with the value head of value_head.py as its output
-layer, trained at --critic-lr by the same optimizer; its checkpoints are torch_dist under `{save}/critic/`.
+layer, trained at --critic-lr by the same optimizer; its checkpoints are torch_dist under `{save}/critic/` (Megatron-LM's layout too).
 
 Not here: the RL flows (slime/backends/train_flow.py, critic_flow.py).
 """
@@ -124,7 +124,7 @@ class MegatronBackend(TrainBackend):
         if not checkpoint.is_torch_dist_checkpoint(weights_path):
             head = hf_value_head(weights_path, self.hf_config.hidden_size)
             load_hf_weights(self.model_chunks, weights_path, self.hf_config, given={OUTPUT_LAYER_KEY: head})
-        elif has_value_head(Path(weights_path) / checkpoint.TORCH_DIST_DIR):
+        elif has_value_head(checkpoint.checkpoint_folder(weights_path)):
             checkpoint.load_model_weights(weights_path, self.model_chunks)
         else:
             checkpoint.load_model_weights(weights_path, self.model_chunks, skip=(OUTPUT_LAYER_KEY,))
@@ -145,14 +145,14 @@ class MegatronBackend(TrainBackend):
             load_hf_weights(self.model_chunks, path, self.hf_config)
 
     def load_hf_weights(self, path: str) -> None:
-        """--ref-load / --opd-teacher-load: an HF folder or a torch_dist checkpoint of this backend."""
+        """--ref-load / --opd-teacher-load: an HF folder or a torch_dist checkpoint (this backend's, slime's)."""
         self.require_on_device("loading weights")
         self._load_weights(path)
 
     def resolve_load_dir(self, load: str | None) -> Path | None:
-        folder = resolve_load_dir(load)
+        folder = resolve_load_dir(load, self.args.ckpt_step)
         if folder is not None and not checkpoint.is_torch_dist_checkpoint(folder):
-            raise ValueError(f"--load {load}: {folder} is not a checkpoint of --train-backend megatron (torch_dist); "
+            raise ValueError(f"--load {load}: {folder} is not a Megatron torch_dist checkpoint; "
                              "convert an HF folder with tools/convert_hf_to_torch_dist.py, or pass it as "
                              "--hf-checkpoint")
         return folder
@@ -166,7 +166,7 @@ class MegatronBackend(TrainBackend):
         self.require_on_device("saving a checkpoint")
         path = checkpoint.save_checkpoint(save_root or args.save, rollout_id, self.model_chunks, self.optimizer,
                                           self.scheduler, save_optim=not args.no_save_optim, run_state=run_state,
-                                          hf_checkpoint=args.hf_checkpoint)
+                                          args=args, hf_config=self.hf_config)
         lora = args.lora_rank > 0 and not self.critic
         adapter = self.adapter_weights() if lora else None
         if lora and self.rank == 0:  # the adapter in PEFT's format beside the torch_dist state (which resumes)

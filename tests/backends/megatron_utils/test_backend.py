@@ -108,9 +108,9 @@ def test_torch_dist_checkpoint_saved_at_tp2_resumes_at_tp1(tiny_checkpoint, tmp_
     results = run_distributed(_train_save_train, 2, tiny_checkpoint, save, data,
                               {"tp": 2})
     uninterrupted, expected = results[0]
-    meta = json.loads((save / "rollout_0" / "meta.json").read_text())
+    meta = json.loads((save / "iter_0000000" / "meta.json").read_text())  # Megatron-LM's layout
     assert meta["format"] == "torch_dist" and meta["rollout_id"] == 0
-    assert (save / "latest").read_text().strip() == "rollout_0"
+    assert (save / "latest_checkpointed_iteration.txt").read_text().strip() == "0"
     from safetensors.torch import load_file
 
     saved_hf = load_file(str(tmp_path / "save_hf" / "step_0" / "model.safetensors"))  # --save-hf at rollout 0

@@ -30,7 +30,8 @@ def test_hf_to_torch_dist_at_tp2_and_back_is_bit_exact(tmp_path):
     _run("-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", find_free_port(),
          "tools/convert_hf_to_torch_dist.py", "--hf-checkpoint", hf, "--save", tmp_path / "dist",
          "--tensor-model-parallel-size", "2", "--num-layers", "2")  # a model-shape flag, as recipes pass them
-    assert (tmp_path / "dist" / "config.json").is_file()
+    assert (tmp_path / "dist" / "latest_checkpointed_iteration.txt").read_text() == "release"  # slime's converter's
+    assert (tmp_path / "dist" / "release" / "config.json").is_file()
     _run("tools/convert_torch_dist_to_hf.py", "--input-dir", tmp_path / "dist", "--output-dir", tmp_path / "back")
     original, converted = load_file(str(hf / "model.safetensors")), load_file(str(tmp_path / "back" /
                                                                                    "model.safetensors"))

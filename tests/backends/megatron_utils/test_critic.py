@@ -145,7 +145,7 @@ def _policy_then_resume(rank, world_size, port, checkpoint, save, data):
         0, run_state={"data_source": {}})
     destroy_model_parallel()
     dist.destroy_process_group()
-    from_policy = create_trainer(make_megatron_args(checkpoint, *CRITIC, "--critic-load", save / "rollout_0"),
+    from_policy = create_trainer(make_megatron_args(checkpoint, *CRITIC, "--critic-load", save / "iter_0000000"),
                                  rank, world_size, "127.0.0.1", port + 1, role="critic")
     from_policy.init()
     model = from_policy.backend.model
@@ -170,7 +170,7 @@ def test_tp2_and_pp2_critics_equal_tp1_tp2_resumes_at_tp1_and_a_policy_loads(cri
     assert not set(pp2_first["grads"]) & set(pp2_last["grads"])
     for run in (pp2_first, pp2_last):
         _assert_same_run({**run, "grads": {**pp2_first["grads"], **pp2_last["grads"]}}, tp1_runs[1], grad_rtol=1e-4)
-    assert (save / "critic" / "latest").read_text().strip() == "rollout_0"
+    assert (save / "critic" / "latest_checkpointed_iteration.txt").read_text().strip() == "0"
     (head, embedding, policy_values), start, values = run_distributed(_policy_then_resume, 1, critic_checkpoint,
                                                                         save, data)[0]
     assert start == 1

@@ -70,7 +70,7 @@ def _ep_run(rank, world_size, port, checkpoint, save_dir):
     updated = {name: tensor.clone() for name, tensor in model_hf_weights(chunks, hf_config)}
     loaded = None
     if world_size > 1:
-        torch_dist.save_weights(save_dir, chunks, checkpoint)
+        torch_dist.save_weights(save_dir, chunks, args, hf_config)
     else:  # after the EP=2 run: its folder, resharded to EP=1
         torch_dist.load_model_weights(save_dir, chunks)
         loaded = {name: tensor.clone() for name, tensor in model_hf_weights(chunks, hf_config)}

@@ -230,3 +230,17 @@ def test_glm4_fused_gate_up_adapter_matches_merged_transformers(tmp_path):
     assert output["output_log_probs"] == pytest.approx(expected, abs=1e-4)
     base = merged_log_probs(glm, None, None, PROMPTS[0] + output["output_ids"], len(PROMPTS[0]))
     assert max(abs(x - y) for x, y in zip(base, expected)) > 0.1
+
+
+def test_aborted_and_empty_requests_give_their_slot_back(path, adapters):
+    engine = make_engine(path, max_loras_per_batch=1)
+    load(engine, "v1", adapters["one"])
+    registry = engine.model_runner.lora_registry
+    rid = engine.add_request(PROMPTS[0], GREEDY, lora_name="v1")
+    engine.add_request(PROMPTS[1], {**GREEDY, "max_new_tokens": 0}, lora_name="v1")  # finished at once
+    engine.step()
+    assert registry.num_requests == [1]
+    engine.abort_request(rid)
+    assert registry.num_requests == [0]
+    engine.unload_lora_adapter("v1")
+    load(engine, "v2", adapters["two"])  # the only slot is free again
