@@ -118,7 +118,7 @@ def test_adapter_gradients_equal_the_merged_weight_reference(checkpoint, tmp_pat
 
     peft = pytest.importorskip("peft")
     model = peft.PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32),
-                                           str(save / "rollout_0" / "adapter")).eval()
+                                           str(save / "iter_0000000" / "adapter")).eval()
     with torch.no_grad():
         for sample, response_length, expected in zip(data["tokens"], data["response_lengths"], trained):
             ids = torch.tensor([sample])
@@ -130,7 +130,7 @@ def test_adapter_gradients_equal_the_merged_weight_reference(checkpoint, tmp_pat
 
     merged = load_file(str(tmp_path / "save_hf" / "model.safetensors"))
     base_weights = load_file(str(checkpoint / "model.safetensors"))
-    trained_adapter = load_file(str(save / "rollout_0" / "adapter" / "adapter_model.safetensors"))
+    trained_adapter = load_file(str(save / "iter_0000000" / "adapter" / "adapter_model.safetensors"))
     assert merged.keys() == base_weights.keys()
     for name, value in merged.items():
         layer = "base_model.model." + name.removesuffix(".weight")
