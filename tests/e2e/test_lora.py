@@ -49,7 +49,8 @@ def test_lora_grpo_run_serves_every_pushed_adapter(task, tmp_path, layout):
         assert row["perf/weight_push_gb"] < 0.01  # the adapter alone (the base is ~100x larger)
     assert rows[0]["train/kl_loss"] == 0.0  # adapter B = 0: policy == base
     assert rows[2]["train/kl_loss"] > 1e-4  # the policy moved away from the base, and the engines followed
-    adapter = tmp_path / "ckpt" / "rollout_2" / "adapter"
+    folder = "iter_0000002" if layout else "rollout_2"  # Megatron-LM's checkpoint layout, the FSDP backend's
+    adapter = tmp_path / "ckpt" / folder / "adapter"
     config = json.loads((adapter / "adapter_config.json").read_text())
     assert config["r"] == 8 and (adapter / "adapter_model.safetensors").is_file()
 
