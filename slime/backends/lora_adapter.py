@@ -18,10 +18,11 @@ from pathlib import Path
 import torch
 from torch import nn
 
-PEFT_PREFIX = "base_model.model."
+from slime.engine.lora.adapter import CONFIG_FILE as ADAPTER_CONFIG_FILE
+from slime.engine.lora.adapter import PEFT_PREFIX
+from slime.engine.lora.adapter import WEIGHTS_FILE as ADAPTER_WEIGHTS_FILE
+
 LORA_A, LORA_B = "lora_A", "lora_B"
-ADAPTER_CONFIG_FILE = "adapter_config.json"
-ADAPTER_WEIGHTS_FILE = "adapter_model.safetensors"
 
 
 def lora_scale(args) -> float:

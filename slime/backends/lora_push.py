@@ -31,6 +31,7 @@ from slime.backends.lora_adapter import save_peft_folder, to_peft_name
 from slime.backends.weight_push_result import WeightPushResult
 from slime.backends.weight_sender import _post
 from slime.config.flags_lora import served_adapter_name
+from slime.engine.lora.adapter import tensor_checksum
 from slime.utils.weight_transport import serialize_named_tensors
 
 ADAPTER_MODES = ("tensor", "disk")
@@ -43,7 +44,8 @@ class AdapterPushError(RuntimeError):
 
 
 def checksums(named: dict[str, torch.Tensor]) -> dict[str, float]:
-    return {name: float(tensor.detach().double().sum()) for name, tensor in named.items()}
+    """Each tensor's checksum as the engine computes it on what it receives (engine/lora/adapter.py)."""
+    return {name: tensor_checksum(tensor) for name, tensor in named.items()}
 
 
 def compare_checksums(url: str, adapter_name: str, expected: dict[str, float], got: dict | None) -> None:
