@@ -63,6 +63,11 @@ class Engine(EngineWeights, EngineLora, OverlappedStepping):
             )
         # One sequence must always fit in the KV cache, or preemption could never make progress.
         self.max_model_len = min(max_model_len, self.model_runner.num_kvcache_blocks * self.config.kvcache_block_size)
+        if self.ranks is not None:
+            largest = self.model_runner.num_kvcache_blocks * self.config.kvcache_block_size // self.max_model_len
+            logger.info("engine of %d ranks: %d KV blocks per rank (the smallest rank's), at most %d sequences of %d "
+                        "tokens at once", self.config.tp_size, self.model_runner.num_kvcache_blocks,
+                        min(self.config.max_num_seqs, largest), self.max_model_len)
         self.block_manager = BlockManager(self.model_runner.num_kvcache_blocks, self.config.kvcache_block_size)
         self.scheduler = Scheduler(
             self.block_manager,
@@ -102,6 +107,29 @@ class Engine(EngineWeights, EngineLora, OverlappedStepping):
         return eos
 
     # ---- requests -----------------------------------------------------------------------------------------------
+
+    def _start_ranks(self) -> None:
+        """tp_size > 1: spawn ranks 1..N-1, build rank 0's shard beside theirs, log what each rank holds."""
+        from slime.engine.parallel.ranks import EngineRanks
+        from slime.engine.parallel.worker import rank_info
+
+        if self.config.overlap_schedule:
+            raise ValueError("overlap_schedule is not supported with tp_size > 1 (--tp-size): the other ranks follow "
+                             "rank 0's plan step by step; leave overlap_schedule unset or false")
+        self.config.overlap_schedule = False
+        self.ranks = EngineRanks(self.config, self.eos_token_ids)
+        self.model_runner = ModelRunner(self.config, self.model_config, self.eos_token_ids, self.ranks.parallel)
+        reports = [{"rank": 0, **rank_info(self.model_runner)}, *self.ranks.wait_ready()]
+        self.model_runner.plan = self.ranks
+        for report in reports:
+            logger.info("engine rank %d of %d: weights %.1f MiB, KV cache %d blocks of %d bytes", report["rank"],
+                        self.config.tp_size, report["weight_bytes"] / 2**20, report["kv_blocks"],
+                        report["kv_bytes_per_block"])
+
+    def shutdown(self) -> None:
+        """Stop the other ranks of a sharded engine (nothing to do at one rank)."""
+        if self.ranks is not None:
+            self.ranks.close()
 
     def add_request(
         self, prompt_token_ids: list[int], sampling_params=None, rid: str | None = None, incremental: bool = True,

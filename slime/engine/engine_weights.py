@@ -12,16 +12,11 @@ reaches every rank.
 
 from __future__ import annotations
 
-import logging
-
 import torch
 
-from slime.engine.model_runner import ModelRunner
 from slime.engine.models import load_model_config
 from slime.engine.models.weight_loader import check_named_tensors, named_weight_shapes
 from slime.engine.parallel.rank_weights import RankError
-
-logger = logging.getLogger(__name__)
 
 
 class EngineWeights:
@@ -112,35 +107,3 @@ class EngineWeights:
     def _bump_weight_version(self, weight_version: str) -> None:
         self.num_weight_updates += 1
         self.weight_version = weight_version
-
-    def _start_ranks(self) -> None:
-        """tp_size > 1: spawn ranks 1..N-1, build rank 0's shard beside theirs, log what each rank holds."""
-        from slime.engine.parallel.ranks import EngineRanks
-        from slime.engine.parallel.worker import rank_info
-
-        if self.config.overlap_schedule:
-            raise ValueError("overlap_schedule is not supported with tp_size > 1 (--tp-size): the other ranks follow "
-                             "rank 0's plan step by step; leave overlap_schedule unset or false")
-        self.config.overlap_schedule = False
-        self.ranks = EngineRanks(self.config, self.eos_token_ids)
-        self.model_runner = ModelRunner(self.config, self.model_config, self.eos_token_ids, self.ranks.parallel)
-        reports = [{"rank": 0, **rank_info(self.model_runner)}, *self.ranks.wait_ready()]
-        self.model_runner.plan = self.ranks
-        for report in reports:
-            logger.info("engine rank %d of %d: weights %.1f MiB, KV cache %d blocks of %d bytes", report["rank"],
-                        self.config.tp_size, report["weight_bytes"] / 2**20, report["kv_blocks"],
-                        report["kv_bytes_per_block"])
-        largest = min(self.config.max_num_seqs,
-                      self.model_runner.num_kvcache_blocks * self.config.kvcache_block_size // self.max_model_len_hint)
-        logger.info("engine of %d ranks: %d KV blocks per rank (the smallest rank's), at most %d sequences of %d "
-                    "tokens at once", self.config.tp_size, self.model_runner.num_kvcache_blocks, max(largest, 1),
-                    self.max_model_len_hint)
-
-    @property
-    def max_model_len_hint(self) -> int:
-        return self.config.max_model_len or self.model_config.max_position_embeddings
-
-    def shutdown(self) -> None:
-        """Stop the other ranks of a sharded engine (nothing to do at one rank)."""
-        if self.ranks is not None:
-            self.ranks.close()

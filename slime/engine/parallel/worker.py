@@ -101,12 +101,10 @@ def _follow(conn, runner: ModelRunner, weights: RankWeights) -> None:
         if op != CALL:
             runner.follow_step((op, flags, payload))
             continue
-        target, _, name = None, None, None
         target_name, args, kwargs = pickle.loads(message[8 * HEADER_LEN:])
         owner, _, name = target_name.partition(".")
-        target = targets[owner]
         try:
-            conn.send(("ok", getattr(target, name)(*args, **kwargs)))
+            conn.send(("ok", getattr(targets[owner], name)(*args, **kwargs)))
         except Exception as error:
             logger.exception("%s failed", target_name)
             conn.send(("error", f"{type(error).__name__}: {error}"))
