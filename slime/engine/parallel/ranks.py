@@ -68,8 +68,15 @@ class EngineRanks:
         if self.closing:
             return
         rank = sentinels[ready[0]]
-        logger.error("engine rank %d (pid %d) exited with code %s: the engine stops (every rank with it)", rank,
-                     self.procs[rank - 1].pid, self.procs[rank - 1].exitcode)
+        self.stop_engine(f"engine rank {rank} (pid {self.procs[rank - 1].pid}) exited with code "
+                         f"{self.procs[rank - 1].exitcode}")
+
+    @staticmethod
+    def stop_engine(reason: str) -> None:
+        """End the server process now (its ranks die with it: PR_SET_PDEATHSIG), so the health check fails and
+        --use-fault-tolerance restarts the engine with all its ranks. Used when a rank dies and when a step fails
+        (a rank hung past dist_timeout_s, a broken collective): the ranks may then be out of step."""
+        logger.critical("%s: the engine stops with every rank", reason)
         logging.shutdown()
         os._exit(70)
 

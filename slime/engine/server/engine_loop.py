@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
-import os
 import queue
 import threading
 import time
@@ -226,7 +225,7 @@ class EngineLoop:
                 except Exception as error:  # noqa: BLE001
                     self._fail_all(error)
                     if getattr(self.engine, "ranks", None) is not None:
-                        _exit_sharded_engine(error)
+                        self.engine.ranks.stop_engine(f"a step of this sharded engine failed ({error})")
                     continue
                 self.busy.add_step(time.perf_counter() - started)
                 self._dispatch(outputs)
@@ -291,14 +290,6 @@ class EngineLoop:
         for stream in streams.values():
             stream.finished = True
             stream.loop.call_soon_threadsafe(stream.outputs.put_nowait, RuntimeError(f"engine step failed: {error}"))
-
-
-def _exit_sharded_engine(error: Exception) -> None:
-    """A step of a sharded engine failed (a rank hung past dist_timeout_s, a collective broke): its ranks may be out
-    of step, so the engine is gone; exit so the health check and --use-fault-tolerance restart all its ranks."""
-    logger.critical("a step of this sharded engine failed (%s); the engine stops with every rank", error)
-    logging.shutdown()
-    os._exit(70)
 
 
 def _put_all(items: list) -> None:
