@@ -94,8 +94,9 @@ class ModelRunner(RunnerMemory):
         load_checkpoint(self.model, config.model)
         self.routed_experts: torch.Tensor | None = None
         self.lora, self.lora_registry = self._lora_slots()  # before the KV cache is sized from what memory is left
-        self.num_kvcache_blocks = self._agreed_min(config.num_kvcache_blocks or num_blocks_from_memory(
-            config, model_config, self.device, self.bytes_per_block))
+        # The KV pool is sized from the rank with the least free memory.
+        self.num_kvcache_blocks = parallel.min_over_ranks(config.num_kvcache_blocks or num_blocks_from_memory(
+            config, model_config, self.device, self.bytes_per_block), self.device)
         # One extra cache block past those the block manager hands out: CUDA-graph padding rows write there.
         self.scratch_slot = self.num_kvcache_blocks * self.block_size
         max_model_len = config.max_model_len or model_config.max_position_embeddings
@@ -136,14 +137,6 @@ class ModelRunner(RunnerMemory):
         from slime.engine.lora.slots import build_lora_slots
 
         return build_lora_slots(self.model, self.config, self.device, bucket_batch_sizes(self.config.max_num_seqs)[-1])
-
-    def _agreed_min(self, value: int) -> int:
-        """The smallest of every rank's `value` (the KV pool is sized from the rank with the least free memory)."""
-        if self.parallel.tp_size == 1:
-            return value
-        tensor = torch.tensor([value], dtype=torch.int64, device=self.device)
-        torch.distributed.all_reduce(tensor, op=torch.distributed.ReduceOp.MIN, group=self.parallel.group)
-        return int(tensor.item())
 
     @every_rank
     def set_use_triton(self, enabled: bool, fused: bool | None = None, cuda_graphs: bool = True) -> None:

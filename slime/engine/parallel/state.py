@@ -48,6 +48,14 @@ class ParallelState:
             dist.all_reduce(tensor, group=self.group)
         return tensor
 
+    def min_over_ranks(self, value: int, device: torch.device) -> int:
+        """The smallest of every rank's `value` (e.g. the KV blocks each rank's free memory holds)."""
+        if self.tp_size == 1:
+            return value
+        tensor = torch.tensor([value], dtype=torch.int64, device=device)
+        dist.all_reduce(tensor, op=dist.ReduceOp.MIN, group=self.group)
+        return int(tensor.item())
+
     def all_gather_last_dim(self, tensor: torch.Tensor) -> torch.Tensor:
         """The ranks' shards [..., d] concatenated in rank order along the last dimension: [..., tp_size * d]."""
         if self.tp_size == 1:
