@@ -1,0 +1,78 @@
+"""The FSDP trainer's forward over a transformers vision-language model (Qwen2.5-VL, Qwen3-VL) on a packed row.
+
+One packed row holds several samples back to back, each with its prompt's images. The vision tower encodes every
+image of the row in one call (its own block-diagonal attention over the images, sdpa); the language model then runs
+once over the row with the image embeddings in place of the image tokens and M-RoPE positions built per sample by the
+model's own `get_rope_index` (so they restart at 0 for every sample, as the engine's do). The positions go to the
+language model as transformers' packed form, `[4, 1, T]`: row 0 the plain per-sample text positions (the attention
+kernels see where samples start), rows 1-3 the temporal / height / width positions.
+
+`mm_token_type_ids` (0 text, 1 image) is derived from the image token id: transformers 5's M-RoPE needs it, and
+without it Qwen2.5-VL silently falls back to 1-D positions. Not here: the images' pixels (the rollout's processor
+makes them, carried on the Sample as `multimodal_train_inputs`), the log-prob head (model.py).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+VISION_LANGUAGE_MODEL_TYPES = ("qwen2_5_vl", "qwen3_vl")
+# model types of checkpoints with a vision tower this trainer cannot run (refused by name at start-up)
+OTHER_VISION_LANGUAGE_MODEL_TYPES = ("qwen2_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe", "glm4v", "glm4v_moe",
+                                     "llava", "gemma3", "mllama", "kimi_vl", "internvl")
+
+
+def is_vision_language(config) -> bool:
+    """A checkpoint config of a vision-language model (one with a vision tower)."""
+    return getattr(config, "vision_config", None) is not None
+
+
+def check_supported(model_type: str, flag: str = "--hf-checkpoint") -> None:
+    if model_type in OTHER_VISION_LANGUAGE_MODEL_TYPES:
+        raise ValueError(f"{flag}: vision-language model type {model_type!r} is not supported by the FSDP trainer; "
+                         f"supported: {', '.join(VISION_LANGUAGE_MODEL_TYPES)}")
+
+
+def attention_implementations(text_attention: str) -> dict[str, str]:
+    """Per sub-config attention: the packed-row kernel for the language model, sdpa for the vision tower (its
+    attention is bidirectional within each image: the causal varlen kernel must never see it)."""
+    return {"": text_attention, "text_config": text_attention, "vision_config": "sdpa"}
+
+
+def packed_mrope_position_ids(hf_model: nn.Module, input_ids: torch.Tensor, cu_seqlens: torch.Tensor,
+                              image_grid_thw: torch.Tensor | None, num_images: list[int]) -> torch.Tensor:
+    """[4, 1, T]: per sample, its text positions (0..L-1) and its 3-D M-RoPE positions from the model's
+    `get_rope_index` over that sample alone with that sample's image grids."""
+    model = hf_model.model
+    image_token_id = hf_model.config.image_token_id
+    bounds = cu_seqlens.tolist()
+    grids = image_grid_thw.split(num_images) if image_grid_thw is not None else [None] * len(num_images)
+    pieces = []
+    for index, (start, end) in enumerate(zip(bounds[:-1], bounds[1:])):
+        ids = input_ids[:, start:end]
+        token_types = (ids == image_token_id).to(torch.int32)
+        grid = grids[index] if num_images[index] else None
+        num_image_tokens = int(token_types.sum())
+        expected = 0 if grid is None else int((grid.prod(-1) // model.visual.spatial_merge_size ** 2).sum())
+        if num_image_tokens != expected:
+            raise ValueError(f"packed sample {index}: {num_image_tokens} image tokens but its images' grids give "
+                             f"{expected}; the prompt ids and the pixel values must come from the same processor call")
+        mrope, _ = model.get_rope_index(ids, mm_token_type_ids=token_types, image_grid_thw=grid)
+        text = torch.arange(end - start, device=ids.device, dtype=mrope.dtype).view(1, 1, -1)
+        pieces.append(torch.cat([text, mrope], dim=0))
+    return torch.cat(pieces, dim=2)
+
+
+def vision_language_hidden_states(hf_model: nn.Module, input_ids: torch.Tensor, position_ids: torch.Tensor,
+                                  pixel_values: torch.Tensor | None, image_grid_thw: torch.Tensor | None,
+                                  language_kwargs: dict) -> torch.Tensor:
+    """Final hidden states [T, hidden] of a packed VL row. `position_ids`: packed_mrope_position_ids's [4, 1, T];
+    `language_kwargs`: the attention kernel's packed-row arguments (cu_seq_lens_q ...), for the language model only."""
+    model = hf_model.model
+    encoder_outputs = {}
+    if pixel_values is not None:
+        encoder_outputs["image"] = model.get_image_features(pixel_values, image_grid_thw, return_dict=True)
+    outputs = model(input_ids=input_ids, position_ids=position_ids, mm_encoder_outputs=encoder_outputs or None,
+                    use_cache=False, **language_kwargs)
+    return outputs.last_hidden_state[0]
