@@ -10,11 +10,12 @@ import functools
 import inspect
 import operator
 
-from slime.rollout.dataset import prompt_token_ids, tokenizer_for
+from slime.rollout.dataset import load_processor, prompt_token_ids, tokenizer_for
 from slime.rollout.resend import post_generate
 from slime.rollout.routed_experts import routed_experts_request, store_routed_experts
 from slime.utils.engine_access import router_headers
 from slime.utils.http_utils import router_url
+from slime.utils.image_inputs import image_to_data_uri
 from slime.utils.misc import load_function
 from slime.utils.types import Sample
 
@@ -58,7 +59,8 @@ async def sample_continuation(args, sample: Sample, sampling_params: dict) -> st
     """One POST /generate continuing `sample.tokens`: appends the sampled ids (loss mask 1, the engine's log-probs)
     and the text, sets the status from the finish reason, counts prefix-cache hits; returns the text sampled."""
     routing = routed_experts_request(args, sample)
-    payload = {"input_ids": sample.tokens, "sampling_params": sampling_params, "return_logprob": True, **routing}
+    payload = {"input_ids": sample.tokens, "sampling_params": sampling_params, "return_logprob": True, **routing,
+               **image_data_request(sample)}
     output = await _post_generate(args, payload, sample)
     return _append_output(args, sample, output, routing.get("routed_experts_start_len", 0))
 
@@ -90,6 +92,23 @@ def _append_output(args, sample: Sample, output: dict, routed_experts_start_len:
     return text
 
 
+def encode_multimodal_prompt(args, sample: Sample) -> None:
+    """A prompt with images: its ids with every image expanded to its image tokens, and the pixel values and grids
+    the trainer needs (`multimodal_train_inputs`), from one call of the checkpoint's processor (the one image-size
+    policy, so the engine and the trainer count the same image tokens)."""
+    processor = load_processor(str(args.hf_checkpoint))
+    encoded = processor.encode(sample.prompt, sample.multimodal_inputs["images"])
+    sample.tokens = encoded.input_ids
+    sample.multimodal_train_inputs = {"pixel_values": encoded.pixel_values, "image_grid_thw": encoded.image_grid_thw}
+
+
+def image_data_request(sample: Sample) -> dict:
+    """SGLang's `image_data` of a sample's images (lossless PNG data URIs, in prompt order), {} without images. The
+    ids already hold each image's tokens, expanded by the same processor the engine uses."""
+    images = (sample.multimodal_inputs or {}).get("images")
+    return {"image_data": [image_to_data_uri(image) for image in images]} if images else {}
+
+
 def group_prompt_ids(args, group: list[Sample]) -> list[int] | None:
     """The prompt ids of a group that one /generate with sampling_params.n can sample: fresh samples of one prompt
     that the default generate function would sample one by one (no generate hook, one turn, nothing generated yet,
@@ -99,7 +118,7 @@ def group_prompt_ids(args, group: list[Sample]) -> list[int] | None:
     if args.rollout_sample_hook_path:
         return None
     if any(s.generate_function_path or s.tokens or s.response_length or s.status != Sample.Status.PENDING
-           for s in group):
+           or s.multimodal_inputs for s in group):
         return None
     if any(_prompt_key(s) != _prompt_key(group[0]) for s in group[1:]):
         return None

@@ -1,0 +1,112 @@
+"""The FSDP trainer on tiny random Qwen2.5-VL / Qwen3-VL checkpoints: log-probs of packed VL samples (text-only, one
+image, two images of odd sizes in one row) equal transformers' own forward of each sample alone; the vision tower
+trains, or stays frozen under --freeze-params-name-list."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+from PIL import Image
+
+from slime.backends.packing import pack_samples
+from slime.utils.image_policy import load_vl_processor
+from slime.utils.tiny_vl_model import build_tiny_vl_model
+from tests.helpers.fsdp_helpers import make_args, make_trainer
+
+
+@pytest.fixture(scope="module", params=["qwen2_5_vl", "qwen3_vl"])
+def vl_checkpoint(request, tmp_path_factory):
+    return build_tiny_vl_model(tmp_path_factory.mktemp(request.param), arch=request.param, seed=1,
+                               initializer_range=0.5)
+
+
+def _image(width: int, height: int, seed: int) -> Image.Image:
+    pixels = np.random.default_rng(seed).integers(0, 256, (height, width, 3), dtype=np.uint8)
+    return Image.fromarray(pixels)
+
+
+def vl_train_data(checkpoint, seed: int = 0) -> dict:
+    """Three samples: text only, one image, two images of odd sizes; random response tokens."""
+    processor = load_vl_processor(checkpoint)
+    rng = np.random.default_rng(seed)
+    prompts = [("what is 3 + 4?", []),
+               ("<|vision_start|><|image_pad|><|vision_end|>how many circles?", [_image(61, 45, 1)]),
+               ("<|vision_start|><|image_pad|><|vision_end|> and <|vision_start|><|image_pad|><|vision_end|> which "
+                "colour?", [_image(37, 90, 2), _image(100, 29, 3)])]
+    data = {key: [] for key in ("tokens", "response_lengths", "loss_masks", "rewards", "raw_reward", "group_indices",
+                                "sample_indices", "truncated", "multimodal_train_inputs")}
+    for index, (text, images) in enumerate(prompts):
+        encoded = processor.encode(text, images)
+        response = rng.integers(3, 300, 6).tolist()
+        data["tokens"].append(encoded.input_ids + response)
+        data["response_lengths"].append(len(response))
+        data["loss_masks"].append([1] * len(response))
+        data["rewards"].append(float(index) - 1.0)
+        data["raw_reward"].append(float(index) - 1.0)
+        data["group_indices"].append(0)
+        data["sample_indices"].append(index)
+        data["truncated"].append(0)
+        data["multimodal_train_inputs"].append(
+            {"pixel_values": encoded.pixel_values, "image_grid_thw": encoded.image_grid_thw} if images else None)
+    data.update(rollout_id=0, num_steps_per_rollout=1, global_batch_size=3)
+    return data
+
+
+def reference_log_probs(checkpoint, data: dict) -> list[torch.Tensor]:
+    """transformers' own forward of each sample alone (mm_token_type_ids from the processor's rule)."""
+    from transformers import AutoModelForImageTextToText
+
+    model = AutoModelForImageTextToText.from_pretrained(checkpoint, dtype=torch.float64).eval()
+    image_token_id = model.config.image_token_id
+    out = []
+    for tokens, response_length, images in zip(data["tokens"], data["response_lengths"],
+                                               data["multimodal_train_inputs"]):
+        ids = torch.tensor(tokens)[None]
+        kwargs = {} if images is None else {"pixel_values": images["pixel_values"].double(),
+                                            "image_grid_thw": images["image_grid_thw"]}
+        with torch.no_grad():
+            logits = model(input_ids=ids, mm_token_type_ids=(ids == image_token_id).int(), **kwargs).logits[0]
+        log_probs = torch.log_softmax(logits[-response_length - 1:-1], dim=-1)
+        out.append(log_probs.gather(1, ids[0, -response_length:, None])[:, 0].float())
+    return out
+
+
+def test_packed_vl_log_probs_equal_transformers_per_sample(vl_checkpoint):
+    data = vl_train_data(vl_checkpoint)
+    expected = reference_log_probs(vl_checkpoint, data)
+    trainer = make_trainer(make_args(vl_checkpoint, "--micro-batch-size", "3"))
+    try:
+        packed = pack_samples(data["tokens"], data["response_lengths"], [0, 1, 2], data["multimodal_train_inputs"])
+        assert packed.num_images == [0, 1, 2]
+        with torch.no_grad():
+            log_probs, _ = trainer.model.forward_micro_batch(packed)
+        for actual, reference in zip(log_probs.split(data["response_lengths"]), expected):
+            torch.testing.assert_close(actual, reference, rtol=0, atol=1e-4)
+        assert torch.cat(expected).std() > 0.3  # wide weights: a wrong position or image would show
+        # one sample per micro-batch gives the same numbers (nothing leaks between packed samples)
+        alone = trainer.compute_log_probs([[pack_samples(data["tokens"], data["response_lengths"], [i],
+                                                         data["multimodal_train_inputs"])] for i in range(3)])
+        for i in range(3):
+            torch.testing.assert_close(alone[i], expected[i], rtol=0, atol=1e-4)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("freeze", [False, True])
+def test_vision_tower_trains_or_stays_frozen(vl_checkpoint, freeze):
+    data = vl_train_data(vl_checkpoint, seed=1)
+    extra = ("--freeze-params-name-list", "visual") if freeze else ()
+    trainer = make_trainer(make_args(vl_checkpoint, "--lr", "1e-2", "--micro-batch-size", "2", *extra))
+    try:
+        before = {name: p.detach().clone() for name, p in trainer.model.named_parameters()}
+        metrics = trainer.train(0, data)
+        assert np.isfinite(metrics["train/loss"])
+        after = dict(trainer.model.named_parameters())
+        changed = {name for name in before if not torch.equal(before[name], after[name].detach())}
+        vision = {name for name in before if ".visual." in name}
+        assert vision and any(".language_model." in name for name in changed)
+        assert (changed & vision == set()) if freeze else (vision <= changed)
+    finally:
+        dist.destroy_process_group()
