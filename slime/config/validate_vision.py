@@ -14,9 +14,9 @@ import json
 from pathlib import Path
 
 from slime.config.errors import require
+from slime.utils.image_policy import VL_MODEL_TYPES
 
 SUPPORTED_MODALITIES = ("image",)
-VISION_LANGUAGE_MODEL_TYPES = ("qwen2_5_vl", "qwen3_vl")
 
 
 def checkpoint_vision_model_type(path) -> str | None:
@@ -44,9 +44,9 @@ def check_vision_language_flags(args) -> None:
                                         f"{args.hf_checkpoint} has no vision_config in its config.json")
     if model_type is None:
         return
-    require(model_type in VISION_LANGUAGE_MODEL_TYPES,
+    require(model_type in VL_MODEL_TYPES,
             f"--hf-checkpoint {args.hf_checkpoint}: vision-language model type {model_type!r} is not supported; "
-            f"supported: {', '.join(VISION_LANGUAGE_MODEL_TYPES)}")
+            f"supported: {', '.join(VL_MODEL_TYPES)}")
     require(args.train_backend != "megatron",
             f"--train-backend megatron: vision-language models ({model_type}) are not supported by the Megatron "
             "backend here; use --train-backend fsdp")

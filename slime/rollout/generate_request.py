@@ -98,7 +98,11 @@ def encode_multimodal_prompt(args, sample: Sample) -> None:
     policy, so the engine and the trainer count the same image tokens)."""
     processor = load_processor(str(args.hf_checkpoint))
     encoded = processor.encode(sample.prompt, sample.multimodal_inputs["images"])
-    sample.tokens = encoded.input_ids
+    if not sample.tokens:
+        sample.tokens = encoded.input_ids
+    elif sample.tokens[:len(encoded.input_ids)] != encoded.input_ids:  # a partial sample restored from a saved buffer
+        raise ValueError(f"sample {sample.index}: its tokens do not start with its prompt encoded with its images; "
+                         "a custom rollout must keep the processor's prompt ids (encode_multimodal_prompt)")
     sample.multimodal_train_inputs = {"pixel_values": encoded.pixel_values, "image_grid_thw": encoded.image_grid_thw}
 
 

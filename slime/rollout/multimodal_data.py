@@ -13,7 +13,7 @@ Not here: resizing or image-token counts (slime.utils.image_policy, the one poli
 
 from __future__ import annotations
 
-from slime.utils.image_inputs import ImageInputError, load_image
+from slime.utils.image_inputs import ImageInputError, image_to_data_uri, load_image
 
 IMAGE_PLACEHOLDER = "<image>"  # slime's MultimodalTypes placeholder for images in prompt text
 
@@ -85,3 +85,24 @@ def messages_without_pixels(messages: list[dict]) -> list[dict]:
             content = [{"type": "image"} if part.get("type") == "image" else part for part in content]
         out.append({**message, "content": content})
     return out
+
+
+def sample_dict_to_json(sample_dict: dict) -> dict:
+    """A `Sample.to_dict()` made JSON-safe for the data source's saved state: its images as lossless PNG data URIs,
+    and no `multimodal_train_inputs` (the rollout derives them again from the prompt and the images)."""
+    images = (sample_dict.get("multimodal_inputs") or {}).get("images")
+    if images:
+        sample_dict["multimodal_inputs"] = {**sample_dict["multimodal_inputs"],
+                                            "images": [image_to_data_uri(image) for image in images]}
+    if sample_dict.get("multimodal_train_inputs") is not None:
+        sample_dict["multimodal_train_inputs"] = None
+    return sample_dict
+
+
+def sample_dict_from_json(sample_dict: dict) -> dict:
+    """sample_dict_to_json's inverse: the images decoded again."""
+    images = (sample_dict.get("multimodal_inputs") or {}).get("images")
+    if images:
+        sample_dict["multimodal_inputs"] = {**sample_dict["multimodal_inputs"],
+                                            "images": [load_image(image) for image in images]}
+    return sample_dict

@@ -88,8 +88,9 @@ async def generate(args, sample: Sample, sampling_params: dict) -> Sample:
 
     Same signature as a `--custom-generate-function-path` hook, which may wrap it.
     """
-    if not sample.tokens and sample.multimodal_inputs:
-        encode_multimodal_prompt(args, sample)
+    if sample.multimodal_inputs:
+        if sample.multimodal_train_inputs is None or not sample.tokens:  # (a restored partial sample: the first)
+            encode_multimodal_prompt(args, sample)
     elif not sample.tokens:
         tokenizer = tokenizer_for(args)
         if tokenizer is None:

@@ -120,3 +120,36 @@ def test_start_up_refuses_what_vl_training_cannot_cover(checkpoint, tmp_path):
     with pytest.raises(ArgumentError, match="--multimodal-keys needs a vision-language --hf-checkpoint"):
         parse_args(["--hf-checkpoint", str(text_checkpoint), "--rollout-batch-size", "1", "--num-rollout", "1", "--rm-type", "math",
                     "--apply-chat-template", "--multimodal-keys", '{"image": "images"}'])
+
+
+def test_a_buffered_vl_sample_round_trips_through_the_saved_state(checkpoint, tmp_path):
+    """Partial rollout: a half-generated VL sample in the data source's buffer survives save / load (JSON) and its
+    train inputs are derived again, equal to the first ones."""
+    from slime.rollout.data_source import RolloutDataSourceWithBuffer
+
+    _png(tmp_path / "a.png", 45, 33, 6)
+    rows = [{"problem": "<image>How many?", "answer": "2", "images": [str(tmp_path / "a.png")]}]
+    data = _write_jsonl(tmp_path / "d.jsonl", rows)
+    args = parse_args(["--hf-checkpoint", str(checkpoint), "--prompt-data", data, "--input-key", "problem",
+                       "--label-key", "answer", "--rollout-batch-size", "1", "--n-samples-per-prompt", "1",
+                       "--num-rollout", "1", "--rm-type", "math", "--apply-chat-template",
+                       "--multimodal-keys", '{"image": "images"}', "--save", str(tmp_path / "save")])
+    source = RolloutDataSourceWithBuffer(args)
+    [[sample]] = source.get_samples(1)
+    encode_multimodal_prompt(args, sample)
+    first = sample.multimodal_train_inputs
+    sample.tokens, sample.response_length, sample.loss_mask = sample.tokens + [7, 8], 2, [1, 1]
+    source.add_samples([[sample]])
+    source.save(0)
+    restored = RolloutDataSourceWithBuffer(args)
+    assert restored.load(0)
+    [[again]] = restored.get_samples(1)
+    assert again.tokens == sample.tokens and again.multimodal_train_inputs is None
+    assert np.array_equal(np.asarray(again.multimodal_inputs["images"][0]),
+                          np.asarray(sample.multimodal_inputs["images"][0]))
+    encode_multimodal_prompt(args, again)  # what the rollout does before continuing it
+    assert again.tokens == sample.tokens
+    assert np.array_equal(again.multimodal_train_inputs["pixel_values"].numpy(), first["pixel_values"].numpy())
+    again.tokens = [again.tokens[0] + 1] + again.tokens[1:]
+    with pytest.raises(ValueError, match="do not start with its prompt encoded with its images"):
+        encode_multimodal_prompt(args, again)

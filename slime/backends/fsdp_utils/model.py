@@ -102,7 +102,7 @@ def load_hf_model(path: str, attn_implementation: str = "sdpa") -> nn.Module:
     config = checkpoint_config_override(path)
     if config is None:
         loaded = AutoConfig.from_pretrained(path)
-        check_supported(loaded.model_type)
+        check_supported(loaded)
         if is_vision_language(loaded):  # the vision tower's attention is not causal: sdpa for it
             return AutoModelForImageTextToText.from_pretrained(
                 path, dtype=torch.float32, attn_implementation=attention_implementations(attn_implementation))

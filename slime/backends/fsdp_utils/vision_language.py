@@ -17,10 +17,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-VISION_LANGUAGE_MODEL_TYPES = ("qwen2_5_vl", "qwen3_vl")
-# model types of checkpoints with a vision tower this trainer cannot run (refused by name at start-up)
-OTHER_VISION_LANGUAGE_MODEL_TYPES = ("qwen2_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe", "glm4v", "glm4v_moe",
-                                     "llava", "gemma3", "mllama", "kimi_vl", "internvl")
+from slime.utils.image_policy import VL_MODEL_TYPES
 
 
 def is_vision_language(config) -> bool:
@@ -28,10 +25,11 @@ def is_vision_language(config) -> bool:
     return getattr(config, "vision_config", None) is not None
 
 
-def check_supported(model_type: str, flag: str = "--hf-checkpoint") -> None:
-    if model_type in OTHER_VISION_LANGUAGE_MODEL_TYPES:
-        raise ValueError(f"{flag}: vision-language model type {model_type!r} is not supported by the FSDP trainer; "
-                         f"supported: {', '.join(VISION_LANGUAGE_MODEL_TYPES)}")
+def check_supported(config, flag: str = "--hf-checkpoint") -> None:
+    """Refuse a vision-language model this trainer cannot run, by its model type."""
+    if is_vision_language(config) and config.model_type not in VL_MODEL_TYPES:
+        raise ValueError(f"{flag}: vision-language model type {config.model_type!r} is not supported by the FSDP "
+                         f"trainer; supported: {', '.join(VL_MODEL_TYPES)}")
 
 
 def attention_implementations(text_attention: str) -> dict[str, str]:

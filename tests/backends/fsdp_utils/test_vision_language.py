@@ -8,12 +8,12 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
-from PIL import Image
 
 from slime.backends.packing import pack_samples
 from slime.utils.image_policy import load_vl_processor
 from slime.utils.tiny_vl_model import build_tiny_vl_model
 from tests.helpers.fsdp_helpers import make_args, make_trainer
+from tests.helpers.vl_checkpoints import random_image
 
 
 @pytest.fixture(scope="module", params=["qwen2_5_vl", "qwen3_vl"])
@@ -22,19 +22,14 @@ def vl_checkpoint(request, tmp_path_factory):
                                initializer_range=0.5)
 
 
-def _image(width: int, height: int, seed: int) -> Image.Image:
-    pixels = np.random.default_rng(seed).integers(0, 256, (height, width, 3), dtype=np.uint8)
-    return Image.fromarray(pixels)
-
-
 def vl_train_data(checkpoint, seed: int = 0) -> dict:
     """Three samples: text only, one image, two images of odd sizes; random response tokens."""
     processor = load_vl_processor(checkpoint)
     rng = np.random.default_rng(seed)
     prompts = [("what is 3 + 4?", []),
-               ("<|vision_start|><|image_pad|><|vision_end|>how many circles?", [_image(61, 45, 1)]),
+               ("<|vision_start|><|image_pad|><|vision_end|>how many circles?", [random_image(45, 61, 1)]),
                ("<|vision_start|><|image_pad|><|vision_end|> and <|vision_start|><|image_pad|><|vision_end|> which "
-                "colour?", [_image(37, 90, 2), _image(100, 29, 3)])]
+                "colour?", [random_image(90, 37, 2), random_image(29, 100, 3)])]
     data = {key: [] for key in ("tokens", "response_lengths", "loss_masks", "rewards", "raw_reward", "group_indices",
                                 "sample_indices", "truncated", "multimodal_train_inputs")}
     for index, (text, images) in enumerate(prompts):
