@@ -96,14 +96,38 @@ def encode_multimodal_prompt(args, sample: Sample) -> None:
     """A prompt with images: its ids with every image expanded to its image tokens, and the pixel values and grids
     the trainer needs (`multimodal_train_inputs`), from one call of the checkpoint's processor (the one image-size
     policy, so the engine and the trainer count the same image tokens)."""
-    processor = load_processor(str(args.hf_checkpoint))
-    encoded = processor.encode(sample.prompt, sample.multimodal_inputs["images"])
+    encode_multimodal_text(args, sample, sample.prompt)
+
+
+def encode_multimodal_text(args, sample: Sample, text: str) -> None:
+    """encode_multimodal_prompt with the prompt rendered as `text` (multi-turn renders it with its tools)."""
+    encoded = encode_with_images(args, text, sample.multimodal_inputs["images"])
     if not sample.tokens:
         sample.tokens = encoded.input_ids
     elif sample.tokens[:len(encoded.input_ids)] != encoded.input_ids:  # a partial sample restored from a saved buffer
         raise ValueError(f"sample {sample.index}: its tokens do not start with its prompt encoded with its images; "
                          "a custom rollout must keep the processor's prompt ids (encode_multimodal_prompt)")
     sample.multimodal_train_inputs = {"pixel_values": encoded.pixel_values, "image_grid_thw": encoded.image_grid_thw}
+
+
+def encode_with_images(args, text: str, images: list):
+    """`text` with one image placeholder per image, encoded by the checkpoint's processor (images expanded)."""
+    return load_processor(str(args.hf_checkpoint)).encode(text, images)
+
+
+def add_turn_images(sample: Sample, images: list, encoded) -> None:
+    """Multi-turn: the images of a between-turn text (an environment's observation) join the sample's, after its
+    earlier ones (`multimodal_inputs`, `multimodal_train_inputs`), so the next request's `image_data` and the
+    trainer's pixel values cover every image of the conversation in order."""
+    import torch
+
+    if not images:
+        return
+    inputs = sample.multimodal_inputs or {}
+    sample.multimodal_inputs = {**inputs, "images": list(inputs.get("images") or []) + list(images)}
+    previous = sample.multimodal_train_inputs
+    new = {"pixel_values": encoded.pixel_values, "image_grid_thw": encoded.image_grid_thw}
+    sample.multimodal_train_inputs = new if not previous else {key: torch.cat([previous[key], new[key]]) for key in new}
 
 
 def image_data_request(sample: Sample) -> dict:

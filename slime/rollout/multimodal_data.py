@@ -29,13 +29,15 @@ def row_images(row: dict, location: str, multimodal_keys: dict[str, str]) -> lis
         return []
     if not isinstance(items, (list, tuple)):
         items = [items]
-    images = []
-    for index, item in enumerate(items):
-        try:
-            images.append(load_image(item))
-        except ImageInputError as error:
-            raise ValueError(f"{location}: column {column!r} item {index}: {error}") from None
-    return images
+    return [load_image_named(item, f"{location}: column {column!r} item {index}") for index, item in enumerate(items)]
+
+
+def load_image_named(item, what: str):
+    """load_image, with `what` (where the image came from) in front of its error."""
+    try:
+        return load_image(item)
+    except ImageInputError as error:
+        raise ValueError(f"{what}: {error}") from None
 
 
 def _content_parts(text: str, images: list, next_image: int, location: str) -> tuple[list[dict], int]:
