@@ -1,0 +1,86 @@
+"""The engine serving tiny random Qwen2.5-VL / Qwen3-VL (fp32, CPU): its sampled tokens' log-probs equal
+transformers' on prompts with one and two images, through chunked prefill and decode; a second request with the
+same image hits the prefix cache and one with a changed image misses it, both still exact."""
+
+import pytest
+import torch
+
+from slime.engine.engine import Engine
+from slime.utils.image_policy import IMAGE_PLACEHOLDER, load_vl_processor
+from tests.helpers.vl_checkpoints import random_image, tiny_vl_checkpoint
+
+ARCHES = ["qwen2_5_vl", "qwen3_vl"]
+
+
+@pytest.fixture(scope="module", params=ARCHES)
+def checkpoint(request, tmp_path_factory):
+    return tiny_vl_checkpoint(request.param, tmp_path_factory.mktemp("vl"))
+
+
+def _prompt(processor, num_images):
+    text = "<|im_start|>user\n" + " then ".join([IMAGE_PLACEHOLDER] * num_images) + "count<|im_end|>\n"
+    return processor.tokenizer(text + "<|im_start|>assistant\n")["input_ids"]
+
+
+def _run(engine, token_ids, images, max_new_tokens=6):
+    rid = engine.add_request(token_ids, {"temperature": 1.0, "max_new_tokens": max_new_tokens, "ignore_eos": True,
+                                         "sampling_seed": 7}, images=images, incremental=False)
+    while True:
+        for output in engine.step():
+            if output.rid == rid and output.finished:
+                return engine, output
+
+
+def _hf_log_probs(model, processor, token_ids, images, output_ids):
+    """transformers' log-probs of output_ids after the prompt (the processor's expansion of the same images)."""
+    encoded = processor.expand_input_ids(token_ids, images)
+    ids = encoded.input_ids + list(output_ids)
+    types = encoded.mm_token_type_ids + [0] * len(output_ids)
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([ids]), mm_token_type_ids=torch.tensor([types]),
+                       pixel_values=encoded.pixel_values, image_grid_thw=encoded.image_grid_thw).logits[0]
+    log_probs = logits.float().log_softmax(-1)
+    start = len(encoded.input_ids)
+    return torch.stack([log_probs[start - 1 + i, token] for i, token in enumerate(output_ids)])
+
+
+@pytest.fixture(scope="module")
+def hf_model(checkpoint):
+    from transformers import AutoModelForImageTextToText
+
+    return AutoModelForImageTextToText.from_pretrained(checkpoint, dtype=torch.float32).eval()
+
+
+@pytest.mark.parametrize("num_images", [1, 2])
+def test_log_probs_match_transformers(checkpoint, hf_model, num_images):
+    processor = load_vl_processor(checkpoint)
+    images = [random_image(61, 97, seed=1), random_image(45, 130, seed=2)][:num_images]
+    token_ids = _prompt(processor, num_images)
+    # chunks of 16 tokens: images split over several prefill steps
+    engine = Engine(str(checkpoint), device="cpu", dtype="float32", kvcache_block_size=4, num_kvcache_blocks=256,
+                    max_num_batched_tokens=16)
+    _, output = _run(engine, token_ids, images)
+    expected = _hf_log_probs(hf_model, processor, token_ids, images, output.output_token_ids)
+    got = torch.tensor(output.output_log_probs, dtype=torch.float32)
+    assert (got - expected).abs().max() < 1e-4, (got, expected)
+
+
+def test_prefix_cache_hits_on_the_same_image_and_misses_on_a_changed_one(checkpoint, hf_model):
+    processor = load_vl_processor(checkpoint)
+    token_ids = _prompt(processor, 1)
+    engine = Engine(str(checkpoint), device="cpu", dtype="float32", kvcache_block_size=4, num_kvcache_blocks=256)
+    image = random_image(61, 97, seed=1)
+    _, first = _run(engine, token_ids, [image])
+    _, again = _run(engine, token_ids, [image.copy()])
+    changed = random_image(61, 97, seed=3)  # same size, same token count, other pixels
+    _, other = _run(engine, token_ids, [changed])
+    num_prompt = len(processor.expand_input_ids(token_ids, [image]).input_ids)
+    seqs_cached = [out.num_cached_tokens for out in (first, again, other)]
+    assert seqs_cached[0] == 0
+    assert seqs_cached[1] >= (num_prompt - 1) // 4 * 4 > 0  # every full block of the prompt
+    image_start = token_ids.index(processor.image_token_id)
+    assert seqs_cached[2] <= image_start  # only the text before the image
+    for out, img in ((again, image), (other, changed)):
+        expected = _hf_log_probs(hf_model, processor, token_ids, [img], out.output_token_ids)
+        got = torch.tensor(out.output_log_probs, dtype=torch.float32)
+        assert (got - expected).abs().max() < 1e-4
