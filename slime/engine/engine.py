@@ -174,8 +174,8 @@ class Engine(EngineWeights, EngineLora, OverlappedStepping):
             raise ValueError(f"rid {rid!r} is already in use by an unfinished request")
         seed = params.sampling_seed if params.sampling_seed is not None else self.rng.getrandbits(32)
         image_prompt = None
-        if images:
-            prompt_token_ids, image_prompt = self._image_prompt(prompt_token_ids, images)
+        if images or (self.vl_processor is not None and self.vl_processor.image_token_id in prompt_token_ids):
+            prompt_token_ids, image_prompt = self._image_prompt(prompt_token_ids, images or [])
         seq = Sequence(rid, list(prompt_token_ids), params, seed % 2**32)
         seq.image_prompt = image_prompt
         seq.return_routed_experts = return_routed_experts

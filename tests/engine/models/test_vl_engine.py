@@ -7,7 +7,7 @@ import torch
 
 from slime.engine.engine import Engine
 from slime.utils.image_policy import IMAGE_PLACEHOLDER, load_vl_processor
-from tests.helpers.vl_checkpoints import random_image, tiny_vl_checkpoint
+from tests.helpers.vl_checkpoints import hf_log_probs, random_image, tiny_vl_checkpoint
 
 ARCHES = ["qwen2_5_vl", "qwen3_vl"]
 
@@ -31,19 +31,6 @@ def _run(engine, token_ids, images, max_new_tokens=6):
                 return engine, output
 
 
-def _hf_log_probs(model, processor, token_ids, images, output_ids):
-    """transformers' log-probs of output_ids after the prompt (the processor's expansion of the same images)."""
-    encoded = processor.expand_input_ids(token_ids, images)
-    ids = encoded.input_ids + list(output_ids)
-    types = encoded.mm_token_type_ids + [0] * len(output_ids)
-    with torch.no_grad():
-        logits = model(input_ids=torch.tensor([ids]), mm_token_type_ids=torch.tensor([types]),
-                       pixel_values=encoded.pixel_values, image_grid_thw=encoded.image_grid_thw).logits[0]
-    log_probs = logits.float().log_softmax(-1)
-    start = len(encoded.input_ids)
-    return torch.stack([log_probs[start - 1 + i, token] for i, token in enumerate(output_ids)])
-
-
 @pytest.fixture(scope="module")
 def hf_model(checkpoint):
     from transformers import AutoModelForImageTextToText
@@ -60,7 +47,7 @@ def test_log_probs_match_transformers(checkpoint, hf_model, num_images):
     engine = Engine(str(checkpoint), device="cpu", dtype="float32", kvcache_block_size=4, num_kvcache_blocks=256,
                     max_num_batched_tokens=16)
     _, output = _run(engine, token_ids, images)
-    expected = _hf_log_probs(hf_model, processor, token_ids, images, output.output_token_ids)
+    expected = hf_log_probs(hf_model, processor, token_ids, images, output.output_token_ids)
     got = torch.tensor(output.output_log_probs, dtype=torch.float32)
     assert (got - expected).abs().max() < 1e-4, (got, expected)
 
@@ -81,6 +68,6 @@ def test_prefix_cache_hits_on_the_same_image_and_misses_on_a_changed_one(checkpo
     image_start = token_ids.index(processor.image_token_id)
     assert seqs_cached[2] <= image_start  # only the text before the image
     for out, img in ((again, image), (other, changed)):
-        expected = _hf_log_probs(hf_model, processor, token_ids, [img], out.output_token_ids)
+        expected = hf_log_probs(hf_model, processor, token_ids, [img], out.output_token_ids)
         got = torch.tensor(out.output_log_probs, dtype=torch.float32)
         assert (got - expected).abs().max() < 1e-4
