@@ -101,6 +101,10 @@ class Engine(EngineWeights, EngineLora, OverlappedStepping):
         """The image policy of a vision-language checkpoint (None for a text model); refuses what VL cannot use."""
         if not self.model_config.is_vision_language:
             return None
+        if self.config.tp_size > 1:
+            raise ValueError(f"--tp-size {self.config.tp_size} (engine Config.tp_size): the vision-language "
+                             f"{self.model_config.model_type} is served at --tp-size 1 only; run more engines "
+                             "(--rollout-num-gpus-per-engine 1) instead of sharding one")
         if self.config.enable_lora:
             raise ValueError(f"enable_lora (--enable-lora): LoRA adapters are not served for the vision-language "
                              f"{self.model_config.model_type}; serve the merged model")

@@ -35,9 +35,13 @@ def hf_log_probs(model, processor, token_ids, images, output_ids):
     encoded = processor.expand_input_ids(list(token_ids), images)
     ids = encoded.input_ids + list(output_ids)
     types = encoded.mm_token_type_ids + [0] * len(output_ids)
+    device = next(model.parameters()).device
     with torch.no_grad():
-        logits = model(input_ids=torch.tensor([ids]), mm_token_type_ids=torch.tensor([types]),
-                       pixel_values=encoded.pixel_values, image_grid_thw=encoded.image_grid_thw).logits[0]
-    log_probs = logits.float().log_softmax(-1)
+        logits = model(input_ids=torch.tensor([ids], device=device),
+                       mm_token_type_ids=torch.tensor([types], device=device),
+                       pixel_values=None if encoded.pixel_values is None else encoded.pixel_values.to(device),
+                       image_grid_thw=None if encoded.image_grid_thw is None else encoded.image_grid_thw.to(device),
+                       ).logits[0]
+    log_probs = logits.float().log_softmax(-1).cpu()
     start = len(encoded.input_ids)
     return torch.stack([log_probs[start - 1 + i, token] for i, token in enumerate(output_ids)])

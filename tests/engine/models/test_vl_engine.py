@@ -71,3 +71,34 @@ def test_prefix_cache_hits_on_the_same_image_and_misses_on_a_changed_one(checkpo
         expected = hf_log_probs(hf_model, processor, token_ids, [img], out.output_token_ids)
         got = torch.tensor(out.output_log_probs, dtype=torch.float32)
         assert (got - expected).abs().max() < 1e-4
+
+
+def test_unsupported_vl_configurations_are_refused_by_flag(checkpoint):
+    with pytest.raises(ValueError, match="--tp-size 2"):
+        Engine(str(checkpoint), device="cpu", tp_size=2)
+    with pytest.raises(ValueError, match="enable_lora"):
+        Engine(str(checkpoint), device="cpu", enable_lora=True, max_lora_rank=8)
+
+
+def test_text_model_refuses_images(tiny_qwen3):
+    engine = Engine(str(tiny_qwen3), device="cpu", num_kvcache_blocks=64)
+    with pytest.raises(ValueError, match="not a vision-language model"):
+        engine.add_request([1, 2, 3], {"max_new_tokens": 2}, images=[random_image(30, 30)])
+
+
+def test_batched_images_and_text_in_one_batch(checkpoint, hf_model):
+    """Two image requests (one vision-encoder call over both) and a text request stepped together, each exact."""
+    processor = load_vl_processor(checkpoint)
+    engine = Engine(str(checkpoint), device="cpu", dtype="float32", kvcache_block_size=4, num_kvcache_blocks=256)
+    params = {"temperature": 1.0, "max_new_tokens": 5, "ignore_eos": True, "sampling_seed": 11}
+    requests = [(_prompt(processor, 2), [random_image(61, 97, seed=5), random_image(33, 200, seed=6)]),
+                (_prompt(processor, 1), [random_image(100, 100, seed=7)]),
+                (processor.tokenizer("<|im_start|>user\nhello<|im_end|>\n")["input_ids"], [])]
+    rids = [engine.add_request(ids, params, images=images, incremental=False) for ids, images in requests]
+    finished = {}
+    while len(finished) < len(rids):
+        finished.update({o.rid: o for o in engine.step() if o.finished})
+    for rid, (ids, images) in zip(rids, requests):
+        output = finished[rid]
+        expected = hf_log_probs(hf_model, processor, ids, images, output.output_token_ids)
+        assert (torch.tensor(output.output_log_probs) - expected).abs().max() < 1e-4
