@@ -44,6 +44,7 @@ class Engine(EngineWeights, EngineLora, OverlappedStepping):
         self.tokenizer = AutoTokenizer.from_pretrained(self.config.model)
         self.eos_token_ids = self._eos_token_ids()
         check_mla_engine_config(self.config, self.model_config)
+        self.vl_processor = self._vl_processor()
         self.ranks = None  # a sharded engine's other ranks (parallel/ranks.py)
         if self.config.tp_size > 1:
             self._start_ranks()
@@ -96,6 +97,21 @@ class Engine(EngineWeights, EngineLora, OverlappedStepping):
             skip: functools.partial(_decode, self.tokenizer, skip_special_tokens=skip) for skip in (False, True)
         }
 
+    def _vl_processor(self):
+        """The image policy of a vision-language checkpoint (None for a text model); refuses what VL cannot use."""
+        if not self.model_config.is_vision_language:
+            return None
+        if self.config.tp_size > 1:
+            raise ValueError(f"--tp-size {self.config.tp_size} (engine Config.tp_size): the vision-language "
+                             f"{self.model_config.model_type} is served at --tp-size 1 only; run more engines "
+                             "(--rollout-num-gpus-per-engine 1) instead of sharding one")
+        if self.config.enable_lora:
+            raise ValueError(f"enable_lora (--enable-lora): LoRA adapters are not served for the vision-language "
+                             f"{self.model_config.model_type}; serve the merged model")
+        from slime.utils.image_policy import load_vl_processor
+
+        return load_vl_processor(self.config.model)
+
     def _eos_token_ids(self) -> set[int]:
         eos = set(self.model_config.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
@@ -133,13 +149,14 @@ class Engine(EngineWeights, EngineLora, OverlappedStepping):
 
     def add_request(
         self, prompt_token_ids: list[int], sampling_params=None, rid: str | None = None, incremental: bool = True,
-        return_routed_experts: bool = False, lora_name: str | None = None,
+        return_routed_experts: bool = False, lora_name: str | None = None, images=None,
     ) -> str:
         """Queue a request; returns its rid. `incremental`: `step()` reports it after every token it gets; False:
         only its finished output (a consumer that waits for the end then costs the engine nothing per step).
         With `return_routed_experts` its finished output carries the MoE routing of every position but the last
         (needs the engine's enable_return_routed_experts). `lora_name`: a loaded LoRA adapter to generate with
-        (None: the base model)."""
+        (None: the base model). `images` (a VL model): image references (paths, file URLs, base64, PIL) in order,
+        each one image-pad token in `prompt_token_ids` (expanded here) or already the processor's expansion."""
         self._check_resident("add a request")
         params = as_sampling_params(sampling_params)
         if return_routed_experts and not self.config.enable_return_routed_experts:
@@ -160,7 +177,11 @@ class Engine(EngineWeights, EngineLora, OverlappedStepping):
         if rid in self.requests:
             raise ValueError(f"rid {rid!r} is already in use by an unfinished request")
         seed = params.sampling_seed if params.sampling_seed is not None else self.rng.getrandbits(32)
+        image_prompt = None
+        if images or (self.vl_processor is not None and self.vl_processor.image_token_id in prompt_token_ids):
+            prompt_token_ids, image_prompt = self._image_prompt(prompt_token_ids, images or [])
         seq = Sequence(rid, list(prompt_token_ids), params, seed % 2**32)
+        seq.image_prompt = image_prompt
         seq.return_routed_experts = return_routed_experts
         self._attach_lora(seq, lora_name)  # an unknown adapter name is refused here
         if params.max_new_tokens == 0:
@@ -173,6 +194,21 @@ class Engine(EngineWeights, EngineLora, OverlappedStepping):
             self.watched[rid] = incremental
         self.scheduler.add(seq)
         return rid
+
+    def _image_prompt(self, prompt_token_ids: list[int], images):
+        """(the ids the engine schedules, ImagePrompt) of a prompt with images (image_prompt.py)."""
+        if self.vl_processor is None:
+            raise ValueError(f"image_data was given but {self.model_config.model_type} is not a vision-language "
+                             "model; serve a Qwen2.5-VL or Qwen3-VL checkpoint, or send no images")
+        from slime.engine.image_prompt import build_image_prompt
+
+        policy = self.vl_processor
+        encoded = policy.expand_input_ids(list(prompt_token_ids), images)
+        if len(encoded.input_ids) >= self.max_model_len:
+            raise ValueError(f"the prompt has {len(encoded.input_ids)} tokens with its images expanded; "
+                             f"max_model_len is {self.max_model_len}, which must leave room for an output token")
+        return build_image_prompt(encoded, images, policy.merge_size, policy.image_token_id,
+                                  self.model_config.vocab_size)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests or self.pending_outputs or self.in_flight)

@@ -94,9 +94,13 @@ def build_tiny_vl_model(
     initializer_range: float = 0.2,
     min_pixels: int = TINY_MIN_PIXELS,
     max_pixels: int = TINY_MAX_PIXELS,
+    device: str = "cpu",
+    dtype: str = "float32",
     **config_overrides,
 ) -> Path:
-    """Write tokenizer, image processor and a random-init `arch` model (safetensors) to `out_dir`; return it."""
+    """Write tokenizer, image processor and a random-init `arch` model (safetensors) to `out_dir`; return it.
+    `config_overrides` may hold `text_config` / `vision_config` dicts (a full-size shape for a GPU test: built on
+    `device` in `dtype`)."""
     import torch
     from transformers import AutoModelForImageTextToText
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
@@ -110,8 +114,10 @@ def build_tiny_vl_model(
     ids.update(eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
     config = tiny_vl_config(arch, len(tokenizer), ids, initializer_range, **config_overrides)
     torch.manual_seed(seed)
-    model = AutoModelForImageTextToText.from_config(config, dtype=torch.float32)
+    with torch.device(device):
+        model = AutoModelForImageTextToText.from_config(config, dtype=getattr(torch, dtype))
     model.save_pretrained(out_dir, safe_serialization=True)
+    del model
 
     patch_size = config.vision_config.patch_size
     image_mean = [0.48145466, 0.4578275, 0.40821073] if arch == "qwen2_5_vl" else [0.5, 0.5, 0.5]

@@ -25,3 +25,23 @@ def tiny_vl_checkpoint(arch: str, root: Path) -> Path:
     if arch not in _BUILT or not _BUILT[arch].is_dir():
         _BUILT[arch] = build_tiny_vl_model(root / arch, arch)
     return _BUILT[arch]
+
+
+def hf_log_probs(model, processor, token_ids, images, output_ids):
+    """transformers' log-probs [len(output_ids)] of output_ids after a prompt with images (expanded by the image
+    policy, mm_token_type_ids passed so its M-RoPE positions are the 3-D ones)."""
+    import torch
+
+    encoded = processor.expand_input_ids(list(token_ids), images)
+    ids = encoded.input_ids + list(output_ids)
+    types = encoded.mm_token_type_ids + [0] * len(output_ids)
+    device = next(model.parameters()).device
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([ids], device=device),
+                       mm_token_type_ids=torch.tensor([types], device=device),
+                       pixel_values=None if encoded.pixel_values is None else encoded.pixel_values.to(device),
+                       image_grid_thw=None if encoded.image_grid_thw is None else encoded.image_grid_thw.to(device),
+                       ).logits[0]
+    log_probs = logits.float().log_softmax(-1).cpu()
+    start = len(encoded.input_ids)
+    return torch.stack([log_probs[start - 1 + i, token] for i, token in enumerate(output_ids)])

@@ -1,0 +1,104 @@
+"""The engine serving tiny random Qwen2.5-VL / Qwen3-VL (fp32, CPU): its sampled tokens' log-probs equal
+transformers' on prompts with one and two images, through chunked prefill and decode; a second request with the
+same image hits the prefix cache and one with a changed image misses it, both still exact."""
+
+import pytest
+import torch
+
+from slime.engine.engine import Engine
+from slime.utils.image_policy import IMAGE_PLACEHOLDER, load_vl_processor
+from tests.helpers.vl_checkpoints import hf_log_probs, random_image, tiny_vl_checkpoint
+
+ARCHES = ["qwen2_5_vl", "qwen3_vl"]
+
+
+@pytest.fixture(scope="module", params=ARCHES)
+def checkpoint(request, tmp_path_factory):
+    return tiny_vl_checkpoint(request.param, tmp_path_factory.mktemp("vl"))
+
+
+def _prompt(processor, num_images):
+    text = "<|im_start|>user\n" + " then ".join([IMAGE_PLACEHOLDER] * num_images) + "count<|im_end|>\n"
+    return processor.tokenizer(text + "<|im_start|>assistant\n")["input_ids"]
+
+
+def _run(engine, token_ids, images, max_new_tokens=6):
+    rid = engine.add_request(token_ids, {"temperature": 1.0, "max_new_tokens": max_new_tokens, "ignore_eos": True,
+                                         "sampling_seed": 7}, images=images, incremental=False)
+    while True:
+        for output in engine.step():
+            if output.rid == rid and output.finished:
+                return engine, output
+
+
+@pytest.fixture(scope="module")
+def hf_model(checkpoint):
+    from transformers import AutoModelForImageTextToText
+
+    return AutoModelForImageTextToText.from_pretrained(checkpoint, dtype=torch.float32).eval()
+
+
+@pytest.mark.parametrize("num_images", [1, 2])
+def test_log_probs_match_transformers(checkpoint, hf_model, num_images):
+    processor = load_vl_processor(checkpoint)
+    images = [random_image(61, 97, seed=1), random_image(45, 130, seed=2)][:num_images]
+    token_ids = _prompt(processor, num_images)
+    # chunks of 16 tokens: images split over several prefill steps
+    engine = Engine(str(checkpoint), device="cpu", dtype="float32", kvcache_block_size=4, num_kvcache_blocks=256,
+                    max_num_batched_tokens=16)
+    _, output = _run(engine, token_ids, images)
+    expected = hf_log_probs(hf_model, processor, token_ids, images, output.output_token_ids)
+    got = torch.tensor(output.output_log_probs, dtype=torch.float32)
+    assert (got - expected).abs().max() < 1e-4, (got, expected)
+
+
+def test_prefix_cache_hits_on_the_same_image_and_misses_on_a_changed_one(checkpoint, hf_model):
+    processor = load_vl_processor(checkpoint)
+    token_ids = _prompt(processor, 1)
+    engine = Engine(str(checkpoint), device="cpu", dtype="float32", kvcache_block_size=4, num_kvcache_blocks=256)
+    image = random_image(61, 97, seed=1)
+    _, first = _run(engine, token_ids, [image])
+    _, again = _run(engine, token_ids, [image.copy()])
+    changed = random_image(61, 97, seed=3)  # same size, same token count, other pixels
+    _, other = _run(engine, token_ids, [changed])
+    num_prompt = len(processor.expand_input_ids(token_ids, [image]).input_ids)
+    seqs_cached = [out.num_cached_tokens for out in (first, again, other)]
+    assert seqs_cached[0] == 0
+    assert seqs_cached[1] >= (num_prompt - 1) // 4 * 4 > 0  # every full block of the prompt
+    image_start = token_ids.index(processor.image_token_id)
+    assert seqs_cached[2] <= image_start  # only the text before the image
+    for out, img in ((again, image), (other, changed)):
+        expected = hf_log_probs(hf_model, processor, token_ids, [img], out.output_token_ids)
+        got = torch.tensor(out.output_log_probs, dtype=torch.float32)
+        assert (got - expected).abs().max() < 1e-4
+
+
+def test_unsupported_vl_configurations_are_refused_by_flag(checkpoint):
+    with pytest.raises(ValueError, match="--tp-size 2"):
+        Engine(str(checkpoint), device="cpu", tp_size=2)
+    with pytest.raises(ValueError, match="enable_lora"):
+        Engine(str(checkpoint), device="cpu", enable_lora=True, max_lora_rank=8)
+
+
+def test_text_model_refuses_images(tiny_qwen3):
+    engine = Engine(str(tiny_qwen3), device="cpu", num_kvcache_blocks=64)
+    with pytest.raises(ValueError, match="not a vision-language model"):
+        engine.add_request([1, 2, 3], {"max_new_tokens": 2}, images=[random_image(30, 30)])
+
+
+def test_batched_images_and_text_in_one_batch(checkpoint, hf_model):
+    """Two image requests (one vision-encoder call over both) and a text request stepped together, each exact."""
+    processor = load_vl_processor(checkpoint)
+    engine = Engine(str(checkpoint), device="cpu", dtype="float32", kvcache_block_size=4, num_kvcache_blocks=256)
+    params = {"temperature": 1.0, "max_new_tokens": 5, "ignore_eos": True, "sampling_seed": 11}
+    requests = [(_prompt(processor, 2), [random_image(61, 97, seed=5), random_image(33, 200, seed=6)]),
+                (_prompt(processor, 1), [random_image(100, 100, seed=7)]),
+                (processor.tokenizer("<|im_start|>user\nhello<|im_end|>\n")["input_ids"], [])]
+    rids = [engine.add_request(ids, params, images=images, incremental=False) for ids, images in requests]
+    finished = {}
+    while len(finished) < len(rids):
+        finished.update({o.rid: o for o in engine.step() if o.finished})
+    for rid, (ids, images) in zip(rids, requests):
+        output = finished[rid]
+        expected = hf_log_probs(hf_model, processor, ids, images, output.output_token_ids)
+        assert (torch.tensor(output.output_log_probs) - expected).abs().max() < 1e-4
