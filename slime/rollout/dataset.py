@@ -238,7 +238,8 @@ def load_eval_datasets(args) -> list[EvalDataset]:
         fmt = dataclasses.replace(base, input_key=config.input_key or "input", label_key=config.label_key,
                                   metadata_key=config.metadata_key, tool_key=config.tool_key,
                                   apply_chat_template=bool(config.apply_chat_template),
-                                  apply_chat_template_kwargs=config.apply_chat_template_kwargs or {})
+                                  apply_chat_template_kwargs=config.apply_chat_template_kwargs or {},
+                                  multimodal_keys=config.multimodal_keys)
         samples, _ = load_prompt_samples(config.path, fmt, tokenizer)
         for sample in samples:
             sample.metadata = config.inject_metadata(sample.metadata)
