@@ -5,6 +5,7 @@ image, or placeholders that do not match the images, is an error naming the file
 from __future__ import annotations
 
 import base64
+import dataclasses
 import io
 import json
 
@@ -153,3 +154,20 @@ def test_a_buffered_vl_sample_round_trips_through_the_saved_state(checkpoint, tm
     again.tokens = [again.tokens[0] + 1] + again.tokens[1:]
     with pytest.raises(ValueError, match="do not start with its prompt encoded with its images"):
         encode_multimodal_prompt(args, again)
+
+
+def test_max_prompt_len_counts_image_tokens(checkpoint, tmp_path):
+    """A short question with a large image is long: --rollout-max-prompt-len counts the expanded image tokens."""
+    _png(tmp_path / "small.png", 28, 28, 7)
+    _png(tmp_path / "large.png", 200, 150, 8)
+    rows = [{"problem": "<image>a?", "answer": "1", "images": [str(tmp_path / "small.png")]},
+            {"problem": "<image>a?", "answer": "1", "images": [str(tmp_path / "large.png")]}]
+    spec = _write_jsonl(tmp_path / "d.jsonl", rows)
+    tokenizer = load_tokenizer(checkpoint)
+    processor = load_processor(str(checkpoint))
+    samples, _ = load_prompt_samples(spec, FORMAT, tokenizer)
+    lengths = [len(processor.encode(s.prompt, s.multimodal_inputs["images"]).input_ids) for s in samples]
+    text_lengths = [len(tokenizer(s.prompt)["input_ids"]) for s in samples]
+    assert text_lengths[0] == text_lengths[1] and lengths[1] > lengths[0] + 10
+    kept, num_filtered = load_prompt_samples(spec, dataclasses.replace(FORMAT, max_prompt_len=lengths[0]), tokenizer)
+    assert num_filtered == 1 and kept[0].multimodal_inputs["images"][0].size == (28, 28)
