@@ -102,3 +102,28 @@ def test_batched_images_and_text_in_one_batch(checkpoint, hf_model):
         output = finished[rid]
         expected = hf_log_probs(hf_model, processor, ids, images, output.output_token_ids)
         assert (torch.tensor(output.output_log_probs) - expected).abs().max() < 1e-4
+
+
+def test_preempted_image_requests_recompute_exactly(checkpoint, hf_model):
+    """A KV pool too small for all requests: preempted VL sequences are prefilled again (their images encoded again)
+    and still give transformers' log-probs."""
+    processor = load_vl_processor(checkpoint)
+    ids = _prompt(processor, 1)
+    images = [random_image(61, 97, seed=20 + i) for i in range(3)]
+    num_prompt = len(processor.expand_input_ids(ids, images[:1]).input_ids)
+    block_size, max_new_tokens = 4, 12
+    # room for two sequences at full length, not three
+    num_blocks = 2 * -(-(num_prompt + max_new_tokens) // block_size) + 1
+    engine = Engine(str(checkpoint), device="cpu", dtype="float32", kvcache_block_size=block_size,
+                    num_kvcache_blocks=num_blocks)
+    params = {"temperature": 1.0, "max_new_tokens": max_new_tokens, "ignore_eos": True, "sampling_seed": 5}
+    rids = [engine.add_request(ids, params, images=[image], incremental=False) for image in images]
+    finished, num_preemptions = {}, 0
+    while engine.has_unfinished_requests():
+        finished.update({o.rid: o for o in engine.step() if o.finished})
+        num_preemptions = max([num_preemptions] + [s.num_preemptions for s in engine.requests.values()])
+    assert num_preemptions > 0
+    for rid, image in zip(rids, images):
+        output = finished[rid]
+        expected = hf_log_probs(hf_model, processor, ids, [image], output.output_token_ids)
+        assert (torch.tensor(output.output_log_probs) - expected).abs().max() < 1e-4
