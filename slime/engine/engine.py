@@ -301,6 +301,7 @@ class Engine(EngineWeights, EngineLora, OverlappedStepping):
             weight_version=self.weight_version,
             detokenize=detokenize,
             routed_experts=seq.routed_experts,
+            prompt_token_ids=None if seq.image_prompt is None else seq.image_prompt.prompt_token_ids,
         )
 
     def generate(self, prompts_or_token_ids, sampling_params=None) -> list[dict]:

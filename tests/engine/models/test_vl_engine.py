@@ -47,6 +47,8 @@ def test_log_probs_match_transformers(checkpoint, hf_model, num_images):
     engine = Engine(str(checkpoint), device="cpu", dtype="float32", kvcache_block_size=4, num_kvcache_blocks=256,
                     max_num_batched_tokens=16)
     _, output = _run(engine, token_ids, images)
+    # the prompt as the processor expands it (the engine's content ids stay inside)
+    assert output.prompt_token_ids == processor.expand_input_ids(token_ids, images).input_ids
     expected = hf_log_probs(hf_model, processor, token_ids, images, output.output_token_ids)
     got = torch.tensor(output.output_log_probs, dtype=torch.float32)
     assert (got - expected).abs().max() < 1e-4, (got, expected)
