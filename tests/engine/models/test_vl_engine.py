@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from slime.engine.engine import Engine
+from slime.engine.memory_tags import EngineWeightsMissingError
 from slime.utils.image_policy import IMAGE_PLACEHOLDER, load_vl_processor
 from tests.helpers.vl_checkpoints import hf_log_probs, random_image, tiny_vl_checkpoint
 
@@ -129,3 +130,24 @@ def test_preempted_image_requests_recompute_exactly(checkpoint, hf_model):
         output = finished[rid]
         expected = hf_log_probs(hf_model, processor, ids, [image], output.output_token_ids)
         assert (torch.tensor(output.output_log_probs) - expected).abs().max() < 1e-4
+
+
+def test_colocated_cycle_with_a_trainers_weight_names(checkpoint, hf_model):
+    """Release with the weights discarded, resume, and load every weight under transformers' in-memory names (what
+    the FSDP trainer pushes: model.visual.*, model.language_model.*, lm_head): the output is the original's."""
+    processor = load_vl_processor(checkpoint)
+    token_ids = _prompt(processor, 1)
+    image = random_image(61, 97, seed=1)
+    engine = Engine(str(checkpoint), device="cpu", dtype="float32", kvcache_block_size=4, num_kvcache_blocks=256)
+    _, before = _run(engine, token_ids, [image])
+    engine.release_memory(None, discard_weights=True)
+    engine.resume_memory(None)
+    with pytest.raises(EngineWeightsMissingError):
+        _run(engine, token_ids, [image])
+    state = hf_model.state_dict()
+    assert any(name.startswith("model.visual.") for name in state)
+    engine.update_weights_from_tensors(list(state.items()), weight_version="pushed")
+    _, after = _run(engine, token_ids, [image])
+    assert after.output_token_ids == before.output_token_ids
+    assert after.output_log_probs == pytest.approx(before.output_log_probs, abs=1e-6)
+    assert after.weight_version == "pushed"
