@@ -151,3 +151,20 @@ def test_colocated_cycle_with_a_trainers_weight_names(checkpoint, hf_model):
     assert after.output_token_ids == before.output_token_ids
     assert after.output_log_probs == pytest.approx(before.output_log_probs, abs=1e-6)
     assert after.weight_version == "pushed"
+
+
+def test_a_later_turn_with_a_new_image_reuses_the_first_turns_cache(checkpoint, hf_model):
+    """Turn 2 = turn 1's expanded prompt + its output + a new user turn with a second image (ids already expanded for
+    the first image, one pad for the second): the first turn's blocks are hit and the log-probs stay exact."""
+    processor = load_vl_processor(checkpoint)
+    first_image, second_image = random_image(61, 97, seed=30), random_image(80, 60, seed=31)
+    turn1 = _prompt(processor, 1)
+    engine = Engine(str(checkpoint), device="cpu", dtype="float32", kvcache_block_size=4, num_kvcache_blocks=256)
+    _, first = _run(engine, turn1, [first_image])
+    expanded_turn1 = processor.expand_input_ids(turn1, [first_image]).input_ids
+    turn2 = expanded_turn1 + first.output_token_ids + processor.tokenizer(
+        f"<|im_end|>\n<|im_start|>user\n{IMAGE_PLACEHOLDER}and now?<|im_end|>\n<|im_start|>assistant\n")["input_ids"]
+    _, second = _run(engine, turn2, [first_image, second_image])
+    assert second.num_cached_tokens >= len(expanded_turn1) // 4 * 4
+    expected = hf_log_probs(hf_model, processor, turn2, [first_image, second_image], second.output_token_ids)
+    assert (torch.tensor(second.output_log_probs) - expected).abs().max() < 1e-4
