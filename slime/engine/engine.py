@@ -17,6 +17,7 @@ from pathlib import Path
 
 from slime.engine.block_manager import BlockManager
 from slime.engine.config import Config
+from slime.engine.engine_images import EngineImages
 from slime.engine.engine_weights import EngineWeights
 from slime.engine.lora.engine_lora import EngineLora
 from slime.engine.memory_tags import EngineMemoryReleasedError, EngineWeightsMissingError, memory_tags
@@ -35,7 +36,7 @@ from slime.engine.stop_strings import FinalText, decode_final_texts, find_new_st
 logger = logging.getLogger(__name__)
 
 
-class Engine(EngineWeights, EngineLora, OverlappedStepping):
+class Engine(EngineWeights, EngineLora, EngineImages, OverlappedStepping):
     def __init__(self, model_path: str, **config):
         from transformers import AutoTokenizer
 
@@ -96,21 +97,6 @@ class Engine(EngineWeights, EngineLora, OverlappedStepping):
         self._detokenizers = {
             skip: functools.partial(_decode, self.tokenizer, skip_special_tokens=skip) for skip in (False, True)
         }
-
-    def _vl_processor(self):
-        """The image policy of a vision-language checkpoint (None for a text model); refuses what VL cannot use."""
-        if not self.model_config.is_vision_language:
-            return None
-        if self.config.tp_size > 1:
-            raise ValueError(f"--tp-size {self.config.tp_size} (engine Config.tp_size): the vision-language "
-                             f"{self.model_config.model_type} is served at --tp-size 1 only; run more engines "
-                             "(--rollout-num-gpus-per-engine 1) instead of sharding one")
-        if self.config.enable_lora:
-            raise ValueError(f"enable_lora (--enable-lora): LoRA adapters are not served for the vision-language "
-                             f"{self.model_config.model_type}; serve the merged model")
-        from slime.utils.image_policy import load_vl_processor
-
-        return load_vl_processor(self.config.model)
 
     def _eos_token_ids(self) -> set[int]:
         eos = set(self.model_config.eos_token_ids)
@@ -194,21 +180,6 @@ class Engine(EngineWeights, EngineLora, OverlappedStepping):
             self.watched[rid] = incremental
         self.scheduler.add(seq)
         return rid
-
-    def _image_prompt(self, prompt_token_ids: list[int], images):
-        """(the ids the engine schedules, ImagePrompt) of a prompt with images (image_prompt.py)."""
-        if self.vl_processor is None:
-            raise ValueError(f"image_data was given but {self.model_config.model_type} is not a vision-language "
-                             "model; serve a Qwen2.5-VL or Qwen3-VL checkpoint, or send no images")
-        from slime.engine.image_prompt import build_image_prompt
-
-        policy = self.vl_processor
-        encoded = policy.expand_input_ids(list(prompt_token_ids), images)
-        if len(encoded.input_ids) >= self.max_model_len:
-            raise ValueError(f"the prompt has {len(encoded.input_ids)} tokens with its images expanded; "
-                             f"max_model_len is {self.max_model_len}, which must leave room for an output token")
-        return build_image_prompt(encoded, images, policy.merge_size, policy.image_token_id,
-                                  self.model_config.vocab_size)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests or self.pending_outputs or self.in_flight)
@@ -301,6 +272,7 @@ class Engine(EngineWeights, EngineLora, OverlappedStepping):
             weight_version=self.weight_version,
             detokenize=detokenize,
             routed_experts=seq.routed_experts,
+            prompt_token_ids=None if seq.image_prompt is None else seq.image_prompt.prompt_token_ids,
         )
 
     def generate(self, prompts_or_token_ids, sampling_params=None) -> list[dict]:

@@ -89,3 +89,28 @@ def test_non_vl_checkpoints_are_refused(tmp_path):
     assert vl_model_type(tmp_path) is None
     with pytest.raises(ValueError, match="model_type must be one of"):
         load_vl_processor(tmp_path)
+
+
+@pytest.mark.parametrize("arch, config, size, expected_tokens", [
+    # Qwen2.5-VL's release: min_pixels / max_pixels keys, the slow processor's name
+    ("qwen2_5_vl", {"min_pixels": 3136, "max_pixels": 12845056, "patch_size": 14, "temporal_patch_size": 2,
+                    "merge_size": 2, "image_processor_type": "Qwen2VLImageProcessor"}, (224, 300), 88),
+    # Qwen3-VL's release form: a size dict, the fast processor's name (loaded with the PIL backend all the same)
+    ("qwen3_vl", {"size": {"longest_edge": 100000, "shortest_edge": 4000}, "patch_size": 16, "temporal_patch_size": 2,
+                  "merge_size": 2, "image_processor_type": "Qwen2VLImageProcessorFast"}, (1000, 1500), 96),
+])
+def test_release_style_processor_configs(arch, config, size, expected_tokens, tmp_path_factory):
+    import shutil
+
+    source = tiny_vl_checkpoint(arch, tmp_path_factory.mktemp("vl"))
+    target = tmp_path_factory.mktemp("release") / arch
+    shutil.copytree(source, target)
+    (target / "preprocessor_config.json").write_text(json.dumps(config))
+    processor = load_vl_processor(target)
+    assert type(processor.image_processor).__name__ == "Qwen2VLImageProcessorPil"
+    height, width = size
+    patch = config["patch_size"]
+    bounds = (config.get("min_pixels") or config["size"]["shortest_edge"],
+              config.get("max_pixels") or config["size"]["longest_edge"])
+    assert reference_tokens(height, width, patch, 2, *bounds) == expected_tokens
+    assert processor.num_image_tokens(random_image(height, width)) == expected_tokens

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from slime.engine.engine import Engine
+from slime.engine.memory_tags import EngineWeightsMissingError
 from slime.utils.image_policy import IMAGE_PLACEHOLDER, load_vl_processor
 from tests.helpers.vl_checkpoints import hf_log_probs, random_image, tiny_vl_checkpoint
 
@@ -47,6 +48,8 @@ def test_log_probs_match_transformers(checkpoint, hf_model, num_images):
     engine = Engine(str(checkpoint), device="cpu", dtype="float32", kvcache_block_size=4, num_kvcache_blocks=256,
                     max_num_batched_tokens=16)
     _, output = _run(engine, token_ids, images)
+    # the prompt as the processor expands it (the engine's content ids stay inside)
+    assert output.prompt_token_ids == processor.expand_input_ids(token_ids, images).input_ids
     expected = hf_log_probs(hf_model, processor, token_ids, images, output.output_token_ids)
     got = torch.tensor(output.output_log_probs, dtype=torch.float32)
     assert (got - expected).abs().max() < 1e-4, (got, expected)
@@ -102,3 +105,66 @@ def test_batched_images_and_text_in_one_batch(checkpoint, hf_model):
         output = finished[rid]
         expected = hf_log_probs(hf_model, processor, ids, images, output.output_token_ids)
         assert (torch.tensor(output.output_log_probs) - expected).abs().max() < 1e-4
+
+
+def test_preempted_image_requests_recompute_exactly(checkpoint, hf_model):
+    """A KV pool too small for all requests: preempted VL sequences are prefilled again (their images encoded again)
+    and still give transformers' log-probs."""
+    processor = load_vl_processor(checkpoint)
+    ids = _prompt(processor, 1)
+    images = [random_image(61, 97, seed=20 + i) for i in range(3)]
+    num_prompt = len(processor.expand_input_ids(ids, images[:1]).input_ids)
+    block_size, max_new_tokens = 4, 12
+    # room for two sequences at full length, not three
+    num_blocks = 2 * -(-(num_prompt + max_new_tokens) // block_size) + 1
+    engine = Engine(str(checkpoint), device="cpu", dtype="float32", kvcache_block_size=block_size,
+                    num_kvcache_blocks=num_blocks)
+    params = {"temperature": 1.0, "max_new_tokens": max_new_tokens, "ignore_eos": True, "sampling_seed": 5}
+    rids = [engine.add_request(ids, params, images=[image], incremental=False) for image in images]
+    finished, num_preemptions = {}, 0
+    while engine.has_unfinished_requests():
+        finished.update({o.rid: o for o in engine.step() if o.finished})
+        num_preemptions = max([num_preemptions] + [s.num_preemptions for s in engine.requests.values()])
+    assert num_preemptions > 0
+    for rid, image in zip(rids, images):
+        output = finished[rid]
+        expected = hf_log_probs(hf_model, processor, ids, [image], output.output_token_ids)
+        assert (torch.tensor(output.output_log_probs) - expected).abs().max() < 1e-4
+
+
+def test_colocated_cycle_with_a_trainers_weight_names(checkpoint, hf_model):
+    """Release with the weights discarded, resume, and load every weight under transformers' in-memory names (what
+    the FSDP trainer pushes: model.visual.*, model.language_model.*, lm_head): the output is the original's."""
+    processor = load_vl_processor(checkpoint)
+    token_ids = _prompt(processor, 1)
+    image = random_image(61, 97, seed=1)
+    engine = Engine(str(checkpoint), device="cpu", dtype="float32", kvcache_block_size=4, num_kvcache_blocks=256)
+    _, before = _run(engine, token_ids, [image])
+    engine.release_memory(None, discard_weights=True)
+    engine.resume_memory(None)
+    with pytest.raises(EngineWeightsMissingError):
+        _run(engine, token_ids, [image])
+    state = hf_model.state_dict()
+    assert any(name.startswith("model.visual.") for name in state)
+    engine.update_weights_from_tensors(list(state.items()), weight_version="pushed")
+    _, after = _run(engine, token_ids, [image])
+    assert after.output_token_ids == before.output_token_ids
+    assert after.output_log_probs == pytest.approx(before.output_log_probs, abs=1e-6)
+    assert after.weight_version == "pushed"
+
+
+def test_a_later_turn_with_a_new_image_reuses_the_first_turns_cache(checkpoint, hf_model):
+    """Turn 2 = turn 1's expanded prompt + its output + a new user turn with a second image (ids already expanded for
+    the first image, one pad for the second): the first turn's blocks are hit and the log-probs stay exact."""
+    processor = load_vl_processor(checkpoint)
+    first_image, second_image = random_image(61, 97, seed=30), random_image(80, 60, seed=31)
+    turn1 = _prompt(processor, 1)
+    engine = Engine(str(checkpoint), device="cpu", dtype="float32", kvcache_block_size=4, num_kvcache_blocks=256)
+    _, first = _run(engine, turn1, [first_image])
+    expanded_turn1 = processor.expand_input_ids(turn1, [first_image]).input_ids
+    turn2 = expanded_turn1 + first.output_token_ids + processor.tokenizer(
+        f"<|im_end|>\n<|im_start|>user\n{IMAGE_PLACEHOLDER}and now?<|im_end|>\n<|im_start|>assistant\n")["input_ids"]
+    _, second = _run(engine, turn2, [first_image, second_image])
+    assert second.num_cached_tokens >= len(expanded_turn1) // 4 * 4
+    expected = hf_log_probs(hf_model, processor, turn2, [first_image, second_image], second.output_token_ids)
+    assert (torch.tensor(second.output_log_probs) - expected).abs().max() < 1e-4

@@ -169,3 +169,19 @@ def test_weight_updates_reach_the_vision_tower_on_every_route(vl_client, vl_serv
     assert log_probs(generate(vl_client, **request)) == pytest.approx(log_probs(original), abs=1e-5)
     assert vl_client.post("/destroy_weights_update_group", json={"group_name": group_name}).status_code == 200
     destroy_custom_process_group(group)
+
+
+def test_streaming_and_parallel_samples_with_an_image(vl_client, image_file):
+    import json as json_lib
+
+    whole = generate(vl_client, text=TEXT, image_data=str(image_file))
+    with vl_client.stream("POST", "/generate", json={"text": TEXT, "image_data": str(image_file), "stream": True,
+                                                     "sampling_params": SAMPLING, "return_logprob": True}) as response:
+        assert response.status_code == 200
+        events = [json_lib.loads(line[len("data: "):]) for line in response.iter_lines()
+                  if line.startswith("data: ") and line != "data: [DONE]"]
+    assert events[-1]["output_ids"] == whole["output_ids"]
+    samples = vl_client.post("/generate", json={"text": TEXT, "image_data": str(image_file), "return_logprob": True,
+                                                "sampling_params": {**SAMPLING, "n": 3}}).json()
+    assert len(samples) == 3 and samples[0]["output_ids"] == whole["output_ids"]  # sample 0 keeps the seed
+    assert all(sample["meta_info"]["cached_tokens"] > 0 for sample in samples)  # the image's blocks are shared
