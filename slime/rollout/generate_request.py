@@ -146,10 +146,14 @@ def group_prompt_ids(args, group: list[Sample]) -> list[int] | None:
     if args.rollout_sample_hook_path:
         return None
     if any(s.generate_function_path or s.tokens or s.response_length or s.status != Sample.Status.PENDING
-           or s.multimodal_inputs for s in group):
+           for s in group):
         return None
     if any(_prompt_key(s) != _prompt_key(group[0]) for s in group[1:]):
         return None
+    if group[0].multimodal_inputs:  # once for the group: the ids with the images expanded, and their pixels
+        encode_multimodal_prompt(args, group[0])
+        prompt_ids, group[0].tokens = group[0].tokens, []
+        return prompt_ids
     tokenizer = tokenizer_for(args)
     if tokenizer is None:
         raise ValueError("the default rollout needs --hf-checkpoint: its tokenizer turns prompts into token ids")
@@ -158,9 +162,11 @@ def group_prompt_ids(args, group: list[Sample]) -> list[int] | None:
 
 
 def _prompt_key(sample: Sample):
-    """What a sample's prompt ids are made from (prompt_token_ids): the prompt and, for chat messages, the tools."""
+    """What a sample's prompt ids are made from (prompt_token_ids): the prompt, for chat messages the tools, and the
+    images (by size and pixels: a group's copies hold equal images, not the same objects)."""
     tools = sample.metadata.get("tools") if isinstance(sample.metadata, dict) else None
-    return sample.prompt, tools
+    images = (sample.multimodal_inputs or {}).get("images") or []
+    return sample.prompt, tools, [(image.size, image.tobytes()) for image in images]
 
 
 async def generate_group_in_one_request(args, group: list[Sample], prompt_ids: list[int], sampling_params: dict,
@@ -174,8 +180,10 @@ async def generate_group_in_one_request(args, group: list[Sample], prompt_ids: l
             return
         for sample in group:
             sample.tokens = list(prompt_ids)
+            sample.multimodal_train_inputs = group[0].multimodal_train_inputs  # (group_prompt_ids encoded them)
         payload = {"input_ids": prompt_ids, "sampling_params": {**sampling_params, "n": len(group)},
-                   "return_logprob": True, **routed_experts_request(args, group[0])}  # R3: each sample's routing
+                   "return_logprob": True, **routed_experts_request(args, group[0]),  # R3: each sample's routing
+                   **image_data_request(group[0])}
         outputs = await _post_generate(args, payload, group[0])
     if not isinstance(outputs, list) or len(outputs) != len(group):
         raise RuntimeError(f"/generate with sampling_params.n={len(group)} answered {type(outputs).__name__} "

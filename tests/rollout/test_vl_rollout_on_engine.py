@@ -144,3 +144,29 @@ def test_multi_turn_observation_images_reach_engine_and_trainer(stack):
     difference = float((trained[sampled] - torch.tensor(sample.rollout_log_probs)[sampled]).abs().max())
     print(f"multi-turn trainer vs engine log-probs, max abs difference: {difference}")
     assert difference < 1e-4
+
+
+def test_a_group_of_one_vl_prompt_is_one_request_with_n(stack):
+    import copy
+
+    from slime.rollout.generate_request import group_prompt_ids
+    from slime.rollout.sglang_rollout import GenerateState, generate_group
+
+    args = rollout_args(stack, n_samples_per_prompt=4, custom_rm_path="examples.vl_shapes.reward.reward")
+    processor = load_vl_processor(stack.model_dir)
+    prompt = processor.apply_chat_template([{"role": "user", "content": [{"type": "image"},
+                                                                         {"type": "text", "text": "How many?"}]}])
+    first = Sample(prompt=prompt, index=0, group_index=0, label="2", multimodal_inputs={"images": [random_image(52, 38, 11)]})
+    group = [first] + [copy.deepcopy(first) for _ in range(3)]
+    for index, sample in enumerate(group):
+        sample.index = index
+    assert group_prompt_ids(args, copy.deepcopy(group)) is not None  # one /generate with n = 4
+    other = copy.deepcopy(group)
+    other[3].multimodal_inputs = {"images": [random_image(52, 38, 12)]}  # a different image: sample by sample
+    assert group_prompt_ids(args, other) is None
+    group = run(generate_group(args, group, dict(SAMPLING), GenerateState(args)))
+    prompt_ids = processor.encode(prompt, first.multimodal_inputs["images"]).input_ids
+    assert all(s.tokens[:len(prompt_ids)] == prompt_ids and s.response_length == 5 for s in group)
+    assert len({tuple(s.tokens[len(prompt_ids):]) for s in group}) > 1  # n independent samples
+    trained = trainer_log_probs(stack, group)
+    assert max(float((t - torch.tensor(s.rollout_log_probs)).abs().max()) for t, s in zip(trained, group)) < 1e-4

@@ -22,6 +22,7 @@ from slime.backends.fsdp_utils.vision_language import (
     attention_implementations,
     check_supported,
     is_vision_language,
+    packed_image_mask,
     packed_mrope_position_ids,
     vision_language_hidden_states,
 )
@@ -74,10 +75,10 @@ def packed_vision_language_hidden_states(hf_model: nn.Module, input_ids, cu_seql
                                          image_grid_thw=None, num_images=None):
     """packed_hidden_states for a vision-language model: the row's images through the vision tower and M-RoPE
     positions per sample (vision_language.py)."""
-    num_samples = len(cu_seqlens) - 1
-    position_ids = packed_mrope_position_ids(hf_model, input_ids, cu_seqlens, image_grid_thw,
-                                             num_images or [0] * num_samples)
-    return vision_language_hidden_states(hf_model, input_ids, position_ids, pixel_values, image_grid_thw,
+    num_images = num_images or [0] * (len(cu_seqlens) - 1)
+    image_mask = packed_image_mask(hf_model, input_ids, cu_seqlens, image_grid_thw, num_images)
+    position_ids = packed_mrope_position_ids(hf_model, input_ids, cu_seqlens, image_grid_thw, num_images, image_mask)
+    return vision_language_hidden_states(hf_model, input_ids, position_ids, pixel_values, image_grid_thw, image_mask,
                                          _varlen_kwargs(hf_model, cu_seqlens, max_seqlen))
 
 

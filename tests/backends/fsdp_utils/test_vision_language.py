@@ -105,3 +105,16 @@ def test_vision_tower_trains_or_stays_frozen(vl_checkpoint, freeze):
         assert (changed & vision == set()) if freeze else (vision <= changed)
     finally:
         dist.destroy_process_group()
+
+
+def test_image_token_mask_takes_each_images_run_and_leaves_sampled_pads_as_text():
+    from slime.backends.fsdp_utils.vision_language import image_token_mask
+
+    pad, start, end = 9, 7, 8
+    # prompt: text, image 0 (4 tokens), text, image 1 (2 tokens); response: a sampled pad, a sampled start + pad
+    ids = [1, start, pad, pad, pad, pad, end, 2, start, pad, pad, end, 3, pad, start, pad]
+    mask = image_token_mask(ids, [4, 2], pad, start, "sample 0")
+    assert [i for i, m in enumerate(mask) if m] == [2, 3, 4, 5, 9, 10]
+    assert image_token_mask(ids, [], pad, start, "sample 0") == [False] * len(ids)  # a text sample's stray pads
+    with pytest.raises(ValueError, match="sample 3: image 1 of 2 has no run of 3 image tokens"):
+        image_token_mask(ids, [4, 3], pad, start, "sample 3")
