@@ -157,8 +157,8 @@ class ShardOptions:
 
 def shard_model(model: nn.Module, hf_model: nn.Module, mesh, options: ShardOptions) -> nn.Module:
     """Checkpoint activations per decoder layer if asked, compile each layer's forward if asked (parameter names and
-    FSDP's hooks stay outside the compiled code), then shard every decoder layer of `hf_model` and finally `model`
-    (the wrapper holding it) as the root."""
+    FSDP's hooks stay outside the compiled code), then shard every decoder layer of `hf_model` (and every block of a
+    vision-language model's vision tower) and finally `model` (the wrapper holding it) as the root."""
     if options.compile_layers:
         for layer in hf_model.get_decoder().layers:
             layer.forward = torch.compile(layer.forward, dynamic=True)
@@ -170,6 +170,9 @@ def shard_model(model: nn.Module, hf_model: nn.Module, mesh, options: ShardOptio
         kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     for layer in hf_model.get_decoder().layers:
         fully_shard(layer, **kwargs)
+    if is_vision_language(hf_model.config):  # the vision tower's blocks too (Qwen2.5-VL-72B's: ~670M parameters)
+        for block in hf_model.model.visual.blocks:
+            fully_shard(block, **kwargs)
     fully_shard(model, **kwargs)
     return model
 

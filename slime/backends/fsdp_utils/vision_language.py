@@ -99,17 +99,34 @@ def packed_mrope_position_ids(hf_model: nn.Module, input_ids: torch.Tensor, cu_s
     return torch.cat(pieces, dim=2)
 
 
+def _placeholder_image(hf_model: nn.Module, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(pixel_values, image_grid_thw) of the smallest image the vision tower takes: one merged patch of zeros."""
+    vision = hf_model.config.vision_config
+    merge = vision.spatial_merge_size
+    width = vision.in_channels * vision.temporal_patch_size * vision.patch_size ** 2
+    return (torch.zeros(merge * merge, width, device=device),
+            torch.tensor([[1, merge, merge]], device=device))
+
+
 def vision_language_hidden_states(hf_model: nn.Module, input_ids: torch.Tensor, position_ids: torch.Tensor,
                                   pixel_values: torch.Tensor | None, image_grid_thw: torch.Tensor | None,
                                   image_mask: torch.Tensor, language_kwargs: dict) -> torch.Tensor:
     """Final hidden states [T, hidden] of a packed VL row: the image features in place of the tokens `image_mask`
-    marks (packed_image_mask; not every image-pad id), Qwen3-VL's deepstack features added at the same tokens.
+    marks (packed_image_mask; not every image-pad id), Qwen3-VL's deepstack features added at the same tokens. A row
+    without images still runs the vision tower, on a placeholder image whose output enters times zero: FSDP's
+    collectives of the sharded vision blocks (all-gathers forward, reduce-scatters backward) must pair up across ranks
+    whose rows differ.
     `position_ids`: packed_mrope_position_ids's [4, 1, T]; `language_kwargs`: the attention kernel's packed-row
     arguments (cu_seq_lens_q ...), for the language model only."""
     model = hf_model.model
     embeds = model.get_input_embeddings()(input_ids)
     deepstack = {}
-    if pixel_values is not None:
+    if pixel_values is None:  # every rank runs the (sharded) vision tower in step, images or not
+        features = model.get_image_features(*_placeholder_image(hf_model, embeds.device), return_dict=True)
+        outputs = list(features.pooler_output) + [t for layer in getattr(features, "deepstack_features", None) or []
+                                                  for t in layer]
+        embeds = embeds + sum(output.sum() for output in outputs).to(embeds.dtype) * 0.0
+    else:
         features = model.get_image_features(pixel_values, image_grid_thw, return_dict=True)
         image_embeds = torch.cat(features.pooler_output).to(embeds.dtype)
         embeds = embeds.masked_scatter(image_mask[..., None].expand_as(embeds), image_embeds)

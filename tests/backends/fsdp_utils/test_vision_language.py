@@ -118,3 +118,37 @@ def test_image_token_mask_takes_each_images_run_and_leaves_sampled_pads_as_text(
     assert image_token_mask(ids, [], pad, start, "sample 0") == [False] * len(ids)  # a text sample's stray pads
     with pytest.raises(ValueError, match="sample 3: image 1 of 2 has no run of 3 image tokens"):
         image_token_mask(ids, [4, 3], pad, start, "sample 3")
+
+
+def _two_rank_step(rank, world_size, port, checkpoint, data):
+    from tests.helpers.fsdp_helpers import full_params, rank_slice
+
+    trainer = make_trainer(make_args(checkpoint, "--lr", "1e-3", "--micro-batch-size", "1", world_size=world_size),
+                           rank, world_size, port)
+    schedule = trainer._schedule(rank_slice(data, rank, world_size))
+    log_probs = trainer.compute_log_probs(schedule)
+    metrics = trainer.train(0, rank_slice(data, rank, world_size))
+    return log_probs, metrics["train/loss"], full_params(trainer)
+
+
+def test_two_fsdp_processes_shard_the_vision_tower_and_match_one(tmp_path):
+    """Vision blocks and decoder layers sharded over two gloo processes: the same log-probs as one process, and one
+    step leaves the same weights (vision tower included)."""
+    from tests.helpers.fsdp_helpers import run_distributed
+
+    checkpoint = build_tiny_vl_model(tmp_path / "vl", arch="qwen3_vl", seed=2, initializer_range=0.5)
+    data = vl_train_data(checkpoint, seed=2)
+    data["tokens"].append(data["tokens"][1])  # an even count: one VL sample per rank at least
+    for key in ("response_lengths", "loss_masks", "rewards", "raw_reward", "group_indices", "sample_indices",
+                "truncated", "multimodal_train_inputs"):
+        data[key].append(data[key][1])
+    data["global_batch_size"] = 4
+    [(one_log_probs, one_loss, one_params)] = run_distributed(_two_rank_step, 1, checkpoint, data)
+    results = run_distributed(_two_rank_step, 2, checkpoint, data)
+    for rank, (log_probs, loss, params) in enumerate(results):
+        for local, global_index in enumerate(range(rank * 2, rank * 2 + 2)):
+            torch.testing.assert_close(log_probs[local], one_log_probs[global_index], rtol=0, atol=1e-5)
+        assert loss == pytest.approx(one_loss, rel=1e-5, abs=1e-6)  # the step's loss over both ranks
+        assert any(".visual." in name for name in params)
+        for name, value in params.items():
+            torch.testing.assert_close(value, one_params[name], rtol=1e-4, atol=1e-6)
