@@ -87,7 +87,7 @@ def _context(prompt_ids: list[int]) -> _Leaf:
     return _Leaf(list(prompt_ids), [0] * len(prompt_ids), [0.0] * len(prompt_ids))
 
 
-def _common_prefix_length(a: list[int], b: list[int]) -> int:
+def _common_prefix_len(a: list[int], b: list[int]) -> int:
     limit = min(len(a), len(b))
     if a[:limit] == b[:limit]:
         return limit
@@ -100,8 +100,8 @@ def _common_prefix_length(a: list[int], b: list[int]) -> int:
 
 def _num_differing(old: list[int], new: list[int]) -> int:
     """Tokens changed between two renderings of one context: what is left after the common prefix and suffix."""
-    prefix = _common_prefix_length(old, new)
-    suffix = _common_prefix_length(old[prefix:][::-1], new[prefix:][::-1])
+    prefix = _common_prefix_len(old, new)
+    suffix = _common_prefix_len(old[prefix:][::-1], new[prefix:][::-1])
     return max(len(old), len(new)) - prefix - suffix
 
 
@@ -140,7 +140,7 @@ def align(leaf: _Leaf, prompt_ids: list[int], max_drift: int) -> tuple[list[tupl
         spans.append((found, found + end - start))
         leaf_position, prompt_position = end, found + end - start
     trailing = leaf.tokens[leaf_position:]
-    drift += len(trailing) - _common_prefix_length(trailing, prompt_ids[prompt_position:])
+    drift += len(trailing) - _common_prefix_len(trailing, prompt_ids[prompt_position:])
     return (spans, drift) if drift < max_drift else None
 
 
@@ -217,7 +217,7 @@ class TrajectoryManager:
     def _closest_leaf(leaves: list[_Leaf], prompt_ids: list[int]) -> int | None:
         if not leaves:
             return None
-        return max(range(len(leaves)), key=lambda i: _common_prefix_length(leaves[i].tokens, prompt_ids))
+        return max(range(len(leaves)), key=lambda i: _common_prefix_len(leaves[i].tokens, prompt_ids))
 
     def get_trajectory(self, session_id: str, base_sample: Sample | None = None) -> list[Sample]:
         """The session's Samples, one per leaf with a sampled id (siblings); [] for a session with no turns.
