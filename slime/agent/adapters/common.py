@@ -51,6 +51,7 @@ class ChatRequest:
     stream: bool = False
     include_usage: bool = False
     model: str = ""
+    ignored_tools: list[str] = field(default_factory=list)  # tools a chat template cannot offer (Responses API)
 
 
 @dataclass
@@ -209,8 +210,9 @@ class BaseAdapter:
         raise NotImplementedError
 
     # ---- the turn --------------------------------------------------------------------------------------------
-    def _error(self, status: int, message: str, param: str | None = None, headers: dict | None = None):
-        return web.json_response(self.error_body(status, message, param), status=status, headers=headers)
+    @staticmethod
+    def _error(wire, status: int, message: str, param: str | None = None, headers: dict | None = None):
+        return web.json_response(wire.error_body(status, message, param), status=status, headers=headers)
 
     @staticmethod
     def session_id_of(request: web.Request) -> str | None:
@@ -220,42 +222,49 @@ class BaseAdapter:
         return request.headers.get("x-api-key") or None
 
     async def _handle(self, request: web.Request) -> web.StreamResponse:
+        return await self.handle_turn(request, self)
+
+    async def handle_turn(self, request: web.Request, wire) -> web.StreamResponse:
+        """One turn of the session named by the request's API key; `wire` parses the body and renders the answer
+        (`parse_request`, `render_answer`, `render_stream`, `error_body`): the adapter itself, or a second protocol
+        it serves on another route (the OpenAI adapter's Responses API)."""
         session_id = self.session_id_of(request)
         if session_id is None:
-            return self._error(401, "no session: send the session id as the API key (Authorization: Bearer <id> "
+            return self._error(wire, 401, "no session: send the session id as the API key (Authorization: Bearer <id> "
                                     "or x-api-key: <id>)")
         session = self._sessions.get(session_id)
         if session is None:
-            return self._error(404, f"unknown session {session_id!r}: the rollout did not open it or finished it")
+            return self._error(wire, 404, f"unknown session {session_id!r}: the rollout did not open it or finished it")
         if session.closed:
-            return self._error(409, f"session {session_id!r} is finished and takes no more turns")
+            return self._error(wire, 409, f"session {session_id!r} is finished and takes no more turns")
         try:
             body = await request.json()
         except (json.JSONDecodeError, UnicodeDecodeError) as error:
-            return self._error(400, f"body: is not JSON ({error})", "body")
+            return self._error(wire, 400, f"body: is not JSON ({error})", "body")
         try:
             if not isinstance(body, dict):
                 raise RequestError("body", f"must be a JSON object, got {type(body).__name__}")
-            chat = self.parse_request(body)
+            chat = wire.parse_request(body)
         except RequestError as error:
-            return self._error(400, str(error), error.param)
+            return self._error(wire, 400, str(error), error.param)
         if self.max_turns is not None and session.num_turns >= self.max_turns:
-            return self._error(429, f"session {session_id!r} reached its turn cap (max_turns={self.max_turns}); "
+            return self._error(wire, 429, f"session {session_id!r} reached its turn cap (max_turns={self.max_turns}); "
                                     "the episode is over", headers=NO_RETRY_HEADERS)
         session.num_turns += 1
         task = asyncio.current_task()
         session.in_flight.add(task)
         try:
-            return await self._turn(request, session_id, chat)
+            return await self._turn(request, session_id, chat, wire)
         finally:
             session.in_flight.discard(task)
 
-    async def _turn(self, request: web.Request, session_id: str, chat: ChatRequest) -> web.StreamResponse:
+    async def _turn(self, request: web.Request, session_id: str, chat: ChatRequest,
+                    wire) -> web.StreamResponse:
         try:
             prompt_ids = await asyncio.to_thread(self._render, chat)
         # the chat template rejected the conversation (jinja raises many types)
         except Exception as error:  # noqa: BLE001
-            return self._error(400, f"the chat template cannot render these messages: {error}", "messages")
+            return self._error(wire, 400, f"the chat template cannot render these messages: {error}", "messages")
         sampling_params, tool_stops = self._sampling_params(session_id, chat)
         payload = {"input_ids": prompt_ids, "sampling_params": sampling_params, "return_logprob": True}
         headers = {**self.headers, ROUTING_KEY_HEADER: session_id}
@@ -263,18 +272,18 @@ class BaseAdapter:
             result = await request_json("POST", f"{self.sglang_url}/generate", payload, headers=headers,
                                         timeout=self.request_timeout_s)
         except (HTTPRequestError, EndpointUnreachableError) as error:
-            return self._error(502, f"the inference engine failed: {error}")
+            return self._error(wire, 502, f"the inference engine failed: {error}")
         try:
             answer, turn = self._interpret(result, chat, prompt_ids, tool_stops)
         except (KeyError, TypeError, ValueError) as error:
-            return self._error(502, f"the inference engine answered in an unexpected shape: {error}")
+            return self._error(wire, 502, f"the inference engine answered in an unexpected shape: {error}")
         if session_id in self._sessions:  # not dropped while the engine sampled
             self.manager.record_turn(session_id, turn)
         if not chat.stream:
-            return web.json_response(self.render_answer(answer))
+            return web.json_response(wire.render_answer(answer))
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await response.prepare(request)
-        for frame in self.render_stream(answer):
+        for frame in wire.render_stream(answer):
             await response.write(frame)
         await response.write_eof()
         return response
