@@ -194,7 +194,7 @@ class ResponsesWire:
             "metadata": {"ignored_tools": ",".join(request.ignored_tools if request is not None else [])},
             "usage": None if status == "in_progress" else {
                 "input_tokens": answer.prompt_tokens,
-                "input_tokens_details": {"cached_tokens": answer.cached_tokens},
+                "input_tokens_details": {"cached_tokens": answer.cached_tokens, "cache_write_tokens": 0},
                 "output_tokens": answer.completion_tokens,
                 "output_tokens_details": {"reasoning_tokens": 0},
                 "total_tokens": answer.prompt_tokens + answer.completion_tokens},
@@ -228,8 +228,8 @@ class ResponsesWire:
             return [("response.output_item.added", {"output_index": index, "item": {**item, "status": "in_progress",
                                                                                     "content": []}}),
                     ("response.content_part.added", {**at, "content_index": 0, "part": part}),
-                    ("response.output_text.delta", {**at, "content_index": 0, "delta": text}),
-                    ("response.output_text.done", {**at, "content_index": 0, "text": text}),
+                    ("response.output_text.delta", {**at, "content_index": 0, "delta": text, "logprobs": []}),
+                    ("response.output_text.done", {**at, "content_index": 0, "text": text, "logprobs": []}),
                     ("response.content_part.done", {**at, "content_index": 0, "part": {**part, "text": text}}),
                     ("response.output_item.done", {"output_index": index, "item": item})]
         if item["type"] == "function_call":
