@@ -76,6 +76,7 @@ class TurnAnswer:
 @dataclass
 class _Session:
     sampling_defaults: dict
+    max_context_tokens: int = 0  # 0: the engine's own limit
     num_turns: int = 0
     closed: bool = False
     in_flight: set = field(default_factory=set)
@@ -150,14 +151,19 @@ class BaseAdapter:
         self.app.router.add_post(self.route, self._handle)
 
     # ---- lifecycle -------------------------------------------------------------------------------------------
-    def open_session(self, session_id: str, sampling_defaults: dict | None = None) -> None:
+    def open_session(self, session_id: str, sampling_defaults: dict | None = None, max_context_tokens: int = 0) -> None:
         """Accept turns for `session_id` (the key the agent client authenticates with); `sampling_defaults` in the
-        engine's names (temperature, top_p, max_new_tokens, stop, ...), overridden per request by the client."""
+        engine's names (temperature, top_p, max_new_tokens, stop, ...), overridden per request by the client, but
+        for max_new_tokens: a turn samples at most the smaller of the default's and the client's. With
+        `max_context_tokens` (slime's `--rollout-max-context-len`) a turn also stops there: prompt plus output never
+        exceed it, and a prompt that already fills it is answered as a turn cut by length, with no engine call."""
         if not isinstance(session_id, str) or not session_id:
             raise ValueError(f"session_id must be a non-empty string, got {session_id!r}")
         if session_id in self._sessions:
             raise ValueError(f"session {session_id!r} is already open; session ids must be unique")
-        self._sessions[session_id] = _Session(dict(sampling_defaults or {}))
+        if not isinstance(max_context_tokens, int) or max_context_tokens < 0:
+            raise ValueError(f"max_context_tokens must be an integer >= 0 (0: no limit), got {max_context_tokens!r}")
+        self._sessions[session_id] = _Session(dict(sampling_defaults or {}), max_context_tokens)
 
     async def shutdown_session(self, session_id: str, timeout_s: float = 30.0) -> None:
         """Refuse new turns of the session (409) and wait for the ones in flight (cancelled after `timeout_s`)."""
@@ -266,18 +272,25 @@ class BaseAdapter:
         except Exception as error:  # noqa: BLE001
             return self._error(wire, 400, f"the chat template cannot render these messages: {error}", "messages")
         sampling_params, tool_stops = self._sampling_params(session_id, chat)
-        payload = {"input_ids": prompt_ids, "sampling_params": sampling_params, "return_logprob": True}
-        headers = {**self.headers, ROUTING_KEY_HEADER: session_id}
-        try:
-            result = await request_json("POST", f"{self.sglang_url}/generate", payload, headers=headers,
-                                        timeout=self.request_timeout_s)
-        except (HTTPRequestError, EndpointUnreachableError) as error:
-            return self._error(wire, 502, f"the inference engine failed: {error}")
+        room = self._sessions[session_id].max_context_tokens - len(prompt_ids)
+        if self._sessions[session_id].max_context_tokens and room <= 0:  # the context is full: the episode is over
+            result = {"text": "", "output_ids": [], "meta_info": {"finish_reason": {"type": "length"},
+                                                                  "output_token_logprobs": []}}
+        else:
+            if self._sessions[session_id].max_context_tokens:
+                sampling_params["max_new_tokens"] = min(sampling_params.get("max_new_tokens", room), room)
+            payload = {"input_ids": prompt_ids, "sampling_params": sampling_params, "return_logprob": True}
+            headers = {**self.headers, ROUTING_KEY_HEADER: session_id}
+            try:
+                result = await request_json("POST", f"{self.sglang_url}/generate", payload, headers=headers,
+                                            timeout=self.request_timeout_s)
+            except (HTTPRequestError, EndpointUnreachableError) as error:
+                return self._error(wire, 502, f"the inference engine failed: {error}")
         try:
             answer, turn = self._interpret(result, chat, prompt_ids, tool_stops)
         except (KeyError, TypeError, ValueError) as error:
             return self._error(wire, 502, f"the inference engine answered in an unexpected shape: {error}")
-        if session_id in self._sessions:  # not dropped while the engine sampled
+        if session_id in self._sessions and turn.output_ids:  # not dropped while the engine sampled
             self.manager.record_turn(session_id, turn)
         if not chat.stream:
             return web.json_response(wire.render_answer(answer))
@@ -294,7 +307,12 @@ class BaseAdapter:
         return list(ids)
 
     def _sampling_params(self, session_id: str, chat: ChatRequest) -> tuple[dict, list[str]]:
-        params = {**self._sessions[session_id].sampling_defaults, **chat.sampling_params}
+        session = self._sessions[session_id]
+        params = {**session.sampling_defaults, **chat.sampling_params}
+        limits = [n for n in (session.sampling_defaults.get("max_new_tokens"), chat.sampling_params.get(
+            "max_new_tokens")) if n is not None]
+        if limits:
+            params["max_new_tokens"] = min(limits)
         tool_stops = stop_strings_for(self.tool_parser, chat.tools) if chat.tools and chat.parse_tool_calls else []
         user_stops = string_list(self._sessions[session_id].sampling_defaults.get("stop"), "stop")
         user_stops += [s for s in chat.sampling_params.get("stop", []) if s not in user_stops]
