@@ -184,12 +184,18 @@ class BaseAdapter:
         else:  # the app serves on another thread's loop
             await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(drain(), loop))
 
-    async def finish_session(self, session_id: str, base_sample=None, timeout_s: float = 30.0) -> list:
+    async def finish_session(self, session_id: str, base_sample=None, timeout_s: float = 30.0, *,
+                             reward=None, extra_metadata: dict | None = None) -> list:
         """Close the session, wait for its turns in flight, and return its Samples (siblings; see
-        `slime.agent.trajectory`); the session is forgotten afterwards."""
+        `slime.agent.trajectory`); the session is forgotten afterwards. `reward` (when given) is every sibling's
+        reward, as in slime; `extra_metadata` is merged into each sibling's metadata."""
         await self.shutdown_session(session_id, timeout_s)
         samples = self.manager.get_trajectory(session_id, base_sample)
         self.drop_session(session_id)
+        for sample in samples:
+            if reward is not None:
+                sample.reward = reward
+            sample.metadata.update(extra_metadata or {})
         return samples
 
     def drop_session(self, session_id: str) -> None:
