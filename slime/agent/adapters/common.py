@@ -17,6 +17,8 @@ Not the wire formats (openai.py, anthropic.py), not the linearisation of turns (
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import inspect
 import json
 import time
 import uuid
@@ -144,8 +146,10 @@ class BaseAdapter:
         self.request_timeout_s = request_timeout_s
         self.manager = TrajectoryManager(fork_threshold_tokens=fork_threshold_tokens, tokenizer=tokenizer)
         self.model_name = str(getattr(tokenizer, "name_or_path", "") or "slime")
-        end_ids = {tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids("<|im_end|>")} - {None, tokenizer.unk_token_id}
-        self._end_token_texts = {i: tokenizer.convert_ids_to_tokens(i) for i in end_ids if isinstance(i, int)}
+        self._end_token_texts = end_token_texts(tokenizer)
+        template_params = inspect.signature(tokenizer.apply_chat_template).parameters.values()
+        self._template_takes_return_dict = any(p.name == "return_dict" or p.kind == p.VAR_KEYWORD
+                                               for p in template_params)
         self._sessions: dict[str, _Session] = {}
         self.app = web.Application(client_max_size=64 * 1024 * 1024)
         self.app.router.add_post(self.route, self._handle)
@@ -280,22 +284,18 @@ class BaseAdapter:
         sampling_params, tool_stops = self._sampling_params(session_id, chat)
         room = self._sessions[session_id].max_context_tokens - len(prompt_ids)
         if self._sessions[session_id].max_context_tokens and room <= 0:  # the context is full: the episode is over
-            result = {"text": "", "output_ids": [], "meta_info": {"finish_reason": {"type": "length"},
-                                                                  "output_token_logprobs": []}}
+            engine = TurnRecord(prompt_ids, [], "length", [], text="")
         else:
             if self._sessions[session_id].max_context_tokens:
                 sampling_params["max_new_tokens"] = min(sampling_params.get("max_new_tokens", room), room)
-            payload = {"input_ids": prompt_ids, "sampling_params": sampling_params, "return_logprob": True}
-            headers = {**self.headers, ROUTING_KEY_HEADER: session_id}
             try:
-                result = await request_json("POST", f"{self.sglang_url}/generate", payload, headers=headers,
-                                            timeout=self.request_timeout_s)
+                engine = await call_sglang_generate(prompt_ids, self._sessions[session_id], sampling_params,
+                                                    adapter=self, session_id=session_id)
             except (HTTPRequestError, EndpointUnreachableError) as error:
                 return self._error(wire, 502, f"the inference engine failed: {error}")
-        try:
-            answer, turn = self._interpret(result, chat, prompt_ids, tool_stops)
-        except (KeyError, TypeError, ValueError) as error:
-            return self._error(wire, 502, f"the inference engine answered in an unexpected shape: {error}")
+            except (KeyError, TypeError, ValueError) as error:
+                return self._error(wire, 502, f"the inference engine answered in an unexpected shape: {error}")
+        answer, turn = self._answer(engine, chat, tool_stops)
         if session_id in self._sessions and turn.output_ids:  # not dropped while the engine sampled
             self.manager.record_turn(session_id, turn)
         if not chat.stream:
@@ -308,9 +308,10 @@ class BaseAdapter:
         return response
 
     def _render(self, chat: ChatRequest) -> list[int]:
-        ids = self.tokenizer.apply_chat_template(chat.messages, tools=chat.tools or None, add_generation_prompt=True,
-                                                 tokenize=True, return_dict=False)
-        return list(ids)
+        kwargs = {"tools": chat.tools or None, "add_generation_prompt": True, "tokenize": True}
+        if self._template_takes_return_dict:  # transformers 5 returns a BatchEncoding unless told not to
+            kwargs["return_dict"] = False
+        return list(self.tokenizer.apply_chat_template(chat.messages, **kwargs))
 
     def _sampling_params(self, session_id: str, chat: ChatRequest) -> tuple[dict, list[str]]:
         session = self._sessions[session_id]
@@ -328,17 +329,16 @@ class BaseAdapter:
 
     def _interpret(self, result: dict, chat: ChatRequest, prompt_ids: list[int],
                    tool_stops: list[str]) -> tuple[TurnAnswer, TurnRecord]:
-        meta = result.get("meta_info", {})
-        output_ids = list(result.get("output_ids", []))
-        log_probs = [float(entry[0]) for entry in meta.get("output_token_logprobs", [])]
-        if len(log_probs) != len(output_ids):
-            raise ValueError(f"the engine returned {len(log_probs)} log-probs for {len(output_ids)} tokens")
-        finish = meta.get("finish_reason") or {"type": "stop"}
-        text, stop_sequence = result.get("text", ""), None
-        matched = finish.get("matched")
-        if finish.get("type") == "stop" and isinstance(matched, str) and matched not in tool_stops:
+        """The answer and the trajectory record of an engine's /generate result."""
+        return self._answer(engine_turn(result, prompt_ids), chat, tool_stops)
+
+    def _answer(self, engine: TurnRecord, chat: ChatRequest, tool_stops: list[str]) -> tuple[TurnAnswer, TurnRecord]:
+        output_ids = engine.output_ids
+        text = engine.text if engine.text is not None else self.tokenizer.decode(output_ids, skip_special_tokens=False)
+        stop_sequence, matched = None, engine.matched_stop
+        if engine.finish_reason == "stop" and matched is not None and matched not in tool_stops:
             text, stop_sequence = text[:text.rfind(matched)] if matched in text else text, matched
-        if finish.get("type") == "stop" and output_ids and output_ids[-1] in self._end_token_texts:
+        if engine.finish_reason == "stop" and output_ids and output_ids[-1] in self._end_token_texts:
             # The model's end-of-turn token ends the reply; its text (kept with skip_special_tokens false) is not
             # part of what the client reads. The id stays in the trajectory.
             text = text.removesuffix(self._end_token_texts[output_ids[-1]])
@@ -351,7 +351,7 @@ class BaseAdapter:
             for call in calls:  # a call that failed to parse stays in the text, where the client can see it
                 content = content.replace(call.raw, "", 1)
             content = content.strip() if calls else content
-        if finish.get("type") in ("length", "abort"):
+        if engine.finish_reason in ("length", "abort"):
             finish_name = "length"
         elif calls:
             finish_name = "tool_calls"
@@ -360,9 +360,43 @@ class BaseAdapter:
         answer = TurnAnswer(
             id=uuid.uuid4().hex, model=chat.model or self.model_name, content=content, reasoning=reasoning,
             tool_calls=calls, tool_call_ids=[f"{self.tool_call_id_prefix}{uuid.uuid4().hex[:24]}" for _ in calls],
-            finish=finish_name, stop_sequence=stop_sequence, prompt_tokens=len(prompt_ids),
-            completion_tokens=len(output_ids), cached_tokens=int(meta.get("cached_tokens") or 0), request=chat,
+            finish=finish_name, stop_sequence=stop_sequence, prompt_tokens=len(engine.prompt_ids),
+            completion_tokens=len(output_ids), cached_tokens=engine.cached_tokens, request=chat,
         )
-        turn = TurnRecord(prompt_ids, output_ids, finish.get("type", "stop"), log_probs, ill_formed,
-                          meta.get("weight_version"))
-        return answer, turn
+        return answer, dataclasses.replace(engine, ill_formed=ill_formed)
+
+
+def end_token_texts(tokenizer) -> dict[int, str]:
+    """The text of the tokenizer's end-of-turn ids (eos, <|im_end|>) by id; {} for a tokenizer without them."""
+    convert = getattr(tokenizer, "convert_tokens_to_ids", None)
+    candidates = {getattr(tokenizer, "eos_token_id", None), convert("<|im_end|>") if convert else None}
+    end_ids = {i for i in candidates - {None, getattr(tokenizer, "unk_token_id", None)} if isinstance(i, int)}
+    return {i: tokenizer.convert_ids_to_tokens(i) for i in end_ids}
+
+
+def engine_turn(result: dict, prompt_ids: list[int]) -> TurnRecord:
+    """A TurnRecord of the engine's /generate answer: the sampled ids (`output_ids`, else the ids of
+    `meta_info.output_token_logprobs`), their log-probs, the finish reason, the text and cache counters."""
+    meta = result.get("meta_info", {})
+    entries = meta.get("output_token_logprobs", [])
+    output_ids = list(result["output_ids"]) if "output_ids" in result else [int(entry[1]) for entry in entries]
+    log_probs = [float(entry[0]) for entry in entries]
+    if len(log_probs) != len(output_ids):
+        raise ValueError(f"the engine returned {len(log_probs)} log-probs for {len(output_ids)} tokens")
+    finish = meta.get("finish_reason") or {"type": "stop"}
+    matched = finish.get("matched")
+    return TurnRecord(list(prompt_ids), output_ids, finish.get("type", "stop"), log_probs,
+                      weight_version=meta.get("weight_version"), text=result.get("text"),
+                      matched_stop=matched if isinstance(matched, str) else None,
+                      cached_tokens=int(meta.get("cached_tokens") or 0))
+
+
+async def call_sglang_generate(prompt_ids: list[int], session, body: dict, *, adapter: BaseAdapter,
+                               session_id: str | None = None) -> TurnRecord:
+    """One engine call of a turn: `prompt_ids` with the sampling params `body` to the router's /generate, with the
+    routing key of the session (its prefix cache stays on one engine). Module-level, as in slime: tests replace it."""
+    payload = {"input_ids": list(prompt_ids), "sampling_params": body, "return_logprob": True}
+    headers = {**adapter.headers, **({ROUTING_KEY_HEADER: session_id} if session_id else {})}
+    result = await request_json("POST", f"{adapter.sglang_url}/generate", payload, headers=headers,
+                                timeout=adapter.request_timeout_s)
+    return engine_turn(result, prompt_ids)
