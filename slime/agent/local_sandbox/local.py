@@ -49,7 +49,10 @@ HOST_WRAPPER = (
     'exec prlimit --cpu="$cpu:$((cpu + 1))" --fsize="$fsize" --nofile="$nofile" -- '
     'nsenter --target "$target" --user --mount --pid --net --ipc --uts -- "$@"'
 )
-# Inside: start in the user's home, then run the command line as given.
+# Inside, as root: become the user (its primary group from the sandbox's own /etc/passwd), with its login env.
+INNER_SWITCH_USER = ('user=$1; shift; group=$(id -g -- "$user") || exit 126; '
+                     'exec setpriv --reuid="$user" --regid="$group" --init-groups --reset-env --nnp -- "$@"')
+# Then: start in the user's home, and run the command line as given.
 INNER_PRELUDE = 'cd ~ 2>/dev/null || cd /; exec /bin/bash -c "$0"'
 
 
@@ -233,13 +236,13 @@ class LocalSandbox:
     async def _episode_clock(self) -> None:
         await asyncio.sleep(self.limits.episode_time_budget_sec)
         self._expired = True
-        keep = {self.init_pid, self._init_proc.pid}
-        for pid in self._cgroup.pids():
-            if pid not in keep:
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
+        await self.kill_all_processes()
+
+    async def kill_all_processes(self) -> None:
+        """SIGKILL every process of the sandbox but its PID 1 (a runaway agent, a fork bomb); files stay."""
+        if self._init_proc is None:
+            raise RuntimeError("LocalSandbox.kill_all_processes() needs a running sandbox")
+        await asyncio.to_thread(self._cgroup.kill_all, keep={self.init_pid, self._init_proc.pid})
 
     # ----------------------------------------------------------------------------------------------- commands
 
@@ -279,7 +282,7 @@ class LocalSandbox:
                 str(self._cgroup.memory_dir / "cgroup.procs"), str(self._cgroup.pids_dir / "cgroup.procs"),
                 str(limits.cpu_time_sec), str(limits.max_file_bytes), str(limits.max_open_files),
                 str(self.init_pid),
-                "setpriv", f"--reuid={user}", f"--regid={user}", "--init-groups", "--reset-env", "--nnp", "--",
+                "/bin/sh", "-c", INNER_SWITCH_USER, "sandbox-user", user,
                 "/usr/bin/env", *[f"{k}={v}" for k, v in (env or {}).items()],
                 "/bin/bash", "-c", INNER_PRELUDE, cmd]
         stdin_arg = asyncio.subprocess.PIPE if isinstance(stdin, bytes) else (stdin or asyncio.subprocess.DEVNULL)

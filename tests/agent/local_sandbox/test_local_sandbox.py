@@ -48,6 +48,8 @@ def test_users_are_unprivileged_host_ids_and_agent_user_is_provisioned():
             assert out == "1 2|it's \"q\"\n\n"
             with pytest.raises(ValueError, match="not a valid environment variable name"):
                 await sb.exec("true", env={"A=B": "x"})
+            code, _, err = await sb.exec("true", user="ghost")
+            assert code == 126 and "no such user" in err
             with pytest.raises(RuntimeError, match="exit=3"):
                 await sb.exec("exit 3", check=True)
 
