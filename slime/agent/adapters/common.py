@@ -82,6 +82,7 @@ class _Session:
     num_turns: int = 0
     closed: bool = False
     in_flight: set = field(default_factory=set)
+    turn_stats: list = field(default_factory=list)  # per recorded turn, in the manager's turn order
 
 
 def sse(data: dict | str, event: str | None = None) -> bytes:
@@ -192,14 +193,22 @@ class BaseAdapter:
                              reward=None, extra_metadata: dict | None = None) -> list:
         """Close the session, wait for its turns in flight, and return its Samples (siblings; see
         `slime.agent.trajectory`); the session is forgotten afterwards. `reward` (when given) is every sibling's
-        reward, as in slime; `extra_metadata` is merged into each sibling's metadata."""
+        reward, as in slime; `extra_metadata` is merged into each sibling's metadata. Each sibling's
+        `metadata["turn_stats"]` lists its turns' prompt / cached / output token counts and tool calls, and its
+        `prefix_cache_info` sums them (the rollout's `rollout/prefix_cache_hit_rate`)."""
         await self.shutdown_session(session_id, timeout_s)
         samples = self.manager.get_trajectory(session_id, base_sample)
+        turn_stats = self._sessions[session_id].turn_stats
         self.drop_session(session_id)
         for sample in samples:
             if reward is not None:
                 sample.reward = reward
             sample.metadata.update(extra_metadata or {})
+            stats = [turn_stats[i] for i in sample.metadata["turn_indices"] if i < len(turn_stats)]
+            sample.metadata["turn_stats"] = stats
+            sample.prefix_cache_info = type(sample.prefix_cache_info)(
+                cached_tokens=sum(t["cached_tokens"] for t in stats),
+                total_prompt_tokens=sum(t["prompt_tokens"] for t in stats))
         return samples
 
     def drop_session(self, session_id: str) -> None:
@@ -298,6 +307,9 @@ class BaseAdapter:
         answer, turn = self._answer(engine, chat, tool_stops)
         if session_id in self._sessions and turn.output_ids:  # not dropped while the engine sampled
             self.manager.record_turn(session_id, turn)
+            self._sessions[session_id].turn_stats.append({
+                "prompt_tokens": len(turn.prompt_ids), "cached_tokens": turn.cached_tokens,
+                "output_tokens": len(turn.output_ids), "tool_calls": len(answer.tool_calls)})
         if not chat.stream:
             return web.json_response(wire.render_answer(answer))
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})

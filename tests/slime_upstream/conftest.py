@@ -1,0 +1,12 @@
+"""slime's agent tests (tests/test_agent/ in slime, copied here verbatim) import their helpers as
+`tests.test_agent._fakes` and `tests.test_agent._dump_helpers`: that package name is made to point at this folder,
+where the helpers sit beside the tests."""
+
+import sys
+import types
+from pathlib import Path
+
+if "tests.test_agent" not in sys.modules:
+    _alias = types.ModuleType("tests.test_agent")
+    _alias.__path__ = [str(Path(__file__).resolve().parent)]
+    sys.modules["tests.test_agent"] = _alias
