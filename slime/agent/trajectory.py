@@ -44,7 +44,8 @@ DEFAULT_FORK_THRESHOLD_TOKENS = 64
 class TurnRecord:
     """One model call, the adapter -> manager contract: `prompt_ids` as sent to /generate, `output_ids` and
     `output_log_probs` as the engine sampled them, the engine's `finish_reason` type (stop | length | abort),
-    `ill_formed` when the output held a tool call the parser could not read, the engine's `weight_version`."""
+    `ill_formed` when the output held a tool call the parser could not read, the engine's `weight_version`; the
+    rest is what the adapter answers the client with and the manager does not use."""
 
     prompt_ids: list[int]
     output_ids: list[int]
@@ -52,6 +53,9 @@ class TurnRecord:
     output_log_probs: list[float]
     ill_formed: bool = False
     weight_version: str | None = None
+    text: str | None = None  # the engine's decoded text, when it sent one (else the adapter decodes output_ids)
+    matched_stop: str | None = None  # the stop string that ended the turn, as the engine reported it
+    cached_tokens: int = 0  # prompt tokens the engine's prefix cache served
 
 
 @dataclass

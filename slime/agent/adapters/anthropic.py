@@ -1,8 +1,12 @@
 """Anthropic Messages over the engines, for Claude-style agent clients (slime's `AnthropicAdapter`).
 
-`POST /v1/messages`: system (a string or text blocks), messages whose content is a string or blocks (text,
-tool_use, tool_result, thinking), tools with `input_schema`, tool_choice `auto` / `none`, max_tokens (required),
-temperature, top_p, top_k, stop_sequences, stream. Blocks become chat-template messages: a user's tool_result
+`POST /v1/messages` (also with Claude Code's `?beta=true`): system (a string or text blocks), messages whose content
+is a string or blocks (text, tool_use, tool_result, thinking), tools with `input_schema`, tool_choice `auto` / `none`,
+max_tokens (required), temperature, top_p, top_k, stop_sequences, stream. Claude Code's requests are taken as they
+are: a `system` message inside `messages` is folded into the user message before it as a `<system-reminder>` text
+(chat templates take a system message only first; the fold keeps it in place, so later turns render the same prefix);
+`cache_control` on blocks, `thinking`, `output_config`, `context_management` and `metadata` only steer a hosted
+service and are accepted without effect (the engine's prefix cache needs no hint). Blocks become chat-template messages: a user's tool_result
 blocks become messages of role "tool", an assistant's tool_use blocks its `tool_calls`, thinking its
 `reasoning_content`. The answer's content holds thinking / text / tool_use blocks with stop_reason `tool_use`,
 `end_turn`, `stop_sequence` or `max_tokens`; a stream sends message_start, content_block_start / _delta / _stop per
@@ -29,6 +33,41 @@ from slime.agent.adapters.common import (
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
                409: "invalid_request_error", 429: "rate_limit_error", 502: "api_error"}
 STOP_REASONS = {"stop": "end_turn", "stop_sequence": "stop_sequence", "length": "max_tokens", "tool_calls": "tool_use"}
+
+
+MID_SYSTEM_PREFIX, MID_SYSTEM_SUFFIX = "<system-reminder>\n", "\n</system-reminder>"
+
+
+def _fold_mid_list_system_into_user(body: dict) -> bool:
+    """Move each `system` message past the first position of `body["messages"]` into the user message before it (or
+    after it, when none is before) as a `<system-reminder>` text block; in place. True when a message moved."""
+    messages = body.get("messages")
+    if not isinstance(messages, list):
+        return False
+    positions = [i for i, m in enumerate(messages) if i > 0 and isinstance(m, dict) and m.get("role") == "system"]
+    for i in positions:
+        reminder = {"type": "text", "text": MID_SYSTEM_PREFIX + text_of(messages[i].get("content"),
+                                                                        f"messages[{i}].content") + MID_SYSTEM_SUFFIX}
+        before = [j for j in range(i) if isinstance(messages[j], dict) and messages[j].get("role") == "user"]
+        after = [j for j in range(i + 1, len(messages))
+                 if isinstance(messages[j], dict) and messages[j].get("role") == "user"]
+        if before:
+            _content_list(messages[before[-1]]).append(reminder)
+            messages[i] = None
+        elif after:
+            _content_list(messages[after[0]]).insert(0, reminder)
+            messages[i] = None
+        else:
+            messages[i] = {"role": "user", "content": [reminder]}
+    body["messages"] = [m for m in messages if m is not None]
+    return bool(positions)
+
+
+def _content_list(message: dict) -> list:
+    if not isinstance(message.get("content"), list):
+        content = message.get("content")
+        message["content"] = [{"type": "text", "text": content if isinstance(content, str) else ""}]
+    return message["content"]
 
 
 def _blocks(content, param: str) -> list[dict]:
@@ -105,13 +144,18 @@ class AnthropicAdapter(BaseAdapter):
         raw_messages = body.get("messages")
         if not isinstance(raw_messages, list) or not raw_messages:
             raise RequestError("messages", "must be a non-empty list of messages")
-        messages = []
-        if body.get("system") is not None:
-            messages.append({"role": "system", "content": text_of(body["system"], "system")})
+        body = {**body, "messages": [dict(m) if isinstance(m, dict) else m for m in raw_messages]}
+        _fold_mid_list_system_into_user(body)
+        raw_messages = body["messages"]
+        system_texts = [text_of(body["system"], "system")] if body.get("system") is not None else []
+        if raw_messages and isinstance(raw_messages[0], dict) and raw_messages[0].get("role") == "system":
+            system_texts.append(text_of(raw_messages[0].get("content"), "messages[0].content"))
+            raw_messages = raw_messages[1:]
+        messages = [{"role": "system", "content": "\n\n".join(system_texts)}] if system_texts else []
         for i, message in enumerate(raw_messages):
             role = message.get("role") if isinstance(message, dict) else None
             if role not in ("user", "assistant"):
-                raise RequestError(f"messages[{i}].role", "must be 'user' or 'assistant'")
+                raise RequestError(f"messages[{i}].role", "must be 'user', 'assistant' or 'system'")
             blocks = _blocks(message.get("content"), f"messages[{i}].content")
             if role == "user":
                 messages += _user_messages(blocks, f"messages[{i}].content")

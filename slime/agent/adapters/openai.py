@@ -6,7 +6,8 @@
 (or max_completion_tokens), stop, seed, stream (+ stream_options.include_usage). The answer carries `tool_calls`
 with JSON-string arguments and finish_reason `tool_calls` / `stop` / `length`; a stream sends `chat.completion.chunk`
 deltas (role, reasoning_content, content, tool_calls, finish_reason, usage) and `[DONE]`. `GET /v1/models` lists
-the served model. The session id is the API key (`Authorization: Bearer <session id>`).
+the served model. The session id is the API key (`Authorization: Bearer <session id>`). `POST /v1/responses` serves
+the Responses API (responses.py) over the same sessions.
 
 Only the wire format; the turn flow is `common.BaseAdapter`. Not the engine's own /v1 routes (no trajectory there).
 """
@@ -27,6 +28,7 @@ from slime.agent.adapters.common import (
     string_list,
     text_of,
 )
+from slime.agent.adapters.responses import ResponsesWire
 
 ROLES = {"system", "developer", "user", "assistant", "tool"}
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
@@ -82,6 +84,11 @@ class OpenAIAdapter(BaseAdapter):
     def __init__(self, **kwargs):
         super().__init__(**kwargs)
         self.app.router.add_get("/v1/models", self._models)
+        self.responses_wire = ResponsesWire(self.model_name)
+        self.app.router.add_post("/v1/responses", self._handle_responses)
+
+    async def _handle_responses(self, request: web.Request) -> web.StreamResponse:
+        return await self.handle_turn(request, self.responses_wire)
 
     async def _models(self, request: web.Request) -> web.Response:
         return web.json_response({"object": "list", "data": [{"id": self.model_name, "object": "model",
