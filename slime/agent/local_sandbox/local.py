@@ -18,7 +18,6 @@ import asyncio
 import fcntl
 import json
 import os
-import re
 import shlex
 import shutil
 import signal
@@ -29,6 +28,7 @@ import uuid
 from pathlib import Path
 
 from slime.agent.local_sandbox.cgroups import SandboxCgroup
+from slime.agent.local_sandbox.commands import command_argv, run_captured
 from slime.agent.local_sandbox.limits import SandboxLimits, SandboxReport
 from slime.agent.local_sandbox.loopback import LoopbackForward
 from slime.agent.sandbox import EXIT_TIME_BUDGET_EXCEEDED, ExecResult, FileContent
@@ -40,22 +40,8 @@ NUM_ID_SLOTS = 4096
 SLOT_LOCK_DIR = Path(tempfile.gettempdir()) / "slime-sandbox-ids"
 START_TIMEOUT_SEC = 60
 EXIT_EXEC_TIMEOUT = 124
+MAX_OUTPUT_BYTES = 16 << 20  # per stream and command: more is dropped (and said), the trainer's memory is not the agent's
 HOST_TOOLS = ("nsenter", "prlimit", "setpriv", "bash")
-ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
-# Host side of one exec: join the sandbox's cgroup, set the per-process rlimits, enter its namespaces.
-HOST_WRAPPER = (
-    'for f in "$1" "$2"; do echo $$ > "$f" || exit 125; done; '
-    'cpu=$3 fsize=$4 nofile=$5 target=$6; shift 6; '
-    'exec prlimit --cpu="$cpu:$((cpu + 1))" --fsize="$fsize" --nofile="$nofile" -- '
-    'nsenter --target "$target" --user --mount --pid --net --ipc --uts -- "$@"'
-)
-# Inside, as root: become the user (its primary group from the sandbox's own /etc/passwd), with its login env.
-INNER_SWITCH_USER = ('user=$1; shift; group=$(id -g -- "$user") || exit 126; '
-                     'exec setpriv --reuid="$user" --regid="$group" --init-groups --reset-env --nnp -- "$@"')
-# Then: start in the user's home, and run the command line as given.
-INNER_PRELUDE = 'cd ~ 2>/dev/null || cd /; exec /bin/bash -c "$0"'
-
-
 class SandboxUnavailable(RuntimeError):
     """This host cannot run local sandboxes (see local_sandbox_problems())."""
 
@@ -267,40 +253,35 @@ class LocalSandbox:
     async def _run(self, cmd, *, user, env, timeout, check, stdin) -> ExecResult:
         if self._init_proc is None:
             raise RuntimeError("LocalSandbox.exec outside `async with`: the sandbox is not running")
+        if self._init_proc.returncode is not None:
+            raise RuntimeError(f"local sandbox {self.sandbox_id} is gone: its init process exited "
+                               f"({self._init_proc.returncode}); open a new sandbox")
         if self._expired:
             message = (f"[sandbox] the episode's wall-clock budget of {self.limits.episode_time_budget_sec:g}s "
                        "is spent; the sandbox's processes were killed")
             if check:
                 raise RuntimeError(f"sandbox exec refused: {message}")
             return EXIT_TIME_BUDGET_EXCEEDED, "", message
-        for name in env or {}:
-            if not ENV_NAME.match(name):
-                raise ValueError(f"LocalSandbox.exec env: {name!r} is not a valid environment variable name")
-        before = self._counters()
         limits = self.limits
-        argv = ["/bin/sh", "-c", HOST_WRAPPER, "sandbox-exec",
-                str(self._cgroup.memory_dir / "cgroup.procs"), str(self._cgroup.pids_dir / "cgroup.procs"),
-                str(limits.cpu_time_sec), str(limits.max_file_bytes), str(limits.max_open_files),
-                str(self.init_pid),
-                "/bin/sh", "-c", INNER_SWITCH_USER, "sandbox-user", user,
-                "/usr/bin/env", *[f"{k}={v}" for k, v in (env or {}).items()],
-                "/bin/bash", "-c", INNER_PRELUDE, cmd]
-        stdin_arg = asyncio.subprocess.PIPE if isinstance(stdin, bytes) else (stdin or asyncio.subprocess.DEVNULL)
-        proc = await asyncio.create_subprocess_exec(
-            *argv, stdin=stdin_arg, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
-            start_new_session=True, env={"PATH": "/usr/sbin:/usr/bin:/sbin:/bin"})
+        argv = command_argv(
+            cgroup_procs=(str(self._cgroup.memory_dir / "cgroup.procs"), str(self._cgroup.pids_dir / "cgroup.procs")),
+            cpu_time_sec=limits.cpu_time_sec, max_file_bytes=limits.max_file_bytes,
+            max_open_files=limits.max_open_files, init_pid=self.init_pid, user=user, env=env, cmd=cmd)
+        before = self._counters()
         notes = []
         try:
-            out, err = await asyncio.wait_for(proc.communicate(stdin if isinstance(stdin, bytes) else None),
-                                              timeout)
+            proc, out, err, dropped = await run_captured(argv, stdin=stdin, timeout=timeout,
+                                                         max_output_bytes=MAX_OUTPUT_BYTES)
             code = proc.returncode if proc.returncode >= 0 else 128 - proc.returncode
-        except TimeoutError:
+            if dropped:
+                notes.append(f"[sandbox] output past {MAX_OUTPUT_BYTES} bytes per stream dropped ({dropped} bytes)")
+        except TimeoutError as error:
             try:
-                os.killpg(proc.pid, signal.SIGKILL)
+                os.killpg(error.process.pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
-            await proc.wait()
-            await asyncio.to_thread(self._wait_group_gone, proc.pid)
+            await error.process.wait()
+            await asyncio.to_thread(self._wait_group_gone, error.process.pid)
             out, err, code = b"", b"", EXIT_EXEC_TIMEOUT
             notes.append(f"[sandbox] command timed out after {timeout}s and was killed")
         notes += self._limit_notes(before, code)
