@@ -112,6 +112,16 @@ def qwen3_coder(text: str, tools: list[dict]) -> ParsedTurn:
 qwen3_coder.stop_strings = ["</tool_call>"]
 
 
+def with_xml_fallback(parser, text: str, tools: list[dict]) -> ParsedTurn:
+    """`parser`'s reading of `text`, or, when it finds no well-formed call, the `qwen3_coder` XML form's if that
+    finds one: coding models write that form now and then whatever their template says (slime's parsing allows it)."""
+    turn = parser(text, tools)
+    if parser is qwen3_coder or any(call.error is None for call in turn.calls):
+        return turn
+    xml = qwen3_coder(text, tools)
+    return xml if any(call.error is None for call in xml.calls) else turn
+
+
 def xml_tags(text: str, tools: list[dict]) -> ParsedTurn:
     """`<NAME>text</NAME>` calls NAME with its one string parameter; only the first call of a turn is taken
     (generation stops at its closing tag)."""

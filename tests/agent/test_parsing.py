@@ -4,7 +4,7 @@ ill-formed calls kept and flagged (never dropped silently)."""
 import pytest
 
 from slime.agent.parsing import ParsedModelOutput, parse_model_output, parse_tool_uses, parse_xml_tool_uses
-from slime.utils.tool_parsers import qwen3_coder
+from slime.utils.tool_parsers import qwen, qwen3_coder, with_xml_fallback
 
 TOOLS = [{"type": "function", "function": {"name": "run", "parameters": {"type": "object", "properties": {
     "cmd": {"type": "string"}, "timeout": {"type": "integer"}, "env": {"type": "object"}}}}}]
@@ -65,3 +65,13 @@ def test_unknown_parser_names_are_refused():
         parse_tool_uses("x", TOOLS, "llama3")
     with pytest.raises(ValueError, match="reasoning_parser 'kimi'"):
         parse_model_output("x", tools_schema=None, tool_parser_name=None, reasoning_parser_name="kimi")
+
+
+def test_adapters_read_an_xml_call_whatever_their_parser():
+    xml = "<tool_call><function=run><parameter=timeout>5</parameter></function></tool_call>"
+    turn = with_xml_fallback(qwen, "go " + xml, TOOLS)
+    assert [(c.name, c.arguments, c.error) for c in turn.calls] == [("run", {"timeout": 5}, None)]
+    json_call = '<tool_call>{"name": "run", "arguments": {"cmd": "ls"}}</tool_call>'
+    assert with_xml_fallback(qwen, json_call, TOOLS).calls[0].arguments == {"cmd": "ls"}
+    broken = '<tool_call>{"name": "run"</tool_call>'
+    assert with_xml_fallback(qwen, broken, TOOLS).calls[0].error  # neither form reads it: the JSON error stays

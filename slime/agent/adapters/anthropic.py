@@ -10,7 +10,8 @@ service and are accepted without effect (the engine's prefix cache needs no hint
 blocks become messages of role "tool", an assistant's tool_use blocks its `tool_calls`, thinking its
 `reasoning_content`. The answer's content holds thinking / text / tool_use blocks with stop_reason `tool_use`,
 `end_turn`, `stop_sequence` or `max_tokens`; a stream sends message_start, content_block_start / _delta / _stop per
-block, message_delta and message_stop. The session id is the API key (`x-api-key: <session id>`).
+block, message_delta and message_stop. The session id is the API key (`Authorization: Bearer <session id>` or
+`x-api-key: <session id>`).
 
 Only the wire format; the turn flow is `common.BaseAdapter`.
 """
@@ -20,10 +21,13 @@ from __future__ import annotations
 import json
 
 from slime.agent.adapters.common import (
+    DEFAULT_SESSION_ID,
     BaseAdapter,
     ChatRequest,
     RequestError,
     TurnAnswer,
+    bearer_token,
+    header,
     number,
     sse,
     string_list,
@@ -89,8 +93,7 @@ def _user_messages(blocks: list[dict], param: str) -> list[dict]:
             texts.append(block["text"])
         elif block["type"] == "tool_result" and isinstance(block.get("tool_use_id"), str):
             result = text_of(block.get("content"), f"{param}[{i}].content")
-            tool_messages.append({"role": "tool", "tool_call_id": block["tool_use_id"],
-                                  "content": f"Error: {result}" if block.get("is_error") else result})
+            tool_messages.append({"role": "tool", "content": f"Error: {result}" if block.get("is_error") else result})
         else:
             raise RequestError(f"{param}[{i}]", "a user block must be text or tool_result (with tool_use_id)")
     return tool_messages + ([{"role": "user", "content": "".join(texts)}] if texts else [])
@@ -105,8 +108,7 @@ def _assistant_message(blocks: list[dict], param: str) -> dict:
             message["reasoning_content"] = block["thinking"]
         elif block["type"] == "tool_use" and isinstance(block.get("name"), str) and isinstance(block.get("input"),
                                                                                               dict):
-            calls.append({"id": block.get("id"), "type": "function",
-                          "function": {"name": block["name"], "arguments": block["input"]}})
+            calls.append({"type": "function", "function": {"name": block["name"], "arguments": block["input"]}})
         else:
             raise RequestError(f"{param}[{i}]", "an assistant block must be text, thinking or tool_use "
                                                 "(with name and an input object)")
@@ -116,7 +118,34 @@ def _assistant_message(blocks: list[dict], param: str) -> dict:
     return message
 
 
-def _tools(tools) -> list[dict] | None:
+def _request_session_id(request) -> str:
+    """slime's rule: `Authorization: Bearer <id>`, else `x-api-key: <id>`, else DEFAULT_SESSION_ID."""
+    return bearer_token(request) or header(request, "x-api-key") or DEFAULT_SESSION_ID
+
+
+def _translate_messages(messages: list, system=None) -> list[dict]:
+    """Anthropic messages (and the top-level `system`) -> chat-template messages: one system message first (the
+    `system` field and a leading system message), a user's tool_result blocks as "tool" messages, an assistant's
+    tool_use blocks as `tool_calls` (arguments a dict) and thinking as `reasoning_content`. The wire's ids stay
+    out: chat templates do not render them, and the sampled text holds none."""
+    system_texts = [text_of(system, "system")] if system is not None else []
+    if messages and isinstance(messages[0], dict) and messages[0].get("role") == "system":
+        system_texts.append(text_of(messages[0].get("content"), "messages[0].content"))
+        messages = messages[1:]
+    translated = [{"role": "system", "content": "\n\n".join(system_texts)}] if system_texts else []
+    for i, message in enumerate(messages):
+        role = message.get("role") if isinstance(message, dict) else None
+        if role not in ("user", "assistant"):
+            raise RequestError(f"messages[{i}].role", "must be 'user', 'assistant' or 'system'")
+        blocks = _blocks(message.get("content"), f"messages[{i}].content")
+        if role == "user":
+            translated += _user_messages(blocks, f"messages[{i}].content")
+        else:
+            translated.append(_assistant_message(blocks, f"messages[{i}].content"))
+    return translated
+
+
+def _tools_to_chat_tools(tools) -> list[dict] | None:
     if tools is None:
         return None
     if not isinstance(tools, list):
@@ -137,6 +166,9 @@ class AnthropicAdapter(BaseAdapter):
     route = "/v1/messages"
     tool_call_id_prefix = "toolu_"
 
+    def request_session_id(self, request, body: dict) -> str:
+        return _request_session_id(request)
+
     def parse_request(self, body: dict) -> ChatRequest:
         max_tokens = number(body, "max_tokens", 1, 1 << 30, integer=True)
         if max_tokens is None:
@@ -146,21 +178,7 @@ class AnthropicAdapter(BaseAdapter):
             raise RequestError("messages", "must be a non-empty list of messages")
         body = {**body, "messages": [dict(m) if isinstance(m, dict) else m for m in raw_messages]}
         _fold_mid_list_system_into_user(body)
-        raw_messages = body["messages"]
-        system_texts = [text_of(body["system"], "system")] if body.get("system") is not None else []
-        if raw_messages and isinstance(raw_messages[0], dict) and raw_messages[0].get("role") == "system":
-            system_texts.append(text_of(raw_messages[0].get("content"), "messages[0].content"))
-            raw_messages = raw_messages[1:]
-        messages = [{"role": "system", "content": "\n\n".join(system_texts)}] if system_texts else []
-        for i, message in enumerate(raw_messages):
-            role = message.get("role") if isinstance(message, dict) else None
-            if role not in ("user", "assistant"):
-                raise RequestError(f"messages[{i}].role", "must be 'user', 'assistant' or 'system'")
-            blocks = _blocks(message.get("content"), f"messages[{i}].content")
-            if role == "user":
-                messages += _user_messages(blocks, f"messages[{i}].content")
-            else:
-                messages.append(_assistant_message(blocks, f"messages[{i}].content"))
+        messages = _translate_messages(body["messages"], system=body.get("system"))
         tool_choice = body.get("tool_choice") or {"type": "auto"}
         if not isinstance(tool_choice, dict) or tool_choice.get("type") not in ("auto", "none"):
             raise RequestError("tool_choice", f"only {{'type': 'auto'}} and {{'type': 'none'}} are supported, got "
@@ -171,7 +189,7 @@ class AnthropicAdapter(BaseAdapter):
         params = {key: value for key, value in params.items() if value is not None}
         if body.get("stop_sequences") is not None:
             params["stop"] = string_list(body["stop_sequences"], "stop_sequences")
-        return ChatRequest(messages=messages, tools=_tools(body.get("tools")),
+        return ChatRequest(messages=messages, tools=_tools_to_chat_tools(body.get("tools")),
                            parse_tool_calls=tool_choice["type"] == "auto", sampling_params=params,
                            stream=body.get("stream") is True, model=str(body.get("model") or ""))
 

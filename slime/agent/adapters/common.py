@@ -5,11 +5,12 @@ methods: `parse_request(body) -> ChatRequest` (messages in the chat template's s
 sampling fields; `RequestError(param, message)` for a bad field), `render_answer(answer) -> dict`,
 `render_stream(answer) -> list[bytes]` (SSE frames) and `error_body(status, message, param)`. Everything else is here.
 
-One turn: the session id from `Authorization: Bearer <id>` or `x-api-key: <id>` (404 unknown, 409 finished) -> parse
-(400 naming the field) -> turn cap (429) -> render the chat template to ids -> POST the router's /generate with
-`input_ids`, `return_logprob` and the header `X-SMG-Routing-Key: <session id>` (keeps a session on one engine for its
-prefix cache) -> parse reasoning and tool calls from the sampled text -> record a `TurnRecord` -> answer. The stream
-is rendered from the finished turn (the engine call is not streamed token by token).
+One turn: the session id (`Authorization: Bearer <id>`, then the protocol's own places; 401 none, 404 unknown,
+409 finished) -> parse (400 naming the field) -> turn cap (429) -> render the chat template to ids -> POST the
+router's /generate with `input_ids`, `return_logprob` and the header `X-SMG-Routing-Key: <session id>` (keeps a
+session on one engine for its prefix cache) -> parse reasoning and tool calls from the sampled text (a call in the
+Qwen3-Coder XML form is read whatever the tool parser) -> record a `TurnRecord` -> answer. The stream is rendered
+from the finished turn (the engine call is not streamed token by token).
 
 Not the wire formats (openai.py, anthropic.py), not the linearisation of turns (`slime.agent.trajectory`).
 """
@@ -29,11 +30,26 @@ from aiohttp import web
 from slime.agent.adapters.reasoning import get_reasoning_parser
 from slime.agent.trajectory import DEFAULT_FORK_THRESHOLD_TOKENS, TrajectoryManager, TurnRecord
 from slime.utils.http_utils import EndpointUnreachableError, HTTPRequestError, request_json
-from slime.utils.tool_parsers import ToolCall, get_parser, stop_strings_for
+from slime.utils.tool_parsers import ToolCall, get_parser, stop_strings_for, with_xml_fallback
 
 ROUTING_KEY_HEADER = "X-SMG-Routing-Key"
 # The openai and anthropic SDKs retry a 429 unless told not to; a spent turn budget does not come back.
 NO_RETRY_HEADERS = {"x-should-retry": "false"}
+
+
+DEFAULT_SESSION_ID = "default"  # slime's session of a request that names none; here only if the rollout opened it
+
+
+def header(request, name: str) -> str:
+    """A request header by case-insensitive name ("" if absent), from aiohttp's headers or a plain dict."""
+    lowered = name.lower()
+    return next((str(v) for k, v in request.headers.items() if k.lower() == lowered), "")
+
+
+def bearer_token(request) -> str:
+    """The token of an `Authorization: Bearer <token>` header ("" if none)."""
+    authorization = header(request, "Authorization")
+    return authorization[len("Bearer "):].strip() if authorization.startswith("Bearer ") else ""
 
 
 class RequestError(ValueError):
@@ -135,7 +151,13 @@ class BaseAdapter:
 
     def __init__(self, *, tokenizer, sglang_url: str, tool_parser: str = "qwen", reasoning_parser: str | None = None,
                  max_turns: int | None = None, headers: dict | None = None,
-                 fork_threshold_tokens: int = DEFAULT_FORK_THRESHOLD_TOKENS, request_timeout_s: float | None = None):
+                 fork_threshold_tokens: int = DEFAULT_FORK_THRESHOLD_TOKENS, request_timeout_s: float | None = None,
+                 max_turns_per_sid: int | None = None):
+        if max_turns_per_sid is not None:  # slime's name of the same cap
+            if max_turns is not None and max_turns != max_turns_per_sid:
+                raise ValueError(f"max_turns={max_turns} and max_turns_per_sid={max_turns_per_sid} disagree: they "
+                                 "name one cap, pass one of them")
+            max_turns = max_turns_per_sid
         if max_turns is not None and max_turns < 1:
             raise ValueError(f"max_turns must be >= 1 (or None for no cap), got {max_turns}")
         self.tokenizer = tokenizer
@@ -239,12 +261,10 @@ class BaseAdapter:
     def _error(wire, status: int, message: str, param: str | None = None, headers: dict | None = None):
         return web.json_response(wire.error_body(status, message, param), status=status, headers=headers)
 
-    @staticmethod
-    def session_id_of(request: web.Request) -> str | None:
-        authorization = request.headers.get("Authorization", "")
-        if authorization.startswith("Bearer ") and authorization[len("Bearer "):].strip():
-            return authorization[len("Bearer "):].strip()
-        return request.headers.get("x-api-key") or None
+    def request_session_id(self, request, body: dict) -> str:
+        """The session a request belongs to (DEFAULT_SESSION_ID when it names none); each protocol says where it
+        looks (`_request_session_id` of anthropic.py and openai.py, slime's rules)."""
+        raise NotImplementedError
 
     async def _handle(self, request: web.Request) -> web.StreamResponse:
         return await self.handle_turn(request, self)
@@ -253,19 +273,19 @@ class BaseAdapter:
         """One turn of the session named by the request's API key; `wire` parses the body and renders the answer
         (`parse_request`, `render_answer`, `render_stream`, `error_body`): the adapter itself, or a second protocol
         it serves on another route (the OpenAI adapter's Responses API)."""
-        session_id = self.session_id_of(request)
-        if session_id is None:
-            return self._error(wire, 401, "no session: send the session id as the API key (Authorization: Bearer <id> "
-                                    "or x-api-key: <id>)")
-        session = self._sessions.get(session_id)
-        if session is None:
-            return self._error(wire, 404, f"unknown session {session_id!r}: the rollout did not open it or finished it")
-        if session.closed:
-            return self._error(wire, 409, f"session {session_id!r} is finished and takes no more turns")
         try:
             body = await request.json()
         except (json.JSONDecodeError, UnicodeDecodeError) as error:
             return self._error(wire, 400, f"body: is not JSON ({error})", "body")
+        session_id = self.request_session_id(request, body if isinstance(body, dict) else {})
+        session = self._sessions.get(session_id)
+        if session is None and session_id == DEFAULT_SESSION_ID:
+            return self._error(wire, 401, "no session: send the session id as the API key (Authorization: Bearer <id> "
+                                    "or x-api-key: <id>)")
+        if session is None:
+            return self._error(wire, 404, f"unknown session {session_id!r}: the rollout did not open it or finished it")
+        if session.closed:
+            return self._error(wire, 409, f"session {session_id!r} is finished and takes no more turns")
         try:
             if not isinstance(body, dict):
                 raise RequestError("body", f"must be a JSON object, got {type(body).__name__}")
@@ -357,7 +377,7 @@ class BaseAdapter:
         reasoning, content = self.reasoning_parser(text) if self.reasoning_parser else ("", text)
         calls, ill_formed = [], False
         if chat.tools and chat.parse_tool_calls:
-            parsed = self.tool_parser(content, chat.tools)
+            parsed = with_xml_fallback(self.tool_parser, content, chat.tools)
             calls = [call for call in parsed.calls if call.error is None]
             ill_formed = len(calls) < len(parsed.calls)
             for call in calls:  # a call that failed to parse stays in the text, where the client can see it
