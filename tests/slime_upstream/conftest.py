@@ -1,5 +1,5 @@
 """slime's agent tests (tests/test_agent/ in slime, copied here verbatim) import their helpers as
-`tests.test_agent._fakes` and `tests.test_agent._dump_helpers`: that package name is made to point at this folder,
+`tests.test_agent._fakes`: that package name is made to point at this folder,
 where the helpers sit beside the tests."""
 
 import sys
