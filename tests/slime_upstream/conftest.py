@@ -1,6 +1,5 @@
-"""slime's agent tests (tests/test_agent/ in slime, copied here verbatim) import their helpers as
-`tests.test_agent._fakes`: that package name is made to point at this folder,
-where the helpers sit beside the tests."""
+"""slime's agent tests (tests/test_agent/ in slime, copied here verbatim) import their helper as
+`tests.test_agent._fakes`: that package name is made to point at this folder, where the helper sits beside them."""
 
 import sys
 import types
