@@ -37,6 +37,40 @@ def _v2_root() -> Path | None:
     return None
 
 
+GROUP_PREFIX = "slime-local-"
+STALE_AFTER_SEC = 60.0
+
+
+def _group_parents() -> set[Path]:
+    """The folders this process makes its sandboxes' groups in (one per hierarchy)."""
+    own = _own_cgroup_paths()
+    parents = {CGROUP_ROOT / c / own[c].lstrip("/") for c in ("memory", "pids") if c in own}
+    v2 = _v2_root()
+    if v2 is not None and "" in own:
+        parents.add(v2 / own[""].lstrip("/"))
+    return parents
+
+
+def group_exists(name: str) -> bool:
+    return any((parent / name).is_dir() for parent in _group_parents())
+
+
+def sweep_stale_groups(min_age_sec: float = STALE_AFTER_SEC) -> list[Path]:
+    """Remove the empty groups that sandboxes of a crashed process left behind, next to where this process makes
+    its own (only those older than `min_age_sec`: a group being made is empty for a moment). Returns them."""
+    removed = []
+    for parent in _group_parents():
+        for folder in parent.glob(f"{GROUP_PREFIX}*"):
+            try:
+                stale = time.time() - folder.stat().st_ctime >= min_age_sec
+                if stale and not (folder / "cgroup.procs").read_text().strip():
+                    folder.rmdir()
+                    removed.append(folder)
+            except OSError:
+                continue  # in use again, or gone meanwhile
+    return removed
+
+
 @dataclass
 class SandboxCgroup:
     """memory_dir and pids_dir are the same folder on cgroup v2."""

@@ -12,6 +12,8 @@ Steps, and the line each prints on stdout for the host:
    only), /tmp, /home, /root, /var, minimal /dev, /proc of the new PID namespace; loopback up; pivot_root (the host's
    tree is then out of reach); print `ready` (or `error <message>`).
 
+Both processes die with their parent (PR_SET_PDEATHSIG), so a sandbox does not outlive a trainer that crashed.
+
 What it is not: the limits' enforcement (cgroups and rlimits are set by the host before this runs) or the network
 forwarding (the host opens the one allowed port inside the network namespace).
 """
@@ -200,6 +202,7 @@ def main() -> None:
     os.setresgid(0, 0, 0)
     os.setgroups([])
     os.setresuid(0, 0, 0)
+    libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)  # a change of uid clears it: set it again
     pid = os.fork()
     if pid == 0:
         libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)

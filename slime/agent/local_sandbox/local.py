@@ -27,7 +27,7 @@ import time
 import uuid
 from pathlib import Path
 
-from slime.agent.local_sandbox.cgroups import SandboxCgroup
+from slime.agent.local_sandbox.cgroups import STALE_AFTER_SEC, SandboxCgroup, group_exists, sweep_stale_groups
 from slime.agent.local_sandbox.commands import command_argv, run_captured
 from slime.agent.local_sandbox.limits import SandboxLimits, SandboxReport
 from slime.agent.local_sandbox.loopback import LoopbackForward
@@ -55,6 +55,21 @@ def local_sandbox_problems() -> list[str]:
     if not Path("/proc/self/ns/user").exists():
         problems.append("the kernel has no user namespaces")
     return problems
+
+
+def sweep_stale_roots(min_age_sec: float = STALE_AFTER_SEC) -> list[Path]:
+    """Remove the (empty) root folders of sandboxes whose group is gone: a crashed process left them. A live
+    sandbox has its group from before its root folder is made until after it is removed."""
+    removed = []
+    for folder in Path(tempfile.gettempdir()).glob("slime-local-*"):
+        name = folder.name.rsplit("-", 1)[0]  # slime-local-<id>-<mkdtemp suffix> -> its group's name
+        try:
+            if time.time() - folder.stat().st_mtime >= min_age_sec and not group_exists(name):
+                folder.rmdir()
+                removed.append(folder)
+        except OSError:
+            continue  # not empty, or gone meanwhile
+    return removed
 
 
 def _acquire_id_slot() -> tuple[int, int]:
@@ -133,7 +148,7 @@ class LocalSandbox:
         problems = local_sandbox_problems()
         if problems:
             raise SandboxUnavailable("cannot start a local sandbox: " + "; ".join(problems))
-        self.sandbox_id = f"local-{uuid.uuid4().hex[:12]}"
+        self.sandbox_id = f"local-{uuid.uuid4().hex[:12]}"  # its cgroup: slime-local-... (cgroups.GROUP_PREFIX)
         try:
             await self._start()
         except BaseException:
@@ -143,6 +158,8 @@ class LocalSandbox:
 
     async def _start(self) -> None:
         self._slot_fd, id_base = _acquire_id_slot()
+        await asyncio.to_thread(sweep_stale_groups)
+        await asyncio.to_thread(sweep_stale_roots)
         self._cgroup = SandboxCgroup.create(f"slime-{self.sandbox_id}", memory_bytes=self.limits.memory_bytes,
                                             max_processes=self.limits.max_processes)
         self._root_dir = tempfile.mkdtemp(prefix=f"slime-{self.sandbox_id}-")
