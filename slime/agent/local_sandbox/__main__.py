@@ -9,8 +9,9 @@ import asyncio
 import json
 import sys
 
+from slime.agent.local_sandbox.host import local_sandbox_problems
 from slime.agent.local_sandbox.limits import MiB, SandboxLimits
-from slime.agent.local_sandbox.local import LocalSandbox, local_sandbox_problems
+from slime.agent.local_sandbox.local import LocalSandbox
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:

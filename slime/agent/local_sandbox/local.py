@@ -15,7 +15,6 @@ kernel exploits.
 from __future__ import annotations
 
 import asyncio
-import fcntl
 import json
 import os
 import shlex
@@ -27,64 +26,23 @@ import time
 import uuid
 from pathlib import Path
 
-from slime.agent.local_sandbox.cgroups import STALE_AFTER_SEC, SandboxCgroup, group_exists, sweep_stale_groups
+from slime.agent.local_sandbox.cgroups import SandboxCgroup, sweep_stale_groups
 from slime.agent.local_sandbox.commands import command_argv, run_captured
+from slime.agent.local_sandbox.host import (
+    ID_RANGE,
+    SandboxUnavailable,
+    acquire_id_slot,
+    local_sandbox_problems,
+    sweep_stale_roots,
+)
 from slime.agent.local_sandbox.limits import SandboxLimits, SandboxReport
 from slime.agent.local_sandbox.loopback import LoopbackForward
 from slime.agent.sandbox import EXIT_TIME_BUDGET_EXCEEDED, ExecResult, FileContent
 
 INIT_PROCESS = Path(__file__).with_name("init_process.py")
-ID_RANGE = 65536
-ID_BASE = 2_000_000
-NUM_ID_SLOTS = 4096
-SLOT_LOCK_DIR = Path(tempfile.gettempdir()) / "slime-sandbox-ids"
 START_TIMEOUT_SEC = 60
 EXIT_EXEC_TIMEOUT = 124
 MAX_OUTPUT_BYTES = 16 << 20  # per stream and command: more is dropped (and said), the trainer's memory is not the agent's
-HOST_TOOLS = ("nsenter", "prlimit", "setpriv", "bash")
-class SandboxUnavailable(RuntimeError):
-    """This host cannot run local sandboxes (see local_sandbox_problems())."""
-
-
-def local_sandbox_problems() -> list[str]:
-    """Why local sandboxes cannot start here (empty when they can)."""
-    problems = []
-    if os.geteuid() != 0:
-        problems.append("not root: the local sandbox maps user ids and makes cgroups, which needs root on the host")
-    problems += [f"`{tool}` not on PATH (util-linux / bash)" for tool in HOST_TOOLS if shutil.which(tool) is None]
-    if not Path("/proc/self/ns/user").exists():
-        problems.append("the kernel has no user namespaces")
-    return problems
-
-
-def sweep_stale_roots(min_age_sec: float = STALE_AFTER_SEC) -> list[Path]:
-    """Remove the (empty) root folders of sandboxes whose group is gone: a crashed process left them. A live
-    sandbox has its group from before its root folder is made until after it is removed."""
-    removed = []
-    for folder in Path(tempfile.gettempdir()).glob("slime-local-*"):
-        name = folder.name.rsplit("-", 1)[0]  # slime-local-<id>-<mkdtemp suffix> -> its group's name
-        try:
-            if time.time() - folder.stat().st_mtime >= min_age_sec and not group_exists(name):
-                folder.rmdir()
-                removed.append(folder)
-        except OSError:
-            continue  # not empty, or gone meanwhile
-    return removed
-
-
-def _acquire_id_slot() -> tuple[int, int]:
-    """A host id range no other live sandbox on this machine uses: (lock fd, first host id)."""
-    SLOT_LOCK_DIR.mkdir(exist_ok=True)
-    for slot in range(NUM_ID_SLOTS):
-        fd = os.open(SLOT_LOCK_DIR / f"{slot}.lock", os.O_CREAT | os.O_RDWR, 0o600)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            return fd, ID_BASE + slot * ID_RANGE
-        except BlockingIOError:
-            os.close(fd)
-    raise SandboxUnavailable(f"all {NUM_ID_SLOTS} sandbox id ranges are in use on this machine")
-
-
 def _netstat(pid: int) -> dict[str, int]:
     """The IP and TCP counters of the network namespace of `pid` ("Ip.OutNoRoutes", "Tcp.AttemptFails", ...)."""
     counters = {}
@@ -157,7 +115,7 @@ class LocalSandbox:
         return self
 
     async def _start(self) -> None:
-        self._slot_fd, id_base = _acquire_id_slot()
+        self._slot_fd, id_base = acquire_id_slot()
         await asyncio.to_thread(sweep_stale_groups)
         await asyncio.to_thread(sweep_stale_roots)
         self._cgroup = SandboxCgroup.create(f"slime-{self.sandbox_id}", memory_bytes=self.limits.memory_bytes,

@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 
 from slime.agent.local_sandbox.cgroups import sweep_stale_groups
-from slime.agent.local_sandbox.local import sweep_stale_roots
+from slime.agent.local_sandbox.host import sweep_stale_roots
 
 REPO = Path(__file__).resolve().parents[3]
 HOLD_A_SANDBOX = """

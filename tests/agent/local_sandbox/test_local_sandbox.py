@@ -10,7 +10,7 @@ import pytest
 
 from slime.agent import sandbox as sandbox_mod
 from slime.agent.local_sandbox import LocalSandbox, SandboxLimits
-from slime.agent.local_sandbox.local import ID_BASE
+from slime.agent.local_sandbox.host import ID_BASE
 from slime.agent.sandbox import EXIT_TIME_BUDGET_EXCEEDED, Sandbox, ensure_agent_user, exec_and_wait
 
 SMALL = SandboxLimits(memory_bytes=512 << 20, disk_bytes=128 << 20, max_processes=64, cpu_time_sec=60,
