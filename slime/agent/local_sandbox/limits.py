@@ -69,7 +69,7 @@ class SandboxReport:
     cpu_limit_kills: commands ended by SIGXCPU / SIGKILL at cpu_time_sec, as `exec` saw them.
     disk_full: the writable tree had no free space left at some `exec`'s end.
     network_blocked_attempts: packets the sandbox tried to send to any address but its own loopback (the kernel's
-    OutNoRoutes count of its network namespace: there is no route out).
+    OutNoRoutes counts, IPv4 and IPv6, of its network namespace: there is no route out).
     refused_loopback_connections: TCP connects inside the sandbox that were refused (a port nothing listens on;
     the allowed port is the only one forwarded to the host).
     episode_time_exceeded: the wall-clock budget ran out and the sandbox's processes were killed.

@@ -44,14 +44,23 @@ START_TIMEOUT_SEC = 60
 EXIT_EXEC_TIMEOUT = 124
 MAX_OUTPUT_BYTES = 16 << 20  # per stream and command: more is dropped (and said), the trainer's memory is not the agent's
 def _netstat(pid: int) -> dict[str, int]:
-    """The IP and TCP counters of the network namespace of `pid` ("Ip.OutNoRoutes", "Tcp.AttemptFails", ...)."""
+    """The IP and TCP counters of the network namespace of `pid` ("Ip.OutNoRoutes", "Tcp.AttemptFails", ...), and
+    the IPv6 ones ("Ip6OutNoRoutes")."""
     counters = {}
     lines = Path(f"/proc/{pid}/net/snmp").read_text().splitlines()
     for header, values in zip(lines[::2], lines[1::2]):
         prefix, names = header.split(":", 1)
         for name, value in zip(names.split(), values.split(":", 1)[1].split()):
             counters[f"{prefix}.{name}"] = int(value)
+    snmp6 = Path(f"/proc/{pid}/net/snmp6")
+    if snmp6.exists():  # no IPv6 in the kernel: nothing to count
+        counters.update((name, int(value)) for name, value in (line.split() for line in snmp6.read_text().splitlines()))
     return counters
+
+
+def _blocked(counters: dict[str, int]) -> int:
+    """Packets sent toward an address with no route: anything outside the sandbox, IPv4 or IPv6."""
+    return counters.get("Ip.OutNoRoutes", 0) + counters.get("Ip6OutNoRoutes", 0)
 
 
 class LocalSandbox:
@@ -228,9 +237,9 @@ class LocalSandbox:
     async def _run(self, cmd, *, user, env, timeout, check, stdin) -> ExecResult:
         if self._init_proc is None:
             raise RuntimeError("LocalSandbox.exec outside `async with`: the sandbox is not running")
-        if self._init_proc.returncode is not None:
-            raise RuntimeError(f"local sandbox {self.sandbox_id} is gone: its init process exited "
-                               f"({self._init_proc.returncode}); open a new sandbox")
+        if self._init_proc.returncode is not None or not Path(f"/proc/{self.init_pid}/net").exists():
+            raise RuntimeError(f"local sandbox {self.sandbox_id} is gone: its init process exited; open a new "
+                               "sandbox")
         if self._expired:
             message = (f"[sandbox] the episode's wall-clock budget of {self.limits.episode_time_budget_sec:g}s "
                        "is spent; the sandbox's processes were killed")
@@ -286,7 +295,7 @@ class LocalSandbox:
     def _counters(self) -> dict[str, int]:
         net = _netstat(self.init_pid)
         return {"oom_kills": self._cgroup.oom_kills(), "process_limit_hits": self._cgroup.process_limit_hits(),
-                "network": net.get("Ip.OutNoRoutes", 0)}
+                "network": _blocked(net)}
 
     def _limit_notes(self, before: dict[str, int], code: int) -> list[str]:
         after = self._counters()
@@ -346,6 +355,6 @@ class LocalSandbox:
             memory_peak_bytes=self._cgroup.memory_peak_bytes(), oom_kills=self._cgroup.oom_kills(),
             process_limit_hits=self._cgroup.process_limit_hits(), cpu_limit_kills=self._cpu_limit_kills,
             disk_used_bytes=used, disk_full=self._disk_full,
-            network_blocked_attempts=net.get("Ip.OutNoRoutes", 0),
+            network_blocked_attempts=_blocked(net),
             refused_loopback_connections=net.get("Tcp.AttemptFails", 0),
             episode_time_exceeded=self._expired, episode_seconds=time.monotonic() - self._started)

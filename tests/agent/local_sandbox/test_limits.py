@@ -126,11 +126,13 @@ def test_network_attempts_are_blocked_and_counted():
             code, _, err = await sb.exec(f'python3 -c "{connect.format("1.1.1.1")}"')
             assert code == 1 and "Network is unreachable" in err
             assert "[sandbox] network blocked: 1 attempt(s)" in err
+            code, _, err = await sb.exec(f'python3 -c "{connect.format("2606:4700:4700::1111")}"')  # IPv6 too
+            assert code == 1 and "Network is unreachable" in err and "network blocked: 1 attempt(s)" in err
             code, _, err = await sb.exec("getent hosts github.com")  # no name server: fails at once
             assert code == 2
             assert time.monotonic() - start < 10
             report = sb.report()
-            assert report.network_blocked_attempts >= 1 and "network" in report.limits_hit
+            assert report.network_blocked_attempts == 2 and "network" in report.limits_hit
 
     run(case())
 
