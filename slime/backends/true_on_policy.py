@@ -18,6 +18,17 @@ from slime.engine.true_on_policy.tile_decoder import DecoderSpec, LayerKV, Layer
 from slime.engine.true_on_policy.tile_ops import TILE_ROWS
 
 
+def true_on_policy_spec(args, weights_path: str) -> DecoderSpec | None:
+    """The batch-invariant decoder's spec under --true-on-policy-mode (refusing, by name, a model it does not
+    cover), else None."""
+    if not args.true_on_policy_mode:
+        return None
+    from slime.engine.models.model_config import load_model_config
+    from slime.engine.true_on_policy.contract import decoder_spec
+
+    return decoder_spec(load_model_config(weights_path))
+
+
 def hf_layer_weights(layer) -> LayerWeights:
     """A transformers Qwen2 / Qwen3 / Llama decoder layer's parameters in the engine's fused layout."""
     attn, mlp = layer.self_attn, layer.mlp
@@ -82,3 +93,31 @@ def head_log_probs_and_entropy(final_hidden: torch.Tensor, norm_weight: torch.Te
     selected = log_probs.index_select(0, rows)
     token_log_probs = selected.gather(-1, target_ids[:, None].long()).squeeze(-1)
     return token_log_probs, tile_ops.entropy(selected)
+
+
+def _tile_layer_forward(layer, spec: DecoderSpec, weights_of, hidden: torch.Tensor, layout: TileLayout):
+    return layer_over_samples(spec, weights_of(layer), hidden, layout)
+
+
+def install_tile_layers(layers, spec: DecoderSpec, weights_of=hf_layer_weights) -> None:
+    """Make each decoder layer's forward the batch-invariant one, `layer(hidden_tiles, layout)`: the call still goes
+    through the module, so the hooks a sharding wrapper put on it (FSDP2's gather and gradient reduction) run."""
+    import functools
+
+    for layer in layers:
+        layer.forward = functools.partial(_tile_layer_forward, layer, spec, weights_of)
+
+
+def packed_log_probs_and_entropy(embed_weight: torch.Tensor, layers, norm_weight: torch.Tensor,
+                                 lm_head: torch.Tensor, spec: DecoderSpec, input_ids: torch.Tensor,
+                                 logit_index: torch.Tensor, target_ids: torch.Tensor, cu_seqlens: torch.Tensor,
+                                 temperature: float):
+    """A packed micro-batch (input_ids [1, num_tokens] or [num_tokens]) through layers made by
+    `install_tile_layers`: (log_probs, entropy) of `target_ids` at the packed positions `logit_index`."""
+    cu = cu_seqlens.tolist()
+    layout = TileLayout(tuple(end - start for start, end in zip(cu, cu[1:])))
+    hidden = layout.embed(input_ids.reshape(-1), cu, embed_weight)
+    for layer in layers:
+        hidden = layer(hidden, layout)
+    return head_log_probs_and_entropy(hidden, norm_weight, lm_head, spec, layout, logit_index, target_ids,
+                                      cu_seqlens, temperature)
