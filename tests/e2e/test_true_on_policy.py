@@ -54,6 +54,7 @@ def test_dense_run_has_zero_mismatch_in_every_rollout(task, tmp_path):
     assert_exact_zero(read_metrics(out), 3)
 
 
+@pytest.mark.slow
 def test_two_deterministic_runs_are_identical(task, tmp_path):
     runs = []
     for name in ("first", "second"):
@@ -69,3 +70,50 @@ def test_two_deterministic_runs_are_identical(task, tmp_path):
     assert dumps_a == dumps_b
     tokens = [s["tokens"] for dump in dumps_a for s in dump["samples"]]
     assert len(set(map(tuple, tokens))) > len(tokens) // 2  # the seeds differ per sample: not one sequence 16 times
+
+
+async def short_groups(args, sample, sampling_params):
+    """Every other group stops after 2 tokens: those finish the rollout while the others are still generating, so
+    the others are aborted mid-response and continue (--partial-rollout) after the weight update."""
+    from slime.rollout.sglang_rollout import generate
+
+    if sample.group_index % 2 == 0:
+        sampling_params = {**sampling_params, "max_new_tokens": 2}
+    return await generate(args, sample, sampling_params)
+
+
+@pytest.mark.slow
+def test_partial_rollout_across_weight_updates_has_zero_mismatch(task, tmp_path):
+    out = tmp_path / "run"
+    run_train(quickstart_flags(
+        task, out, "--num-rollout", "3", "--rollout-batch-size", "2", "--over-sampling-batch-size", "6",
+        "--rollout-max-response-len", "48", "--partial-rollout", "--mask-offpolicy-in-partial-rollout",
+        "--custom-generate-function-path", f"{__name__}.short_groups",
+        "--save-debug-rollout-data", str(out / "rollout_{rollout_id}.json")))
+    assert_exact_zero(read_metrics(out), 3)
+    resumed = [s for i in range(3) for s in json.loads((out / f"rollout_{i}.json").read_text())["samples"]
+               if s["metadata"].get("start_rollout_id", i) < i]
+    assert resumed, "no sample continued across a weight update"
+    # its tokens from before the update are masked out; those after it trained with the exact log-probs
+    assert any(0 in s["loss_mask"] and 1 in s["loss_mask"] for s in resumed)
+
+
+@pytest.mark.slow
+def test_multi_turn_tool_task_has_zero_mismatch(tmp_path):
+    from tests.helpers.agent_tool_task import RESPONSE_TEMPLATE, build_task
+
+    task = build_task(tmp_path / "task")
+    out = tmp_path / "run"
+    run_train([
+        "--hf-checkpoint", str(task["model"]), "--prompt-data", str(task["train"]), "--input-key", "prompt",
+        "--label-key", "label", "--apply-chat-template", "--custom-rm-path", "tests.helpers.agent_tool_task.reward",
+        "--max-turns", "2", "--tool-functions-path", "tests.helpers.agent_tool_task.lookup",
+        "--tool-call-parser", "tests.helpers.agent_tool_task.parse_call", "--tool-response-template",
+        RESPONSE_TEMPLATE, "--rollout-batch-size", "4", "--n-samples-per-prompt", "4", "--num-rollout", "2",
+        "--rollout-max-response-len", "16", "--actor-num-gpus-per-node", "2", "--lr", "1e-3", "--no-progress",
+        "--output-dir", str(out), "--true-on-policy-mode",
+        "--save-debug-rollout-data", str(out / "rollout_{rollout_id}.json"),
+    ])
+    assert_exact_zero(read_metrics(out), 2)
+    samples = [s for i in range(2) for s in json.loads((out / f"rollout_{i}.json").read_text())["samples"]]
+    assert any(s["metadata"]["multi_turn"]["turns"] > 1 for s in samples), "no sample took a second turn"
