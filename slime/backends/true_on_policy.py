@@ -112,8 +112,9 @@ def packed_log_probs_and_entropy(embed_weight: torch.Tensor, layers, norm_weight
                                  lm_head: torch.Tensor, spec: DecoderSpec, input_ids: torch.Tensor,
                                  logit_index: torch.Tensor, target_ids: torch.Tensor, cu_seqlens: torch.Tensor,
                                  temperature: float):
-    """A packed micro-batch (input_ids [1, num_tokens] or [num_tokens]) through layers made by
-    `install_tile_layers`: (log_probs, entropy) of `target_ids` at the packed positions `logit_index`."""
+    """A packed micro-batch (input_ids [1, num_tokens] or [num_tokens]) through `layers`, each a callable
+    `(hidden_tiles, layout) -> hidden_tiles` (modules made by `install_tile_layers`, or `layer_over_samples` over a
+    backend's weights): (log_probs, entropy) of `target_ids` at the packed positions `logit_index`."""
     cu = cu_seqlens.tolist()
     layout = TileLayout(tuple(end - start for start, end in zip(cu, cu[1:])))
     hidden = layout.embed(input_ids.reshape(-1), cu, embed_weight)

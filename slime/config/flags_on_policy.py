@@ -51,8 +51,12 @@ def _check_true_on_policy(args, require) -> None:
          "are off-policy under the new weights; pass --mask-offpolicy-in-partial-rollout so only the tokens of "
          "the current weights train)"),
     ]
-    refused.append((args.train_backend == "megatron", "--train-backend megatron (its layers do not run the "
-                    "batch-invariant decoder yet; use --train-backend fsdp)"))
+    if args.train_backend == "megatron":
+        for flag in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size",
+                     "expert_model_parallel_size"):
+            size = getattr(args, flag)
+            refused.append((size != 1, f"--{flag.replace('_', '-')} {size} on the Megatron backend (covered at size "
+                                       "1: a split layer reduces in a layout-dependent order)"))
     for is_refused, what in refused:
         require(not is_refused, f"--true-on-policy-mode does not cover {what}")
 

@@ -1,7 +1,8 @@
 """train.py under --true-on-policy-mode on the CPU (real Ray, engine, router, two FSDP2 trainer processes): the
 engine's log-probs of every trained token equal the trainer's bit for bit in every rollout (mean |diff| exactly 0.0,
-every token's two log-probs the same bits), for a single-turn task, a multi-turn tool task and a partial-rollout run
-across weight updates; and two --deterministic-mode runs give identical rollout dumps and metrics."""
+every token's two log-probs the same bits), for a single-turn task, a multi-turn tool task, a partial-rollout run
+across weight updates and the Megatron backend at TP=1; and two --deterministic-mode runs give identical rollout
+dumps and metrics."""
 
 import json
 import subprocess
@@ -117,3 +118,12 @@ def test_multi_turn_tool_task_has_zero_mismatch(tmp_path):
     assert_exact_zero(read_metrics(out), 2)
     samples = [s for i in range(2) for s in json.loads((out / f"rollout_{i}.json").read_text())["samples"]]
     assert any(s["metadata"]["multi_turn"]["turns"] > 1 for s in samples), "no sample took a second turn"
+
+
+@pytest.mark.slow
+def test_megatron_backend_at_tp1_has_zero_mismatch(task, tmp_path):
+    pytest.importorskip("megatron.core")
+    out = tmp_path / "run"
+    run_train(quickstart_flags(task, out, "--train-backend", "megatron", "--num-rollout", "2",
+                               "--num-steps-per-rollout", "2"))
+    assert_exact_zero(read_metrics(out), 2)
