@@ -127,3 +127,14 @@ def test_megatron_backend_at_tp1_has_zero_mismatch(task, tmp_path):
     run_train(quickstart_flags(task, out, "--train-backend", "megatron", "--num-rollout", "2",
                                "--num-steps-per-rollout", "2"))
     assert_exact_zero(read_metrics(out), 2)
+
+
+@pytest.mark.gpu
+def test_bf16_colocated_qwen3_06b_shape_has_zero_mismatch(tmp_path):
+    """On one GPU, colocated, bf16, the Qwen3-0.6B shape (benchmarks/gpu_grpo_smoke.py's default run)."""
+    result = subprocess.run([sys.executable, str(REPO / "benchmarks/gpu_grpo_smoke.py"), str(tmp_path),
+                             "--num-rollout", "2", "--rollout-batch-size", "8", "--max-response-len", "64",
+                             "--train-args=--true-on-policy-mode"], cwd=REPO, capture_output=True, text=True,
+                            timeout=1800)
+    assert result.returncode == 0, result.stderr[-6000:]
+    assert_exact_zero(read_metrics(tmp_path / "run"), 2)
