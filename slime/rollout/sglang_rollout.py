@@ -130,8 +130,9 @@ async def generate_and_rm(args, sample: Sample, sampling_params: dict, evaluatio
             # paths were checked at start-up with their flag's name (validate_args); this imports the module once
             generate_fn = load_function(hook_path) if hook_path else generate
             kwargs = {"evaluation": evaluation} if takes_evaluation(generate_fn) else {}
-            params = with_sample_seed(args, sampling_params, state.rollout_id, sample.index)
-            sample = await generate_fn(args, sample, dict(params), **kwargs)  # a copy: hooks edit theirs
+            if getattr(args, "deterministic_mode", False):  # slime's plugins may pass args without the flag
+                sampling_params = with_sample_seed(args, sampling_params, state.rollout_id, sample.index)
+            sample = await generate_fn(args, sample, dict(sampling_params), **kwargs)  # a copy: hooks edit theirs
         sample = await apply_rollout_sample_hooks(args, sample, **hook_kwargs)
     samples = sample if isinstance(sample, list) else [sample]
     if len(samples) > 1 and any(s.rollout_id is None for s in samples):
@@ -154,8 +155,9 @@ async def generate_group(args, group: list[Sample], sampling_params: dict, state
     group_rm = args.group_rm
     prompt_ids = group_prompt_ids(args, group)
     if prompt_ids is not None:
-        params = with_sample_seed(args, sampling_params, state.rollout_id, group[0].index)
-        await generate_group_in_one_request(args, group, prompt_ids, params, state)
+        if deterministic:
+            sampling_params = with_sample_seed(args, sampling_params, state.rollout_id, group[0].index)
+        await generate_group_in_one_request(args, group, prompt_ids, sampling_params, state)
         if not group_rm and is_scorable(group):
             await score_samples(args, group, state, batched=False)
     else:
