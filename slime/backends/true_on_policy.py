@@ -91,7 +91,8 @@ def head_log_probs_and_entropy(final_hidden: torch.Tensor, norm_weight: torch.Te
     log_probs = tile_decoder.tile_log_probs(normed, lm_head, temperature).flatten(0, 1)
     rows = layout.flat_rows(logit_index, cu_seqlens.to(logit_index.device).long())
     selected = log_probs.index_select(0, rows)
-    token_log_probs = selected.gather(-1, target_ids[:, None].long()).squeeze(-1)
+    # advanced indexing: a new tensor, not a view (FSDP2's root output must not be a view of its graph)
+    token_log_probs = selected[torch.arange(selected.shape[0], device=selected.device), target_ids.long()]
     return token_log_probs, tile_ops.entropy(selected)
 
 
