@@ -18,15 +18,17 @@ from slime.engine.true_on_policy.tile_decoder import DecoderSpec, LayerKV, Layer
 from slime.engine.true_on_policy.tile_ops import TILE_ROWS
 
 
-def true_on_policy_spec(args, weights_path: str) -> DecoderSpec | None:
+def true_on_policy_spec(args, weights_path: str, device: torch.device) -> DecoderSpec | None:
     """The batch-invariant decoder's spec under --true-on-policy-mode (refusing, by name, a model it does not
-    cover), else None."""
+    cover; on the CPU torch then runs single-threaded, as the engine does), else None."""
     if not args.true_on_policy_mode:
         return None
     from slime.engine.models.model_config import load_model_config
-    from slime.engine.true_on_policy.contract import decoder_spec
+    from slime.engine.true_on_policy.contract import decoder_spec, pin_cpu_threads
 
-    return decoder_spec(load_model_config(weights_path))
+    spec = decoder_spec(load_model_config(weights_path))
+    pin_cpu_threads(device)
+    return spec
 
 
 def hf_layer_weights(layer) -> LayerWeights:

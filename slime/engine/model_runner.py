@@ -136,11 +136,13 @@ class ModelRunner(RunnerMemory):
         not cover); else None."""
         if not self.config.true_on_policy:
             return None
-        from slime.engine.true_on_policy.contract import decoder_spec
+        from slime.engine.true_on_policy.contract import decoder_spec, pin_cpu_threads
         from slime.engine.true_on_policy.engine_path import TrueOnPolicyForward
 
+        spec = decoder_spec(self.model_config)
+        pin_cpu_threads(self.device)
         self.use_cuda_graphs = False
-        return TrueOnPolicyForward(self.model, decoder_spec(self.model_config))
+        return TrueOnPolicyForward(self.model, spec)
 
     def drop_sequence(self, rid: str) -> None:
         """A finished sequence's per-sequence state (true_on_policy) is freed."""

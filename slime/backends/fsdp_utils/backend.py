@@ -100,7 +100,7 @@ class FSDPBackend(TrainBackend):
             load_start_adapter(hf_model, args, weights_path)
         self.model = build_policy_model(hf_model, self.mesh, ShardOptions.from_args(args, self.device),
                                         temperature=args.rollout_temperature, chunk_size=args.log_probs_chunk_size,
-                                        tile_spec=true_on_policy_spec(args, weights_path))
+                                        tile_spec=true_on_policy_spec(args, weights_path, self.device))
         self._finish_build(args.lr)
 
     def build_critic(self, weights_path: str) -> None:

@@ -113,7 +113,7 @@ class MegatronBackend(TrainBackend):
         self.ddp_chunks = wrap_data_parallel(self.model_chunks)
         self.optimizer, self.scheduler = build_distributed_optimizer(args, self.ddp_chunks,
                                                                      self.model.config.params_dtype)
-        spec = true_on_policy_spec(args, args.hf_checkpoint)  # --true-on-policy-mode: the batch-invariant decoder
+        spec = true_on_policy_spec(args, args.hf_checkpoint, self.device)  # --true-on-policy-mode: the batch-invariant decoder
         if spec is not None:
             self.tile_forward = partial(tile_forward, spec=spec, hf_config=self.hf_config,
                                         temperature=args.rollout_temperature, device=self.device)
