@@ -48,16 +48,26 @@ def engine_part(opts) -> dict:
     with tempfile.TemporaryDirectory() as folder:
         task_mod.MODEL_SHAPE = SHAPES[opts.shape]
         model = str(task_mod.build_task(Path(folder))["model"])
+        import torch
+
+        threads = torch.get_num_threads()
         results = {}
-        for mode in (False, True):
-            results[mode] = engine_tokens_per_second(model, mode, opts.num_prompts, opts.prompt_len, opts.new_tokens,
+        # On the CPU the mode runs single-threaded (contract.pin_cpu_threads): the baseline is measured both with
+        # torch's default threads and with one thread, so the ratio is not the thread count's.
+        for name, mode, num_threads in (("baseline", False, threads), ("baseline_1_thread", False, 1),
+                                        ("true_on_policy", True, 1)):
+            torch.set_num_threads(num_threads)
+            results[name] = engine_tokens_per_second(model, mode, opts.num_prompts, opts.prompt_len, opts.new_tokens,
                                                      opts.dtype, opts.device)
-    ratio = results[True] / results[False]
+        torch.set_num_threads(threads)
+    summary = {"part": "engine", "shape": opts.shape, "default_threads": threads, **results}
+    for name in ("baseline", "baseline_1_thread"):
+        summary[f"ratio_vs_{name}"] = results["true_on_policy"] / results[name]
     print(f"engine output tok/s ({opts.shape}, {opts.num_prompts} prompts x {opts.prompt_len} in, {opts.new_tokens} "
-          f"out, {opts.dtype} on {opts.device}): baseline {results[False]:,.0f} | true-on-policy {results[True]:,.0f} "
-          f"| ratio {ratio:.3f}")
-    return {"part": "engine", "shape": opts.shape, "baseline_tok_s": results[False], "mode_tok_s": results[True],
-            "ratio": ratio}
+          f"out, {opts.dtype} on {opts.device}): " + " | ".join(f"{k} {v:,.1f}" for k, v in results.items())
+          + f" | mode / baseline {summary['ratio_vs_baseline']:.3f}, / baseline 1 thread "
+          f"{summary['ratio_vs_baseline_1_thread']:.3f}")
+    return summary
 
 
 def run_smoke(out: Path, opts, extra: str) -> list[dict]:
