@@ -15,6 +15,8 @@ REFUSED_MODEL_TYPES = {
     "deepseek_v3": _MLA,
     "kimi_k2": _MLA,
     "glm4_moe_lite": _MLA,
+    "qwen2_5_vl": "vision-language models (image embeddings, multimodal RoPE) are not in the batch-invariant decoder",
+    "qwen3_vl": "vision-language models (image embeddings, multimodal RoPE) are not in the batch-invariant decoder",
 }
 FIX = "run without --true-on-policy-mode (measure the mismatch with --get-mismatch-metrics, correct it with --use-tis)"
 

@@ -47,7 +47,8 @@ def test_uncovered_configurations_are_refused_by_name(tmp_path, flags, named):
     assert named in str(error.value)
 
 
-@pytest.mark.parametrize("model_type", ["qwen3_moe", "qwen2_moe", "glm4", "glm4_moe", "deepseek_v3", "kimi_k2"])
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "qwen2_moe", "glm4", "glm4_moe", "deepseek_v3", "kimi_k2",
+                                        "qwen2_5_vl", "qwen3_vl"])
 def test_uncovered_model_families_are_refused_by_name(tmp_path, model_type):
     for mode in ("--true-on-policy-mode", "--deterministic-mode"):
         with pytest.raises(ArgumentError, match=f"{mode} does not cover model_type '{model_type}'"):
