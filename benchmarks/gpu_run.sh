@@ -22,6 +22,13 @@ loop_bench() {  # TAG [smoke flags]: bench_loop.py; its metrics come back as $OU
 run_step() {
   case $1 in
     gpu_tests) python3 -m pytest -q -m gpu tests ;;
+    # --true-on-policy-mode in bf16: the engine == trainer tests, then its cost (engine tok/s, the colocated GRPO
+    # step on the Qwen3-0.6B shape) with and without the mode (docs/guides/true-on-policy.md).
+    true_on_policy) python3 -m pytest -q -m gpu tests/engine/true_on_policy tests/e2e/test_true_on_policy.py &&
+                    python3 benchmarks/bench_true_on_policy.py engine --shape qwen3-0.6b --dtype bfloat16 --device cuda \
+                      --num-prompts 64 --prompt-len 256 --new-tokens 128 &&
+                    python3 benchmarks/bench_true_on_policy.py step /tmp/true_on_policy_step --shape qwen3-0.6b \
+                      --rollout-batch-size 32 --max-response-len 256 ;;
     profile_engine) python3 benchmarks/profile_engine.py ;;
     profile_w1_prefill) python3 benchmarks/profile_engine.py --prefill ;;
     engine_w1_steps) python3 benchmarks/bench_engine.py --preset qwen3-0.6b --workload w1 --skip-hf --print-steps ;;

@@ -53,6 +53,8 @@ def main() -> None:
     parser.add_argument("--rollout-num-gpus-per-engine", type=int, choices=[1, 2], default=1,
                         help="2: the GRPO run's engine spans two processes, colocated with the two trainer processes "
                              "(trainer rank r feeds engine rank r)")
+    parser.add_argument("--true-on-policy-mode", action="store_true",
+                        help="the GRPO phase under --true-on-policy-mode (docs/guides/true-on-policy.md)")
     opts = parser.parse_args()
 
     run_dir = Path(opts.out_dir or REPO_ROOT / "runs" / f"quickstart-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
@@ -104,6 +106,7 @@ def main() -> None:
         "--lr", str(grpo_lr), "--lr-warmup-iters", "16", *lora, "--eval-prompt-data", "arith", str(paths["eval"]),
         "--eval-interval", "10", "--n-samples-per-eval-prompt", "32", "--eval-max-response-len", "12",
         "--use-tensorboard", "--output-dir", str(grpo_dir), "--save", str(run_dir / "grpo"), *engine_layout,
+        *(["--true-on-policy-mode"] if opts.true_on_policy_mode else []),
     ], "GRPO", run_dir)
 
     series = eval_series(grpo_dir / "metrics.jsonl", "eval/arith")

@@ -54,7 +54,7 @@ from slime.backends.weight_snapshot import WeightSnapshot, place_weight_sets
 from slime.config.flags_lora import serves_adapter
 from slime.utils.checkpoint_state import initial_weights, weights_at_step
 from slime.utils.engine_access import engine_admin_headers
-from slime.utils.misc import load_function, seed_everything
+from slime.utils.misc import load_function, seed_everything, use_deterministic_kernels
 from slime.utils.ppo_utils import apply_opd_advantage, loss_denominator
 from slime.utils.train_data_types import TrainData
 
@@ -83,6 +83,8 @@ class TrainFlow(TrainFlowHandover):
         """Build model, optimizer and reference weights; resume from --load. Returns the first rollout id."""
         args = self.args
         seed_everything(args.seed)
+        if args.deterministic_mode:
+            use_deterministic_kernels()
         self.hooks = {name: load_function(path, "--" + name.replace("_", "-")) if path else None
                       for name, path in (("custom_init_path", args.custom_init_path),
                                          ("custom_before_log_prob_hook_path", args.custom_before_log_prob_hook_path),

@@ -18,6 +18,7 @@ from slime.config.flags_logging import add_logging_arguments
 from slime.config.flags_lora import add_lora_arguments
 from slime.config.flags_megatron import add_megatron_arguments, inert_flag_notices
 from slime.config.flags_moe import add_moe_arguments
+from slime.config.flags_on_policy import add_on_policy_arguments
 from slime.config.flags_rollout import add_rollout_extra_arguments
 from slime.config.flags_sglang import (
     add_router_arguments,
@@ -286,6 +287,7 @@ ARGUMENT_GROUPS = [
     add_algorithm_arguments,
     add_moe_arguments,
     add_lora_arguments,
+    add_on_policy_arguments,
     add_eval_arguments,
     add_logging_arguments,
     add_debug_arguments,

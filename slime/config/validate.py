@@ -23,6 +23,7 @@ from slime.config.errors import ArgumentError, cli_flag, require
 from slime.config.flag_ranges import ANY, FLAG_RANGES
 from slime.config.flags_lora import check_lora_args
 from slime.config.flags_moe import check_moe_args
+from slime.config.flags_on_policy import check_on_policy_args
 from slime.config.validate_megatron import validate_megatron_args, validate_megatron_batches
 from slime.config.validate_trainer import check_trainer_flags
 from slime.config.validate_vision import check_vision_language_flags
@@ -350,6 +351,7 @@ def validate_args(args) -> None:
     check_weight_sync_flags(args)
     validate_megatron_args(args)
     check_lora_args(args)
+    check_on_policy_args(args, require)
     _resolve_batches(args)
     validate_megatron_batches(args)
     _resolve_algorithm(args)

@@ -131,7 +131,31 @@ class ModelRunner(RunnerMemory):
         self.set_use_triton(attention_works,
                             fused=attention_works and triton_fused_kernels_work(self.device, self.kv_dtype),
                             cuda_graphs=grouped_mm)
+        self.true_on_policy = self._true_on_policy_forward()
         self.allocate_kv_cache()
+
+    def _true_on_policy_forward(self):
+        """With config.true_on_policy, the batch-invariant forward every step runs through (refusing a model it does
+        not cover); else None."""
+        if not self.config.true_on_policy:
+            return None
+        from slime.engine.true_on_policy.contract import decoder_spec, pin_cpu_threads
+        from slime.engine.true_on_policy.engine_path import TrueOnPolicyForward
+
+        spec = decoder_spec(self.model_config)
+        pin_cpu_threads(self.device)
+        self.use_cuda_graphs = False
+        return TrueOnPolicyForward(self.model, spec)
+
+    def drop_sequence(self, rid: str) -> None:
+        """A finished sequence's per-sequence state (true_on_policy) is freed."""
+        if self.true_on_policy is not None:
+            self.true_on_policy.drop(rid)
+
+    def forget_computed_tokens(self) -> None:
+        """After a cache flush (every weight update flushes): true_on_policy recomputes each sequence's prefix."""
+        if self.true_on_policy is not None:
+            self.true_on_policy.weights_changed()
 
     def _lora_slots(self):
         """(LoraSlots, LoraRegistry) with enable_lora, else (None, None)."""
@@ -162,7 +186,7 @@ class ModelRunner(RunnerMemory):
         steps (measured on an H200: the sampling kernel compiling inside a run's first prefill steps made them
         300-360 ms instead of ~30 ms). The dummies' K/V all go to the scratch cache block that no request owns; the
         block manager and prefix cache are not involved."""
-        if self.device.type != "cuda":
+        if self.device.type != "cuda" or self.true_on_policy is not None:
             return
         params = SamplingParams(temperature=1.0, max_new_tokens=1, ignore_eos=True)
         length = self.block_size
@@ -182,6 +206,8 @@ class ModelRunner(RunnerMemory):
         sampled by the previous step that the host has not seen yet (overlapped scheduling): the input token of
         every row of a decode batch ([len(scheduled)]), or with `input_rows` that of those rows only, each a
         one-token row (the others read theirs from the host)."""
+        if self.true_on_policy is not None:
+            return self._launch_true_on_policy(list(scheduled))
         positions = self._decode_graph_positions(scheduled)
         if positions is not None:  # every row samples; the rows' arrays come from self.decode_rows
             sample_rows = scheduled
@@ -214,6 +240,21 @@ class ModelRunner(RunnerMemory):
         ready = torch.cuda.Event()
         ready.record()
         return LaunchedStep(tokens, host, ready)
+
+    def _launch_true_on_policy(self, scheduled: list[ScheduledSequence]) -> LaunchedStep | None:
+        """The step through the batch-invariant decoder, sequence by sequence (true_on_policy/engine_path.py): the
+        draw from its logits, the reported log-probs from the shared log_softmax of each token's tile."""
+        from slime.engine.true_on_policy.engine_path import token_log_probs
+
+        sample_rows, logits, tiles, tile_rows = self.true_on_policy.step(scheduled)
+        if not sample_rows:
+            return None
+        sampled = [scheduled[row] for row in sample_rows]
+        sampling = prepare_sampling(sampled, self.model_config.vocab_size, self.staging, self.eos_token_ids)
+        tokens, results = sample_results(logits, sampling)
+        results[1] = token_log_probs(tiles, tile_rows, tokens,
+                                     [item.seq.sampling_params.temperature for item in sampled]).to(results.device)
+        return LaunchedStep(tokens, results.cpu(), None)
 
     def _vision_inputs(self, scheduled):
         """A VL model's (positions, image embeddings, deepstack) of a flat batch (vl_step.py); None for a text model."""

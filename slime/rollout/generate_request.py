@@ -11,6 +11,7 @@ import inspect
 import operator
 
 from slime.rollout.dataset import load_processor, prompt_token_ids, tokenizer_for
+from slime.rollout.deterministic_seeds import continuation_seed
 from slime.rollout.resend import post_generate
 from slime.rollout.routed_experts import routed_experts_request, store_routed_experts
 from slime.utils.engine_access import router_headers
@@ -59,6 +60,8 @@ async def sample_continuation(args, sample: Sample, sampling_params: dict) -> st
     """One POST /generate continuing `sample.tokens`: appends the sampled ids (loss mask 1, the engine's log-probs)
     and the text, sets the status from the finish reason, counts prefix-cache hits; returns the text sampled."""
     routing = routed_experts_request(args, sample)
+    if sample.response_length or getattr(args, "max_turns", 1) > 1:  # a continuation: fresh noise for its positions
+        sampling_params = continuation_seed(args, sampling_params, len(sample.tokens))
     payload = {"input_ids": sample.tokens, "sampling_params": sampling_params, "return_logprob": True, **routing,
                **image_data_request(sample)}
     output = await _post_generate(args, payload, sample)

@@ -31,6 +31,7 @@ from tqdm import tqdm
 
 from slime.rollout.base_types import RolloutFnTrainOutput
 from slime.rollout.dataset import EvalDataset, load_eval_datasets, load_processor, prompt_token_ids, tokenizer_for
+from slime.rollout.deterministic_seeds import with_sample_seed
 from slime.rollout.filter_hub.base_types import call_dynamic_filter, should_drop_dynamic_filter_output
 from slime.rollout.generate_request import (
     build_sampling_params,
@@ -137,6 +138,8 @@ async def generate_and_rm(args, sample: Sample, sampling_params: dict, evaluatio
             # paths were checked at start-up with their flag's name (validate_args); this imports the module once
             generate_fn = load_function(hook_path) if hook_path else generate
             kwargs = {"evaluation": evaluation} if takes_evaluation(generate_fn) else {}
+            if getattr(args, "deterministic_mode", False):  # slime's plugins may pass args without the flag
+                sampling_params = with_sample_seed(args, sampling_params, state.rollout_id, sample.index)
             sample = await generate_fn(args, sample, dict(sampling_params), **kwargs)  # a copy: hooks edit theirs
         sample = await apply_rollout_sample_hooks(args, sample, **hook_kwargs)
     samples = sample if isinstance(sample, list) else [sample]
@@ -152,12 +155,16 @@ async def generate_and_rm(args, sample: Sample, sampling_params: dict, evaluatio
 
 async def generate_group(args, group: list[Sample], sampling_params: dict, state: GenerateState) -> list[Sample]:
     """Generate and score one prompt group; the members share a session id (router affinity key)."""
-    session_id = uuid.uuid4().hex
+    # --deterministic-mode: the routing key (and what the dumps record) is a function of the group, not random
+    deterministic = getattr(args, "deterministic_mode", False)
+    session_id = f"{state.rollout_id}-{group[0].index}" if deterministic else uuid.uuid4().hex
     for sample in group:
         sample.session_id = sample.session_id or session_id
     group_rm = args.group_rm
     prompt_ids = group_prompt_ids(args, group)
     if prompt_ids is not None:
+        if deterministic:
+            sampling_params = with_sample_seed(args, sampling_params, state.rollout_id, group[0].index)
         await generate_group_in_one_request(args, group, prompt_ids, sampling_params, state)
         if not group_rm and is_scorable(group):
             await score_samples(args, group, state, batched=False)

@@ -19,7 +19,8 @@ PLOT_PANELS = [
     ("eval", None),  # every eval/<name> key
     ("loss", ["train/loss", "train/pg_loss"]),
     ("KL", ["train/kl_loss", "train/ppo_kl"]),
-    ("train/rollout mismatch", ["train/train_rollout_logprob_abs_diff", "train/mismatch_ratio_outside_clip"]),
+    ("train/rollout mismatch", ["train/train_rollout_logprob_abs_diff", "train/train_rollout_logprob_exact_fraction",
+                                "train/mismatch_ratio_outside_clip"]),
     ("response length", ["rollout/response_len/mean"]),
     ("multi-turn", ["rollout/turns_per_sample", "rollout/tool_calls_per_sample", "rollout/tool_errors_per_sample"]),
 ]

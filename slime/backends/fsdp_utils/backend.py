@@ -51,6 +51,7 @@ from slime.backends.moe_aux_loss import router_losses
 from slime.backends.packing import PackedMicroBatch
 from slime.backends.param_freeze import freeze_parameters
 from slime.backends.process_group import init_default_group, training_device
+from slime.backends.true_on_policy import true_on_policy_spec
 
 logger = logging.getLogger(__name__)
 
@@ -98,7 +99,8 @@ class FSDPBackend(TrainBackend):
             apply_lora(hf_model, args.lora_target_modules, args.lora_rank, args.lora_alpha, args.lora_dropout)
             load_start_adapter(hf_model, args, weights_path)
         self.model = build_policy_model(hf_model, self.mesh, ShardOptions.from_args(args, self.device),
-                                        temperature=args.rollout_temperature, chunk_size=args.log_probs_chunk_size)
+                                        temperature=args.rollout_temperature, chunk_size=args.log_probs_chunk_size,
+                                        tile_spec=true_on_policy_spec(args, weights_path, self.device))
         self._finish_build(args.lr)
 
     def build_critic(self, weights_path: str) -> None:

@@ -29,6 +29,7 @@ from slime.backends.fsdp_utils.vision_language import (
 from slime.backends.log_probs import chunked_log_probs_and_entropy
 from slime.backends.lora_adapter import is_lora_name
 from slime.backends.packing import PackedMicroBatch
+from slime.backends.true_on_policy import install_tile_layers, packed_log_probs_and_entropy
 
 HF_PREFIX = "hf_model."
 
@@ -37,16 +38,28 @@ class PolicyModel(nn.Module):
     """A causal LM whose forward takes a packed micro-batch and returns (log_probs, entropy) of its response
     tokens, computed by the chunked output head."""
 
-    def __init__(self, hf_model: nn.Module, temperature: float = 1.0, chunk_size: int | None = None):
+    def __init__(self, hf_model: nn.Module, temperature: float = 1.0, chunk_size: int | None = None,
+                 tile_spec=None):
+        """tile_spec: a `DecoderSpec` under --true-on-policy-mode (the decoder layers then run the batch-invariant
+        forward the engine runs, backends/true_on_policy.py), else None."""
         super().__init__()
         self.hf_model = hf_model
         self.temperature = temperature
         self.chunk_size = chunk_size
+        self.tile_spec = tile_spec
         if getattr(hf_model.get_output_embeddings(), "bias", None) is not None:
             raise ValueError("models whose output layer has a bias are not supported by the chunked log-prob head")
+        if tile_spec is not None:
+            install_tile_layers(hf_model.get_decoder().layers, tile_spec)
 
     def forward(self, input_ids, position_ids, logit_index, target_ids, cu_seqlens=None, max_seqlen=None,
                 pixel_values=None, image_grid_thw=None, num_images=None):
+        if self.tile_spec is not None:  # true-on-policy mode (text models only: VL is refused at start-up)
+            decoder = self.hf_model.get_decoder()
+            return packed_log_probs_and_entropy(
+                decoder.embed_tokens.weight, decoder.layers, decoder.norm.weight,
+                self.hf_model.get_output_embeddings().weight, self.tile_spec, input_ids, logit_index, target_ids,
+                cu_seqlens, self.temperature)
         if is_vision_language(self.hf_model.config):
             hidden = packed_vision_language_hidden_states(self.hf_model, input_ids, cu_seqlens, max_seqlen,
                                                           pixel_values, image_grid_thw, num_images)
@@ -178,8 +191,8 @@ def shard_model(model: nn.Module, hf_model: nn.Module, mesh, options: ShardOptio
 
 
 def build_policy_model(hf_model: nn.Module, mesh, options: ShardOptions, *, temperature: float,
-                       chunk_size: int | None) -> PolicyModel:
-    return shard_model(PolicyModel(hf_model, temperature, chunk_size), hf_model, mesh, options)
+                       chunk_size: int | None, tile_spec=None) -> PolicyModel:
+    return shard_model(PolicyModel(hf_model, temperature, chunk_size, tile_spec), hf_model, mesh, options)
 
 
 def reshard(model: nn.Module) -> None:
