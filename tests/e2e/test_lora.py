@@ -53,6 +53,37 @@ def test_lora_grpo_run_serves_every_pushed_adapter(task, tmp_path, layout):
     adapter = tmp_path / "ckpt" / folder / "adapter"
     config = json.loads((adapter / "adapter_config.json").read_text())
     assert config["r"] == 8 and (adapter / "adapter_model.safetensors").is_file()
+    check_lora_metrics(rows, task["model"], adapter, megatron=bool(layout))
+
+
+def expected_trainable_params(model_dir, rank: int, megatron: bool) -> int:
+    """All-linear adapters of the checkpoint's shape: A [r, in] and B [out, r] per layer; Megatron's fused q/k/v and
+    gate/up layers hold one A each (lora.py)."""
+    config = json.loads((model_dir / "config.json").read_text())
+    hidden, inter, head_dim = config["hidden_size"], config["intermediate_size"], config["head_dim"]
+    q, kv = config["num_attention_heads"] * head_dim, config["num_key_value_heads"] * head_dim
+    a_inputs = [hidden, hidden] + [hidden, inter] if megatron else [hidden] * 3 + [q, hidden, hidden, inter]
+    b_outputs = [q + 2 * kv, 2 * inter] + [hidden, hidden] if megatron else [q, kv, kv, hidden, inter, inter, hidden]
+    return config["num_hidden_layers"] * rank * (sum(a_inputs) + sum(b_outputs))
+
+
+def check_lora_metrics(rows, model_dir, adapter_dir, megatron: bool) -> None:
+    """Issue #40 item 7 in metrics.jsonl: trainable parameters, adapter norms (equal to the saved adapter's), push
+    bytes and seconds, peak memory."""
+    from safetensors.torch import load_file
+
+    for row in rows:
+        assert row["lora/trainable_params"] == expected_trainable_params(model_dir, 8, megatron)
+        assert row["lora/adapter_norm"] ** 2 == pytest.approx(row["lora/lora_A_norm"] ** 2 + row["lora/lora_B_norm"] ** 2)
+        assert row["lora/lora_B_norm"] > 0  # B starts at zero; the metric follows the training step
+        assert row["perf/weight_push_time"] > 0 and row["perf/train_peak_memory_gb"] > 0.1
+        if not megatron:  # the pushed tensors are the trainable ones, in fp32 (the CPU engine's dtype)
+            assert row["perf/weight_push_gb"] * 1e9 == pytest.approx(4 * row["lora/trainable_params"])
+    saved = load_file(str(adapter_dir / "adapter_model.safetensors"))
+    for kind in ("lora_A", "lora_B"):
+        norm = sum(float(t.double().square().sum()) for name, t in saved.items() if f".{kind}." in name) ** 0.5
+        assert rows[-1][f"lora/{kind}_norm"] == pytest.approx(norm, rel=1e-6)
+    assert rows[-1]["lora/lora_B_norm"] > rows[0]["lora/lora_B_norm"]
 
 
 @pytest.mark.slow  # the quickstart: full SFT warm start, then 80 LoRA GRPO rollouts (~10 min or more on 2 cores)

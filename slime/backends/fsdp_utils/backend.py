@@ -206,6 +206,10 @@ class FSDPBackend(TrainBackend):
         return {hf_name(name): (param.full_tensor() if isinstance(param, DTensor) else param).detach().cpu().clone()
                 for name, param in self.model.named_parameters() if is_lora_name(name)}
 
+    def num_trainable_parameters(self) -> int:
+        """A DTensor's numel is its full tensor's: no reduction needed."""
+        return sum(param.numel() for param in self.model.parameters() if param.requires_grad)
+
     @property
     def adapted_layers(self) -> set[str]:
         return adapted_layers(hf_name(name) for name, _ in self.model.named_parameters())
