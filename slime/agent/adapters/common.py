@@ -7,8 +7,8 @@ sampling fields; `RequestError(param, message)` for a bad field), `render_answer
 
 One turn: the session id from `Authorization: Bearer <id>` or `x-api-key: <id>` (404 unknown, 409 finished) -> parse
 (400 naming the field) -> turn cap (429) -> render the chat template to ids -> POST the router's /generate with
-`input_ids`, `return_logprob` and the header `X-SMG-Routing-Key: <session id>` (keeps a session on one engine for its
-prefix cache) -> parse reasoning and tool calls from the sampled text -> record a `TurnRecord` -> answer. The stream
+`input_ids`, `return_logprob`, the LoRA adapter of the moment (`lora_path`, if any) and the header
+`X-SMG-Routing-Key: <session id>` (keeps a session on one engine for its prefix cache) -> parse reasoning and tool calls from the sampled text -> record a `TurnRecord` -> answer. The stream
 is rendered from the finished turn (the engine call is not streamed token by token).
 
 Not the wire formats (openai.py, anthropic.py), not the linearisation of turns (`slime.agent.trajectory`).
@@ -20,6 +20,7 @@ import asyncio
 import json
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from aiohttp import web
@@ -130,7 +131,10 @@ class BaseAdapter:
 
     def __init__(self, *, tokenizer, sglang_url: str, tool_parser: str = "qwen", reasoning_parser: str | None = None,
                  max_turns: int | None = None, headers: dict | None = None,
-                 fork_threshold_tokens: int = DEFAULT_FORK_THRESHOLD_TOKENS, request_timeout_s: float | None = None):
+                 fork_threshold_tokens: int = DEFAULT_FORK_THRESHOLD_TOKENS, request_timeout_s: float | None = None,
+                 lora_path: Callable[[], str | None] | None = None):
+        """`lora_path`: asked at every turn, the LoRA adapter the engine samples it with (SGLang's `lora_path`), or
+        None for the base model; a LoRA run's rollout passes `lambda: args.lora_path`, the version last pushed."""
         if max_turns is not None and max_turns < 1:
             raise ValueError(f"max_turns must be >= 1 (or None for no cap), got {max_turns}")
         self.tokenizer = tokenizer
@@ -140,6 +144,7 @@ class BaseAdapter:
         self.max_turns = max_turns
         self.headers = dict(headers or {})
         self.request_timeout_s = request_timeout_s
+        self.lora_path = lora_path or (lambda: None)
         self.manager = TrajectoryManager(fork_threshold_tokens=fork_threshold_tokens, tokenizer=tokenizer)
         self.model_name = str(getattr(tokenizer, "name_or_path", "") or "slime")
         end_ids = {tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids("<|im_end|>")} - {None, tokenizer.unk_token_id}
@@ -258,6 +263,9 @@ class BaseAdapter:
             return self._error(400, f"the chat template cannot render these messages: {error}", "messages")
         sampling_params, tool_stops = self._sampling_params(session_id, chat)
         payload = {"input_ids": prompt_ids, "sampling_params": sampling_params, "return_logprob": True}
+        lora_path = self.lora_path()
+        if lora_path is not None:
+            payload["lora_path"] = lora_path
         headers = {**self.headers, ROUTING_KEY_HEADER: session_id}
         try:
             result = await request_json("POST", f"{self.sglang_url}/generate", payload, headers=headers,
