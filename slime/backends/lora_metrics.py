@@ -3,7 +3,8 @@
 - `lora/trainable_params`: the values the optimizer trains, counted once however they are sharded (the adapters,
   under LoRA; the model's shared A of Megatron's fused q/k/v or gate/up layer counts once).
 - `lora/adapter_norm`, `lora/lora_A_norm`, `lora/lora_B_norm`: L2 norms over every adapter tensor (as PEFT names
-  them), so B's norm (zero at the start) shows how far training moved the policy from the base.
+  them), so B's norm (zero at the start) shows how far training moved the policy from the base; with several
+  adapters also per adapter (`lora/<name>/adapter_norm`, ...).
 - `perf/train_peak_memory_gb`: the largest peak over the train ranks: on a GPU the bytes torch allocated at most
   since the last `reset_peak_memory` (one rollout's training), on the CPU the process's peak resident set size (the
   operating system's, never reset, so it is the peak so far).
@@ -21,7 +22,7 @@ import sys
 import torch
 import torch.distributed as dist
 
-from slime.backends.lora_adapter import LORA_A, LORA_B
+from slime.backends.lora_adapter import LORA_A, LORA_B, split_by_adapter
 
 
 def adapter_norm_metrics(adapter: dict[str, torch.Tensor]) -> dict[str, float]:
@@ -34,10 +35,15 @@ def adapter_norm_metrics(adapter: dict[str, torch.Tensor]) -> dict[str, float]:
             "lora/lora_A_norm": math.sqrt(squares[LORA_A]), "lora/lora_B_norm": math.sqrt(squares[LORA_B])}
 
 
-def lora_metrics(backend) -> dict[str, float]:
-    """Collective (the adapter is gathered on every rank): the LoRA metrics of the trainer's current adapter."""
-    return {"lora/trainable_params": float(backend.num_trainable_parameters()),
-            **adapter_norm_metrics(backend.adapter_weights())}
+def lora_metrics(backend, adapter_names: list[str] | None = None) -> dict[str, float]:
+    """Collective (the adapter is gathered on every rank): the LoRA metrics of the trainer's current adapter; with
+    several (`adapter_names`) also each one's norms, `lora/<name>/...`."""
+    adapter = backend.adapter_weights()
+    metrics = {"lora/trainable_params": float(backend.num_trainable_parameters()), **adapter_norm_metrics(adapter)}
+    for name, part in split_by_adapter(adapter, adapter_names).items() if adapter_names else ():
+        metrics.update({key.replace("lora/", f"lora/{name}/"): value
+                        for key, value in adapter_norm_metrics(part).items()})
+    return metrics
 
 
 def reset_peak_memory(device: torch.device) -> None:

@@ -28,6 +28,8 @@ class PackedMicroBatch:
     max_seqlen: int
     # MoE routing to replay, [num_tokens, num_moe_layers, top_k] (routing_replay.py), or None
     routed_experts: torch.Tensor | None = None
+    # several LoRA adapters (--lora-adapter-key): each token's adapter, an index into --lora-adapter-names [num_tokens]
+    token_adapters: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -39,6 +41,7 @@ class PackedMicroBatch:
             to_device(self.logit_index, device), to_device(self.target_ids, device), self.sample_indices,
             self.response_lengths, to_device(self.cu_seqlens, device), self.max_seqlen,
             None if self.routed_experts is None else to_device(self.routed_experts, device),
+            None if self.token_adapters is None else to_device(self.token_adapters, device),
         )
 
 

@@ -131,7 +131,9 @@ class TrainFlow(TrainFlowHandover):
                                                 headers=engine_admin_headers(args),
                                                 disk_dir=args.update_weight_disk_dir,
                                                 keep_files=args.update_weight_disk_keep_files,
-                                                check_weight_equal=args.check_lora_weight_equal)
+                                                check_weight_equal=args.check_lora_weight_equal,
+                                                adapter_names=args.lora_adapter_names if args.lora_adapter_key
+                                                else None)
         else:
             self.weight_updater = weight_sender_from_args(args, backend, self.rank, self.master_addr)
         self.loss_fn = get_loss_function(args)
@@ -310,7 +312,7 @@ class TrainFlow(TrainFlowHandover):
         metrics.update(self._summarise(step_metrics, "train/"))
         metrics.update(train_peak_memory_metrics(self.device))
         if self.lora and self.role == "actor":  # adapter norms and size (issue #40 item 7)
-            metrics.update(lora_metrics(self.backend))
+            metrics.update(lora_metrics(self.backend, args.lora_adapter_names if args.lora_adapter_key else None))
         if args.save_debug_train_data:
             save_debug_train_data(args.save_debug_train_data, rollout_id,
                                   rank_train_data(data, {**per_sample, "returns": self.last_returns}), self.backend)

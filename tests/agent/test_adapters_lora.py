@@ -65,6 +65,14 @@ def test_turns_sample_with_the_current_adapter(adapter_class, server, router, ti
         current["lora_path"] = name  # a push happened: the next turn asks for the new version
         turn()
         samples = served.call(adapter.finish_session("s"))
+        # a session's own adapter (several adapters in a run: the sample's) wins over the adapter-wide one
+        current["lora_path"] = None
+        adapter.open_session("own", sampling_defaults={"temperature": 1.0, "sampling_seed": SEED},
+                             lora_path=lambda: name)
+        client = (openai.OpenAI(base_url=f"{served.url}/v1", api_key="own", max_retries=0)
+                  if adapter_class is OpenAIAdapter else client.with_options(api_key="own"))
+        turn()
+        own = served.call(adapter.finish_session("own"))
     finally:
         served.close()
     prompt_ids = render(tokenizer, [USER])
@@ -72,6 +80,8 @@ def test_turns_sample_with_the_current_adapter(adapter_class, server, router, ti
     for turn_index, lora_path in ((0, None), (1, name)):
         ids, log_probs = by_turn[turn_index]
         assert (ids, pytest.approx(log_probs, abs=1e-5)) == direct(router, prompt_ids, lora_path)
+    own_ids, own_log_probs = runs(own[0], 1)[0]
+    assert (own_ids, pytest.approx(own_log_probs, abs=1e-5)) == by_turn[1]
     # turn 1's log-probs are the adapter's: transformers with it merged (float64), not the base model's
     ids, log_probs = by_turn[1]
     with_adapter = merged_log_probs(tiny_qwen3, config, tensors, prompt_ids + ids, len(prompt_ids))

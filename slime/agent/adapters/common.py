@@ -76,6 +76,7 @@ class TurnAnswer:
 @dataclass
 class _Session:
     sampling_defaults: dict
+    lora_path: Callable[[], str | None] | None = None  # the session's own, else the adapter's
     num_turns: int = 0
     closed: bool = False
     in_flight: set = field(default_factory=set)
@@ -154,14 +155,17 @@ class BaseAdapter:
         self.app.router.add_post(self.route, self._handle)
 
     # ---- lifecycle -------------------------------------------------------------------------------------------
-    def open_session(self, session_id: str, sampling_defaults: dict | None = None) -> None:
+    def open_session(self, session_id: str, sampling_defaults: dict | None = None,
+                     lora_path: Callable[[], str | None] | None = None) -> None:
         """Accept turns for `session_id` (the key the agent client authenticates with); `sampling_defaults` in the
-        engine's names (temperature, top_p, max_new_tokens, stop, ...), overridden per request by the client."""
+        engine's names (temperature, top_p, max_new_tokens, stop, ...), overridden per request by the client;
+        `lora_path`: the session's own LoRA adapter of the moment (several adapters: the sample's, e.g.
+        `lambda: request_lora_path(args, sample.metadata)`), instead of the adapter-wide one."""
         if not isinstance(session_id, str) or not session_id:
             raise ValueError(f"session_id must be a non-empty string, got {session_id!r}")
         if session_id in self._sessions:
             raise ValueError(f"session {session_id!r} is already open; session ids must be unique")
-        self._sessions[session_id] = _Session(dict(sampling_defaults or {}))
+        self._sessions[session_id] = _Session(dict(sampling_defaults or {}), lora_path)
 
     async def shutdown_session(self, session_id: str, timeout_s: float = 30.0) -> None:
         """Refuse new turns of the session (409) and wait for the ones in flight (cancelled after `timeout_s`)."""
@@ -263,7 +267,8 @@ class BaseAdapter:
             return self._error(400, f"the chat template cannot render these messages: {error}", "messages")
         sampling_params, tool_stops = self._sampling_params(session_id, chat)
         payload = {"input_ids": prompt_ids, "sampling_params": sampling_params, "return_logprob": True}
-        lora_path = self.lora_path()
+        session = self._sessions.get(session_id)
+        lora_path = (session.lora_path if session is not None and session.lora_path else self.lora_path)()
         if lora_path is not None:
             payload["lora_path"] = lora_path
         headers = {**self.headers, ROUTING_KEY_HEADER: session_id}
