@@ -180,8 +180,12 @@ def split_by_adapter(adapter: dict[str, torch.Tensor], names: list[str]) -> dict
 
 def join_adapters(parts: dict[str, dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
     """The inverse of `split_by_adapter`."""
-    return {f"{key.rsplit('.', 2)[0]}.{key.rsplit('.', 2)[1]}.{name}.{key.rsplit('.', 1)[1]}": tensor
-            for name, part in parts.items() for key, tensor in part.items()}
+    joined = {}
+    for name, part in parts.items():
+        for key, tensor in part.items():
+            layer, kind, suffix = key.rsplit(".", 2)
+            joined[f"{layer}.{kind}.{name}.{suffix}"] = tensor
+    return joined
 
 
 def save_adapters(folder: str | Path, args, adapter: dict[str, torch.Tensor]) -> None:

@@ -140,3 +140,14 @@ def test_two_adapter_run_serves_each_sample_its_own_adapter(tmp_path):
     difference = sum(float((saved["add"][k] - saved["sub"][k]).square().sum()) for k in saved["add"] if "lora_B" in k)
     size = sum(float(saved["add"][k].square().sum()) for k in saved["add"] if "lora_B" in k)
     assert difference > 0.5 * size
+
+
+@pytest.mark.slow  # a full SFT warm start, then 60 GRPO rollouts training two adapters (~10 min or more on 2 cores)
+def test_two_adapters_each_learn_their_own_task(tmp_path):
+    result = subprocess.run([sys.executable, str(REPO / "examples/lora_multi/run.py"), "--out-dir", str(tmp_path)],
+                            cwd=REPO, capture_output=True, text=True, timeout=3600)
+    assert result.returncode == 0, result.stderr[-6000:]
+    summary = json.loads(result.stdout.strip().splitlines()[-1])
+    for task in ("add", "sub"):  # each adapter, evaluated on its own task's held-out problems, improved
+        before, after = summary[task]
+        assert after > before + 0.05, (task, summary)
