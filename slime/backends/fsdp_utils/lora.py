@@ -76,8 +76,8 @@ class MultiLoRALinear(nn.Module, AdapterSwitch):
             raise RuntimeError("a forward of a model with several LoRA adapters outside select_adapters(): which "
                                "adapter each token uses is not known")
         x = self.lora_dropout(x)
-        for mask, name in zip(self.token_masks, self.lora_A):
-            y = y + self.lora_B[name](self.lora_A[name](x)) * (mask * self.scaling)
+        for mask, name in zip(self.token_masks, self.lora_A):  # the mask in the compute dtype (mixed precision)
+            y = y + self.lora_B[name](self.lora_A[name](x)) * (mask * self.scaling).to(y.dtype)
         return y
 
 
@@ -94,7 +94,7 @@ def select_adapters(model: nn.Module, token_adapters: torch.Tensor | None):
                          "data without 'lora_adapters': --lora-adapter-key)")
     num_adapters = len(layers[0].lora_A)
     ids = torch.arange(num_adapters, device=token_adapters.device)[:, None]
-    masks = (token_adapters[None, :] == ids).to(layers[0].weight.dtype)[:, None, :, None]
+    masks = (token_adapters[None, :] == ids).float()[:, None, :, None]
     for layer in layers:
         layer.token_masks = masks
     try:
