@@ -66,8 +66,8 @@ def expected_trainable_params(model_dir, rank: int, megatron: bool) -> int:
     config = json.loads((model_dir / "config.json").read_text())
     hidden, inter, head_dim = config["hidden_size"], config["intermediate_size"], config["head_dim"]
     q, kv = config["num_attention_heads"] * head_dim, config["num_key_value_heads"] * head_dim
-    a_inputs = [hidden, hidden] + [hidden, inter] if megatron else [hidden] * 3 + [q, hidden, hidden, inter]
-    b_outputs = [q + 2 * kv, 2 * inter] + [hidden, hidden] if megatron else [q, kv, kv, hidden, inter, inter, hidden]
+    a_inputs = [hidden, q, hidden, inter] if megatron else [hidden] * 3 + [q, hidden, hidden, inter]
+    b_outputs = [q + 2 * kv, hidden, 2 * inter, hidden] if megatron else [q, kv, kv, hidden, inter, inter, hidden]
     return config["num_hidden_layers"] * rank * (sum(a_inputs) + sum(b_outputs))
 
 
