@@ -1,11 +1,14 @@
 """train.py end to end with --lora-rank on the CPU (real Ray, the built-in engine behind the real router): the
 engines serve every pushed adapter version (the engine's log-probs equal the trainer's after every push while the
 policy moves away from the frozen base, the reference), only adapter-sized pushes travel, and a checkpoint holds a
-PEFT adapter; the quickstart's held-out accuracy rises with a LoRA GRPO phase (slow)."""
+PEFT adapter, with the LoRA metrics in metrics.jsonl; the same on an engine of two ranks; two adapters in one run
+serve each sample its own adapter; the quickstart's held-out accuracy rises with a LoRA GRPO phase, and two adapters
+each learn their own task (slow)."""
 
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -151,3 +154,11 @@ def test_two_adapters_each_learn_their_own_task(tmp_path):
     for task in ("add", "sub"):  # each adapter, evaluated on its own task's held-out problems, improved
         before, after = summary[task]
         assert after > before + 0.05, (task, summary)
+    from safetensors.torch import load_file
+
+    from slime.utils.checkpoint_state import latest_checkpoint
+
+    folder = latest_checkpoint(Path(summary["run_dir"]) / "grpo") / "adapter"
+    add, sub = (load_file(str(folder / task / "adapter_model.safetensors")) for task in ("add", "sub"))
+    difference = sum(float((add[k] - sub[k]).square().sum()) for k in add if "lora_B" in k)
+    assert difference > 0.5 * sum(float(add[k].square().sum()) for k in add if "lora_B" in k)  # they differ
