@@ -6,10 +6,12 @@ are saved in PEFT's format and pushed to the engines unmerged (docs/guides/lora.
 
 Derived fields: `args.lora_target_modules`, the adapted layers as sorted Hugging Face leaf names (`q_proj`, ...),
 whatever spelling the flag used; `args.lora_path`, the adapter name the rollout's /generate requests ask for (None
-until the first push; the RolloutManager sets it to `policy@<version>` after each verified push). Parsing (`add_lora_arguments`, registered in arguments.py) and the rules
-(`check_lora_args`, called from validate.py once the backend and layout are resolved).
+until the first push; the RolloutManager sets it to `policy@<version>` after each verified push); with several
+adapters (--lora-adapter-key) `args.lora_paths` instead, {adapter: `<adapter>@<version>`}, read per sample by
+`request_lora_path`. Parsing (`add_lora_arguments`, registered in arguments.py) and the rules (`check_lora_args`,
+called from validate.py once the backend and layout are resolved).
 
-Not the adapters themselves (slime/backends/lora/).
+Not the adapters themselves (slime/backends/: lora_adapter.py, fsdp_utils/lora.py, megatron_utils/lora.py).
 """
 
 from __future__ import annotations
