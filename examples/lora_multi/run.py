@@ -28,7 +28,8 @@ from slime.utils.checkpoint_state import latest_checkpoint  # noqa: E402
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out-dir", default=None)
-    parser.add_argument("--sft-rollouts", type=int, default=30, help="SFT rollouts (3 optimizer steps each)")
+    parser.add_argument("--sft-rollouts", type=int, default=80,
+                        help="SFT rollouts (3 optimizer steps each; at 30 held-out accuracy started at 0.05-0.09)")
     parser.add_argument("--num-rollout", type=int, default=60, help="GRPO rollouts")
     parser.add_argument("--lr", type=float, default=1e-3, help="the adapters' GRPO learning rate")
     parser.add_argument("--lora-rank", type=int, default=16)
