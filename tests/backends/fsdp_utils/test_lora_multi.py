@@ -1,7 +1,8 @@
 """Several LoRA adapters in one FSDP trainer (--lora-adapter-key / --lora-adapter-names): one packed micro-batch
 mixing the adapters' samples gives each sample its own adapter's log-probs and each adapter the gradient of its own
 samples only (float64 reference on the merged weights, per adapter); each adapter is clipped on its own norm; the
-checkpoint holds one PEFT folder per adapter and resumes exactly."""
+checkpoint holds one PEFT folder per adapter and resumes exactly; the reference pass is the base model for every
+sample, and a forward that does not say each token's adapter is refused."""
 
 import pytest
 import torch
@@ -139,3 +140,20 @@ def test_checkpoint_holds_a_peft_folder_per_adapter_and_resumes_exactly(checkpoi
     assert metrics["train/loss"] == uninterrupted["train/loss"]
     for name, value in full_params(resumed).items():
         torch.testing.assert_close(value, expected[name], rtol=0, atol=0, msg=name)
+
+
+def test_reference_pass_is_the_base_model_whatever_each_samples_adapter(checkpoint):
+    from slime.backends.packing import pack_samples
+    from slime.backends.schedule import train_schedule
+
+    data = with_adapters(make_train_data(4, vocab_size=300, seed=8), [0, 1, 0, 1])
+    trainer = make_trainer(make_args(checkpoint, *MULTI, "--use-kl-loss", "--kl-loss-coef", "0.1"), with_ref=True)
+    _randomise(trainer, seed=9)
+    schedule = train_schedule(trainer.args, data, trainer.backend)
+    ref = trainer._log_probs_with("ref", schedule, len(data["tokens"]))
+    base, _ = reference_log_probs(checkpoint, {}, SCALE, data["tokens"], data["response_lengths"])
+    for got, expected in zip(ref, base):
+        torch.testing.assert_close(got.double(), expected.detach(), rtol=1e-5, atol=1e-5)
+    packed = pack_samples(data["tokens"], data["response_lengths"], [0, 1, 2, 3])
+    with pytest.raises(ValueError, match="names none per token"):  # a forward that does not say the adapters
+        trainer.backend.forward_only([packed])
