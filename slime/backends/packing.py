@@ -35,6 +35,8 @@ class PackedMicroBatch:
     pixel_values: torch.Tensor | None = None
     image_grid_thw: torch.Tensor | None = None
     num_images: list[int] | None = None
+    # several LoRA adapters (--lora-adapter-key): each token's adapter, an index into --lora-adapter-names [num_tokens]
+    token_adapters: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -48,6 +50,7 @@ class PackedMicroBatch:
             None if self.routed_experts is None else to_device(self.routed_experts, device),
             None if self.pixel_values is None else to_device(self.pixel_values, device),
             None if self.image_grid_thw is None else to_device(self.image_grid_thw, device), self.num_images,
+            None if self.token_adapters is None else to_device(self.token_adapters, device),
         )
 
 

@@ -10,6 +10,9 @@ Not the packing itself (packing.py) nor the data-parallel split (slime/ray/train
 
 from __future__ import annotations
 
+import itertools
+
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -47,8 +50,15 @@ def train_schedule(args, data: TrainData, backend, max_tokens_per_gpu: int | Non
                              f"(a multiple of {multiple}: megatron's interleaved schedule, --pipeline-model-parallel-"
                              "size with virtual stages); raise --global-batch-size or --max-tokens-per-gpu")
     images = data.get("multimodal_train_inputs")
-    return [[pack_samples(tokens, data["response_lengths"], b, images) for b in pad_num_micro_batches(bins, lengths, target)]
-            for bins, target in zip(bins_per_step, targets)]
+    schedule = [[pack_samples(tokens, data["response_lengths"], b, images)
+                 for b in pad_num_micro_batches(bins, lengths, target)]
+                for bins, target in zip(bins_per_step, targets)]
+    if data.get("lora_adapters") is not None:  # several LoRA adapters: each token computes with its sample's
+        adapters = np.asarray(data["lora_adapters"], dtype=np.int64)
+        for micro_batch in itertools.chain.from_iterable(schedule):
+            micro_batch.token_adapters = torch.from_numpy(np.repeat(adapters[micro_batch.sample_indices],
+                                                                    micro_batch.cu_seqlens.diff().numpy()))
+    return schedule
 
 
 def forward_only_schedule(args, data: TrainData, backend, schedule: list[list[PackedMicroBatch]]):

@@ -71,7 +71,8 @@ class Config:
         time (/load_lora_adapter, /load_lora_adapter_from_tensors) and a request picks one with `lora_path`. The
         buffers of max_loras_per_batch slots at max_lora_rank are allocated at start-up on q/k/v/o/gate/up/down of
         every layer. Decode steps replay CUDA graphs (LoRA's dense path, static shapes); prefill and mixed steps run
-        eagerly (their tokens are grouped by adapter with host-side shapes). tp_size 1 only.
+        eagerly (their tokens are grouped by adapter with host-side shapes). At tp_size > 1 every rank holds its
+        shard of each adapter (engine/lora/targets.py).
     max_lora_rank: the largest adapter rank the slots hold (SGLang's --max-lora-rank); larger adapters are refused.
     max_loras_per_batch: adapter slots (SGLang's --max-loras-per-batch): how many adapters can be loaded at once,
         all of them usable in one step. An unloaded adapter's slot is reused once its running requests finish.
@@ -122,10 +123,6 @@ class Config:
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if self.overlap_schedule is not None and not isinstance(self.overlap_schedule, bool):
             raise ValueError(f"overlap_schedule must be a bool or None (on for CUDA), got {self.overlap_schedule!r}")
-        if self.enable_lora and self.tp_size > 1:
-            raise ValueError(f"enable_lora (--enable-lora; slime: --sglang-enable-lora / --lora-rank) needs tp_size 1, "
-                             f"got tp_size {self.tp_size} (--tp-size; slime: --rollout-num-gpus-per-engine): the "
-                             "engine does not shard LoRA adapters; serve them with one device per engine")
         if self.true_on_policy:
             self._check_true_on_policy()
         if self.tp_size % self.ep_size:

@@ -166,6 +166,11 @@ class ModelRunner(RunnerMemory):
         return build_lora_slots(self.model, self.config, self.device, bucket_batch_sizes(self.config.max_num_seqs)[-1])
 
     @every_rank
+    def write_lora_slot(self, slot: int, adapter) -> None:
+        """Put a LoRA adapter (full tensors, engine/lora/adapter.py) into `slot`, each rank its own part of it."""
+        self.lora.write(slot, adapter)
+
+    @every_rank
     def set_use_triton(self, enabled: bool, fused: bool | None = None, cuda_graphs: bool = True) -> None:
         """Triton attention (and, unless enforce_eager or `cuda_graphs` is False, decode CUDA graphs) on or off,
         and the fused elementwise kernels (default: same as `enabled`); off = the pure-torch path. The runner turns
@@ -361,11 +366,11 @@ class ModelRunner(RunnerMemory):
             + positions % self.block_size
         )
         token_inputs[3] = positions + 1
+        lora_slots = np.fromiter((seq.lora_slot for seq in self.decode_rows.seqs), dtype=np.int64, count=num_seqs)
         if self.plan is not None:  # a sharded engine runs without overlap: input_tokens is None here
-            self.plan.send_step(encode_decode_graph(DecodeGraphInputs(token_inputs, block_tables)))
+            self.plan.send_step(encode_decode_graph(DecodeGraphInputs(token_inputs, block_tables, lora_slots)))
         if self.lora is not None:  # each row's adapter slot, into the graphs' static one-hot buffer
-            self.lora.set_graph_rows(np.fromiter((seq.lora_slot for seq in self.decode_rows.seqs), dtype=np.int64,
-                                                 count=num_seqs))
+            self.lora.set_graph_rows(lora_slots)
         if input_rows is not None:
             return self.decode_graphs.run(token_inputs, block_tables, input_tokens, self.staging.to_device(input_rows))
         return self.decode_graphs.run(token_inputs, block_tables, input_tokens)
@@ -375,8 +380,7 @@ class ModelRunner(RunnerMemory):
         engine the step's host arrays first go to the other ranks, which build the same tensors (`follow_step`)."""
         arrays = flat_arrays(scheduled)
         if self.lora is not None:  # each token's adapter slot, in flat-batch order
-            seq_slots = np.fromiter((item.seq.lora_slot for item in scheduled), dtype=np.int64, count=len(scheduled))
-            self.lora.set_batch(np.repeat(seq_slots, arrays.query_lens))
+            self.lora.set_batch(np.repeat(arrays.lora_slots, arrays.query_lens))
         if self.plan is not None:
             self.plan.send_step(encode_forward(arrays, all_logits))
         return flat_batch(arrays, self.block_size, self.staging, self.use_triton)
@@ -388,9 +392,13 @@ class ModelRunner(RunnerMemory):
         op, all_logits, payload = message
         if isinstance(payload, DecodeGraphInputs):
             self._ensure_decode_graphs()
+            if self.lora is not None:
+                self.lora.set_graph_rows(payload.lora_slots)
             self.model.compute_logits(self.decode_graphs.run(payload.token_inputs, payload.block_tables, None),
                                       upcast=False)
             return
+        if self.lora is not None:
+            self.lora.set_batch(np.repeat(payload.lora_slots, payload.query_lens))
         input_ids, positions, meta, logits_indices = flat_batch(payload, self.block_size, self.staging,
                                                                 self.use_triton)
         if all_logits:

@@ -112,7 +112,10 @@ class RolloutManager:
     def weights_pushed(self, weight_version: str, engine_urls: dict[int, str]) -> None:
         """The driver pushed `weight_version` to `engine_urls` (what `get_engine_urls()` answered). LoRA: from now on
         the rollout's requests ask for that version's adapter (`args.lora_path`, read by the /generate payloads)."""
-        if serves_adapter(self.args):
+        if serves_adapter(self.args) and self.args.lora_adapter_key:  # several adapters, each its own version
+            self.args.lora_paths = {name: served_adapter_name(weight_version, name)
+                                    for name in self.args.lora_adapter_names}
+        elif serves_adapter(self.args):
             self.args.lora_path = served_adapter_name(weight_version)
         if self.supervisor:
             self.supervisor.weights_pushed(weight_version, engine_urls)

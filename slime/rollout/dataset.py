@@ -71,6 +71,8 @@ class PromptFormat:
     apply_chat_template_kwargs: dict | None = None
     max_prompt_len: int | None = None
     multimodal_keys: dict[str, str] | None = None  # modality -> column (--multimodal-keys)
+    lora_adapter_key: str | None = None  # several LoRA adapters: the field naming each row's adapter
+    lora_adapter_names: tuple[str, ...] = ()
 
     @classmethod
     def from_args(cls, args, prefix: str = "") -> "PromptFormat":
@@ -96,6 +98,8 @@ class PromptFormat:
             apply_chat_template_kwargs=kwargs or {},
             max_prompt_len=max_prompt_len,
             multimodal_keys=args.multimodal_keys,
+            lora_adapter_key=getattr(args, "lora_adapter_key", None),
+            lora_adapter_names=tuple(getattr(args, "lora_adapter_names", None) or ()),
         )
 
 
@@ -157,6 +161,12 @@ def row_to_sample(row: dict, location: str, fmt: PromptFormat, tokenizer, proces
             f"{sorted(row)}. Add the label, or pass --allow-missing-labels if these rows have none"
         )
     label = row.get(fmt.label_key) if fmt.label_key else None
+    if fmt.lora_adapter_key:
+        adapter = row.get(fmt.lora_adapter_key)
+        if adapter not in fmt.lora_adapter_names:
+            raise ValueError(f"{location}: the row's LoRA adapter {fmt.lora_adapter_key!r} (--lora-adapter-key) is "
+                             f"{adapter!r}, not one of --lora-adapter-names {','.join(fmt.lora_adapter_names)}")
+        metadata["lora_adapter"] = adapter  # flags_lora.ADAPTER_METADATA_KEY
     return Sample(prompt=prompt, label=label, metadata=metadata, multimodal_inputs=multimodal_inputs)
 
 

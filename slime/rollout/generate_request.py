@@ -10,6 +10,7 @@ import functools
 import inspect
 import operator
 
+from slime.config.flags_lora import request_lora_path
 from slime.rollout.dataset import load_processor, prompt_token_ids, tokenizer_for
 from slime.rollout.deterministic_seeds import continuation_seed
 from slime.rollout.resend import post_generate
@@ -70,9 +71,11 @@ async def sample_continuation(args, sample: Sample, sampling_params: dict) -> st
 
 async def _post_generate(args, payload: dict, sample: Sample):
     """POST /generate through the router, routed by the sample's session; under fault tolerance re-sent (counted
-    on `sample`) while its engine is recovered. LoRA: the request asks for the adapter version last pushed."""
-    if args.lora_path and "lora_path" not in payload:
-        payload = {**payload, "lora_path": args.lora_path}
+    on `sample`) while its engine is recovered. LoRA: the request asks for the adapter version last pushed (of the
+    sample's own adapter, with --lora-adapter-key)."""
+    lora_path = request_lora_path(args, sample.metadata)
+    if lora_path and "lora_path" not in payload:
+        payload = {**payload, "lora_path": lora_path}
     timeout = args.sglang_router_request_timeout_secs
     headers = {**router_headers(args), **({"X-SMG-Routing-Key": sample.session_id} if sample.session_id else {})}
     return await post_generate(args, f"{router_url(args)}/generate", payload, sample, timeout=timeout,

@@ -264,6 +264,20 @@ class MegatronBackend(TrainBackend):
     def adapters_disabled(self):
         return adapters_disabled_in(self.model_chunks)
 
+    def num_trainable_parameters(self) -> int:
+        """Summed over every rank: a tensor-parallel shard counts on the first data-parallel replica, a replicated
+        tensor there on tensor-parallel rank 0 only (each pipeline stage counts its own layers)."""
+        from megatron.core import parallel_state
+
+        first_replica = parallel_state.get_data_parallel_rank(with_context_parallel=True) == 0
+        tp_rank = parallel_state.get_tensor_model_parallel_rank()
+        count = sum(param.numel() for chunk in self.model_chunks for param in chunk.parameters()
+                    if param.requires_grad and first_replica
+                    and (getattr(param, "tensor_model_parallel", False) or tp_rank == 0))
+        total = torch.tensor([count], dtype=torch.int64, device=self.device)
+        dist.all_reduce(total)
+        return int(total)
+
     # ---------------------------------------------------------------------------------------- memory
     def _buffers(self):
         return [buffer for chunk in self.ddp_chunks for buffer in chunk.buffers + chunk.expert_parallel_buffers]
