@@ -23,6 +23,7 @@ from slime.config.errors import ArgumentError, cli_flag, require
 from slime.config.flag_ranges import ANY, FLAG_RANGES
 from slime.config.flags_lora import check_lora_args
 from slime.config.flags_moe import check_moe_args
+from slime.config.validate_async import check_fully_async_flags
 from slime.config.validate_megatron import validate_megatron_args, validate_megatron_batches
 from slime.config.validate_trainer import check_trainer_flags
 from slime.config.validate_weight_sync import check_release_train, check_weight_sync_flags
@@ -354,5 +355,6 @@ def validate_args(args) -> None:
     _resolve_algorithm(args)
     check_release_train(args)
     check_trainer_flags(args)
+    check_fully_async_flags(args)
     _resolve_eval_and_output(args)
     _check_resume(args)
