@@ -31,6 +31,9 @@ def check_fully_async_flags(args) -> None:
             "--fully-async trains tokens of older policies: pass --use-tis (decoupled PPO: the trust region is "
             "anchored on the weights at the step start, recomputed; tokens are reweighted by exp(old - behaviour) "
             "with the engines' log-probs, see --tis-clip / --tis-mode) and drop --use-rollout-logprobs")
+    require(not args.rollout_all_samples_process_path,
+            "--rollout-all-samples-process-path sees every group of a rollout; a fully async stream has no rollout "
+            "boundary: drop it (--rollout-sample-filter-path and --dynamic-sampling-filter-path apply per batch / group)")
     require(not args.keep_old_actor, "--keep-old-actor keeps the last two pushed versions; under --fully-async a batch "
                                      "spans up to --max-weight-staleness + 1 versions: drop it (--use-tis corrects)")
     require(not args.release_train, "--release-train restarts the trainer between steps; --fully-async keeps it "
