@@ -90,3 +90,29 @@ def test_search_r1_runs_fully_async(tmp_path):
     for row in rows:
         assert row["rollout/turns_per_sample"] > 1 and row["rollout/tool_calls_per_sample"] > 0, row
         assert row["rollout/staleness_max"] <= 1
+
+
+@pytest.mark.slow
+def test_a_dead_engine_s_requests_go_back_to_the_stream(task, tmp_path):
+    """Two engines; engine 0 is SIGKILLed in the middle of the stream (tests/helpers/ft_faults.py): its in-flight
+    requests are re-sent to the other, it is restarted with the current weights, and every trained sample is
+    generated once, none twice, within the staleness bound."""
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "faults.json").write_text(json.dumps([{"at_call": 10, "action": "sigkill", "engines": [0],
+                                                  "pause_s": 1.0}]))
+    rows = run(task, out, "--rollout-num-gpus", "2", "--router-policy", "round_robin", "--use-fault-tolerance",
+               "--rollout-health-check-interval", "1", "--rollout-health-check-timeout", "30",
+               "--custom-generate-function-path", "tests.helpers.ft_faults.generate",
+               "--save-debug-rollout-data", str(out / "rollout_{rollout_id}.json"))
+    assert [r["rollout_id"] for r in rows] == [0, 1, 2]
+    assert sum(r["rollout/engine_failures"] for r in rows) == 1
+    assert sum(r["rollout/engine_restarts"] for r in rows) == 1
+    assert sum(r["rollout/samples_resent"] for r in rows) >= 1
+    assert max(r["rollout/staleness_max"] for r in rows) <= 1
+    dumps = [json.loads((out / f"rollout_{i}.json").read_text())["samples"] for i in range(3)]
+    indices = [s["index"] for samples in dumps for s in samples]
+    assert len(indices) == 3 * 16 and len(set(indices)) == len(indices)
+    for samples in dumps:
+        assert all(s["status"] in ("completed", "truncated") for s in samples)
+        assert all(len(s["token_weight_versions"]) == s["response_length"] for s in samples)

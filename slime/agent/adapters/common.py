@@ -20,10 +20,11 @@ import asyncio
 import json
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from aiohttp import web
 
+from slime.agent.adapters.paused_turns import generate_through_pushes
 from slime.agent.adapters.reasoning import get_reasoning_parser
 from slime.agent.trajectory import DEFAULT_FORK_THRESHOLD_TOKENS, TrajectoryManager, TurnRecord
 from slime.utils.http_utils import EndpointUnreachableError, HTTPRequestError, request_json
@@ -130,7 +131,8 @@ class BaseAdapter:
 
     def __init__(self, *, tokenizer, sglang_url: str, tool_parser: str = "qwen", reasoning_parser: str | None = None,
                  max_turns: int | None = None, headers: dict | None = None,
-                 fork_threshold_tokens: int = DEFAULT_FORK_THRESHOLD_TOKENS, request_timeout_s: float | None = None):
+                 fork_threshold_tokens: int = DEFAULT_FORK_THRESHOLD_TOKENS, request_timeout_s: float | None = None,
+                 resume_aborted_turns: bool = False):
         if max_turns is not None and max_turns < 1:
             raise ValueError(f"max_turns must be >= 1 (or None for no cap), got {max_turns}")
         self.tokenizer = tokenizer
@@ -140,6 +142,7 @@ class BaseAdapter:
         self.max_turns = max_turns
         self.headers = dict(headers or {})
         self.request_timeout_s = request_timeout_s
+        self.resume_aborted_turns = resume_aborted_turns  # --fully-async: a weight push's abort is not the turn's end
         self.manager = TrajectoryManager(fork_threshold_tokens=fork_threshold_tokens, tokenizer=tokenizer)
         self.model_name = str(getattr(tokenizer, "name_or_path", "") or "slime")
         end_ids = {tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids("<|im_end|>")} - {None, tokenizer.unk_token_id}
@@ -259,13 +262,17 @@ class BaseAdapter:
         sampling_params, tool_stops = self._sampling_params(session_id, chat)
         payload = {"input_ids": prompt_ids, "sampling_params": sampling_params, "return_logprob": True}
         headers = {**self.headers, ROUTING_KEY_HEADER: session_id}
+        async def post(body: dict) -> dict:
+            return await request_json("POST", f"{self.sglang_url}/generate", body, headers=headers,
+                                      timeout=self.request_timeout_s)
+
         try:
-            result = await request_json("POST", f"{self.sglang_url}/generate", payload, headers=headers,
-                                        timeout=self.request_timeout_s)
+            result, versions = await generate_through_pushes(post, payload, self.resume_aborted_turns, self.tokenizer)
         except (HTTPRequestError, EndpointUnreachableError) as error:
             return self._error(502, f"the inference engine failed: {error}")
         try:
             answer, turn = self._interpret(result, chat, prompt_ids, tool_stops)
+            turn = replace(turn, output_weight_versions=versions)
         except (KeyError, TypeError, ValueError) as error:
             return self._error(502, f"the inference engine answered in an unexpected shape: {error}")
         if session_id in self._sessions:  # not dropped while the engine sampled
