@@ -35,6 +35,11 @@ class DeadlineLedger:
     def deadline(self, engine_version: int) -> float:
         return math.inf if self.max_staleness is None else engine_version + self.max_staleness
 
+    def is_feasible(self) -> bool:
+        """Whether every untrained group can still be trained by its deadline (always, unless restored under a
+        smaller bound than it was admitted with)."""
+        return self._feasible(self.deadlines.values(), self.next_step)
+
     def _feasible(self, deadlines, next_step: int) -> bool:
         for position, deadline in enumerate(sorted(deadlines), start=1):
             if deadline == math.inf:

@@ -251,6 +251,11 @@ class GenerationStream:
             self.ledger.admit(group.group_id, group.admitted_version)
             self.finished[group.group_id] = group
         self.readmit = [[Sample.from_dict(d) for d in group] for group in state["in_flight"]]
+        if not self.ledger.is_feasible():
+            oldest = min(int(entry["admitted_version"]) for entry in state["buffer"])
+            raise ValueError(f"--max-weight-staleness {self.args.max_weight_staleness}: the checkpoint's buffer holds "
+                             f"groups admitted at version {oldest}, which step {self.ledger.next_step} on cannot train "
+                             "within the bound; resume with the bound the run was saved with (or none)")
 
     def unused_groups(self) -> int:
         return len(self.running) + len(self.finished) + len(self.readmit)

@@ -108,3 +108,12 @@ def test_unbounded_takes_oldest_finished_first():
         ledger.admit(group, 0)
     assert ledger.choose_batch([4, 1, 3]) == [1, 3]
     assert ledger.choose_batch([4]) is None
+
+
+def test_a_state_restored_under_a_smaller_bound_is_reported_infeasible():
+    ledger = DeadlineLedger(batch_size=2, max_staleness=0, next_step=3)
+    ledger.admit(0, 1)  # admitted at version 1 under a larger bound: its deadline under N = 0 is step 1, past
+    assert not ledger.is_feasible()
+    ledger = DeadlineLedger(batch_size=2, max_staleness=2, next_step=3)
+    ledger.admit(0, 1)
+    assert ledger.is_feasible()
