@@ -5,6 +5,8 @@ engines' idle fractions. Engine and trainer on their own devices (disaggregated)
 they wait.
 
     python benchmarks/bench_fully_async.py OUT_DIR --shape tiny                  # CPU: the quickstart model
+    python benchmarks/bench_fully_async.py OUT_DIR --shape tiny-4k --rollout-batch-size 4 \
+        --max-response-len 2048                                                  # CPU, generation-bound
     python benchmarks/bench_fully_async.py OUT_DIR                               # two GPUs: Qwen3-0.6B shape
 
 Per mode, over the steady rollouts (the first `--warmup-rollouts` are dropped): samples/s = trained samples / the
