@@ -28,8 +28,11 @@ import torch.nn.functional as F
 VARLEN = "slime_varlen"
 
 
-def varlen_supported(device: torch.device) -> bool:
-    """CUDA, a torch built with FlashAttention, and a GPU it runs on (Ampere or newer)."""
+def varlen_supported(device: torch.device, dtype: torch.dtype | None = None) -> bool:
+    """CUDA, a torch built with FlashAttention, and a GPU it runs on (Ampere or newer); with `dtype`, also one
+    FlashAttention takes (fp16 or bf16: an fp32 model runs the sdpa path)."""
+    if dtype is not None and dtype not in (torch.float16, torch.bfloat16):
+        return False
     return (device.type == "cuda" and torch.backends.cuda.is_flash_attention_available()
             and hasattr(torch.ops.aten, "_flash_attention_backward")
             and torch.cuda.get_device_capability(device) >= (8, 0))
@@ -55,7 +58,7 @@ def packed_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c
     """Causal attention within each packed sample: q/k [T, Hq or Hkv, D], v [T, Hkv, Dv] (Hq a multiple of Hkv;
     Dv may differ from D, as in multi-head latent attention: 192 vs 128 for DeepSeek-V3) -> [T, Hq, Dv].
     FlashAttention's varlen kernel where it runs, else length-bucketed padded sdpa (module docstring)."""
-    if varlen_supported(q.device):
+    if varlen_supported(q.device, q.dtype):
         value_dim = v.shape[-1]
         if value_dim != q.shape[-1]:  # one head dim for q, k and v in FlashAttention: zero columns change nothing
             width = max(value_dim, q.shape[-1])

@@ -153,6 +153,13 @@ def grouped_mm_works(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether torch's grouped_mm runs here in `dtype` and matches one matmul per expert (empty groups included);
     on CUDA also under CUDA graph capture, as decode steps replay graphs. If not, warn: the MoE experts then run
     one matmul per expert, and decode CUDA graphs are off."""
+    if device.type == "cuda" and dtype != torch.bfloat16:
+        # torch's CUDA grouped_mm has a kernel for bf16 only; other dtypes loop over groups read on the host, which
+        # a CUDA graph cannot capture, and a failed capture leaves the process's CUDA random-number state unusable
+        # ("Offset increment outside graph capture"), so it is not even tried.
+        warnings.warn(f"torch grouped_mm has no CUDA graph-capturable kernel for {dtype}; MoE experts run one matmul "
+                      "per expert and decode CUDA graphs are off for this MoE model (bf16 has both)", stacklevel=2)
+        return False
     try:
         from slime.engine.layers.moe import GroupedExperts
 

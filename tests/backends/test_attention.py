@@ -19,7 +19,7 @@ def _reference(q, k, v, lengths, scale):
         qs, ks, vs = (t[start:start + length].transpose(0, 1) for t in (q, k, v))  # [H, L, D]
         ks, vs = ks.repeat_interleave(group, 0), vs.repeat_interleave(group, 0)
         scores = qs @ ks.transpose(1, 2) * scale
-        scores = scores.masked_fill(torch.ones(length, length, dtype=torch.bool).triu(1), -math.inf)
+        scores = scores.masked_fill(torch.ones(length, length, dtype=torch.bool, device=q.device).triu(1), -math.inf)
         pieces.append((scores.softmax(-1) @ vs).transpose(0, 1))
         start += length
     return torch.cat(pieces)

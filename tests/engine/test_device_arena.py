@@ -109,6 +109,9 @@ def test_a_cuda_graph_on_arena_memory_reads_it_after_a_remap():
 def test_an_arena_nothing_references_gives_its_memory_back():
     device = torch.device("cuda", torch.cuda.current_device())
     num_bytes, margin = 1 << 30, 64 << 20
+    gc.collect()  # memory earlier tests drop must not come back while this one measures
+    torch.cuda.empty_cache()
+    torch.cuda.synchronize(device)
     free_before = torch.cuda.mem_get_info(device)[0]
     arena = DeviceArena(device, num_bytes)
     view = arena.map()

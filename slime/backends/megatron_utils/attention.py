@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from megatron.core.transformer.module import MegatronModule
 
-from slime.backends.attention import packed_causal_attention, varlen_supported
+from slime.backends.attention import packed_causal_attention
 from slime.backends.megatron_utils.context_parallel import CpLayout, context_parallel_group, gather_sequence
 
 
@@ -50,13 +50,7 @@ class PackedCoreAttention(MegatronModule):
         return out.reshape(out.shape[0], -1)
 
     def _packed_attention(self, query, key, value, cu_seqlens, max_seqlen: int):
-        value_dim = value.shape[-1]
-        if value_dim < query.shape[-1] and varlen_supported(query.device):
-            # FlashAttention's varlen kernel takes one head dim for Q, K and V: zero columns of V give zero output
-            # columns, dropped again (MLA's V head is narrower than its query-key head).
-            value = F.pad(value, (0, query.shape[-1] - value_dim))
-            return packed_causal_attention(query, key, value, cu_seqlens, max_seqlen,
-                                           self.softmax_scale)[..., :value_dim]
+        # A V head narrower than the query-key head (MLA) is padded for FlashAttention inside.
         return packed_causal_attention(query, key, value, cu_seqlens, max_seqlen, self.softmax_scale)
 
     def _context_parallel_attention(self, query, key, value, layout: CpLayout):

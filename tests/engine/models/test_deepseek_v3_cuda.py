@@ -12,7 +12,7 @@ from tests.helpers.mla_checkpoints import build_mla_checkpoint
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 GREEDY = {"temperature": 0.0, "max_new_tokens": 32, "ignore_eos": True}
-PROMPTS = [[10, 20, 30, 40, 50, 60, 70, 80, 90], [9, 8, 7, 6, 5, 4, 3, 2, 1, 17, 33], [400, 3]]
+PROMPTS = [[10, 20, 30, 40, 50, 60, 70, 80, 90], [9, 8, 7, 6, 5, 4, 3, 2, 1, 17, 33], [300, 3]]
 
 
 @pytest.fixture(scope="module", params=["deepseek_v3", "moonlight"])
@@ -26,9 +26,11 @@ def engine_on(path, dtype: str, enforce_eager: bool) -> Engine:
 
 
 def test_fp32_kernel_and_graphs_match_transformers(checkpoint):
-    """The reference is transformers on the CPU (fp32, no TF32)."""
+    """The reference is transformers on the CPU (fp32, no TF32). Decode graphs run when this torch's grouped_mm
+    captures fp32 (today: bf16 only, so the graphs are checked in bf16 below)."""
     engine = engine_on(checkpoint, "float32", enforce_eager=False)
-    assert engine.model_runner.use_triton and engine.model_runner.use_cuda_graphs
+    grouped = all(block.experts.use_grouped_mm for block in engine.model_runner.model.moe_blocks())
+    assert engine.model_runner.use_triton and engine.model_runner.use_cuda_graphs == grouped
     hf = AutoModelForCausalLM.from_pretrained(str(checkpoint), dtype=torch.float32).eval()
     hf.generation_config.eos_token_id = None
     outputs = engine.generate(PROMPTS, GREEDY)
@@ -44,7 +46,9 @@ def test_fp32_kernel_and_graphs_match_transformers(checkpoint):
 
 
 def test_bf16_graphs_equal_eager(checkpoint):
-    graphed = engine_on(checkpoint, "bfloat16", enforce_eager=False).generate(PROMPTS, GREEDY)
+    engine = engine_on(checkpoint, "bfloat16", enforce_eager=False)
+    assert engine.model_runner.use_cuda_graphs
+    graphed = engine.generate(PROMPTS, GREEDY)
     eager = engine_on(checkpoint, "bfloat16", enforce_eager=True).generate(PROMPTS, GREEDY)
     for graphed_output, eager_output in zip(graphed, eager):
         assert graphed_output["output_ids"][:8] == eager_output["output_ids"][:8]
