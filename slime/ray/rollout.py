@@ -290,8 +290,8 @@ class RolloutManager:
 
     def stream_state(self) -> dict:
         """The run state a checkpoint saves: the data source's, the stream's buffer, in-flight prompts and version."""
-        state = run(self.stream.state_dict())
-        return {"data_source": state.pop("data_source"), "stream": state}
+        stream_state, data_source_state = run(self.stream.snapshot())
+        return {"data_source": data_source_state, "stream": stream_state}
 
     def stop_stream(self) -> int:
         """Stop generating; returns how many groups were generated or generating but never trained."""

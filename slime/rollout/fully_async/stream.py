@@ -226,8 +226,11 @@ class GenerationStream:
             self._busy_since = None
 
     # ---- checkpoint -------------------------------------------------------------------------------------------
-    async def state_dict(self) -> dict:
-        """Taken on the loop between two of its steps, so data source, buffer and in-flight groups agree."""
+    async def snapshot(self) -> tuple[dict, dict]:
+        """(the stream's state, the data source's), taken on the loop between two of its steps, so they agree."""
+        return self.state_dict(), self.data_source.state_dict()
+
+    def state_dict(self) -> dict:
         return {
             "version": self.version,
             "next_step": self.ledger.next_step,
@@ -236,12 +239,11 @@ class GenerationStream:
             "in_flight": [[s.to_dict() for s in g.pristine]
                           for g in sorted(self.running.values(), key=lambda g: g.group_id)] +
                          [[s.to_dict() for s in group] for group in self.readmit],
-            "data_source": self.data_source.state_dict(),
         }
 
     def load_state_dict(self, state: dict) -> None:
-        """Before `start`: the buffer as saved (same deadlines), the groups that were generating admitted first."""
-        self.data_source.load_state_dict(state["data_source"])
+        """Before `start`: the buffer as saved (same deadlines), the groups that were generating admitted first. The
+        data source's own state (`snapshot`'s second half) is the caller's to restore."""
         self.version = int(state["version"])
         self.ledger.next_step = int(state["next_step"])
         for entry in state["buffer"]:

@@ -146,7 +146,7 @@ def test_a_restored_stream_trains_the_same_buffer_and_readmits_in_flight_prompts
         while not (stream.finished and stream.running):  # a finished group in the buffer, another generating
             assert time.monotonic() < deadline and stream.error is None, stream.error
             time.sleep(0.05)
-        state = json.loads(json.dumps(run(stream.state_dict())))  # what run_state.json keeps
+        state, source_state = json.loads(json.dumps(run(stream.snapshot())))  # what run_state.json keeps
     finally:
         stop(stack, stream)
     assert len(state["buffer"]) >= 1 and len(state["in_flight"]) == 1
@@ -156,7 +156,9 @@ def test_a_restored_stream_trains_the_same_buffer_and_readmits_in_flight_prompts
 
     restored_args = stream_args(stack, "--async-data-buffer-capacity-factor", "3", "--async-max-concurrent-samples",
                                 "2")
-    restored = GenerationStream(restored_args, RolloutDataSourceWithBuffer(restored_args), version=0)
+    restored_source = RolloutDataSourceWithBuffer(restored_args)
+    restored_source.load_state_dict(source_state)  # what train.py's create_training_models does
+    restored = GenerationStream(restored_args, restored_source, version=0)
     restored.load_state_dict(state)
     first_admitted = []
     real_admit = restored._admit
@@ -166,6 +168,6 @@ def test_a_restored_stream_trains_the_same_buffer_and_readmits_in_flight_prompts
         groups, _ = run(restored.next_batch(0, timeout=300))
         assert [[s.tokens for s in g] for g in groups] == saved_buffer[:1]  # the oldest buffered group, unchanged
         assert first_admitted[0] == in_flight_group
-        assert restored.data_source.state_dict()["sample_group_index"] >= state["data_source"]["sample_group_index"]
+        assert restored.data_source.state_dict()["sample_group_index"] >= source_state["sample_group_index"]
     finally:
         stop(stack, restored)
