@@ -73,10 +73,11 @@ def test_quickstart_learns_fully_async(tmp_path):
     result = subprocess.run([sys.executable, str(REPO / "examples/quickstart/run.py"), "--out-dir", str(tmp_path),
                              "--fully-async"], cwd=REPO, capture_output=True, text=True, timeout=3600)
     assert result.returncode == 0, f"STDOUT:\n{result.stdout[-4000:]}\nSTDERR:\n{result.stderr[-6000:]}"
-    summary = json.loads(result.stdout.strip().splitlines()[-1])
-    print(summary)
-    assert summary["eval_accuracy_after_rl"] > summary["eval_accuracy_before_rl"] + 0.1
     rows = read_metrics(tmp_path / "grpo_run")
+    evals = [r["eval/arith"] for r in rows if "eval/arith" in r]
+    print(evals)
+    # the mean of the last three evals (one alone moves by ~0.1 with sampling noise): 0.414 -> 0.613 on 2026-12-05
+    assert sum(evals[-3:]) / 3 > evals[0] + 0.1
     assert max(r["rollout/staleness_max"] for r in rows) <= 1
 
 
