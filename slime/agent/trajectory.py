@@ -44,7 +44,8 @@ DEFAULT_FORK_THRESHOLD_TOKENS = 64
 class TurnRecord:
     """One model call, the adapter -> manager contract: `prompt_ids` as sent to /generate, `output_ids` and
     `output_log_probs` as the engine sampled them, the engine's `finish_reason` type (stop | length | abort),
-    `ill_formed` when the output held a tool call the parser could not read, the engine's `weight_version`."""
+    `ill_formed` when the output held a tool call the parser could not read, the engine's `weight_version`; the
+    rest is what the adapter answers the client with and the manager does not use."""
 
     prompt_ids: list[int]
     output_ids: list[int]
@@ -52,6 +53,9 @@ class TurnRecord:
     output_log_probs: list[float]
     ill_formed: bool = False
     weight_version: str | None = None
+    text: str | None = None  # the engine's decoded text, when it sent one (else the adapter decodes output_ids)
+    matched_stop: str | None = None  # the stop string that ended the turn, as the engine reported it
+    cached_tokens: int = 0  # prompt tokens the engine's prefix cache served
     # one per output id when the turn spans weight pushes (adapters/paused_turns.py); None: all of weight_version
     output_weight_versions: list[str | None] | None = None
 
@@ -93,7 +97,7 @@ def _context(prompt_ids: list[int]) -> _Leaf:
     return _Leaf(list(prompt_ids), [0] * len(prompt_ids), [0.0] * len(prompt_ids), [None] * len(prompt_ids))
 
 
-def _common_prefix_length(a: list[int], b: list[int]) -> int:
+def _common_prefix_len(a: list[int], b: list[int]) -> int:
     limit = min(len(a), len(b))
     if a[:limit] == b[:limit]:
         return limit
@@ -106,8 +110,8 @@ def _common_prefix_length(a: list[int], b: list[int]) -> int:
 
 def _num_differing(old: list[int], new: list[int]) -> int:
     """Tokens changed between two renderings of one context: what is left after the common prefix and suffix."""
-    prefix = _common_prefix_length(old, new)
-    suffix = _common_prefix_length(old[prefix:][::-1], new[prefix:][::-1])
+    prefix = _common_prefix_len(old, new)
+    suffix = _common_prefix_len(old[prefix:][::-1], new[prefix:][::-1])
     return max(len(old), len(new)) - prefix - suffix
 
 
@@ -146,7 +150,7 @@ def align(leaf: _Leaf, prompt_ids: list[int], max_drift: int) -> tuple[list[tupl
         spans.append((found, found + end - start))
         leaf_position, prompt_position = end, found + end - start
     trailing = leaf.tokens[leaf_position:]
-    drift += len(trailing) - _common_prefix_length(trailing, prompt_ids[prompt_position:])
+    drift += len(trailing) - _common_prefix_len(trailing, prompt_ids[prompt_position:])
     return (spans, drift) if drift < max_drift else None
 
 
@@ -225,7 +229,7 @@ class TrajectoryManager:
     def _closest_leaf(leaves: list[_Leaf], prompt_ids: list[int]) -> int | None:
         if not leaves:
             return None
-        return max(range(len(leaves)), key=lambda i: _common_prefix_length(leaves[i].tokens, prompt_ids))
+        return max(range(len(leaves)), key=lambda i: _common_prefix_len(leaves[i].tokens, prompt_ids))
 
     def get_trajectory(self, session_id: str, base_sample: Sample | None = None) -> list[Sample]:
         """The session's Samples, one per leaf with a sampled id (siblings); [] for a session with no turns.

@@ -39,15 +39,23 @@ def post_process_rewards(args, samples: list[Sample]) -> tuple[list[float], list
         return raw, raw
     # Group statistics count each rollout once: the siblings of a fan-out (one prompt sample that became several
     # Samples sharing a rollout_id) enter with their mean reward; each sibling is then scored against them.
+    # A rollout whose samples are all `remove_sample` (its sandbox or harness failed: no reward was measured) is no
+    # member of its group: it gets a group of its own, so it moves no other rollout's mean or std (its advantage is 0).
     rollout_of_key: dict = {}
     first_groups = []
     of_sample_list = []
+    removed_rollouts: dict[int, bool] = {}
     for i, s in enumerate(samples):
         key = s.rollout_id if s.rollout_id is not None else ("sample", i)
         rollout = rollout_of_key.setdefault(key, len(rollout_of_key))
         if rollout == len(first_groups):
             first_groups.append(_group_of(s))
         of_sample_list.append(rollout)
+        removed_rollouts[rollout] = removed_rollouts.get(rollout, True) and s.remove_sample
+    lone_group = min(first_groups) - 1
+    for rollout, removed in removed_rollouts.items():
+        if removed:
+            first_groups[rollout], lone_group = lone_group, lone_group - 1
     of_sample = torch.tensor(of_sample_list)
     rewards = torch.tensor(raw, dtype=torch.float64)
     rollout_sizes = torch.bincount(of_sample, minlength=len(first_groups))

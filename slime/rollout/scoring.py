@@ -9,7 +9,12 @@ from slime.utils.types import Sample
 
 
 def is_scorable(samples: list[Sample]) -> bool:
-    return all(s.status != Sample.Status.ABORTED for s in samples)
+    """A group is scored and trained unless the engine aborted one of its samples (the group is generated again).
+    A sample its generate function gave up on and marked `remove_sample` (a coding agent whose sandbox or harness
+    failed) does not hold its group back: it stays out of the group's statistics and of training
+    (slime.ray.train_data). A group with nothing but such samples is not scorable."""
+    aborted = [s for s in samples if s.status == Sample.Status.ABORTED]
+    return all(s.remove_sample for s in aborted) and len(aborted) < len(samples)
 
 
 async def score_samples(args, samples: list[Sample], state, batched: bool) -> None:

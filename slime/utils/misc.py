@@ -1,4 +1,4 @@
-"""Small shared helpers: loading user hooks by dotted path, free ports, seeding."""
+"""Small shared helpers: loading user hooks by dotted path, free ports, seeding, a singleton metaclass."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ import contextlib
 import importlib
 import random
 import socket
+import threading
 import time
 
 
@@ -118,3 +119,26 @@ def timed(metrics: dict, key: str):
         yield
     finally:
         metrics[key] = time.perf_counter() - started
+
+
+class SingletonMeta(type):
+    """A metaclass giving each class one instance, made on the first call (slime's `SingletonMeta`; the agent
+    harnesses use it). `clear_instances(cls)` forgets a class's instance, so the next call builds a fresh one."""
+
+    _instances: dict = {}
+    _lock = threading.RLock()
+
+    def __call__(cls, *args, **kwargs):
+        with SingletonMeta._lock:
+            if cls not in SingletonMeta._instances:
+                SingletonMeta._instances[cls] = super().__call__(*args, **kwargs)
+            return SingletonMeta._instances[cls]
+
+    @staticmethod
+    def clear_instances(cls=None) -> None:
+        """Forget `cls`'s instance (every instance when None)."""
+        with SingletonMeta._lock:
+            if cls is None:
+                SingletonMeta._instances.clear()
+            else:
+                SingletonMeta._instances.pop(cls, None)

@@ -3,6 +3,9 @@
 - `qwen` (alias `hermes`): `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, any number per turn (Qwen2.5 /
   Qwen3 / Hermes chat templates render tool calls this way).
 - `tool_tag`: `<tool>{"name": ..., "arguments": {...}}</tool>`, the same JSON in a plain tag.
+- `qwen3_coder`: `<tool_call><function=NAME><parameter=KEY>value</parameter>...</function></tool_call>` (Qwen3-Coder's
+  template; SGLang's parser of the same name): each value is read as its schema type (JSON for numbers, booleans,
+  objects, arrays; the raw text for strings).
 - `xml_tags`: `<NAME>text</NAME>` for a tool NAME that takes one string parameter (Search-R1's `<search>query</search>`);
   the text becomes that parameter.
 - any other parser by dotted path: `fn(text, tools) -> ParsedTurn`.
@@ -72,6 +75,53 @@ def _tagged_json_parser(tag: str) -> Callable[[str, list[dict]], ParsedTurn]:
     return parse
 
 
+XML_FUNCTION_CALL = re.compile(r"<tool_call>\s*<function=([^>]+)>(.*?)</function>\s*</tool_call>", re.S)
+XML_PARAMETER = re.compile(r"<parameter=([^>]+)>(.*?)</parameter>", re.S)
+
+
+def xml_function_parameters(body: str) -> dict[str, str]:
+    """The `<parameter=KEY>value</parameter>` pairs of one `<function=NAME>` body, values stripped, as text."""
+    return {m.group(1).strip(): m.group(2).strip() for m in XML_PARAMETER.finditer(body)}
+
+
+def _typed(value: str, schema: dict):
+    if schema.get("type", "string") == "string":
+        return value
+    try:
+        return json.loads(value)
+    except json.JSONDecodeError:
+        return value  # left as written; the tool's own validation answers it
+
+
+def qwen3_coder(text: str, tools: list[dict]) -> ParsedTurn:
+    names = {tool_name(t): t.get("function", t).get("parameters", {}).get("properties", {}) for t in tools}
+    calls = []
+    for match in XML_FUNCTION_CALL.finditer(text):
+        name = match.group(1).strip()
+        parameters = xml_function_parameters(match.group(2))
+        if name not in names:
+            calls.append(ToolCall(name, parameters, match.group(0),
+                                  f"unknown tool {name!r}; available: {sorted(names)}"))
+            continue
+        properties = names[name]
+        calls.append(ToolCall(name, {k: _typed(v, properties.get(k, {})) for k, v in parameters.items()},
+                              match.group(0)))
+    return ParsedTurn(XML_FUNCTION_CALL.sub("", text).strip(), calls)
+
+
+qwen3_coder.stop_strings = ["</tool_call>"]
+
+
+def with_xml_fallback(parser, text: str, tools: list[dict]) -> ParsedTurn:
+    """`parser`'s reading of `text`, or, when it finds no well-formed call, the `qwen3_coder` XML form's if that
+    finds one: coding models write that form now and then whatever their template says (slime's parsing allows it)."""
+    turn = parser(text, tools)
+    if parser is qwen3_coder or any(call.error is None for call in turn.calls):
+        return turn
+    xml = qwen3_coder(text, tools)
+    return xml if any(call.error is None for call in xml.calls) else turn
+
+
 def xml_tags(text: str, tools: list[dict]) -> ParsedTurn:
     """`<NAME>text</NAME>` calls NAME with its one string parameter; only the first call of a turn is taken
     (generation stops at its closing tag)."""
@@ -106,7 +156,8 @@ def tool_name(tool: dict) -> str:
 
 qwen = _tagged_json_parser("tool_call")
 tool_tag = _tagged_json_parser("tool")
-PARSERS = {"qwen": qwen, "hermes": qwen, "qwen25": qwen, "tool_tag": tool_tag, "xml_tags": xml_tags}
+PARSERS = {"qwen": qwen, "hermes": qwen, "qwen25": qwen, "qwen3_coder": qwen3_coder, "tool_tag": tool_tag,
+           "xml_tags": xml_tags}
 
 
 def get_parser(name_or_path: str):

@@ -13,7 +13,7 @@ from slime.agent.trajectory import TrajectoryManager, TurnRecord
 from slime.rollout.dataset import load_tokenizer
 from slime.utils.http_utils import request_json
 
-MAX_NEW_TOKENS = 300
+MAX_NEW_TOKENS = 900
 
 
 def push_during_the_turn(url: str, model_path: str, version: str) -> threading.Thread:
@@ -24,7 +24,7 @@ def push_during_the_turn(url: str, model_path: str, version: str) -> threading.T
                 "num_in_flight_requests"] == 0:
             assert time.monotonic() < deadline
             time.sleep(0.02)
-        time.sleep(0.3)
+        time.sleep(0.15)
         for path, body in (("/pause_generation", {"mode": "abort"}),
                            ("/update_weights_from_disk", {"model_path": model_path, "weight_version": version}),
                            ("/continue_generation", {})):

@@ -1,12 +1,17 @@
 """Anthropic Messages over the engines, for Claude-style agent clients (slime's `AnthropicAdapter`).
 
-`POST /v1/messages`: system (a string or text blocks), messages whose content is a string or blocks (text,
-tool_use, tool_result, thinking), tools with `input_schema`, tool_choice `auto` / `none`, max_tokens (required),
-temperature, top_p, top_k, stop_sequences, stream. Blocks become chat-template messages: a user's tool_result
+`POST /v1/messages` (also with Claude Code's `?beta=true`): system (a string or text blocks), messages whose content
+is a string or blocks (text, tool_use, tool_result, thinking), tools with `input_schema`, tool_choice `auto` / `none`,
+max_tokens (required), temperature, top_p, top_k, stop_sequences, stream. Claude Code's requests are taken as they
+are: a `system` message inside `messages` is folded into the user message before it as a `<system-reminder>` text
+(chat templates take a system message only first; the fold keeps it in place, so later turns render the same prefix);
+`cache_control` on blocks, `thinking`, `output_config`, `context_management` and `metadata` only steer a hosted
+service and are accepted without effect (the engine's prefix cache needs no hint). Blocks become chat-template messages: a user's tool_result
 blocks become messages of role "tool", an assistant's tool_use blocks its `tool_calls`, thinking its
 `reasoning_content`. The answer's content holds thinking / text / tool_use blocks with stop_reason `tool_use`,
 `end_turn`, `stop_sequence` or `max_tokens`; a stream sends message_start, content_block_start / _delta / _stop per
-block, message_delta and message_stop. The session id is the API key (`x-api-key: <session id>`).
+block, message_delta and message_stop. The session id is the API key (`Authorization: Bearer <session id>` or
+`x-api-key: <session id>`).
 
 Only the wire format; the turn flow is `common.BaseAdapter`.
 """
@@ -16,10 +21,13 @@ from __future__ import annotations
 import json
 
 from slime.agent.adapters.common import (
+    DEFAULT_SESSION_ID,
     BaseAdapter,
     ChatRequest,
     RequestError,
     TurnAnswer,
+    bearer_token,
+    header,
     number,
     sse,
     string_list,
@@ -29,6 +37,41 @@ from slime.agent.adapters.common import (
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
                409: "invalid_request_error", 429: "rate_limit_error", 502: "api_error"}
 STOP_REASONS = {"stop": "end_turn", "stop_sequence": "stop_sequence", "length": "max_tokens", "tool_calls": "tool_use"}
+
+
+MID_SYSTEM_PREFIX, MID_SYSTEM_SUFFIX = "<system-reminder>\n", "\n</system-reminder>"
+
+
+def _fold_mid_list_system_into_user(body: dict) -> bool:
+    """Move each `system` message past the first position of `body["messages"]` into the user message before it (or
+    after it, when none is before) as a `<system-reminder>` text block; in place. True when a message moved."""
+    messages = body.get("messages")
+    if not isinstance(messages, list):
+        return False
+    positions = [i for i, m in enumerate(messages) if i > 0 and isinstance(m, dict) and m.get("role") == "system"]
+    for i in positions:
+        reminder = {"type": "text", "text": MID_SYSTEM_PREFIX + text_of(messages[i].get("content"),
+                                                                        f"messages[{i}].content") + MID_SYSTEM_SUFFIX}
+        before = [j for j in range(i) if isinstance(messages[j], dict) and messages[j].get("role") == "user"]
+        after = [j for j in range(i + 1, len(messages))
+                 if isinstance(messages[j], dict) and messages[j].get("role") == "user"]
+        if before:
+            _content_list(messages[before[-1]]).append(reminder)
+            messages[i] = None
+        elif after:
+            _content_list(messages[after[0]]).insert(0, reminder)
+            messages[i] = None
+        else:
+            messages[i] = {"role": "user", "content": [reminder]}
+    body["messages"] = [m for m in messages if m is not None]
+    return bool(positions)
+
+
+def _content_list(message: dict) -> list:
+    if not isinstance(message.get("content"), list):
+        content = message.get("content")
+        message["content"] = [{"type": "text", "text": content if isinstance(content, str) else ""}]
+    return message["content"]
 
 
 def _blocks(content, param: str) -> list[dict]:
@@ -50,8 +93,7 @@ def _user_messages(blocks: list[dict], param: str) -> list[dict]:
             texts.append(block["text"])
         elif block["type"] == "tool_result" and isinstance(block.get("tool_use_id"), str):
             result = text_of(block.get("content"), f"{param}[{i}].content")
-            tool_messages.append({"role": "tool", "tool_call_id": block["tool_use_id"],
-                                  "content": f"Error: {result}" if block.get("is_error") else result})
+            tool_messages.append({"role": "tool", "content": f"Error: {result}" if block.get("is_error") else result})
         else:
             raise RequestError(f"{param}[{i}]", "a user block must be text or tool_result (with tool_use_id)")
     return tool_messages + ([{"role": "user", "content": "".join(texts)}] if texts else [])
@@ -66,8 +108,7 @@ def _assistant_message(blocks: list[dict], param: str) -> dict:
             message["reasoning_content"] = block["thinking"]
         elif block["type"] == "tool_use" and isinstance(block.get("name"), str) and isinstance(block.get("input"),
                                                                                               dict):
-            calls.append({"id": block.get("id"), "type": "function",
-                          "function": {"name": block["name"], "arguments": block["input"]}})
+            calls.append({"type": "function", "function": {"name": block["name"], "arguments": block["input"]}})
         else:
             raise RequestError(f"{param}[{i}]", "an assistant block must be text, thinking or tool_use "
                                                 "(with name and an input object)")
@@ -77,7 +118,34 @@ def _assistant_message(blocks: list[dict], param: str) -> dict:
     return message
 
 
-def _tools(tools) -> list[dict] | None:
+def _request_session_id(request) -> str:
+    """slime's rule: `Authorization: Bearer <id>`, else `x-api-key: <id>`, else DEFAULT_SESSION_ID."""
+    return bearer_token(request) or header(request, "x-api-key") or DEFAULT_SESSION_ID
+
+
+def _translate_messages(messages: list, system=None) -> list[dict]:
+    """Anthropic messages (and the top-level `system`) -> chat-template messages: one system message first (the
+    `system` field and a leading system message), a user's tool_result blocks as "tool" messages, an assistant's
+    tool_use blocks as `tool_calls` (arguments a dict) and thinking as `reasoning_content`. The wire's ids stay
+    out: chat templates do not render them, and the sampled text holds none."""
+    system_texts = [text_of(system, "system")] if system is not None else []
+    if messages and isinstance(messages[0], dict) and messages[0].get("role") == "system":
+        system_texts.append(text_of(messages[0].get("content"), "messages[0].content"))
+        messages = messages[1:]
+    translated = [{"role": "system", "content": "\n\n".join(system_texts)}] if system_texts else []
+    for i, message in enumerate(messages):
+        role = message.get("role") if isinstance(message, dict) else None
+        if role not in ("user", "assistant"):
+            raise RequestError(f"messages[{i}].role", "must be 'user', 'assistant' or 'system'")
+        blocks = _blocks(message.get("content"), f"messages[{i}].content")
+        if role == "user":
+            translated += _user_messages(blocks, f"messages[{i}].content")
+        else:
+            translated.append(_assistant_message(blocks, f"messages[{i}].content"))
+    return translated
+
+
+def _tools_to_chat_tools(tools) -> list[dict] | None:
     if tools is None:
         return None
     if not isinstance(tools, list):
@@ -98,6 +166,9 @@ class AnthropicAdapter(BaseAdapter):
     route = "/v1/messages"
     tool_call_id_prefix = "toolu_"
 
+    def request_session_id(self, request, body: dict) -> str:
+        return _request_session_id(request)
+
     def parse_request(self, body: dict) -> ChatRequest:
         max_tokens = number(body, "max_tokens", 1, 1 << 30, integer=True)
         if max_tokens is None:
@@ -105,18 +176,9 @@ class AnthropicAdapter(BaseAdapter):
         raw_messages = body.get("messages")
         if not isinstance(raw_messages, list) or not raw_messages:
             raise RequestError("messages", "must be a non-empty list of messages")
-        messages = []
-        if body.get("system") is not None:
-            messages.append({"role": "system", "content": text_of(body["system"], "system")})
-        for i, message in enumerate(raw_messages):
-            role = message.get("role") if isinstance(message, dict) else None
-            if role not in ("user", "assistant"):
-                raise RequestError(f"messages[{i}].role", "must be 'user' or 'assistant'")
-            blocks = _blocks(message.get("content"), f"messages[{i}].content")
-            if role == "user":
-                messages += _user_messages(blocks, f"messages[{i}].content")
-            else:
-                messages.append(_assistant_message(blocks, f"messages[{i}].content"))
+        body = {**body, "messages": [dict(m) if isinstance(m, dict) else m for m in raw_messages]}
+        _fold_mid_list_system_into_user(body)
+        messages = _translate_messages(body["messages"], system=body.get("system"))
         tool_choice = body.get("tool_choice") or {"type": "auto"}
         if not isinstance(tool_choice, dict) or tool_choice.get("type") not in ("auto", "none"):
             raise RequestError("tool_choice", f"only {{'type': 'auto'}} and {{'type': 'none'}} are supported, got "
@@ -127,7 +189,7 @@ class AnthropicAdapter(BaseAdapter):
         params = {key: value for key, value in params.items() if value is not None}
         if body.get("stop_sequences") is not None:
             params["stop"] = string_list(body["stop_sequences"], "stop_sequences")
-        return ChatRequest(messages=messages, tools=_tools(body.get("tools")),
+        return ChatRequest(messages=messages, tools=_tools_to_chat_tools(body.get("tools")),
                            parse_tool_calls=tool_choice["type"] == "auto", sampling_params=params,
                            stream=body.get("stream") is True, model=str(body.get("model") or ""))
 

@@ -5,11 +5,12 @@ methods: `parse_request(body) -> ChatRequest` (messages in the chat template's s
 sampling fields; `RequestError(param, message)` for a bad field), `render_answer(answer) -> dict`,
 `render_stream(answer) -> list[bytes]` (SSE frames) and `error_body(status, message, param)`. Everything else is here.
 
-One turn: the session id from `Authorization: Bearer <id>` or `x-api-key: <id>` (404 unknown, 409 finished) -> parse
-(400 naming the field) -> turn cap (429) -> render the chat template to ids -> POST the router's /generate with
-`input_ids`, `return_logprob` and the header `X-SMG-Routing-Key: <session id>` (keeps a session on one engine for its
-prefix cache) -> parse reasoning and tool calls from the sampled text -> record a `TurnRecord` -> answer. The stream
-is rendered from the finished turn (the engine call is not streamed token by token).
+One turn: the session id (`Authorization: Bearer <id>`, then the protocol's own places; 401 none, 404 unknown,
+409 finished) -> parse (400 naming the field) -> turn cap (429) -> render the chat template to ids -> POST the
+router's /generate with `input_ids`, `return_logprob` and the header `X-SMG-Routing-Key: <session id>` (keeps a
+session on one engine for its prefix cache) -> parse reasoning and tool calls from the sampled text (a call in the
+Qwen3-Coder XML form is read whatever the tool parser) -> record a `TurnRecord` -> answer. The stream is rendered
+from the finished turn (the engine call is not streamed token by token).
 
 Not the wire formats (openai.py, anthropic.py), not the linearisation of turns (`slime.agent.trajectory`).
 """
@@ -17,6 +18,8 @@ Not the wire formats (openai.py, anthropic.py), not the linearisation of turns (
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import inspect
 import json
 import time
 import uuid
@@ -28,11 +31,26 @@ from slime.agent.adapters.paused_turns import generate_through_pushes
 from slime.agent.adapters.reasoning import get_reasoning_parser
 from slime.agent.trajectory import DEFAULT_FORK_THRESHOLD_TOKENS, TrajectoryManager, TurnRecord
 from slime.utils.http_utils import EndpointUnreachableError, HTTPRequestError, request_json
-from slime.utils.tool_parsers import ToolCall, get_parser, stop_strings_for
+from slime.utils.tool_parsers import ToolCall, get_parser, stop_strings_for, with_xml_fallback
 
 ROUTING_KEY_HEADER = "X-SMG-Routing-Key"
 # The openai and anthropic SDKs retry a 429 unless told not to; a spent turn budget does not come back.
 NO_RETRY_HEADERS = {"x-should-retry": "false"}
+
+
+DEFAULT_SESSION_ID = "default"  # slime's session of a request that names none; here only if the rollout opened it
+
+
+def header(request, name: str) -> str:
+    """A request header by case-insensitive name ("" if absent), from aiohttp's headers or a plain dict."""
+    lowered = name.lower()
+    return next((str(v) for k, v in request.headers.items() if k.lower() == lowered), "")
+
+
+def bearer_token(request) -> str:
+    """The token of an `Authorization: Bearer <token>` header ("" if none)."""
+    authorization = header(request, "Authorization")
+    return authorization[len("Bearer "):].strip() if authorization.startswith("Bearer ") else ""
 
 
 class RequestError(ValueError):
@@ -52,6 +70,7 @@ class ChatRequest:
     stream: bool = False
     include_usage: bool = False
     model: str = ""
+    ignored_tools: list[str] = field(default_factory=list)  # tools a chat template cannot offer (Responses API)
 
 
 @dataclass
@@ -76,9 +95,11 @@ class TurnAnswer:
 @dataclass
 class _Session:
     sampling_defaults: dict
+    max_context_tokens: int = 0  # 0: the engine's own limit
     num_turns: int = 0
     closed: bool = False
     in_flight: set = field(default_factory=set)
+    turn_stats: list = field(default_factory=list)  # per recorded turn, in the manager's turn order
 
 
 def sse(data: dict | str, event: str | None = None) -> bytes:
@@ -132,7 +153,12 @@ class BaseAdapter:
     def __init__(self, *, tokenizer, sglang_url: str, tool_parser: str = "qwen", reasoning_parser: str | None = None,
                  max_turns: int | None = None, headers: dict | None = None,
                  fork_threshold_tokens: int = DEFAULT_FORK_THRESHOLD_TOKENS, request_timeout_s: float | None = None,
-                 resume_aborted_turns: bool = False):
+                 max_turns_per_sid: int | None = None, resume_aborted_turns: bool = False):
+        if max_turns_per_sid is not None:  # slime's name of the same cap
+            if max_turns is not None and max_turns != max_turns_per_sid:
+                raise ValueError(f"max_turns={max_turns} and max_turns_per_sid={max_turns_per_sid} disagree: they "
+                                 "name one cap, pass one of them")
+            max_turns = max_turns_per_sid
         if max_turns is not None and max_turns < 1:
             raise ValueError(f"max_turns must be >= 1 (or None for no cap), got {max_turns}")
         self.tokenizer = tokenizer
@@ -145,21 +171,28 @@ class BaseAdapter:
         self.resume_aborted_turns = resume_aborted_turns  # --fully-async: a weight push's abort is not the turn's end
         self.manager = TrajectoryManager(fork_threshold_tokens=fork_threshold_tokens, tokenizer=tokenizer)
         self.model_name = str(getattr(tokenizer, "name_or_path", "") or "slime")
-        end_ids = {tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids("<|im_end|>")} - {None, tokenizer.unk_token_id}
-        self._end_token_texts = {i: tokenizer.convert_ids_to_tokens(i) for i in end_ids if isinstance(i, int)}
+        self._end_token_texts = end_token_texts(tokenizer)
+        template_params = inspect.signature(tokenizer.apply_chat_template).parameters.values()
+        self._template_takes_return_dict = any(p.name == "return_dict" or p.kind == p.VAR_KEYWORD
+                                               for p in template_params)
         self._sessions: dict[str, _Session] = {}
         self.app = web.Application(client_max_size=64 * 1024 * 1024)
         self.app.router.add_post(self.route, self._handle)
 
     # ---- lifecycle -------------------------------------------------------------------------------------------
-    def open_session(self, session_id: str, sampling_defaults: dict | None = None) -> None:
+    def open_session(self, session_id: str, sampling_defaults: dict | None = None, max_context_tokens: int = 0) -> None:
         """Accept turns for `session_id` (the key the agent client authenticates with); `sampling_defaults` in the
-        engine's names (temperature, top_p, max_new_tokens, stop, ...), overridden per request by the client."""
+        engine's names (temperature, top_p, max_new_tokens, stop, ...), overridden per request by the client, but
+        for max_new_tokens: a turn samples at most the smaller of the default's and the client's. With
+        `max_context_tokens` (slime's `--rollout-max-context-len`) a turn also stops there: prompt plus output never
+        exceed it, and a prompt that already fills it is answered as a turn cut by length, with no engine call."""
         if not isinstance(session_id, str) or not session_id:
             raise ValueError(f"session_id must be a non-empty string, got {session_id!r}")
         if session_id in self._sessions:
             raise ValueError(f"session {session_id!r} is already open; session ids must be unique")
-        self._sessions[session_id] = _Session(dict(sampling_defaults or {}))
+        if not isinstance(max_context_tokens, int) or max_context_tokens < 0:
+            raise ValueError(f"max_context_tokens must be an integer >= 0 (0: no limit), got {max_context_tokens!r}")
+        self._sessions[session_id] = _Session(dict(sampling_defaults or {}), max_context_tokens)
 
     async def shutdown_session(self, session_id: str, timeout_s: float = 30.0) -> None:
         """Refuse new turns of the session (409) and wait for the ones in flight (cancelled after `timeout_s`)."""
@@ -180,12 +213,26 @@ class BaseAdapter:
         else:  # the app serves on another thread's loop
             await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(drain(), loop))
 
-    async def finish_session(self, session_id: str, base_sample=None, timeout_s: float = 30.0) -> list:
+    async def finish_session(self, session_id: str, base_sample=None, timeout_s: float = 30.0, *,
+                             reward=None, extra_metadata: dict | None = None) -> list:
         """Close the session, wait for its turns in flight, and return its Samples (siblings; see
-        `slime.agent.trajectory`); the session is forgotten afterwards."""
+        `slime.agent.trajectory`); the session is forgotten afterwards. `reward` (when given) is every sibling's
+        reward, as in slime; `extra_metadata` is merged into each sibling's metadata. Each sibling's
+        `metadata["turn_stats"]` lists its turns' prompt / cached / output token counts and tool calls, and its
+        `prefix_cache_info` sums them (the rollout's `rollout/prefix_cache_hit_rate`)."""
         await self.shutdown_session(session_id, timeout_s)
         samples = self.manager.get_trajectory(session_id, base_sample)
+        turn_stats = self._sessions[session_id].turn_stats
         self.drop_session(session_id)
+        for sample in samples:
+            if reward is not None:
+                sample.reward = reward
+            sample.metadata.update(extra_metadata or {})
+            stats = [turn_stats[i] for i in sample.metadata["turn_indices"] if i < len(turn_stats)]
+            sample.metadata["turn_stats"] = stats
+            sample.prefix_cache_info = type(sample.prefix_cache_info)(
+                cached_tokens=sum(t["cached_tokens"] for t in stats),
+                total_prompt_tokens=sum(t["prompt_tokens"] for t in stats))
         return samples
 
     def drop_session(self, session_id: str) -> None:
@@ -212,87 +259,101 @@ class BaseAdapter:
         raise NotImplementedError
 
     # ---- the turn --------------------------------------------------------------------------------------------
-    def _error(self, status: int, message: str, param: str | None = None, headers: dict | None = None):
-        return web.json_response(self.error_body(status, message, param), status=status, headers=headers)
-
     @staticmethod
-    def session_id_of(request: web.Request) -> str | None:
-        authorization = request.headers.get("Authorization", "")
-        if authorization.startswith("Bearer ") and authorization[len("Bearer "):].strip():
-            return authorization[len("Bearer "):].strip()
-        return request.headers.get("x-api-key") or None
+    def _error(wire, status: int, message: str, param: str | None = None, headers: dict | None = None):
+        return web.json_response(wire.error_body(status, message, param), status=status, headers=headers)
+
+    def request_session_id(self, request, body: dict) -> str:
+        """The session a request belongs to (DEFAULT_SESSION_ID when it names none); each protocol says where it
+        looks (`_request_session_id` of anthropic.py and openai.py, slime's rules)."""
+        raise NotImplementedError
 
     async def _handle(self, request: web.Request) -> web.StreamResponse:
-        session_id = self.session_id_of(request)
-        if session_id is None:
-            return self._error(401, "no session: send the session id as the API key (Authorization: Bearer <id> "
-                                    "or x-api-key: <id>)")
-        session = self._sessions.get(session_id)
-        if session is None:
-            return self._error(404, f"unknown session {session_id!r}: the rollout did not open it or finished it")
-        if session.closed:
-            return self._error(409, f"session {session_id!r} is finished and takes no more turns")
+        return await self.handle_turn(request, self)
+
+    async def handle_turn(self, request: web.Request, wire) -> web.StreamResponse:
+        """One turn of the session named by the request's API key; `wire` parses the body and renders the answer
+        (`parse_request`, `render_answer`, `render_stream`, `error_body`): the adapter itself, or a second protocol
+        it serves on another route (the OpenAI adapter's Responses API)."""
         try:
             body = await request.json()
         except (json.JSONDecodeError, UnicodeDecodeError) as error:
-            return self._error(400, f"body: is not JSON ({error})", "body")
+            return self._error(wire, 400, f"body: is not JSON ({error})", "body")
+        session_id = self.request_session_id(request, body if isinstance(body, dict) else {})
+        session = self._sessions.get(session_id)
+        if session is None and session_id == DEFAULT_SESSION_ID:
+            return self._error(wire, 401, "no session: send the session id as the API key (Authorization: Bearer <id> "
+                                    "or x-api-key: <id>)")
+        if session is None:
+            return self._error(wire, 404, f"unknown session {session_id!r}: the rollout did not open it or finished it")
+        if session.closed:
+            return self._error(wire, 409, f"session {session_id!r} is finished and takes no more turns")
         try:
             if not isinstance(body, dict):
                 raise RequestError("body", f"must be a JSON object, got {type(body).__name__}")
-            chat = self.parse_request(body)
+            chat = wire.parse_request(body)
         except RequestError as error:
-            return self._error(400, str(error), error.param)
+            return self._error(wire, 400, str(error), error.param)
         if self.max_turns is not None and session.num_turns >= self.max_turns:
-            return self._error(429, f"session {session_id!r} reached its turn cap (max_turns={self.max_turns}); "
+            return self._error(wire, 429, f"session {session_id!r} reached its turn cap (max_turns={self.max_turns}); "
                                     "the episode is over", headers=NO_RETRY_HEADERS)
         session.num_turns += 1
         task = asyncio.current_task()
         session.in_flight.add(task)
         try:
-            return await self._turn(request, session_id, chat)
+            return await self._turn(request, session_id, chat, wire)
         finally:
             session.in_flight.discard(task)
 
-    async def _turn(self, request: web.Request, session_id: str, chat: ChatRequest) -> web.StreamResponse:
+    async def _turn(self, request: web.Request, session_id: str, chat: ChatRequest,
+                    wire) -> web.StreamResponse:
         try:
             prompt_ids = await asyncio.to_thread(self._render, chat)
         # the chat template rejected the conversation (jinja raises many types)
         except Exception as error:  # noqa: BLE001
-            return self._error(400, f"the chat template cannot render these messages: {error}", "messages")
+            return self._error(wire, 400, f"the chat template cannot render these messages: {error}", "messages")
         sampling_params, tool_stops = self._sampling_params(session_id, chat)
-        payload = {"input_ids": prompt_ids, "sampling_params": sampling_params, "return_logprob": True}
-        headers = {**self.headers, ROUTING_KEY_HEADER: session_id}
-        async def post(body: dict) -> dict:
-            return await request_json("POST", f"{self.sglang_url}/generate", body, headers=headers,
-                                      timeout=self.request_timeout_s)
-
-        try:
-            result, versions = await generate_through_pushes(post, payload, self.resume_aborted_turns, self.tokenizer)
-        except (HTTPRequestError, EndpointUnreachableError) as error:
-            return self._error(502, f"the inference engine failed: {error}")
-        try:
-            answer, turn = self._interpret(result, chat, prompt_ids, tool_stops)
-            turn = replace(turn, output_weight_versions=versions)
-        except (KeyError, TypeError, ValueError) as error:
-            return self._error(502, f"the inference engine answered in an unexpected shape: {error}")
-        if session_id in self._sessions:  # not dropped while the engine sampled
+        room = self._sessions[session_id].max_context_tokens - len(prompt_ids)
+        if self._sessions[session_id].max_context_tokens and room <= 0:  # the context is full: the episode is over
+            engine = TurnRecord(prompt_ids, [], "length", [], text="")
+        else:
+            if self._sessions[session_id].max_context_tokens:
+                sampling_params["max_new_tokens"] = min(sampling_params.get("max_new_tokens", room), room)
+            try:
+                engine = await call_sglang_generate(prompt_ids, self._sessions[session_id], sampling_params,
+                                                    adapter=self, session_id=session_id)
+            except (HTTPRequestError, EndpointUnreachableError) as error:
+                return self._error(wire, 502, f"the inference engine failed: {error}")
+            except (KeyError, TypeError, ValueError) as error:
+                return self._error(wire, 502, f"the inference engine answered in an unexpected shape: {error}")
+        answer, turn = self._answer(engine, chat, tool_stops)
+        if session_id in self._sessions and turn.output_ids:  # not dropped while the engine sampled
             self.manager.record_turn(session_id, turn)
+            self._sessions[session_id].turn_stats.append({
+                "prompt_tokens": len(turn.prompt_ids), "cached_tokens": turn.cached_tokens,
+                "output_tokens": len(turn.output_ids), "tool_calls": len(answer.tool_calls)})
         if not chat.stream:
-            return web.json_response(self.render_answer(answer))
+            return web.json_response(wire.render_answer(answer))
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await response.prepare(request)
-        for frame in self.render_stream(answer):
+        for frame in wire.render_stream(answer):
             await response.write(frame)
         await response.write_eof()
         return response
 
     def _render(self, chat: ChatRequest) -> list[int]:
-        ids = self.tokenizer.apply_chat_template(chat.messages, tools=chat.tools or None, add_generation_prompt=True,
-                                                 tokenize=True, return_dict=False)
-        return list(ids)
+        kwargs = {"tools": chat.tools or None, "add_generation_prompt": True, "tokenize": True}
+        if self._template_takes_return_dict:  # transformers 5 returns a BatchEncoding unless told not to
+            kwargs["return_dict"] = False
+        return list(self.tokenizer.apply_chat_template(chat.messages, **kwargs))
 
     def _sampling_params(self, session_id: str, chat: ChatRequest) -> tuple[dict, list[str]]:
-        params = {**self._sessions[session_id].sampling_defaults, **chat.sampling_params}
+        session = self._sessions[session_id]
+        params = {**session.sampling_defaults, **chat.sampling_params}
+        limits = [n for n in (session.sampling_defaults.get("max_new_tokens"), chat.sampling_params.get(
+            "max_new_tokens")) if n is not None]
+        if limits:
+            params["max_new_tokens"] = min(limits)
         tool_stops = stop_strings_for(self.tool_parser, chat.tools) if chat.tools and chat.parse_tool_calls else []
         user_stops = string_list(self._sessions[session_id].sampling_defaults.get("stop"), "stop")
         user_stops += [s for s in chat.sampling_params.get("stop", []) if s not in user_stops]
@@ -302,30 +363,29 @@ class BaseAdapter:
 
     def _interpret(self, result: dict, chat: ChatRequest, prompt_ids: list[int],
                    tool_stops: list[str]) -> tuple[TurnAnswer, TurnRecord]:
-        meta = result.get("meta_info", {})
-        output_ids = list(result.get("output_ids", []))
-        log_probs = [float(entry[0]) for entry in meta.get("output_token_logprobs", [])]
-        if len(log_probs) != len(output_ids):
-            raise ValueError(f"the engine returned {len(log_probs)} log-probs for {len(output_ids)} tokens")
-        finish = meta.get("finish_reason") or {"type": "stop"}
-        text, stop_sequence = result.get("text", ""), None
-        matched = finish.get("matched")
-        if finish.get("type") == "stop" and isinstance(matched, str) and matched not in tool_stops:
+        """The answer and the trajectory record of an engine's /generate result."""
+        return self._answer(engine_turn(result, prompt_ids), chat, tool_stops)
+
+    def _answer(self, engine: TurnRecord, chat: ChatRequest, tool_stops: list[str]) -> tuple[TurnAnswer, TurnRecord]:
+        output_ids = engine.output_ids
+        text = engine.text if engine.text is not None else self.tokenizer.decode(output_ids, skip_special_tokens=False)
+        stop_sequence, matched = None, engine.matched_stop
+        if engine.finish_reason == "stop" and matched is not None and matched not in tool_stops:
             text, stop_sequence = text[:text.rfind(matched)] if matched in text else text, matched
-        if finish.get("type") == "stop" and output_ids and output_ids[-1] in self._end_token_texts:
+        if engine.finish_reason == "stop" and output_ids and output_ids[-1] in self._end_token_texts:
             # The model's end-of-turn token ends the reply; its text (kept with skip_special_tokens false) is not
             # part of what the client reads. The id stays in the trajectory.
             text = text.removesuffix(self._end_token_texts[output_ids[-1]])
         reasoning, content = self.reasoning_parser(text) if self.reasoning_parser else ("", text)
         calls, ill_formed = [], False
         if chat.tools and chat.parse_tool_calls:
-            parsed = self.tool_parser(content, chat.tools)
+            parsed = with_xml_fallback(self.tool_parser, content, chat.tools)
             calls = [call for call in parsed.calls if call.error is None]
             ill_formed = len(calls) < len(parsed.calls)
             for call in calls:  # a call that failed to parse stays in the text, where the client can see it
                 content = content.replace(call.raw, "", 1)
             content = content.strip() if calls else content
-        if finish.get("type") in ("length", "abort"):
+        if engine.finish_reason in ("length", "abort"):
             finish_name = "length"
         elif calls:
             finish_name = "tool_calls"
@@ -334,9 +394,46 @@ class BaseAdapter:
         answer = TurnAnswer(
             id=uuid.uuid4().hex, model=chat.model or self.model_name, content=content, reasoning=reasoning,
             tool_calls=calls, tool_call_ids=[f"{self.tool_call_id_prefix}{uuid.uuid4().hex[:24]}" for _ in calls],
-            finish=finish_name, stop_sequence=stop_sequence, prompt_tokens=len(prompt_ids),
-            completion_tokens=len(output_ids), cached_tokens=int(meta.get("cached_tokens") or 0), request=chat,
+            finish=finish_name, stop_sequence=stop_sequence, prompt_tokens=len(engine.prompt_ids),
+            completion_tokens=len(output_ids), cached_tokens=engine.cached_tokens, request=chat,
         )
-        turn = TurnRecord(prompt_ids, output_ids, finish.get("type", "stop"), log_probs, ill_formed,
-                          meta.get("weight_version"))
-        return answer, turn
+        return answer, dataclasses.replace(engine, ill_formed=ill_formed)
+
+
+def end_token_texts(tokenizer) -> dict[int, str]:
+    """The text of the tokenizer's end-of-turn ids (eos, <|im_end|>) by id; {} for a tokenizer without them."""
+    convert = getattr(tokenizer, "convert_tokens_to_ids", None)
+    candidates = {getattr(tokenizer, "eos_token_id", None), convert("<|im_end|>") if convert else None}
+    end_ids = {i for i in candidates - {None, getattr(tokenizer, "unk_token_id", None)} if isinstance(i, int)}
+    return {i: tokenizer.convert_ids_to_tokens(i) for i in end_ids}
+
+
+def engine_turn(result: dict, prompt_ids: list[int]) -> TurnRecord:
+    """A TurnRecord of the engine's /generate answer: the sampled ids (`output_ids`, else the ids of
+    `meta_info.output_token_logprobs`), their log-probs, the finish reason, the text and cache counters."""
+    meta = result.get("meta_info", {})
+    entries = meta.get("output_token_logprobs", [])
+    output_ids = list(result["output_ids"]) if "output_ids" in result else [int(entry[1]) for entry in entries]
+    log_probs = [float(entry[0]) for entry in entries]
+    if len(log_probs) != len(output_ids):
+        raise ValueError(f"the engine returned {len(log_probs)} log-probs for {len(output_ids)} tokens")
+    finish = meta.get("finish_reason") or {"type": "stop"}
+    matched = finish.get("matched")
+    return TurnRecord(list(prompt_ids), output_ids, finish.get("type", "stop"), log_probs,
+                      weight_version=meta.get("weight_version"), text=result.get("text"),
+                      matched_stop=matched if isinstance(matched, str) else None,
+                      cached_tokens=int(meta.get("cached_tokens") or 0))
+
+
+async def call_sglang_generate(prompt_ids: list[int], session, body: dict, *, adapter: BaseAdapter,
+                               session_id: str | None = None) -> TurnRecord:
+    """One engine call of a turn: `prompt_ids` with the sampling params `body` to the router's /generate, with the
+    routing key of the session (its prefix cache stays on one engine). Module-level, as in slime: tests replace it."""
+    payload = {"input_ids": list(prompt_ids), "sampling_params": body, "return_logprob": True}
+    headers = {**adapter.headers, **({ROUTING_KEY_HEADER: session_id} if session_id else {})}
+    async def post(body: dict) -> dict:
+        return await request_json("POST", f"{adapter.sglang_url}/generate", body, headers=headers,
+                                  timeout=adapter.request_timeout_s)
+
+    result, versions = await generate_through_pushes(post, payload, adapter.resume_aborted_turns, adapter.tokenizer)
+    return replace(engine_turn(result, prompt_ids), output_weight_versions=versions)

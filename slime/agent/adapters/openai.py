@@ -6,7 +6,8 @@
 (or max_completion_tokens), stop, seed, stream (+ stream_options.include_usage). The answer carries `tool_calls`
 with JSON-string arguments and finish_reason `tool_calls` / `stop` / `length`; a stream sends `chat.completion.chunk`
 deltas (role, reasoning_content, content, tool_calls, finish_reason, usage) and `[DONE]`. `GET /v1/models` lists
-the served model. The session id is the API key (`Authorization: Bearer <session id>`).
+the served model. The session id is the API key (`Authorization: Bearer <session id>` or `x-api-key`), else the
+body's `metadata.session_id` or `user`. `POST /v1/responses` serves the Responses API (responses.py) over the same sessions.
 
 Only the wire format; the turn flow is `common.BaseAdapter`. Not the engine's own /v1 routes (no trajectory there).
 """
@@ -18,15 +19,19 @@ import json
 from aiohttp import web
 
 from slime.agent.adapters.common import (
+    DEFAULT_SESSION_ID,
     BaseAdapter,
     ChatRequest,
     RequestError,
     TurnAnswer,
+    bearer_token,
+    header,
     number,
     sse,
     string_list,
     text_of,
 )
+from slime.agent.adapters.responses import ResponsesWire
 
 ROLES = {"system", "developer", "user", "assistant", "tool"}
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
@@ -39,9 +44,14 @@ def _tool_call(call: dict, param: str) -> dict:
     if not isinstance(function, dict) or not isinstance(function.get("name"), str):
         raise RequestError(param, 'must be {"id", "type": "function", "function": {"name", "arguments"}}')
     arguments = function.get("arguments", "{}")
-    if not isinstance(arguments, (str, dict)):
-        raise RequestError(f"{param}.function.arguments", "must be a JSON string")
-    return {"id": call.get("id"), "type": "function", "function": {"name": function["name"], "arguments": arguments}}
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments or "{}")
+        except json.JSONDecodeError as error:
+            raise RequestError(f"{param}.function.arguments", f"is not JSON ({error.msg})") from None
+    if not isinstance(arguments, dict):
+        raise RequestError(f"{param}.function.arguments", "must be a JSON object (or its JSON string)")
+    return {"type": "function", "function": {"name": function["name"], "arguments": arguments}}
 
 
 def _message(message, param: str) -> dict:
@@ -56,10 +66,27 @@ def _message(message, param: str) -> dict:
         out["tool_calls"] = [_tool_call(call, f"{param}.tool_calls[{i}]") for i, call in enumerate(calls)]
     if role == "assistant" and isinstance(message.get("reasoning_content"), str):
         out["reasoning_content"] = message["reasoning_content"]
-    for key in ("tool_call_id", "name"):
-        if isinstance(message.get(key), str):
-            out[key] = message[key]
+    if isinstance(message.get("name"), str):
+        out["name"] = message["name"]
     return out
+
+
+def _translate_messages(messages: list) -> list[dict]:
+    """Chat Completions messages -> chat-template messages: developer becomes system, content parts become text,
+    tool-call arguments become dicts. The wire's ids (a call's `id`, a tool message's `tool_call_id`) stay out:
+    chat templates do not render them, and the sampled text holds none."""
+    return [_message(m, f"messages[{i}]") for i, m in enumerate(messages)]
+
+
+def _request_session_id(request, body: dict) -> str:
+    """slime's rule: `Authorization: Bearer <id>`, else the body's `metadata.session_id`, else its `user`, else
+    DEFAULT_SESSION_ID; an `x-api-key: <id>` header (the Anthropic adapter's) counts right after the bearer."""
+    metadata = body.get("metadata") if isinstance(body.get("metadata"), dict) else {}
+    for candidate in (bearer_token(request), header(request, "x-api-key"), metadata.get("session_id"),
+                      body.get("user")):
+        if isinstance(candidate, str) and candidate:
+            return candidate
+    return DEFAULT_SESSION_ID
 
 
 def _tools(tools) -> list[dict] | None:
@@ -82,6 +109,14 @@ class OpenAIAdapter(BaseAdapter):
     def __init__(self, **kwargs):
         super().__init__(**kwargs)
         self.app.router.add_get("/v1/models", self._models)
+        self.responses_wire = ResponsesWire(self.model_name)
+        self.app.router.add_post("/v1/responses", self._handle_responses)
+
+    def request_session_id(self, request, body: dict) -> str:
+        return _request_session_id(request, body)
+
+    async def _handle_responses(self, request: web.Request) -> web.StreamResponse:
+        return await self.handle_turn(request, self.responses_wire)
 
     async def _models(self, request: web.Request) -> web.Response:
         return web.json_response({"object": "list", "data": [{"id": self.model_name, "object": "model",
@@ -107,7 +142,7 @@ class OpenAIAdapter(BaseAdapter):
         if not isinstance(stream_options, dict):
             raise RequestError("stream_options", "must be an object")
         return ChatRequest(
-            messages=[_message(m, f"messages[{i}]") for i, m in enumerate(messages)], tools=_tools(body.get("tools")),
+            messages=_translate_messages(messages), tools=_tools(body.get("tools")),
             parse_tool_calls=tool_choice == "auto", sampling_params=params, stream=body.get("stream") is True,
             include_usage=stream_options.get("include_usage") is True, model=str(body.get("model") or ""),
         )
@@ -140,7 +175,7 @@ class OpenAIAdapter(BaseAdapter):
                         "model": answer.model,
                         "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}]})
 
-        frames = [chunk({"role": "assistant", "content": ""})]
+        frames = [chunk({"role": "assistant"})]
         if answer.reasoning:
             frames.append(chunk({"reasoning_content": answer.reasoning}))
         if answer.content:

@@ -15,7 +15,7 @@ from slime.rollout.fully_async.stream import GenerationStream
 from slime.rollout.sglang_rollout import generate
 from slime.utils.http_utils import run
 
-MAX_RESPONSE_LEN = 300
+MAX_RESPONSE_LEN = 900
 
 
 async def generate_ignoring_eos(args, sample, sampling_params):
@@ -62,7 +62,7 @@ def stop(stack, stream):
     post(stack, "/abort_request", {"abort_all": True})  # what the RolloutManager does after stopping its stream
 
 
-def wait_for_tokens(stack, seconds=0.3):
+def wait_for_tokens(stack, seconds=0.15):
     """Until the engine has requests in flight, then a little longer: they are part way through."""
     deadline = time.monotonic() + 60
     while httpx.get(stack["url"] + "/get_server_info", timeout=10, trust_env=False).json().get(
