@@ -191,6 +191,9 @@ def main(argv=None) -> None:
     try:
         args = parse_args(argv)
         require_train_backend(args)
+        if args.fully_async:
+            raise ValueError("--fully-async is a mode of train_async.py (the engines generate while the trainer "
+                             "trains); run train_async.py")
     except ValueError as exc:
         print(f"train.py: error: {exc}", file=sys.stderr)
         sys.exit(2)

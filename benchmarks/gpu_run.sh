@@ -258,6 +258,10 @@ s = dict(SHAPES['moonlight-4l']); build_tiny_model('/tmp/moonlight4l', arch=s.po
     grpo_disagg) grpo disaggregated ;;
     grpo_colocated2) grpo colocated-2 ;;
     grpo_async) grpo disaggregated --async ;;
+    # Sync vs one-step-off vs fully async (train_async.py --fully-async), long-tailed lengths, trainer GPU 0, engine GPU 1
+    fully_async_bench) python3 benchmarks/bench_fully_async.py /tmp/fully_async_bench; rc=$?
+                       for m in sync one_step_off fully_async; do cp /tmp/fully_async_bench/$m/metrics.jsonl $OUT/fully_async_$m.jsonl; done
+                       return $rc ;;
     megatron_vpp_gpu_tests) python3 -m pytest -q tests/backends/megatron_utils/test_multi_gpu.py -k vpp ;;  # PP=2 x VPP=2 over NCCL vs PP=1
     megatron_cp_gpu_tests) python3 -m pytest -q tests/backends/megatron_utils/test_multi_gpu.py -k cp2 ;;  # CP=2 over NCCL (2 GPUs) vs CP=1
     *) echo "unknown step $1"; return 2 ;;

@@ -77,7 +77,7 @@ async def serve_adapter(args) -> ServedAdapter:
         raise ValueError("examples.openai_agent.generate needs --hf-checkpoint (its chat template renders the turns)")
     adapter = OpenAIAdapter(tokenizer=tokenizer, sglang_url=router_url(args),
                             tool_parser=getattr(args, "tool_call_parser", None) or "qwen", max_turns=max_turns,
-                            headers=router_headers(args))
+                            headers=router_headers(args), resume_aborted_turns=args.fully_async)
     runner = web.AppRunner(adapter.app, access_log=None)
     await runner.setup()
     await web.TCPSite(runner, "127.0.0.1", 0).start()

@@ -56,6 +56,8 @@ class TurnRecord:
     text: str | None = None  # the engine's decoded text, when it sent one (else the adapter decodes output_ids)
     matched_stop: str | None = None  # the stop string that ended the turn, as the engine reported it
     cached_tokens: int = 0  # prompt tokens the engine's prefix cache served
+    # one per output id when the turn spans weight pushes (adapters/paused_turns.py); None: all of weight_version
+    output_weight_versions: list[str | None] | None = None
 
 
 @dataclass
@@ -65,6 +67,7 @@ class _Leaf:
     tokens: list[int]
     loss_mask: list[int]
     log_probs: list[float]
+    versions: list[str | None] = field(default_factory=list)  # per token: the weight version that sampled it
     sampled_spans: list[tuple[int, int]] = field(default_factory=list)  # [start, end) of ids sampled in this leaf
     turn_indices: list[int] = field(default_factory=list)
     weight_versions: list[str] = field(default_factory=list)
@@ -78,6 +81,9 @@ class _Leaf:
         self.tokens += turn.output_ids
         self.loss_mask += [1] * len(turn.output_ids)
         self.log_probs += [float(x) for x in turn.output_log_probs]
+        version = None if turn.weight_version is None else str(turn.weight_version)
+        self.versions += (list(turn.output_weight_versions) if turn.output_weight_versions is not None
+                          else [version] * len(turn.output_ids))
         if turn.output_ids:
             self.sampled_spans.append((start, len(self.tokens)))
         self.turn_indices.append(turn_index)
@@ -88,7 +94,7 @@ class _Leaf:
 
 
 def _context(prompt_ids: list[int]) -> _Leaf:
-    return _Leaf(list(prompt_ids), [0] * len(prompt_ids), [0.0] * len(prompt_ids))
+    return _Leaf(list(prompt_ids), [0] * len(prompt_ids), [0.0] * len(prompt_ids), [None] * len(prompt_ids))
 
 
 def _common_prefix_len(a: list[int], b: list[int]) -> int:
@@ -150,11 +156,12 @@ def align(leaf: _Leaf, prompt_ids: list[int], max_drift: int) -> tuple[list[tupl
 
 def _absorb(leaf: _Leaf, prompt_ids: list[int], spans: list[tuple[int, int]], drift: int) -> None:
     """Rebuild `leaf` on the new rendering: context from `prompt_ids`, sampled spans with their masks and log-probs."""
-    loss_mask, log_probs = [0] * len(prompt_ids), [0.0] * len(prompt_ids)
+    loss_mask, log_probs, versions = [0] * len(prompt_ids), [0.0] * len(prompt_ids), [None] * len(prompt_ids)
     for (old_start, old_end), (new_start, new_end) in zip(leaf.sampled_spans, spans):
         loss_mask[new_start:new_end] = leaf.loss_mask[old_start:old_end]
         log_probs[new_start:new_end] = leaf.log_probs[old_start:old_end]
-    leaf.tokens, leaf.loss_mask, leaf.log_probs = list(prompt_ids), loss_mask, log_probs
+        versions[new_start:new_end] = leaf.versions[old_start:old_end]
+    leaf.tokens, leaf.loss_mask, leaf.log_probs, leaf.versions = list(prompt_ids), loss_mask, log_probs, versions
     leaf.sampled_spans = spans
     leaf.num_absorbed_drift_tokens += drift
 
@@ -215,6 +222,7 @@ class TrajectoryManager:
             leaf.tokens += new_context
             leaf.loss_mask += [0] * len(new_context)
             leaf.log_probs += [0.0] * len(new_context)
+            leaf.versions += [None] * len(new_context)
         return leaf
 
     @staticmethod
@@ -253,6 +261,8 @@ class TrajectoryManager:
             response=self.tokenizer.decode(response_ids) if self.tokenizer is not None else "",
             loss_mask=leaf.loss_mask[response_start:], rollout_log_probs=leaf.log_probs[response_start:],
             weight_versions=list(leaf.weight_versions),
+            token_weight_versions=(leaf.versions[response_start:]
+                                   if any(v is not None for v in leaf.versions[response_start:]) else None),
             status=FINISH_REASON_TO_STATUS.get(leaf.finish_reason, Status.FAILED),
             metadata=metadata, session_id=session_id,
         )

@@ -11,6 +11,7 @@ import logging
 
 from slime.config.custom_config import apply_custom_config
 from slime.config.flag_status import check_flag_status
+from slime.config.flags_async import add_fully_async_arguments
 from slime.config.flags_debug import add_debug_arguments
 from slime.config.flags_engine_access import add_engine_access_arguments
 from slime.config.flags_hooks import add_hook_arguments
@@ -289,6 +290,7 @@ ARGUMENT_GROUPS = [
     add_lora_arguments,
     add_on_policy_arguments,
     add_eval_arguments,
+    add_fully_async_arguments,
     add_logging_arguments,
     add_debug_arguments,
     add_engine_access_arguments,

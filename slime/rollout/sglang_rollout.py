@@ -97,7 +97,7 @@ async def generate(args, sample: Sample, sampling_params: dict) -> Sample:
         if tokenizer is None:
             raise ValueError("the default rollout needs --hf-checkpoint: its tokenizer turns prompts into token ids")
         sample.tokens = prompt_token_ids(tokenizer, sample)
-    if sample.response_length and args.partial_rollout:
+    if sample.response_length and (args.partial_rollout or args.fully_async):  # continuing a cut response
         if args.mask_offpolicy_in_partial_rollout:
             sample.loss_mask = [0] * sample.response_length  # the prefix came from older weights
     max_new_tokens = sampling_params["max_new_tokens"] - sample.response_length

@@ -24,10 +24,11 @@ import json
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from aiohttp import web
 
+from slime.agent.adapters.paused_turns import generate_through_pushes
 from slime.agent.adapters.reasoning import get_reasoning_parser
 from slime.agent.trajectory import DEFAULT_FORK_THRESHOLD_TOKENS, TrajectoryManager, TurnRecord
 from slime.utils.http_utils import EndpointUnreachableError, HTTPRequestError, request_json
@@ -154,7 +155,8 @@ class BaseAdapter:
     def __init__(self, *, tokenizer, sglang_url: str, tool_parser: str = "qwen", reasoning_parser: str | None = None,
                  max_turns: int | None = None, headers: dict | None = None,
                  fork_threshold_tokens: int = DEFAULT_FORK_THRESHOLD_TOKENS, request_timeout_s: float | None = None,
-                 max_turns_per_sid: int | None = None, lora_path: Callable[[], str | None] | None = None):
+                 max_turns_per_sid: int | None = None, lora_path: Callable[[], str | None] | None = None,
+                 resume_aborted_turns: bool = False):
         """`lora_path`: asked at every turn, the LoRA adapter the engine samples it with (SGLang's `lora_path`), or
         None for the base model; a LoRA run's rollout passes `lambda: args.lora_path`, the version last pushed."""
         if max_turns_per_sid is not None:  # slime's name of the same cap
@@ -172,6 +174,7 @@ class BaseAdapter:
         self.headers = dict(headers or {})
         self.request_timeout_s = request_timeout_s
         self.lora_path = lora_path or (lambda: None)
+        self.resume_aborted_turns = resume_aborted_turns  # --fully-async: a weight push's abort is not the turn's end
         self.manager = TrajectoryManager(fork_threshold_tokens=fork_threshold_tokens, tokenizer=tokenizer)
         self.model_name = str(getattr(tokenizer, "name_or_path", "") or "slime")
         self._end_token_texts = end_token_texts(tokenizer)
@@ -440,6 +443,9 @@ async def call_sglang_generate(prompt_ids: list[int], session, body: dict, *, ad
     if lora_path is not None:
         payload["lora_path"] = lora_path
     headers = {**adapter.headers, **({ROUTING_KEY_HEADER: session_id} if session_id else {})}
-    result = await request_json("POST", f"{adapter.sglang_url}/generate", payload, headers=headers,
-                                timeout=adapter.request_timeout_s)
-    return engine_turn(result, prompt_ids)
+    async def post(body: dict) -> dict:
+        return await request_json("POST", f"{adapter.sglang_url}/generate", body, headers=headers,
+                                  timeout=adapter.request_timeout_s)
+
+    result, versions = await generate_through_pushes(post, payload, adapter.resume_aborted_turns, adapter.tokenizer)
+    return replace(engine_turn(result, prompt_ids), output_weight_versions=versions)
