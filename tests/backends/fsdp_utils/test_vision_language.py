@@ -49,17 +49,17 @@ def vl_train_data(checkpoint, seed: int = 0) -> dict:
     return data
 
 
-def reference_log_probs(checkpoint, data: dict) -> list[torch.Tensor]:
+def reference_log_probs(checkpoint, data: dict, dtype: torch.dtype = torch.float64) -> list[torch.Tensor]:
     """transformers' own forward of each sample alone (mm_token_type_ids from the processor's rule)."""
     from transformers import AutoModelForImageTextToText
 
-    model = AutoModelForImageTextToText.from_pretrained(checkpoint, dtype=torch.float64).eval()
+    model = AutoModelForImageTextToText.from_pretrained(checkpoint, dtype=dtype).eval()
     image_token_id = model.config.image_token_id
     out = []
     for tokens, response_length, images in zip(data["tokens"], data["response_lengths"],
                                                data["multimodal_train_inputs"]):
         ids = torch.tensor(tokens)[None]
-        kwargs = {} if images is None else {"pixel_values": images["pixel_values"].double(),
+        kwargs = {} if images is None else {"pixel_values": images["pixel_values"].to(dtype),
                                             "image_grid_thw": images["image_grid_thw"]}
         with torch.no_grad():
             logits = model(input_ids=ids, mm_token_type_ids=(ids == image_token_id).int(), **kwargs).logits[0]

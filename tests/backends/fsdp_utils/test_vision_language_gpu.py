@@ -19,6 +19,11 @@ def test_gpu_packed_vl_log_probs_and_steps(tmp_path, arch):
     checkpoint = build_tiny_vl_model(tmp_path / arch, arch=arch, seed=1, initializer_range=0.5)
     data = vl_train_data(checkpoint)
     expected = reference_log_probs(checkpoint, data)
+    # bf16's own rounding on these wide logits (transformers in bf16, each sample alone, against float64): measured
+    # 0.16 on an H100 for the packed trainer, so a fixed 0.15 bound judged bf16 rather than packing.
+    bf16_error = max((a - b).abs().max().item()
+                     for a, b in zip(reference_log_probs(checkpoint, data, torch.bfloat16), expected))
+    tolerance = max(2 * bf16_error, 0.05)
     trainer = make_trainer(make_args(checkpoint, "--lr", "1e-2", "--micro-batch-size", "3",
                                      "--freeze-params-name-list", "visual", device="cuda"))
     try:
@@ -26,8 +31,8 @@ def test_gpu_packed_vl_log_probs_and_steps(tmp_path, arch):
         with torch.no_grad():
             log_probs, _ = trainer.model.forward_micro_batch(packed.to(trainer.device))
         for actual, reference in zip(log_probs.float().cpu().split(data["response_lengths"]), expected):
-            # bf16 compute against an fp32 reference: agreement to bf16's precision over a 2-layer model
-            torch.testing.assert_close(actual, reference, rtol=0, atol=0.15)
+            # bf16 compute against a float64 reference: within twice transformers' own bf16 error
+            torch.testing.assert_close(actual, reference, rtol=0, atol=tolerance)
         before = {name: p.detach().clone() for name, p in trainer.model.named_parameters()}
         metrics = trainer.train(0, data)
         assert torch.isfinite(torch.tensor(metrics["train/loss"])) and metrics["train/grad_norm"] > 0

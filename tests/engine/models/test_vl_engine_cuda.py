@@ -72,7 +72,9 @@ def test_qwen25_vl_3b_shape_bf16_matches_transformers_generate(tmp_path):
     torch.cuda.empty_cache()
     model = _hf(path, torch.bfloat16)
     expected = _hf_generate(model, processor, images, 16)
-    # greedy tokens agree up to the first step whose top-2 logits are within bf16 rounding
+    # greedy tokens agree up to the first step whose top-2 logits are within bf16 rounding (a random model's steps
+    # may all be near-ties: then no token is compared); the log-probs are compared on the engine's own tokens,
+    # teacher-forced through transformers, which no near-tie can change
     encoded = processor.encode(TEXT, images)
     with torch.no_grad():
         logits = model(input_ids=torch.tensor([encoded.input_ids + expected]).cuda(),
@@ -80,9 +82,9 @@ def test_qwen25_vl_3b_shape_bf16_matches_transformers_generate(tmp_path):
                        pixel_values=encoded.pixel_values.cuda(),
                        image_grid_thw=encoded.image_grid_thw.cuda()).logits[0, len(encoded.input_ids) - 1:-1].float()
     top2 = logits.topk(2, dim=-1).values
-    clear = int((top2[:, 0] - top2[:, 1] < 0.05).float().argmax()) if (top2[:, 0] - top2[:, 1] < 0.05).any() else 16
-    assert clear >= 2, "the random 3B model's first greedy steps are near-ties; change the image seeds"
+    near_tie = top2[:, 0] - top2[:, 1] < 0.05
+    clear = int(near_tie.float().argmax()) if near_tie.any() else 16
     assert output.output_token_ids[:clear] == expected[:clear]
-    got = torch.tensor(output.output_log_probs[:clear])
-    want = hf_log_probs(model, processor, ids, images, output.output_token_ids[:clear]).float().cpu()
+    got = torch.tensor(output.output_log_probs)
+    want = hf_log_probs(model, processor, ids, images, output.output_token_ids).float().cpu()
     assert (got - want).abs().max() < 0.1
