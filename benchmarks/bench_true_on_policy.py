@@ -12,6 +12,7 @@ mismatch) is checked by tests, not here; the step and curve parts report the mis
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import statistics
 import subprocess
@@ -30,7 +31,8 @@ def engine_tokens_per_second(model: str, true_on_policy: bool, num_prompts: int,
                              dtype: str, device: str) -> float:
     from slime.engine.engine import Engine
 
-    engine = Engine(model, device=device, dtype=dtype, true_on_policy=true_on_policy)
+    # half the device, and everything released on return: the next engine of the comparison starts in this process
+    engine = Engine(model, device=device, dtype=dtype, true_on_policy=true_on_policy, gpu_memory_utilization=0.5)
     prompts = [[(7 * i + 3 * j) % 200 + 10 for j in range(prompt_len)] for i in range(num_prompts)]
     params = [{"temperature": 1.0, "max_new_tokens": new_tokens, "ignore_eos": True, "sampling_seed": i}
               for i in range(num_prompts)]
@@ -39,6 +41,12 @@ def engine_tokens_per_second(model: str, true_on_policy: bool, num_prompts: int,
     outputs = engine.generate(prompts, params)
     elapsed = time.perf_counter() - start
     engine.shutdown()
+    del engine
+    gc.collect()
+    if device == "cuda":
+        import torch
+
+        torch.cuda.empty_cache()
     return sum(len(o["output_ids"]) for o in outputs) / elapsed
 
 
