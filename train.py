@@ -67,13 +67,16 @@ def rollout_and_hand_over(args, actor, rollout_manager, rollout_id) -> tuple[lis
     """The rollout, then (colocated) the hand-over of the devices to the trainer while the manager turns the samples
     into train data: the engines release their memory (first in the manager's queue) and the trainer takes its own
     back, beside the release when it fits beside the engines' memory. The engines drop their weights rather than
-    save them: update_weights pushes every weight before they generate again. Returns (train data refs, metrics)."""
+    save them: update_weights pushes every weight before they generate again (with LoRA, which pushes only the
+    adapter, they keep them). Returns (train data refs, metrics)."""
     ray.get(rollout_manager.rollout.remote(rollout_id))
     if args.debug_rollout_only:
         return ray.get(rollout_manager.train_data.remote(rollout_id))
     start = time.perf_counter()
     metrics = {}
-    release = rollout_manager.offload.remote(discard_weights=True) if args.offload_rollout else None
+    # LoRA pushes the adapter alone (or nothing): the engines keep their frozen base weights (a host copy)
+    discard = args.lora_rank == 0
+    release = rollout_manager.offload.remote(discard_weights=discard) if args.offload_rollout else None
     train_data = rollout_manager.train_data.remote(rollout_id)
     if args.offload_train:
         with timed(metrics, "perf/train_onload_time"):
@@ -188,6 +191,9 @@ def main(argv=None) -> None:
     try:
         args = parse_args(argv)
         require_train_backend(args)
+        if args.fully_async:
+            raise ValueError("--fully-async is a mode of train_async.py (the engines generate while the trainer "
+                             "trains); run train_async.py")
     except ValueError as exc:
         print(f"train.py: error: {exc}", file=sys.stderr)
         sys.exit(2)

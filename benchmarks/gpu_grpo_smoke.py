@@ -47,6 +47,7 @@ SHAPES = {
                          embedding_size=163840, tie_word_embeddings=False),
     "tiny-mla": dict(task_mod.MODEL_SHAPE, arch="deepseek_v3", num_key_value_heads=4),
     "tiny": dict(task_mod.MODEL_SHAPE),
+    "tiny-4k": dict(task_mod.MODEL_SHAPE, max_position_embeddings=4096),  # long responses (bench_fully_async.py)
     "tiny-moe": dict(task_mod.MODEL_SHAPE, arch="qwen3_moe"),
 }
 PLACEMENTS = {  # the issues' runs: one GPU colocated; two GPUs disaggregated or colocated with FSDP2 over both

@@ -22,6 +22,13 @@ loop_bench() {  # TAG [smoke flags]: bench_loop.py; its metrics come back as $OU
 run_step() {
   case $1 in
     gpu_tests) python3 -m pytest -q -m gpu tests ;;
+    # --true-on-policy-mode in bf16: the engine == trainer tests, then its cost (engine tok/s, the colocated GRPO
+    # step on the Qwen3-0.6B shape) with and without the mode (docs/guides/true-on-policy.md).
+    true_on_policy) python3 -m pytest -q -m gpu tests/engine/true_on_policy tests/e2e/test_true_on_policy.py &&
+                    python3 benchmarks/bench_true_on_policy.py engine --shape qwen3-0.6b --dtype bfloat16 --device cuda \
+                      --num-prompts 64 --prompt-len 256 --new-tokens 128 &&
+                    python3 benchmarks/bench_true_on_policy.py step /tmp/true_on_policy_step --shape qwen3-0.6b \
+                      --rollout-batch-size 32 --max-response-len 256 ;;
     profile_engine) python3 benchmarks/profile_engine.py ;;
     profile_w1_prefill) python3 benchmarks/profile_engine.py --prefill ;;
     engine_w1_steps) python3 benchmarks/bench_engine.py --preset qwen3-0.6b --workload w1 --skip-hf --print-steps ;;
@@ -216,6 +223,7 @@ s = dict(SHAPES['moonlight-4l']); build_tiny_model('/tmp/moonlight4l', arch=s.po
     # engine against transformers generate with images.
     vl_gpu_tests) python3 -m pytest -q tests/engine/models/test_vl_engine_cuda.py tests/engine/models/test_vl_engine.py ;;
     bench_vl_engine) python3 benchmarks/bench_vl_engine.py ;;
+    vl_train_gpu_tests) python3 -m pytest -q tests/backends/fsdp_utils/test_vision_language_gpu.py tests/backends/fsdp_utils/test_vision_language.py ;;
     moe_engine) python3 benchmarks/engine_checkpoints.py qwen3-30b-a3b-8l /tmp/moe_ckpt && python3 benchmarks/bench_engine.py --preset qwen3-0.6b --model-path /tmp/moe_ckpt ;;
     moe_train) python3 benchmarks/bench_train.py --model-shape qwen3-30b-a3b-8l --micro-batch-size 2 ;;
     moe_train_c) python3 benchmarks/bench_train.py --model-shape qwen3-30b-a3b-8l --micro-batch-size 2 --compile-model ;;
@@ -250,6 +258,10 @@ s = dict(SHAPES['moonlight-4l']); build_tiny_model('/tmp/moonlight4l', arch=s.po
     grpo_disagg) grpo disaggregated ;;
     grpo_colocated2) grpo colocated-2 ;;
     grpo_async) grpo disaggregated --async ;;
+    # Sync vs one-step-off vs fully async (train_async.py --fully-async), long-tailed lengths, trainer GPU 0, engine GPU 1
+    fully_async_bench) python3 benchmarks/bench_fully_async.py /tmp/fully_async_bench; rc=$?
+                       for m in sync one_step_off fully_async; do cp /tmp/fully_async_bench/$m/metrics.jsonl $OUT/fully_async_$m.jsonl; done
+                       return $rc ;;
     megatron_vpp_gpu_tests) python3 -m pytest -q tests/backends/megatron_utils/test_multi_gpu.py -k vpp ;;  # PP=2 x VPP=2 over NCCL vs PP=1
     megatron_cp_gpu_tests) python3 -m pytest -q tests/backends/megatron_utils/test_multi_gpu.py -k cp2 ;;  # CP=2 over NCCL (2 GPUs) vs CP=1
     *) echo "unknown step $1"; return 2 ;;

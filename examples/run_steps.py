@@ -29,6 +29,20 @@ def example_parser(description: str, sft_rollouts: int, num_rollout: int, max_tu
     return parser
 
 
+# The GRPO phase under train_async.py --fully-async: decoupled PPO (--use-tis) and tokens at most one version old.
+FULLY_ASYNC_FLAGS = ["--fully-async", "--use-tis", "--max-weight-staleness", "1"]
+
+
+def add_fully_async_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--fully-async", action="store_true",
+                        help="run the GRPO phase with train_async.py --fully-async (docs/guides/fully-async.md)")
+
+
+def grpo_script(fully_async: bool) -> tuple[str, list[str]]:
+    """The GRPO phase's entry point and its extra flags."""
+    return ("train_async.py", FULLY_ASYNC_FLAGS) if fully_async else ("train.py", [])
+
+
 def run_folder(out_dir: str | None, example: str) -> Path:
     """--out-dir, or runs/<example>-<timestamp> in the repository."""
     return Path(out_dir or REPO_ROOT / "runs" / f"{example}-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
@@ -39,9 +53,9 @@ def common_argv(seed: int) -> list[str]:
     return ["--actor-num-gpus-per-node", "2", "--seed", str(seed), "--micro-batch-size", "8", "--no-progress"]
 
 
-def run_train(argv: list[str], example: str, phase: str) -> None:
-    """train.py with `argv`; exits naming the example and phase when it fails."""
-    cmd = [sys.executable, str(REPO_ROOT / "train.py"), *argv]
+def run_train(argv: list[str], example: str, phase: str, script: str = "train.py") -> None:
+    """`script` (train.py or train_async.py) with `argv`; exits naming the example and phase when it fails."""
+    cmd = [sys.executable, str(REPO_ROOT / script), *argv]
     print(f"\n$ {' '.join(cmd)}\n", flush=True)
     result = subprocess.run(cmd, cwd=REPO_ROOT)
     if result.returncode != 0:

@@ -27,11 +27,16 @@ PLATFORMS="--platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --p
   openai==3.57.0 httpx2 httpcore2 truststore httpx httpcore h11 anyio sniffio distro jiter certifi idna \
   megatron-core==0.16.1 xxhash==4.1.0 zstandard==0.25.0 \
   anthropic==2.17.0 docstring-parser opentelemetry-api importlib-metadata zipp bm25s==0.3.16 \
-  transformers==5.24.0 tokenizers==0.23.3 huggingface-hub==2.4.0 hf-xet typer click shellingham rich markdown-it-py mdurl
+  transformers==5.24.0 tokenizers==0.23.3 huggingface-hub==2.4.0 typer click shellingham rich markdown-it-py mdurl
 # pylatexenc (slime's math reward) ships only an sdist: a pure-Python wheel built here, installed the same way.
 .venv/bin/python -m pip wheel -q --no-deps pylatexenc==2.10 -w "$site.wheels"
 .venv/bin/python -m pip install -q --no-deps --target "$site" --no-compile "$site".wheels/pylatexenc-*.whl
 rm -rf "$site.wheels"
+# Under the device call's 64 MiB carry limit: shared objects stripped of their symbol tables, hf_xet (downloads
+# only) and zstandard's second (cffi) backend left out.
+find "$site" -name "*.so" -size +1M -exec strip --strip-unneeded {} +
+strip --strip-unneeded "$site"/ray/core/src/ray/gcs/gcs_server "$site"/ray/core/src/ray/raylet/raylet
+rm -rf "$site"/hf_xet "$site"/hf_xet-* "$site"/zstandard/_cffi*.so
 (cd "$site" && rm -rf ray/jars ray/rllib ray/tune ray/serve ray/data ray/llm ray/train ray/air/examples bin &&
  find ray/dashboard/client/build -name "*.map" -delete)
 mkdir -p .gpubundle

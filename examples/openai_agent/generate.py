@@ -43,6 +43,7 @@ from aiohttp import web
 
 from examples.openai_agent.agent import GET_WEATHER, AgentResult, WeatherService, run_agent
 from slime.agent.adapters import OpenAIAdapter
+from slime.config.flags_lora import request_lora_path
 from slime.rollout.dataset import tokenizer_for
 from slime.utils.engine_access import router_headers
 from slime.utils.http_utils import get_event_loop, router_url
@@ -76,7 +77,7 @@ async def serve_adapter(args) -> ServedAdapter:
         raise ValueError("examples.openai_agent.generate needs --hf-checkpoint (its chat template renders the turns)")
     adapter = OpenAIAdapter(tokenizer=tokenizer, sglang_url=router_url(args),
                             tool_parser=getattr(args, "tool_call_parser", None) or "qwen", max_turns=max_turns,
-                            headers=router_headers(args))
+                            headers=router_headers(args), resume_aborted_turns=args.fully_async)
     runner = web.AppRunner(adapter.app, access_log=None)
     await runner.setup()
     await web.TCPSite(runner, "127.0.0.1", 0).start()
@@ -141,7 +142,9 @@ def make_generate(agent: Agent = weather_agent, episode_timeout_s: float = DEFAU
         served = await served_adapter(args)
         session_id = uuid.uuid4().hex
         defaults = {key: value for key, value in sampling_params.items() if key in SAMPLING_KEYS}
-        served.adapter.open_session(session_id, sampling_defaults=defaults)
+        # LoRA: the turns ask for the sample's adapter, the version last pushed (slime/config/flags_lora.py)
+        served.adapter.open_session(session_id, sampling_defaults=defaults,
+                                    lora_path=lambda: request_lora_path(args, sample.metadata))
         client = openai.AsyncOpenAI(base_url=f"{served.url}/v1", api_key=session_id, max_retries=0,
                                     timeout=episode_timeout_s, http_client=served.http_client)
         try:

@@ -5,6 +5,7 @@ processes) and report held-out accuracy before and after RL.
     python examples/quickstart/run.py [--out-dir runs/quickstart] [--num-rollout 12]
     python examples/quickstart/run.py --train-backend megatron --tensor-model-parallel-size 2
     python examples/quickstart/run.py --rollout-num-gpus-per-engine 2   # one engine of two ranks, colocated
+    python examples/quickstart/run.py --fully-async   # GRPO through train_async.py --fully-async
 
 The last stdout line is JSON: {"eval_accuracy_before_rl", "eval_accuracy_after_rl", "run_dir"}.
 """
@@ -22,11 +23,12 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO_ROOT))
 
 from examples.quickstart.task import build_task  # noqa: E402
+from examples.run_steps import add_fully_async_option, grpo_script  # noqa: E402
 from slime.utils.checkpoint_state import latest_checkpoint  # noqa: E402
 
 
-def run_train(argv: list[str], log_name: str, run_dir: Path) -> None:
-    cmd = [sys.executable, str(REPO_ROOT / "train.py"), *argv]
+def run_train(argv: list[str], log_name: str, run_dir: Path, script: str = "train.py") -> None:
+    cmd = [sys.executable, str(REPO_ROOT / script), *argv]
     print(f"\n$ {' '.join(cmd)}\n", flush=True)
     result = subprocess.run(cmd, cwd=REPO_ROOT)
     if result.returncode != 0:
@@ -53,7 +55,12 @@ def main() -> None:
     parser.add_argument("--rollout-num-gpus-per-engine", type=int, choices=[1, 2], default=1,
                         help="2: the GRPO run's engine spans two processes, colocated with the two trainer processes "
                              "(trainer rank r feeds engine rank r)")
+    parser.add_argument("--true-on-policy-mode", action="store_true",
+                        help="the GRPO phase under --true-on-policy-mode (docs/guides/true-on-policy.md)")
+    add_fully_async_option(parser)
     opts = parser.parse_args()
+    if opts.fully_async and opts.rollout_num_gpus_per_engine == 2:
+        parser.error("--fully-async needs the engine on its own devices; --rollout-num-gpus-per-engine 2 colocates it")
 
     run_dir = Path(opts.out_dir or REPO_ROOT / "runs" / f"quickstart-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
     paths = build_task(run_dir / "task", seed=opts.seed)
@@ -96,7 +103,8 @@ def main() -> None:
     # (without them the train reward dipped after rollout 0, and at lr 1e-3 it collapsed), and 80 rollouts let the
     # slower seeds' held-out accuracy climb (at 40 it had moved +0.04-0.06 on two seeds of three). 32 samples per
     # held-out prompt: with 8, sampling noise alone moved the before/after difference by ~0.05.
-    run_train(common + [
+    script, mode_flags = grpo_script(opts.fully_async)
+    run_train(common + mode_flags + [
         "--hf-checkpoint", str(sft_model), "--prompt-data", str(paths["train"]), "--input-key", "prompt",
         "--label-key", "label", "--apply-chat-template", "--rollout-shuffle", "--rm-type", "math",
         "--rollout-batch-size", "32", "--n-samples-per-prompt", "8", "--num-rollout", str(opts.num_rollout),
@@ -104,7 +112,8 @@ def main() -> None:
         "--lr", str(grpo_lr), "--lr-warmup-iters", "16", *lora, "--eval-prompt-data", "arith", str(paths["eval"]),
         "--eval-interval", "10", "--n-samples-per-eval-prompt", "32", "--eval-max-response-len", "12",
         "--use-tensorboard", "--output-dir", str(grpo_dir), "--save", str(run_dir / "grpo"), *engine_layout,
-    ], "GRPO", run_dir)
+        *(["--true-on-policy-mode"] if opts.true_on_policy_mode else []),
+    ], "GRPO", run_dir, script)
 
     series = eval_series(grpo_dir / "metrics.jsonl", "eval/arith")
     if len(series) < 2:

@@ -3,6 +3,7 @@ server on loopback, warm-start the model with SFT through train.py on trajectori
 through train.py with the built-in multi-turn rollout (`<search>` calls answered inline by `<information>`).
 
     python examples/search_r1/run.py [--out-dir runs/search_r1] [--num-rollout 12]
+    python examples/search_r1/run.py --fully-async   # GRPO through train_async.py --fully-async
 
 It prints the reward before RL (rollout 0, the warm-started policy's) and after (the mean of the last three
 rollouts). The last stdout line is JSON: {"reward_before_rl", "reward_after_rl", "turns_per_sample",
@@ -22,8 +23,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from examples.run_steps import (
     REPO_ROOT,
+    add_fully_async_option,
     common_argv,
     example_parser,
+    grpo_script,
     reward_before_after,
     run_folder,
     run_train,
@@ -58,6 +61,7 @@ def main() -> None:
     parser = example_parser(__doc__, sft_rollouts=80, num_rollout=12, max_turns=3,
                             sft_help="SFT rollouts (2 optimizer steps each)")
     parser.add_argument("--grpo-lr", type=float, default=2e-4)
+    add_fully_async_option(parser)
     opts = parser.parse_args()
 
     run_dir = run_folder(opts.out_dir, "search_r1")
@@ -71,7 +75,8 @@ def main() -> None:
                                     rollout_function="examples.search_r1.inline_sft_rollout.generate_rollout",
                                     num_rollout=opts.sft_rollouts, lr="3e-3"), "search_r1", "SFT")
         grpo_dir = run_dir / "grpo_run"
-        run_train(common + [
+        script, mode_flags = grpo_script(opts.fully_async)
+        run_train(common + mode_flags + [
             "--hf-checkpoint", str(latest_checkpoint(run_dir / "sft")), "--prompt-data", str(paths["train"]),
             "--input-key", "prompt", "--label-key", "label", "--rollout-shuffle",
             "--max-turns", str(opts.max_turns), "--tool-functions-path", TOOL, "--tool-call-parser", "xml_tags",
@@ -81,7 +86,7 @@ def main() -> None:
             "--rollout-max-response-len", "96", "--rollout-temperature", "0.6", "--global-batch-size", "128",
             "--lr", str(opts.grpo_lr), "--output-dir", str(grpo_dir),
             "--save-debug-rollout-data", str(grpo_dir / "rollout_{rollout_id}.json"),
-        ], "search_r1", "GRPO")
+        ], "search_r1", "GRPO", script)
     finally:
         server.terminate()
         server.wait(timeout=10)

@@ -18,7 +18,8 @@ message it answered: `record_turn(sid, turn=..., prompt_messages=..., response_m
   label / metadata, the session's `session_id`, and `metadata` `truncated` (the chain's last turn stopped at its
   length), `use_tool`, `ill_formed` / `num_ill_formed_turns` (a tool call the parser could not read), `turn_indices`
   (the 0-based recording order of the turns it trains), `num_turns`, `leaf_index`, `num_leaves`. A Sample's prompt
-  is its first turn's prompt; `loss_mask` and `rollout_log_probs` cover the rest. Status follows its last turn.
+  is its first turn's prompt; `loss_mask`, `rollout_log_probs` and `token_weight_versions` (the weight version of
+  each trained id, None for context; None when no turn reported one) cover the rest. Status follows its last turn.
   `get_trajectory` consumes the session.
 
 Pure Python, no I/O, no torch. Not the HTTP adapters (`slime.agent.adapters`), not a reward function.
@@ -56,6 +57,8 @@ class TurnRecord:
     text: str | None = None  # the engine's decoded text, when it sent one (else the adapter decodes output_ids)
     matched_stop: str | None = None  # the stop string that ended the turn, as the engine reported it
     cached_tokens: int = 0  # prompt tokens the engine's prefix cache served
+    # one per output id when the turn spans weight pushes (adapters/paused_turns.py); None: all of weight_version
+    output_weight_versions: list[str | None] | None = None
 
 
 def _common_prefix_len(a: list[int], b: list[int]) -> int:
@@ -83,6 +86,7 @@ class _SampleBuilder:
         self.tokens: list[int] = []
         self.loss_mask: list[int] = []
         self.log_probs: list[float] = []
+        self.versions: list[str | None] = []  # per token: the weight version that sampled it (None: context)
         self.latest_response_start: int | None = None
         self.latest_response_trained = False
         self.prompt_length = 0
@@ -107,12 +111,17 @@ class _SampleBuilder:
         if kind is DriftKind.REALIGN:
             start = self.latest_response_start
             self.num_realigned_tokens += len(self.tokens) - start
-            del self.tokens[start:], self.loss_mask[start:], self.log_probs[start:]
+            del self.tokens[start:], self.loss_mask[start:], self.log_probs[start:], self.versions[start:]
             if self.latest_response_trained:  # its ids are context now
                 self.turn_indices.pop()
         self._extend(turn.prompt_ids[len(self.tokens):], 0, None)
         self.latest_response_start = len(self.tokens)
         self._extend(turn.output_ids, int(trained), turn.output_log_probs if trained else None)
+        if trained:
+            version = None if turn.weight_version is None else str(turn.weight_version)
+            self.versions[self.latest_response_start:] = (
+                list(turn.output_weight_versions) if turn.output_weight_versions is not None
+                else [version] * len(turn.output_ids))
         if first_turn:
             self.prompt_length = len(turn.prompt_ids)
         self.latest_response_trained = trained and bool(turn.output_ids)
@@ -126,6 +135,7 @@ class _SampleBuilder:
         self.tokens += ids
         self.loss_mask += [mask] * len(ids)
         self.log_probs += [float(x) for x in log_probs] if log_probs else [0.0] * len(ids)
+        self.versions += [None] * len(ids)
 
     def has_trained_id(self) -> bool:
         return any(self.loss_mask[self.prompt_length:])
@@ -215,9 +225,10 @@ class TrajectoryManager:
 
     def _to_sample(self, sid: str, builder: _SampleBuilder, metadata: dict[str, Any], index: int, num: int,
                    base: Sample, reward: Any, max_sample_tokens: int) -> Sample:
-        tokens, loss_mask, log_probs = builder.tokens, builder.loss_mask, builder.log_probs
+        tokens, loss_mask, log_probs, versions = builder.tokens, builder.loss_mask, builder.log_probs, builder.versions
         if max_sample_tokens and len(tokens) > max_sample_tokens:
-            tokens, loss_mask, log_probs = (x[:max_sample_tokens] for x in (tokens, loss_mask, log_probs))
+            tokens, loss_mask, log_probs, versions = (x[:max_sample_tokens] for x in (tokens, loss_mask, log_probs,
+                                                                                     versions))
         start = builder.prompt_length
         sample_metadata = copy.deepcopy(base.metadata)
         sample_metadata.update(metadata, turn_indices=list(builder.turn_indices), num_turns=len(builder.turn_indices),
@@ -232,6 +243,7 @@ class TrajectoryManager:
             response=self.tokenizer.decode(response_ids) if self.tokenizer is not None else "",
             loss_mask=list(loss_mask[start:]), rollout_log_probs=list(log_probs[start:]),
             weight_versions=list(builder.weight_versions),
+            token_weight_versions=versions[start:] if any(v is not None for v in versions[start:]) else None,
             status=FINISH_REASON_TO_STATUS.get(builder.finish_reason, Status.COMPLETED),
             metadata=sample_metadata, session_id=sid,
         )

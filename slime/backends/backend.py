@@ -170,6 +170,10 @@ class TrainBackend(ABC):
         rank."""
         raise NotImplementedError(f"{type(self).__name__} does not train LoRA adapters")
 
+    def num_trainable_parameters(self) -> int:
+        """Collective: the values the optimizer trains, each counted once however it is sharded or replicated."""
+        raise NotImplementedError(f"{type(self).__name__} does not count its trainable parameters")
+
     # ---------------------------------------------------------------------------------------- memory
     def prepare_offload(self) -> None:
         """The rollout's optimizer steps are done and an offload follows the weight push: a backend may start

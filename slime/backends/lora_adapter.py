@@ -164,3 +164,49 @@ def copy_adapter_into(named_parameters: Iterable[tuple[str, torch.Tensor]], adap
             raise ValueError(f"adapter {source}: {name} has shape {tuple(adapter[name].shape)}, the model's is "
                              f"{tuple(param.shape)}")
         param.copy_(adapter[name].to(param.dtype))
+
+
+def split_by_adapter(adapter: dict[str, torch.Tensor], names: list[str]) -> dict[str, dict[str, torch.Tensor]]:
+    """Several adapters ({`...q_proj.lora_A.<name>.weight`: tensor}, PEFT's in-memory naming) -> per adapter name
+    its own tensors under single-adapter names (`...q_proj.lora_A.weight`)."""
+    parts: dict[str, dict[str, torch.Tensor]] = {name: {} for name in names}
+    for key, tensor in adapter.items():
+        layer, kind, name, suffix = key.rsplit(".", 3)
+        if kind not in (LORA_A, LORA_B) or name not in parts:
+            raise ValueError(f"{key}: not a tensor of one of the adapters {names}")
+        parts[name][f"{layer}.{kind}.{suffix}"] = tensor
+    return parts
+
+
+def join_adapters(parts: dict[str, dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """The inverse of `split_by_adapter`."""
+    joined = {}
+    for name, part in parts.items():
+        for key, tensor in part.items():
+            layer, kind, suffix = key.rsplit(".", 2)
+            joined[f"{layer}.{kind}.{name}.{suffix}"] = tensor
+    return joined
+
+
+def save_adapters(folder: str | Path, args, adapter: dict[str, torch.Tensor]) -> None:
+    """A checkpoint's `adapter/`: one PEFT folder, or with --lora-adapter-names one per adapter (`adapter/<name>/`,
+    as PEFT saves a model's non-default adapters)."""
+    if not args.lora_adapter_key:
+        save_peft_folder(folder, peft_config(args, adapted_layers(adapter)), adapter)
+        return
+    for name, part in split_by_adapter(adapter, args.lora_adapter_names).items():
+        save_peft_folder(Path(folder) / name, peft_config(args, adapted_layers(part)), part)
+
+
+def resumed_adapters(args, weights_path: str | Path) -> dict[str, torch.Tensor] | None:
+    """--lora-adapter-names: the adapters of a resumed checkpoint (`adapter/<name>/`, every one of them, joined), or
+    None when the run starts fresh."""
+    own = Path(weights_path) / ADAPTER_SUBDIR
+    folders = {name: own / name for name in args.lora_adapter_names}
+    present = [name for name, folder in folders.items() if (folder / ADAPTER_WEIGHTS_FILE).is_file()]
+    if not present:
+        return None
+    if len(present) != len(folders):
+        raise ValueError(f"{own}: holds the adapters {present}, the run trains {list(folders)} "
+                         "(--lora-adapter-names must name the checkpoint's adapters)")
+    return join_adapters({name: load_peft_folder(folder)[1] for name, folder in folders.items()})

@@ -1,8 +1,12 @@
 """Push the trainer's LoRA adapter (only its tensors, never the base) into running engines, verified tensor by tensor.
 
-Each push loads a new adapter version named `policy@<version>` (an engine refuses a name already loaded) and, once
-every engine answered with checksums that match, unloads the versions before the previous one (the previous one
-stays loaded for the requests the rollout built before it learnt of the new name: `KEEP_VERSIONS`). Transports:
+Each push loads a new adapter version named `policy@<version>` (with several adapters, --lora-adapter-names, each
+one on its own as `<name>@<version>`; an engine refuses a name already loaded) and, once
+the engine answered with checksums that match, unloads every other `policy@*` version the engine reports holding but
+the previous one (kept for the requests the rollout built before it learnt of the new name: `KEEP_VERSIONS`). The
+engine's own list decides, so an engine restarted by fault tolerance (pushed the current version alone) and the
+engines that kept running both end at the same two versions. An engine that cannot be reached is skipped and
+reported (`unreachable_engines`), as the full-weight push does. Transports:
 - "tensor" (same host; colocated or not): POST /load_lora_adapter_from_tensors with the PEFT-named tensors by handle
   (shared memory on the CPU, CUDA IPC on a GPU), one serialized list per engine rank, and the adapter's config;
 - "disk" (--update-weight-transport disk, or engines on other hosts): rank 0 writes a PEFT folder under
@@ -22,15 +26,16 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import httpx
 import torch
 import torch.distributed as dist
 
 from slime.backends.engine_ranks import as_engine_map
 from slime.backends.engine_server_info import engines_dtype
-from slime.backends.lora_adapter import save_peft_folder, to_peft_name
+from slime.backends.lora_adapter import save_peft_folder, split_by_adapter, to_peft_name
 from slime.backends.weight_push_result import WeightPushResult
 from slime.backends.weight_sender import _post
-from slime.config.flags_lora import served_adapter_name
+from slime.config.flags_lora import SERVED_ADAPTER_NAME, served_adapter_name
 from slime.engine.lora.adapter import tensor_checksum
 from slime.utils.weight_transport import serialize_named_tensors
 
@@ -66,14 +71,17 @@ class AdapterPusher:
     def __init__(self, adapter_weights: Callable[[], dict[str, torch.Tensor]],
                  config_of: Callable[[dict[str, torch.Tensor]], dict], rank: int, *,
                  headers: dict | None = None, disk_dir: str | None = None,
-                 keep_files: bool = False, check_weight_equal: bool = False):
+                 keep_files: bool = False, check_weight_equal: bool = False, adapter_names: list[str] | None = None):
+        """`adapter_names` (--lora-adapter-names): the trainer holds several adapters (PEFT's in-memory names
+        `...lora_A.<name>.weight`), each pushed as `<name>@<version>`; None: one, pushed as `policy@<version>`."""
         self.adapter_weights, self.config_of, self.rank = adapter_weights, config_of, rank
+        self.adapter_names = list(adapter_names) if adapter_names else None
         self.headers = dict(headers or {})
         self.disk_dir, self.keep_files, self.check_weight_equal = disk_dir, keep_files, check_weight_equal
         self.engines: dict[int, str] = {}  # engine index -> URL
         self.mode = self.transport = "tensor"
         self.engines_dtype: torch.dtype | None = None
-        self.loaded: list[str] = []  # the versions the engines hold, oldest first
+        self.pushed: dict[str, list[str]] = {}  # per adapter, its versions pushed, oldest first (across reconnections)
 
     @property
     def engine_urls(self) -> list[str]:
@@ -89,7 +97,6 @@ class AdapterPusher:
             raise ValueError("LoRA adapters reach engines on other devices or hosts through a PEFT folder: pass "
                              "--update-weight-disk-dir (a folder trainer and engines share)")
         self.engines, self.mode, self.transport = as_engine_map(engine_urls), mode, transport
-        self.loaded = []  # (re)connected engines: a version they lack is never unloaded
         if self.rank == 0:
             self.engines_dtype = engines_dtype(self.engine_urls, self.headers)
 
@@ -97,44 +104,65 @@ class AdapterPusher:
         """Collective (the adapter is gathered on every rank); rank 0 sends. Returns what the push moved."""
         start = time.perf_counter()
         adapter = self.adapter_weights()
-        num_bytes = 0
+        num_bytes, unreachable = 0, set()
         if self.rank == 0 and self.engine_urls:
-            dtype = self.engines_dtype or next(iter(adapter.values())).dtype
-            sent = {to_peft_name(name): tensor.to(dtype).contiguous() for name, tensor in adapter.items()}
-            if self.check_weight_equal:
-                for name, tensor in adapter.items():
-                    if not torch.equal(sent[to_peft_name(name)].to(tensor.dtype), tensor):
-                        raise AdapterPushError(f"--check-lora-weight-equal: {to_peft_name(name)} changes when sent in "
-                                               f"the engines' dtype {dtype} (the trainer's is {tensor.dtype})")
-            num_bytes = sum(t.numel() * t.element_size() for t in sent.values())
-            self._load_everywhere(served_adapter_name(weight_version), sent, str(weight_version),
-                                  self.config_of(adapter))
+            parts = (split_by_adapter(adapter, self.adapter_names) if self.adapter_names
+                     else {SERVED_ADAPTER_NAME: adapter})
+            for adapter_name, part in parts.items():
+                sent = self._to_send(part)
+                num_bytes += sum(t.numel() * t.element_size() for t in sent.values())
+                unreachable.update(self._load_everywhere(adapter_name, sent, str(weight_version), self.config_of(part)))
         if dist.is_initialized():
             dist.barrier()
-        return WeightPushResult(seconds=time.perf_counter() - start, bytes=num_bytes, num_buckets=1)
+        return WeightPushResult(seconds=time.perf_counter() - start, bytes=num_bytes,
+                                num_buckets=len(self.adapter_names or [None]), unreachable_engines=sorted(unreachable))
 
-    def _load_everywhere(self, adapter_name: str, sent: dict[str, torch.Tensor], weight_version: str,
-                         config: dict) -> None:
+    def _to_send(self, adapter: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """PEFT-named tensors in the engines' dtype (checked to be exact with --check-lora-weight-equal)."""
+        dtype = self.engines_dtype or next(iter(adapter.values())).dtype
+        sent = {to_peft_name(name): tensor.to(dtype).contiguous() for name, tensor in adapter.items()}
+        if self.check_weight_equal:
+            for name, tensor in adapter.items():
+                if not torch.equal(sent[to_peft_name(name)].to(tensor.dtype), tensor):
+                    raise AdapterPushError(f"--check-lora-weight-equal: {to_peft_name(name)} changes when sent in "
+                                           f"the engines' dtype {dtype} (the trainer's is {tensor.dtype})")
+        return sent
+
+    def _load_everywhere(self, trained_name: str, sent: dict[str, torch.Tensor], weight_version: str,
+                         config: dict) -> list[str]:
+        """Load `trained_name`'s version into every engine, verify, unload its stale versions; returns the engines
+        that could not be reached (the others got the whole push; the engine watch restarts the lost one, which gets
+        the version then)."""
         expected = checksums(sent)
-        folder = None
+        adapter_name = served_adapter_name(weight_version, trained_name)
+        pushed = [name for name in self.pushed.get(trained_name, []) if name != adapter_name] + [adapter_name]
+        self.pushed[trained_name] = pushed[-KEEP_VERSIONS:]
+        keep = set(self.pushed[trained_name])
+        folder, unreachable = None, []
         if self.transport == "disk":
             folder = save_peft_folder(Path(self.disk_dir) / f"lora_{adapter_name}", config,
                                       {name.removeprefix("base_model.model."): t for name, t in sent.items()})
         try:
             for url in self.engine_urls:
-                if self.transport == "disk":
-                    reply = _post(url, "/load_lora_adapter", {"lora_name": adapter_name, "lora_path": str(folder)},
-                                  self.headers)
-                else:
-                    reply = _post(url, "/load_lora_adapter_from_tensors", {
-                        "lora_name": adapter_name, "config": config, "weight_version": weight_version,
-                        "serialized_named_tensors": [serialize_named_tensors(list(sent.items()))]}, self.headers)
-                compare_checksums(url, adapter_name, expected, reply.get("checksums"))
+                try:
+                    reply = self._load_one(url, adapter_name, sent, weight_version, config, folder)
+                    compare_checksums(url, adapter_name, expected, reply.get("checksums"))
+                    # What the engine itself says it holds: a version it got before a reconnection (another
+                    # engine's restart) or that a failed unload left behind is found and unloaded too.
+                    for stale in sorted(set(reply.get("loaded_adapters") or {}) - keep):
+                        if stale.startswith(served_adapter_name("", trained_name)):
+                            _post(url, "/unload_lora_adapter", {"lora_name": stale}, self.headers)
+                except httpx.TransportError:
+                    unreachable.append(url)
         finally:
             if folder is not None and not self.keep_files:
                 shutil.rmtree(folder, ignore_errors=True)
-        self.loaded = [name for name in self.loaded if name != adapter_name] + [adapter_name]
-        for stale in self.loaded[:-KEEP_VERSIONS]:
-            for url in self.engine_urls:
-                _post(url, "/unload_lora_adapter", {"lora_name": stale}, self.headers)
-        self.loaded = self.loaded[-KEEP_VERSIONS:]
+        return unreachable
+
+    def _load_one(self, url: str, adapter_name: str, sent: dict[str, torch.Tensor], weight_version: str,
+                  config: dict, folder: Path | None) -> dict:
+        if folder is not None:
+            return _post(url, "/load_lora_adapter", {"lora_name": adapter_name, "lora_path": str(folder)}, self.headers)
+        return _post(url, "/load_lora_adapter_from_tensors", {
+            "lora_name": adapter_name, "config": config, "weight_version": weight_version,
+            "serialized_named_tensors": [serialize_named_tensors(list(sent.items()))]}, self.headers)

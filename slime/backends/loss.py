@@ -114,6 +114,9 @@ def policy_loss(args, log_probs, entropy, batch: MicroBatchTensors, reduce: Loss
     )
     if batch.rollout_log_probs is not None:
         metrics["train_rollout_logprob_abs_diff"] = reduce((old_log_probs.detach() - batch.rollout_log_probs).abs())
+        # --true-on-policy-mode's check: the share of tokens whose two log-probs are the same bits
+        metrics["train_rollout_logprob_exact_fraction"] = reduce(
+            (old_log_probs.detach() == batch.rollout_log_probs).float())
     return loss, metrics
 
 

@@ -10,6 +10,9 @@ Not the packing itself (packing.py) nor the data-parallel split (slime/ray/train
 
 from __future__ import annotations
 
+import itertools
+
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -46,8 +49,16 @@ def train_schedule(args, data: TrainData, backend, max_tokens_per_gpu: int | Non
             raise ValueError(f"a step of {len(step)} samples on this rank cannot be split into {target} micro-batches "
                              f"(a multiple of {multiple}: megatron's interleaved schedule, --pipeline-model-parallel-"
                              "size with virtual stages); raise --global-batch-size or --max-tokens-per-gpu")
-    return [[pack_samples(tokens, data["response_lengths"], b) for b in pad_num_micro_batches(bins, lengths, target)]
-            for bins, target in zip(bins_per_step, targets)]
+    images = data.get("multimodal_train_inputs")
+    schedule = [[pack_samples(tokens, data["response_lengths"], b, images)
+                 for b in pad_num_micro_batches(bins, lengths, target)]
+                for bins, target in zip(bins_per_step, targets)]
+    if data.get("lora_adapters") is not None:  # several LoRA adapters: each token computes with its sample's
+        adapters = np.asarray(data["lora_adapters"], dtype=np.int64)
+        for micro_batch in itertools.chain.from_iterable(schedule):
+            micro_batch.token_adapters = torch.from_numpy(np.repeat(adapters[micro_batch.sample_indices],
+                                                                    micro_batch.cu_seqlens.diff().numpy()))
+    return schedule
 
 
 def forward_only_schedule(args, data: TrainData, backend, schedule: list[list[PackedMicroBatch]]):

@@ -31,6 +31,7 @@ from slime.backends.backend import TrainBackend
 from slime.backends.debug_train_data import rank_train_data, save_debug_train_data
 from slime.backends.device_room import DeviceRoom
 from slime.backends.lora_adapter import adapted_layers, peft_config
+from slime.backends.lora_metrics import lora_metrics, reset_peak_memory, train_peak_memory_metrics
 from slime.backends.lora_push import AdapterPusher
 from slime.backends.loss import (
     LossReducer,
@@ -54,7 +55,7 @@ from slime.backends.weight_snapshot import WeightSnapshot, place_weight_sets
 from slime.config.flags_lora import serves_adapter
 from slime.utils.checkpoint_state import initial_weights, weights_at_step
 from slime.utils.engine_access import engine_admin_headers
-from slime.utils.misc import load_function, seed_everything
+from slime.utils.misc import load_function, seed_everything, use_deterministic_kernels
 from slime.utils.ppo_utils import apply_opd_advantage, loss_denominator
 from slime.utils.train_data_types import TrainData
 
@@ -83,6 +84,8 @@ class TrainFlow(TrainFlowHandover):
         """Build model, optimizer and reference weights; resume from --load. Returns the first rollout id."""
         args = self.args
         seed_everything(args.seed)
+        if args.deterministic_mode:
+            use_deterministic_kernels()
         self.hooks = {name: load_function(path, "--" + name.replace("_", "-")) if path else None
                       for name, path in (("custom_init_path", args.custom_init_path),
                                          ("custom_before_log_prob_hook_path", args.custom_before_log_prob_hook_path),
@@ -130,7 +133,9 @@ class TrainFlow(TrainFlowHandover):
                                                 headers=engine_admin_headers(args),
                                                 disk_dir=args.update_weight_disk_dir,
                                                 keep_files=args.update_weight_disk_keep_files,
-                                                check_weight_equal=args.check_lora_weight_equal)
+                                                check_weight_equal=args.check_lora_weight_equal,
+                                                adapter_names=args.lora_adapter_names if args.lora_adapter_key
+                                                else None)
         else:
             self.weight_updater = weight_sender_from_args(args, backend, self.rank, self.master_addr)
         self.loss_fn = get_loss_function(args)
@@ -282,6 +287,7 @@ class TrainFlow(TrainFlowHandover):
         computed on the way (the critic's targets) are kept in `self.last_returns`."""
         args = self.args
         start = time.perf_counter()
+        reset_peak_memory(self.device)
         schedule, per_sample, metrics = self._prepare(data, values)
         self.backend.synchronize()
         prepared = time.perf_counter()
@@ -306,6 +312,9 @@ class TrainFlow(TrainFlowHandover):
         if self.with_ref and args.ref_update_interval and (rollout_id + 1) % args.ref_update_interval == 0:
             self.snapshot.save("ref")  # the reference follows the actor every --ref-update-interval rollouts
         metrics.update(self._summarise(step_metrics, "train/"))
+        metrics.update(train_peak_memory_metrics(self.device))
+        if self.lora and self.role == "actor":  # adapter norms and size (issue #40 item 7)
+            metrics.update(lora_metrics(self.backend, args.lora_adapter_names if args.lora_adapter_key else None))
         if args.save_debug_train_data:
             save_debug_train_data(args.save_debug_train_data, rollout_id,
                                   rank_train_data(data, {**per_sample, "returns": self.last_returns}), self.backend)

@@ -11,6 +11,7 @@ import logging
 
 from slime.config.custom_config import apply_custom_config
 from slime.config.flag_status import check_flag_status
+from slime.config.flags_async import add_fully_async_arguments
 from slime.config.flags_debug import add_debug_arguments
 from slime.config.flags_engine_access import add_engine_access_arguments
 from slime.config.flags_hooks import add_hook_arguments
@@ -18,6 +19,7 @@ from slime.config.flags_logging import add_logging_arguments
 from slime.config.flags_lora import add_lora_arguments
 from slime.config.flags_megatron import add_megatron_arguments, inert_flag_notices
 from slime.config.flags_moe import add_moe_arguments
+from slime.config.flags_on_policy import add_on_policy_arguments
 from slime.config.flags_rollout import add_rollout_extra_arguments
 from slime.config.flags_sglang import (
     add_router_arguments,
@@ -286,7 +288,9 @@ ARGUMENT_GROUPS = [
     add_algorithm_arguments,
     add_moe_arguments,
     add_lora_arguments,
+    add_on_policy_arguments,
     add_eval_arguments,
+    add_fully_async_arguments,
     add_logging_arguments,
     add_debug_arguments,
     add_engine_access_arguments,

@@ -6,10 +6,12 @@ are saved in PEFT's format and pushed to the engines unmerged (docs/guides/lora.
 
 Derived fields: `args.lora_target_modules`, the adapted layers as sorted Hugging Face leaf names (`q_proj`, ...),
 whatever spelling the flag used; `args.lora_path`, the adapter name the rollout's /generate requests ask for (None
-until the first push; the RolloutManager sets it to `policy@<version>` after each verified push). Parsing (`add_lora_arguments`, registered in arguments.py) and the rules
-(`check_lora_args`, called from validate.py once the backend and layout are resolved).
+until the first push; the RolloutManager sets it to `policy@<version>` after each verified push); with several
+adapters (--lora-adapter-key) `args.lora_paths` instead, {adapter: `<adapter>@<version>`}, read per sample by
+`request_lora_path`. Parsing (`add_lora_arguments`, registered in arguments.py) and the rules (`check_lora_args`,
+called from validate.py once the backend and layout are resolved).
 
-Not the adapters themselves (slime/backends/lora/).
+Not the adapters themselves (slime/backends/: lora_adapter.py, fsdp_utils/lora.py, megatron_utils/lora.py).
 """
 
 from __future__ import annotations
@@ -31,10 +33,26 @@ ADAPTER_WEIGHTS_FILE = "adapter_model.safetensors"
 SERVED_ADAPTER_NAME = "policy"  # the engines serve version V of the trained adapter as `policy@V`
 
 
-def served_adapter_name(weight_version) -> str:
-    """The name under which the engines serve the adapter of `weight_version` (the trainer loads it, the rollout
-    asks for it with `lora_path`)."""
-    return f"{SERVED_ADAPTER_NAME}@{weight_version}"
+ADAPTER_METADATA_KEY = "lora_adapter"  # Sample.metadata's field naming the sample's adapter (--lora-adapter-key)
+
+
+def served_adapter_name(weight_version, adapter: str = SERVED_ADAPTER_NAME) -> str:
+    """The name under which the engines serve `adapter` at `weight_version` (the trainer loads it, the rollout
+    asks for it with `lora_path`): `policy@V`, or `<adapter>@V` for one of --lora-adapter-names."""
+    return f"{adapter}@{weight_version}"
+
+
+def trained_adapter_names(args) -> list[str]:
+    """The adapters the run trains: --lora-adapter-names, or the one adapter `policy`."""
+    return list(args.lora_adapter_names) if args.lora_adapter_key else [SERVED_ADAPTER_NAME]
+
+
+def request_lora_path(args, metadata: dict) -> str | None:
+    """The `lora_path` of a /generate request for a sample with `metadata`: the version last pushed of its adapter
+    (--lora-adapter-key: the one its data row names), or None (the base) before any push or without LoRA."""
+    if not args.lora_adapter_key:
+        return args.lora_path
+    return (args.lora_paths or {}).get(metadata.get(ADAPTER_METADATA_KEY))
 
 
 def serves_adapter(args) -> bool:
@@ -63,6 +81,13 @@ def add_lora_arguments(parser):
     g.add_argument("--lora-train-only", action="store_true",
                    help="train the adapters but keep the engines on the frozen base: no adapter is pushed (for "
                         "engines that cannot serve adapters; the rollouts then sample the base policy)")
+    g.add_argument("--lora-adapter-key", default=None,
+                   help="several adapters in one run: the data rows' field naming each prompt's adapter (one of "
+                        "--lora-adapter-names). Each adapter trains on its own prompts with its own optimizer state "
+                        "and gradient clipping, is pushed and verified as <name>@<version>, and the rollout asks "
+                        "for it per request (FSDP backend)")
+    g.add_argument("--lora-adapter-names", default=None, type=lambda text: _split(text),
+                   help="with --lora-adapter-key: the adapters trained, comma separated (e.g. math,code)")
     g.add_argument("--check-lora-weight-equal", action="store_true",
                    help="every adapter push is verified by the engines' per-tensor checksums; this also requires the "
                         "tensors sent to equal the trainer's parameters exactly (a push in a lower-precision engine "
@@ -125,8 +150,10 @@ def check_lora_args(args) -> None:
     """Once the backend and its parallel layout are resolved. Sets args.lora_target_modules."""
     args.lora_target_modules = []
     args.lora_path = None
+    args.lora_paths = {}  # --lora-adapter-key: adapter name -> the served name of its version last pushed
     if args.lora_rank == 0:
         for flag, dest in (("--lora-adapter-path", "lora_adapter_path"), ("--lora-train-only", "lora_train_only"),
+                           ("--lora-adapter-key", "lora_adapter_key"), ("--lora-adapter-names", "lora_adapter_names"),
                            ("--check-lora-weight-equal", "check_lora_weight_equal"),
                            ("--target-modules", "target_modules"), ("--exclude-modules", "exclude_modules")):
             require(not getattr(args, dest), f"{flag} configures LoRA training: pass --lora-rank R (R > 0) too")
@@ -157,6 +184,7 @@ def check_lora_args(args) -> None:
             require(not partial or partial == set(held),
                     f"--target-modules: the Megatron backend adapts the fused {layer} as one layer "
                     f"({', '.join(held)}): target all of them or none (got {', '.join(sorted(partial))})")
+    check_several_adapters(args)
     if args.lora_adapter_path:
         config = read_adapter_config(args.lora_adapter_path)
         require(config.get("r") == args.lora_rank and config.get("lora_alpha") == args.lora_alpha,
@@ -168,3 +196,29 @@ def check_lora_args(args) -> None:
         require(saved == args.lora_target_modules,
                 f"--lora-adapter-path {args.lora_adapter_path}: its adapter covers {saved}, --target-modules "
                 f"resolves to {args.lora_target_modules}; pass --target-modules {','.join(saved or [])}")
+
+
+def check_several_adapters(args) -> None:
+    """--lora-adapter-key / --lora-adapter-names: what several adapters in one run need."""
+    names = args.lora_adapter_names or []
+    require(bool(args.lora_adapter_key) == bool(names),
+            "--lora-adapter-key and --lora-adapter-names go together: the key names each row's adapter, the names "
+            "list the adapters trained (e.g. --lora-adapter-key task --lora-adapter-names math,code)")
+    if not names:
+        return
+    require(len(set(names)) == len(names), f"--lora-adapter-names {','.join(names)}: a name is given twice")
+    for name in names:
+        require(name.replace("_", "").replace("-", "").isalnum(),
+                f"--lora-adapter-names: {name!r} must be letters, digits, '_' or '-' (it names a module and a folder)")
+    require(args.train_backend == "fsdp",
+            "--lora-adapter-key (several adapters in one run) is built on the FSDP backend; pass --train-backend fsdp")
+    require(not args.lora_adapter_path,
+            "--lora-adapter-path starts one adapter; with --lora-adapter-key the adapters start fresh (resume a "
+            "run of several adapters with --load)")
+    require(not args.save_hf, "--save-hf writes one merged model; with --lora-adapter-key there is one per adapter: "
+                              "merge the adapter you want from the checkpoint's adapter/<name>/ folder")
+    slots = getattr(args, "sglang_max_loras_per_batch", None)
+    needed = 2 * len(names)  # each adapter's new version and the previous one (lora_push.KEEP_VERSIONS)
+    require(args.lora_train_only or slots is None or slots >= needed,
+            f"--sglang-max-loras-per-batch {slots}: {len(names)} adapters need {needed} engine slots (each adapter's "
+            f"new version and the previous one); pass --sglang-max-loras-per-batch {needed}")

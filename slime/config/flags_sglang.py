@@ -174,11 +174,16 @@ def engine_config_from_sglang_flags(args) -> tuple[dict, list[str]]:
 def _lora_engine_config(args, config: dict) -> dict:
     """A LoRA run (--lora-rank > 0, flags_lora.py) serves its adapter unmerged: the engine gets enable_lora and
     max_lora_rank = --lora-rank unless --sglang-enable-lora / --sglang-max-lora-rank say otherwise; none with
-    --lora-train-only (the engines stay on the base)."""
+    --lora-train-only (the engines stay on the base). Several adapters (--lora-adapter-names) get at least two slots
+    each (every adapter's new version and the previous one) unless --sglang-max-loras-per-batch says otherwise."""
     lora_rank = getattr(args, "lora_rank", 0)  # registered by flags_lora.py; absent in parsers built without it
     if not lora_rank or getattr(args, "lora_train_only", False):
         return {}
-    return {"enable_lora": config.get("enable_lora", True), "max_lora_rank": config.get("max_lora_rank", lora_rank)}
+    lora = {"enable_lora": config.get("enable_lora", True), "max_lora_rank": config.get("max_lora_rank", lora_rank)}
+    names = getattr(args, "lora_adapter_names", None) or []
+    if names and "max_loras_per_batch" not in config:
+        lora["max_loras_per_batch"] = max(8, 2 * len(names))  # 8: the engine's default
+    return lora
 
 
 def sglang_server_flags(args) -> list[str]:

@@ -23,8 +23,11 @@ from slime.config.errors import ArgumentError, cli_flag, require
 from slime.config.flag_ranges import ANY, FLAG_RANGES
 from slime.config.flags_lora import check_lora_args
 from slime.config.flags_moe import check_moe_args
+from slime.config.flags_on_policy import check_on_policy_args
+from slime.config.validate_async import check_fully_async_flags
 from slime.config.validate_megatron import validate_megatron_args, validate_megatron_batches
 from slime.config.validate_trainer import check_trainer_flags
+from slime.config.validate_vision import check_vision_language_flags
 from slime.config.validate_weight_sync import check_release_train, check_weight_sync_flags
 from slime.utils.checkpoint_state import (
     CheckpointError,
@@ -349,10 +352,13 @@ def validate_args(args) -> None:
     check_weight_sync_flags(args)
     validate_megatron_args(args)
     check_lora_args(args)
+    check_on_policy_args(args, require)
     _resolve_batches(args)
     validate_megatron_batches(args)
     _resolve_algorithm(args)
+    check_vision_language_flags(args)
     check_release_train(args)
     check_trainer_flags(args)
+    check_fully_async_flags(args)
     _resolve_eval_and_output(args)
     _check_resume(args)

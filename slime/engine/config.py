@@ -71,10 +71,14 @@ class Config:
         time (/load_lora_adapter, /load_lora_adapter_from_tensors) and a request picks one with `lora_path`. The
         buffers of max_loras_per_batch slots at max_lora_rank are allocated at start-up on q/k/v/o/gate/up/down of
         every layer. Decode steps replay CUDA graphs (LoRA's dense path, static shapes); prefill and mixed steps run
-        eagerly (their tokens are grouped by adapter with host-side shapes). tp_size 1 only.
+        eagerly (their tokens are grouped by adapter with host-side shapes). At tp_size > 1 every rank holds its
+        shard of each adapter (engine/lora/targets.py).
     max_lora_rank: the largest adapter rank the slots hold (SGLang's --max-lora-rank); larger adapters are refused.
     max_loras_per_batch: adapter slots (SGLang's --max-loras-per-batch): how many adapters can be loaded at once,
         all of them usable in one step. An unloaded adapter's slot is reused once its running requests finish.
+    true_on_policy: run every sequence through the batch-invariant decoder that the trainer also runs (slime:
+        --true-on-policy-mode; engine/true_on_policy/), so the log-probs it reports equal the trainer's bit for bit.
+        One sequence at a time, no CUDA graphs, no overlap; models and layouts it does not cover are refused.
     """
 
     model: str
@@ -100,6 +104,7 @@ class Config:
     enable_lora: bool = False
     max_lora_rank: int = 16
     max_loras_per_batch: int = 8
+    true_on_policy: bool = False
 
     def __post_init__(self):
         if not isinstance(self.model, str) or not self.model:
@@ -113,15 +118,13 @@ class Config:
         if not isinstance(self.gpu_memory_utilization, (int, float)) or not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
         for name in ("enforce_eager", "prefill_cuda_graphs", "overlap_prefill", "enable_return_routed_experts",
-                     "enable_lora"):
+                     "enable_lora", "true_on_policy"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if self.overlap_schedule is not None and not isinstance(self.overlap_schedule, bool):
             raise ValueError(f"overlap_schedule must be a bool or None (on for CUDA), got {self.overlap_schedule!r}")
-        if self.enable_lora and self.tp_size > 1:
-            raise ValueError(f"enable_lora (--enable-lora; slime: --sglang-enable-lora / --lora-rank) needs tp_size 1, "
-                             f"got tp_size {self.tp_size} (--tp-size; slime: --rollout-num-gpus-per-engine): the "
-                             "engine does not shard LoRA adapters; serve them with one device per engine")
+        if self.true_on_policy:
+            self._check_true_on_policy()
         if self.tp_size % self.ep_size:
             raise ValueError(f"ep_size {self.ep_size} must divide tp_size {self.tp_size} (--ep-size, --tp-size)")
         if not isinstance(self.dist_timeout_s, (int, float)) or self.dist_timeout_s <= 0:
@@ -134,6 +137,22 @@ class Config:
             raise ValueError(f"device must be one of {DEVICES}, got {self.device!r}")
         if not isinstance(self.seed, int) or isinstance(self.seed, bool):
             raise ValueError(f"seed must be an int, got {self.seed!r}")
+
+    def _check_true_on_policy(self) -> None:
+        """The engine layouts true_on_policy covers (the model is checked when loaded: true_on_policy/contract.py)."""
+        refused = [(self.tp_size > 1, f"tp_size {self.tp_size} (--tp-size; slime: --rollout-num-gpus-per-engine): a "
+                    "sharded engine reduces over ranks in another order than the trainer; use one device per engine"),
+                   (self.enable_lora, "enable_lora (slime: --lora-rank): adapters are not in the batch-invariant "
+                    "decoder"),
+                   (self.enable_return_routed_experts, "enable_return_routed_experts: mixture-of-experts models are "
+                    "not covered"),
+                   (self.overlap_schedule is True, "overlap_schedule: the mode runs one step at a time; leave it "
+                    "unset"),
+                   (self.kv_cache_dtype != "auto", f"kv_cache_dtype {self.kv_cache_dtype!r}: the trainer keeps K/V in "
+                    "the model dtype; use auto")]
+        for is_refused, why in refused:
+            if is_refused:
+                raise ValueError(f"true_on_policy (slime: --true-on-policy-mode) does not cover {why}")
 
     @classmethod
     def field_names(cls) -> list[str]:

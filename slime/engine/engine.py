@@ -56,7 +56,7 @@ class Engine(EngineWeights, EngineLora, EngineImages, OverlappedStepping):
         self.rank_reports = [self.rank_weights.report(), *(self.ranks.call("weights.report") if self.ranks else [])]
         self.rank_mismatch: str | None = None  # why the ranks' weights differ after a failed push (generation refused)
         if self.config.overlap_schedule is None:
-            self.config.overlap_schedule = self.model_runner.device.type == "cuda"
+            self.config.overlap_schedule = self.model_runner.device.type == "cuda" and not self.config.true_on_policy
         max_model_len = self.config.max_model_len or self.model_config.max_position_embeddings
         if max_model_len > self.model_config.max_position_embeddings:
             raise ValueError(
@@ -245,6 +245,7 @@ class Engine(EngineWeights, EngineLora, EngineImages, OverlappedStepping):
         return [self._output(seq) for seq in running] + [self._output(seq) for seq in finished]
 
     def _on_finish(self, seq: Sequence) -> None:
+        self.model_runner.drop_sequence(seq.rid)
         self._read_routed_experts(seq)
         self._detach_lora(seq)
 
@@ -312,6 +313,7 @@ class Engine(EngineWeights, EngineLora, EngineImages, OverlappedStepping):
         """Forget all cached prefixes; KV written before this call is never reused. Always succeeds."""
         self._drain()
         self.block_manager.flush()
+        self.model_runner.forget_computed_tokens()
         return True
 
     # ---- memory -------------------------------------------------------------------------------------------------

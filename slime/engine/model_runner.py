@@ -131,7 +131,31 @@ class ModelRunner(RunnerMemory):
         self.set_use_triton(attention_works,
                             fused=attention_works and triton_fused_kernels_work(self.device, self.kv_dtype),
                             cuda_graphs=grouped_mm)
+        self.true_on_policy = self._true_on_policy_forward()
         self.allocate_kv_cache()
+
+    def _true_on_policy_forward(self):
+        """With config.true_on_policy, the batch-invariant forward every step runs through (refusing a model it does
+        not cover); else None."""
+        if not self.config.true_on_policy:
+            return None
+        from slime.engine.true_on_policy.contract import decoder_spec, pin_cpu_threads
+        from slime.engine.true_on_policy.engine_path import TrueOnPolicyForward
+
+        spec = decoder_spec(self.model_config)
+        pin_cpu_threads(self.device)
+        self.use_cuda_graphs = False
+        return TrueOnPolicyForward(self.model, spec)
+
+    def drop_sequence(self, rid: str) -> None:
+        """A finished sequence's per-sequence state (true_on_policy) is freed."""
+        if self.true_on_policy is not None:
+            self.true_on_policy.drop(rid)
+
+    def forget_computed_tokens(self) -> None:
+        """After a cache flush (every weight update flushes): true_on_policy recomputes each sequence's prefix."""
+        if self.true_on_policy is not None:
+            self.true_on_policy.weights_changed()
 
     def _lora_slots(self):
         """(LoraSlots, LoraRegistry) with enable_lora, else (None, None)."""
@@ -140,6 +164,11 @@ class ModelRunner(RunnerMemory):
         from slime.engine.lora.slots import build_lora_slots
 
         return build_lora_slots(self.model, self.config, self.device, bucket_batch_sizes(self.config.max_num_seqs)[-1])
+
+    @every_rank
+    def write_lora_slot(self, slot: int, adapter) -> None:
+        """Put a LoRA adapter (full tensors, engine/lora/adapter.py) into `slot`, each rank its own part of it."""
+        self.lora.write(slot, adapter)
 
     @every_rank
     def set_use_triton(self, enabled: bool, fused: bool | None = None, cuda_graphs: bool = True) -> None:
@@ -162,7 +191,7 @@ class ModelRunner(RunnerMemory):
         steps (measured on an H200: the sampling kernel compiling inside a run's first prefill steps made them
         300-360 ms instead of ~30 ms). The dummies' K/V all go to the scratch cache block that no request owns; the
         block manager and prefix cache are not involved."""
-        if self.device.type != "cuda":
+        if self.device.type != "cuda" or self.true_on_policy is not None:
             return
         params = SamplingParams(temperature=1.0, max_new_tokens=1, ignore_eos=True)
         length = self.block_size
@@ -182,6 +211,8 @@ class ModelRunner(RunnerMemory):
         sampled by the previous step that the host has not seen yet (overlapped scheduling): the input token of
         every row of a decode batch ([len(scheduled)]), or with `input_rows` that of those rows only, each a
         one-token row (the others read theirs from the host)."""
+        if self.true_on_policy is not None:
+            return self._launch_true_on_policy(list(scheduled))
         positions = self._decode_graph_positions(scheduled)
         if positions is not None:  # every row samples; the rows' arrays come from self.decode_rows
             sample_rows = scheduled
@@ -214,6 +245,21 @@ class ModelRunner(RunnerMemory):
         ready = torch.cuda.Event()
         ready.record()
         return LaunchedStep(tokens, host, ready)
+
+    def _launch_true_on_policy(self, scheduled: list[ScheduledSequence]) -> LaunchedStep | None:
+        """The step through the batch-invariant decoder, sequence by sequence (true_on_policy/engine_path.py): the
+        draw from its logits, the reported log-probs from the shared log_softmax of each token's tile."""
+        from slime.engine.true_on_policy.engine_path import token_log_probs
+
+        sample_rows, logits, tiles, tile_rows = self.true_on_policy.step(scheduled)
+        if not sample_rows:
+            return None
+        sampled = [scheduled[row] for row in sample_rows]
+        sampling = prepare_sampling(sampled, self.model_config.vocab_size, self.staging, self.eos_token_ids)
+        tokens, results = sample_results(logits, sampling)
+        results[1] = token_log_probs(tiles, tile_rows, tokens,
+                                     [item.seq.sampling_params.temperature for item in sampled]).to(results.device)
+        return LaunchedStep(tokens, results.cpu(), None)
 
     def _vision_inputs(self, scheduled):
         """A VL model's (positions, image embeddings, deepstack) of a flat batch (vl_step.py); None for a text model."""
@@ -320,11 +366,11 @@ class ModelRunner(RunnerMemory):
             + positions % self.block_size
         )
         token_inputs[3] = positions + 1
+        lora_slots = np.fromiter((seq.lora_slot for seq in self.decode_rows.seqs), dtype=np.int64, count=num_seqs)
         if self.plan is not None:  # a sharded engine runs without overlap: input_tokens is None here
-            self.plan.send_step(encode_decode_graph(DecodeGraphInputs(token_inputs, block_tables)))
+            self.plan.send_step(encode_decode_graph(DecodeGraphInputs(token_inputs, block_tables, lora_slots)))
         if self.lora is not None:  # each row's adapter slot, into the graphs' static one-hot buffer
-            self.lora.set_graph_rows(np.fromiter((seq.lora_slot for seq in self.decode_rows.seqs), dtype=np.int64,
-                                                 count=num_seqs))
+            self.lora.set_graph_rows(lora_slots)
         if input_rows is not None:
             return self.decode_graphs.run(token_inputs, block_tables, input_tokens, self.staging.to_device(input_rows))
         return self.decode_graphs.run(token_inputs, block_tables, input_tokens)
@@ -334,8 +380,7 @@ class ModelRunner(RunnerMemory):
         engine the step's host arrays first go to the other ranks, which build the same tensors (`follow_step`)."""
         arrays = flat_arrays(scheduled)
         if self.lora is not None:  # each token's adapter slot, in flat-batch order
-            seq_slots = np.fromiter((item.seq.lora_slot for item in scheduled), dtype=np.int64, count=len(scheduled))
-            self.lora.set_batch(np.repeat(seq_slots, arrays.query_lens))
+            self.lora.set_batch(np.repeat(arrays.lora_slots, arrays.query_lens))
         if self.plan is not None:
             self.plan.send_step(encode_forward(arrays, all_logits))
         return flat_batch(arrays, self.block_size, self.staging, self.use_triton)
@@ -347,9 +392,13 @@ class ModelRunner(RunnerMemory):
         op, all_logits, payload = message
         if isinstance(payload, DecodeGraphInputs):
             self._ensure_decode_graphs()
+            if self.lora is not None:
+                self.lora.set_graph_rows(payload.lora_slots)
             self.model.compute_logits(self.decode_graphs.run(payload.token_inputs, payload.block_tables, None),
                                       upcast=False)
             return
+        if self.lora is not None:
+            self.lora.set_batch(np.repeat(payload.lora_slots, payload.query_lens))
         input_ids, positions, meta, logits_indices = flat_batch(payload, self.block_size, self.staging,
                                                                 self.use_triton)
         if all_logits:

@@ -26,6 +26,7 @@ class FlatArrays:
     needs_sample: np.ndarray  # [num_seqs] bool
     input_ids: np.ndarray  # [num_tokens] int64
     block_tables: np.ndarray  # [num_seqs, max_num_blocks] int32
+    lora_slots: np.ndarray  # [num_seqs] int64: each sequence's LoRA slot (-1: none; engine/lora/registry.py)
 
 
 def flat_arrays(scheduled: list[ScheduledSequence]) -> FlatArrays:
@@ -39,6 +40,7 @@ def flat_arrays(scheduled: list[ScheduledSequence]) -> FlatArrays:
         needs_sample=np.fromiter((item.needs_sample for item in scheduled), dtype=bool, count=num_seqs),
         input_ids=np.asarray(input_ids, dtype=np.int64),
         block_tables=_padded_block_tables([item.seq.block_table for item in scheduled]),
+        lora_slots=np.fromiter((item.seq.lora_slot for item in scheduled), dtype=np.int64, count=num_seqs),
     )
 
 

@@ -33,6 +33,7 @@ from slime.utils.blocking_http import blocking_client
 from slime.utils.daemon_threads import DaemonThreadPool
 from slime.utils.debug_dump import BackgroundDumpWriter, dump_path, load_samples
 from slime.utils.engine_access import engine_admin_headers, router_headers
+from slime.utils.http_utils import run
 from slime.utils.misc import load_function
 from slime.utils.types import Sample
 
@@ -58,6 +59,7 @@ class RolloutManager:
         self.supervisor = None
         self.rollout_thread = DaemonThreadPool(max_workers=1, thread_name_prefix="slime-rollout-fn")
         self.debug_dump_writer = BackgroundDumpWriter()
+        self.stream = None  # --fully-async: the GenerationStream (start_stream)
         if not args.debug_train_only:
             self._start_engines(placement)
 
@@ -112,7 +114,10 @@ class RolloutManager:
     def weights_pushed(self, weight_version: str, engine_urls: dict[int, str]) -> None:
         """The driver pushed `weight_version` to `engine_urls` (what `get_engine_urls()` answered). LoRA: from now on
         the rollout's requests ask for that version's adapter (`args.lora_path`, read by the /generate payloads)."""
-        if serves_adapter(self.args):
+        if serves_adapter(self.args) and self.args.lora_adapter_key:  # several adapters, each its own version
+            self.args.lora_paths = {name: served_adapter_name(weight_version, name)
+                                    for name in self.args.lora_adapter_names}
+        elif serves_adapter(self.args):
             self.args.lora_path = served_adapter_name(weight_version)
         if self.supervisor:
             self.supervisor.weights_pushed(weight_version, engine_urls)
@@ -141,20 +146,24 @@ class RolloutManager:
         if self.supervisor is None:
             return function(*function_args)
         self.supervisor.check()
+        if self.stream is not None:  # --fully-async: the stream's rollout never ends (an eval runs beside it)
+            return self._watch(self.rollout_thread.submit(function, *function_args))
         self.supervisor.begin_rollout()
         try:
-            future = self.rollout_thread.submit(function, *function_args)
-            while True:
-                try:
-                    result = future.result(timeout=0.2)
-                    break
-                except TimeoutError:
-                    self.supervisor.check()
-            self.supervisor.poll_processes()  # an engine that failed as the rollout ended: nothing is trained on
-            self.supervisor.check()
-            return result
+            return self._watch(self.rollout_thread.submit(function, *function_args))
         finally:
             self.supervisor.end_rollout()
+
+    def _watch(self, future):
+        while True:
+            try:
+                result = future.result(timeout=0.2)
+                break
+            except TimeoutError:
+                self.supervisor.check()
+        self.supervisor.poll_processes()  # an engine that failed as the rollout ended: nothing is trained on
+        self.supervisor.check()
+        return result
 
     def _rollout_samples(self, rollout_id: int) -> tuple[list[Sample], dict]:
         """The rollout's samples and the metrics its function returned with them."""
@@ -241,6 +250,63 @@ class RolloutManager:
         metrics["perf/eval_time"] = time.perf_counter() - start
         return metrics
 
+    # ---- fully async (train_async.py --fully-async) ---------------------------------------------------------
+    def start_stream(self, version: int, state: dict | None) -> None:
+        """Start generating continuously under the engines' weights of `version` (restoring a checkpoint's
+        `stream_state` when given)."""
+        from slime.rollout.fully_async.stream import GenerationStream
+
+        self.stream = GenerationStream(self.args, self.data_source, version)
+        if state is not None:
+            self.stream.load_state_dict(state)
+        if self.supervisor is not None:
+            self.supervisor.begin_rollout()  # always generating: a restarted engine gets the weights at once
+        run(self.stream.start())
+
+    def stream_batch(self, rollout_id: int) -> tuple[list, dict]:
+        """The next batch from the stream as train data (what `generate` returns), once the ledger lets the trainer
+        take one; engine failures that end the run raise here while it waits."""
+        start = time.perf_counter()
+        while True:
+            if self.supervisor is not None:
+                self.supervisor.check()
+            batch = run(self.stream.next_batch(rollout_id, timeout=0.2))
+            if batch is not None:
+                break
+        groups, metrics = batch
+        if self.args.rollout_sample_filter_path:  # marks Sample.remove_sample on what not to train on
+            load_function(self.args.rollout_sample_filter_path, "--rollout-sample-filter-path")(self.args, groups)
+        samples = sorted(_flatten(groups), key=lambda s: (s.index if s.index is not None else 0))
+        self.rollout_done = (rollout_id, samples, metrics, time.perf_counter() - start)
+        return self.train_data(rollout_id)
+
+    def pause_generation(self) -> None:
+        """Before a weight push: the stream holds its groups and every engine stops between two steps, handing
+        back its in-flight requests with the tokens sampled so far (they continue under the new weights)."""
+        run(self.stream.pause())
+        self._post_all("/pause_generation", {"mode": "abort"})
+
+    def continue_generation(self, version: int) -> None:
+        """After the push of `version` succeeded on every engine."""
+        self._post_all("/continue_generation", {})
+        run(self.stream.resume(version))
+
+    def stream_state(self) -> dict:
+        """The run state a checkpoint saves: the data source's, the stream's buffer, in-flight prompts and version."""
+        stream_state, data_source_state = run(self.stream.snapshot())
+        return {"data_source": data_source_state, "stream": stream_state}
+
+    def stop_stream(self) -> int:
+        """Stop generating; returns how many groups were generated or generating but never trained."""
+        if self.stream is None:
+            return 0
+        run(self.stream.stop())
+        if self.supervisor is not None:
+            self.supervisor.end_rollout()
+            self._post_all("/abort_request", {"abort_all": True})
+        unused, self.stream = self.stream.unused_groups(), None
+        return unused
+
     # ---- memory and state ----------------------------------------------------------------------------------
     def _post_all(self, path: str, payload: dict) -> None:
         """POST to every live engine at once (a release or resume of one engine does not wait for another's)."""
@@ -290,6 +356,7 @@ class RolloutManager:
 
     def dispose(self) -> None:
         try:
+            self.stop_stream()
             self.debug_dump_writer.flush()
         finally:
             shutdown_reward_workers()

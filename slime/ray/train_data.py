@@ -13,6 +13,7 @@ from collections import defaultdict
 
 import torch
 
+from slime.config.flags_lora import ADAPTER_METADATA_KEY
 from slime.rollout.eval_metrics import compute_pass_at_k
 from slime.utils.flops_balance import linear_coefficient, workloads
 from slime.utils.hf_config import hf_text_config
@@ -125,7 +126,30 @@ def samples_to_train_data(args, samples: list[Sample]) -> TrainData:
         data["teacher_log_probs"] = [_as_list(s.teacher_log_probs) for s in samples]
     if any(s.rollout_routed_experts is not None for s in samples):
         data["rollout_routed_experts"] = [_routed_experts_of(s) for s in samples]
+    if any(s.multimodal_train_inputs for s in samples):  # vision-language: each sample's pixels and grids, or None
+        data["multimodal_train_inputs"] = [s.multimodal_train_inputs or None for s in samples]
+    if args.lora_adapter_key:
+        data["lora_adapters"] = lora_adapter_indices(args, samples)
     return data
+
+
+def lora_adapter_indices(args, samples: list[Sample]) -> list[int]:
+    """--lora-adapter-key: each sample's adapter as an index into --lora-adapter-names. A group (the samples that
+    group normalisation compares) must share one adapter: groups never mix adapters."""
+    names = list(args.lora_adapter_names)
+    group_adapter: dict = {}
+    indices = []
+    for s in samples:
+        adapter = s.metadata.get(ADAPTER_METADATA_KEY)
+        if adapter not in names:
+            raise ValueError(f"sample {s.index}: its LoRA adapter (metadata[{ADAPTER_METADATA_KEY!r}], from "
+                             f"--lora-adapter-key {args.lora_adapter_key}) is {adapter!r}, not one of "
+                             f"--lora-adapter-names {','.join(names)}; a custom rollout must keep the prompt's metadata")
+        if group_adapter.setdefault(s.group_index, adapter) != adapter:
+            raise ValueError(f"group {s.group_index} mixes LoRA adapters {group_adapter[s.group_index]!r} and "
+                             f"{adapter!r}: group normalisation must compare samples of one adapter")
+        indices.append(names.index(adapter))
+    return indices
 
 
 def _as_list(values) -> list:
@@ -255,6 +279,13 @@ def rollout_metrics(args, samples: list[Sample], raw_rewards: list[float]) -> di
     metrics["rollout/zero_std_groups"] = sum(1 for g in groups.values() if len(g) > 1 and max(g) == min(g))
     metrics.update(multi_turn_metrics(samples))
     metrics.update(optional_rollout_metrics(args, samples, raw_rewards, list(groups.values())))
+    if args.lora_adapter_key:  # several adapters: each one's reward and sample count
+        by_adapter = defaultdict(list)
+        for s, r in zip(samples, raw_rewards):
+            by_adapter[s.metadata.get(ADAPTER_METADATA_KEY)].append(r)
+        for name, rewards in by_adapter.items():
+            metrics[f"rollout/{name}/raw_reward"] = statistics.fmean(rewards)
+            metrics[f"rollout/{name}/num_samples"] = len(rewards)
     return metrics
 
 

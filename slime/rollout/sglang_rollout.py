@@ -30,10 +30,12 @@ import uuid
 from tqdm import tqdm
 
 from slime.rollout.base_types import RolloutFnTrainOutput
-from slime.rollout.dataset import EvalDataset, load_eval_datasets, prompt_token_ids, tokenizer_for
+from slime.rollout.dataset import EvalDataset, load_eval_datasets, load_processor, prompt_token_ids, tokenizer_for
+from slime.rollout.deterministic_seeds import with_sample_seed
 from slime.rollout.filter_hub.base_types import call_dynamic_filter, should_drop_dynamic_filter_output
 from slime.rollout.generate_request import (
     build_sampling_params,
+    encode_multimodal_prompt,
     generate_group_in_one_request,
     group_prompt_ids,
     load_hook,
@@ -67,11 +69,15 @@ class GenerateState:
         self.num_reward_failures = 0
         self.rollout_id = rollout_id
         self.evaluation = evaluation
-        self.processor = None  # no multimodal models here
 
     @functools.cached_property
     def tokenizer(self):
         return tokenizer_for(self.args)
+
+    @functools.cached_property
+    def processor(self):
+        """slime's state.processor: the vision-language checkpoint's processor with --multimodal-keys, else None."""
+        return load_processor(str(self.args.hf_checkpoint)) if self.args.multimodal_keys else None
 
     @functools.cached_property
     def sampling_params(self) -> dict:
@@ -83,12 +89,15 @@ async def generate(args, sample: Sample, sampling_params: dict) -> Sample:
 
     Same signature as a `--custom-generate-function-path` hook, which may wrap it.
     """
-    if not sample.tokens:
+    if sample.multimodal_inputs:
+        if sample.multimodal_train_inputs is None or not sample.tokens:  # (a restored partial sample: the first)
+            encode_multimodal_prompt(args, sample)
+    elif not sample.tokens:
         tokenizer = tokenizer_for(args)
         if tokenizer is None:
             raise ValueError("the default rollout needs --hf-checkpoint: its tokenizer turns prompts into token ids")
         sample.tokens = prompt_token_ids(tokenizer, sample)
-    if sample.response_length and args.partial_rollout:
+    if sample.response_length and (args.partial_rollout or args.fully_async):  # continuing a cut response
         if args.mask_offpolicy_in_partial_rollout:
             sample.loss_mask = [0] * sample.response_length  # the prefix came from older weights
     max_new_tokens = sampling_params["max_new_tokens"] - sample.response_length
@@ -129,6 +138,8 @@ async def generate_and_rm(args, sample: Sample, sampling_params: dict, evaluatio
             # paths were checked at start-up with their flag's name (validate_args); this imports the module once
             generate_fn = load_function(hook_path) if hook_path else generate
             kwargs = {"evaluation": evaluation} if takes_evaluation(generate_fn) else {}
+            if getattr(args, "deterministic_mode", False):  # slime's plugins may pass args without the flag
+                sampling_params = with_sample_seed(args, sampling_params, state.rollout_id, sample.index)
             sample = await generate_fn(args, sample, dict(sampling_params), **kwargs)  # a copy: hooks edit theirs
         sample = await apply_rollout_sample_hooks(args, sample, **hook_kwargs)
     samples = sample if isinstance(sample, list) else [sample]
@@ -144,12 +155,16 @@ async def generate_and_rm(args, sample: Sample, sampling_params: dict, evaluatio
 
 async def generate_group(args, group: list[Sample], sampling_params: dict, state: GenerateState) -> list[Sample]:
     """Generate and score one prompt group; the members share a session id (router affinity key)."""
-    session_id = uuid.uuid4().hex
+    # --deterministic-mode: the routing key (and what the dumps record) is a function of the group, not random
+    deterministic = getattr(args, "deterministic_mode", False)
+    session_id = f"{state.rollout_id}-{group[0].index}" if deterministic else uuid.uuid4().hex
     for sample in group:
         sample.session_id = sample.session_id or session_id
     group_rm = args.group_rm
     prompt_ids = group_prompt_ids(args, group)
     if prompt_ids is not None:
+        if deterministic:
+            sampling_params = with_sample_seed(args, sampling_params, state.rollout_id, group[0].index)
         await generate_group_in_one_request(args, group, prompt_ids, sampling_params, state)
         if not group_rm and is_scorable(group):
             await score_samples(args, group, state, batched=False)

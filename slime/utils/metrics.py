@@ -19,9 +19,13 @@ PLOT_PANELS = [
     ("eval", None),  # every eval/<name> key
     ("loss", ["train/loss", "train/pg_loss"]),
     ("KL", ["train/kl_loss", "train/ppo_kl"]),
-    ("train/rollout mismatch", ["train/train_rollout_logprob_abs_diff", "train/mismatch_ratio_outside_clip"]),
+    ("train/rollout mismatch", ["train/train_rollout_logprob_abs_diff", "train/train_rollout_logprob_exact_fraction",
+                                "train/mismatch_ratio_outside_clip"]),
     ("response length", ["rollout/response_len/mean"]),
     ("multi-turn", ["rollout/turns_per_sample", "rollout/tool_calls_per_sample", "rollout/tool_errors_per_sample"]),
+    ("staleness (fully async)", ["rollout/staleness_max", "rollout/staleness_mean", "rollout/buffer_depth",
+                                 "rollout/dropped_samples"]),
+    ("idle fraction", ["perf/engine_idle_fraction", "perf/trainer_idle_fraction"]),
 ]
 SUMMARY_KEYS = [
     ("reward", "rollout/raw_reward"),
@@ -125,7 +129,8 @@ class MetricsLogger:
 
         eval_keys = sorted({k for r in self.history for k in r if k.startswith("eval/") and "pass@" not in k})
         panels = [(title, eval_keys if keys is None else keys) for title, keys in PLOT_PANELS]
-        fig, axes = plt.subplots(2, 3, figsize=(15, 8))
+        num_rows = -(-len(panels) // 3)
+        fig, axes = plt.subplots(num_rows, 3, figsize=(15, 4 * num_rows))
         for ax, (title, keys) in zip(axes.flat, panels):
             for key in keys:
                 xs, ys = self.series(key)

@@ -96,6 +96,20 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
+def use_deterministic_kernels() -> None:
+    """--deterministic-mode in a training process: torch picks deterministic kernels (and errors on an op that has
+    none) and cuBLAS a fixed workspace; TF32 off. Called before the model is built."""
+    import os
+
+    import torch
+
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True)
+    torch.backends.cudnn.benchmark = False
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+
+
 def freeze_startup_objects() -> None:
     """Collect garbage, then move every surviving object into the collector's permanent generation (`gc.freeze`).
     A process that keeps its start-up objects (torch, transformers, the model) for life then stops rescanning them:

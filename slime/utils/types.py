@@ -34,7 +34,7 @@ def _to_float_list(values) -> list[float] | None:
 
 # Per-token lists of ints, floats or strings: a list copy is their deep copy, without deepcopy's per-element
 # Python call (a 768-token sample: ~2 us against ~0.5 ms).
-_SCALAR_LIST_FIELDS = frozenset(("tokens", "loss_mask", "weight_versions", "rollout_log_probs",
+_SCALAR_LIST_FIELDS = frozenset(("tokens", "loss_mask", "weight_versions", "token_weight_versions", "rollout_log_probs",
                                  "rollout_top_p_token_ids", "rollout_top_p_token_offsets", "teacher_log_probs"))
 
 
@@ -58,6 +58,9 @@ class Sample:
     reward: float | dict[str, Any] | None = None
     loss_mask: list[int] | None = None
     weight_versions: list[str] = field(default_factory=list)
+    # One per response token: the weight version that sampled it (None for tokens the policy did not sample); kept
+    # once any appended response reports a version (meta_info.weight_version).
+    token_weight_versions: list[str | None] | None = None
     rollout_log_probs: list[float] | None = None
     rollout_top_p_token_ids: list[int] | None = None
     rollout_top_p_token_offsets: list[int] | None = None
@@ -196,7 +199,8 @@ class Sample:
         Sampled tokens pass `trainable=True` with the engine's log-probs (and its `meta_info`); tokens the policy
         did not produce (tool output, environment text) pass `trainable=False`: loss mask 0, log-prob 0. A
         `meta_info` with a `finish_reason` also sets the status (stop -> COMPLETED, length -> TRUNCATED, abort ->
-        ABORTED; anything else leaves it), appends its `weight_version` and adds its prefix-cache counts.
+        ABORTED; anything else leaves it), appends its `weight_version` and adds its prefix-cache counts. The
+        sampled tokens record that `weight_version` in `token_weight_versions`.
         """
         tokens = _to_int_list(tokens)
         log_probs = _to_float_list(log_probs)
@@ -218,6 +222,11 @@ class Sample:
             if self.loss_mask is None:
                 self.loss_mask = [1] * previous_length
             self.loss_mask += [1 if trainable else 0] * len(tokens)
+            version = meta_info.get("weight_version") if meta_info is not None and trainable else None
+            if version is not None or self.token_weight_versions is not None:
+                if self.token_weight_versions is None:
+                    self.token_weight_versions = [None] * previous_length
+                self.token_weight_versions += [None if version is None else str(version)] * len(tokens)
         if log_probs is not None:
             if self.rollout_log_probs is None:
                 if trainable and previous_length:
@@ -246,6 +255,9 @@ class Sample:
             self.status = status
 
     def _validate_lengths(self) -> None:
+        if self.token_weight_versions is not None and len(self.token_weight_versions) != self.response_length:
+            raise ValueError(f"token_weight_versions length {len(self.token_weight_versions)} != response_length "
+                             f"{self.response_length}")
         if self.loss_mask is not None and len(self.loss_mask) != self.response_length:
             raise ValueError(f"loss_mask length {len(self.loss_mask)} != response_length {self.response_length}")
         if self.rollout_log_probs is not None and len(self.rollout_log_probs) != self.response_length:

@@ -89,6 +89,9 @@ def test_multi_turn_without_drift_trains_exactly_the_sampled_ids(tokenizer):
     assert all(lp == 0.0 for lp, m in zip(sample.rollout_log_probs, sample.loss_mask) if not m)
     assert len(sample.loss_mask) == len(sample.rollout_log_probs) == sample.response_length
     assert sample.weight_versions == ["0", "1", "2"] and sample.status == Sample.Status.COMPLETED
+    trained_versions = [v for v, m in zip(sample.token_weight_versions, sample.loss_mask) if m]
+    assert trained_versions == [str(i) for i, t in enumerate(turns) for _ in t.output_ids]
+    assert all(v is None for v, m in zip(sample.token_weight_versions, sample.loss_mask) if not m)
     assert sample.session_id == "s" and sample.metadata["num_turns"] == 3 and sample.metadata["num_leaves"] == 1
     assert sample.metadata["turn_indices"] == [0, 1, 2] and sample.metadata["num_absorbed_drift_tokens"] == 0
     assert not manager.has_session("s") and manager.get_trajectory("s", base_sample=BASE) == []  # consumed

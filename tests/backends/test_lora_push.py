@@ -12,6 +12,7 @@ from torch.distributed.tensor import DTensor
 from slime.backends.lora_adapter import is_lora_name
 from slime.backends.lora_push import AdapterPushError, compare_checksums
 from slime.backends.packing import pack_samples
+from slime.utils.misc import find_free_port
 from tests.helpers.fsdp_helpers import make_args, make_trainer
 from tests.helpers.lora_helpers import LORA_FLAGS, random_adapter, wide_tiny_checkpoint
 
@@ -84,6 +85,38 @@ def test_pushed_adapter_is_verified_served_with_the_trainers_log_probs_and_old_v
     finally:
         for name in _loaded(engine.url):
             httpx.post(engine.url + "/unload_lora_adapter", json={"lora_name": name}, timeout=60, trust_env=False)
+        dist.destroy_process_group()
+
+
+def test_a_restarted_engine_gets_the_current_version_and_every_engine_drops_old_ones(root, engine, tmp_path):
+    """Fault tolerance: engine 1 restarts (a fresh server) after version 2 and gets it alone, as the engine watch
+    pushes it; at version 3 both engines end at {policy@2, policy@3}, the running one's policy@1 unloaded although the
+    pusher reconnected in between. An engine that cannot be reached is skipped and reported."""
+    from slime.engine.server.launch import launch_server
+
+    args = make_args(root / "model", *LORA_FLAGS)
+    trainer = make_trainer(args)
+    restarted = launch_server(root / "model", extra_args=["--device", "cpu", "--enable-lora", "--max-lora-rank", "8",
+                                                          "--max-loras-per-batch", "3"],
+                              log_path=tmp_path / "restarted.log")
+    dead = f"http://127.0.0.1:{find_free_port()}"
+    try:
+        for version in (1, 2):
+            _randomise_adapter(trainer, seed=version)
+            trainer.update_weights({0: engine.url}, weight_version=str(version), mode="tensor")
+        trainer.update_weights({1: restarted.url}, weight_version="2", mode="tensor")  # the watch's push
+        assert _loaded(restarted.url) == {"policy@2"}
+        _randomise_adapter(trainer, seed=3)
+        result = trainer.update_weights({0: engine.url, 1: restarted.url, 2: dead}, weight_version="3", mode="tensor")
+        assert result.unreachable_engines == [dead]
+        for url in (engine.url, restarted.url):
+            assert _loaded(url) == {"policy@2", "policy@3"}
+        assert _generate(engine.url, "policy@3").json()["meta_info"]["output_token_logprobs"] == \
+            _generate(restarted.url, "policy@3").json()["meta_info"]["output_token_logprobs"]
+    finally:
+        for name in _loaded(engine.url):
+            httpx.post(engine.url + "/unload_lora_adapter", json={"lora_name": name}, timeout=60, trust_env=False)
+        restarted.stop()
         dist.destroy_process_group()
 
 

@@ -104,3 +104,50 @@ def test_megatron_lora_with_whole_fused_layers_is_accepted(tmp_path, data):
                            "--tensor-model-parallel-size", "2", "--lora-rank", "8", "--target-modules",
                            "linear_qkv,linear_fc2"))
     assert args.lora_target_modules == ["down_proj", "k_proj", "q_proj", "v_proj"]
+
+
+MULTI = ("--lora-rank", "8", "--target-modules", "all-linear")
+
+
+@pytest.mark.parametrize("flags, message", [
+    (("--lora-adapter-key", "task"), "go together"),
+    (("--lora-adapter-names", "a,b"), "go together"),
+    (("--lora-adapter-key", "task", "--lora-adapter-names", "a,a"), "given twice"),
+    (("--lora-adapter-key", "task", "--lora-adapter-names", "a@1,b"), "letters, digits"),
+    (("--lora-adapter-key", "task", "--lora-adapter-names", "a,b,c", "--sglang-max-loras-per-batch", "4"),
+     "3 adapters need 6 engine slots"),
+    (("--lora-adapter-key", "task", "--lora-adapter-names", "a,b", "--save-hf", "/tmp/x"), "--save-hf writes one"),
+])
+def test_several_adapters_mistakes_name_the_flag(flags, message):
+    with pytest.raises(ArgumentError, match=message):
+        make_args(*MULTI, *flags)
+
+
+def test_several_adapters_need_the_fsdp_backend_and_enough_engine_slots(tmp_path, data):
+    from slime.config.arguments import parse_args
+    from slime.config.flags_sglang import engine_config_from_sglang_flags
+
+    with pytest.raises(ArgumentError, match="--lora-adapter-key .* pass --train-backend fsdp"):
+        parse_args(base(tmp_path, data, "--train-backend", "megatron", *MULTI, "--lora-adapter-key", "task",
+                        "--lora-adapter-names", "a,b"))
+    args = make_args(*MULTI, "--lora-adapter-key", "task", "--lora-adapter-names", "a,b,c,d,e")
+    assert args.lora_adapter_names == ["a", "b", "c", "d", "e"]
+    assert engine_config_from_sglang_flags(args)[0]["max_loras_per_batch"] == 10  # each adapter's version and the previous
+
+
+def test_a_row_names_its_adapter_and_a_group_never_mixes_adapters():
+    from slime.ray.train_data import lora_adapter_indices
+    from slime.rollout.dataset import PromptFormat, row_to_sample
+    from slime.utils.types import Sample
+
+    fmt = PromptFormat(input_key="q", lora_adapter_key="task", lora_adapter_names=("a", "b"))
+    assert row_to_sample({"q": "1+1", "task": "b"}, "data.jsonl:1", fmt, None).metadata["lora_adapter"] == "b"
+    with pytest.raises(ValueError, match=r"data.jsonl:2: .*'task' \(--lora-adapter-key\) is 'c'"):
+        row_to_sample({"q": "1+1", "task": "c"}, "data.jsonl:2", fmt, None)
+    args = make_args(*MULTI, "--lora-adapter-key", "task", "--lora-adapter-names", "a,b")
+    samples = [Sample(index=i, group_index=i // 2, metadata={"lora_adapter": name})
+               for i, name in enumerate(["b", "b", "a", "a"])]
+    assert lora_adapter_indices(args, samples) == [1, 1, 0, 0]
+    samples[3].metadata["lora_adapter"] = "b"
+    with pytest.raises(ValueError, match="group 1 mixes LoRA adapters 'a' and 'b'"):
+        lora_adapter_indices(args, samples)

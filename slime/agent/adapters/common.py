@@ -7,8 +7,8 @@ sampling fields; `RequestError(param, message)` for a bad field), `render_answer
 
 One turn: the session id (`Authorization: Bearer <id>`, then the protocol's own places; 401 none, 404 unknown,
 409 finished) -> parse (400 naming the field) -> turn cap (429) -> render the chat template to ids -> POST the
-router's /generate with `input_ids`, `return_logprob` and the header `X-SMG-Routing-Key: <session id>` (keeps a
-session on one engine for its prefix cache) -> parse reasoning and tool calls from the sampled text (a call in the
+router's /generate with `input_ids`, `return_logprob`, the LoRA adapter of the moment (`lora_path`, if any) and
+the header `X-SMG-Routing-Key: <session id>` (keeps a session on one engine for its prefix cache) -> parse reasoning and tool calls from the sampled text (a call in the
 Qwen3-Coder XML form is read whatever the tool parser) -> record a `TurnRecord` -> answer. The stream is rendered
 from the finished turn (the engine call is not streamed token by token).
 
@@ -23,10 +23,12 @@ import inspect
 import json
 import time
 import uuid
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
 
 from aiohttp import web
 
+from slime.agent.adapters.paused_turns import generate_through_pushes
 from slime.agent.adapters.reasoning import get_reasoning_parser
 from slime.agent.message_tree import routing_message
 from slime.agent.trajectory import DEFAULT_FORK_THRESHOLD_TOKENS, TrajectoryManager, TurnRecord
@@ -97,6 +99,7 @@ class TurnAnswer:
 class _Session:
     sampling_defaults: dict
     max_context_tokens: int = 0  # 0: the engine's own limit
+    lora_path: Callable[[], str | None] | None = None  # the session's LoRA adapter of the moment, else the adapter's
     num_turns: int = 0
     closed: bool = False
     in_flight: set = field(default_factory=set)
@@ -154,7 +157,10 @@ class BaseAdapter:
     def __init__(self, *, tokenizer, sglang_url: str, tool_parser: str = "qwen", reasoning_parser: str | None = None,
                  max_turns: int | None = None, headers: dict | None = None,
                  fork_threshold_tokens: int = DEFAULT_FORK_THRESHOLD_TOKENS, request_timeout_s: float | None = None,
-                 max_turns_per_sid: int | None = None):
+                 max_turns_per_sid: int | None = None, lora_path: Callable[[], str | None] | None = None,
+                 resume_aborted_turns: bool = False):
+        """`lora_path`: asked at every turn, the LoRA adapter the engine samples it with (SGLang's `lora_path`), or
+        None for the base model; a LoRA run's rollout passes `lambda: args.lora_path`, the version last pushed."""
         if max_turns_per_sid is not None:  # slime's name of the same cap
             if max_turns is not None and max_turns != max_turns_per_sid:
                 raise ValueError(f"max_turns={max_turns} and max_turns_per_sid={max_turns_per_sid} disagree: they "
@@ -169,6 +175,8 @@ class BaseAdapter:
         self.max_turns = max_turns
         self.headers = dict(headers or {})
         self.request_timeout_s = request_timeout_s
+        self.lora_path = lora_path or (lambda: None)
+        self.resume_aborted_turns = resume_aborted_turns  # --fully-async: a weight push's abort is not the turn's end
         self.manager = TrajectoryManager(fork_threshold_tokens=fork_threshold_tokens, tokenizer=tokenizer)
         self.model_name = str(getattr(tokenizer, "name_or_path", "") or "slime")
         self._end_token_texts = end_token_texts(tokenizer)
@@ -180,19 +188,22 @@ class BaseAdapter:
         self.app.router.add_post(self.route, self._handle)
 
     # ---- lifecycle -------------------------------------------------------------------------------------------
-    def open_session(self, session_id: str, sampling_defaults: dict | None = None, max_context_tokens: int = 0) -> None:
+    def open_session(self, session_id: str, sampling_defaults: dict | None = None, max_context_tokens: int = 0,
+                     lora_path: Callable[[], str | None] | None = None) -> None:
         """Accept turns for `session_id` (the key the agent client authenticates with); `sampling_defaults` in the
         engine's names (temperature, top_p, max_new_tokens, stop, ...), overridden per request by the client, but
         for max_new_tokens: a turn samples at most the smaller of the default's and the client's. With
         `max_context_tokens` (slime's `--rollout-max-context-len`) a turn also stops there: prompt plus output never
-        exceed it, and a prompt that already fills it is answered as a turn cut by length, with no engine call."""
+        exceed it, and a prompt that already fills it is answered as a turn cut by length, with no engine call.
+        `lora_path`: the session's own LoRA adapter of the moment (several adapters: the sample's, e.g.
+        `lambda: request_lora_path(args, sample.metadata)`), instead of the adapter-wide one."""
         if not isinstance(session_id, str) or not session_id:
             raise ValueError(f"session_id must be a non-empty string, got {session_id!r}")
         if session_id in self._sessions:
             raise ValueError(f"session {session_id!r} is already open; session ids must be unique")
         if not isinstance(max_context_tokens, int) or max_context_tokens < 0:
             raise ValueError(f"max_context_tokens must be an integer >= 0 (0: no limit), got {max_context_tokens!r}")
-        self._sessions[session_id] = _Session(dict(sampling_defaults or {}), max_context_tokens)
+        self._sessions[session_id] = _Session(dict(sampling_defaults or {}), max_context_tokens, lora_path)
 
     async def shutdown_session(self, session_id: str, timeout_s: float = 30.0) -> None:
         """Refuse new turns of the session (409) and wait for the ones in flight (cancelled after `timeout_s`)."""
@@ -433,7 +444,13 @@ async def call_sglang_generate(prompt_ids: list[int], session, body: dict, *, ad
     """One engine call of a turn: `prompt_ids` with the sampling params `body` to the router's /generate, with the
     routing key of the session (its prefix cache stays on one engine). Module-level, as in slime: tests replace it."""
     payload = {"input_ids": list(prompt_ids), "sampling_params": body, "return_logprob": True}
+    lora_path = (session.lora_path or adapter.lora_path)()
+    if lora_path is not None:
+        payload["lora_path"] = lora_path
     headers = {**adapter.headers, **({ROUTING_KEY_HEADER: session_id} if session_id else {})}
-    result = await request_json("POST", f"{adapter.sglang_url}/generate", payload, headers=headers,
-                                timeout=adapter.request_timeout_s)
-    return engine_turn(result, prompt_ids)
+    async def post(body: dict) -> dict:
+        return await request_json("POST", f"{adapter.sglang_url}/generate", body, headers=headers,
+                                  timeout=adapter.request_timeout_s)
+
+    result, versions = await generate_through_pushes(post, payload, adapter.resume_aborted_turns, adapter.tokenizer)
+    return replace(engine_turn(result, prompt_ids), output_weight_versions=versions)

@@ -23,7 +23,7 @@ from torch.distributed.tensor import DTensor
 from slime.backends.backend import LossOf, TrainBackend
 from slime.backends.checkpoint_files import VALUE_HEAD_KEY, resolve_load_dir
 from slime.backends.fsdp_utils import checkpoint
-from slime.backends.fsdp_utils.lora import apply_lora, load_start_adapter
+from slime.backends.fsdp_utils.lora import apply_lora, load_start_adapter, select_adapters
 from slime.backends.fsdp_utils.model import (
     ShardOptions,
     attention_implementation,
@@ -45,12 +45,13 @@ from slime.backends.lora_adapter import (
     is_lora_name,
     lora_scale,
     merged_hf_weights,
-    peft_config,
+    save_adapters,
 )
 from slime.backends.moe_aux_loss import router_losses
 from slime.backends.packing import PackedMicroBatch
 from slime.backends.param_freeze import freeze_parameters
 from slime.backends.process_group import init_default_group, training_device
+from slime.backends.true_on_policy import true_on_policy_spec
 
 logger = logging.getLogger(__name__)
 
@@ -95,10 +96,12 @@ class FSDPBackend(TrainBackend):
         self.routing_replay, self.router_trace = install_routers(hf_model, args.moe_router_dtype) or (None, None)
         freeze_parameters(args, hf_model.named_parameters())  # HF names; before sharding, which keeps the flags
         if args.lora_rank > 0:  # adapters on the targets, base frozen; their start values before sharding
-            apply_lora(hf_model, args.lora_target_modules, args.lora_rank, args.lora_alpha, args.lora_dropout)
+            apply_lora(hf_model, args.lora_target_modules, args.lora_rank, args.lora_alpha, args.lora_dropout,
+                       args.lora_adapter_names if args.lora_adapter_key else None)
             load_start_adapter(hf_model, args, weights_path)
         self.model = build_policy_model(hf_model, self.mesh, ShardOptions.from_args(args, self.device),
-                                        temperature=args.rollout_temperature, chunk_size=args.log_probs_chunk_size)
+                                        temperature=args.rollout_temperature, chunk_size=args.log_probs_chunk_size,
+                                        tile_spec=true_on_policy_spec(args, weights_path, self.device))
         self._finish_build(args.lr)
 
     def build_critic(self, weights_path: str) -> None:
@@ -130,7 +133,8 @@ class FSDPBackend(TrainBackend):
             save_root or args.save, rollout_id, self.model, self.optimizer, self.scheduler,
             hf_checkpoint=args.hf_checkpoint, rank=self.rank, save_optim=not args.no_save_optim,
             tie_word_embeddings=bool(getattr(self.hf_config, "tie_word_embeddings", False)), run_state=run_state,
-            lora_config=peft_config(args, self.adapted_layers) if args.lora_rank > 0 and save_root is None else None,
+            write_adapter=(lambda folder, adapter: save_adapters(folder, args, adapter))
+            if args.lora_rank > 0 and save_root is None else None,
         )
         if args.save_hf and args.lora_rank > 0 and save_root is None:  # the merged model, loadable without PEFT
             merged = merged_hf_weights(iter_full_parameters(self.model), self.adapted_layers, lora_scale(args))
@@ -147,7 +151,7 @@ class FSDPBackend(TrainBackend):
             outputs = []
             for micro_batch in micro_batches:
                 micro_batch = micro_batch.to(self.device)
-                with self.routing_of(micro_batch):
+                with self.routing_of(micro_batch), select_adapters(self.model, micro_batch.token_adapters):
                     outputs.append(self.model.forward_micro_batch(micro_batch))
             return outputs
         finally:
@@ -158,7 +162,8 @@ class FSDPBackend(TrainBackend):
         metrics = []
         for index, micro_batch in enumerate(micro_batches):
             micro_batch = micro_batch.to(self.device)
-            with self.routing_of(micro_batch):  # the backward's recompute replays the same routing
+            # the backward's recompute replays the same routing and the same per-token adapters
+            with self.routing_of(micro_batch), select_adapters(self.model, micro_batch.token_adapters):
                 if self.router_trace is not None:
                     self.router_trace.start()
                 loss, loss_metrics = loss_of(index, self.model.forward_micro_batch(micro_batch))
@@ -182,7 +187,16 @@ class FSDPBackend(TrainBackend):
         return loss, {**loss_metrics, **{key: value * share for key, value in router_metrics.items()}}
 
     def clip_grad_norm(self, max_grad_norm: float) -> float:
-        return float(clip_grad_norm(self.model.parameters(), max_grad_norm))
+        """Several LoRA adapters: each clipped on its own norm (one adapter's large gradient does not shrink another's
+        step); returns the norm over all of them."""
+        if not self.args.lora_adapter_key:
+            return float(clip_grad_norm(self.model.parameters(), max_grad_norm))
+        squares = 0.0
+        for name in self.args.lora_adapter_names:
+            params = [param for key, param in self.model.named_parameters()
+                      if f".lora_A.{name}." in key or f".lora_B.{name}." in key]
+            squares += float(clip_grad_norm(params, max_grad_norm)) ** 2
+        return squares ** 0.5
 
     # ---------------------------------------------------------------------------------------- weights
     def local_weights(self):
@@ -205,6 +219,10 @@ class FSDPBackend(TrainBackend):
         reshard(self.model)
         return {hf_name(name): (param.full_tensor() if isinstance(param, DTensor) else param).detach().cpu().clone()
                 for name, param in self.model.named_parameters() if is_lora_name(name)}
+
+    def num_trainable_parameters(self) -> int:
+        """A DTensor's numel is its full tensor's: no reduction needed."""
+        return sum(param.numel() for param in self.model.parameters() if param.requires_grad)
 
     @property
     def adapted_layers(self) -> set[str]:

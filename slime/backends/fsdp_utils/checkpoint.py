@@ -30,7 +30,7 @@ from slime.backends.checkpoint_files import (
 )
 from slime.backends.fsdp_utils.expert_weights import per_expert_tensors
 from slime.backends.fsdp_utils.model import hf_name
-from slime.backends.lora_adapter import ADAPTER_SUBDIR, is_lora_name, save_peft_folder
+from slime.backends.lora_adapter import ADAPTER_SUBDIR, is_lora_name
 from slime.utils.checkpoint_state import (
     META_FILE,
     MODEL_FILE,
@@ -46,10 +46,11 @@ __all__ = ["checkpoint_dir", "latest_checkpoint", "save_checkpoint", "load_train
 
 def save_checkpoint(save_root: str, rollout_id: int, model, optimizer, scheduler, *, hf_checkpoint: str,
                     tie_word_embeddings: bool, rank: int, save_optim: bool = True,
-                    run_state: dict | None = None, lora_config: dict | None = None) -> Path:
+                    run_state: dict | None = None, write_adapter=None) -> Path:
     """Collective: every rank calls it. Returns the final folder. `run_state` (the driver's data-source state)
     is written inside the same atomic folder, so weights, optimizer and data order always match. With
-    `lora_config` (LoRA): the adapter goes to `adapter/` in PEFT's format, the model file keeps the frozen base."""
+    `write_adapter(folder, adapter)` (LoRA): the adapter tensors {HF name: tensor} go to `adapter/` in PEFT's format
+    (lora_adapter.save_adapters), the model file keeps the frozen base."""
     from safetensors.torch import save_file
 
     final = checkpoint_dir(save_root, rollout_id)
@@ -73,8 +74,8 @@ def save_checkpoint(save_root: str, rollout_id: int, model, optimizer, scheduler
         if tie_word_embeddings:
             tensors.pop("lm_head.weight", None)
         save_file(tensors, str(tmp / MODEL_FILE), metadata={"format": "pt"})
-        if lora_config is not None:
-            save_peft_folder(tmp / ADAPTER_SUBDIR, lora_config, adapter)
+        if write_adapter is not None:
+            write_adapter(tmp / ADAPTER_SUBDIR, adapter)
         copy_hf_extra_files(hf_checkpoint, tmp)
         if optim_state is not None:
             torch.save({"optimizer": optim_state, "scheduler": scheduler.state_dict()}, tmp / OPTIMIZER_FILE)

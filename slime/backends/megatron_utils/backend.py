@@ -31,6 +31,7 @@ Not here: the RL flows (slime/backends/train_flow.py, critic_flow.py).
 
 from __future__ import annotations
 
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -62,10 +63,12 @@ from slime.backends.megatron_utils.offload import StorageOffload
 from slime.backends.megatron_utils.optimizer import build_distributed_optimizer, clip_grad_norm, wrap_data_parallel
 from slime.backends.megatron_utils.parallel import init_model_parallel
 from slime.backends.megatron_utils.router_losses import install_router_losses
+from slime.backends.megatron_utils.true_on_policy import tile_forward
 from slime.backends.megatron_utils.value_head import OUTPUT_LAYER_KEY, has_value_head, hf_value_head, micro_batch_values
 from slime.backends.packing import PackedMicroBatch
 from slime.backends.param_freeze import freeze_parameters
 from slime.backends.process_group import init_default_group, training_device
+from slime.backends.true_on_policy import true_on_policy_spec
 
 
 class MegatronBackend(TrainBackend):
@@ -88,6 +91,7 @@ class MegatronBackend(TrainBackend):
         self.model_chunks, self.ddp_chunks = [], []
         self.model = self.optimizer = self.scheduler = self.hf_config = self.router_losses = None
         self.critic = False  # build_critic: the model ends in a value head
+        self.tile_forward = None  # --true-on-policy-mode's forward (true_on_policy.py), set by build_policy
         self._offload = StorageOffload()
 
     # ----------------------------------------------------------------------------------------- building
@@ -109,6 +113,10 @@ class MegatronBackend(TrainBackend):
         self.ddp_chunks = wrap_data_parallel(self.model_chunks)
         self.optimizer, self.scheduler = build_distributed_optimizer(args, self.ddp_chunks,
                                                                      self.model.config.params_dtype)
+        spec = true_on_policy_spec(args, args.hf_checkpoint, self.device)  # --true-on-policy-mode: the batch-invariant decoder
+        if spec is not None:
+            self.tile_forward = partial(tile_forward, spec=spec, hf_config=self.hf_config,
+                                        temperature=args.rollout_temperature, device=self.device)
 
     def build_critic(self, weights_path: str) -> None:
         """The critic's GPTModel (value_head.py) from an HF folder, a critic checkpoint, or a policy checkpoint of
@@ -186,7 +194,7 @@ class MegatronBackend(TrainBackend):
                                  vocab_size=self.hf_config.vocab_size, device=self.device,
                                  chunk_size=self.args.log_probs_chunk_size, loss_of=loss_of,
                                  routing_replay=self.routing_replay, router_losses=self.router_losses,
-                                 head=micro_batch_values if self.critic else None)
+                                 head=micro_batch_values if self.critic else None, tile_forward=self.tile_forward)
 
     @torch.no_grad()
     def forward_only(self, micro_batches: list[PackedMicroBatch]) -> list:
@@ -255,6 +263,20 @@ class MegatronBackend(TrainBackend):
 
     def adapters_disabled(self):
         return adapters_disabled_in(self.model_chunks)
+
+    def num_trainable_parameters(self) -> int:
+        """Summed over every rank: a tensor-parallel shard counts on the first data-parallel replica, a replicated
+        tensor there on tensor-parallel rank 0 only (each pipeline stage counts its own layers)."""
+        from megatron.core import parallel_state
+
+        first_replica = parallel_state.get_data_parallel_rank(with_context_parallel=True) == 0
+        tp_rank = parallel_state.get_tensor_model_parallel_rank()
+        count = sum(param.numel() for chunk in self.model_chunks for param in chunk.parameters()
+                    if param.requires_grad and first_replica
+                    and (getattr(param, "tensor_model_parallel", False) or tp_rank == 0))
+        total = torch.tensor([count], dtype=torch.int64, device=self.device)
+        dist.all_reduce(total)
+        return int(total)
 
     # ---------------------------------------------------------------------------------------- memory
     def _buffers(self):

@@ -137,6 +137,11 @@ def _pad_multiple(config) -> int:
     return config.tensor_model_parallel_size if config.sequence_parallel else 1
 
 
+def _passed_through(micro_batch: PackedMicroBatch, outputs):
+    """The outputs a `tile_forward` already computed for the micro-batch's response tokens."""
+    return outputs
+
+
 def _broadcast_from_last_stage(outputs: list) -> list:
     """The last stage's per-micro-batch outputs on every stage (as host tensors and floats; with one stage they
     stay where they are, so the caller copies all micro-batches' outputs to the host at once)."""
@@ -177,12 +182,14 @@ def _before_recompute(micro_batch: PackedMicroBatch, routing: torch.Tensor | Non
 def run_micro_batches(model_chunks, micro_batches: list[PackedMicroBatch], *, temperature: float, vocab_size: int,
                       device, chunk_size: int | None = None, loss_of: LossOf | None = None,
                       routing_replay: RoutingReplay | None = None, router_losses: RouterLosses | None = None,
-                      head: Callable[[PackedMicroBatch, torch.Tensor], torch.Tensor] | None = None):
+                      head: Callable[[PackedMicroBatch, torch.Tensor], torch.Tensor] | None = None,
+                      tile_forward: Callable | None = None):
     """Forward-only (loss_of None): per micro-batch (log_probs, entropy) of its response tokens, on every rank.
     Otherwise forward + backward of `loss_of(index of the micro-batch, (log_probs, entropy)) -> (loss, metrics)`
     (gradients accumulate in the DDP grad buffers, `param.main_grad`); returns the per-micro-batch metric dicts, on
     every rank. A critic's `head(micro_batch, last-stage output)` gives its values in place of (log_probs, entropy)
-    (value_head.py; temperature, vocab_size and chunk_size then play no part).
+    (value_head.py; temperature, vocab_size and chunk_size then play no part). `tile_forward(model, micro_batch)
+    -> (log_probs, entropy)` replaces the model's forward under --true-on-policy-mode (true_on_policy.py).
     An MoE policy's `routing_replay` and `router_losses` learn which micro-batch's layers run: each forward runs in
     its micro-batch's routing context, and with activation recompute the gradient reaching a micro-batch's output
     tells them again, since the pipeline schedule recomputes that micro-batch's layers in its backward, after other
@@ -208,7 +215,7 @@ def run_micro_batches(model_chunks, micro_batches: list[PackedMicroBatch], *, te
                                                       chunk_size)
         return vocab_parallel_log_probs_and_entropy(rows, target_ids, temperature, vocab_size)
 
-    outputs_of = head or log_prob_head
+    outputs_of = head or (_passed_through if tile_forward is not None else log_prob_head)
 
     def loss_func(index: int, micro_batch: PackedMicroBatch, cp_rows: CpRows | None, output: torch.Tensor):
         if cp_rows is None:
@@ -217,13 +224,15 @@ def run_micro_batches(model_chunks, micro_batches: list[PackedMicroBatch], *, te
             micro_batch_outputs = _context_parallel_outputs(outputs_of, micro_batch, cp_rows, output)
         if forward_only:
             outputs.append(_detached(micro_batch_outputs))
-            return output.sum() * 0.0, torch.tensor(1), {}
+            return (output[0] if isinstance(output, tuple) else output).sum() * 0.0, torch.tensor(1), {}
         loss, metrics = loss_of(index, micro_batch_outputs)
         outputs.append({key: torch.as_tensor(value).detach() for key, value in metrics.items()})
         return loss, torch.tensor(1), {}
 
     def forward_step(data_iterator, model):
         index, micro_batch = next(data_iterator)
+        if tile_forward is not None:
+            return tile_forward(model, micro_batch), partial(loss_func, index, micro_batch, None)
         cp_rows = None
         if cp_size > 1:
             inputs, cp_rows = context_parallel_thd_input(micro_batch, device, pad_multiple, cp_size, cp_rank)

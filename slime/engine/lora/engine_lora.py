@@ -6,6 +6,7 @@ computation (slots.py).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 from slime.engine.lora.adapter import AdapterError, LoraAdapter, read_peft_folder
@@ -32,7 +33,10 @@ class EngineLora:
         runner.lora.check(adapter)
         slot = runner.lora_registry.free_slot(name)
         self._drain()  # a step in flight must not read a slot while it is written
-        runner.lora.write(slot, adapter)
+        if self.config.tp_size > 1:  # the other ranks get it through their pipe (pickled): host copies, not handles
+            adapter = dataclasses.replace(adapter, modules={name: (a.cpu(), b.cpu())
+                                                            for name, (a, b) in adapter.modules.items()})
+        runner.write_lora_slot(slot, adapter)  # on every rank (engine/parallel/every_rank.py)
         loaded = runner.lora_registry.add(name, slot, adapter.rank, source, adapter.checksums)
         logger.info("loaded LoRA adapter %r (rank %d) into slot %d", name, adapter.rank, slot)
         return loaded

@@ -16,7 +16,10 @@ forward:
   step's few rows. The piecewise prefill graphs are not used with LoRA.
 
 Tokens of requests without an adapter (slot -1) get nothing either way, so one step mixes adapters and the base
-model. Not the slot bookkeeping (registry.py).
+model. In an engine of several ranks every rank holds its part of each slot (targets.py: B's rows of a
+column-parallel linear's output shard, A's columns of a row-parallel one's input shard); a row-parallel linear's
+low-rank products are summed over the ranks (one all-reduce of tokens x R values) before its B. Not the slot
+bookkeeping (registry.py).
 """
 
 from __future__ import annotations
@@ -46,6 +49,12 @@ class LoraLinear:
         self.slice_bounds = [(int(start), int(start + size))
                              for start, size in zip(np.cumsum([0, *slice_sizes[:-1]]), slice_sizes)]
         self.active = [False] * num_slots  # whether the slot's adapter targets this linear at all
+        # A row-parallel linear of a sharded engine whose output is already summed over the ranks: each rank's
+        # A x covers its input shard, so the low-rank products are summed too before B (a few values per token).
+        # When the caller sums the partial outputs itself (reduce_output False), the partial deltas add up there.
+        parallel = getattr(module, "parallel", None)
+        self.reduce_shrunk = parallel if (parallel is not None and parallel.tp_size > 1
+                                          and getattr(module, "reduce_output", False)) else None
         self.handle = module.register_forward_hook(self._add_delta)
 
     def clear(self, slot: int) -> None:
@@ -72,6 +81,8 @@ class LoraLinear:
                 continue
             xs = x if rows is None else x.index_select(0, rows)
             shrunk = xs @ self.a[slot].T  # [tokens, num_slices * R]
+            if self.reduce_shrunk is not None:
+                self.reduce_shrunk.all_reduce(shrunk)
             parts = [shrunk[:, i * rank : (i + 1) * rank] @ b[:, slot].T for i, b in enumerate(self.b)]
             delta = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
             if rows is None:
@@ -83,7 +94,10 @@ class LoraLinear:
     def _add_dense_delta(self, x: torch.Tensor, output: torch.Tensor) -> torch.Tensor:
         num_tokens, (num_slots, width, in_features) = x.shape[0], self.a.shape
         weights = self.owner.row_weights[:num_tokens, :, None]  # [tokens, slots, 1]: the token's one-hot slot
-        shrunk = (x @ self.a.view(num_slots * width, in_features).T).view(num_tokens, num_slots, width) * weights
+        shrunk = x @ self.a.view(num_slots * width, in_features).T
+        if self.reduce_shrunk is not None:
+            self.reduce_shrunk.all_reduce(shrunk)
+        shrunk = shrunk.view(num_tokens, num_slots, width) * weights
         shrunk = shrunk.view(num_tokens, num_slots, len(self.b), self.max_rank)
         for index, (b, (start, end)) in enumerate(zip(self.b, self.slice_bounds)):
             output[:, start:end].add_(shrunk[:, :, index].reshape(num_tokens, -1) @ b.view(b.shape[0], -1).T)
@@ -121,10 +135,9 @@ class LoraSlots:
         for hf_name, (a, b) in adapter.modules.items():
             target = self.targets[hf_name]
             linear = self.linears[target.module_name]
-            if target.slice_index != WHOLE:
-                linear.write(slot, target.slice_index, a, b, adapter.scale)
-                continue
-            for index, (start, end) in enumerate(linear.slice_bounds):  # B (A x) row block by row block
+            a = a[:, target.columns[0] : target.columns[1]]  # this rank's input shard (row-parallel), else all
+            indices = range(len(linear.b)) if target.slice_index == WHOLE else [target.slice_index]
+            for index, (start, end) in zip(indices, target.rows, strict=True):  # this rank's rows of each slice
                 linear.write(slot, index, a, b[start:end], adapter.scale)
 
     def clear(self, slot: int) -> None:

@@ -2,7 +2,9 @@
 that q/k/v are fused into `qkv_proj` and gate/up into `gate_up_proj`: a q_proj adapter updates the q slice of
 qkv_proj's output, and so on. A checkpoint whose own module is fused (GLM-4's `mlp.gate_up_proj`) has one adapter
 for the whole output: its A goes to every slice and its B is cut by the slices' rows (the same product). Only the dense projections are targets (q, k, v, o, gate, up, down); MoE experts,
-routers, embeddings and the LM head are not. Pure bookkeeping over the built model: no tensors are made here.
+routers, embeddings and the LM head are not. In an engine of several ranks each rank's targets name the part of an
+adapter it holds: B's rows of its output shard (column-parallel q/k/v by heads, gate/up by the intermediate size) or
+A's columns of its input shard (row-parallel o/down). Pure bookkeeping over the built model: no tensors are made here.
 """
 
 from __future__ import annotations
@@ -22,44 +24,55 @@ WHOLE = -1  # Target.slice_index of an adapter on a fused module as a whole
 
 @dataclass(frozen=True)
 class Target:
-    """HF module `hf_name` is slice `slice_index` of engine linear `module_name` (WHOLE: every slice), output rows
-    [start, start + size)."""
+    """HF module `hf_name` is slice `slice_index` of engine linear `module_name` (WHOLE: every slice). `size` and
+    `in_features` are the HF module's full output and input sizes (what an adapter's B and A have); `rows` are this
+    rank's rows of the full B, one (start, end) per slice written (one for a slice, every slice's for WHOLE), and
+    `columns` this rank's columns of the full A (all of them but for a row-parallel linear's input shard)."""
 
     module_name: str
     slice_index: int
-    start: int
     size: int
     in_features: int
+    rows: tuple[tuple[int, int], ...]
+    columns: tuple[int, int]
 
 
-def fused_output_sizes(module: nn.Linear, leaf: str) -> list[int]:
-    """The output sizes of a fused linear's slices, in order (this rank's; the engine refuses LoRA at tp_size > 1)."""
+def fused_output_sizes(module: nn.Linear, leaf: str) -> list[tuple[int, int, int]]:
+    """Per slice of a fused linear, in order: (full output size, this rank's first row in it, this rank's rows).
+    Tensor parallel: q/k/v by heads (K/V heads replicated when fewer than ranks), gate/up by the intermediate size."""
     if leaf == "qkv_proj":
-        return [module.shard.num_heads * module.head_dim] + [module.shard.num_kv_heads * module.head_dim] * 2
-    return list(module.local_sizes)
+        shard, head_dim = module.shard, module.head_dim
+        q = (module.total_num_heads * head_dim, shard.q_start * head_dim, shard.num_heads * head_dim)
+        kv = (module.total_num_kv_heads * head_dim, shard.kv_start * head_dim, shard.num_kv_heads * head_dim)
+        return [q, kv, kv]
+    return [(full, module.tp_rank * local, local) for full, local in zip(module.output_sizes, module.local_sizes)]
 
 
 def find_targets(model: nn.Module) -> tuple[dict[str, Target], dict[str, list[int]]]:
-    """(HF module path -> Target, engine module name -> its slices' output sizes) for every targetable linear."""
+    """(HF module path -> Target, engine module name -> its slices' output sizes on this rank) for every targetable
+    linear."""
     targets, slices = {}, {}
     for name, module in model.named_modules():
         prefix, _, leaf = name.rpartition(".")
         if not isinstance(module, nn.Linear) or ".experts." in name:
             continue
         if leaf in FUSED:
-            sizes = fused_output_sizes(module, leaf)
-            hf_leaves = FUSED[leaf]
+            parts, hf_leaves = fused_output_sizes(module, leaf), FUSED[leaf]
         elif leaf in PLAIN:
-            sizes, hf_leaves = [module.out_features], (leaf,)
+            parts, hf_leaves = [(module.out_features, 0, module.out_features)], (leaf,)
         else:
             continue
-        slices[name] = sizes
-        start = 0
-        for index, (hf_leaf, size) in enumerate(zip(hf_leaves, sizes)):
-            targets[f"{prefix}.{hf_leaf}"] = Target(name, index, start, size, module.in_features)
-            start += size
+        slices[name] = [local for _, _, local in parts]
+        input_start = getattr(module, "input_start", 0)  # a row-parallel linear holds a shard of the input
+        in_features = getattr(module, "total_input_size", module.in_features)
+        columns = (input_start, input_start + module.in_features)
+        offset, whole_rows = 0, []
+        for index, (hf_leaf, (full, first, local)) in enumerate(zip(hf_leaves, parts)):
+            targets[f"{prefix}.{hf_leaf}"] = Target(name, index, full, in_features, ((first, first + local),), columns)
+            whole_rows.append((offset + first, offset + first + local))
+            offset += full
         if leaf in FUSED:
-            targets[name] = Target(name, WHOLE, 0, start, module.in_features)
+            targets[name] = Target(name, WHOLE, offset, in_features, tuple(whole_rows), columns)
     return targets, slices
 
 

@@ -2,10 +2,10 @@
 
 A plan is one message: a fixed header of int64s, then flat numpy arrays back to back. Two step kinds:
 - FORWARD: an eager (or piecewise-graphed) forward over a flat batch: `FlatArrays` (each sequence's start, new-token
-  count and sampling flag, the new tokens, the padded block tables); the receiving rank rebuilds the step's tensors
+  count, sampling flag and LoRA slot, the new tokens, the padded block tables); the receiving rank rebuilds the step's tensors
   with `step_inputs.flat_batch` exactly as rank 0 did. `ALL_LOGITS` asks for every token's logits (scoring).
 - DECODE_GRAPH: a decode step replayed from the CUDA graphs: the graphs' token inputs [4, num_seqs] (token ids,
-  positions, cache slots, context lengths) and block tables.
+  positions, cache slots, context lengths), block tables and each row's LoRA slot.
 Control messages (weight loads, memory release, process-group set-up) are rare and go pickled (`CALL`); `STOP` ends a
 rank's loop. A message is about 8 bytes per token and 4 per block-table entry.
 """
@@ -28,6 +28,7 @@ _HEADER_BYTES = 8 * HEADER_LEN
 class DecodeGraphInputs:
     token_inputs: np.ndarray  # [4, num_seqs] int64
     block_tables: np.ndarray  # [num_seqs, max_num_blocks] int32
+    lora_slots: np.ndarray  # [num_seqs] int64: each row's LoRA slot (-1: none)
 
 
 def _header(op: int, flags: int = 0, num_seqs: int = 0, num_tokens: int = 0, num_blocks: int = 0) -> bytes:
@@ -43,6 +44,7 @@ def encode_forward(arrays: FlatArrays, all_logits: bool = False) -> bytes:
         np.ascontiguousarray(arrays.needs_sample, dtype=np.bool_).tobytes(),
         np.ascontiguousarray(arrays.input_ids, dtype=np.int64).tobytes(),
         np.ascontiguousarray(arrays.block_tables, dtype=np.int32).tobytes(),
+        np.ascontiguousarray(arrays.lora_slots, dtype=np.int64).tobytes(),
     ))
 
 
@@ -52,6 +54,7 @@ def encode_decode_graph(inputs: DecodeGraphInputs) -> bytes:
         _header(DECODE_GRAPH, 0, num_seqs, num_seqs, max_blocks),
         np.ascontiguousarray(inputs.token_inputs, dtype=np.int64).tobytes(),
         np.ascontiguousarray(inputs.block_tables, dtype=np.int32).tobytes(),
+        np.ascontiguousarray(inputs.lora_slots, dtype=np.int64).tobytes(),
     ))
 
 
@@ -70,10 +73,12 @@ def decode(message: bytes) -> tuple[int, int, FlatArrays | DecodeGraphInputs | N
             needs_sample=reader.take(np.bool_, num_seqs),
             input_ids=reader.take(np.int64, num_tokens),
             block_tables=reader.take(np.int32, num_seqs * max_blocks).reshape(num_seqs, max_blocks),
+            lora_slots=reader.take(np.int64, num_seqs),
         )
     elif op == DECODE_GRAPH:
         payload = DecodeGraphInputs(reader.take(np.int64, 4 * num_seqs).reshape(4, num_seqs),
-                                    reader.take(np.int32, num_seqs * max_blocks).reshape(num_seqs, max_blocks))
+                                    reader.take(np.int32, num_seqs * max_blocks).reshape(num_seqs, max_blocks),
+                                    reader.take(np.int64, num_seqs))
     elif op in (CALL, STOP):
         return op, flags, None  # a call's pickled (target, args, kwargs) follow the header
     else:

@@ -1,6 +1,6 @@
 """SGLang's LoRA routes on the engine server: /load_lora_adapter (a PEFT folder), /unload_lora_adapter and slime's
 /load_lora_adapter_from_tensors (a trainer's push: PEFT-named tensors by handle, one serialized list per engine
-rank, and the adapter's config). Every successful load answers the float64 sum of each tensor as received
+rank or one for all, and the adapter's config; rank 0 opens the first and hands every rank its part). Every successful load answers the float64 sum of each tensor as received
 (`checksums`), so the sender can verify the push tensor by tensor. Replies are SGLang's LoRAUpdateOutput
 (`success`, `error_message`, `loaded_adapters`) plus `lora_name`; a bad request is a 400 naming the problem.
 
@@ -67,9 +67,9 @@ def register_lora_routes(app: FastAPI, state) -> None:
                               {"weight_version": (str, None), "pinned": (bool, False)})
         items = body["serialized_named_tensors"]
         tp_size = engine.config.tp_size
-        if len(items) != tp_size or not all(isinstance(item, str) for item in items):
+        if len(items) not in (1, tp_size) or not all(isinstance(item, str) for item in items):
             raise RequestError(f"/load_lora_adapter_from_tensors field 'serialized_named_tensors' must be a list of "
-                               f"{tp_size} string(s), one per engine rank, got {len(items)} item(s)")
+                               f"{tp_size} string(s), one per engine rank, or one for all, got {len(items)} item(s)")
         try:
             named_tensors = await asyncio.to_thread(weight_transport.deserialize_named_tensors, items[0])
         except ValueError as error:

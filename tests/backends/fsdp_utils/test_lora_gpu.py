@@ -40,3 +40,23 @@ def test_gpu_lora_train_offload_onload(tmp_path):
     got, _ = trainer.backend.forward_only([packed])[0]
     torch.testing.assert_close(got, expected, rtol=0, atol=0)
     dist.destroy_process_group()
+
+
+def test_gpu_several_adapters_bf16_steps_move_each_adapter_by_its_own_samples(tmp_path):
+    """--lora-adapter-names under bf16 mixed precision: a step on one adapter's samples moves that adapter only, and
+    the per-token masks keep the compute dtype (the forward runs)."""
+    from slime.backends.lora_adapter import is_lora_name
+    from tests.helpers.fsdp_helpers import full_params, make_args, make_train_data, make_trainer
+    from tests.helpers.lora_helpers import LORA_FLAGS, wide_tiny_checkpoint
+
+    checkpoint = wide_tiny_checkpoint(tmp_path / "tiny")
+    args = make_args(checkpoint, *LORA_FLAGS, "--lora-adapter-key", "task", "--lora-adapter-names", "a,b",
+                     "--lr", "1e-2", "--micro-batch-size", "2", device="cuda")
+    trainer = make_trainer(args)
+    data = {**make_train_data(8, vocab_size=300, seed=2, num_steps=2), "lora_adapters": [1] * 8}
+    before = full_params(trainer)
+    trainer.train(0, data)
+    after = full_params(trainer)
+    for name, value in before.items():
+        assert torch.equal(after[name], value) != (is_lora_name(name) and ".b." in name), name
+    dist.destroy_process_group()

@@ -102,6 +102,9 @@ def test_adapter_gradients_equal_the_merged_weight_reference(checkpoint, tmp_pat
     loss = sample_mean_sft_loss(log_probs, data["loss_masks"])
     loss.backward()
     assert metrics["train/loss"] == pytest.approx(loss.item(), rel=1e-5)
+    # each fused layer's shared A counts once (the adapter's q/k/v and gate/up entries are one tensor)
+    unique = {id(tensor): tensor for tensor in adapter.values()}
+    assert metrics["lora/trainable_params"] == sum(tensor.numel() for tensor in unique.values())
     assert grads.keys() == leaves.keys()
     for name, grad in grads.items():
         expected = leaves[name].grad

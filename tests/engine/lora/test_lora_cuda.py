@@ -77,3 +77,25 @@ def test_cuda_adapters_match_merged_transformers(path, adapters, dtype):
         for name in ("one", "two"):
             assert errors[name] <= 2 * max(errors[None], 0.02), errors
             assert effects[name] > 4 * errors[name], (effects, errors)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_two_gpu_ranks_serve_adapters_as_one_gpu(path, adapters):
+    """tp_size 2 (NCCL, decode CUDA graphs on LoRA's dense path with the row-parallel all-reduce inside) against one
+    GPU with the same adapters, fp32: the same tokens, log-probs within 1e-3."""
+    jobs = [(prompt, name) for prompt in PROMPTS for name in ("one", "two", None)]
+    results = []
+    for tp_size in (1, 2):
+        engine = Engine(str(path), device="cuda", dtype="float32", num_kvcache_blocks=256, enable_lora=True,
+                        max_lora_rank=8, max_loras_per_batch=2, tp_size=tp_size)
+        try:
+            for name, (config, tensors) in adapters.items():
+                engine.load_lora_adapter(name, adapter_from_tensors(config, tensors.items(), 8))
+            results.append(run(engine, jobs))
+            assert engine.model_runner.decode_graphs.graphs
+        finally:
+            engine.shutdown()
+    single, sharded = results
+    for key, output in single.items():
+        assert sharded[key]["output_ids"] == output["output_ids"], key
+        assert sharded[key]["output_log_probs"] == pytest.approx(output["output_log_probs"], abs=1e-3)

@@ -182,11 +182,6 @@ def test_many_versions_leave_slots_and_memory_flat(path, adapters, hf_config):
     assert not [ref for ref in pushed if ref() is not None]
 
 
-def test_lora_refused_at_tp_size_above_one(path):
-    with pytest.raises(ValueError, match="enable_lora .* needs tp_size 1"):
-        Engine(str(path), device="cpu", enable_lora=True, tp_size=2)
-
-
 def test_lora_routes_need_enable_lora(path, adapters):
     engine = Engine(str(path), device="cpu", kvcache_block_size=4, num_kvcache_blocks=64)
     with pytest.raises(AdapterError, match="started without enable_lora"):

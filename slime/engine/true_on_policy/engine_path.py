@@ -1,0 +1,101 @@
+"""The engine's forward under `--true-on-policy-mode` (engine Config.true_on_policy): each scheduled sequence runs
+alone through the batch-invariant decoder (tile_decoder.py) on the tiles its new tokens fall in, with its own
+per-layer keys and values, so its logits do not depend on the batch, the prefill chunking or a prefix-cache hit
+(a hit is recomputed here: the paged cache's K/V come from the serving kernels). The sampled token's reported
+log-prob is the shared `log_softmax` of its tile, the op the trainer runs.
+
+The sequence's state is dropped when it finishes and whenever the weights change (the next step recomputes its
+prefix under the new weights). Not the serving path: one sequence at a time, no CUDA graphs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from slime.engine.true_on_policy import tile_decoder, tile_ops
+from slime.engine.true_on_policy.tile_decoder import DecoderSpec, LayerKV, LayerWeights
+from slime.engine.true_on_policy.tile_ops import TILE_ROWS
+
+
+def engine_layer_weights(layer) -> LayerWeights:
+    """Views of an engine `DecoderLayer`'s parameters (its fused qkv_proj and gate_up_proj hold [q; k; v] and
+    [gate; up], the order the trainer concatenates)."""
+    attn = layer.self_attn
+    return LayerWeights(
+        input_norm=layer.input_layernorm.weight, qkv_weight=attn.qkv_proj.weight,
+        qkv_bias=getattr(attn.qkv_proj, "bias", None),
+        q_norm=attn.q_norm.weight if attn.qk_norm else None, k_norm=attn.k_norm.weight if attn.qk_norm else None,
+        o_weight=attn.o_proj.weight, post_norm=layer.post_attention_layernorm.weight,
+        gate_up_weight=layer.mlp.gate_up_proj.weight, down_weight=layer.mlp.down_proj.weight,
+    )
+
+
+@dataclass
+class SequenceState:
+    kv: list[LayerKV]
+    num_computed: int = 0
+    epoch: int = 0
+    tokens: list[int] = field(default_factory=list)  # the token ids whose K/V the state holds
+
+
+class TrueOnPolicyForward:
+    def __init__(self, model, spec: DecoderSpec):
+        self.model = model
+        self.spec = spec
+        self.states: dict[str, SequenceState] = {}
+        self.epoch = 0
+
+    def weights_changed(self) -> None:
+        """Every state was computed with the old weights: recompute each sequence from position 0 at its next step."""
+        self.epoch += 1
+        self.states.clear()
+
+    def drop(self, rid: str) -> None:
+        self.states.pop(rid, None)
+
+    def last_logits(self, rid: str, token_ids: list[int], end: int) -> tuple[torch.Tensor, int]:
+        """Compute positions up to `end` of the sequence `token_ids` (the positions its state lacks), returning the
+        logits tile [TILE_ROWS, vocab] that holds position end - 1 and that position's row."""
+        state = self.states.get(rid)
+        num_layers = len(self.model.model.layers)
+        if (state is None or state.epoch != self.epoch or state.num_computed >= end
+                or state.tokens != token_ids[: state.num_computed]):
+            state = SequenceState([LayerKV() for _ in range(num_layers)], epoch=self.epoch)
+            self.states[rid] = state
+        start = state.num_computed
+        embed = self.model.model.embed_tokens.weight
+        ids = torch.tensor(token_ids[start:end], dtype=torch.long, device=embed.device)
+        tiles, first_tile = tile_decoder.token_tiles(ids, start)
+        hidden = embed[tiles]
+        for layer, kv in zip(self.model.model.layers, state.kv):
+            hidden = tile_decoder.layer_tiles(self.spec, engine_layer_weights(layer), hidden, first_tile, kv, start,
+                                              end)
+        state.num_computed = end
+        state.tokens = list(token_ids[:end])
+        last = end - 1
+        final = tile_ops.rms_norm(hidden[last // TILE_ROWS - first_tile], self.model.model.norm.weight,
+                                  self.spec.rms_norm_eps)
+        return tile_ops.linear(final, self.model.lm_head.weight), last % TILE_ROWS
+
+    def step(self, scheduled) -> tuple[list[int], torch.Tensor, list[torch.Tensor], list[int]]:
+        """Run every scheduled sequence's new tokens; for those that sample: their indices in `scheduled`, their
+        logits rows [n, vocab], and each one's logits tile and row (for `token_log_probs`)."""
+        sample_rows, rows, tiles, tile_rows = [], [], [], []
+        for index, item in enumerate(scheduled):
+            logits, row = self.last_logits(item.seq.rid, item.seq.token_ids, item.start + item.num_new_tokens)
+            if item.needs_sample:
+                sample_rows.append(index)
+                rows.append(logits[row])
+                tiles.append(logits)
+                tile_rows.append(row)
+        return sample_rows, (torch.stack(rows) if rows else None), tiles, tile_rows
+
+
+def token_log_probs(tiles: list[torch.Tensor], tile_rows: list[int], tokens: torch.Tensor,
+                    temperatures: list[float]) -> torch.Tensor:
+    """float64 [n]: each sampled token's log-prob from its logits tile, through the shared log_softmax."""
+    values = [tile_ops.log_softmax(tile, temperature)[row, token]
+              for tile, row, token, temperature in zip(tiles, tile_rows, tokens.tolist(), temperatures)]
+    return torch.stack(values).double()
