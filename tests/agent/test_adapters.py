@@ -139,8 +139,11 @@ def assert_sampled_once_and_tool_untrained(tokenizer, samples, answers, tool_tex
     assert tool_text not in "".join(tokenizer.decode(ids) for s in samples for ids, _ in runs(s, 1))
 
 
-def test_openai_client_multi_turn_with_a_tool_result(openai_app, router, tokenizer):
+def test_openai_client_multi_turn_with_a_tool_result(openai_app, router, tokenizer, monkeypatch):
+    """The random model's first reply re-tokenizes differently in the history; with a fork threshold of 1 the next
+    turn forks a sibling Sample, so each sampled id is trained once, in its own Sample."""
     adapter, served = openai_app
+    monkeypatch.setattr(adapter.manager, "fork_threshold_tokens", 1)
     adapter.open_session("oa-1", sampling_defaults={"temperature": 1.0, "sampling_seed": SEED})
     client = openai.OpenAI(base_url=f"{served.url}/v1", api_key="oa-1", max_retries=0)
     first = client.chat.completions.create(model="tiny", messages=[USER], tools=OPENAI_TOOLS, max_tokens=6)
@@ -225,7 +228,14 @@ def test_anthropic_client_multi_turn_stream_and_tool_result(anthropic_app, token
         second = stream.get_final_message()
     assert second.content[0].text == streamed_text and second.usage.output_tokens >= 1
     samples = served.call(adapter.finish_session("an-1"))
-    assert_sampled_once_and_tool_untrained(tokenizer, samples, [first.content[0].text, streamed_text], "sum = 19")
+    # the random model's first reply re-tokenizes differently in the history and the second output is shorter than
+    # the fork threshold: the first reply is realigned to its re-rendering, as context, and one Sample trains the
+    # second reply only (slime's TrajectoryManager)
+    assert [s.metadata["turn_indices"] for s in samples] == [[1]]
+    assert samples[0].metadata["num_absorbed_drift_tokens"] >= 1
+    context_ids = samples[0].tokens[:len(samples[0].tokens) - sum(samples[0].loss_mask)]  # the trained ids end it
+    assert first.content[0].text in tokenizer.decode(context_ids)
+    assert_sampled_once_and_tool_untrained(tokenizer, samples, [streamed_text], "sum = 19")
     system_prompt = render(tokenizer, [{"role": "system", "content": "You can add."}, USER], OPENAI_TOOLS)
     assert samples[0].tokens[:samples[0].prompt_length] == system_prompt
 

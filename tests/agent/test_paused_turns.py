@@ -12,6 +12,7 @@ from slime.agent.adapters.paused_turns import generate_through_pushes
 from slime.agent.trajectory import TrajectoryManager, TurnRecord
 from slime.rollout.dataset import load_tokenizer
 from slime.utils.http_utils import request_json
+from slime.utils.types import Sample
 
 MAX_NEW_TOKENS = 900
 
@@ -61,9 +62,10 @@ def test_a_turn_cut_by_a_push_is_resumed_and_joined(server, tiny_qwen3):
 
     manager = TrajectoryManager()
     log_probs = [entry[0] for entry in result["meta_info"]["output_token_logprobs"]]
-    manager.record_turn("s", TurnRecord(prompt_ids, output_ids, "length", log_probs, weight_version="1",
-                                        output_weight_versions=versions))
-    (sample,) = manager.get_trajectory("s")
+    manager.record_turn("s", turn=TurnRecord(prompt_ids, output_ids, "length", log_probs, weight_version="1",
+                                             output_weight_versions=versions),
+                        prompt_messages=[{"role": "user", "content": "Count"}], response_message=None)
+    (sample,) = manager.get_trajectory("s", base_sample=Sample())
     assert sample.token_weight_versions == versions and sample.weight_versions == ["1"]
 
 

@@ -150,10 +150,12 @@ def served(server, tokenizer):
     router.shutdown()
 
 
-def test_sdk_responses_plain_and_streamed_multi_turn(served, tokenizer):
+def test_sdk_responses_plain_and_streamed_multi_turn(served, tokenizer, monkeypatch):
     """Two turns of a Codex-shaped conversation through the SDK: the trained ids decode to exactly the texts the
-    client read, the long developer prompt is one shared prefix (the second turn hits the prefix cache)."""
+    client read, the long developer prompt is one shared prefix (the second turn hits the prefix cache). A fork
+    threshold of 1 keeps a re-tokenized first reply trained in its own Sample."""
     adapter, app = served
+    monkeypatch.setattr(adapter.manager, "fork_threshold_tokens", 1)
     adapter.open_session("rs-1", sampling_defaults={"temperature": 1.0, "sampling_seed": SEED})
     client = openai.OpenAI(base_url=f"{app.url}/v1", api_key="rs-1", max_retries=0)
     first = client.responses.create(model="tiny", input=codex_input(), tools=TOOLS, max_output_tokens=6, store=False)

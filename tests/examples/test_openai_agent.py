@@ -112,7 +112,7 @@ def test_generate_runs_the_agent_for_one_sample(args, router, tokenizer, task):
 
 async def scripted_tool_agent(client, sample, max_turns):
     """Two real model calls; between them the history says the model called get_weather (it did not: the random
-    model cannot), so the second prompt does not continue the first turn's sampled ids and forks a sibling."""
+    model cannot), so the history's assistant message is not the one the first turn answered."""
     question = sample.prompt
     await client.chat.completions.create(model="tiny", messages=question, tools=[GET_WEATHER])
     city = question[0]["content"].split(" in ")[1].rstrip("?")
@@ -126,21 +126,20 @@ async def scripted_tool_agent(client, sample, max_turns):
                        [AgentTurn(num_tool_calls=1, tool_seconds=0.5, completion_tokens=8), AgentTurn()])
 
 
-def test_a_tool_turn_is_context_and_siblings_split_the_turns(args, tokenizer, task):
+def test_a_tool_turn_is_context_and_a_rewritten_reply_is_not_trained(args, tokenizer, task):
+    """The replayed assistant message (a get_weather call) rewrites the first turn's short reply: slime's manager
+    merges it into that turn's node, which stops being trained, and one Sample trains the second turn."""
     sample = prompt_samples(task)[1]
     generate = agent_generate.make_generate(agent=scripted_tool_agent)
-    samples = run(generate(args, sample, dict(SAMPLING)))
-    assert len(samples) == 2 and [s.metadata["turn_indices"] for s in samples] == [[0], [1]]
-    first, second = samples
-    assert first.metadata["multi_turn"]["tool_calls"] == 1 and second.metadata["multi_turn"]["tool_calls"] == 0
-    assert [s.metadata["multi_turn"]["turns"] for s in samples] == [1, 1]
-    assert first.session_id == second.session_id
-    assert first.metadata["final_answer"] == second.metadata["final_answer"]  # the episode's, for both siblings
-    # the tool's result is in the second sibling's context (loss mask 0), never trained
+    [only] = run(generate(args, sample, dict(SAMPLING)))
+    assert only.metadata["turn_indices"] == [1] and only.metadata["multi_turn"]["turns"] == 1
+    assert only.metadata["multi_turn"]["tool_calls"] == 0  # the agent's turn 1 made none
+    assert "final_answer" in only.metadata  # the episode's answer, for the reward
+    # the call and the tool's result are the Sample's context (loss mask 0), never trained
     condition = sample.label
-    context = tokenizer.decode(second.tokens[:second.prompt_length])
+    context = tokenizer.decode(only.tokens[:only.prompt_length])
     assert f"<|im_start|>tool\n{condition}<|im_end|>" in context and '"city": ' in context
-    assert second.loss_mask == [1] * second.response_length
+    assert only.loss_mask == [1] * only.response_length
 
 
 async def hanging_agent(client, sample, max_turns):

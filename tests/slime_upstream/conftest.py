@@ -1,5 +1,6 @@
-"""slime's agent tests (tests/test_agent/ in slime, copied here verbatim) import their helper as
-`tests.test_agent._fakes`: that package name is made to point at this folder, where the helper sits beside them.
+"""slime's agent tests (tests/test_agent/ in slime, copied here verbatim) import their helpers as
+`tests.test_agent._fakes` and `tests.test_agent._dump_helpers`: that package name is made to point at this folder,
+where the helpers sit beside them.
 
 transformers is imported before test_agent_rollout_cpu.py is collected: that file puts a stub in its place when it is
 not imported yet (slime's CPU CI lacks it), and the stub would break every later test of the session that uses

@@ -30,9 +30,11 @@ from aiohttp import web
 
 from slime.agent.adapters.paused_turns import generate_through_pushes
 from slime.agent.adapters.reasoning import get_reasoning_parser
+from slime.agent.message_tree import routing_message
 from slime.agent.trajectory import DEFAULT_FORK_THRESHOLD_TOKENS, TrajectoryManager, TurnRecord
 from slime.utils.http_utils import EndpointUnreachableError, HTTPRequestError, request_json
 from slime.utils.tool_parsers import ToolCall, get_parser, stop_strings_for, with_xml_fallback
+from slime.utils.types import Sample
 
 ROUTING_KEY_HEADER = "X-SMG-Routing-Key"
 # The openai and anthropic SDKs retry a 429 unless told not to; a spent turn budget does not come back.
@@ -230,12 +232,12 @@ class BaseAdapter:
         `metadata["turn_stats"]` lists its turns' prompt / cached / output token counts and tool calls, and its
         `prefix_cache_info` sums them (the rollout's `rollout/prefix_cache_hit_rate`)."""
         await self.shutdown_session(session_id, timeout_s)
-        samples = self.manager.get_trajectory(session_id, base_sample)
+        base_sample = base_sample if base_sample is not None else Sample()
+        samples = self.manager.get_trajectory(session_id, base_sample=base_sample,
+                                              reward=reward if reward is not None else base_sample.reward)
         turn_stats = self._sessions[session_id].turn_stats
         self.drop_session(session_id)
         for sample in samples:
-            if reward is not None:
-                sample.reward = reward
             sample.metadata.update(extra_metadata or {})
             stats = [turn_stats[i] for i in sample.metadata["turn_indices"] if i < len(turn_stats)]
             sample.metadata["turn_stats"] = stats
@@ -337,7 +339,10 @@ class BaseAdapter:
                 return self._error(wire, 502, f"the inference engine answered in an unexpected shape: {error}")
         answer, turn = self._answer(engine, chat, tool_stops)
         if session_id in self._sessions and turn.output_ids:  # not dropped while the engine sampled
-            self.manager.record_turn(session_id, turn)
+            reply = {"role": "assistant", "content": answer.content,
+                     "tool_calls": [{"name": call.name, "arguments": call.arguments} for call in answer.tool_calls]}
+            self.manager.record_turn(session_id, turn=turn, prompt_messages=[routing_message(m) for m in chat.messages],
+                                     response_message=routing_message(reply))
             self._sessions[session_id].turn_stats.append({
                 "prompt_tokens": len(turn.prompt_ids), "cached_tokens": turn.cached_tokens,
                 "output_tokens": len(turn.output_ids), "tool_calls": len(answer.tool_calls)})
