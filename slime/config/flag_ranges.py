@@ -70,6 +70,8 @@ FLAG_RANGES = {
     "distributed_timeout_minutes": AT_LEAST_1, "mtp_num_layers": NON_NEGATIVE, "mtp_loss_scaling_factor": NON_NEGATIVE,
     # LoRA (slime/config/flags_lora.py)
     "lora_rank": NON_NEGATIVE, "lora_alpha": POSITIVE,
+    "max_weight_staleness": NON_NEGATIVE, "async_max_concurrent_samples": AT_LEAST_1,
+    "async_data_buffer_capacity_factor": Range(low=1, why="the buffer holds at least one batch"),
     "lora_dropout": Range(low=0, high=1, high_open=True, why="a dropout probability below 1"),
     # data
     "rollout_seed": ANY, "num_rollout": NON_NEGATIVE, "num_epoch": AT_LEAST_1, "start_rollout_id": NON_NEGATIVE,

@@ -50,6 +50,9 @@ PARALLELISM = [
 ]
 
 TRAINING = [
+    _switch("--deterministic-mode", help="the same seed and flags give the same rollouts and training run after "
+            "run: batch-invariant engine, sampling seeds from (--rollout-seed, rollout id, sample index, position), "
+            "deterministic torch kernels (rules: slime/config/flags_on_policy.py)"),
     MegatronFlag("--recompute-granularity", {"choices": ["full", "selective"], "default": None}),
     MegatronFlag("--recompute-method", {"choices": ["uniform", "block"], "default": None}),
     MegatronFlag("--recompute-num-layers", {"type": int, "default": None}),
@@ -161,9 +164,6 @@ INERT = [
                  "the Megatron backend splits the layers evenly over the pipeline stages"),
     MegatronFlag("--decoder-last-pipeline-num-layers", {"type": int, "default": None},
                  "the Megatron backend splits the layers evenly over the pipeline stages"),
-    _switch("--deterministic-mode", help="the same seed and flags give the same rollouts and training run after "
-            "run: batch-invariant engine, sampling seeds from (--rollout-seed, rollout id, sample index, position), "
-            "deterministic torch kernels (rules: slime/config/flags_on_policy.py)"),
     _switch("--no-check-for-nan-in-loss-and-grad",
             "a non-finite gradient norm skips the optimizer step with a warning; there is no check to turn off",
             dest="check_for_nan_in_loss_and_grad", action="store_false"),
