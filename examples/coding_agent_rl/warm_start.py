@@ -112,7 +112,7 @@ def sft_examples(agent: str, first_prompt: str, tool_outputs: list[str]) -> list
 
 
 def build_warm_model(out_dir: str | Path, agent: str, first_prompt: str, tool_outputs: list[str], *, steps: int = 60,
-                     lr: float = 3e-3, vocab_size: int = 2048, seed: int = 0) -> Path:
+                     lr: float = 2e-3, vocab_size: int = 2048, seed: int = 0) -> Path:
     """Steps 2 and 3: the tokenizer, the model, the SFT; saved to `out_dir` (a Hugging Face checkpoint)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -137,10 +137,9 @@ def build_warm_model(out_dir: str | Path, agent: str, first_prompt: str, tool_ou
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     model.train()
     order = random.Random(seed)
-    for _ in range(steps):
-        ids, labels = batches[0] if order.random() < 0.5 else order.choice(batches[1:])
-        loss = model(input_ids=ids, labels=labels).loss
-        loss.backward()
+    for _ in range(steps):  # every step: the call, and one of the answers
+        for ids, labels in (batches[0], order.choice(batches[1:])):
+            model(input_ids=ids, labels=labels).loss.backward()
         optimizer.step()
         optimizer.zero_grad()
     model.eval()
