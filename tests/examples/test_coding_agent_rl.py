@@ -237,7 +237,7 @@ def test_codex_episode_over_the_responses_api(tmp_path_factory):
 @pytest.mark.slow
 @pytest.mark.parametrize("command, expect", [
     ("sleep 3600", "time_budget"),
-    ("kill -SEGV $$", "crash"),
+    ("bash -c 'kill -SEGV $$'", "crash"),  # the CLI's process dies of a signal
     ("python3 -c 'x = bytearray(3 << 30); print(len(x))'", "memory"),
     ("python3 -c 'import socket; socket.create_connection((\"1.1.1.1\", 443), timeout=5)'", "network"),
 ])
@@ -274,7 +274,7 @@ def test_generate_marks_a_failed_episode_instead_of_scoring_it(random_engine, mo
     monkeypatch.setattr(gen, "CONFIG", dataclasses.replace(gen.CONFIG, agent_time_budget_sec=60, boot_retries=1,
                                                            cli_dir=str(CLI_DIR)))
     monkeypatch.setattr(gen, "HARNESS_CLS", ClaudeCodeHarness)
-    monkeypatch.setattr(ClaudeCodeHarness, "command", lambda self, prompt: "exit 3")
+    monkeypatch.setattr(ClaudeCodeHarness, "command", lambda self, prompt: "bash -c 'exit 3'")
     SingletonMeta.clear_instances(gen._AdapterService)
     args = SimpleNamespace(hf_checkpoint=str(model), rollout_max_context_len=16384, sglang_tool_call_parser=None,
                            sglang_reasoning_parser=None, sglang_router_ip=host, sglang_router_port=int(port))
