@@ -212,6 +212,10 @@ s = dict(SHAPES['moonlight-4l']); build_tiny_model('/tmp/moonlight4l', arch=s.po
     rollout_postprocess) python3 benchmarks/bench_rollout_postprocess.py ;;  # the manager's work after the samples are back, host CPU only
     # MoE (issue 16): Qwen3-30B-A3B's layer shapes, 8 layers, 64 experts, top-8 (3.2B params, 0.9B active).
     moe_gpu_tests) python3 -m pytest -q tests/engine/models/test_moe_cuda.py tests/engine/models/test_moe.py ;;
+    # Vision-language: the VL engine's GPU tests (decode CUDA graphs vs generate, the Qwen2.5-VL-3B shape), then the
+    # engine against transformers generate with images.
+    vl_gpu_tests) python3 -m pytest -q tests/engine/models/test_vl_engine_cuda.py tests/engine/models/test_vl_engine.py ;;
+    bench_vl_engine) python3 benchmarks/bench_vl_engine.py ;;
     moe_engine) python3 benchmarks/engine_checkpoints.py qwen3-30b-a3b-8l /tmp/moe_ckpt && python3 benchmarks/bench_engine.py --preset qwen3-0.6b --model-path /tmp/moe_ckpt ;;
     moe_train) python3 benchmarks/bench_train.py --model-shape qwen3-30b-a3b-8l --micro-batch-size 2 ;;
     moe_train_c) python3 benchmarks/bench_train.py --model-shape qwen3-30b-a3b-8l --micro-batch-size 2 --compile-model ;;

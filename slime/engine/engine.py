@@ -17,6 +17,7 @@ from pathlib import Path
 
 from slime.engine.block_manager import BlockManager
 from slime.engine.config import Config
+from slime.engine.engine_images import EngineImages
 from slime.engine.engine_weights import EngineWeights
 from slime.engine.lora.engine_lora import EngineLora
 from slime.engine.memory_tags import EngineMemoryReleasedError, EngineWeightsMissingError, memory_tags
@@ -35,7 +36,7 @@ from slime.engine.stop_strings import FinalText, decode_final_texts, find_new_st
 logger = logging.getLogger(__name__)
 
 
-class Engine(EngineWeights, EngineLora, OverlappedStepping):
+class Engine(EngineWeights, EngineLora, EngineImages, OverlappedStepping):
     def __init__(self, model_path: str, **config):
         from transformers import AutoTokenizer
 
@@ -44,6 +45,7 @@ class Engine(EngineWeights, EngineLora, OverlappedStepping):
         self.tokenizer = AutoTokenizer.from_pretrained(self.config.model)
         self.eos_token_ids = self._eos_token_ids()
         check_mla_engine_config(self.config, self.model_config)
+        self.vl_processor = self._vl_processor()
         self.ranks = None  # a sharded engine's other ranks (parallel/ranks.py)
         if self.config.tp_size > 1:
             self._start_ranks()
@@ -133,13 +135,14 @@ class Engine(EngineWeights, EngineLora, OverlappedStepping):
 
     def add_request(
         self, prompt_token_ids: list[int], sampling_params=None, rid: str | None = None, incremental: bool = True,
-        return_routed_experts: bool = False, lora_name: str | None = None,
+        return_routed_experts: bool = False, lora_name: str | None = None, images=None,
     ) -> str:
         """Queue a request; returns its rid. `incremental`: `step()` reports it after every token it gets; False:
         only its finished output (a consumer that waits for the end then costs the engine nothing per step).
         With `return_routed_experts` its finished output carries the MoE routing of every position but the last
         (needs the engine's enable_return_routed_experts). `lora_name`: a loaded LoRA adapter to generate with
-        (None: the base model)."""
+        (None: the base model). `images` (a VL model): image references (paths, file URLs, base64, PIL) in order,
+        each one image-pad token in `prompt_token_ids` (expanded here) or already the processor's expansion."""
         self._check_resident("add a request")
         params = as_sampling_params(sampling_params)
         if return_routed_experts and not self.config.enable_return_routed_experts:
@@ -160,7 +163,11 @@ class Engine(EngineWeights, EngineLora, OverlappedStepping):
         if rid in self.requests:
             raise ValueError(f"rid {rid!r} is already in use by an unfinished request")
         seed = params.sampling_seed if params.sampling_seed is not None else self.rng.getrandbits(32)
+        image_prompt = None
+        if images or (self.vl_processor is not None and self.vl_processor.image_token_id in prompt_token_ids):
+            prompt_token_ids, image_prompt = self._image_prompt(prompt_token_ids, images or [])
         seq = Sequence(rid, list(prompt_token_ids), params, seed % 2**32)
+        seq.image_prompt = image_prompt
         seq.return_routed_experts = return_routed_experts
         self._attach_lora(seq, lora_name)  # an unknown adapter name is refused here
         if params.max_new_tokens == 0:
@@ -265,6 +272,7 @@ class Engine(EngineWeights, EngineLora, OverlappedStepping):
             weight_version=self.weight_version,
             detokenize=detokenize,
             routed_experts=seq.routed_experts,
+            prompt_token_ids=None if seq.image_prompt is None else seq.image_prompt.prompt_token_ids,
         )
 
     def generate(self, prompts_or_token_ids, sampling_params=None) -> list[dict]:

@@ -29,6 +29,7 @@ from slime.engine.kernel_checks import (
 from slime.engine.kv_cache import KVCacheStorage, num_blocks_from_memory
 from slime.engine.layers.attention import AttentionMetadata
 from slime.engine.models import DecoderForCausalLM, ModelConfig
+from slime.engine.models.vl_model import VLForConditionalGeneration
 from slime.engine.models.weight_loader import load_checkpoint
 from slime.engine.parallel.every_rank import every_rank
 from slime.engine.parallel.state import SINGLE, ParallelState
@@ -41,6 +42,7 @@ from slime.engine.sampling_params import SamplingParams
 from slime.engine.scheduled_batch import DecodeBatch, ScheduledSequence, is_decode_batch, sampled_seqs
 from slime.engine.sequence import Sequence
 from slime.engine.step_inputs import flat_arrays, flat_batch
+from slime.engine.vl_step import decode_rope_deltas, vision_step_inputs
 
 
 @dataclass
@@ -77,7 +79,8 @@ class ModelRunner(RunnerMemory):
         torch.set_default_dtype(self.dtype)
         try:
             with torch.device(self.device):
-                self.model = DecoderForCausalLM(model_config, parallel)
+                model_class = VLForConditionalGeneration if model_config.is_vision_language else DecoderForCausalLM
+                self.model = model_class(model_config, parallel)
         except torch.OutOfMemoryError as error:
             raise ValueError(f"the model's weights do not fit this device at tp_size {parallel.tp_size}: spread "
                              "them over more devices (--tp-size; slime: --rollout-num-gpus-per-engine), or leave "
@@ -192,13 +195,16 @@ class ModelRunner(RunnerMemory):
             sampled = [scheduled[row] for row in sample_rows]
             sampling = prepare_sampling(sampled, vocab_size, self.staging, self.eos_token_ids) if sample_rows else None
             input_ids, positions, meta, logits_indices = self.prepare_inputs(scheduled)
+            vision = self._vision_inputs(scheduled)
+            if vision is not None:
+                positions = vision[0]
             if input_tokens is not None and input_rows is not None:  # row i's one token is at its end offset
                 ends = np.cumsum(np.fromiter(map(_num_new_tokens, scheduled), dtype=np.int64, count=len(scheduled)))
                 input_ids[self.staging.to_device(ends[input_rows] - 1)] = input_tokens
             elif input_tokens is not None:
                 assert input_ids.shape == input_tokens.shape, "input_tokens needs a decode batch"
                 input_ids = input_tokens
-            hidden = self._forward(input_ids, positions, meta)[logits_indices]
+            hidden = self._forward(input_ids, positions, meta, vision)[logits_indices]
         if not sample_rows:
             return None
         tokens, results = sample_results(self.model.compute_logits(hidden, upcast=False), sampling)
@@ -209,11 +215,22 @@ class ModelRunner(RunnerMemory):
         ready.record()
         return LaunchedStep(tokens, host, ready)
 
-    def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """A step's forward outside the decode graphs: through the piecewise prefill graphs where they apply."""
+    def _vision_inputs(self, scheduled):
+        """A VL model's (positions, image embeddings, deepstack) of a flat batch (vl_step.py); None for a text model."""
+        if not self.model_config.is_vision_language:
+            return None
+        return vision_step_inputs(self.model, scheduled, self.device)
+
+    def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                 vision=None) -> torch.Tensor:
+        """A step's forward outside the decode graphs: through the piecewise prefill graphs where they apply (not
+        for a VL step that has 3-D positions or image rows: it runs eagerly)."""
+        if vision is not None and (positions.dim() == 2 or vision[1] is not None):
+            return self.model(input_ids, positions, meta, image_embeds=vision[1], deepstack=vision[2])
         # The piecewise graphs split the q/k/v decoder's attention stages; MLA's run eagerly (decode graphs apply).
         # LoRA's segmented path has host-side shapes: its prefill steps run eagerly too.
-        piecewise = self.config.prefill_cuda_graphs and self.model_config.mla is None and self.lora is None
+        piecewise = (self.config.prefill_cuda_graphs and self.model_config.mla is None and self.lora is None
+                     and not self.model_config.is_vision_language)
         if not (self.use_cuda_graphs and piecewise and meta.uses_triton):
             return self.model(input_ids, positions, meta)
         if self.prefill_graphs is None:
@@ -242,6 +259,10 @@ class ModelRunner(RunnerMemory):
     def forward_logits(self, scheduled: list[ScheduledSequence]) -> torch.Tensor:
         """Logits [num_new_tokens_total, vocab] of every computed token (for tests and log-prob scoring)."""
         input_ids, positions, meta, _ = self.prepare_inputs(scheduled, all_logits=True)
+        vision = self._vision_inputs(scheduled)
+        if vision is not None:
+            return self.model.compute_logits(self.model(input_ids, vision[0], meta, image_embeds=vision[1],
+                                                        deepstack=vision[2]))
         return self.model.compute_logits(self.model(input_ids, positions, meta))
 
     def _decode_graph_positions(self, scheduled: list[ScheduledSequence] | DecodeBatch) -> np.ndarray | None:
@@ -292,6 +313,8 @@ class ModelRunner(RunnerMemory):
         else:
             token_inputs[0] = 0
         token_inputs[1] = positions
+        if self.model_config.is_vision_language:  # M-RoPE past the prompt: plain RoPE at position + rope_delta
+            token_inputs[1] += decode_rope_deltas(self.decode_rows.seqs)
         token_inputs[2] = (
             block_tables[np.arange(num_seqs), positions // self.block_size].astype(np.int64) * self.block_size
             + positions % self.block_size

@@ -39,13 +39,18 @@ class RequestOutput:
         weight_version: str = "0",
         detokenize: Callable[[list[int]], str] | None = None,
         routed_experts=None,
+        prompt_token_ids: list[int] | None = None,
     ):
         """A snapshot of a sequence in O(1): `token_ids` (prompt + output) and `log_probs` (one per output token)
-        must only ever be appended to afterwards; the lists are sliced at their current lengths when first read."""
+        must only ever be appended to afterwards; the lists are sliced at their current lengths when first read.
+        `prompt_token_ids`: the prompt as the caller knows it, when the engine schedules other ids (a VL prompt's
+        image tokens carry content ids in the engine, image_prompt.py)."""
         if text is None and detokenize is None:
             raise ValueError("RequestOutput needs text or a detokenize callable")
         self.rid = rid
         self._prompt_token_ids = self._output_token_ids = self._output_log_probs = None
+        if prompt_token_ids is not None:
+            self._prompt_token_ids = prompt_token_ids
         self._sequence_token_ids = token_ids
         self._sequence_log_probs = log_probs
         self._num_prompt_tokens = num_prompt_tokens

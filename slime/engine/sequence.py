@@ -57,6 +57,8 @@ class Sequence:
         # (blocks are shared only between requests of the same adapter load; None: the base model's).
         self.lora_slot = -1
         self.cache_salt: str | None = None
+        # Vision-language: the request's images and M-RoPE positions (image_prompt.py); None for a text request.
+        self.image_prompt = None
 
     def __len__(self) -> int:
         return len(self.token_ids)

@@ -157,6 +157,8 @@ class DecoderModel(nn.Module):
 
 
 class DecoderForCausalLM(nn.Module):
+    embedding_weight_name = "model.embed_tokens.weight"  # the HF name of the input embedding (a tied lm_head's)
+
     def __init__(self, config: ModelConfig, parallel: ParallelState = SINGLE):
         super().__init__()
         check_parallel_layout(config, parallel)

@@ -30,6 +30,9 @@ SUPPORTED_MODEL_TYPES = {
     "deepseek_v3": ("DeepseekV3ForCausalLM", False, False),
     "kimi_k2": ("DeepseekV3ForCausalLM", False, False),
     "glm4_moe_lite": ("Glm4MoeLiteForCausalLM", False, False),
+    # vision-language (vl_model.py): the language model is Qwen2 / Qwen3's, from config.json's text_config
+    "qwen2_5_vl": ("Qwen2_5_VLForConditionalGeneration", True, False),
+    "qwen3_vl": ("Qwen3VLForConditionalGeneration", False, True),
 }
 MOE_MODEL_TYPES = ("qwen3_moe", "qwen2_moe")  # softmax routers; the GLM-4.5 family's are in glm_config.py
 MLA_MODEL_TYPES = ("deepseek_v3", "kimi_k2", "glm4_moe_lite")
@@ -72,6 +75,15 @@ class ModelConfig:
     routed_scaling_factor: float = 1.0
     num_nextn_predict_layers: int = 0  # multi-token-prediction layers in the checkpoint (skipped on load)
     mla: MLAConfig | None = None  # multi-head latent attention (DeepSeek-V3 family); None: the q/k/v decoder
+    # Vision-language (Qwen2.5-VL / Qwen3-VL): M-RoPE's frequency bands per axis (t, h, w), interleaved (Qwen3-VL)
+    # or in sections (Qwen2.5-VL), and the checkpoint's vision_config (None: a text model)
+    mrope_section: tuple[int, ...] = ()
+    mrope_interleaved: bool = False
+    vision_config: dict | None = None
+
+    @property
+    def is_vision_language(self) -> bool:
+        return self.vision_config is not None
 
     @property
     def is_moe(self) -> bool:
@@ -94,7 +106,26 @@ def load_model_config(model_path: str | Path) -> ModelConfig:
     return parse_model_config(json.loads(config_file.read_text()))
 
 
+def _vl_text_fields(raw: dict) -> tuple[dict, dict]:
+    """A Qwen2.5-VL / Qwen3-VL config.json as the text fields of its language model (top-level fields such as
+    tie_word_embeddings and eos_token_id kept), and the fields of its M-RoPE and vision tower."""
+    text = {**{k: v for k, v in raw.items() if k not in ("text_config", "vision_config")}, **raw["text_config"]}
+    text["model_type"], text["architectures"] = raw["model_type"], raw.get("architectures")
+    text["tie_word_embeddings"] = raw.get("tie_word_embeddings", text.get("tie_word_embeddings", False))
+    rope = dict(text.get("rope_parameters") or text.get("rope_scaling") or {})
+    section = tuple(rope.pop("mrope_section", ()) or ())
+    interleaved = bool(rope.pop("mrope_interleaved", raw["model_type"] == "qwen3_vl"))
+    rope.pop("type", None)
+    if sum(section) * 2 != text.get("head_dim", text["hidden_size"] // text["num_attention_heads"]):
+        raise ValueError(f"config.json text_config mrope_section {list(section)} must sum to head_dim / 2")
+    text["rope_parameters"], text["rope_scaling"] = rope, None
+    return text, dict(mrope_section=section, mrope_interleaved=interleaved, vision_config=dict(raw["vision_config"]))
+
+
 def parse_model_config(raw: dict) -> ModelConfig:
+    vl_fields = {}
+    if raw.get("model_type") in ("qwen2_5_vl", "qwen3_vl"):
+        raw, vl_fields = _vl_text_fields(raw)
     model_type = raw.get("model_type")
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise ValueError(f"unsupported model_type {model_type!r}; supported: {supported_description()}")
@@ -144,7 +175,7 @@ def parse_model_config(raw: dict) -> ModelConfig:
         fields.update(glm_fields(raw, rope))
     if mla is not None:  # the DeepSeek-V3 family routes with GLM-4.5's router (its dense layers: first_k_dense_replace)
         fields.update(sigmoid_moe_fields(raw))
-    return ModelConfig(**fields)
+    return ModelConfig(**fields, **vl_fields)
 
 
 def _moe_fields(raw: dict) -> dict:

@@ -212,7 +212,7 @@ def weight_shards(model: nn.Module) -> dict[str, Shard | FusedShard]:
 def _hf_name(model: nn.Module, name: str) -> str:
     """A tied lm_head is the embedding: named as named_weight_shapes names it."""
     tied = name == "lm_head.weight" and model.config.tie_word_embeddings
-    return "model.embed_tokens.weight" if tied else name
+    return model.embedding_weight_name if tied else name
 
 
 def load_weights(model: nn.Module, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
@@ -222,9 +222,11 @@ def load_weights(model: nn.Module, named_tensors: Iterable[tuple[str, torch.Tens
     buffers = loaded_buffers(model)
     loaded = set()
     with torch.no_grad():
+        is_vl = model.config.vision_config is not None
         for name, tensor in named_tensors:
             if name.endswith(IGNORED_SUFFIXES) or _is_mtp_weight(model, name):
                 continue
+            name = vl_weight_name(name) if is_vl else name
             shard = shards.get(_hf_name(model, name))
             if shard is None and name in buffers:
                 if tuple(tensor.shape) != tuple(buffers[name].shape):
@@ -285,11 +287,36 @@ def load_checkpoint(model: nn.Module, model_path: str | Path, require_buffers: b
         raise ValueError(f"checkpoint {str(model_path)!r} lacks weight(s) {missing[:8]}{more}")
 
 
+# Qwen2.5-VL checkpoints (released ones, and transformers' save of them) use the older names; the engine's VL model
+# and a trainer's in-memory transformers model use the newer ones (model.language_model.*, model.visual.*).
+LEGACY_VL_PREFIXES = (("model.layers.", "model.language_model.layers."),
+                      ("model.embed_tokens.", "model.language_model.embed_tokens."),
+                      ("model.norm.", "model.language_model.norm."), ("visual.", "model.visual."))
+
+
+def vl_weight_name(name: str) -> str:
+    """A VL weight's name in the newer layout, whichever layout it came in."""
+    for old, new in LEGACY_VL_PREFIXES:
+        if name.startswith(old):
+            return new + name[len(old):]
+    return name
+
+
+EMBEDDING_WEIGHT_NAMES = ("model.embed_tokens.weight", "model.language_model.embed_tokens.weight")
+
+
+def tied_embedding_name(shapes: dict) -> str:
+    """The HF name of the embedding a tied lm_head is (text models: model.embed_tokens; VL: in language_model)."""
+    return next((name for name in EMBEDDING_WEIGHT_NAMES if name in shapes), EMBEDDING_WEIGHT_NAMES[0])
+
+
 def check_named_tensors(shapes: dict[str, tuple], named_tensors, model_type: str) -> None:
     """Every name known to the model and every shape the full (unsharded) Hugging Face shape, or a ValueError naming
     the first that is not. `shapes` is `named_weight_shapes(model)`."""
+    is_vl = EMBEDDING_WEIGHT_NAMES[1] in shapes
     for name, tensor in named_tensors:
-        lookup = "model.embed_tokens.weight" if name == "lm_head.weight" and name not in shapes else name
+        name = vl_weight_name(name) if is_vl else name
+        lookup = tied_embedding_name(shapes) if name == "lm_head.weight" and name not in shapes else name
         if lookup not in shapes:
             raise ValueError(f"unknown weight {name!r} for this {model_type} model")
         expected = tuple(shapes[lookup][0])

@@ -122,11 +122,16 @@ def _register_generate_routes(app: FastAPI, state: ServerState) -> None:
             texts = state.token_texts(output.output_token_ids) if parsed.return_text_in_logprobs else None
             return generate_response(output, parsed.return_logprob, texts, parsed.routed_experts_start_len)
 
+        # Image references are decoded (files read, base64 decoded) off the event loop and the engine's thread.
+        for item in parsed.items:
+            if item.images:
+                item.images = await asyncio.to_thread(_decode_images, item.images)
+
         if parsed.stream:
             item = parsed.items[0]
             outputs = state.engine_loop.generate(item.prompt_token_ids, item.sampling_params, item.rid,
                                                  return_routed_experts=return_routed_experts,
-                                                 lora_name=item.lora_path)
+                                                 lora_name=item.lora_path, images=item.images)
             first = await outputs.__anext__()  # a rejected request (e.g. duplicate rid) is a 400, not a broken stream
 
             async def events():
@@ -141,7 +146,7 @@ def _register_generate_routes(app: FastAPI, state: ServerState) -> None:
             final = None
             outputs = state.engine_loop.generate(
                 item.prompt_token_ids, item.sampling_params, item.rid, incremental=False,
-                return_routed_experts=return_routed_experts, lora_name=item.lora_path,
+                return_routed_experts=return_routed_experts, lora_name=item.lora_path, images=item.images,
             )
             async for output in outputs:
                 final = output
@@ -151,6 +156,16 @@ def _register_generate_routes(app: FastAPI, state: ServerState) -> None:
         if results is None:
             return PlainTextResponse("client disconnected", status_code=499)
         return json_response(results if parsed.is_batch else results[0])
+
+
+def _decode_images(references: list) -> list:
+    """The RGB images of a request's image_data; a bad reference is a 400 naming it."""
+    from slime.utils.image_inputs import load_image
+
+    try:
+        return [load_image(reference) for reference in references]
+    except ValueError as error:
+        raise RequestError(f"'image_data': {error}") from error
 
 
 # ---- pause / abort / cache / memory / health -------------------------------------------------------------------

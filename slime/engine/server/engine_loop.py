@@ -41,6 +41,7 @@ class _Stream:
     incremental: bool = True  # False: the consumer only wants the finished output
     return_routed_experts: bool = False
     lora_name: str | None = None  # the LoRA adapter it generates with (None: the base model)
+    images: list | None = None  # the prompt's decoded images (a VL model)
     latest: object | None = None
     finished: bool = False
 
@@ -92,7 +93,7 @@ class EngineLoop:
     # ---- requests --------------------------------------------------------------------------------------------
     async def generate(
         self, prompt_token_ids: list[int], sampling_params, rid: str | None = None, incremental: bool = True,
-        return_routed_experts: bool = False, lora_name: str | None = None,
+        return_routed_experts: bool = False, lora_name: str | None = None, images: list | None = None,
     ) -> AsyncIterator:
         """Add a request and yield its RequestOutputs (cumulative) until the finished one; with incremental=False
         only the finished one (a non-streaming consumer then costs one hand-over, not one per token).
@@ -101,7 +102,7 @@ class EngineLoop:
         """
         rid = rid or uuid.uuid4().hex
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue(), list(prompt_token_ids), incremental,
-                         return_routed_experts=return_routed_experts, lora_name=lora_name)
+                         return_routed_experts=return_routed_experts, lora_name=lora_name, images=images)
         try:
             await self.call(self._add, rid, stream, sampling_params)
         except ValueError as error:  # the engine rejected the request (e.g. a rid already in flight)
@@ -124,7 +125,7 @@ class EngineLoop:
         try:
             self.engine.add_request(stream.prompt_token_ids, sampling_params, rid=rid,
                                     return_routed_experts=stream.return_routed_experts, incremental=stream.incremental,
-                                    lora_name=stream.lora_name)
+                                    lora_name=stream.lora_name, images=stream.images)
         except EngineMemoryReleasedError:
             # Released memory refuses new requests; they wait here and enter the engine after the resume.
             self._deferred[rid] = sampling_params
@@ -136,7 +137,8 @@ class EngineLoop:
                 stream = self._streams[rid]
                 self.engine.add_request(stream.prompt_token_ids, sampling_params, rid=rid,
                                         return_routed_experts=stream.return_routed_experts,
-                                        incremental=stream.incremental, lora_name=stream.lora_name)
+                                        incremental=stream.incremental, lora_name=stream.lora_name,
+                                        images=stream.images)
             except EngineMemoryReleasedError:
                 return
             except (EngineWeightsMissingError, ValueError) as error:

@@ -30,6 +30,7 @@ GENERATE_FIELDS = frozenset(
         "return_routed_experts",
         "routed_experts_start_len",
         "lora_path",
+        "image_data",
         # Added by sglang-router when it re-serializes a request; no effect on generation.
         "model",
         "log_metrics",
@@ -50,6 +51,8 @@ class GenerateItem:
     sampling_params: SamplingParams
     rid: str | None
     lora_path: str | None = None  # SGLang's: the name of a loaded LoRA adapter (None: the base model)
+    # SGLang's image_data: the prompt's images in order (paths, file URLs, base64 / data URIs); None: none
+    images: list | None = None
 
 
 @dataclass
@@ -124,16 +127,37 @@ def parse_generate_request(
     raw_params, num_samples = _pop_parallel_sample_num(body.get("sampling_params"))
     sampling_params = _parse_sampling_params(raw_params, num_prompts, is_batch)
     lora_paths = _parse_lora_paths(body.get("lora_path"), num_prompts, is_batch)
+    images = _parse_image_data(body.get("image_data"), num_prompts, is_batch)
     if num_samples > 1:
         items = _parallel_samples(body, prompts, sampling_params, num_samples, stream, lora_paths)
+        images = [prompt_images for prompt_images in images for _ in range(num_samples)]
         is_batch = True  # SGLang answers a list, even for one prompt
     else:
         rids = _parse_rids(body.get("rid"), num_prompts, is_batch)
         if stream and is_batch:
             raise RequestError("'stream' is supported for a single prompt only; send one request per prompt")
         items = [GenerateItem(list(p), s, r, lora) for p, s, r, lora in zip(prompts, sampling_params, rids, lora_paths)]
+    for item, prompt_images in zip(items, images):
+        item.images = prompt_images
     return GenerateRequest(items, is_batch, return_logprob, return_text_in_logprobs, stream, return_routed_experts,
                            routed_experts_start_len)
+
+
+def _parse_image_data(raw, num_prompts: int, is_batch: bool) -> list[list | None]:
+    """SGLang's image_data, one entry per prompt: a reference or a list of references (a batch: a list of those,
+    one per prompt). Only the shape is checked here; the engine decodes the references."""
+    if raw is None:
+        return [None] * num_prompts
+    entries = raw if is_batch else [raw]
+    if is_batch and (not isinstance(raw, list) or len(raw) != num_prompts):
+        raise RequestError(f"'image_data' of a batch must be a list with one entry per prompt ({num_prompts})")
+    parsed = []
+    for entry in entries:
+        references = entry if isinstance(entry, list) else ([] if entry is None else [entry])
+        if not all(isinstance(reference, str) for reference in references):
+            raise RequestError("'image_data' entries must be strings (a path, a file:// URL or base64 / a data URI)")
+        parsed.append(references or None)
+    return parsed
 
 
 def _pop_parallel_sample_num(raw):

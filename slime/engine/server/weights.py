@@ -20,7 +20,12 @@ from pathlib import Path
 import torch
 
 from slime.engine.memory_tags import EngineMemoryReleasedError
-from slime.engine.models.weight_loader import IGNORED_SUFFIXES
+from slime.engine.models.weight_loader import (
+    EMBEDDING_WEIGHT_NAMES,
+    IGNORED_SUFFIXES,
+    tied_embedding_name,
+    vl_weight_name,
+)
 from slime.engine.parallel.rank_weights import RankError
 from slime.engine.server import local_checkpoint
 from slime.engine.server.protocol import RequestError, require_fields
@@ -46,12 +51,13 @@ class EngineWeightReceiver:
     # ---- validation ------------------------------------------------------------------------------------------
     def check_names_and_shapes(self, names_and_shapes, field: str) -> None:
         """RequestError naming the first unknown weight or wrong shape."""
+        is_vl = EMBEDDING_WEIGHT_NAMES[1] in self.weight_shapes
         for name, shape in names_and_shapes:
             if name.endswith(IGNORED_SUFFIXES):
                 continue
-            expected = self.weight_shapes.get(name)
+            expected = self.weight_shapes.get(vl_weight_name(name) if is_vl else name)
             if expected is None and name == "lm_head.weight":
-                expected = self.weight_shapes.get("model.embed_tokens.weight")  # tied embeddings
+                expected = self.weight_shapes.get(tied_embedding_name(self.weight_shapes))  # tied embeddings
             if expected is None:
                 raise RequestError(f"{field}: unknown weight name {name!r} for this model")
             if tuple(shape) != tuple(expected[0]):

@@ -40,7 +40,7 @@ class FakeEngine:
         self.calling_threads.add(threading.current_thread().name)
 
     def add_request(self, prompt, params, rid, incremental=True, return_routed_experts=False,
-                    lora_name=None):  # reports every step
+                    lora_name=None, images=None):  # reports every step
         self._record()
         if rid in self.requests:
             raise ValueError(f"rid {rid!r} is already in use")
