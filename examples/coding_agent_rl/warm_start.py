@@ -128,12 +128,17 @@ def build_warm_model(out_dir: str | Path, agent: str, first_prompt: str, tool_ou
     model = AutoModelForCausalLM.from_pretrained(out_dir, dtype=torch.float32)
     torch.manual_seed(seed)
     batches = []
+    prompt_ids = tokenizer.encode(first_prompt, add_special_tokens=False)
+    call_ids = tokenizer.encode(pairs[0][1], add_special_tokens=False)
     for context, completion in pairs:
         context_ids = tokenizer.encode(context, add_special_tokens=False)
         completion_ids = tokenizer.encode(completion, add_special_tokens=False)
         ids = torch.tensor([context_ids + completion_ids])
         labels = torch.full_like(ids, -100)
         labels[0, len(context_ids):] = ids[0, len(context_ids):]
+        call_end = len(prompt_ids) + len(call_ids)
+        if context_ids[:call_end] == prompt_ids + call_ids:  # the call in an answer's context is trained too
+            labels[0, len(prompt_ids):call_end] = ids[0, len(prompt_ids):call_end]
         batches.append((ids, labels))
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     model.train()
