@@ -216,6 +216,7 @@ s = dict(SHAPES['moonlight-4l']); build_tiny_model('/tmp/moonlight4l', arch=s.po
     # engine against transformers generate with images.
     vl_gpu_tests) python3 -m pytest -q tests/engine/models/test_vl_engine_cuda.py tests/engine/models/test_vl_engine.py ;;
     bench_vl_engine) python3 benchmarks/bench_vl_engine.py ;;
+    vl_train_gpu_tests) python3 -m pytest -q tests/backends/fsdp_utils/test_vision_language_gpu.py tests/backends/fsdp_utils/test_vision_language.py ;;
     moe_engine) python3 benchmarks/engine_checkpoints.py qwen3-30b-a3b-8l /tmp/moe_ckpt && python3 benchmarks/bench_engine.py --preset qwen3-0.6b --model-path /tmp/moe_ckpt ;;
     moe_train) python3 benchmarks/bench_train.py --model-shape qwen3-30b-a3b-8l --micro-batch-size 2 ;;
     moe_train_c) python3 benchmarks/bench_train.py --model-shape qwen3-30b-a3b-8l --micro-batch-size 2 --compile-model ;;

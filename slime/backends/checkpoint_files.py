@@ -19,7 +19,8 @@ from slime.utils.checkpoint_state import (
 )
 
 HF_EXTRA_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
-                  "special_tokens_map.json", "vocab.json", "merges.txt", "chat_template.jinja", "tokenizer.model")
+                  "special_tokens_map.json", "vocab.json", "merges.txt", "chat_template.jinja", "tokenizer.model",
+                  "preprocessor_config.json", "processor_config.json")  # a VL model's image processor
 
 
 def copy_hf_extra_files(hf_checkpoint, out_dir) -> None:

@@ -5,7 +5,9 @@ Packing: the samples of a micro-batch are concatenated into a single row; `posit
 sample, and transformers turns restarting positions (with no attention mask and no KV cache) into a block-diagonal
 causal mask, so no token attends across samples (on the GPU, `cu_seqlens` drives FlashAttention's varlen
 kernel instead, see attention.py). Only the positions whose hidden state predicts a response token
-are gathered for the log-prob head (`logit_index`). Pure torch and numpy, no distributed code.
+are gathered for the log-prob head (`logit_index`). Vision-language samples bring their images' processor outputs
+(`multimodal_train_inputs`: `pixel_values` rows and `image_grid_thw`), concatenated in sample order with the number of
+images of each sample. Pure torch and numpy, no distributed code.
 """
 
 from __future__ import annotations
@@ -28,6 +30,11 @@ class PackedMicroBatch:
     max_seqlen: int
     # MoE routing to replay, [num_tokens, num_moe_layers, top_k] (routing_replay.py), or None
     routed_experts: torch.Tensor | None = None
+    # Vision-language: the images of the row's samples in sample order (pixel_values [num_patches, patch_dim],
+    # image_grid_thw [num_images, 3]) and how many images each sample has; None for text-only rows
+    pixel_values: torch.Tensor | None = None
+    image_grid_thw: torch.Tensor | None = None
+    num_images: list[int] | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -39,6 +46,8 @@ class PackedMicroBatch:
             to_device(self.logit_index, device), to_device(self.target_ids, device), self.sample_indices,
             self.response_lengths, to_device(self.cu_seqlens, device), self.max_seqlen,
             None if self.routed_experts is None else to_device(self.routed_experts, device),
+            None if self.pixel_values is None else to_device(self.pixel_values, device),
+            None if self.image_grid_thw is None else to_device(self.image_grid_thw, device), self.num_images,
         )
 
 
@@ -73,9 +82,11 @@ def float_tensors(rows: list[list[float]]) -> list[torch.Tensor]:
     return [torch.from_numpy(np.asarray(row, dtype=np.float32)) for row in rows]
 
 
-def pack_samples(tokens: list[list[int]], response_lengths: list[int], sample_indices: list[int]) -> PackedMicroBatch:
+def pack_samples(tokens: list[list[int]], response_lengths: list[int], sample_indices: list[int],
+                 multimodal_train_inputs: list[dict | None] | None = None) -> PackedMicroBatch:
     """Concatenate the given samples (full token lists, prompt + response) into one packed row. Index arithmetic in
-    numpy: building the row element by element in Python cost ~20 ms per 80k tokens, with the GPU waiting."""
+    numpy: building the row element by element in Python cost ~20 ms per 80k tokens, with the GPU waiting.
+    `multimodal_train_inputs`: per sample of the rank's lists, its images' processor outputs or None."""
     sample_lengths, lengths = [], []
     for index in sample_indices:
         num_tokens, response_length = len(tokens[index]), response_lengths[index]
@@ -102,7 +113,28 @@ def pack_samples(tokens: list[list[int]], response_lengths: list[int], sample_in
         response_lengths=lengths,
         cu_seqlens=cu_seqlens_of(sample_lengths),
         max_seqlen=max(sample_lengths),
+        **_packed_images(multimodal_train_inputs, sample_indices),
     )
+
+
+def _packed_images(multimodal_train_inputs: list[dict | None] | None, sample_indices: list[int]) -> dict:
+    """The row's pixel_values / image_grid_thw / num_images (PackedMicroBatch fields), {} when no sample has images."""
+    if multimodal_train_inputs is None:
+        return {}
+    inputs = [multimodal_train_inputs[index] or {} for index in sample_indices]
+    for index, sample_inputs in zip(sample_indices, inputs):
+        unknown = sorted(set(sample_inputs) - {"pixel_values", "image_grid_thw"})
+        if unknown:
+            raise ValueError(f"sample {index}: multimodal_train_inputs has {unknown}; the trainer takes images only "
+                             "(pixel_values, image_grid_thw)")
+    num_images = [len(sample_inputs["image_grid_thw"]) if "image_grid_thw" in sample_inputs else 0
+                  for sample_inputs in inputs]
+    if not any(num_images):
+        return {}
+    with_images = [sample_inputs for sample_inputs, count in zip(inputs, num_images) if count]
+    return {"pixel_values": torch.cat([torch.as_tensor(x["pixel_values"]) for x in with_images]),
+            "image_grid_thw": torch.cat([torch.as_tensor(x["image_grid_thw"]) for x in with_images]),
+            "num_images": num_images}
 
 
 def step_sample_indices(num_samples: int, num_steps: int) -> list[list[int]]:

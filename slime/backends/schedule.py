@@ -46,7 +46,8 @@ def train_schedule(args, data: TrainData, backend, max_tokens_per_gpu: int | Non
             raise ValueError(f"a step of {len(step)} samples on this rank cannot be split into {target} micro-batches "
                              f"(a multiple of {multiple}: megatron's interleaved schedule, --pipeline-model-parallel-"
                              "size with virtual stages); raise --global-batch-size or --max-tokens-per-gpu")
-    return [[pack_samples(tokens, data["response_lengths"], b) for b in pad_num_micro_batches(bins, lengths, target)]
+    images = data.get("multimodal_train_inputs")
+    return [[pack_samples(tokens, data["response_lengths"], b, images) for b in pad_num_micro_batches(bins, lengths, target)]
             for bins, target in zip(bins_per_step, targets)]
 
 

@@ -56,7 +56,6 @@ REFUSED = {
     "rollout_data_transport": "only the Ray object store carries rollout data (nixl is not supported)",
     "enable_mtp_training": "no model family either backend builds (Qwen2/2.5, Qwen3, Llama 3, Qwen3-MoE) has "
                            "multi-token-prediction layers",
-    "multimodal_keys": "no multimodal models here",
 }
 
 

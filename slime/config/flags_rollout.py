@@ -16,7 +16,10 @@ def add_rollout_extra_arguments(parser):
     g.add_argument("--apply-chat-template-kwargs", type=_json_object, default={},
                    help="JSON object of extra keyword arguments to apply_chat_template, e.g. "
                         "'{\"enable_thinking\": false}'")
-    g.add_argument("--multimodal-keys", type=_json_object, default=None)
+    g.add_argument("--multimodal-keys", type=_json_object, default=None,
+                   help="JSON map from modality to the data column holding its items, e.g. '{\"image\": \"images\"}'"
+                        " (images only): each <image> in the prompt takes the next item (a path, file:// URL or "
+                        "base64); needs --apply-chat-template and a Qwen2.5-VL / Qwen3-VL --hf-checkpoint")
     g.add_argument("--eval-config", default=None, metavar="YAML",
                    help="multi-dataset eval: eval: {defaults: {...}, datasets: [{name, path, ...}]} (overrides "
                         "--eval-prompt-data); per-dataset keys are those of slime.utils.eval_config")

@@ -25,6 +25,7 @@ from slime.config.flags_lora import check_lora_args
 from slime.config.flags_moe import check_moe_args
 from slime.config.validate_megatron import validate_megatron_args, validate_megatron_batches
 from slime.config.validate_trainer import check_trainer_flags
+from slime.config.validate_vision import check_vision_language_flags
 from slime.config.validate_weight_sync import check_release_train, check_weight_sync_flags
 from slime.utils.checkpoint_state import (
     CheckpointError,
@@ -352,6 +353,7 @@ def validate_args(args) -> None:
     _resolve_batches(args)
     validate_megatron_batches(args)
     _resolve_algorithm(args)
+    check_vision_language_flags(args)
     check_release_train(args)
     check_trainer_flags(args)
     _resolve_eval_and_output(args)

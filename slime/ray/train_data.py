@@ -125,6 +125,8 @@ def samples_to_train_data(args, samples: list[Sample]) -> TrainData:
         data["teacher_log_probs"] = [_as_list(s.teacher_log_probs) for s in samples]
     if any(s.rollout_routed_experts is not None for s in samples):
         data["rollout_routed_experts"] = [_routed_experts_of(s) for s in samples]
+    if any(s.multimodal_train_inputs for s in samples):  # vision-language: each sample's pixels and grids, or None
+        data["multimodal_train_inputs"] = [s.multimodal_train_inputs or None for s in samples]
     return data
 
 

@@ -22,6 +22,7 @@ from abc import ABC, abstractmethod
 from pathlib import Path
 
 from slime.rollout.dataset import PromptFormat, load_prompt_samples, tokenizer_for
+from slime.rollout.multimodal_data import sample_dict_from_json, sample_dict_to_json
 from slime.utils.misc import load_function
 from slime.utils.types import Sample
 
@@ -186,12 +187,12 @@ class RolloutDataSourceWithBuffer(RolloutDataSource):
 
     def state_dict(self) -> dict:
         state = super().state_dict()
-        state["buffer"] = [[sample.to_dict() for sample in group] for group in self.buffer]
+        state["buffer"] = [[sample_dict_to_json(sample.to_dict()) for sample in group] for group in self.buffer]
         return state
 
     def load_state_dict(self, state: dict) -> None:
         super().load_state_dict(state)
-        self.buffer = [[Sample.from_dict(d) for d in group] for group in state.get("buffer", [])]
+        self.buffer = [[Sample.from_dict(sample_dict_from_json(d)) for d in group] for group in state.get("buffer", [])]
 
 
 def create_data_source(args) -> DataSource:

@@ -1,7 +1,8 @@
 """Prompt datasets: `.jsonl` / `.parquet` rows -> one prompt `Sample` per row.
 
 Handles `path@[start:end]` row slicing, the `--input-key` / `--label-key` / `--metadata-key` / `--tool-key` columns,
-`--apply-chat-template`, and the `--rollout-max-prompt-len` filter. Errors in user data name the file and line;
+`--apply-chat-template`, images (`--multimodal-keys`, multimodal_data.py: rendered with the vision-language
+checkpoint's processor), and the `--rollout-max-prompt-len` filter (image tokens count). Errors in user data name the file and line;
 a row without the `--label-key` column is one, unless `--allow-missing-labels` or the reward reads no labels.
 Not here: epochs, shuffling and the buffer (data_source.py), or any tokenization of responses.
 """
@@ -15,6 +16,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
+from slime.rollout.multimodal_data import messages_with_images, messages_without_pixels, row_images
 from slime.rollout.rm_hub import reward_uses_labels
 from slime.utils.data import parse_path_spec, read_rows
 from slime.utils.eval_config import EvalDatasetConfig
@@ -29,6 +31,14 @@ def load_tokenizer(path: str):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(path, trust_remote_code=True)
+
+
+@functools.lru_cache(maxsize=8)
+def load_processor(path: str):
+    """The image policy (processor) of a vision-language `--hf-checkpoint` (cached, as the tokenizer)."""
+    from slime.utils.image_policy import load_vl_processor
+
+    return load_vl_processor(path)
 
 
 def _maybe_json(value: Any, location: str, key: str) -> Any:
@@ -60,6 +70,7 @@ class PromptFormat:
     apply_chat_template: bool = False
     apply_chat_template_kwargs: dict | None = None
     max_prompt_len: int | None = None
+    multimodal_keys: dict[str, str] | None = None  # modality -> column (--multimodal-keys)
 
     @classmethod
     def from_args(cls, args, prefix: str = "") -> "PromptFormat":
@@ -84,6 +95,7 @@ class PromptFormat:
             apply_chat_template=args.apply_chat_template,
             apply_chat_template_kwargs=kwargs or {},
             max_prompt_len=max_prompt_len,
+            multimodal_keys=args.multimodal_keys,
         )
 
 
@@ -94,7 +106,7 @@ def render_chat_prompt(tokenizer, messages: list[dict], tools=None, **template_k
     )
 
 
-def row_to_sample(row: dict, location: str, fmt: PromptFormat, tokenizer) -> Sample:
+def row_to_sample(row: dict, location: str, fmt: PromptFormat, tokenizer, processor=None) -> Sample:
     if fmt.input_key not in row:
         raise ValueError(
             f"{location}: input key {fmt.input_key!r} (--input-key) not found; the row has keys {sorted(row)}"
@@ -121,7 +133,18 @@ def row_to_sample(row: dict, location: str, fmt: PromptFormat, tokenizer) -> Sam
     if tools:
         metadata["tools"] = tools
 
-    if fmt.apply_chat_template:
+    multimodal_inputs = None
+    if fmt.multimodal_keys:
+        if processor is None:
+            raise ValueError("--multimodal-keys needs a vision-language --hf-checkpoint (its processor renders the "
+                             "images)")
+        images = row_images(row, location, fmt.multimodal_keys)
+        messages = messages_without_pixels(messages_with_images(prompt, images, location))
+        prompt = processor.apply_chat_template(messages, tools=tools or None,
+                                               **(fmt.apply_chat_template_kwargs or {}))
+        metadata.setdefault("messages", messages)
+        multimodal_inputs = {"images": images} if images else None
+    elif fmt.apply_chat_template:
         if tokenizer is None:
             raise ValueError("--apply-chat-template needs --hf-checkpoint (the tokenizer that holds the template)")
         messages = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
@@ -134,7 +157,7 @@ def row_to_sample(row: dict, location: str, fmt: PromptFormat, tokenizer) -> Sam
             f"{sorted(row)}. Add the label, or pass --allow-missing-labels if these rows have none"
         )
     label = row.get(fmt.label_key) if fmt.label_key else None
-    return Sample(prompt=prompt, label=label, metadata=metadata)
+    return Sample(prompt=prompt, label=label, metadata=metadata, multimodal_inputs=multimodal_inputs)
 
 
 def _is_number(value) -> bool:
@@ -155,16 +178,26 @@ def prompt_token_ids(tokenizer, sample: Sample) -> list[int]:
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
+def prompt_length(tokenizer, processor, sample: Sample) -> int:
+    """Number of prompt tokens, each image counted as the image tokens it expands to."""
+    if sample.multimodal_inputs:
+        return len(processor.encode(sample.prompt, sample.multimodal_inputs["images"]).input_ids)
+    return len(prompt_token_ids(tokenizer, sample))
+
+
 def load_prompt_samples(spec: str, fmt: PromptFormat, tokenizer=None) -> tuple[list[Sample], int]:
     """Load `path[@[start:end]]` as prompt Samples; returns (samples, number of prompts filtered as too long)."""
     path, start, end = parse_path_spec(spec)
     rows = list(read_rows(path))[start:end]
-    samples = [row_to_sample(row, location, fmt, tokenizer) for location, row in rows]
+    processor = None
+    if fmt.multimodal_keys and tokenizer is not None:
+        processor = load_processor(str(tokenizer.name_or_path))
+    samples = [row_to_sample(row, location, fmt, tokenizer, processor) for location, row in rows]
     num_filtered = 0
     if fmt.max_prompt_len is not None:
         if tokenizer is None:
             raise ValueError("--rollout-max-prompt-len needs --hf-checkpoint (its tokenizer counts prompt tokens)")
-        kept = [s for s in samples if len(prompt_token_ids(tokenizer, s)) <= fmt.max_prompt_len]
+        kept = [s for s in samples if prompt_length(tokenizer, processor, s) <= fmt.max_prompt_len]
         num_filtered = len(samples) - len(kept)
         if num_filtered:
             logger.info(
@@ -205,7 +238,8 @@ def load_eval_datasets(args) -> list[EvalDataset]:
         fmt = dataclasses.replace(base, input_key=config.input_key or "input", label_key=config.label_key,
                                   metadata_key=config.metadata_key, tool_key=config.tool_key,
                                   apply_chat_template=bool(config.apply_chat_template),
-                                  apply_chat_template_kwargs=config.apply_chat_template_kwargs or {})
+                                  apply_chat_template_kwargs=config.apply_chat_template_kwargs or {},
+                                  multimodal_keys=config.multimodal_keys)
         samples, _ = load_prompt_samples(config.path, fmt, tokenizer)
         for sample in samples:
             sample.metadata = config.inject_metadata(sample.metadata)

@@ -10,11 +10,12 @@ import functools
 import inspect
 import operator
 
-from slime.rollout.dataset import prompt_token_ids, tokenizer_for
+from slime.rollout.dataset import load_processor, prompt_token_ids, tokenizer_for
 from slime.rollout.resend import post_generate
 from slime.rollout.routed_experts import routed_experts_request, store_routed_experts
 from slime.utils.engine_access import router_headers
 from slime.utils.http_utils import router_url
+from slime.utils.image_inputs import image_to_data_uri
 from slime.utils.misc import load_function
 from slime.utils.types import Sample
 
@@ -58,7 +59,8 @@ async def sample_continuation(args, sample: Sample, sampling_params: dict) -> st
     """One POST /generate continuing `sample.tokens`: appends the sampled ids (loss mask 1, the engine's log-probs)
     and the text, sets the status from the finish reason, counts prefix-cache hits; returns the text sampled."""
     routing = routed_experts_request(args, sample)
-    payload = {"input_ids": sample.tokens, "sampling_params": sampling_params, "return_logprob": True, **routing}
+    payload = {"input_ids": sample.tokens, "sampling_params": sampling_params, "return_logprob": True, **routing,
+               **image_data_request(sample)}
     output = await _post_generate(args, payload, sample)
     return _append_output(args, sample, output, routing.get("routed_experts_start_len", 0))
 
@@ -90,6 +92,51 @@ def _append_output(args, sample: Sample, output: dict, routed_experts_start_len:
     return text
 
 
+def encode_multimodal_prompt(args, sample: Sample) -> None:
+    """A prompt with images: its ids with every image expanded to its image tokens, and the pixel values and grids
+    the trainer needs (`multimodal_train_inputs`), from one call of the checkpoint's processor (the one image-size
+    policy, so the engine and the trainer count the same image tokens)."""
+    encode_multimodal_text(args, sample, sample.prompt)
+
+
+def encode_multimodal_text(args, sample: Sample, text: str) -> None:
+    """encode_multimodal_prompt with the prompt rendered as `text` (multi-turn renders it with its tools)."""
+    encoded = encode_with_images(args, text, sample.multimodal_inputs["images"])
+    if not sample.tokens:
+        sample.tokens = encoded.input_ids
+    elif sample.tokens[:len(encoded.input_ids)] != encoded.input_ids:  # a partial sample restored from a saved buffer
+        raise ValueError(f"sample {sample.index}: its tokens do not start with its prompt encoded with its images; "
+                         "a custom rollout must keep the processor's prompt ids (encode_multimodal_prompt)")
+    sample.multimodal_train_inputs = {"pixel_values": encoded.pixel_values, "image_grid_thw": encoded.image_grid_thw}
+
+
+def encode_with_images(args, text: str, images: list):
+    """`text` with one image placeholder per image, encoded by the checkpoint's processor (images expanded)."""
+    return load_processor(str(args.hf_checkpoint)).encode(text, images)
+
+
+def add_turn_images(sample: Sample, images: list, encoded) -> None:
+    """Multi-turn: the images of a between-turn text (an environment's observation) join the sample's, after its
+    earlier ones (`multimodal_inputs`, `multimodal_train_inputs`), so the next request's `image_data` and the
+    trainer's pixel values cover every image of the conversation in order."""
+    import torch
+
+    if not images:
+        return
+    inputs = sample.multimodal_inputs or {}
+    sample.multimodal_inputs = {**inputs, "images": list(inputs.get("images") or []) + list(images)}
+    previous = sample.multimodal_train_inputs
+    new = {"pixel_values": encoded.pixel_values, "image_grid_thw": encoded.image_grid_thw}
+    sample.multimodal_train_inputs = new if not previous else {key: torch.cat([previous[key], new[key]]) for key in new}
+
+
+def image_data_request(sample: Sample) -> dict:
+    """SGLang's `image_data` of a sample's images (lossless PNG data URIs, in prompt order), {} without images. The
+    ids already hold each image's tokens, expanded by the same processor the engine uses."""
+    images = (sample.multimodal_inputs or {}).get("images")
+    return {"image_data": [image_to_data_uri(image) for image in images]} if images else {}
+
+
 def group_prompt_ids(args, group: list[Sample]) -> list[int] | None:
     """The prompt ids of a group that one /generate with sampling_params.n can sample: fresh samples of one prompt
     that the default generate function would sample one by one (no generate hook, one turn, nothing generated yet,
@@ -103,6 +150,10 @@ def group_prompt_ids(args, group: list[Sample]) -> list[int] | None:
         return None
     if any(_prompt_key(s) != _prompt_key(group[0]) for s in group[1:]):
         return None
+    if group[0].multimodal_inputs:  # once for the group: the ids with the images expanded, and their pixels
+        encode_multimodal_prompt(args, group[0])
+        prompt_ids, group[0].tokens = group[0].tokens, []
+        return prompt_ids
     tokenizer = tokenizer_for(args)
     if tokenizer is None:
         raise ValueError("the default rollout needs --hf-checkpoint: its tokenizer turns prompts into token ids")
@@ -111,9 +162,11 @@ def group_prompt_ids(args, group: list[Sample]) -> list[int] | None:
 
 
 def _prompt_key(sample: Sample):
-    """What a sample's prompt ids are made from (prompt_token_ids): the prompt and, for chat messages, the tools."""
+    """What a sample's prompt ids are made from (prompt_token_ids): the prompt, for chat messages the tools, and the
+    images (by size and pixels: a group's copies hold equal images, not the same objects)."""
     tools = sample.metadata.get("tools") if isinstance(sample.metadata, dict) else None
-    return sample.prompt, tools
+    images = (sample.multimodal_inputs or {}).get("images") or []
+    return sample.prompt, tools, [(image.size, image.tobytes()) for image in images]
 
 
 async def generate_group_in_one_request(args, group: list[Sample], prompt_ids: list[int], sampling_params: dict,
@@ -127,8 +180,10 @@ async def generate_group_in_one_request(args, group: list[Sample], prompt_ids: l
             return
         for sample in group:
             sample.tokens = list(prompt_ids)
+            sample.multimodal_train_inputs = group[0].multimodal_train_inputs  # (group_prompt_ids encoded them)
         payload = {"input_ids": prompt_ids, "sampling_params": {**sampling_params, "n": len(group)},
-                   "return_logprob": True, **routed_experts_request(args, group[0])}  # R3: each sample's routing
+                   "return_logprob": True, **routed_experts_request(args, group[0]),  # R3: each sample's routing
+                   **image_data_request(group[0])}
         outputs = await _post_generate(args, payload, group[0])
     if not isinstance(outputs, list) or len(outputs) != len(group):
         raise RuntimeError(f"/generate with sampling_params.n={len(group)} answered {type(outputs).__name__} "

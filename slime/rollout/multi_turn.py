@@ -24,7 +24,13 @@ import functools
 
 from slime.rollout.dataset import render_chat_prompt, tokenizer_for
 from slime.rollout.environment import check_step_result, make_environment, maybe_await
-from slime.rollout.generate_request import sample_continuation
+from slime.rollout.generate_request import (
+    add_turn_images,
+    encode_multimodal_text,
+    encode_with_images,
+    sample_continuation,
+)
+from slime.rollout.multimodal_data import load_image_named, messages_with_images, messages_without_pixels
 from slime.rollout.tools import load_tools, run_tool_call
 from slime.utils.tool_parsers import get_parser, stop_strings_for
 from slime.utils.types import Sample
@@ -97,7 +103,9 @@ async def generate(args, sample: Sample, sampling_params: dict, evaluation: bool
             first = await maybe_await(env.reset(sample))
             if first:
                 state["history"].append({"role": "user", "content": first})
-    if not sample.tokens:
+    if sample.multimodal_inputs and (not sample.tokens or sample.multimodal_train_inputs is None):
+        encode_multimodal_text(args, sample, render_chat_prompt(tokenizer, state["history"], tools=offered or None))
+    elif not sample.tokens:
         sample.tokens = tokenizer(render_chat_prompt(tokenizer, state["history"], tools=offered or None),
                                   add_special_tokens=False)["input_ids"]
     elif sample.response_length and args.mask_offpolicy_in_partial_rollout:
@@ -134,12 +142,15 @@ async def generate(args, sample: Sample, sampling_params: dict, evaluation: bool
                                           sample)
         if done or state["turns"] >= max_turns:
             break
+        new_messages, new_images = observation_images(new_messages)
         between = new_messages if isinstance(new_messages, str) else \
             render_between_turns(tokenizer, state["history"], new_messages, offered)
-        between_ids = tokenizer(between, add_special_tokens=False)["input_ids"]
+        encoded = encode_with_images(args, between, new_images) if new_images else None
+        between_ids = encoded.input_ids if encoded else tokenizer(between, add_special_tokens=False)["input_ids"]
         if max_context is not None and len(sample.tokens) + len(between_ids) >= max_context:
             sample.status, state["cut_by_context"] = Sample.Status.TRUNCATED, True
             break
+        add_turn_images(sample, new_images, encoded)
         sample.append_response_tokens(args, tokens=between_ids, trainable=False, text=between)
         if not isinstance(new_messages, str):
             state["history"].extend(new_messages)
@@ -151,12 +162,31 @@ async def generate(args, sample: Sample, sampling_params: dict, evaluation: bool
     return sample
 
 
+def observation_images(new_messages):
+    """(messages for the chat template, their decoded images in order): a message's `images` become image parts at
+    its `<image>` placeholders (multimodal_data.py); text and tool messages pass unchanged."""
+    if isinstance(new_messages, str) or not any("images" in m for m in new_messages):
+        return new_messages, []
+    messages, images = [], []
+    for message in new_messages:
+        message = dict(message)
+        decoded = [load_image_named(item, f"--env-path observation image {i}")
+                   for i, item in enumerate(message.pop("images", []))]
+        if decoded:
+            [message] = messages_without_pixels(messages_with_images([message], decoded, "--env-path observation"))
+        messages.append(message)
+        images += decoded
+    return messages, images
+
+
 async def _react(args, env, parser, schemas, tools, turn_text: str, state: dict, timeout_s: float,
                  max_chars: int, sample: Sample):
     """What answers a finished assistant turn: (tool / observation messages or inline text, done)."""
     if env is not None:
         observation, reward, done, _ = check_step_result(await maybe_await(env.step(turn_text)), args.env_path)
         state["env_reward"] += reward
+        if isinstance(observation, dict):  # text with images (a vision-language model's environment)
+            return [{"role": "user", "content": observation["text"], "images": observation.get("images", [])}], done
         return [{"role": "user", "content": observation or ""}], done or observation is None
     parsed = parser(turn_text, schemas)
     if not parsed.calls:

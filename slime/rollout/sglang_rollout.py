@@ -30,10 +30,11 @@ import uuid
 from tqdm import tqdm
 
 from slime.rollout.base_types import RolloutFnTrainOutput
-from slime.rollout.dataset import EvalDataset, load_eval_datasets, prompt_token_ids, tokenizer_for
+from slime.rollout.dataset import EvalDataset, load_eval_datasets, load_processor, prompt_token_ids, tokenizer_for
 from slime.rollout.filter_hub.base_types import call_dynamic_filter, should_drop_dynamic_filter_output
 from slime.rollout.generate_request import (
     build_sampling_params,
+    encode_multimodal_prompt,
     generate_group_in_one_request,
     group_prompt_ids,
     load_hook,
@@ -67,11 +68,15 @@ class GenerateState:
         self.num_reward_failures = 0
         self.rollout_id = rollout_id
         self.evaluation = evaluation
-        self.processor = None  # no multimodal models here
 
     @functools.cached_property
     def tokenizer(self):
         return tokenizer_for(self.args)
+
+    @functools.cached_property
+    def processor(self):
+        """slime's state.processor: the vision-language checkpoint's processor with --multimodal-keys, else None."""
+        return load_processor(str(self.args.hf_checkpoint)) if self.args.multimodal_keys else None
 
     @functools.cached_property
     def sampling_params(self) -> dict:
@@ -83,7 +88,10 @@ async def generate(args, sample: Sample, sampling_params: dict) -> Sample:
 
     Same signature as a `--custom-generate-function-path` hook, which may wrap it.
     """
-    if not sample.tokens:
+    if sample.multimodal_inputs:
+        if sample.multimodal_train_inputs is None or not sample.tokens:  # (a restored partial sample: the first)
+            encode_multimodal_prompt(args, sample)
+    elif not sample.tokens:
         tokenizer = tokenizer_for(args)
         if tokenizer is None:
             raise ValueError("the default rollout needs --hf-checkpoint: its tokenizer turns prompts into token ids")

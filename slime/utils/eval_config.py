@@ -42,7 +42,7 @@ ARG_FALLBACKS = {
     "custom_rm_path": ("eval_custom_rm_path", "custom_rm_path"),
 }
 # slime's keys that parse but have no implementation here.
-UNSUPPORTED_KEYS = ("multimodal_keys", "repetition_penalty", "app_service", "eval_task_timeout", "min_eval_samples",
+UNSUPPORTED_KEYS = ("repetition_penalty", "app_service", "eval_task_timeout", "min_eval_samples",
                     "eval_early_stop_remaining", "eval_early_stop_idle_timeout", "message_processor", "reward_model",
                     "remote_environment")
 

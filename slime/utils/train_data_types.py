@@ -49,6 +49,9 @@ class TrainData(TypedDict, total=False):
     rollout_routed_experts: list[Any]
     """R3: per sample an int32 array [len(tokens) - 1, num_hidden_layers, top_k] of the engine's expert ids
     (SGLang's layout: every decoder layer, dense layers zeros)."""
+    multimodal_train_inputs: list[dict | None]
+    """Vision-language (present when any sample has images): per sample the processor's `pixel_values`
+    [num_patches, patch_dim] and `image_grid_thw` [num_images, 3] of its prompt's images, or None."""
     rollout_id: int
     """The rollout step this data belongs to."""
     num_steps_per_rollout: int

@@ -60,7 +60,8 @@ def test_statuses_name_real_flags_and_the_docs_table_is_current():
 
 @pytest.mark.parametrize("extra, message", [
     (["--rollout-data-transport", "nixl"], "--rollout-data-transport 'nixl': only the Ray object store"),
-    (["--multimodal-keys", '{"image": "images"}'], "no multimodal models here"),
+    (["--multimodal-keys", '{"video": "videos"}'], "--multimodal-keys: modality 'video' is not supported"),
+    (["--multimodal-keys", '{"image": "images"}'], "--multimodal-keys needs --apply-chat-template"),
     (["--sglang-cuda-graf-max-bs", "8"], "did you mean --sglang-cuda-graph-max-bs"),
     (["--router-cache-treshold", "0.5"], "did you mean --router-cache-threshold"),
     (["--rollout-max-respose-len", "8"], "did you mean --rollout-max-response-len"),

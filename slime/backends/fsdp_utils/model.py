@@ -18,6 +18,14 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from slime.backends.attention import VARLEN
 from slime.backends.attention import register as register_varlen
 from slime.backends.fsdp_utils.expert_weights import per_expert_tensors, stacked_tensor
+from slime.backends.fsdp_utils.vision_language import (
+    attention_implementations,
+    check_supported,
+    is_vision_language,
+    packed_image_mask,
+    packed_mrope_position_ids,
+    vision_language_hidden_states,
+)
 from slime.backends.log_probs import chunked_log_probs_and_entropy
 from slime.backends.lora_adapter import is_lora_name
 from slime.backends.packing import PackedMicroBatch
@@ -37,27 +45,47 @@ class PolicyModel(nn.Module):
         if getattr(hf_model.get_output_embeddings(), "bias", None) is not None:
             raise ValueError("models whose output layer has a bias are not supported by the chunked log-prob head")
 
-    def forward(self, input_ids, position_ids, logit_index, target_ids, cu_seqlens=None, max_seqlen=None):
-        hidden = packed_hidden_states(self.hf_model, input_ids, position_ids, cu_seqlens, max_seqlen)
+    def forward(self, input_ids, position_ids, logit_index, target_ids, cu_seqlens=None, max_seqlen=None,
+                pixel_values=None, image_grid_thw=None, num_images=None):
+        if is_vision_language(self.hf_model.config):
+            hidden = packed_vision_language_hidden_states(self.hf_model, input_ids, cu_seqlens, max_seqlen,
+                                                          pixel_values, image_grid_thw, num_images)
+        else:
+            hidden = packed_hidden_states(self.hf_model, input_ids, position_ids, cu_seqlens, max_seqlen)
         weight = self.hf_model.get_output_embeddings().weight
         return chunked_log_probs_and_entropy(hidden.index_select(0, logit_index), weight, target_ids,
                                              self.temperature, self.chunk_size)
 
     def forward_micro_batch(self, micro_batch: PackedMicroBatch):
         return self(micro_batch.input_ids, micro_batch.position_ids, micro_batch.logit_index, micro_batch.target_ids,
-                    micro_batch.cu_seqlens, micro_batch.max_seqlen)
+                    micro_batch.cu_seqlens, micro_batch.max_seqlen, micro_batch.pixel_values,
+                    micro_batch.image_grid_thw, micro_batch.num_images)
 
 
 def packed_hidden_states(hf_model: nn.Module, input_ids, position_ids, cu_seqlens=None, max_seqlen=None):
     """Final hidden states [num_tokens, hidden] of one packed row. No attention mask and no cache. sdpa:
     transformers derives a block-diagonal causal mask from the restarting position_ids. slime_varlen:
     cu_seqlens marks the samples (attention.py)."""
-    varlen = {}
-    if hf_model.config._attn_implementation == VARLEN:
-        varlen = dict(cu_seq_lens_q=cu_seqlens, cu_seq_lens_k=cu_seqlens, max_length_q=max_seqlen,
-                      max_length_k=max_seqlen)
-    outputs = hf_model.get_decoder()(input_ids=input_ids, position_ids=position_ids, use_cache=False, **varlen)
+    outputs = hf_model.get_decoder()(input_ids=input_ids, position_ids=position_ids, use_cache=False,
+                                     **_varlen_kwargs(hf_model, cu_seqlens, max_seqlen))
     return outputs.last_hidden_state[0]
+
+
+def packed_vision_language_hidden_states(hf_model: nn.Module, input_ids, cu_seqlens, max_seqlen, pixel_values=None,
+                                         image_grid_thw=None, num_images=None):
+    """packed_hidden_states for a vision-language model: the row's images through the vision tower and M-RoPE
+    positions per sample (vision_language.py)."""
+    num_images = num_images or [0] * (len(cu_seqlens) - 1)
+    image_mask = packed_image_mask(hf_model, input_ids, cu_seqlens, image_grid_thw, num_images)
+    position_ids = packed_mrope_position_ids(hf_model, input_ids, cu_seqlens, image_grid_thw, num_images, image_mask)
+    return vision_language_hidden_states(hf_model, input_ids, position_ids, pixel_values, image_grid_thw, image_mask,
+                                         _varlen_kwargs(hf_model, cu_seqlens, max_seqlen))
+
+
+def _varlen_kwargs(hf_model: nn.Module, cu_seqlens, max_seqlen) -> dict:
+    if hf_model.get_decoder().config._attn_implementation != VARLEN:
+        return {}
+    return dict(cu_seq_lens_q=cu_seqlens, cu_seq_lens_k=cu_seqlens, max_length_q=max_seqlen, max_length_k=max_seqlen)
 
 
 def attention_implementation() -> str:
@@ -70,9 +98,15 @@ def load_hf_model(path: str, attn_implementation: str = "sdpa") -> nn.Module:
     """fp32 weights on the host. sdpa: with packed position_ids and no mask, transformers builds a dense
     block-diagonal causal mask, exact but quadratic in the packed length; the trainer loads `slime_varlen`
     (attention.py)."""
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
 
     config = checkpoint_config_override(path)
+    if config is None:
+        loaded = AutoConfig.from_pretrained(path)
+        check_supported(loaded)
+        if is_vision_language(loaded):  # the vision tower's attention is not causal: sdpa for it
+            return AutoModelForImageTextToText.from_pretrained(
+                path, dtype=torch.float32, attn_implementation=attention_implementations(attn_implementation))
     return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation=attn_implementation,
                                                 **({"config": config} if config is not None else {}))
 
@@ -123,8 +157,8 @@ class ShardOptions:
 
 def shard_model(model: nn.Module, hf_model: nn.Module, mesh, options: ShardOptions) -> nn.Module:
     """Checkpoint activations per decoder layer if asked, compile each layer's forward if asked (parameter names and
-    FSDP's hooks stay outside the compiled code), then shard every decoder layer of `hf_model` and finally `model`
-    (the wrapper holding it) as the root."""
+    FSDP's hooks stay outside the compiled code), then shard every decoder layer of `hf_model` (and every block of a
+    vision-language model's vision tower) and finally `model` (the wrapper holding it) as the root."""
     if options.compile_layers:
         for layer in hf_model.get_decoder().layers:
             layer.forward = torch.compile(layer.forward, dynamic=True)
@@ -136,6 +170,9 @@ def shard_model(model: nn.Module, hf_model: nn.Module, mesh, options: ShardOptio
         kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     for layer in hf_model.get_decoder().layers:
         fully_shard(layer, **kwargs)
+    if is_vision_language(hf_model.config):  # the vision tower's blocks too (Qwen2.5-VL-72B's: ~670M parameters)
+        for block in hf_model.model.visual.blocks:
+            fully_shard(block, **kwargs)
     fully_shard(model, **kwargs)
     return model
 
@@ -171,8 +208,10 @@ def load_full_weights(model: nn.Module, full_state: dict[str, torch.Tensor]) -> 
         if full is None:
             full = stacked_tensor(key, full_state)  # MoE experts: the checkpoint has one tensor per expert
         if full is None:
-            if key == "lm_head.weight" and "model.embed_tokens.weight" in full_state:
-                full = full_state["model.embed_tokens.weight"]
+            tied = next((name for name in ("model.embed_tokens.weight", "model.language_model.embed_tokens.weight")
+                         if name in full_state), None)
+            if key == "lm_head.weight" and tied is not None:
+                full = full_state[tied]
             else:
                 raise ValueError(f"checkpoint has no tensor for parameter {key!r}")
         full = full.to(device=param.device, dtype=param.dtype)
