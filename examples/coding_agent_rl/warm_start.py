@@ -13,8 +13,8 @@ the repository's tests, then answers.
    those two completions.
 
 Not RL (train.py does that, README.md), not a harness. The CLI must be installed (scripts/setup_agent_clis.sh).
-Status: after 50 steps at lr 5e-3 (the call trained in every sequence) the model opens the call
-(`<tool_call>{"name": "Bash", "arguments": ...`) but does not finish it yet; README.md.
+Measured (Claude Code, 2026-12-05): 300 steps at lr 5e-3, loss 0.0017 per token; the greedy model then calls
+Bash with `python3 tests/test_mathlib.py` and answers after the result (README.md).
 """
 
 from __future__ import annotations
@@ -113,7 +113,7 @@ def sft_examples(agent: str, first_prompt: str, tool_outputs: list[str]) -> list
     return pairs
 
 
-def build_warm_model(out_dir: str | Path, agent: str, first_prompt: str, tool_outputs: list[str], *, steps: int = 120,
+def build_warm_model(out_dir: str | Path, agent: str, first_prompt: str, tool_outputs: list[str], *, steps: int = 300,
                      lr: float = 5e-3, vocab_size: int = 2048, seed: int = 0) -> Path:
     """Steps 2 and 3: the tokenizer, the model, the SFT; saved to `out_dir` (a Hugging Face checkpoint)."""
     import torch
@@ -159,7 +159,7 @@ def build_warm_model(out_dir: str | Path, agent: str, first_prompt: str, tool_ou
     return Path(out_dir)
 
 
-def warm_start(out_dir: str | Path, agent: str, *, steps: int = 120, cli_dir: str = "/opt/slime-agent-clis",
+def warm_start(out_dir: str | Path, agent: str, *, steps: int = 300, cli_dir: str = "/opt/slime-agent-clis",
                num_task_rows: int = 8) -> Path:
     """The whole recipe (module docstring): a random bootstrap model for the capture, then the warm model."""
     from slime.engine.server.launch import launch_server
@@ -184,7 +184,7 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("out_dir")
     parser.add_argument("--agent", choices=sorted(AGENTS), default="claude_code")
-    parser.add_argument("--steps", type=int, default=120)
+    parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--cli-dir", default=os.environ.get("SLIME_AGENT_CLI_DIR", "/opt/slime-agent-clis"))
     opts = parser.parse_args()
     print(warm_start(opts.out_dir, opts.agent, steps=opts.steps, cli_dir=opts.cli_dir))

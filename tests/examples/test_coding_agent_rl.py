@@ -23,7 +23,7 @@ CLI_DIR = Path(os.environ.get("SLIME_AGENT_CLI_DIR", "/opt/slime-agent-clis"))
 pytestmark = pytest.mark.skipif(not (CLI_DIR / "node_modules/.bin/claude").exists()
                                 or not (CLI_DIR / "node_modules/.bin/codex").exists(),
                                 reason="the agent CLIs are not installed: bash scripts/setup_agent_clis.sh")
-SFT_STEPS = 120
+SFT_STEPS = 300
 
 
 def sandbox_problems() -> list[str]:
@@ -202,8 +202,6 @@ def claude_engine(tmp_path_factory):
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(reason="warm_start.py's SFT does not yet give a complete call (after 50 steps the model opens "
-                          "it and loops); see examples/coding_agent_rl/README.md", strict=False)
 def test_warm_claude_code_episode_calls_a_tool_token_exact(claude_engine):
     model, server = claude_engine
     episode = asyncio.run(Episode("claude_code", model, server.url).run(task_row()))
