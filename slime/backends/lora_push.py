@@ -26,6 +26,7 @@ Not the adapter's gathering (the backends' `adapter_weights`) nor the engine sid
 
 from __future__ import annotations
 
+import logging
 import shutil
 import time
 from collections.abc import Callable
@@ -51,6 +52,7 @@ from slime.config.flags_lora import SERVED_ADAPTER_NAME, served_adapter_name
 from slime.engine.lora.adapter import tensor_checksum
 from slime.utils.weight_transport import broadcast_named_tensors, serialize_named_tensors
 
+logger = logging.getLogger(__name__)
 ADAPTER_MODES = ("tensor", "distributed", "disk")
 KEEP_VERSIONS = 2
 CHECKSUM_RTOL = 1e-9  # float64 sums of the same values in another order (an engine on another device)
@@ -118,6 +120,7 @@ class AdapterPusher:
             self.group = None
         self.engines, self.mode, self.transport = as_engine_map(engine_urls), mode, transport
         if self.rank == 0:
+            logger.info("LoRA adapter pushes to %d engine(s): transport %r", len(self.engines), transport)
             infos = server_infos(self.engine_urls, self.headers)
             self.engines_dtype = engines_dtype(self.engine_urls, self.headers, infos)
             if transport == "distributed":
@@ -140,8 +143,11 @@ class AdapterPusher:
                 unreachable.update(self._load_everywhere(adapter_name, sent, str(weight_version), self.config_of(part)))
         if dist.is_initialized():
             dist.barrier()
+        # Which route the push took shows in the run's metrics: the bytes broadcast over the weight-update group.
+        metrics = {"perf/lora_push_broadcast_gb": num_bytes / 1e9} if self.transport == "distributed" else {}
         return WeightPushResult(seconds=time.perf_counter() - start, bytes=num_bytes,
-                                num_buckets=len(self.adapter_names or [None]), unreachable_engines=sorted(unreachable))
+                                num_buckets=len(self.adapter_names or [None]), unreachable_engines=sorted(unreachable),
+                                metrics=metrics)
 
     def _to_send(self, adapter: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """PEFT-named tensors in the engines' dtype (checked to be exact with --check-lora-weight-equal)."""

@@ -82,12 +82,14 @@ def _loaded(url: str) -> set[str]:
 
 def test_broadcast_push_serves_what_the_tensor_push_serves_and_a_partial_or_changed_one_is_caught(trainer, engine):
     _randomise_adapter(trainer, seed=7)
-    trainer.update_weights([engine.url], weight_version="1", mode="tensor")
+    assert "perf/lora_push_broadcast_gb" not in trainer.update_weights([engine.url], weight_version="1",
+                                                                      mode="tensor").log_metrics()
     by_handle = _generate(engine.url, "policy@1")
     result = trainer.update_weights([engine.url], weight_version="2", mode="distributed")
     pusher = trainer.weight_updater
     assert pusher.transport == "distributed" and pusher.group is not None
     assert result.bytes == sum(p.numel() * 4 for name, p in trainer.model.named_parameters() if is_lora_name(name))
+    assert result.log_metrics()["perf/lora_push_broadcast_gb"] == result.bytes / 1e9  # the route, as a run logs it
     by_broadcast = _generate(engine.url, "policy@2")
     base = _generate(engine.url, None)
     assert by_broadcast["ids"] == by_handle["ids"]
