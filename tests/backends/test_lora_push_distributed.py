@@ -2,7 +2,8 @@
 real engine servers (subprocesses on a tiny Qwen3, fp32 on the CPU, gloo): the same adapter pushed by handle and by
 broadcast gives the same tokens and log-probs; a broadcast that drops a tensor or carries a changed one is caught by
 the checksums, naming the tensor, and the group keeps working; a two-rank engine (both ranks in the broadcast) in
-the same group as a one-rank engine serves the adapter with the one-rank engine's log-probs."""
+the same group as a one-rank engine serves the adapter with the one-rank engine's log-probs; an engine without LoRA
+takes the whole broadcast, then refuses naming enable_lora."""
 
 import httpx
 import pytest
@@ -140,3 +141,20 @@ def test_a_two_rank_engine_takes_the_broadcast_on_every_rank_beside_a_one_rank_e
         destroy_weight_group(trainer.weight_updater.group, trainer.weight_updater.engine_urls)
         trainer.weight_updater.group = None
         sharded.stop()
+
+
+def test_an_engine_without_lora_takes_the_whole_broadcast_then_refuses_by_name(trainer, model, tmp_path_factory):
+    """The engine receives every tensor before refusing (a refusal mid-broadcast would leave the trainer hanging),
+    and the group still carries the next push."""
+    from slime.engine.server.launch import launch_server
+
+    plain = launch_server(model, extra_args=["--device", "cpu"], log_path=tmp_path_factory.mktemp("log") / "p.log")
+    try:
+        _randomise_adapter(trainer, seed=5)
+        for version in ("1", "2"):
+            with pytest.raises(RuntimeError, match="enable_lora"):
+                trainer.update_weights({0: plain.url}, weight_version=version, mode="distributed")
+    finally:
+        destroy_weight_group(trainer.weight_updater.group, trainer.weight_updater.engine_urls)
+        trainer.weight_updater.group = None
+        plain.stop()
