@@ -15,7 +15,8 @@ and keeps its own shard.
   and each stays alive until its engine is done with it;
 - "distributed" mode: a one-time process group of rank 0 and every engine rank (POST /init_weights_update_group,
   engine i's ranks at offset 1 + the ranks of the engines before it), then per bucket
-  POST /update_weights_from_distributed {names, dtypes, shapes} while rank 0 broadcasts the tensors.
+  POST /update_weights_from_distributed {names, dtypes, shapes} while rank 0 broadcasts the tensors. The group's
+  setup (`init_weight_group`, `destroy_weight_group`) is shared with the LoRA adapter pusher (lora_push.py).
   Every bucket but the last sends flush_cache false; the last sends flush_cache true and the weight version.
 - "disk" mode (--update-weight-transport disk): rank 0 writes the buckets as version folder `weight_v{N:06d}` (full or
   delta: slime.backends.weight_disk), runs --custom-update-weight-post-write-path, then with

@@ -5,7 +5,8 @@ rejected update (unknown name, wrong shape) leaves the model exactly as it was.
 
 Receiving a broadcast and deserializing handles happen off the driver thread (they do not touch the engine); only
 the final copy into the model runs on it, between two steps. Every update flushes the prefix cache (KV computed
-under the old weights must not be reused), whatever the request's `flush_cache` says. Not the transport itself
+under the old weights must not be reused), whatever the request's `flush_cache` says. `receive_broadcast` also
+serves the LoRA route /load_lora_adapter_from_distributed (lora_routes.py). Not the transport itself
 (`slime.utils.weight_transport`) and not the engine's loader (`slime.engine.models.weight_loader`).
 """
 
