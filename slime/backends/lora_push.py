@@ -9,9 +9,14 @@ engines that kept running both end at the same two versions. An engine that cann
 reported (`unreachable_engines`), as the full-weight push does. Transports:
 - "tensor" (same host; colocated or not): POST /load_lora_adapter_from_tensors with the PEFT-named tensors by handle
   (shared memory on the CPU, CUDA IPC on a GPU), one serialized list per engine rank, and the adapter's config;
-- "disk" (--update-weight-transport disk, or engines on other hosts): rank 0 writes a PEFT folder under
-  --update-weight-disk-dir and each engine loads it (POST /load_lora_adapter), then the folder is removed unless
-  --update-weight-disk-keep-files.
+- "distributed" (engines on GPUs of their own, the weight sender's "distributed" mode): rank 0 forms the same
+  one-time broadcast group with every engine rank as the full-weight sender would (weight_sender.init_weight_group;
+  in a LoRA run the adapter pusher is the only sender, so the group is its own: one per engine rank, never two), then
+  per push POSTs /load_lora_adapter_from_distributed {lora_name, config, names, dtypes, shapes, weight_version} to
+  every engine at once and broadcasts the adapter's tensors alone; every engine rank receives them, rank 0 loads;
+- "disk" (--update-weight-transport disk: engines on other hosts, or wherever no broadcast group can be formed):
+  rank 0 writes a PEFT folder under --update-weight-disk-dir and each engine loads it (POST /load_lora_adapter),
+  then the folder is removed unless --update-weight-disk-keep-files.
 Every load answers `checksums` (the float64 sum of each tensor as the engine holds it); a missing, extra or differing
 tensor fails the push naming it. With --check-lora-weight-equal the tensors sent must also equal the trainer's
 parameters exactly (a push in a lower-precision engine dtype fails, naming the first tensor it rounds).
@@ -21,9 +26,11 @@ Not the adapter's gathering (the backends' `adapter_weights`) nor the engine sid
 
 from __future__ import annotations
 
+import logging
 import shutil
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -31,15 +38,22 @@ import torch
 import torch.distributed as dist
 
 from slime.backends.engine_ranks import as_engine_map
-from slime.backends.engine_server_info import engines_dtype
+from slime.backends.engine_server_info import engines_dtype, server_infos
 from slime.backends.lora_adapter import save_peft_folder, split_by_adapter, to_peft_name
 from slime.backends.weight_push_result import WeightPushResult
-from slime.backends.weight_sender import _post
+from slime.backends.weight_sender import (
+    WEIGHT_GROUP_NAME,
+    _post,
+    _post_all,
+    destroy_weight_group,
+    init_weight_group,
+)
 from slime.config.flags_lora import SERVED_ADAPTER_NAME, served_adapter_name
 from slime.engine.lora.adapter import tensor_checksum
-from slime.utils.weight_transport import serialize_named_tensors
+from slime.utils.weight_transport import broadcast_named_tensors, serialize_named_tensors
 
-ADAPTER_MODES = ("tensor", "disk")
+logger = logging.getLogger(__name__)
+ADAPTER_MODES = ("tensor", "distributed", "disk")
 KEEP_VERSIONS = 2
 CHECKSUM_RTOL = 1e-9  # float64 sums of the same values in another order (an engine on another device)
 
@@ -71,9 +85,11 @@ class AdapterPusher:
     def __init__(self, adapter_weights: Callable[[], dict[str, torch.Tensor]],
                  config_of: Callable[[dict[str, torch.Tensor]], dict], rank: int, *,
                  headers: dict | None = None, disk_dir: str | None = None,
-                 keep_files: bool = False, check_weight_equal: bool = False, adapter_names: list[str] | None = None):
+                 keep_files: bool = False, check_weight_equal: bool = False, adapter_names: list[str] | None = None,
+                 on_gpu: bool = False, master_address: str = "127.0.0.1"):
         """`adapter_names` (--lora-adapter-names): the trainer holds several adapters (PEFT's in-memory names
-        `...lora_A.<name>.weight`), each pushed as `<name>@<version>`; None: one, pushed as `policy@<version>`."""
+        `...lora_A.<name>.weight`), each pushed as `<name>@<version>`; None: one, pushed as `policy@<version>`.
+        `on_gpu` / `master_address`: the "distributed" transport's group (nccl on a GPU, else gloo) and rendezvous."""
         self.adapter_weights, self.config_of, self.rank = adapter_weights, config_of, rank
         self.adapter_names = list(adapter_names) if adapter_names else None
         self.headers = dict(headers or {})
@@ -82,23 +98,36 @@ class AdapterPusher:
         self.mode = self.transport = "tensor"
         self.engines_dtype: torch.dtype | None = None
         self.pushed: dict[str, list[str]] = {}  # per adapter, its versions pushed, oldest first (across reconnections)
+        self.on_gpu, self.master_address = on_gpu, master_address
+        self.group = None  # rank 0's broadcast group with every engine rank ("distributed")
 
     @property
     def engine_urls(self) -> list[str]:
         return list(self.engines.values())
 
-    def connect(self, engine_urls: list[str] | dict[int, str], mode: str = "tensor") -> None:
-        """`mode`: the weight sender's ("distributed" engines are reached through the disk, as SGLang has no NCCL
-        route for adapters)."""
-        transport = "disk" if mode == "distributed" else mode
+    def connect(self, engine_urls: list[str] | dict[int, str], mode: str = "tensor",
+                backend: str | None = None) -> None:
+        """`mode`: the weight sender's. "distributed": the broadcast group is formed here (`backend`: gloo or nccl;
+        None: nccl when the adapter lives on a GPU), after the previous connection's is destroyed."""
+        transport = mode
         if transport not in ADAPTER_MODES:
             raise ValueError(f"unknown adapter push mode {mode!r}; choose {', '.join(ADAPTER_MODES)}")
         if transport == "disk" and not self.disk_dir:
             raise ValueError("LoRA adapters reach engines on other devices or hosts through a PEFT folder: pass "
                              "--update-weight-disk-dir (a folder trainer and engines share)")
+        if self.group is not None and self.rank == 0:
+            destroy_weight_group(self.group, self.engine_urls, self.headers)
+            self.group = None
         self.engines, self.mode, self.transport = as_engine_map(engine_urls), mode, transport
         if self.rank == 0:
-            self.engines_dtype = engines_dtype(self.engine_urls, self.headers)
+            logger.info("LoRA adapter pushes to %d engine(s): transport %r", len(self.engines), transport)
+            infos = server_infos(self.engine_urls, self.headers)
+            self.engines_dtype = engines_dtype(self.engine_urls, self.headers, infos)
+            if transport == "distributed":
+                engine_ranks = {engine: int((infos.get(url) or {}).get("tp_size") or 1)
+                                for engine, url in self.engines.items()}
+                self.group = init_weight_group(self.engines, engine_ranks, self.master_address,
+                                               backend or ("nccl" if self.on_gpu else "gloo"), self.headers)
 
     def update(self, weight_version) -> WeightPushResult:
         """Collective (the adapter is gathered on every rank); rank 0 sends. Returns what the push moved."""
@@ -114,8 +143,11 @@ class AdapterPusher:
                 unreachable.update(self._load_everywhere(adapter_name, sent, str(weight_version), self.config_of(part)))
         if dist.is_initialized():
             dist.barrier()
+        # Which route the push took shows in the run's metrics: the bytes broadcast over the weight-update group.
+        metrics = {"perf/lora_push_broadcast_gb": num_bytes / 1e9} if self.transport == "distributed" else {}
         return WeightPushResult(seconds=time.perf_counter() - start, bytes=num_bytes,
-                                num_buckets=len(self.adapter_names or [None]), unreachable_engines=sorted(unreachable))
+                                num_buckets=len(self.adapter_names or [None]), unreachable_engines=sorted(unreachable),
+                                metrics=metrics)
 
     def _to_send(self, adapter: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """PEFT-named tensors in the engines' dtype (checked to be exact with --check-lora-weight-equal)."""
@@ -139,13 +171,16 @@ class AdapterPusher:
         self.pushed[trained_name] = pushed[-KEEP_VERSIONS:]
         keep = set(self.pushed[trained_name])
         folder, unreachable = None, []
-        if self.transport == "disk":
+        if self.transport == "distributed":
+            replies = self._broadcast(adapter_name, sent, weight_version, config)
+        elif self.transport == "disk":
             folder = save_peft_folder(Path(self.disk_dir) / f"lora_{adapter_name}", config,
                                       {name.removeprefix("base_model.model."): t for name, t in sent.items()})
         try:
             for url in self.engine_urls:
                 try:
-                    reply = self._load_one(url, adapter_name, sent, weight_version, config, folder)
+                    reply = (replies[url] if self.transport == "distributed"
+                             else self._load_one(url, adapter_name, sent, weight_version, config, folder))
                     compare_checksums(url, adapter_name, expected, reply.get("checksums"))
                     # What the engine itself says it holds: a version it got before a reconnection (another
                     # engine's restart) or that a failed unload left behind is found and unloaded too.
@@ -158,6 +193,22 @@ class AdapterPusher:
             if folder is not None and not self.keep_files:
                 shutil.rmtree(folder, ignore_errors=True)
         return unreachable
+
+    def _broadcast(self, adapter_name: str, sent: dict[str, torch.Tensor], weight_version: str,
+                   config: dict) -> dict[str, dict]:
+        """Every engine is asked at once (each of its ranks then waits in the broadcast) while rank 0 broadcasts the
+        adapter's tensors: {url: its reply}. An engine that cannot be reached fails the push here, as the
+        full-weight "distributed" push does: the group it belongs to cannot complete a broadcast without it."""
+        payload = {"lora_name": adapter_name, "config": config, "weight_version": weight_version,
+                   "group_name": WEIGHT_GROUP_NAME, "names": list(sent),
+                   "dtypes": [str(t.dtype).removeprefix("torch.") for t in sent.values()],
+                   "shapes": [list(t.shape) for t in sent.values()]}
+        device = torch.device("cuda", torch.cuda.current_device()) if self.on_gpu else torch.device("cpu")
+        with ThreadPoolExecutor(max_workers=1) as pool:
+            requests = pool.submit(_post_all, self.engine_urls, "/load_lora_adapter_from_distributed",
+                                   lambda url: payload, self.headers)
+            broadcast_named_tensors(self.group, [(name, t.to(device)) for name, t in sent.items()], src=0)
+            return dict(zip(self.engine_urls, requests.result()))
 
     def _load_one(self, url: str, adapter_name: str, sent: dict[str, torch.Tensor], weight_version: str,
                   config: dict, folder: Path | None) -> dict:

@@ -135,7 +135,8 @@ class TrainFlow(TrainFlowHandover):
                                                 keep_files=args.update_weight_disk_keep_files,
                                                 check_weight_equal=args.check_lora_weight_equal,
                                                 adapter_names=args.lora_adapter_names if args.lora_adapter_key
-                                                else None)
+                                                else None,
+                                                on_gpu=backend.device.type == "cuda", master_address=self.master_addr)
         else:
             self.weight_updater = weight_sender_from_args(args, backend, self.rank, self.master_addr)
         self.loss_fn = get_loss_function(args)

@@ -15,7 +15,8 @@ and keeps its own shard.
   and each stays alive until its engine is done with it;
 - "distributed" mode: a one-time process group of rank 0 and every engine rank (POST /init_weights_update_group,
   engine i's ranks at offset 1 + the ranks of the engines before it), then per bucket
-  POST /update_weights_from_distributed {names, dtypes, shapes} while rank 0 broadcasts the tensors.
+  POST /update_weights_from_distributed {names, dtypes, shapes} while rank 0 broadcasts the tensors. The group's
+  setup (`init_weight_group`, `destroy_weight_group`) is shared with the LoRA adapter pusher (lora_push.py).
   Every bucket but the last sends flush_cache false; the last sends flush_cache true and the weight version.
 - "disk" mode (--update-weight-transport disk): rank 0 writes the buckets as version folder `weight_v{N:06d}` (full or
   delta: slime.backends.weight_disk), runs --custom-update-weight-post-write-path, then with
@@ -103,6 +104,40 @@ def _post_each_reachable(urls: list[str], path: str, payload_for_url,
         url: answer for url, answer in answers.items() if answer is not None}
 
 
+def init_weight_group(engines: dict[int, str], engine_ranks: dict[int, int], master_address: str, backend: str,
+                      headers: dict | None = None):
+    """The trainer's rank 0 (rank 0 of the group) and every rank of every engine (engine i's ranks at offset 1 + the
+    ranks of the engines before it) in one broadcast group named WEIGHT_GROUP_NAME; returns rank 0's group. Used by
+    the full-weight sender and the LoRA adapter pusher (slime/backends/lora_push.py) alike."""
+    from slime.utils.misc import find_free_port
+
+    port = find_free_port(master_address)
+    world_size, offsets = broadcast_layout(engine_ranks)
+    urls = list(engines.values())
+    index = {url: engine for engine, url in engines.items()}
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        requests = pool.submit(_post_all, urls, "/init_weights_update_group", lambda url: {
+            "master_address": master_address, "master_port": port,
+            "rank_offset": offsets[index[url]], "world_size": world_size,
+            "group_name": WEIGHT_GROUP_NAME, "backend": backend,
+        }, headers)
+        group = init_custom_process_group(backend, f"tcp://{master_address}:{port}", world_size, 0, WEIGHT_GROUP_NAME)
+        requests.result()
+    return group
+
+
+def destroy_weight_group(group, engine_urls: list[str], headers: dict | None = None) -> None:
+    """Undo `init_weight_group`: every engine that still answers leaves the group, then rank 0 does."""
+    import httpx
+
+    for url in engine_urls:
+        try:
+            _post(url, "/destroy_weights_update_group", {"group_name": WEIGHT_GROUP_NAME}, headers)
+        except (RuntimeError, httpx.HTTPError):
+            pass  # an engine that failed (and was restarted elsewhere) has no group left to destroy
+    dist.destroy_process_group(group)
+
+
 class WeightSender:
     """The trainer side of a weight update (the engine side is `slime.engine.server.weights.EngineWeightReceiver`):
     sends the tensors `named_tensors(dtype)` yields to the connected engines; every rank calls `update`, rank 0
@@ -144,14 +179,7 @@ class WeightSender:
         if mode == "disk" and self.disk_sync is None:
             raise ValueError("weight update mode 'disk' needs --update-weight-transport disk settings")
         if self.group is not None and self.rank == 0:
-            import httpx
-
-            for url in self.engine_urls:
-                try:
-                    _post(url, "/destroy_weights_update_group", {"group_name": WEIGHT_GROUP_NAME}, self.headers)
-                except (RuntimeError, httpx.HTTPError):
-                    pass  # an engine that failed (and was restarted elsewhere) has no group left to destroy
-            dist.destroy_process_group(self.group)
+            destroy_weight_group(self.group, self.engine_urls, self.headers)
             self.group = None
         self.engines, self.mode = as_engine_map(engine_urls), mode
         if self.disk_sync is not None:
@@ -168,23 +196,8 @@ class WeightSender:
             self.feeders.ensure_groups()
         if mode == "distributed" and self.rank == 0:
             # The group's backend follows where the trainer's weights live, not whether the host has a GPU.
-            self._init_group(backend or ("nccl" if self.on_gpu else "gloo"))
-
-    def _init_group(self, backend: str) -> None:
-        from slime.utils.misc import find_free_port
-
-        port = find_free_port(self.master_address)
-        world_size, offsets = broadcast_layout(self.engine_ranks)
-        index = {url: engine for engine, url in self.engines.items()}
-        with ThreadPoolExecutor(max_workers=1) as pool:
-            requests = pool.submit(_post_all, self.engine_urls, "/init_weights_update_group", lambda url: {
-                "master_address": self.master_address, "master_port": port,
-                "rank_offset": offsets[index[url]], "world_size": world_size,
-                "group_name": WEIGHT_GROUP_NAME, "backend": backend,
-            }, self.headers)
-            self.group = init_custom_process_group(backend, f"tcp://{self.master_address}:{port}", world_size, 0,
-                                                   WEIGHT_GROUP_NAME)
-            requests.result()
+            self.group = init_weight_group(self.engines, self.engine_ranks, self.master_address,
+                                           backend or ("nccl" if self.on_gpu else "gloo"), self.headers)
 
     @property
     def push_dtype(self) -> torch.dtype | None:

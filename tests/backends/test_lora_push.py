@@ -1,6 +1,6 @@
 """Adapter pushes from the trainer into a real engine server (a subprocess on a tiny Qwen3, fp32 on the CPU): only
-the adapter's tensors travel (by handle, or as a PEFT folder on disk), every engine checksum is compared with the
-trainer's, the engine then generates with the trainer's log-probs under `policy@<version>`, and versions older than
+the adapter's tensors travel (by handle, broadcast over the weight-update group, or as a PEFT folder on disk), every
+engine checksum is compared with the trainer's, the engine then generates with the trainer's log-probs under `policy@<version>`, and versions older than
 the previous one are unloaded. A checksum that differs, or a tensor missing or extra, fails naming it."""
 
 import httpx
@@ -12,6 +12,7 @@ from torch.distributed.tensor import DTensor
 from slime.backends.lora_adapter import is_lora_name
 from slime.backends.lora_push import AdapterPushError, compare_checksums
 from slime.backends.packing import pack_samples
+from slime.backends.weight_sender import destroy_weight_group
 from slime.utils.misc import find_free_port
 from tests.helpers.fsdp_helpers import make_args, make_trainer
 from tests.helpers.lora_helpers import LORA_FLAGS, random_adapter, wide_tiny_checkpoint
@@ -59,7 +60,7 @@ def _loaded(url: str) -> set[str]:
     return set(response.json()["loaded_adapters"])
 
 
-@pytest.mark.parametrize("transport", ["tensor", "disk"])
+@pytest.mark.parametrize("transport", ["tensor", "disk", "distributed"])
 def test_pushed_adapter_is_verified_served_with_the_trainers_log_probs_and_old_versions_unloaded(
         root, engine, transport):
     args = make_args(root / "model", *LORA_FLAGS, "--update-weight-disk-dir", root / "push")
@@ -85,6 +86,8 @@ def test_pushed_adapter_is_verified_served_with_the_trainers_log_probs_and_old_v
     finally:
         for name in _loaded(engine.url):
             httpx.post(engine.url + "/unload_lora_adapter", json={"lora_name": name}, timeout=60, trust_env=False)
+        if trainer.weight_updater.group is not None:  # the engine leaves the broadcast group too
+            destroy_weight_group(trainer.weight_updater.group, [engine.url])
         dist.destroy_process_group()
 
 

@@ -59,12 +59,15 @@ class RankWeights:
         if group is not None:
             weight_transport.destroy_custom_process_group(group)
 
-    def receive(self, group_name: str, names: list[str], dtypes: list, shapes: list) -> None:
-        """The trainer's broadcast of full tensors, kept until `apply_stash`. Every tensor is received even when a
-        name is wrong (the trainer's broadcast must complete); rank 0 refuses such a push before anyone loads."""
+    def receive(self, group_name: str, names: list[str], dtypes: list, shapes: list, keep: bool = True) -> None:
+        """The trainer's broadcast of full tensors, kept until `apply_stash` (`keep` False: dropped, as for a LoRA
+        adapter, which rank 0 writes into every rank's slot itself; this rank only takes its part in the
+        collective). Every tensor is received even when a name is wrong (the trainer's broadcast must complete);
+        rank 0 refuses such a push before anyone loads."""
         self.stash = None
-        self.stash = weight_transport.receive_named_tensors(self.groups[group_name], names, dtypes, shapes,
-                                                            self.runner.device)
+        received = weight_transport.receive_named_tensors(self.groups[group_name], names, dtypes, shapes,
+                                                          self.runner.device)
+        self.stash = received if keep else None
 
     def apply_stash(self, weight_version: str) -> dict:
         if self.stash is None:

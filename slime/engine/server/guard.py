@@ -35,6 +35,7 @@ ADMIN_ROUTES = frozenset(
         "/load_lora_adapter",
         "/unload_lora_adapter",
         "/load_lora_adapter_from_tensors",
+        "/load_lora_adapter_from_distributed",
     }
 )
 OPEN_ROUTES = frozenset({"/health"})  # load balancers and sglang-router probe it without credentials

@@ -1,6 +1,8 @@
 """SGLang's LoRA routes on the engine server: /load_lora_adapter (a PEFT folder), /unload_lora_adapter and slime's
 /load_lora_adapter_from_tensors (a trainer's push: PEFT-named tensors by handle, one serialized list per engine
-rank or one for all, and the adapter's config; rank 0 opens the first and hands every rank its part). Every successful load answers the float64 sum of each tensor as received
+rank or one for all, and the adapter's config; rank 0 opens the first and hands every rank its part) and
+/load_lora_adapter_from_distributed (the same tensors broadcast over the weight-update group that
+/init_weights_update_group formed, received on every engine rank). Every successful load answers the float64 sum of each tensor as received
 (`checksums`), so the sender can verify the push tensor by tensor. Replies are SGLang's LoRAUpdateOutput
 (`success`, `error_message`, `loaded_adapters`) plus `lora_name`; a bad request is a 400 naming the problem.
 
@@ -19,6 +21,7 @@ from slime.engine.lora.adapter import AdapterError, adapter_from_tensors
 from slime.engine.memory_tags import EngineMemoryReleasedError
 from slime.engine.server.io import read_json
 from slime.engine.server.protocol import RequestError, require_fields
+from slime.engine.server.weights import DEFAULT_GROUP_NAME
 from slime.utils import weight_transport
 
 
@@ -81,6 +84,27 @@ def register_lora_routes(app: FastAPI, state) -> None:
             return await failure(error)
         finally:
             del named_tensors  # the sender's shared memory is freed once nothing here maps it
+        return await reply(body["lora_name"], {"checksums": adapter.checksums, "weight_version": body["weight_version"]})
+
+    @app.post("/load_lora_adapter_from_distributed")
+    async def load_lora_adapter_from_distributed(request: Request):
+        """The adapter's PEFT-named tensors broadcast by the trainer's rank 0 over the weight-update group
+        (/init_weights_update_group): every rank of this engine receives them (the collective needs them all), rank 0
+        builds the adapter and writes it into every rank's slot, as /load_lora_adapter_from_tensors does."""
+        route = "/load_lora_adapter_from_distributed"
+        body = require_fields(await read_json(request), route,
+                              {"lora_name": str, "config": dict, "names": list, "dtypes": list, "shapes": list},
+                              {"group_name": (str, DEFAULT_GROUP_NAME), "weight_version": (str, None),
+                               "pinned": (bool, False)})
+        # Receive every tensor before refusing anything else: a half-done broadcast would leave the trainer hanging.
+        named_tensors = await state.weights.receive_broadcast(body, route, keep_on_other_ranks=False)
+        try:
+            adapter = await asyncio.to_thread(adapter_from_tensors, body["config"], named_tensors, max_rank())
+            await loop.call(engine.load_lora_adapter, body["lora_name"], adapter)
+        except (AdapterError, EngineMemoryReleasedError) as error:
+            return await failure(error)
+        finally:
+            del named_tensors
         return await reply(body["lora_name"], {"checksums": adapter.checksums, "weight_version": body["weight_version"]})
 
 

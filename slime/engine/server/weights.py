@@ -5,7 +5,8 @@ rejected update (unknown name, wrong shape) leaves the model exactly as it was.
 
 Receiving a broadcast and deserializing handles happen off the driver thread (they do not touch the engine); only
 the final copy into the model runs on it, between two steps. Every update flushes the prefix cache (KV computed
-under the old weights must not be reused), whatever the request's `flush_cache` says. Not the transport itself
+under the old weights must not be reused), whatever the request's `flush_cache` says. `receive_broadcast` also
+serves the LoRA route /load_lora_adapter_from_distributed (lora_routes.py). Not the transport itself
 (`slime.utils.weight_transport`) and not the engine's loader (`slime.engine.models.weight_loader`).
 """
 
@@ -200,10 +201,42 @@ class EngineWeightReceiver:
         self._group_locks[name] = threading.Lock()
         return {"success": True, "message": "Succeeded to initialize custom process group."}
 
+    async def receive_broadcast(self, body: dict, route: str, keep_on_other_ranks: bool = True) -> list:
+        """The tensors the trainer broadcasts over `body["group_name"]` ({names, dtypes, shapes}; `body` already
+        parsed by require_fields), received on every rank of this engine (each joined the group at rank_offset +
+        tp_rank): rank 0's are returned; the other ranks keep theirs until `weights.apply_stash` or, with
+        `keep_on_other_ranks` False (a LoRA adapter, which rank 0 hands every rank itself), drop them."""
+        names, dtypes, shapes = body["names"], body["dtypes"], body["shapes"]
+        group_name = body["group_name"]
+        if group_name not in self.groups:
+            raise RequestError(f"{route} field 'group_name': no group {group_name!r}; POST /init_weights_update_group "
+                               "first")
+        if not len(names) == len(dtypes) == len(shapes):
+            raise RequestError(f"{route}: 'names', 'dtypes' and 'shapes' must have the same length, got "
+                               f"{len(names)}, {len(dtypes)}, {len(shapes)}")
+        if not all(isinstance(n, str) for n in names):
+            raise RequestError(f"{route} field 'names' must be a list of strings")
+        if not all(isinstance(s, list) and all(isinstance(d, int) and d >= 0 for d in s) for s in shapes):
+            raise RequestError(f"{route} field 'shapes' must be a list of lists of ints")
+        try:
+            torch_dtypes = [weight_transport.parse_dtype(d) for d in dtypes]
+        except ValueError as error:
+            raise RequestError(f"{route} field 'dtypes': {error}") from error
+        group, lock = self.groups[group_name], self._group_locks[group_name]
+
+        def receive():
+            with lock:  # collectives on one group must run in the order the trainer issues them
+                with self._on_other_ranks("weights.receive", group_name, names, torch_dtypes, shapes,
+                                          keep_on_other_ranks):
+                    return weight_transport.receive_named_tensors(group, names, torch_dtypes, shapes, self.device)
+
+        return await run_in_daemon_thread(receive)
+
     async def update_from_distributed(self, body) -> dict:
+        route = "/update_weights_from_distributed"
         body = require_fields(
             body,
-            "/update_weights_from_distributed",
+            route,
             {"names": list, "dtypes": list, "shapes": list},
             {
                 "group_name": (str, DEFAULT_GROUP_NAME),
@@ -212,38 +245,11 @@ class EngineWeightReceiver:
                 "load_format": (str, None),
             },
         )
-        names, dtypes, shapes = body["names"], body["dtypes"], body["shapes"]
-        group_name = body["group_name"]
-        if group_name not in self.groups:
-            raise RequestError(
-                f"/update_weights_from_distributed field 'group_name': no group {group_name!r}; "
-                "POST /init_weights_update_group first"
-            )
         if body["load_format"] not in (None, "direct"):
-            raise RequestError("/update_weights_from_distributed field 'load_format' must be null or 'direct'")
-        if not len(names) == len(dtypes) == len(shapes):
-            raise RequestError(
-                "/update_weights_from_distributed: 'names', 'dtypes' and 'shapes' must have the same length, got "
-                f"{len(names)}, {len(dtypes)}, {len(shapes)}"
-            )
-        if not all(isinstance(n, str) for n in names):
-            raise RequestError("/update_weights_from_distributed field 'names' must be a list of strings")
-        if not all(isinstance(s, list) and all(isinstance(d, int) and d >= 0 for d in s) for s in shapes):
-            raise RequestError("/update_weights_from_distributed field 'shapes' must be a list of lists of ints")
-        try:
-            torch_dtypes = [weight_transport.parse_dtype(d) for d in dtypes]
-        except ValueError as error:
-            raise RequestError(f"/update_weights_from_distributed field 'dtypes': {error}") from error
-        group, lock = self.groups[group_name], self._group_locks[group_name]
-
-        def receive():
-            with lock:  # collectives on one group must run in the order the trainer issues them
-                with self._on_other_ranks("weights.receive", group_name, names, torch_dtypes, shapes):
-                    return weight_transport.receive_named_tensors(group, names, torch_dtypes, shapes, self.device)
-
+            raise RequestError(f"{route} field 'load_format' must be null or 'direct'")
         # Receive every tensor even if a name is wrong: skipping would leave the trainer's broadcast hanging.
-        named_tensors = await run_in_daemon_thread(receive)
-        self.check_names_and_shapes([(n, s) for n, s in zip(names, shapes)], "names/shapes")
+        named_tensors = await self.receive_broadcast(body, route)
+        self.check_names_and_shapes([(n, s) for n, s in zip(body["names"], body["shapes"])], "names/shapes")
         await self._load(self.loop.engine.apply_received_weights, named_tensors, body["weight_version"])
         return self._with_ranks({"success": True, "message": "Succeeded to update parameter online."})
 

@@ -74,6 +74,10 @@ def test_admin_routes_refuse_remote_peers():
     assert remote_ok.refusal("/update_weights_from_tensor", f"Bearer {ADMIN_KEY}", "10.1.2.3") is None
     assert remote_ok.refusal("/update_weights_from_tensor", None, "10.1.2.3")[0] == 401
     assert AccessPolicy().refusal("/generate", None, "10.1.2.3") is None  # no key set: generation is open
+    # the adapter routes change what the engine serves: admin routes too
+    for route in ("/load_lora_adapter_from_tensors", "/load_lora_adapter_from_distributed"):
+        assert policy.refusal(route, f"Bearer {ADMIN_KEY}", "10.1.2.3")[0] == 403
+        assert remote_ok.refusal(route, "Bearer user-key", "10.1.2.3")[0] == 401
 
 
 def test_big_body_is_413_at_once_while_health_answers(server):
