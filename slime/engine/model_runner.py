@@ -145,7 +145,7 @@ class ModelRunner(RunnerMemory):
         spec = decoder_spec(self.model_config)
         pin_cpu_threads(self.device)
         self.use_cuda_graphs = False
-        return TrueOnPolicyForward(self.model, spec)
+        return TrueOnPolicyForward(self.model, spec, self.block_size)
 
     def drop_sequence(self, rid: str) -> None:
         """A finished sequence's per-sequence state (true_on_policy) is freed."""

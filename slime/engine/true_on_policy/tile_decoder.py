@@ -5,8 +5,8 @@ log-prob of a sampled token and the trainer's are the same bits.
 Weights come as `LayerWeights` views of either side's parameters: the engine's fused `qkv_proj` / `gate_up_proj`,
 the trainer's q/k/v and gate/up concatenated in that order (the matmul then has the same shape on both sides).
 A layer's keys and values live in `LayerKV`, one entry per tile; a tile's rows outside the positions being computed
-keep what they held. Covered: Qwen2 / Qwen2.5 / Qwen3 / Llama-shaped dense layers without RoPE scaling
-(contract.py refuses the rest by name). Not the engine's serving path (models/decoder.py) and not fast.
+keep what they held. Covered: Qwen2 / Qwen2.5 / Qwen3 / Llama-shaped dense layers without RoPE scaling, and
+Qwen3-MoE's routed-expert layers (tile_moe.py; contract.py refuses the rest by name). Not the engine's serving path (models/decoder.py) and not fast.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from slime.engine.true_on_policy import tile_ops
+from slime.engine.true_on_policy.tile_moe import MoeWeights, moe_tile
 from slime.engine.true_on_policy.tile_ops import TILE_ROWS
 
 
@@ -38,8 +39,9 @@ class LayerWeights:
     k_norm: torch.Tensor | None
     o_weight: torch.Tensor
     post_norm: torch.Tensor
-    gate_up_weight: torch.Tensor  # [gate; up] rows
-    down_weight: torch.Tensor
+    gate_up_weight: torch.Tensor | None  # [gate; up] rows (None in a MoE layer)
+    down_weight: torch.Tensor | None
+    moe: MoeWeights | None = None  # a MoE layer's router and routed experts
 
 
 class LayerKV:
@@ -89,20 +91,30 @@ def attention(spec: DecoderSpec, w: LayerWeights, normed: torch.Tensor, tile_ind
 
 
 def layer_tile(spec: DecoderSpec, w: LayerWeights, hidden: torch.Tensor, tile_index: int, kv: LayerKV,
-               rows: torch.Tensor) -> torch.Tensor:
-    """One tile [TILE_ROWS, hidden] of the residual stream through one pre-norm layer."""
+               rows: torch.Tensor, routing: torch.Tensor | None = None,
+               chosen: list | None = None) -> torch.Tensor:
+    """One tile [TILE_ROWS, hidden] of the residual stream through one pre-norm layer. A MoE layer replays
+    `routing` [TILE_ROWS, top_k] (tile_moe.FREE_ROW rows route freely) and appends its expert ids to `chosen`."""
     hidden = hidden + attention(spec, w, tile_ops.rms_norm(hidden, w.input_norm, spec.rms_norm_eps), tile_index,
                                 kv, rows)
     normed = tile_ops.rms_norm(hidden, w.post_norm, spec.rms_norm_eps)
+    if w.moe is not None:
+        out, expert_ids = moe_tile(w.moe, normed, routing)
+        if chosen is not None:
+            chosen.append(expert_ids)
+        return hidden + out
     return hidden + tile_ops.linear(tile_ops.silu_mul(tile_ops.linear(normed, w.gate_up_weight)), w.down_weight)
 
 
 def layer_tiles(spec: DecoderSpec, w: LayerWeights, hidden: torch.Tensor, first_tile: int, kv: LayerKV,
-                start: int, end: int) -> torch.Tensor:
+                start: int, end: int, routing: torch.Tensor | None = None,
+                chosen: list | None = None) -> torch.Tensor:
     """Tiles first_tile.. of one sequence, hidden [num_tiles, TILE_ROWS, hidden], through one layer, in order;
-    K/V are stored for positions [start, end) only."""
+    K/V are stored for positions [start, end) only. A MoE layer replays `routing` [num_tiles, TILE_ROWS, top_k]
+    and appends each tile's expert ids to `chosen`."""
     return torch.stack([
-        layer_tile(spec, w, tile, first_tile + i, kv, row_mask(first_tile + i, start, end, hidden.device))
+        layer_tile(spec, w, tile, first_tile + i, kv, row_mask(first_tile + i, start, end, hidden.device),
+                   None if routing is None else routing[i], chosen)
         for i, tile in enumerate(hidden)
     ])
 
