@@ -15,6 +15,7 @@ import torch
 
 from slime.engine.true_on_policy import tile_decoder, tile_ops
 from slime.engine.true_on_policy.tile_decoder import DecoderSpec, LayerKV, LayerWeights
+from slime.engine.true_on_policy.tile_lora import FUSED_SLICES, LayerLora, LoraPair
 from slime.engine.true_on_policy.tile_moe import FREE_ROW, MoeWeights
 from slime.engine.true_on_policy.tile_ops import TILE_ROWS
 
@@ -30,6 +31,21 @@ def true_on_policy_spec(args, weights_path: str, device: torch.device) -> Decode
     spec = decoder_spec(load_model_config(weights_path))
     pin_cpu_threads(device)
     return spec
+
+
+def _lora_pair(module) -> LoraPair | None:
+    """An FSDP LoRALinear's (fsdp_utils/lora.py) adapter while enabled (the reference pass disables it)."""
+    if not hasattr(module, "lora_A") or not module.adapter_enabled:
+        return None
+    return LoraPair(module.lora_A.weight, module.lora_B.weight, module.scaling)
+
+
+def hf_layer_lora(layer) -> LayerLora | None:
+    """The LoRA pairs on a transformers decoder layer's linears, None when it has none (or they are disabled)."""
+    lora = {fused: [_lora_pair(getattr(layer.self_attn if fused in ("qkv", "o") else layer.mlp, name, None))
+                    for name in names]
+            for fused, names in FUSED_SLICES.items()}
+    return lora if any(pair is not None for pairs in lora.values() for pair in pairs) else None
 
 
 def hf_layer_weights(layer) -> LayerWeights:
@@ -48,7 +64,7 @@ def hf_layer_weights(layer) -> LayerWeights:
         q_norm=attn.q_norm.weight if qk_norm else None, k_norm=attn.k_norm.weight if qk_norm else None,
         o_weight=attn.o_proj.weight, post_norm=layer.post_attention_layernorm.weight,
         gate_up_weight=None if moe else torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]),
-        down_weight=None if moe else mlp.down_proj.weight, moe=moe,
+        down_weight=None if moe else mlp.down_proj.weight, moe=moe, lora=hf_layer_lora(layer),
     )
 
 

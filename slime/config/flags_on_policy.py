@@ -42,7 +42,13 @@ def check_on_policy_args(args, require) -> None:
 
 def _check_true_on_policy(args, require) -> None:
     refused = [
-        (args.lora_rank > 0, "--lora-rank (LoRA adapters are not in the batch-invariant decoder yet)"),
+        (args.lora_rank > 0 and args.train_backend != "fsdp",
+         f"--lora-rank on the {args.train_backend} backend (LoRA is covered on --train-backend fsdp)"),
+        (args.lora_rank > 0 and bool(args.lora_adapter_key),
+         "--lora-adapter-key / --lora-adapter-names (several adapters; one adapter is covered)"),
+        (args.lora_rank > 0 and args.lora_dropout > 0,
+         f"--lora-dropout {args.lora_dropout} (the trainer's dropout mask is not the engine's; use 0)"),
+        (args.lora_rank > 0 and _is_moe_checkpoint(args), "--lora-rank on a mixture-of-experts model"),
         (args.compile_model, "--compile-model (the decoder layers run the batch-invariant forward, uncompiled)"),
         (args.recompute_activations, "--recompute-activations (not tested with the batch-invariant layers)"),
         (args.use_routing_replay and not args.use_rollout_routing_replay,

@@ -7,7 +7,8 @@ log-prob is the shared `log_softmax` of its tile, the op the trainer runs.
 The sequence's state is dropped when it finishes and whenever the weights change (the next step recomputes its
 prefix under the new weights). A MoE layer (tile_moe.py) writes the experts it picks for each computed position to
 the block's routed_experts_cache at that position's KV slot, as the serving path does, so return_routed_experts
-(the trainer's routing replay, R3) reads them back. Not the serving path: one sequence at a time, no CUDA graphs.
+(the trainer's routing replay, R3) reads them back. A sequence with a LoRA adapter computes its deltas from the
+adapter's own tensors (kept per slot when written, tile_lora.py), not the serving slots. Not the serving path: one sequence at a time, no CUDA graphs.
 """
 
 from __future__ import annotations
@@ -18,11 +19,29 @@ import torch
 
 from slime.engine.true_on_policy import tile_decoder, tile_ops
 from slime.engine.true_on_policy.tile_decoder import DecoderSpec, LayerKV, LayerWeights
+from slime.engine.true_on_policy.tile_lora import FUSED_SLICES, LayerLora, LoraPair
 from slime.engine.true_on_policy.tile_moe import MoeWeights
 from slime.engine.true_on_policy.tile_ops import TILE_ROWS
 
 
-def engine_layer_weights(layer) -> LayerWeights:
+def adapter_layer_lora(adapter, layer_index: int, device, dtype) -> LayerLora | None:
+    """An engine adapter's (engine/lora/adapter.py) pairs on decoder layer `layer_index`, None if it adapts none."""
+    if adapter is None:
+        return None
+    lora, found = {}, False
+    for fused, names in FUSED_SLICES.items():
+        parent = "self_attn" if fused in ("qkv", "o") else "mlp"
+        pairs = []
+        for name in names:
+            pair = adapter.modules.get(f"model.layers.{layer_index}.{parent}.{name}")
+            pairs.append(None if pair is None else LoraPair(pair[0].to(device, dtype), pair[1].to(device, dtype),
+                                                            adapter.scale))
+            found = found or pair is not None
+        lora[fused] = pairs
+    return lora if found else None
+
+
+def engine_layer_weights(layer, lora: LayerLora | None = None) -> LayerWeights:
     """Views of an engine `DecoderLayer`'s parameters (its fused qkv_proj and gate_up_proj hold [q; k; v] and
     [gate; up], the order the trainer concatenates; a sparse layer's experts are stored as transformers stores them)."""
     attn, mlp = layer.self_attn, layer.mlp
@@ -36,7 +55,7 @@ def engine_layer_weights(layer) -> LayerWeights:
         q_norm=attn.q_norm.weight if attn.qk_norm else None, k_norm=attn.k_norm.weight if attn.qk_norm else None,
         o_weight=attn.o_proj.weight, post_norm=layer.post_attention_layernorm.weight,
         gate_up_weight=None if moe else mlp.gate_up_proj.weight, down_weight=None if moe else mlp.down_proj.weight,
-        moe=moe,
+        moe=moe, lora=lora,
     )
 
 
@@ -55,6 +74,12 @@ class TrueOnPolicyForward:
         self.block_size = block_size
         self.states: dict[str, SequenceState] = {}
         self.epoch = 0
+        self.adapters: dict[int, object] = {}  # LoRA slot -> the LoraAdapter written there
+
+    def set_adapter(self, slot: int, adapter) -> None:
+        """A LoRA adapter was written into `slot`: its sequences recompute with it."""
+        self.adapters[slot] = adapter
+        self.weights_changed()
 
     def weights_changed(self) -> None:
         """Every state was computed with the old weights: recompute each sequence from position 0 at its next step."""
@@ -79,10 +104,12 @@ class TrueOnPolicyForward:
         ids = torch.tensor(token_ids[start:end], dtype=torch.long, device=embed.device)
         tiles, first_tile = tile_decoder.token_tiles(ids, start)
         hidden = embed[tiles]
-        for layer, kv in zip(self.model.model.layers, state.kv):
+        adapter = self.adapters.get(seq.lora_slot)
+        for index, (layer, kv) in enumerate(zip(self.model.model.layers, state.kv)):
             chosen = [] if layer.is_sparse else None
-            hidden = tile_decoder.layer_tiles(self.spec, engine_layer_weights(layer), hidden, first_tile, kv, start,
-                                              end, chosen=chosen)
+            lora = adapter_layer_lora(adapter, index, embed.device, embed.dtype)
+            hidden = tile_decoder.layer_tiles(self.spec, engine_layer_weights(layer, lora), hidden, first_tile, kv,
+                                              start, end, chosen=chosen)
             if chosen and layer.mlp.routed_experts_cache is not None:
                 self._record_routing(layer.mlp.routed_experts_cache, seq.block_table, chosen, first_tile, start, end)
         state.num_computed = end

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from slime.engine.true_on_policy import tile_ops
+from slime.engine.true_on_policy.tile_lora import LayerLora, adapted_linear
 from slime.engine.true_on_policy.tile_moe import MoeWeights, moe_tile
 from slime.engine.true_on_policy.tile_ops import TILE_ROWS
 
@@ -42,6 +43,7 @@ class LayerWeights:
     gate_up_weight: torch.Tensor | None  # [gate; up] rows (None in a MoE layer)
     down_weight: torch.Tensor | None
     moe: MoeWeights | None = None  # a MoE layer's router and routed experts
+    lora: LayerLora | None = None  # a LoRA adapter's pairs on this layer's linears (tile_lora.py)
 
 
 class LayerKV:
@@ -75,7 +77,7 @@ def row_mask(tile_index: int, start: int, end: int, device) -> torch.Tensor:
 def attention(spec: DecoderSpec, w: LayerWeights, normed: torch.Tensor, tile_index: int, kv: LayerKV,
               rows: torch.Tensor) -> torch.Tensor:
     q_size, kv_size = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
-    qkv = tile_ops.linear(normed, w.qkv_weight, w.qkv_bias)
+    qkv = adapted_linear(normed, w.qkv_weight, w.qkv_bias, w.lora, "qkv", [q_size, kv_size, kv_size])
     q = qkv[:, :q_size].reshape(TILE_ROWS, spec.num_heads, spec.head_dim)
     k = qkv[:, q_size : q_size + kv_size].reshape(TILE_ROWS, spec.num_kv_heads, spec.head_dim)
     v = qkv[:, q_size + kv_size :].reshape(TILE_ROWS, spec.num_kv_heads, spec.head_dim)
@@ -87,7 +89,7 @@ def attention(spec: DecoderSpec, w: LayerWeights, normed: torch.Tensor, tile_ind
     kv.store(tile_index, k, v, rows)
     keys, values = kv.through(tile_index)
     out = tile_ops.causal_attention(q, keys, values, tile_index, spec.head_dim ** -0.5)
-    return tile_ops.linear(out, w.o_weight)
+    return adapted_linear(out, w.o_weight, None, w.lora, "o", [w.o_weight.shape[0]])
 
 
 def layer_tile(spec: DecoderSpec, w: LayerWeights, hidden: torch.Tensor, tile_index: int, kv: LayerKV,
@@ -103,7 +105,10 @@ def layer_tile(spec: DecoderSpec, w: LayerWeights, hidden: torch.Tensor, tile_in
         if chosen is not None:
             chosen.append(expert_ids)
         return hidden + out
-    return hidden + tile_ops.linear(tile_ops.silu_mul(tile_ops.linear(normed, w.gate_up_weight)), w.down_weight)
+    intermediate = w.gate_up_weight.shape[0] // 2
+    gate_up = adapted_linear(normed, w.gate_up_weight, None, w.lora, "gate_up", [intermediate, intermediate])
+    return hidden + adapted_linear(tile_ops.silu_mul(gate_up), w.down_weight, None, w.lora, "down",
+                                   [w.down_weight.shape[0]])
 
 
 def layer_tiles(spec: DecoderSpec, w: LayerWeights, hidden: torch.Tensor, first_tile: int, kv: LayerKV,
