@@ -1,6 +1,6 @@
-"""What the engine's true_on_policy refuses when it starts: sharded engines, LoRA serving, an fp8 KV cache, and
-models outside the batch-invariant decoder (named by family or config field); Qwen3-MoE (with routed-expert
-recording, for R3) is covered."""
+"""What the engine's true_on_policy refuses when it starts: sharded engines, an fp8 KV cache, and models outside the
+batch-invariant decoder (named by family or config field); Qwen3-MoE (with routed-expert recording, for R3) and LoRA
+serving are covered."""
 
 import pytest
 
@@ -13,7 +13,6 @@ from slime.utils.tiny_model import build_tiny_model, tiny_config
 
 @pytest.mark.parametrize(("fields", "named"), [
     ({"tp_size": 2}, "tp_size 2"),
-    ({"enable_lora": True}, "enable_lora"),
     ({"kv_cache_dtype": "fp8_e4m3"}, "kv_cache_dtype"),
     ({"overlap_schedule": True}, "overlap_schedule"),
 ])
@@ -48,8 +47,9 @@ def test_covered_families_get_their_spec(arch):
     assert (spec.num_heads, spec.num_kv_heads, spec.qk_norm) == (4, 2, arch in ("qwen3", "qwen3_moe"))
 
 
-def test_routed_expert_recording_is_covered():
+def test_routed_expert_recording_and_lora_serving_are_covered():
     assert Config(model="m", true_on_policy=True, enable_return_routed_experts=True).enable_return_routed_experts
+    assert Config(model="m", true_on_policy=True, enable_lora=True).enable_lora
 
 
 def test_an_engine_on_an_uncovered_model_refuses_to_start(tmp_path):
