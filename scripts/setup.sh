@@ -15,4 +15,8 @@ if ! .venv/bin/python -c "import torch" >/dev/null 2>&1; then
 fi
 $PIP install -q -e ".[dev]" 2>&1 | grep -v "^WARNING: Location" || true
 .venv/bin/python -c "import torch, transformers, ray, sglang_router, math_verify, megatron.core, xxhash, zstandard, orjson, openai, anthropic"
+# The coding-agent CLIs (Claude Code, Codex) at pinned versions, for the local-sandbox agent runs (which need root).
+if [ "$(id -u)" = 0 ] && command -v npm >/dev/null 2>&1 && [ -z "${SLIME_SKIP_AGENT_CLIS:-}" ]; then
+  bash scripts/setup_agent_clis.sh >/dev/null || echo "note: the agent CLIs did not install (scripts/setup_agent_clis.sh)"
+fi
 echo "setup ok: $(.venv/bin/python -c 'import torch; print("torch", torch.__version__)')"

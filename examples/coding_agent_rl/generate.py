@@ -22,7 +22,8 @@ slime.ray.train_data). It is never scored as a zero reward. A CLI that exits non
 some turns is an episode like any other: its diff is graded (`metadata["agent_exit_code"]` says how it ended).
 
 Per Sample: `metadata["multi_turn"]` (turns, tool calls) in slime.rollout.multi_turn's shape, `episode_seconds`,
-`tests_passed`, `prefix_cache_info` (the adapter's cached prompt tokens); metrics.py turns them into `agent/*`.
+`tests_passed`, `sandbox_limits_hit` (the local sandbox's report: memory, processes, cpu, disk, network, episode
+time), `prefix_cache_info` (the adapter's cached prompt tokens); metrics.py turns them into `agent/*`.
 Not the task layer (swe.py), not a harness (slime.agent.harness).
 """
 
@@ -57,8 +58,13 @@ AGENT_NAME = os.environ.get("SWE_AGENT", "claude_code")
 if AGENT_NAME not in _AGENTS:
     raise ValueError(f"SWE_AGENT={AGENT_NAME!r}: use one of {sorted(_AGENTS)}")
 HARNESS_CLS, ADAPTER_CLS = _AGENTS[AGENT_NAME]
-# The Codex that scripts/setup_agent_clis.sh pins speaks only the Responses API (slime's harness default is "chat").
-os.environ.setdefault(CodexHarness.wire_api_env, "responses")
+# How the example's CLIs run unless the environment says otherwise: Claude Code with its shell and file tools only (a
+# shorter system prompt), Codex over the Responses API (the Codex scripts/setup_agent_clis.sh pins speaks nothing
+# else; slime's harness default is "chat"). warm_start.py captures the prompt under the same settings.
+CLI_ENV_DEFAULTS = {ClaudeCodeHarness.extra_args_env: "--tools Bash,Read,Edit,Write",
+                    CodexHarness.wire_api_env: "responses"}
+for _key, _value in CLI_ENV_DEFAULTS.items():
+    os.environ.setdefault(_key, _value)
 
 CLI_MOUNT = "/opt/slime-agent-clis"  # where the host's CLI folder appears in the sandbox
 CLI_LINKS = {"claude_code": "claude", "codex": "codex"}
@@ -202,6 +208,7 @@ async def generate(args, base_sample: Sample, sampling_params: dict[str, Any], e
                     sb, workdir=md["workdir"], session_id=session_id, adapter_url=state.adapter_url,
                     time_budget_sec=CONFIG.agent_time_budget_sec, prompt=swe.SWE_PROMPT)
                 diff_text = await swe.git_diff(sb, md["workdir"])
+                limits_hit = sb.report().limits_hit if hasattr(sb, "report") else []
             episode_seconds = time.time() - started
             result = await swe.run_evaluation(md, diff_text=diff_text, timeout_sec=CONFIG.eval_timeout_sec)
             reward = float(result.reward)
@@ -213,9 +220,10 @@ async def generate(args, base_sample: Sample, sampling_params: dict[str, Any], e
                 extra_metadata={"grading_solved": reward == 1.0, "instance_id": instance_id})
             if not samples:
                 return _abort_result(base_sample, "adapter_session_empty", instance_id,
-                                     agent_exit_code=agent_exit_code)
+                                     agent_exit_code=agent_exit_code, sandbox_limits_hit=limits_hit)
             for sample in samples:
                 _annotate(sample, agent_exit_code, episode_seconds, result, len(samples))
+                sample.metadata["sandbox_limits_hit"] = limits_hit
             logger.info("[coding_agent_rl] %s: reward=%.1f applied=%s exit=%d %.1fs samples=%d", instance_id,
                         reward, result.applied_cleanly, agent_exit_code, episode_seconds, len(samples))
             return samples
