@@ -35,36 +35,40 @@ def adapter(checkpoint, targets):
                           std=0.2)
 
 
-def trainer_model(checkpoint, config, tensors):
-    """The transformers model with the FSDP backend's LoRALinear on the adapter's targets, holding its tensors."""
+def trainer_model(checkpoint, config, tensors, device="cpu", dtype=torch.float32):
+    """The transformers model with the FSDP backend's LoRALinear on the adapter's targets, holding its tensors, in
+    `dtype` on `device` (the trainer's mixed-precision compute weights)."""
     hf = AutoModelForCausalLM.from_pretrained(str(checkpoint), dtype=torch.float32).eval()
     apply_lora(hf, list(config["target_modules"]), config["r"], config["lora_alpha"], 0.0)
     params = dict(hf.named_parameters())
     with torch.no_grad():
         for name, tensor in tensors.items():
             params[name.removeprefix("base_model.model.")].copy_(tensor)
-    return hf
+    return hf.to(device, dtype)
 
 
 def trainer_log_probs(hf, checkpoint, sequences, num_prompt_tokens, temperature=SAMPLING["temperature"]):
     spec = decoder_spec(load_model_config(checkpoint))
     decoder = hf.get_decoder()
+    device = decoder.embed_tokens.weight.device
     lengths = [len(s) for s in sequences]
     cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
-    input_ids = torch.tensor([t for s in sequences for t in s])
+    input_ids = torch.tensor([t for s in sequences for t in s], device=device)
     layout = TileLayout(tuple(lengths))
-    logit_index = torch.cat([torch.arange(cu[i] + p - 1, cu[i + 1] - 1) for i, p in enumerate(num_prompt_tokens)])
+    logit_index = torch.cat([torch.arange(cu[i] + p - 1, cu[i + 1] - 1)
+                             for i, p in enumerate(num_prompt_tokens)]).to(device)
     with torch.no_grad():
         hidden = layout.embed(input_ids, cu.tolist(), decoder.embed_tokens.weight)
         for layer in decoder.layers:
             hidden = layer_over_samples(spec, hf_layer_weights(layer), hidden, layout)
         log_probs, _ = head_log_probs_and_entropy(hidden, decoder.norm.weight, hf.lm_head.weight, spec, layout,
                                                   logit_index, input_ids[logit_index + 1], cu, temperature)
-    return log_probs.split([n - p for n, p in zip(lengths, num_prompt_tokens)])
+    return log_probs.cpu().split([n - p for n, p in zip(lengths, num_prompt_tokens)])
 
 
 def engine_outputs(checkpoint, config, tensors, lora_names, **engine_config):
-    engine = Engine(str(checkpoint), device="cpu", kvcache_block_size=4, num_kvcache_blocks=256, true_on_policy=True,
+    engine_config = {"device": "cpu", **engine_config}
+    engine = Engine(str(checkpoint), kvcache_block_size=4, num_kvcache_blocks=256, true_on_policy=True,
                     enable_lora=True, max_lora_rank=8, **engine_config)
     engine.load_lora_adapter("policy", adapter_from_tensors(config, tensors.items(), 8))
     rids = [engine.add_request(p, dict(SAMPLING, sampling_seed=100 + i), lora_name=name)
@@ -94,6 +98,17 @@ def test_lora_engine_equals_trainer_bitwise_beside_base_requests(checkpoint, tar
     assert_bitwise(hf, checkpoint, [PROMPTS[i] for i in adapted], [outputs[i] for i in adapted])
     with adapters_disabled(hf):
         assert_bitwise(hf, checkpoint, [PROMPTS[i] for i in base], [outputs[i] for i in base])
+
+
+@pytest.mark.gpu
+def test_bf16_lora_engine_on_cuda_equals_trainer_bitwise(checkpoint):
+    config, tensors = adapter(checkpoint, ALL_TARGETS)
+    names = ["policy", None, "policy", None]
+    outputs = engine_outputs(checkpoint, config, tensors, names, device="cuda", dtype="bfloat16",
+                             max_num_batched_tokens=5)
+    hf = trainer_model(checkpoint, config, tensors, device="cuda", dtype=torch.bfloat16)
+    adapted = [i for i, name in enumerate(names) if name]
+    assert_bitwise(hf, checkpoint, [PROMPTS[i] for i in adapted], [outputs[i] for i in adapted])
 
 
 def test_shared_adapted_decoder_computes_the_merged_transformers_function(checkpoint):

@@ -35,21 +35,23 @@ def moe_checkpoint(tmp_path_factory):
     return folder
 
 
-def trainer_log_probs(checkpoint, sequences, num_prompt_tokens, routing_records):
+def trainer_log_probs(checkpoint, sequences, num_prompt_tokens, routing_records, device="cpu", dtype=torch.float32):
     """Per sequence: the trainer's log-probs of its response tokens, all packed into one micro-batch, its MoE layers
-    replaying `routing_records` (the engine's [len - 1, layers, top_k] per sequence; None: route freely)."""
-    hf = AutoModelForCausalLM.from_pretrained(str(checkpoint), dtype=torch.float32).eval()
+    replaying `routing_records` (the engine's [len - 1, layers, top_k] per sequence; None: route freely), with the
+    weights in `dtype` on `device` (the trainer's mixed-precision compute weights)."""
+    hf = AutoModelForCausalLM.from_pretrained(str(checkpoint), dtype=torch.float32).eval().to(device, dtype)
     spec = decoder_spec(load_model_config(checkpoint))
     decoder, config = hf.get_decoder(), hf.config
     lengths = [len(s) for s in sequences]
     cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
-    input_ids = torch.tensor([t for s in sequences for t in s])
+    input_ids = torch.tensor([t for s in sequences for t in s], device=device)
     layout = TileLayout(tuple(lengths))
     if routing_records is not None:
         routing = pack_routing(routing_records, lengths, [str(i) for i in range(len(lengths))],
                                config.num_hidden_layers, config.num_experts_per_tok, config.num_experts)
-        layout = layout.with_routing(routing, cu)
+        layout = layout.with_routing(routing.to(device), cu)
     logit_index = torch.cat([torch.arange(cu[i] + p - 1, cu[i + 1] - 1) for i, p in enumerate(num_prompt_tokens)])
+    logit_index = logit_index.to(device)
     targets = input_ids[logit_index + 1]
     with torch.no_grad():
         hidden = layout.embed(input_ids, cu.tolist(), decoder.embed_tokens.weight)
@@ -57,7 +59,7 @@ def trainer_log_probs(checkpoint, sequences, num_prompt_tokens, routing_records)
             hidden = layer_over_samples(spec, hf_layer_weights(layer), hidden, layout, index)
         log_probs, _ = head_log_probs_and_entropy(hidden, decoder.norm.weight, hf.lm_head.weight, spec, layout,
                                                   logit_index, targets, cu, SAMPLING["temperature"])
-    return log_probs.split([n - p for n, p in zip(lengths, num_prompt_tokens)]), hf
+    return log_probs.cpu().split([n - p for n, p in zip(lengths, num_prompt_tokens)]), hf
 
 
 def generate_with_routing(engine, prompts):
@@ -70,13 +72,14 @@ def generate_with_routing(engine, prompts):
 
 
 def make_engine(checkpoint, **config):
-    return Engine(str(checkpoint), device="cpu", kvcache_block_size=4, num_kvcache_blocks=256, true_on_policy=True,
+    config = {"device": "cpu", **config}
+    return Engine(str(checkpoint), kvcache_block_size=4, num_kvcache_blocks=256, true_on_policy=True,
                   enable_return_routed_experts=True, **config)
 
 
-def assert_bitwise(checkpoint, outputs, routing_records):
+def assert_bitwise(checkpoint, outputs, routing_records, **where):
     sequences = [p + o.output_token_ids for p, o in zip(PROMPTS, outputs)]
-    expected, _ = trainer_log_probs(checkpoint, sequences, [len(p) for p in PROMPTS], routing_records)
+    expected, _ = trainer_log_probs(checkpoint, sequences, [len(p) for p in PROMPTS], routing_records, **where)
     for output, want in zip(outputs, expected):
         got = torch.tensor(output.output_log_probs, dtype=torch.float64)
         assert torch.equal(got, want.double()), (got - want.double()).abs().max()
@@ -95,6 +98,13 @@ def test_moe_engine_equals_trainer_replaying_its_routing_bitwise(moe_checkpoint)
     assert [o.output_log_probs for o in again] == [o.output_log_probs for o in outputs]
     for first, second in zip(records, [o.routed_experts for o in again]):
         np.testing.assert_array_equal(first, second)
+
+
+@pytest.mark.gpu
+def test_bf16_moe_engine_on_cuda_equals_trainer_replaying_its_routing_bitwise(moe_checkpoint):
+    engine = make_engine(moe_checkpoint, device="cuda", dtype="bfloat16", max_num_batched_tokens=5)
+    outputs = generate_with_routing(engine, PROMPTS)
+    assert_bitwise(moe_checkpoint, outputs, [o.routed_experts for o in outputs], device="cuda", dtype=torch.bfloat16)
 
 
 def test_replaying_other_experts_changes_the_log_probs(moe_checkpoint):
