@@ -79,6 +79,11 @@ class RoutingReplay:
             raise ValueError(f"routing replay ({self.stage.value}): this micro-batch carries no routing record")
         self._routing = routing
 
+    def replayed_routing(self) -> torch.Tensor | None:
+        """The micro-batch in flight's routing while replaying, else None (a model that routes its own tiles,
+        backends/true_on_policy.py, reads it instead of calling `select`)."""
+        return self._routing if self.replaying else None
+
     def select(self, layer: int, probs: torch.Tensor) -> torch.Tensor:
         """Expert ids [num_tokens, top_k] for `probs` [num_tokens, num_experts] of MoE layer `layer`."""
         free = torch.topk(probs, self.top_k, dim=-1).indices

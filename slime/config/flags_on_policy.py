@@ -42,16 +42,31 @@ def check_on_policy_args(args, require) -> None:
 
 def _check_true_on_policy(args, require) -> None:
     refused = [
-        (args.lora_rank > 0, "--lora-rank (LoRA adapters are not in the batch-invariant decoder yet)"),
+        (args.lora_rank > 0 and args.train_backend != "fsdp",
+         f"--lora-rank on the {args.train_backend} backend (LoRA is covered on --train-backend fsdp)"),
+        (args.lora_rank > 0 and bool(args.lora_adapter_key),
+         "--lora-adapter-key / --lora-adapter-names (several adapters; one adapter is covered)"),
+        (args.lora_rank > 0 and args.lora_dropout > 0,
+         f"--lora-dropout {args.lora_dropout} (the trainer's dropout mask is not the engine's; use 0)"),
+        (args.lora_rank > 0 and _is_moe_checkpoint(args), "--lora-rank on a mixture-of-experts model"),
         (args.compile_model, "--compile-model (the decoder layers run the batch-invariant forward, uncompiled)"),
         (args.recompute_activations, "--recompute-activations (not tested with the batch-invariant layers)"),
-        (args.use_rollout_routing_replay or args.use_routing_replay, "routing replay (MoE models are not covered)"),
+        (args.use_routing_replay and not args.use_rollout_routing_replay,
+         "--use-routing-replay (replaying the trainer's own old-policy routing; MoE models are covered with the "
+         "engine's routing, --use-rollout-routing-replay)"),
+        (args.moe_aux_loss_coeff > 0 or bool(args.moe_z_loss_coeff),
+         "--moe-aux-loss-coeff / --moe-z-loss-coeff (router losses are not in the batch-invariant decoder; set them "
+         "to 0)"),
+        (args.moe_router_dtype is not None, "--moe-router-dtype (the batch-invariant router computes its logits in "
+                                            "the model dtype and the softmax in float32, as the engine does)"),
         (args.partial_rollout and not args.mask_offpolicy_in_partial_rollout,
          "--partial-rollout without --mask-offpolicy-in-partial-rollout (tokens sampled before a weight update "
          "are off-policy under the new weights; pass --mask-offpolicy-in-partial-rollout so only the tokens of "
          "the current weights train)"),
     ]
     if args.train_backend == "megatron":
+        refused.append((_is_moe_checkpoint(args), "a mixture-of-experts model on the Megatron backend (covered on "
+                                                  "--train-backend fsdp)"))
         for flag in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size",
                      "expert_model_parallel_size"):
             size = getattr(args, flag)
@@ -59,6 +74,11 @@ def _check_true_on_policy(args, require) -> None:
                                        "1: a split layer reduces in a layout-dependent order)"))
     for is_refused, what in refused:
         require(not is_refused, f"--true-on-policy-mode does not cover {what}")
+
+
+def _is_moe_checkpoint(args) -> bool:
+    config = Path(args.hf_checkpoint or "", "config.json")
+    return config.is_file() and json.loads(config.read_text()).get("model_type") == "qwen3_moe"
 
 
 def _check_deterministic(args, require) -> None:

@@ -142,10 +142,6 @@ class Config:
         """The engine layouts true_on_policy covers (the model is checked when loaded: true_on_policy/contract.py)."""
         refused = [(self.tp_size > 1, f"tp_size {self.tp_size} (--tp-size; slime: --rollout-num-gpus-per-engine): a "
                     "sharded engine reduces over ranks in another order than the trainer; use one device per engine"),
-                   (self.enable_lora, "enable_lora (slime: --lora-rank): adapters are not in the batch-invariant "
-                    "decoder"),
-                   (self.enable_return_routed_experts, "enable_return_routed_experts: mixture-of-experts models are "
-                    "not covered"),
                    (self.overlap_schedule is True, "overlap_schedule: the mode runs one step at a time; leave it "
                     "unset"),
                    (self.kv_cache_dtype != "auto", f"kv_cache_dtype {self.kv_cache_dtype!r}: the trainer keeps K/V in "

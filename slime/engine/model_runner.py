@@ -145,7 +145,7 @@ class ModelRunner(RunnerMemory):
         spec = decoder_spec(self.model_config)
         pin_cpu_threads(self.device)
         self.use_cuda_graphs = False
-        return TrueOnPolicyForward(self.model, spec)
+        return TrueOnPolicyForward(self.model, spec, self.block_size)
 
     def drop_sequence(self, rid: str) -> None:
         """A finished sequence's per-sequence state (true_on_policy) is freed."""
@@ -169,6 +169,8 @@ class ModelRunner(RunnerMemory):
     def write_lora_slot(self, slot: int, adapter) -> None:
         """Put a LoRA adapter (full tensors, engine/lora/adapter.py) into `slot`, each rank its own part of it."""
         self.lora.write(slot, adapter)
+        if self.true_on_policy is not None:  # the batch-invariant path computes from the adapter's own tensors
+            self.true_on_policy.set_adapter(slot, adapter)
 
     @every_rank
     def set_use_triton(self, enabled: bool, fused: bool | None = None, cuda_graphs: bool = True) -> None:

@@ -4,12 +4,12 @@ the model (slime/engine/true_on_policy/contract.py, which also checks the config
 
 from __future__ import annotations
 
-COVERED_MODEL_TYPES = ("qwen2", "qwen3", "llama")
-_MOE = "mixture-of-experts layers (and their routing replay) are not in the batch-invariant decoder"
+COVERED_MODEL_TYPES = ("qwen2", "qwen3", "llama", "qwen3_moe")
+_SHARED_EXPERT = ("Qwen2-MoE's shared expert and its sigmoid gate are not in the batch-invariant decoder (Qwen3-MoE "
+                  "is)")
 _MLA = "multi-head latent attention (DeepSeek MLA) is not in the batch-invariant decoder"
 REFUSED_MODEL_TYPES = {
-    "qwen3_moe": _MOE,
-    "qwen2_moe": _MOE,
+    "qwen2_moe": _SHARED_EXPERT,
     "glm4": "GLM-4's sandwich norms and interleaved partial RoPE are not in the batch-invariant decoder",
     "glm4_moe": "GLM-4.5's sigmoid-routed experts and partial RoPE are not in the batch-invariant decoder",
     "deepseek_v3": _MLA,

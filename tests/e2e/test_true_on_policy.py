@@ -1,7 +1,7 @@
 """train.py under --true-on-policy-mode on the CPU (real Ray, engine, router, two FSDP2 trainer processes): the
 engine's log-probs of every trained token equal the trainer's bit for bit in every rollout (mean |diff| exactly 0.0,
 every token's two log-probs the same bits), for a single-turn task, a multi-turn tool task, a partial-rollout run
-across weight updates and the Megatron backend at TP=1; and two --deterministic-mode runs give identical rollout
+across weight updates, the Megatron backend at TP=1, a Qwen3-MoE with routing replay R3 and a LoRA adapter on FSDP; and two --deterministic-mode runs give identical rollout
 dumps and metrics."""
 
 import json
@@ -127,6 +127,34 @@ def test_megatron_backend_at_tp1_has_zero_mismatch(task, tmp_path):
     run_train(quickstart_flags(task, out, "--train-backend", "megatron", "--num-rollout", "2",
                                "--num-steps-per-rollout", "2"))
     assert_exact_zero(read_metrics(out), 2)
+
+
+@pytest.mark.slow
+def test_moe_with_rollout_routing_replay_has_zero_mismatch(task, tmp_path):
+    from slime.utils.tiny_model import build_tiny_model
+
+    model = build_tiny_model(tmp_path / "moe_model", arch="qwen3_moe", vocab_size=300, seed=0, num_hidden_layers=2,
+                             initializer_range=0.3)
+    out = tmp_path / "run"
+    flags = quickstart_flags(task, out, "--num-rollout", "2", "--num-steps-per-rollout", "2",
+                             "--use-rollout-routing-replay")
+    flags[flags.index("--hf-checkpoint") + 1] = str(model)
+    run_train(flags)
+    assert_exact_zero(read_metrics(out), 2)
+
+
+@pytest.mark.slow
+def test_lora_run_has_zero_mismatch_in_every_rollout(task, tmp_path):
+    """The adapter (B starts at zero) trains and is pushed every rollout: the later rollouts sample with a non-zero
+    adapter, the reference pass runs with it disabled."""
+    from tests.helpers.lora_helpers import LORA_FLAGS
+
+    out = tmp_path / "run"
+    run_train(quickstart_flags(task, out, "--num-rollout", "3", "--num-steps-per-rollout", "2", *LORA_FLAGS,
+                               "--use-kl-loss", "--kl-loss-coef", "0.01", "--ref-load", str(task["model"])))
+    rows = read_metrics(out)
+    assert_exact_zero(rows, 3)
+    assert rows[-1]["train/kl_loss"] != 0.0  # the adapter moved the policy away from the reference
 
 
 @pytest.mark.gpu

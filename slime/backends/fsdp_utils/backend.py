@@ -94,6 +94,8 @@ class FSDPBackend(TrainBackend):
         hf_model = load_hf_model(weights_path, attention_implementation())
         self.hf_config = hf_model.config
         self.routing_replay, self.router_trace = install_routers(hf_model, args.moe_router_dtype) or (None, None)
+        if args.true_on_policy_mode:  # the tile layers route themselves (no trace; router losses are refused)
+            self.router_trace = None
         freeze_parameters(args, hf_model.named_parameters())  # HF names; before sharding, which keeps the flags
         if args.lora_rank > 0:  # adapters on the targets, base frozen; their start values before sharding
             apply_lora(hf_model, args.lora_target_modules, args.lora_rank, args.lora_alpha, args.lora_dropout,
@@ -101,7 +103,8 @@ class FSDPBackend(TrainBackend):
             load_start_adapter(hf_model, args, weights_path)
         self.model = build_policy_model(hf_model, self.mesh, ShardOptions.from_args(args, self.device),
                                         temperature=args.rollout_temperature, chunk_size=args.log_probs_chunk_size,
-                                        tile_spec=true_on_policy_spec(args, weights_path, self.device))
+                                        tile_spec=true_on_policy_spec(args, weights_path, self.device),
+                                        routing_replay=self.routing_replay)
         self._finish_build(args.lr)
 
     def build_critic(self, weights_path: str) -> None:

@@ -39,10 +39,12 @@ class PolicyModel(nn.Module):
     tokens, computed by the chunked output head."""
 
     def __init__(self, hf_model: nn.Module, temperature: float = 1.0, chunk_size: int | None = None,
-                 tile_spec=None):
+                 tile_spec=None, routing_replay=None):
         """tile_spec: a `DecoderSpec` under --true-on-policy-mode (the decoder layers then run the batch-invariant
-        forward the engine runs, backends/true_on_policy.py), else None."""
+        forward the engine runs, backends/true_on_policy.py, its MoE layers replaying `routing_replay`'s routing
+        while it replays), else None."""
         super().__init__()
+        self.routing_replay = routing_replay
         self.hf_model = hf_model
         self.temperature = temperature
         self.chunk_size = chunk_size
@@ -56,10 +58,11 @@ class PolicyModel(nn.Module):
                 pixel_values=None, image_grid_thw=None, num_images=None):
         if self.tile_spec is not None:  # true-on-policy mode (text models only: VL is refused at start-up)
             decoder = self.hf_model.get_decoder()
+            routing = None if self.routing_replay is None else self.routing_replay.replayed_routing()
             return packed_log_probs_and_entropy(
                 decoder.embed_tokens.weight, decoder.layers, decoder.norm.weight,
                 self.hf_model.get_output_embeddings().weight, self.tile_spec, input_ids, logit_index, target_ids,
-                cu_seqlens, self.temperature)
+                cu_seqlens, self.temperature, routing)
         if is_vision_language(self.hf_model.config):
             hidden = packed_vision_language_hidden_states(self.hf_model, input_ids, cu_seqlens, max_seqlen,
                                                           pixel_values, image_grid_thw, num_images)
@@ -191,8 +194,9 @@ def shard_model(model: nn.Module, hf_model: nn.Module, mesh, options: ShardOptio
 
 
 def build_policy_model(hf_model: nn.Module, mesh, options: ShardOptions, *, temperature: float,
-                       chunk_size: int | None, tile_spec=None) -> PolicyModel:
-    return shard_model(PolicyModel(hf_model, temperature, chunk_size, tile_spec), hf_model, mesh, options)
+                       chunk_size: int | None, tile_spec=None, routing_replay=None) -> PolicyModel:
+    return shard_model(PolicyModel(hf_model, temperature, chunk_size, tile_spec, routing_replay), hf_model, mesh,
+                       options)
 
 
 def reshard(model: nn.Module) -> None:

@@ -21,6 +21,8 @@ def decoder_spec(config: ModelConfig) -> DecoderSpec:
     if config.rope_scaling is not None:
         raise ValueError(f"{name} with rope_scaling (llama3 RoPE scaling) is not covered: the batch-invariant decoder "
                          f"implements plain RoPE; {FIX}")
+    if config.shared_expert_intermediate_size:
+        raise ValueError(f"{name} with shared_expert_intermediate_size (a shared expert) is not covered; {FIX}")
     if config.o_proj_bias:
         raise ValueError(f"{name} with attention_bias (a bias on o_proj) is not covered; {FIX}")
     return DecoderSpec(num_heads=config.num_attention_heads, num_kv_heads=config.num_key_value_heads,

@@ -5,8 +5,8 @@ log-prob of a sampled token and the trainer's are the same bits.
 Weights come as `LayerWeights` views of either side's parameters: the engine's fused `qkv_proj` / `gate_up_proj`,
 the trainer's q/k/v and gate/up concatenated in that order (the matmul then has the same shape on both sides).
 A layer's keys and values live in `LayerKV`, one entry per tile; a tile's rows outside the positions being computed
-keep what they held. Covered: Qwen2 / Qwen2.5 / Qwen3 / Llama-shaped dense layers without RoPE scaling
-(contract.py refuses the rest by name). Not the engine's serving path (models/decoder.py) and not fast.
+keep what they held. Covered: Qwen2 / Qwen2.5 / Qwen3 / Llama-shaped dense layers without RoPE scaling, and
+Qwen3-MoE's routed-expert layers (tile_moe.py; contract.py refuses the rest by name). Not the engine's serving path (models/decoder.py) and not fast.
 """
 
 from __future__ import annotations
@@ -16,6 +16,8 @@ from dataclasses import dataclass
 import torch
 
 from slime.engine.true_on_policy import tile_ops
+from slime.engine.true_on_policy.tile_lora import LayerLora, adapted_linear
+from slime.engine.true_on_policy.tile_moe import MoeWeights, moe_tile
 from slime.engine.true_on_policy.tile_ops import TILE_ROWS
 
 
@@ -38,8 +40,10 @@ class LayerWeights:
     k_norm: torch.Tensor | None
     o_weight: torch.Tensor
     post_norm: torch.Tensor
-    gate_up_weight: torch.Tensor  # [gate; up] rows
-    down_weight: torch.Tensor
+    gate_up_weight: torch.Tensor | None  # [gate; up] rows (None in a MoE layer)
+    down_weight: torch.Tensor | None
+    moe: MoeWeights | None = None  # a MoE layer's router and routed experts
+    lora: LayerLora | None = None  # a LoRA adapter's pairs on this layer's linears (tile_lora.py)
 
 
 class LayerKV:
@@ -73,7 +77,7 @@ def row_mask(tile_index: int, start: int, end: int, device) -> torch.Tensor:
 def attention(spec: DecoderSpec, w: LayerWeights, normed: torch.Tensor, tile_index: int, kv: LayerKV,
               rows: torch.Tensor) -> torch.Tensor:
     q_size, kv_size = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
-    qkv = tile_ops.linear(normed, w.qkv_weight, w.qkv_bias)
+    qkv = adapted_linear(normed, w.qkv_weight, w.qkv_bias, w.lora, "qkv", [q_size, kv_size, kv_size])
     q = qkv[:, :q_size].reshape(TILE_ROWS, spec.num_heads, spec.head_dim)
     k = qkv[:, q_size : q_size + kv_size].reshape(TILE_ROWS, spec.num_kv_heads, spec.head_dim)
     v = qkv[:, q_size + kv_size :].reshape(TILE_ROWS, spec.num_kv_heads, spec.head_dim)
@@ -85,24 +89,37 @@ def attention(spec: DecoderSpec, w: LayerWeights, normed: torch.Tensor, tile_ind
     kv.store(tile_index, k, v, rows)
     keys, values = kv.through(tile_index)
     out = tile_ops.causal_attention(q, keys, values, tile_index, spec.head_dim ** -0.5)
-    return tile_ops.linear(out, w.o_weight)
+    return adapted_linear(out, w.o_weight, None, w.lora, "o", [w.o_weight.shape[0]])
 
 
 def layer_tile(spec: DecoderSpec, w: LayerWeights, hidden: torch.Tensor, tile_index: int, kv: LayerKV,
-               rows: torch.Tensor) -> torch.Tensor:
-    """One tile [TILE_ROWS, hidden] of the residual stream through one pre-norm layer."""
+               rows: torch.Tensor, routing: torch.Tensor | None = None,
+               chosen: list | None = None) -> torch.Tensor:
+    """One tile [TILE_ROWS, hidden] of the residual stream through one pre-norm layer. A MoE layer replays
+    `routing` [TILE_ROWS, top_k] (tile_moe.FREE_ROW rows route freely) and appends its expert ids to `chosen`."""
     hidden = hidden + attention(spec, w, tile_ops.rms_norm(hidden, w.input_norm, spec.rms_norm_eps), tile_index,
                                 kv, rows)
     normed = tile_ops.rms_norm(hidden, w.post_norm, spec.rms_norm_eps)
-    return hidden + tile_ops.linear(tile_ops.silu_mul(tile_ops.linear(normed, w.gate_up_weight)), w.down_weight)
+    if w.moe is not None:
+        out, expert_ids = moe_tile(w.moe, normed, routing)
+        if chosen is not None:
+            chosen.append(expert_ids)
+        return hidden + out
+    intermediate = w.gate_up_weight.shape[0] // 2
+    gate_up = adapted_linear(normed, w.gate_up_weight, None, w.lora, "gate_up", [intermediate, intermediate])
+    return hidden + adapted_linear(tile_ops.silu_mul(gate_up), w.down_weight, None, w.lora, "down",
+                                   [w.down_weight.shape[0]])
 
 
 def layer_tiles(spec: DecoderSpec, w: LayerWeights, hidden: torch.Tensor, first_tile: int, kv: LayerKV,
-                start: int, end: int) -> torch.Tensor:
+                start: int, end: int, routing: torch.Tensor | None = None,
+                chosen: list | None = None) -> torch.Tensor:
     """Tiles first_tile.. of one sequence, hidden [num_tiles, TILE_ROWS, hidden], through one layer, in order;
-    K/V are stored for positions [start, end) only."""
+    K/V are stored for positions [start, end) only. A MoE layer replays `routing` [num_tiles, TILE_ROWS, top_k]
+    and appends each tile's expert ids to `chosen`."""
     return torch.stack([
-        layer_tile(spec, w, tile, first_tile + i, kv, row_mask(first_tile + i, start, end, hidden.device))
+        layer_tile(spec, w, tile, first_tile + i, kv, row_mask(first_tile + i, start, end, hidden.device),
+                   None if routing is None else routing[i], chosen)
         for i, tile in enumerate(hidden)
     ])
 
