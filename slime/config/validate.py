@@ -288,9 +288,13 @@ def _resolve_algorithm(args) -> None:
     require(args.custom_tis_function_path is None or args.use_tis,
              "--custom-tis-function-path replaces the TIS weights of --use-tis; pass --use-tis too")
     if args.loss_type == "policy_loss" and not args.debug_rollout_only:
+        # A custom generate function may set each sample's reward itself (slime's agent examples grade their
+        # episodes); a sample still without one fails at scoring, naming the flags.
         require(args.rm_type is not None or args.custom_rm_path is not None
-                 or args.rollout_function_path != "slime.rollout.sglang_rollout.generate_rollout",
-                 "no reward: pass --rm-type (e.g. math, deepscaler, dapo, f1, gpqa, remote_rm) or --custom-rm-path")
+                 or args.rollout_function_path != "slime.rollout.sglang_rollout.generate_rollout"
+                 or getattr(args, "custom_generate_function_path", None) is not None,
+                 "no reward: pass --rm-type (e.g. math, deepscaler, dapo, f1, gpqa, remote_rm) or --custom-rm-path "
+                 "(or a --custom-generate-function-path that sets sample.reward)")
     require(args.rm_type != "remote_rm" or args.rm_url, "--rm-type remote_rm needs --rm-url")
 
 

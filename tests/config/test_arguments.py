@@ -146,3 +146,13 @@ def test_train_py_reports_bad_flags_without_traceback(setup):
                             capture_output=True, text=True, cwd=REPO)
     assert result.returncode == 2
     assert "--save-interval needs --save" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_a_reward_source_is_required_and_a_custom_generate_function_counts(setup):
+    """Without --rm-type / --custom-rm-path the run is refused at start-up; a custom generate function may grade its
+    own samples (slime's agent examples do), so it counts as a reward source."""
+    without_rm = [a for a in base(setup) if a not in ("--rm-type", "math")]
+    with pytest.raises(ArgumentError, match="no reward: pass --rm-type"):
+        parse_args(without_rm)
+    args = parse_args([*without_rm, "--custom-generate-function-path", "examples.coding_agent_rl.generate.generate"])
+    assert args.rm_type is None and args.custom_rm_path is None
