@@ -154,12 +154,14 @@ async def generate_and_rm(args, sample: Sample, sampling_params: dict, evaluatio
 
 
 async def generate_group(args, group: list[Sample], sampling_params: dict, state: GenerateState) -> list[Sample]:
-    """Generate and score one prompt group; the members share a session id (router affinity key)."""
-    # --deterministic-mode: the routing key (and what the dumps record) is a function of the group, not random
+    """Generate and score one prompt group. Each member gets its own session id, as in slime (the router's
+    affinity key, and the agent examples' session key: two members of a group are two sessions)."""
+    # --deterministic-mode: the routing key (and what the dumps record) is a function of the sample, not random
     deterministic = getattr(args, "deterministic_mode", False)
-    session_id = f"{state.rollout_id}-{group[0].index}" if deterministic else uuid.uuid4().hex
-    for sample in group:
-        sample.session_id = sample.session_id or session_id
+    for position, sample in enumerate(group):
+        if sample.session_id is None:
+            sample.session_id = (f"{state.rollout_id}-{group[0].index}-{position}" if deterministic
+                                 else uuid.uuid4().hex)
     group_rm = args.group_rm
     prompt_ids = group_prompt_ids(args, group)
     if prompt_ids is not None:
