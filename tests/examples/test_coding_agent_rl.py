@@ -113,8 +113,10 @@ class Episode:
         return self
 
 
-def trained_texts(tokenizer, samples) -> list[str]:
-    """Each turn's trained (loss mask 1) ids decoded, in turn order."""
+def trained_turns(tokenizer, samples) -> list[tuple[int, str]]:
+    """(turn index, its trained ids decoded) for each trained turn, in turn order. A turn whose reply the CLI sent
+    back re-tokenized differently, followed by a short turn, is context and not trained (slime's trajectory
+    manager), so a random model's episode may train fewer turns than the CLI received."""
     runs = []
     for sample in samples:
         response = sample.tokens[sample.prompt_length:]
@@ -127,7 +129,11 @@ def trained_texts(tokenizer, samples) -> list[str]:
                 ids = []
         spans += [ids] if ids else []
         runs += list(zip(sample.metadata["turn_indices"], spans))
-    return [tokenizer.decode(ids) for _, ids in sorted(runs, key=lambda run: run[0])]
+    return [(index, tokenizer.decode(ids)) for index, ids in sorted(runs, key=lambda run: run[0])]
+
+
+def trained_texts(tokenizer, samples) -> list[str]:
+    return [text for _, text in trained_turns(tokenizer, samples)]
 
 
 def cli_received(agent: str, cli_log: str) -> list[list[tuple]]:
@@ -152,17 +158,18 @@ def cli_received(agent: str, cli_log: str) -> list[list[tuple]]:
 def check_trained_equals_received(agent: str, episode: Episode) -> None:
     from slime.utils.tool_parsers import get_parser
 
-    texts = trained_texts(episode.tokenizer, episode.samples)
+    turns = trained_turns(episode.tokenizer, episode.samples)
     parser = get_parser("qwen")
     expected = []
-    for text in texts:
+    for _, text in turns:
         text = text.removesuffix("<|im_end|>")
         parsed = parser(text, [{"type": "function", "function": {"name": n}} for n in ("Bash", "exec_command")])
         items = [("text", parsed.content.strip())] if parsed.content.strip() else []
         items += [("call", call.name, call.arguments) for call in parsed.calls]
         expected.append(items)
     if agent == "claude_code":
-        assert cli_received(agent, episode.cli_log) == expected
+        received = cli_received(agent, episode.cli_log)
+        assert [received[i] for i, _ in turns] == expected
     assert any(item[0] == "call" for items in expected for item in items)
 
 
@@ -182,9 +189,11 @@ def test_claude_code_episode_trains_what_the_cli_received(random_engine):
     episode = asyncio.run(Episode("claude_code", model, server.url).run(
         task_row(), max_turns=2, sampling={"temperature": 1.0, "sampling_seed": 7, "max_new_tokens": 12}))
     received = cli_received("claude_code", episode.cli_log)
-    texts = [text.removesuffix("<|im_end|>") for text in trained_texts(episode.tokenizer, episode.samples)]
-    # Claude Code logs a text block trimmed of surrounding whitespace
-    assert len(texts) == 2 and [[("text", t.strip())] for t in texts] == received, episode.cli_log[-3000:]
+    turns = [(i, text.removesuffix("<|im_end|>")) for i, text in trained_turns(episode.tokenizer, episode.samples)]
+    # the turn cap ends the episode after two replies; every trained turn decodes to the reply the CLI logged for
+    # that turn (Claude Code logs a text block trimmed of surrounding whitespace), and the last turn is trained
+    assert len(received) == 2 and turns and turns[-1][0] == 1, episode.cli_log[-3000:]
+    assert [[("text", t.strip())] for _, t in turns] == [received[i] for i, _ in turns], episode.cli_log[-3000:]
     assert episode.grade.applied_cleanly and episode.grade.tests_passed[1] == 15
     later = [t for s in episode.samples for i, t in zip(s.metadata["turn_indices"], s.metadata["turn_stats"]) if i]
     assert any(t["cached_tokens"] > 0.8 * t["prompt_tokens"] for t in later)  # the long prompt: one shared prefix

@@ -36,9 +36,24 @@ def full_samples(num_groups: int = 2, group_size: int = 4) -> list[Sample]:
     return samples
 
 
+def with_images_and_adapters(args, samples: list[Sample]):
+    """The keys only some runs have: images (vision-language samples) and --lora-adapter-key (several adapters)."""
+    import copy
+
+    import torch
+
+    args = copy.copy(args)
+    args.lora_adapter_key, args.lora_adapter_names = "task", ["add", "sub"]
+    for sample in samples:
+        sample.metadata["lora_adapter"] = ["add", "sub"][sample.group_index % 2]
+        sample.multimodal_train_inputs = {"pixel_values": torch.zeros(4, 6), "image_grid_thw": torch.tensor([[1, 2, 2]])}
+    return args, samples
+
+
 def test_the_train_data_has_exactly_the_declared_keys(args):
     declared = set(TrainData.__annotations__)
-    data = samples_to_train_data(args, full_samples())
+    args, samples = with_images_and_adapters(args, full_samples())
+    data = samples_to_train_data(args, samples)
     assert set(data) == declared - SCALARS
     per_rank, dropped = split_train_data(args, data, rollout_id=3)
     assert dropped == 0
