@@ -35,7 +35,9 @@ from train import (
 )
 
 
-def train_async(args) -> str:
+def _start_run(args):
+    """What both loops do first: Ray, placements, the rollout manager, the models (resumed where --load says) and
+    the engines given the starting weights."""
     init_ray(args)
     placements = create_placement_groups(args)
     write_args(args)
@@ -44,6 +46,11 @@ def train_async(args) -> str:
     num_rollout = ray.get(rollout_manager.num_rollout.remote())
     actor, critic, start_rollout_id = create_training_models(args, placements, rollout_manager)
     update_weights(args, actor, rollout_manager, start_rollout_id - 1)
+    return logger, rollout_manager, num_rollout, actor, critic, start_rollout_id
+
+
+def train_async(args) -> str:
+    logger, rollout_manager, num_rollout, actor, critic, start_rollout_id = _start_run(args)
 
     pre_train_eval = {}
     if args.eval_datasets and start_rollout_id == 0 and not args.skip_eval_before_train:
@@ -94,14 +101,7 @@ def push_while_generating(args, actor, rollout_manager, rollout_id) -> dict:
 
 
 def train_fully_async(args) -> str:
-    init_ray(args)
-    placements = create_placement_groups(args)
-    write_args(args)
-    logger = MetricsLogger(args)
-    rollout_manager = create_rollout_manager(args, placements)
-    num_rollout = ray.get(rollout_manager.num_rollout.remote())
-    actor, critic, start_rollout_id = create_training_models(args, placements, rollout_manager)
-    update_weights(args, actor, rollout_manager, start_rollout_id - 1)
+    logger, rollout_manager, num_rollout, actor, critic, start_rollout_id = _start_run(args)
     run_state = load_run_state(args) or {}
     ray.get(rollout_manager.start_stream.remote(start_rollout_id, run_state.get("stream")))
 
